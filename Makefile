@@ -1,0 +1,22 @@
+# Two commands (README): `make demo` sets up and runs the main job; `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test clean
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]" --config-settings editable_mode=compat
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/quickstart.sh
+
+test: setup
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) data runs

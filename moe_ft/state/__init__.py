@@ -1,0 +1,5 @@
+"""The operator model of training state (SPEC §2): operators, snapshot levels, plans."""
+
+from moe_ft.state.operators import Level, OperatorId, OperatorInfo, SnapshotPlan
+
+__all__ = ["Level", "OperatorId", "OperatorInfo", "SnapshotPlan"]

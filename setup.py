@@ -1,0 +1,28 @@
+"""Installs ``megatron.training`` (a namespace portion beside pip's ``megatron.core``), ``moe_ft`` and
+the entry script. CPU-only by default: ``torch==2.13.0`` is pinned exactly so that a fresh install takes
+the CPU wheel; GPU extras (Transformer Engine, DALI) are optional and never needed on CPU."""
+
+from setuptools import find_namespace_packages, setup
+
+setup(
+    name="moe-ft",
+    version="0.1.0",
+    description="Fault-tolerant training of Mixture-of-Experts GPT models on Megatron-Core",
+    python_requires=">=3.10",
+    packages=find_namespace_packages(include=["moe_ft", "moe_ft.*", "megatron.training", "megatron.training.*"]),
+    py_modules=["pretrain_gpt_moe"],
+    install_requires=[
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "triton==3.9.0"],
+        "triton": ["triton==3.9.0"],
+        "plot": ["matplotlib>=3.8"],
+        # GPU extras: need CUDA to build/run; import-guarded everywhere, never used on CPU.
+        "gpu": ["transformer-engine[pytorch]", "nvidia-dali-cuda120"],
+        "fp8": ["transformer-engine[pytorch]"],
+    },
+    entry_points={"console_scripts": ["moe-ft=moe_ft.cli.main:main"]},
+)
