@@ -17,7 +17,7 @@ setup(
         "numpy>=1.26",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "triton==3.9.0"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "triton==3.9.0", "matplotlib>=3.8"],
         "triton": ["triton==3.9.0"],
         "plot": ["matplotlib>=3.8"],
         # GPU extras: need CUDA to build/run; import-guarded everywhere, never used on CPU.
