@@ -1,0 +1,227 @@
+"""Expert popularity counters (MoEvement §3.5 and App. B, App. D; MoEtion §4.3; MoC §3.2).
+
+One :class:`ExpertPopularity` per model replica. The router calls :meth:`ExpertPopularity.record` once per
+micro-batch and MoE layer; the training loop calls :meth:`ExpertPopularity.end_iteration` once per
+iteration, after the last micro-batch and before the policy plans that iteration's snapshot. Only
+``end_iteration`` folds the micro-batch counts into the counters the policies read, and it is where the
+optional ``all_reduce`` runs, so every rank holds bitwise identical counters afterwards (a policy must
+produce the same plan on every rank).
+
+Counters, all ``[num_layers, num_experts]`` float64 (exact for integer counts below 2**53):
+
+* ``hard``: tokens routed to each expert since the start of training (``A_j^l``, MoEvement §3.5);
+* ``soft``: sum of the gate probabilities given to each expert (MoEvement App. B, soft-count popularity);
+* ``ema``: ``A(t) = alpha * A(t-1) + (1 - alpha) * count(t)`` per iteration (MoEvement App. B,
+  time-decayed popularity; one mini-batch = one iteration);
+* ``since_full``: tokens routed to each expert since its last FULL snapshot (MoEtion §4.3 "token
+  popularity", MoC §3.2 "unsaved updates"), reset by :meth:`ExpertPopularity.mark_full`.
+
+Sequence per iteration ``t``: ``record(...)`` for every micro-batch, ``end_iteration(t)``, plan,
+snapshot, ``mark_full(t, full_experts)``. The tokens of iteration ``t`` are then counted as saved by the
+snapshot of iteration ``t`` (a snapshot at ``t`` holds the state after the update of ``t``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from moe_ft.state.operators import OperatorId
+
+SOURCES = ("hard", "soft", "ema", "since_full")
+
+
+@dataclass(kw_only=True)
+class PopularityConfig:
+    """Shape and smoothing of the popularity counters."""
+
+    moe_layers: Sequence[int]
+    """Global (0-based) indices of the transformer layers that hold an MoE block, in any order."""
+    num_experts: int
+    """Global number of experts per MoE layer."""
+    ema_alpha: float = 0.9
+    """Decay ``alpha`` of the time-decayed popularity (MoEvement App. B); weight of the past, in [0, 1)."""
+
+    def __post_init__(self) -> None:
+        layers = list(self.moe_layers)
+        if not layers:
+            raise ValueError("PopularityConfig.moe_layers is empty; pass the indices of the MoE layers")
+        if len(set(layers)) != len(layers) or min(layers) < 0:
+            raise ValueError(f"PopularityConfig.moe_layers must be distinct non-negative ints, got {layers}")
+        if self.num_experts < 1:
+            raise ValueError(f"PopularityConfig.num_experts must be >= 1, got {self.num_experts}")
+        if not 0.0 <= self.ema_alpha < 1.0:
+            raise ValueError(f"PopularityConfig.ema_alpha must be in [0, 1), got {self.ema_alpha}")
+
+
+def normalized_hhi(shares: torch.Tensor) -> torch.Tensor:
+    """Normalised Herfindahl-Hirschman skew ``S = (HHI - 1/E) / (1 - 1/E)`` (MoEvement App. D).
+
+    ``shares``: ``[..., E]`` non-negative token counts or fractions (normalised here). Returns ``[...]``:
+    0 for uniform popularity, 1 when one expert receives every token. A row with no tokens has skew 0
+    (no evidence of skew). ``E`` must be >= 2.
+    """
+    num_experts = shares.shape[-1]
+    if num_experts < 2:
+        raise ValueError("the normalised HHI needs at least 2 experts")
+    x = shares.to(torch.float64)
+    total = x.sum(dim=-1, keepdim=True)
+    p = torch.where(total > 0, x / torch.where(total > 0, total, torch.ones_like(total)), 1.0 / num_experts)
+    hhi = (p * p).sum(dim=-1)
+    return ((hhi - 1.0 / num_experts) / (1.0 - 1.0 / num_experts)).clamp(0.0, 1.0)
+
+
+class ExpertPopularity:
+    """Per-layer, per-expert token counters. See the module docstring for the call sequence.
+
+    ``all_reduce``: optional in-place sum over the ranks whose tokens must be combined (on Megatron:
+    ``lambda t: torch.distributed.all_reduce(t, group=...)`` over the data- and expert-parallel ranks,
+    and across pipeline stages so that every stage sees every layer; tensor-parallel peers that see the
+    same tokens must not be summed twice). It receives one float64 CPU tensor ``[2, num_layers,
+    num_experts]`` per iteration.
+    """
+
+    def __init__(
+        self, config: PopularityConfig, all_reduce: Optional[Callable[[torch.Tensor], object]] = None
+    ) -> None:
+        self.config = config
+        self.all_reduce = all_reduce
+        self._layer_pos = {layer: i for i, layer in enumerate(self.config.moe_layers)}
+        shape = (len(self._layer_pos), self.config.num_experts)
+        self._pending = torch.zeros((2, *shape), dtype=torch.float64)  # [hard|soft, L, E] of this iteration
+        self.hard = torch.zeros(shape, dtype=torch.float64)
+        self.soft = torch.zeros(shape, dtype=torch.float64)
+        self.ema = torch.zeros(shape, dtype=torch.float64)
+        self.since_full = torch.zeros(shape, dtype=torch.float64)
+        self.last_counts = torch.zeros(shape, dtype=torch.float64)  # hard counts of the last closed iteration
+        self.last_full_iteration = torch.full(shape, -1, dtype=torch.int64)
+        self.last_iteration = -1  # last iteration closed by end_iteration
+
+    # ----------------------------------------------------------------------------------- layout
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(self.config.moe_layers)
+
+    @property
+    def num_experts(self) -> int:
+        return self.config.num_experts
+
+    def layer_pos(self, layer_idx: int) -> int:
+        """Row of ``layer_idx`` in the ``[num_layers, num_experts]`` counters."""
+        try:
+            return self._layer_pos[layer_idx]
+        except KeyError:
+            raise ValueError(
+                f"layer {layer_idx} is not an MoE layer of this model; known MoE layers: {self.moe_layers}"
+            ) from None
+
+    # ---------------------------------------------------------------------------------- writing
+    def record(self, layer_idx: int, routing: torch.Tensor, probs: Optional[torch.Tensor] = None) -> None:
+        """Count one micro-batch of one MoE layer.
+
+        ``routing``: either Megatron's ``routing_map`` ``[num_tokens, num_experts]`` (bool or 0/1), or
+        per-expert token counts ``[num_experts]`` (e.g. ``tokens_per_expert``). ``probs``: optional gate
+        probabilities ``[num_tokens, num_experts]`` (zeros outside the top-k are fine); their per-expert sum
+        is the soft count. Without ``probs`` the soft count of this micro-batch equals the hard count.
+        """
+        row = self.layer_pos(layer_idx)
+        num_experts = self.config.num_experts
+        routing = routing.detach()
+        if routing.dim() == 2 and routing.shape[1] == num_experts:
+            hard = routing.to(device="cpu", dtype=torch.float64).sum(dim=0)
+        elif routing.dim() == 1 and routing.shape[0] == num_experts:
+            hard = routing.to(device="cpu", dtype=torch.float64)
+        else:
+            raise ValueError(
+                f"routing must be a routing map [num_tokens, {num_experts}] or counts [{num_experts}], "
+                f"got shape {tuple(routing.shape)}"
+            )
+        if probs is None:
+            soft = hard
+        else:
+            if probs.dim() != 2 or probs.shape[1] != num_experts:
+                raise ValueError(f"probs must be [num_tokens, {num_experts}], got {tuple(probs.shape)}")
+            soft = probs.detach().to(device="cpu", dtype=torch.float64).sum(dim=0)
+        self._pending[0, row] += hard
+        self._pending[1, row] += soft
+
+    def end_iteration(self, iteration: int) -> None:
+        """Close iteration ``iteration``: aggregate across ranks and fold the counts into every counter."""
+        if iteration <= self.last_iteration:
+            raise ValueError(
+                f"end_iteration({iteration}) after iteration {self.last_iteration} was closed; to replay "
+                "iterations restore the counters with load_state_dict first"
+            )
+        pending = self._pending.clone()
+        if self.all_reduce is not None:
+            self.all_reduce(pending)
+        hard, soft = pending[0], pending[1]
+        self.hard += hard
+        self.soft += soft
+        self.since_full += hard
+        alpha = self.config.ema_alpha
+        self.ema = alpha * self.ema + (1.0 - alpha) * hard
+        self.last_counts = hard.clone()
+        self.last_iteration = iteration
+        self._pending.zero_()
+
+    def mark_full(self, iteration: int, experts: Iterable[OperatorId]) -> None:
+        """Experts in ``experts`` (non-expert operators are ignored) got a FULL snapshot at ``iteration``:
+        their tokens-since-last-FULL restart from zero."""
+        for op in experts:
+            if not op.is_expert:
+                continue
+            row = self.layer_pos(op.layer)
+            if not 0 <= op.expert < self.config.num_experts:
+                raise ValueError(f"{op} has an expert index outside [0, {self.config.num_experts})")
+            self.since_full[row, op.expert] = 0.0
+            self.last_full_iteration[row, op.expert] = iteration
+
+    # ---------------------------------------------------------------------------------- reading
+    def counter(self, source: str) -> torch.Tensor:
+        """The ``[num_layers, num_experts]`` counter named ``source`` (one of ``SOURCES``); a view, do not
+        modify."""
+        if source not in SOURCES:
+            raise ValueError(f"unknown popularity source {source!r}; expected one of {SOURCES}")
+        return getattr(self, source)
+
+    def value(self, op: OperatorId, source: str = "hard") -> float:
+        """Counter ``source`` of expert operator ``op``."""
+        if not op.is_expert:
+            raise ValueError(f"popularity is counted for experts only, got {op}")
+        return float(self.counter(source)[self.layer_pos(op.layer), op.expert])
+
+    def skew(self, source: str = "hard") -> torch.Tensor:
+        """Normalised HHI skew per MoE layer ``[num_layers]`` (MoEvement App. D)."""
+        return normalized_hhi(self.counter(source))
+
+    # ------------------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict:
+        """Everything needed to continue counting exactly (tensors are copies). Includes the micro-batch
+        counts of an open iteration, so a snapshot taken mid-iteration also restores exactly."""
+        return {
+            "moe_layers": list(self.config.moe_layers),
+            "num_experts": self.config.num_experts,
+            "hard": self.hard.clone(),
+            "soft": self.soft.clone(),
+            "ema": self.ema.clone(),
+            "since_full": self.since_full.clone(),
+            "last_counts": self.last_counts.clone(),
+            "last_full_iteration": self.last_full_iteration.clone(),
+            "pending": self._pending.clone(),
+            "last_iteration": self.last_iteration,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if list(state["moe_layers"]) != list(self.config.moe_layers) or state["num_experts"] != self.num_experts:
+            raise ValueError(
+                f"popularity state for layers {state['moe_layers']} x {state['num_experts']} experts does not "
+                f"match this model ({self.moe_layers} x {self.num_experts})"
+            )
+        for name in ("hard", "soft", "ema", "since_full", "last_counts"):
+            setattr(self, name, state[name].to(torch.float64).clone())
+        self.last_full_iteration = state["last_full_iteration"].to(torch.int64).clone()
+        self._pending = state["pending"].to(torch.float64).clone()
+        self.last_iteration = int(state["last_iteration"])

@@ -1,0 +1,134 @@
+import random
+
+import pytest
+import torch
+
+from moe_ft.popularity import ExpertPopularity, PopularityConfig, normalized_hhi
+from moe_ft.state.operators import OperatorId
+
+
+def _routing_map(rng: torch.Generator, num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:
+    scores = torch.rand(num_tokens, num_experts, generator=rng)
+    idx = scores.topk(top_k, dim=1).indices
+    return torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter_(1, idx, True)
+
+
+def test_hard_soft_ema_since_full_match_direct_computation():
+    rng = torch.Generator().manual_seed(0)
+    layers, num_experts, alpha = [1, 3], 6, 0.8
+    pop = ExpertPopularity(PopularityConfig(moe_layers=layers, num_experts=num_experts, ema_alpha=alpha))
+    hard = torch.zeros(2, num_experts, dtype=torch.float64)
+    soft = torch.zeros_like(hard)
+    ema = torch.zeros_like(hard)
+    since = torch.zeros_like(hard)
+    for it in range(5):
+        step = torch.zeros_like(hard)
+        for _micro in range(3):
+            for row, layer in enumerate(layers):
+                rmap = _routing_map(rng, 7, num_experts, 2)
+                probs = torch.softmax(torch.randn(7, num_experts, generator=rng), dim=1)
+                pop.record(layer, rmap, probs)
+                step[row] += rmap.double().sum(0)
+                soft[row] += probs.double().sum(0)
+        pop.end_iteration(it)
+        hard += step
+        since += step
+        ema = alpha * ema + (1 - alpha) * step
+        if it == 2:
+            pop.mark_full(it, [OperatorId.expert_op(3, 4), OperatorId.dense(1)])
+            since[1, 4] = 0
+        assert torch.equal(pop.hard, hard)
+        assert torch.allclose(pop.soft, soft)
+        assert torch.allclose(pop.ema, ema)
+        assert torch.equal(pop.since_full, since)
+        assert torch.equal(pop.last_counts, step)
+    assert pop.last_full_iteration[1, 4] == 2 and pop.last_full_iteration[0, 0] == -1
+    assert pop.value(OperatorId.expert_op(1, 2)) == float(hard[0, 2])
+    # every token goes to exactly top_k experts
+    assert pop.hard.sum() == 5 * 3 * 2 * 7 * 2
+
+
+def test_counts_vector_and_missing_probs_give_soft_equal_hard():
+    pop = ExpertPopularity(PopularityConfig(moe_layers=[0], num_experts=3))
+    pop.record(0, torch.tensor([4, 0, 2]))
+    pop.end_iteration(0)
+    assert pop.hard.tolist() == [[4.0, 0.0, 2.0]] and pop.soft.tolist() == [[4.0, 0.0, 2.0]]
+
+
+def test_all_reduce_is_applied_to_iteration_counts_only():
+    calls = []
+
+    def fake_all_reduce(t: torch.Tensor) -> None:  # two identical ranks
+        calls.append(t.shape)
+        t.mul_(2)
+
+    pop = ExpertPopularity(PopularityConfig(moe_layers=[0, 1], num_experts=2), all_reduce=fake_all_reduce)
+    pop.record(1, torch.tensor([1, 3]))
+    pop.end_iteration(0)
+    pop.record(1, torch.tensor([1, 0]))
+    pop.end_iteration(1)
+    assert calls == [torch.Size([2, 2, 2])] * 2
+    assert pop.hard.tolist() == [[0.0, 0.0], [4.0, 6.0]]
+
+
+def test_bad_inputs_raise_actionable_errors():
+    pop = ExpertPopularity(PopularityConfig(moe_layers=[0], num_experts=3))
+    with pytest.raises(ValueError, match="not an MoE layer"):
+        pop.record(5, torch.tensor([1, 1, 1]))
+    with pytest.raises(ValueError, match="routing map"):
+        pop.record(0, torch.ones(4, 2))
+    with pytest.raises(ValueError, match="unknown popularity source"):
+        pop.counter("tokens")
+    pop.end_iteration(3)
+    with pytest.raises(ValueError, match="load_state_dict"):
+        pop.end_iteration(3)
+    with pytest.raises(ValueError, match="ema_alpha"):
+        PopularityConfig(moe_layers=[0], num_experts=2, ema_alpha=1.0)
+
+
+def test_normalized_hhi_bounds_and_known_values():
+    assert float(normalized_hhi(torch.tensor([5.0, 5.0, 5.0, 5.0]))) == pytest.approx(0.0)
+    assert float(normalized_hhi(torch.tensor([0.0, 9.0, 0.0]))) == pytest.approx(1.0)
+    # p = (1/2, 1/2, 0, 0): HHI = 1/2, S = (1/2 - 1/4) / (3/4) = 1/3
+    assert float(normalized_hhi(torch.tensor([1.0, 1.0, 0.0, 0.0]))) == pytest.approx(1 / 3)
+    rng = random.Random(1)
+    for _ in range(200):
+        e = rng.randint(2, 16)
+        x = torch.tensor([rng.random() ** 3 for _ in range(e)])
+        s = float(normalized_hhi(x))
+        assert 0.0 <= s <= 1.0
+        # invariant under scaling and permutation
+        assert float(normalized_hhi(x[torch.randperm(e)] * 7)) == pytest.approx(s)
+
+
+def test_skew_per_layer():
+    pop = ExpertPopularity(PopularityConfig(moe_layers=[0, 2], num_experts=2))
+    pop.record(0, torch.tensor([3, 3]))
+    pop.record(2, torch.tensor([0, 6]))
+    pop.end_iteration(0)
+    assert pop.skew().tolist() == pytest.approx([0.0, 1.0])
+
+
+def test_state_dict_round_trip_continues_exactly_even_mid_iteration():
+    rng = torch.Generator().manual_seed(3)
+    cfg = PopularityConfig(moe_layers=[0, 1, 2], num_experts=4, ema_alpha=0.7)
+    a = ExpertPopularity(cfg)
+    stream = [(_routing_map(rng, 5, 4, 1), torch.rand(5, 4, generator=rng)) for _ in range(24)]
+    for i, (rmap, probs) in enumerate(stream[:10]):
+        a.record(i % 3, rmap, probs)
+        if i % 3 == 2:
+            a.end_iteration(i // 3)
+            a.mark_full(i // 3, [OperatorId.expert_op(i % 3, i % 4)])
+    saved = a.state_dict()  # iteration 3 is open (one micro-batch recorded)
+    b = ExpertPopularity(cfg)
+    b.load_state_dict(saved)
+    for pop in (a, b):
+        for i, (rmap, probs) in enumerate(stream[10:], start=10):
+            pop.record(i % 3, rmap, probs)
+            if i % 3 == 2:
+                pop.end_iteration(i // 3)
+    for key, value in a.state_dict().items():
+        other = b.state_dict()[key]
+        assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+    with pytest.raises(ValueError, match="does not match"):
+        ExpertPopularity(PopularityConfig(moe_layers=[0], num_experts=4)).load_state_dict(saved)
