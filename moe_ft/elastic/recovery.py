@@ -61,11 +61,11 @@ class RecoveryConfig:
     """Seed of the Monte-Carlo sampler."""
 
 
-def _poly_mul(a: list[int], b: list[int]) -> list[int]:
-    out = [0] * (len(a) + len(b) - 1)
-    for i, x in enumerate(a):
+def _poly_mul(a: list[int], b: list[int], max_degree: int) -> list[int]:
+    out = [0] * min(len(a) + len(b) - 1, max_degree + 1)
+    for i, x in enumerate(a[: max_degree + 1]):
         if x:
-            for j, y in enumerate(b):
+            for j, y in enumerate(b[: max_degree + 1 - i]):
                 out[i + j] += x * y
     return out
 
@@ -142,13 +142,17 @@ def _component_poly(sets: list[frozenset[int]], max_terms: int) -> tuple[list[in
     return None
 
 
-def recovering_failure_sets(support_sets: Sequence[frozenset[int]], num_nodes: int, max_exact_terms: int = 1 << 16):
-    """``(counts, method)`` with ``counts[k]`` = number of failed ``k``-subsets that recover, or ``None``."""
+def recovering_failure_sets(
+    support_sets: Sequence[frozenset[int]], num_nodes: int, max_exact_terms: int = 1 << 16, max_failed: int | None = None
+) -> tuple[list[int], str] | None:
+    """``(counts, method)`` with ``counts[k]`` = number of failed ``k``-subsets that recover, for ``k`` in
+    ``0..max_failed`` (default ``N``), or ``None`` when a component is too large for an exact method."""
+    max_failed = num_nodes if max_failed is None else max_failed
     sets = minimal_supports(support_sets)
     if any(len(s) == 0 for s in sets):
-        return [0] * (num_nodes + 1), "closed_form"
+        return [0] * (max_failed + 1), "closed_form"
     covered = set().union(*sets) if sets else set()
-    total = _binomial_row(num_nodes - len(covered))
+    total = _binomial_row(num_nodes - len(covered))[: max_failed + 1]
     rank = METHODS.index("closed_form")
     for comp in _components(sets):
         result = _component_poly(comp, max_exact_terms)
@@ -156,8 +160,8 @@ def recovering_failure_sets(support_sets: Sequence[frozenset[int]], num_nodes: i
             return None
         poly, method = result
         rank = max(rank, METHODS.index(method))
-        total = _poly_mul(total, poly)
-    return total[: num_nodes + 1] + [0] * (num_nodes + 1 - len(total)), METHODS[rank]
+        total = _poly_mul(total, poly, max_failed)
+    return total + [0] * (max_failed + 1 - len(total)), METHODS[rank]
 
 
 def _wilson(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
@@ -199,7 +203,7 @@ def recovery_probabilities(
         if not 0 <= k <= num_nodes:
             raise ValueError(f"number of failed nodes must be in [0, {num_nodes}], got {k}")
     sets = supports(plan, num_experts)
-    exact = recovering_failure_sets(sets, num_nodes, config.max_exact_terms)
+    exact = recovering_failure_sets(sets, num_nodes, config.max_exact_terms, max(ks, default=0))
     out: dict[int, RecoveryEstimate] = {}
     for k in ks:
         if exact is not None:
