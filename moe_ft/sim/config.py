@@ -1,0 +1,282 @@
+"""Inputs of the ETTR model and simulator (SPEC §7; MoEvement App. C "Inputs").
+
+Four groups, one dataclass each: the model architecture, the parallel plan, the precision of each kind
+of state, and the hardware (with the NCCL affine cost ``T(m, p) = α(p) + β(p)·m`` of MoEvement App. C).
+:class:`RecoverySpec` holds the failure-handling constants the papers leave implicit (restart time).
+:func:`config_from_dict` builds a :class:`SimConfig` from the JSON layout documented in
+``docs/simulator.md`` and rejects unknown keys with the list of valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A GPT MoE decoder. Dense FFN layers come first (DeepSeek's ``first_k_dense``), then every
+    ``moe_layer_interval``-th layer is MoE (MoE-LLaVa alternates dense and MoE layers)."""
+
+    name: str = "model"
+    num_layers: int  # transformer layers
+    hidden_size: int
+    ffn_hidden_size: int  # FFN width of the dense (non-MoE) layers
+    moe_ffn_hidden_size: int  # FFN width of one routed (and one shared) expert
+    num_experts: int  # routed experts per MoE layer
+    top_k: int  # routed experts per token
+    num_shared_experts: int = 0  # always-active experts, part of the layer's non-expert ("dense") operator
+    vocab_size: int
+    seq_length: int
+    first_dense_layers: int = 0  # leading layers with a dense FFN instead of experts
+    moe_layer_interval: int = 1  # after the leading dense layers, layer i is MoE iff i % interval == 0
+    gated_ffn: bool = True  # SwiGLU: 3·h·f weights per FFN, else 2·h·f
+    tie_embeddings: bool = False
+    attention_params_per_layer: int | None = None  # default 4·h² (Q, K, V, O); set for GQA/MLA
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts",
+                     "top_k", "vocab_size", "seq_length", "moe_layer_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"model.top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        if not 0 <= self.first_dense_layers < self.num_layers:
+            raise ValueError("model.first_dense_layers must leave at least one MoE layer")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        rel = layer_idx - self.first_dense_layers
+        return rel >= 0 and rel % self.moe_layer_interval == 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSpec:
+    """Megatron-style plan: ``world = tp·pp·dp``; experts are split over ``ep`` ranks taken from the
+    data-parallel ranks, so each expert is replicated ``dp/ep`` times. MoEvement §5.1 writes
+    (PP, DP, EP) with DP the *expert* data parallelism: its (12, 1, 8) is ``pp=12, dp=8, ep=8`` here."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    micro_batch_size: int  # sequences per micro-batch
+    global_batch_size: int  # sequences per iteration (all data-parallel replicas)
+    distributed_optimizer: bool = True  # ZeRO-1: master + optimizer sharded over data parallelism
+    shard_snapshots: bool = True  # MoC §2.3.2 fully sharded checkpointing: replicas split the copy
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "ep", "micro_batch_size", "global_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must divide dp={self.dp} (experts live on DP ranks)")
+        if self.global_batch_size % (self.micro_batch_size * self.dp):
+            raise ValueError(
+                f"parallel.global_batch_size={self.global_batch_size} must be a multiple of "
+                f"micro_batch_size·dp = {self.micro_batch_size * self.dp}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionSpec:
+    """Bytes per parameter of each kind of state (MoEvement Table 7 names the five low-precision
+    configurations; see :data:`PRECISIONS`). ``optimizer`` is Adam's ``exp_avg + exp_avg_sq``."""
+
+    compute: str = "bf16"  # fp8 doubles the math rate (Hopper) and halves compute-weight bytes
+    master: str = "fp32"
+    optimizer: tuple[str, str] = ("fp32", "fp32")
+    grad_reduce: str = "fp32"  # dtype of the data-parallel gradient reduction
+
+    def __post_init__(self) -> None:
+        for dtype in (self.compute, self.master, *self.optimizer, self.grad_reduce):
+            if dtype not in DTYPE_BYTES:
+                raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+        if len(self.optimizer) != 2:
+            raise ValueError("precision.optimizer must name two dtypes: [exp_avg, exp_avg_sq]")
+
+    @property
+    def compute_bytes(self) -> float:
+        return DTYPE_BYTES[self.compute]
+
+    @property
+    def master_bytes(self) -> float:
+        return DTYPE_BYTES[self.master]
+
+    @property
+    def optimizer_bytes(self) -> float:
+        return DTYPE_BYTES[self.optimizer[0]] + DTYPE_BYTES[self.optimizer[1]]
+
+
+PRECISIONS: dict[str, PrecisionSpec] = {
+    "mixed": PrecisionSpec(compute="fp16", master="fp32", optimizer=("fp32", "fp32")),
+    # MoEvement Table 7, rows top to bottom (compute / master / optimizer).
+    "fp16-fp16-fp16": PrecisionSpec(compute="fp16", master="fp16", optimizer=("fp16", "fp16")),
+    "fp8-fp32-fp32": PrecisionSpec(compute="fp8", master="fp32", optimizer=("fp32", "fp32")),
+    "fp8-fp16-fp32": PrecisionSpec(compute="fp8", master="fp16", optimizer=("fp32", "fp32")),
+    "fp8-fp16-fp8fp16": PrecisionSpec(compute="fp8", master="fp16", optimizer=("fp8", "fp16")),
+    "fp8-fp8-fp8fp16": PrecisionSpec(compute="fp8", master="fp8", optimizer=("fp8", "fp16")),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveCost:
+    """NCCL affine model ``T(m) = alpha_s + beta_s_per_byte·m`` for one collective (MoEvement App. C),
+    fitted for the group size it is used at. When absent, α and β are derived from link bandwidths."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def __post_init__(self) -> None:
+        if self.alpha_s < 0 or self.beta_s_per_byte < 0:
+            raise ValueError("collective alpha_s and beta_s_per_byte must be >= 0")
+
+    def time_s(self, nbytes: float) -> float:
+        return self.alpha_s + self.beta_s_per_byte * nbytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareSpec:
+    """One homogeneous cluster. Bandwidths are *effective* bytes/s (what a copy achieves)."""
+
+    name: str = "cluster"
+    gpus_per_node: int = 8
+    peak_flops_bf16: float  # dense FLOP/s at bf16/fp16
+    peak_flops_fp8: float = 0.0  # 0: no FP8 math (A100); fp8 compute then runs at the bf16 rate
+    mfu: float = 0.4  # achieved fraction of peak in the transformer math
+    hbm_bytes: float = 80e9
+    hbm_bandwidth: float = 2.0e12  # bytes/s, bounds the (memory-bound) optimizer step
+    d2h_bandwidth: float  # GPU→pinned host copy per GPU (PCIe), bytes/s
+    nvlink_bandwidth: float  # per GPU, intra-node, bytes/s
+    network_bandwidth: float  # per GPU, inter-node (node NIC bandwidth / gpus_per_node), bytes/s
+    storage_bandwidth: float = 5e9  # aggregate bandwidth of the whole job to durable storage, bytes/s
+    collective_latency_s: float = 20e-6  # α of derived collectives
+    collectives: Mapping[str, CollectiveCost] = field(default_factory=dict)  # overrides by name
+
+    def __post_init__(self) -> None:
+        for name in ("gpus_per_node", "peak_flops_bf16", "d2h_bandwidth", "nvlink_bandwidth",
+                     "network_bandwidth", "storage_bandwidth", "hbm_bandwidth"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"hardware.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"hardware.mfu must be in (0, 1], got {self.mfu}")
+        unknown = set(self.collectives) - set(COLLECTIVES)
+        if unknown:
+            raise ValueError(f"unknown collectives {sorted(unknown)}; expected some of {COLLECTIVES}")
+
+
+COLLECTIVES = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather", "p2p")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoverySpec:
+    """Failure-handling constants. ``restart_s`` (detect, replace the node, restart processes, rebuild
+    communicators) is what MoC eq. 3 calls ``O_restart``; no paper we follow reports its value."""
+
+    restart_s: float = 30.0
+    replicas: int = 2  # peer copies of each in-memory snapshot (MoEvement §4, r = 2)
+    frozen_cost: float = 2.0 / 3.0  # frozen operator: forward + input grad, no weight grad (MoEvement §3.3)
+    sync_overlap: float = 0.5  # share of the DP gradient sync hidden behind the backward pass
+
+    def __post_init__(self) -> None:
+        if self.restart_s < 0:
+            raise ValueError("recovery.restart_s must be >= 0")
+        if self.replicas < 0:
+            raise ValueError("recovery.replicas must be >= 0")
+        if not 0 < self.frozen_cost <= 1 or not 0 <= self.sync_overlap <= 1:
+            raise ValueError("recovery.frozen_cost must be in (0, 1] and sync_overlap in [0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """Everything the cost model needs. ``name`` labels outputs."""
+
+    name: str = "custom"
+    model: ModelSpec
+    parallel: ParallelSpec
+    precision: PrecisionSpec = field(default_factory=PrecisionSpec)
+    hardware: HardwareSpec
+    recovery: RecoverySpec = field(default_factory=RecoverySpec)
+
+    def __post_init__(self) -> None:
+        m, p = self.model, self.parallel
+        if p.pp > m.num_layers:
+            raise ValueError(f"parallel.pp={p.pp} exceeds model.num_layers={m.num_layers}: a stage would be empty")
+        if m.num_experts % p.ep:
+            raise ValueError(f"parallel.ep={p.ep} must divide model.num_experts={m.num_experts}")
+        if p.tp > self.hardware.gpus_per_node:
+            raise ValueError("parallel.tp must fit in one node (tp <= hardware.gpus_per_node)")
+
+
+def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be a JSON object, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ValueError(f"unknown key(s) {sorted(unknown)} in {where}; valid keys: {sorted(names)}")
+    try:
+        return cls(**data)
+    except TypeError as exc:  # missing required fields
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def config_from_dict(data: Mapping[str, Any]) -> SimConfig:
+    """Build a :class:`SimConfig` from the JSON layout of ``docs/simulator.md``.
+
+    ``precision`` may be a name from :data:`PRECISIONS` or an object; ``hardware.collectives`` maps a
+    collective name to ``{"alpha_s": …, "beta_s_per_byte": …}``.
+    """
+    data = dict(data)
+    for key in ("model", "parallel", "hardware"):
+        if key not in data:
+            raise ValueError(f"config needs a {key!r} section")
+    prec = data.get("precision", "mixed")
+    if isinstance(prec, str):
+        if prec not in PRECISIONS:
+            raise ValueError(f"unknown precision {prec!r}; expected one of {sorted(PRECISIONS)} or an object")
+        precision = PRECISIONS[prec]
+    else:
+        prec = dict(prec)
+        if "optimizer" in prec:
+            prec["optimizer"] = tuple(prec["optimizer"])
+        precision = _build(PrecisionSpec, prec, "precision")
+    hw = dict(data["hardware"])
+    hw["collectives"] = {
+        name: _build(CollectiveCost, cost, f"hardware.collectives.{name}")
+        for name, cost in dict(hw.get("collectives", {})).items()
+    }
+    allowed = {"name", "model", "parallel", "precision", "hardware", "recovery"}
+    if set(data) - allowed:
+        raise ValueError(f"unknown top-level key(s) {sorted(set(data) - allowed)}; valid: {sorted(allowed)}")
+    return SimConfig(
+        name=data.get("name", "custom"),
+        model=_build(ModelSpec, data["model"], "model"),
+        parallel=_build(ParallelSpec, data["parallel"], "parallel"),
+        precision=precision,
+        hardware=_build(HardwareSpec, hw, "hardware"),
+        recovery=_build(RecoverySpec, data.get("recovery", {}), "recovery"),
+    )
+
+
+def load_config(path: str) -> SimConfig:
+    """Read a JSON config file (format in ``docs/simulator.md``)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read config {path!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"config {path!r} is not valid JSON: {exc}") from None
+    return config_from_dict(data)
