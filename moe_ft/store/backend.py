@@ -1,0 +1,110 @@
+"""The byte-level interface every store tier implements: node-local tmpfs, in-process memory, and later
+peer replicas and the durable tier. A backend knows nothing about tensors, operators or checksums; it
+stores *blobs* (opaque named byte strings) grouped into *points* (one per iteration) and guarantees:
+
+1. **Atomic publish.** Blobs written through a :class:`PointWriter` are invisible until
+   :meth:`PointWriter.commit` returns; a crash (or an exception, or ``abort``) before that leaves the
+   published points untouched and nothing that looks published.
+2. **Immutability.** A published point never changes until it is deleted; ``delete_point`` makes it
+   invisible atomically before reclaiming space.
+3. **Leftovers are visible as staging.** An interrupted writer's partial data is reported by
+   :meth:`StoreBackend.list_staging` (for ``moe-ft inspect``) and removed by ``sweep_staging``.
+
+The contract is pinned down by ``tests/test_store_contract.py``, which every backend must pass.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable
+
+FaultHook = Callable[[str, int, str], None]
+"""Called as ``hook(phase, iteration, blob_name)`` at deterministic points of a write, for failure
+injection (it may block, raise, or let the test kill the process). Phases, in order: ``"blob_write"`` after
+each chunk of a blob reaches the backend, ``"blob_closed"``, ``"before_commit"`` (all blobs and the
+manifest are written, the point is still invisible) and ``"after_commit"``."""
+
+MANIFEST = "MANIFEST.json"
+
+
+@dataclass(frozen=True)
+class StagingInfo:
+    """An unpublished point: being written now, or left behind by a writer that died."""
+
+    iteration: int
+    label: str  # backend-specific name (a directory for the file backend)
+    nbytes: int
+    writer_pid: int | None
+    live: bool  # the writing process is still running
+
+
+class BlobSink(abc.ABC):
+    """Sequential writer of one blob. ``write`` accepts any buffer (bytes, memoryview over tensor memory)
+    and must not keep a reference to it after returning, so that callers can reuse pinned buffers."""
+
+    @abc.abstractmethod
+    def write(self, buf: Any) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class PointWriter(abc.ABC):
+    """Staging area of one point. Blobs may be written from several threads at once (one sink each)."""
+
+    iteration: int
+
+    @abc.abstractmethod
+    def open_blob(self, name: str) -> BlobSink: ...
+
+    @abc.abstractmethod
+    def commit(self, manifest: bytes) -> None:
+        """Store ``manifest`` as blob :data:`MANIFEST` and make the point visible, atomically. Raises
+        :class:`FileExistsError` if a point with this iteration is already published."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Discard everything written; idempotent."""
+
+
+class StoreBackend(abc.ABC):
+    """Storage of points and blobs; see the module docstring for the guarantees."""
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """Where the data lives, for messages (e.g. a directory)."""
+
+    @abc.abstractmethod
+    def begin_point(self, iteration: int) -> PointWriter: ...
+
+    @abc.abstractmethod
+    def list_points(self) -> list[int]:
+        """Iterations of published points, ascending."""
+
+    @abc.abstractmethod
+    def list_staging(self) -> list[StagingInfo]: ...
+
+    @abc.abstractmethod
+    def blob_names(self, iteration: int) -> list[str]:
+        """Blob names of a published point (including the manifest); raises ``FileNotFoundError``."""
+
+    @abc.abstractmethod
+    def blob_size(self, iteration: int, name: str) -> int | None:
+        """Size of a published blob, ``None`` if it does not exist."""
+
+    @abc.abstractmethod
+    def open_blob(self, iteration: int, name: str) -> BinaryIO:
+        """A binary stream supporting ``readinto``; raises ``FileNotFoundError``."""
+
+    def read_blob(self, iteration: int, name: str) -> bytes:
+        with self.open_blob(iteration, name) as stream:
+            return stream.read()
+
+    @abc.abstractmethod
+    def delete_point(self, iteration: int) -> None:
+        """Make a published point invisible (atomically), then reclaim it. Missing points are ignored."""
+
+    @abc.abstractmethod
+    def sweep_staging(self) -> int:
+        """Remove staging left behind by writers that are no longer running; returns how many."""

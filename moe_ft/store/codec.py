@@ -1,0 +1,266 @@
+"""Byte format of one store entry: a set of named CPU tensors stored with exact dtype, shape and raw bytes.
+
+File layout (little-endian), see ``docs/store.md``::
+
+    0    8  magic  b"MOEFTENT"
+    8    4  format version (uint32) = 1
+    12   4  header length H (uint32)
+    16   H  header: UTF-8 JSON {"key": {...}, "checksum": algo, "tensors": [{"name", "dtype", "shape",
+            "offset", "nbytes"}], "meta": {...} (metadata entries only)}
+    ...     zero padding; every tensor's bytes start at a 64-byte aligned file offset
+    ...     tensor bytes, in header order
+    end-D-16  D bytes: digest of everything before it (the *body*)
+    end-16    8 bytes: body length (uint64), then 8 bytes magic b"MOEFTEND"
+
+The digest covers the header (so dtype, shape, names and the key) and all tensor bytes. Tensors are written
+from ``tensor.view(torch.uint8)`` memory views, never pickled, and the checksum is computed chunk by chunk
+just before each chunk is written, while it is still in cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable, Mapping
+
+import torch
+
+from moe_ft.store.errors import CorruptEntryError
+
+MAGIC = b"MOEFTENT"
+END_MAGIC = b"MOEFTEND"
+VERSION = 1
+ALIGN = 64
+CHUNK = 8 << 20  # checksum+write granularity: large enough to amortise calls, small enough to stay in cache
+_PREFIX = struct.Struct("<8sII")
+_TAIL = struct.Struct("<Q8s")
+
+_DTYPE_NAMES = (
+    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "uint16", "uint32", "uint64", "complex64", "complex128",
+)
+DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
+_DTYPE_TO_NAME = {d: n for n, d in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_TO_NAME[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot be stored; supported: {sorted(DTYPES)}") from None
+
+
+class _Crc32:
+    digest_size = 4
+
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, buf: Any) -> None:
+        self._value = zlib.crc32(buf, self._value)
+
+    def digest(self) -> bytes:
+        return self._value.to_bytes(4, "little")
+
+
+CHECKSUMS: dict[str, Callable[[], Any]] = {
+    # zlib.crc32 is the fastest option in the standard library (~3-4x blake2b here) and releases the GIL
+    # on large buffers; it detects torn writes and bit flips, which is the threat model (not an adversary).
+    "crc32": _Crc32,
+    "blake2b": lambda: hashlib.blake2b(digest_size=16),
+}
+
+
+def new_checksum(algo: str) -> Any:
+    try:
+        return CHECKSUMS[algo]()
+    except KeyError:
+        raise ValueError(f"unknown checksum {algo!r}; choose one of {sorted(CHECKSUMS)}") from None
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, any rank, including 0-dim and empty)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _check_tensor(name: str, tensor: Any) -> torch.Tensor:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"entry value {name!r} is a {type(tensor).__name__}, expected a torch.Tensor")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"tensor {name!r} is on {tensor.device}; copy it to (pinned) host memory first")
+    dtype_name(tensor.dtype)
+    if not tensor.is_contiguous():
+        raise ValueError(f"tensor {name!r} is not contiguous; the store writes raw bytes without copying")
+    return tensor
+
+
+@dataclass(frozen=True)
+class WrittenEntry:
+    """What writing an entry produced: the file size, its digest (hex) and the tensor table."""
+
+    nbytes: int
+    checksum: str
+    tensors: tuple[dict, ...]
+
+
+def write_entry(
+    write: Callable[[Any], Any], key: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+    algo: str, meta: Mapping[str, Any] | None = None,
+) -> WrittenEntry:
+    """Stream one entry through ``write`` (called with byte buffers, in order) and return its record."""
+    checked = [(name, _check_tensor(name, t)) for name, t in tensors.items()]
+    table: list[dict] = []
+    header: dict[str, Any] = {"key": dict(key), "checksum": algo, "tensors": table}
+    if meta is not None:
+        header["meta"] = meta
+    # Offsets depend on the header length and the header contains the offsets: lay out with a guess of
+    # the header length, then grow the guess until it is stable (two rounds in practice).
+    reserve = 0
+    while True:
+        table.clear()
+        offset = _align(_PREFIX.size + reserve)
+        for name, t in checked:
+            nbytes = t.numel() * t.element_size()
+            table.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
+                          "offset": offset, "nbytes": nbytes})
+            offset = _align(offset + nbytes)
+        header_bytes = json.dumps(header, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+        if len(header_bytes) <= reserve:
+            break
+        reserve = len(header_bytes) + 64
+    header_bytes = header_bytes.ljust(reserve, b" ")  # JSON tolerates trailing spaces
+    digest = new_checksum(algo)
+    pos = 0
+
+    def emit(buf: Any) -> None:
+        nonlocal pos
+        digest.update(buf)
+        write(buf)
+        pos += len(buf)
+
+    emit(_PREFIX.pack(MAGIC, VERSION, len(header_bytes)))
+    emit(header_bytes)
+    for (name, t), rec in zip(checked, table):
+        emit(bytes(rec["offset"] - pos))
+        data = raw_bytes(t)
+        for start in range(0, len(data), CHUNK):
+            emit(data[start:start + CHUNK])
+    final = digest.digest()
+    write(final)
+    write(_TAIL.pack(pos, END_MAGIC))
+    return WrittenEntry(pos + len(final) + _TAIL.size, final.hex(), tuple(dict(r) for r in table))
+
+
+def _read_exact(stream: BinaryIO, buf: memoryview, where: str) -> None:
+    got = 0
+    while got < len(buf):
+        n = stream.readinto(buf[got:])
+        if not n:
+            raise CorruptEntryError(where, f"truncated: file ended after {got} of {len(buf)} expected bytes")
+        got += n
+
+
+@dataclass
+class DecodedEntry:
+    header: dict
+    tensors: dict[str, torch.Tensor]
+
+
+def read_entry(
+    stream: BinaryIO, *, size: int, checksum: str, algo: str, key: Mapping[str, Any], where: str,
+    out: Mapping[str, torch.Tensor] | None = None,
+) -> DecodedEntry:
+    """Read and verify an entry of ``size`` bytes whose digest must equal ``checksum`` (hex).
+
+    Without ``out`` the file is read into one fresh buffer that the returned tensors share. With ``out``
+    (name → pre-allocated contiguous CPU tensor of the stored dtype and shape, e.g. pinned buffers) the
+    bytes are read straight into those tensors; if verification then fails their contents are undefined
+    and :class:`CorruptEntryError` is raised. Nothing unverified is ever returned.
+    """
+    digest = new_checksum(algo)
+    tail = digest.digest_size + _TAIL.size
+    if size < _PREFIX.size + tail:
+        raise CorruptEntryError(where, f"file is {size} bytes, too small to be an entry")
+    prefix = bytearray(_PREFIX.size)
+    _read_exact(stream, memoryview(prefix), where)
+    magic, version, header_len = _PREFIX.unpack(prefix)
+    if magic != MAGIC or version != VERSION:
+        raise CorruptEntryError(where, f"bad magic/version {magic!r}/{version}")
+    if _PREFIX.size + header_len + tail > size:
+        raise CorruptEntryError(where, f"header length {header_len} exceeds file size {size}")
+    digest.update(prefix)
+    if out is None:
+        body = bytearray(size - _PREFIX.size)
+        _read_exact(stream, memoryview(body), where)
+        body_len = size - tail
+        digest.update(memoryview(body)[: body_len - _PREFIX.size])
+        trailer = bytes(body[body_len - _PREFIX.size:])
+        header_bytes = bytes(body[:header_len])
+    else:
+        header_bytes = bytearray(header_len)
+        _read_exact(stream, memoryview(header_bytes), where)
+        digest.update(header_bytes)
+    try:
+        header = json.loads(header_bytes)
+        table = header["tensors"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptEntryError(where, f"unreadable header ({exc})") from None
+    if out is not None:
+        pos = _PREFIX.size + header_len
+        for rec in table:
+            dst = out.get(rec["name"])
+            if dst is None:
+                raise ValueError(f"{where}: no output buffer for tensor {rec['name']!r}")
+            if dtype_name(dst.dtype) != rec["dtype"] or list(dst.shape) != rec["shape"]:
+                raise ValueError(f"{where}: output buffer {rec['name']!r} is {dst.dtype}{list(dst.shape)}, "
+                                 f"entry holds {rec['dtype']}{rec['shape']}")
+            _check_tensor(rec["name"], dst)
+            if rec["offset"] < pos or rec["offset"] + rec["nbytes"] > size - tail:
+                raise CorruptEntryError(where, f"tensor {rec['name']!r} lies outside the file")
+            gap = bytearray(rec["offset"] - pos)
+            _read_exact(stream, memoryview(gap), where)
+            digest.update(gap)
+            view = raw_bytes(dst)
+            _read_exact(stream, view, where)
+            digest.update(view)
+            pos = rec["offset"] + rec["nbytes"]
+        rest = bytearray(size - pos)
+        _read_exact(stream, memoryview(rest), where)
+        digest.update(memoryview(rest)[: len(rest) - tail])
+        trailer = bytes(rest[len(rest) - tail:])
+    final = digest.digest()
+    stored, (body_len, end_magic) = trailer[: len(final)], _TAIL.unpack(trailer[len(final):])
+    if end_magic != END_MAGIC or body_len != size - tail:
+        raise CorruptEntryError(where, "bad trailer (torn or truncated write)")
+    if final != stored or final.hex() != checksum:
+        raise CorruptEntryError(where, f"checksum mismatch ({algo}: computed {final.hex()}, "
+                                       f"file {stored.hex()}, manifest {checksum})")
+    if header.get("key") != dict(key):
+        raise CorruptEntryError(where, f"entry holds {header.get('key')}, expected {dict(key)}")
+    tensors = out if out is not None else _views(body, table, header_len, where)
+    return DecodedEntry(header, {rec["name"]: tensors[rec["name"]] for rec in table})
+
+
+def _views(body: bytearray, table: list[dict], header_len: int, where: str) -> dict[str, torch.Tensor]:
+    result = {}
+    for rec in table:
+        dtype = DTYPES.get(rec["dtype"])
+        if dtype is None:
+            raise CorruptEntryError(where, f"unknown dtype {rec['dtype']!r}")
+        start = rec["offset"] - _PREFIX.size
+        if rec["nbytes"] == 0:
+            result[rec["name"]] = torch.empty(rec["shape"], dtype=dtype)
+            continue
+        flat = torch.frombuffer(body, dtype=torch.uint8, count=rec["nbytes"], offset=start)
+        result[rec["name"]] = flat.view(dtype).reshape(rec["shape"])
+    return result

@@ -1,0 +1,227 @@
+"""Node-local file backend: one directory per rank, normally on tmpfs (``/dev/shm``) so that snapshots
+survive the death of the worker process (not of the node). Layout (see ``docs/store.md``)::
+
+    <dir>/FORMAT.json                   {"format": "moe-ft-store", "version": 1}
+    <dir>/points/<iteration:012d>/      published points: MANIFEST.json + one file per entry
+    <dir>/staging/<iteration:012d>.<pid>.<n>/   points being written (or left by a killed writer)
+    <dir>/trash/...                     points being deleted
+
+Publishing a point is one ``rename(2)`` of its staging directory into ``points/``: atomic on POSIX file
+systems, so a reader sees either the whole point or nothing. With ``fsync=True`` every file, the staging
+directory and ``points/`` are fsynced around the rename (needed only on disks: tmpfs cannot lose data
+that a process wrote, and does not survive a reboot anyway).
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from moe_ft.store.backend import MANIFEST, BlobSink, FaultHook, PointWriter, StagingInfo, StoreBackend
+from moe_ft.store.errors import StoreError
+
+FORMAT = {"format": "moe-ft-store", "version": 1}
+FORMAT_FILE = "FORMAT.json"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _valid_name(name: str) -> str:
+    if not name or "/" in name or name.startswith(".") or "\0" in name:
+        raise ValueError(f"invalid blob name {name!r}: must be a plain file name")
+    return name
+
+
+class _FileSink(BlobSink):
+    def __init__(self, writer: "_LocalWriter", name: str) -> None:
+        self._writer, self._name = writer, name
+        self._file = open(writer.path / name, "xb", buffering=0)
+
+    def write(self, buf: Any) -> None:
+        view = memoryview(buf).cast("B")
+        while view:  # raw (unbuffered) writes may be short
+            view = view[self._file.write(view):]
+        self._writer.backend._hook("blob_write", self._writer.iteration, self._name)
+
+    def close(self) -> None:
+        if self._writer.backend.fsync:
+            os.fsync(self._file.fileno())
+        self._file.close()
+        self._writer.backend._hook("blob_closed", self._writer.iteration, self._name)
+
+
+class _LocalWriter(PointWriter):
+    def __init__(self, backend: "LocalFSBackend", iteration: int, path: Path) -> None:
+        self.backend, self.iteration, self.path = backend, iteration, path
+        self._done = False
+
+    def open_blob(self, name: str) -> BlobSink:
+        if self._done:
+            raise RuntimeError(f"point {self.iteration} was already committed or aborted")
+        if _valid_name(name) == MANIFEST:
+            raise ValueError(f"blob name {MANIFEST!r} is reserved for the manifest")
+        return _FileSink(self, name)
+
+    def commit(self, manifest: bytes) -> None:
+        backend = self.backend
+        if self._done:
+            raise RuntimeError(f"point {self.iteration} was already committed or aborted")
+        with open(self.path / MANIFEST, "xb") as f:
+            f.write(manifest)
+            if backend.fsync:
+                os.fsync(f.fileno())
+        if backend.fsync:
+            _fsync_dir(self.path)
+        backend._hook("before_commit", self.iteration, "")
+        final = backend.points_dir / f"{self.iteration:012d}"
+        try:
+            os.rename(self.path, final)  # atomic; fails on a non-empty existing target
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise FileExistsError(f"point {self.iteration} is already published at {final}") from None
+            raise
+        self._done = True
+        backend._forget(self)
+        if backend.fsync:
+            _fsync_dir(backend.points_dir)
+        backend._hook("after_commit", self.iteration, "")
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.backend._forget(self)
+
+
+class LocalFSBackend(StoreBackend):
+    """File backend rooted at ``directory`` (created if missing). One writing process per directory."""
+
+    def __init__(self, directory: str | os.PathLike, *, fsync: bool = False,
+                 fault_hook: FaultHook | None = None, create: bool = True) -> None:
+        self.directory = Path(directory)
+        self.fsync = fsync
+        self._fault_hook = fault_hook
+        self.points_dir = self.directory / "points"
+        self.staging_dir = self.directory / "staging"
+        self.trash_dir = self.directory / "trash"
+        self._lock = threading.Lock()
+        self._open: set[Path] = set()
+        self._counter = itertools.count()
+        fmt = self.directory / FORMAT_FILE
+        if not fmt.exists():
+            if not create:
+                raise StoreError(f"{self.directory} is not a moe-ft store (no {FORMAT_FILE}); pass the "
+                                 f"per-rank directory, e.g. /dev/shm/moe_ft/<job>/rank0")
+            for d in (self.points_dir, self.staging_dir, self.trash_dir):
+                d.mkdir(parents=True, exist_ok=True)
+            tmp = self.directory / f".{FORMAT_FILE}.{os.getpid()}"
+            tmp.write_text(json.dumps(FORMAT))
+            os.replace(tmp, fmt)
+        found = json.loads(fmt.read_text())
+        if found.get("format") != FORMAT["format"] or found.get("version") != FORMAT["version"]:
+            raise StoreError(f"{fmt}: unsupported store format {found}; this moe-ft reads {FORMAT}")
+
+    def _hook(self, phase: str, iteration: int, name: str) -> None:
+        if self._fault_hook is not None:
+            self._fault_hook(phase, iteration, name)
+
+    def _forget(self, writer: _LocalWriter) -> None:
+        with self._lock:
+            self._open.discard(writer.path)
+
+    def describe(self) -> str:
+        return str(self.directory)
+
+    def begin_point(self, iteration: int) -> PointWriter:
+        if iteration < 0:
+            raise ValueError(f"iteration must be >= 0, got {iteration}")
+        path = self.staging_dir / f"{iteration:012d}.{os.getpid()}.{next(self._counter)}"
+        path.mkdir(parents=True)
+        with self._lock:
+            self._open.add(path)
+        return _LocalWriter(self, iteration, path)
+
+    def list_points(self) -> list[int]:
+        try:
+            names = os.listdir(self.points_dir)
+        except FileNotFoundError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit())
+
+    def list_staging(self) -> list[StagingInfo]:
+        result = []
+        try:
+            entries = sorted(os.scandir(self.staging_dir), key=lambda e: e.name)
+        except FileNotFoundError:
+            return []
+        for entry in entries:
+            parts = entry.name.split(".")
+            if len(parts) != 3 or not all(p.isdigit() for p in parts):
+                continue
+            try:
+                nbytes = sum(f.stat().st_size for f in os.scandir(entry.path))
+            except FileNotFoundError:  # committed or aborted while we looked
+                continue
+            pid = int(parts[1])
+            result.append(StagingInfo(int(parts[0]), entry.name, nbytes, pid, _pid_alive(pid)))
+        return result
+
+    def _point_path(self, iteration: int) -> Path:
+        return self.points_dir / f"{iteration:012d}"
+
+    def blob_names(self, iteration: int) -> list[str]:
+        return sorted(os.listdir(self._point_path(iteration)))
+
+    def blob_size(self, iteration: int, name: str) -> int | None:
+        try:
+            return os.stat(self._point_path(iteration) / _valid_name(name)).st_size
+        except FileNotFoundError:
+            return None
+
+    def open_blob(self, iteration: int, name: str) -> BinaryIO:
+        return open(self._point_path(iteration) / _valid_name(name), "rb")
+
+    def delete_point(self, iteration: int) -> None:
+        target = self.trash_dir / f"{iteration:012d}.{os.getpid()}.{next(self._counter)}"
+        self.trash_dir.mkdir(exist_ok=True)
+        try:
+            os.rename(self._point_path(iteration), target)  # invisible from here on
+        except FileNotFoundError:
+            return
+        shutil.rmtree(target, ignore_errors=True)
+
+    def sweep_staging(self) -> int:
+        removed = 0
+        with self._lock:
+            mine = set(self._open)
+        for info in self.list_staging():
+            path = self.staging_dir / info.label
+            if path in mine or (info.live and info.writer_pid != os.getpid()):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+        for entry in os.scandir(self.trash_dir) if self.trash_dir.exists() else ():
+            shutil.rmtree(entry.path, ignore_errors=True)
+        return removed

@@ -1,0 +1,137 @@
+"""Manifest of a published point: which entries it holds, their sizes and checksums, and the tensor
+tables. It is JSON (human-readable with ``cat``) and carries its own checksum, computed over the canonical
+encoding of everything else, so that a damaged manifest is detected rather than trusted."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store.codec import new_checksum
+from moe_ft.store.errors import CorruptEntryError
+
+FORMAT = "moe-ft-store/1"
+META_BLOB = "_meta.ent"  # operator names never start with "_"
+
+
+def entry_blob(op: OperatorId, level: Level) -> str:
+    return f"{op}.{level.name.lower()}.ent"
+
+
+def entry_key(iteration: int, op: OperatorId | None, level: Level | None) -> dict[str, Any]:
+    """The key recorded inside an entry's header (and compared on load)."""
+    if op is None:
+        return {"iteration": iteration, "kind": "meta"}
+    return {"iteration": iteration, "operator": str(op), "level": level.name}
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class EntryRecord:
+    """One entry of a point. ``op``/``level`` are ``None`` for the per-iteration metadata entry."""
+
+    iteration: int
+    op: OperatorId | None
+    level: Level | None
+    blob: str
+    nbytes: int  # file size, header and trailer included
+    checksum: str  # hex digest, algorithm in PointRecord.checksum_algo
+    tensors: tuple[TensorRecord, ...]
+
+    @property
+    def key(self) -> dict[str, Any]:
+        return entry_key(self.iteration, self.op, self.level)
+
+    @property
+    def name(self) -> str:
+        return "meta" if self.op is None else f"{self.op}@{self.level.name}"
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"blob": self.blob, "nbytes": self.nbytes, "checksum": self.checksum,
+               "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
+                           for t in self.tensors]}
+        if self.op is not None:
+            out.update(operator=str(self.op), level=self.level.name)
+        return out
+
+    @staticmethod
+    def from_json(iteration: int, data: dict[str, Any]) -> "EntryRecord":
+        op = OperatorId.parse(data["operator"]) if "operator" in data else None
+        level = Level[data["level"]] if "level" in data else None
+        tensors = tuple(TensorRecord(t["name"], t["dtype"], tuple(t["shape"]), int(t["nbytes"]))
+                        for t in data["tensors"])
+        return EntryRecord(iteration, op, level, data["blob"], int(data["nbytes"]), data["checksum"], tensors)
+
+
+@dataclass(frozen=True)
+class PointRecord:
+    """A published point as its manifest describes it."""
+
+    iteration: int
+    checksum_algo: str
+    entries: dict[OperatorId, EntryRecord]
+    meta: EntryRecord | None
+    created_unix: float = 0.0
+    writer: dict[str, Any] = field(default_factory=dict)
+
+    def level(self, op: OperatorId) -> Level:
+        entry = self.entries.get(op)
+        return Level.NONE if entry is None else entry.level
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values()) + (self.meta.nbytes if self.meta else 0)
+
+    def all_entries(self) -> list[EntryRecord]:
+        return sorted(self.entries.values(), key=lambda e: e.op) + ([self.meta] if self.meta else [])
+
+
+def _digest(body: dict[str, Any], algo: str) -> str:
+    h = new_checksum(algo)
+    h.update(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return h.digest().hex()
+
+
+def encode_manifest(iteration: int, algo: str, entries: list[EntryRecord], meta: EntryRecord | None) -> bytes:
+    body = {
+        "format": FORMAT, "iteration": iteration, "checksum_algo": algo,
+        "entries": [e.to_json() for e in sorted(entries, key=lambda e: e.op)],
+        "meta": meta.to_json() if meta else None,
+        "created_unix": time.time(), "writer": {"pid": os.getpid(), "host": socket.gethostname()},
+    }
+    body["manifest_checksum"] = _digest(body, algo)
+    return json.dumps(body, indent=1, sort_keys=True).encode()
+
+
+def decode_manifest(data: bytes, iteration: int, where: str) -> PointRecord:
+    try:
+        body = json.loads(data)
+        stored = body.pop("manifest_checksum")
+        algo = body["checksum_algo"]
+        if body.get("format") != FORMAT:
+            raise CorruptEntryError(where, f"unsupported manifest format {body.get('format')!r}, "
+                                           f"this moe-ft reads {FORMAT!r}")
+        if _digest(body, algo) != stored:
+            raise CorruptEntryError(where, "manifest checksum mismatch")
+        if body["iteration"] != iteration:
+            raise CorruptEntryError(where, f"manifest is for iteration {body['iteration']}")
+        entries = [EntryRecord.from_json(iteration, e) for e in body["entries"]]
+        meta = EntryRecord.from_json(iteration, body["meta"]) if body["meta"] else None
+        return PointRecord(iteration, algo, {e.op: e for e in entries}, meta,
+                           float(body["created_unix"]), dict(body["writer"]))
+    except CorruptEntryError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptEntryError(where, f"unreadable manifest ({type(exc).__name__}: {exc})") from None

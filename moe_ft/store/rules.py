@@ -1,0 +1,175 @@
+"""Completeness rules: "can a policy recover from the store so that its state at iteration ``end`` is
+restored, and which entries does that need?" The store stays policy-agnostic; recovery passes a rule.
+
+A rule is any callable ``rule(catalog, end) -> RecoveryPoint | None``. The natural ones:
+
+- :class:`DenseRule` — every operator FULL at ``end`` (dense checkpointing, CheckFreq/Gemini).
+- :class:`SparseWindowRule` — MoEvement §3.2–3.3 sparse-to-dense conversion over a window
+  ``[start, end]``: every operator has a FULL entry at some ``f`` in the window (where it becomes
+  *active*) and an entry (COMPUTE, its frozen weights) at every iteration in ``[start, f)``.
+- :class:`NewestFullRule` — lossy recovery (``pec``/``selective``, MoC §5, MoEtion §6): every operator
+  restored from its newest FULL entry at or before ``end``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store.catalog import Catalog
+
+
+@dataclass(frozen=True, order=True)
+class EntryRef:
+    """Key of one entry: ``op is None`` (and ``level is None``) denotes the metadata entry."""
+
+    iteration: int
+    op: OperatorId | None = None
+    level: Level | None = None
+
+
+@dataclass(frozen=True)
+class RecoveryPoint:
+    """What recovery loads: ``full_at[op]`` is the iteration whose FULL entry restores ``op``; ``entries``
+    lists every entry needed (FULL, the COMPUTE entries of frozen operators, metadata). The restored
+    state is that after iteration ``end``; replay (sparse) starts at ``start``."""
+
+    start: int
+    end: int
+    full_at: dict[OperatorId, int]
+    entries: tuple[EntryRef, ...]
+
+    @property
+    def iterations(self) -> list[int]:
+        return sorted({e.iteration for e in self.entries} | {self.end})
+
+
+RecoveryRule = Callable[[Catalog, int], "RecoveryPoint | None"]
+
+
+def _meta_refs(catalog: Catalog, iterations: Iterable[int], require_meta: bool) -> list[EntryRef] | None:
+    refs = []
+    for it in iterations:
+        if catalog.has_meta(it):
+            refs.append(EntryRef(it))
+        elif require_meta:
+            return None
+    return refs
+
+
+def dense_complete(catalog: Catalog, end: int, operators: Iterable[OperatorId],
+                   require_meta: bool = True) -> RecoveryPoint | None:
+    ops = sorted(operators)
+    if catalog.point(end) is None or any(catalog.level(end, op) != Level.FULL for op in ops):
+        return None
+    meta = _meta_refs(catalog, [end], require_meta)
+    if meta is None:
+        return None
+    return RecoveryPoint(end, end, {op: end for op in ops},
+                         tuple(EntryRef(end, op, Level.FULL) for op in ops) + tuple(meta))
+
+
+def sparse_window_complete(catalog: Catalog, start: int, end: int, operators: Iterable[OperatorId],
+                           require_meta: bool = True) -> RecoveryPoint | None:
+    if start > end:
+        raise ValueError(f"window start {start} is after its end {end}")
+    if any(catalog.point(it) is None for it in range(start, end + 1)):
+        return None  # a missing snapshot in the window breaks the replay
+    full_at: dict[OperatorId, int] = {}
+    refs: list[EntryRef] = []
+    for op in sorted(operators):
+        for it in range(start, end + 1):
+            level = catalog.level(it, op)
+            if level == Level.FULL:
+                full_at[op] = it
+                refs.append(EntryRef(it, op, Level.FULL))
+                break
+            if level != Level.COMPUTE:
+                return None  # frozen at `it` without its compute weights
+            refs.append(EntryRef(it, op, Level.COMPUTE))
+        else:
+            return None  # never FULL in the window
+    meta = _meta_refs(catalog, range(start, end + 1), require_meta)
+    if meta is None:
+        return None
+    return RecoveryPoint(start, end, full_at, tuple(refs + meta))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DenseRule:
+    operators: frozenset[OperatorId]
+    """Operators this rank must restore."""
+    require_meta: bool = True
+    """Also require the per-iteration metadata entry (RNG, loss scale, …) at the point."""
+
+    def __call__(self, catalog: Catalog, end: int) -> RecoveryPoint | None:
+        return dense_complete(catalog, end, self.operators, self.require_meta)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseWindowRule:
+    operators: frozenset[OperatorId]
+    """Operators this rank must restore."""
+    window_of: Callable[[int], tuple[int, int] | None]
+    """Maps an iteration to the window ``(start, end)`` that ends there, or ``None`` if no window ends
+    there. Use :meth:`aligned` for fixed windows or :meth:`explicit` for the policy's window history."""
+    require_meta: bool = True
+    """Require a metadata entry at every iteration of the window (exact replay needs each one)."""
+
+    @classmethod
+    def aligned(cls, operators: Iterable[OperatorId], window_size: int, offset: int = 0,
+                require_meta: bool = True) -> "SparseWindowRule":
+        """Windows ``[offset + k*W, offset + (k+1)*W - 1]``."""
+        if window_size < 1:
+            raise ValueError(f"window_size must be >= 1, got {window_size}")
+
+        def window_of(end: int) -> tuple[int, int] | None:
+            start = end - window_size + 1
+            return (start, end) if start >= offset and (start - offset) % window_size == 0 else None
+
+        return cls(operators=frozenset(operators), window_of=window_of, require_meta=require_meta)
+
+    @classmethod
+    def explicit(cls, operators: Iterable[OperatorId], windows: Sequence[tuple[int, int]],
+                 require_meta: bool = True) -> "SparseWindowRule":
+        """Windows given as ``(start, end)`` pairs (e.g. after a reorder changed the window size)."""
+        by_end = {end: (start, end) for start, end in windows}
+        return cls(operators=frozenset(operators), window_of=by_end.get, require_meta=require_meta)
+
+    def __call__(self, catalog: Catalog, end: int) -> RecoveryPoint | None:
+        window = self.window_of(end)
+        if window is None:
+            return None
+        return sparse_window_complete(catalog, window[0], window[1], self.operators, self.require_meta)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NewestFullRule:
+    operators: frozenset[OperatorId]
+    """Operators this rank must restore."""
+    require_meta: bool = True
+    """Require the metadata entry at ``end``."""
+
+    def __call__(self, catalog: Catalog, end: int) -> RecoveryPoint | None:
+        if catalog.point(end) is None:
+            return None
+        full_at = catalog.newest_full_map(sorted(self.operators), end)
+        if any(it is None for it in full_at.values()):
+            return None
+        meta = _meta_refs(catalog, [end], self.require_meta)
+        if meta is None:
+            return None
+        refs = tuple(EntryRef(it, op, Level.FULL) for op, it in full_at.items()) + tuple(meta)
+        return RecoveryPoint(min(full_at.values(), default=end), end, dict(full_at), refs)
+
+
+def newest_recoverable(catalog: Catalog, rule: RecoveryRule, at_or_before: int | None = None) -> RecoveryPoint | None:
+    """The recovery point with the largest ``end`` (≤ ``at_or_before``) that ``rule`` accepts."""
+    for end in reversed(catalog.iterations):
+        if at_or_before is not None and end > at_or_before:
+            continue
+        point = rule(catalog, end)
+        if point is not None:
+            return point
+    return None

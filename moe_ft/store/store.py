@@ -1,0 +1,368 @@
+"""The snapshot store: writes recovery points (one per iteration) into a :class:`StoreBackend`, reads them
+back verified, answers recovery's queries and garbage-collects by a :class:`RetentionPolicy`.
+
+Writer side (the snapshot engine's background thread)::
+
+    with store.begin(iteration) as point:          # invisible until publish()
+        point.put(OperatorId.expert_op(3, 7), Level.FULL, {"weight": w, "master.weight": m, ...})
+        point.put_meta({"grad_norm": 1.25, "loss_scale": 65536.0}, {"rng.cpu": rng})
+        point.publish()                            # atomic; then garbage collection
+
+Reader side (recovery, ``moe-ft inspect``)::
+
+    rp = store.newest_recoverable(SparseWindowRule.aligned(ops, window_size=4), verify=True)
+    tensors = store.load(it, op, Level.FULL)       # raises CorruptEntryError, never returns bad bytes
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+
+from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store.backend import MANIFEST, FaultHook, StagingInfo, StoreBackend
+from moe_ft.store.catalog import Catalog, Problem
+from moe_ft.store.codec import new_checksum, read_entry, write_entry
+from moe_ft.store.errors import CorruptEntryError, MissingEntryError, StoreError
+from moe_ft.store.local import LocalFSBackend
+from moe_ft.store.manifest import (META_BLOB, EntryRecord, PointRecord, TensorRecord, decode_manifest,
+                                   encode_manifest, entry_blob, entry_key)
+from moe_ft.store.retention import RetentionPolicy
+from moe_ft.store.rules import EntryRef, RecoveryPoint, RecoveryRule
+
+logger = logging.getLogger("moe_ft.store")
+
+
+@dataclass(kw_only=True)
+class StoreConfig:
+    """Node-local store of one rank: ``<root>/<job_id>/rank<rank>``."""
+
+    root: str = "/dev/shm/moe_ft"
+    """Parent directory; a tmpfs so that snapshots outlive the worker process (SPEC §4)."""
+    job_id: str = "default"
+    """Job name; separates concurrent jobs on one node."""
+    rank: int = 0
+    """Global rank owning the directory (one writing process per directory)."""
+    fsync: bool = False
+    """fsync files and directories around publish. Only useful when ``root`` is a disk; tmpfs needs none."""
+    checksum: str = "crc32"
+    """Entry checksum: ``crc32`` (fast, detects torn writes and bit flips) or ``blake2b``."""
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.root) / self.job_id / f"rank{self.rank}"
+
+    def build(self, retention: RetentionPolicy | None = None, fault_hook: FaultHook | None = None) -> "SnapshotStore":
+        backend = LocalFSBackend(self.directory, fsync=self.fsync, fault_hook=fault_hook)
+        return SnapshotStore(backend, checksum=self.checksum, retention=retention)
+
+
+@dataclass(frozen=True)
+class MetaEntry:
+    """Per-iteration scalars for exact replay (grad norm, loss scale, LR position, consumed samples …)
+    and tensors (RNG states, popularity counters)."""
+
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+
+def _records(iteration: int, op: OperatorId | None, level: Level | None, blob: str, written) -> EntryRecord:
+    tensors = tuple(TensorRecord(t["name"], t["dtype"], tuple(t["shape"]), t["nbytes"]) for t in written.tensors)
+    return EntryRecord(iteration, op, level, blob, written.nbytes, written.checksum, tensors)
+
+
+class PendingPoint:
+    """A point being written. ``put``/``put_meta`` may be called from several threads at once (one entry
+    each); tensors are written straight from their memory (e.g. pinned host buffers) and may be reused as
+    soon as ``put`` returns. Leaving the ``with`` block without :meth:`publish` aborts the point."""
+
+    def __init__(self, store: "SnapshotStore", iteration: int) -> None:
+        self.iteration = iteration
+        self._store = store
+        self._writer = store.backend.begin_point(iteration)
+        self._lock = threading.Lock()
+        self._entries: dict[OperatorId, EntryRecord] = {}
+        self._meta: EntryRecord | None = None
+        self._reserved: set[str] = set()
+        self._state = "open"
+
+    def _reserve(self, what: str) -> None:
+        with self._lock:
+            if self._state != "open":
+                raise RuntimeError(f"point {self.iteration} is {self._state}; cannot add {what}")
+            if what in self._reserved:
+                raise ValueError(f"point {self.iteration} already holds {what} (a plan gives each operator "
+                                 f"one level per iteration)")
+            self._reserved.add(what)
+
+    def _write(self, blob: str, key: dict, tensors: Mapping[str, torch.Tensor], meta=None):
+        sink = self._writer.open_blob(blob)
+        try:
+            written = write_entry(sink.write, key, tensors, self._store.checksum, meta)
+        finally:
+            sink.close()
+        return written
+
+    def put(self, op: OperatorId, level: Level, tensors: Mapping[str, torch.Tensor]) -> EntryRecord:
+        """Write the entry (iteration, ``op``, ``level``): named contiguous CPU tensors of any dtype."""
+        if not isinstance(op, OperatorId):
+            raise TypeError(f"op must be an OperatorId, got {type(op).__name__}")
+        level = Level(level)
+        if level == Level.NONE:
+            raise ValueError(f"{op}: level NONE saves nothing; leave the operator out instead")
+        self._reserve(str(op))
+        blob = entry_blob(op, level)
+        record = _records(self.iteration, op, level, blob,
+                          self._write(blob, entry_key(self.iteration, op, level), tensors))
+        with self._lock:
+            self._entries[op] = record
+        return record
+
+    def put_meta(self, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None) -> EntryRecord:
+        """Write the iteration's metadata entry: a JSON-able dict (floats round-trip exactly) + tensors."""
+        try:
+            meta = json.loads(json.dumps(dict(meta), allow_nan=True))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"metadata of iteration {self.iteration} is not JSON-serialisable: {exc}") from None
+        self._reserve("meta")
+        record = _records(self.iteration, None, None, META_BLOB,
+                          self._write(META_BLOB, entry_key(self.iteration, None, None), tensors or {}, meta))
+        with self._lock:
+            self._meta = record
+        return record
+
+    def publish(self) -> PointRecord:
+        """Make the point visible atomically, then run garbage collection."""
+        with self._lock:
+            if self._state != "open":
+                raise RuntimeError(f"point {self.iteration} is {self._state}")
+            self._state = "publishing"
+        try:
+            manifest = encode_manifest(self.iteration, self._store.checksum, list(self._entries.values()), self._meta)
+            self._writer.commit(manifest)
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "published"
+        record = decode_manifest(manifest, self.iteration, "(just written)")
+        self._store._after_publish(self.iteration)
+        return record
+
+    def abort(self) -> None:
+        if self._state != "published":
+            self._state = "aborted"
+            self._writer.abort()
+
+    def __enter__(self) -> "PendingPoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.abort()
+
+
+class SnapshotStore:
+    def __init__(self, backend: StoreBackend, *, checksum: str = "crc32",
+                 retention: RetentionPolicy | None = None) -> None:
+        new_checksum(checksum)  # validates the name
+        self.backend = backend
+        self.checksum = checksum
+        self.retention = retention
+        self._lock = threading.Lock()
+        self._pins: Counter[int] = Counter()
+
+    def __repr__(self) -> str:
+        return f"SnapshotStore({self.backend.describe()})"
+
+    # -- writing ---------------------------------------------------------------------------------------
+    def begin(self, iteration: int) -> PendingPoint:
+        """Start point ``iteration``. Re-snapshotting a published iteration (e.g. during replay) needs an
+        explicit :meth:`discard_after` or :meth:`delete_point` first."""
+        if iteration in self.backend.list_points():
+            raise ValueError(f"point {iteration} is already published in {self.backend.describe()}; "
+                             f"call discard_after({iteration - 1}) after a rollback before re-snapshotting it")
+        return PendingPoint(self, iteration)
+
+    def _after_publish(self, iteration: int) -> None:
+        if self.retention is not None:
+            self.gc()
+
+    # -- listing ---------------------------------------------------------------------------------------
+    def points(self) -> list[int]:
+        """Published iterations, ascending (whatever their completeness)."""
+        return self.backend.list_points()
+
+    def staging(self) -> list[StagingInfo]:
+        """Unpublished points: in flight, or torn by a writer that died (never readable)."""
+        return self.backend.list_staging()
+
+    def _where(self, iteration: int, blob: str) -> str:
+        return f"{self.backend.describe()} iteration {iteration} {blob}"
+
+    def catalog(self, iterations: Iterable[int] | None = None) -> Catalog:
+        """Read the manifests. A point whose manifest is damaged, or an entry whose file is missing or has
+        the wrong size, is left out with a warning naming it (``Catalog.problems``). Checksums of entry
+        bytes are verified by :meth:`load` / :meth:`verify`, not here."""
+        points: dict[int, PointRecord] = {}
+        problems: list[Problem] = []
+        for it in self.points() if iterations is None else iterations:
+            try:
+                record = decode_manifest(self.backend.read_blob(it, MANIFEST), it, self._where(it, MANIFEST))
+            except FileNotFoundError:
+                if it in self.points():  # a point without manifest; a concurrently deleted one is silent
+                    problems.append(Problem(it, "point", "manifest missing"))
+                continue
+            except CorruptEntryError as exc:
+                problems.append(Problem(it, "point", exc.reason))
+                continue
+            bad = []
+            for entry in record.all_entries():
+                size = self.backend.blob_size(it, entry.blob)
+                if size != entry.nbytes:
+                    reason = "file missing" if size is None else f"size {size} != {entry.nbytes} in manifest"
+                    problems.append(Problem(it, entry.name, reason))
+                    bad.append(entry)
+            entries = {op: e for op, e in record.entries.items() if e not in bad}
+            meta = None if record.meta in bad else record.meta
+            points[it] = PointRecord(it, record.checksum_algo, entries, meta, record.created_unix, record.writer)
+        for problem in problems:
+            logger.warning("moe-ft store %s: skipping %s", self.backend.describe(), problem)
+        return Catalog(points, problems)
+
+    # -- reading ---------------------------------------------------------------------------------------
+    def _entry(self, catalog: Catalog | None, ref: EntryRef) -> tuple[EntryRecord, str]:
+        catalog = catalog or self.catalog([ref.iteration])
+        point = catalog.point(ref.iteration)
+        entry = None if point is None else (point.meta if ref.op is None else point.entries.get(ref.op))
+        if entry is None or (ref.op is not None and entry.level != ref.level):
+            what = "metadata" if ref.op is None else f"{ref.op} at level {Level(ref.level).name}"
+            raise MissingEntryError(f"no valid {what} in point {ref.iteration} of {self.backend.describe()} "
+                                    f"(published points: {self.points()})")
+        return entry, point.checksum_algo
+
+    def _read(self, entry: EntryRecord, algo: str, out) -> Any:
+        where = self._where(entry.iteration, entry.blob)
+        try:
+            with self.backend.open_blob(entry.iteration, entry.blob) as stream:
+                return read_entry(stream, size=entry.nbytes, checksum=entry.checksum, algo=algo,
+                                  key=entry.key, where=where, out=out)
+        except FileNotFoundError:
+            raise CorruptEntryError(where, "file disappeared (deleted while reading?)") from None
+
+    def load(self, iteration: int, op: OperatorId, level: Level, *, out: Mapping[str, torch.Tensor] | None = None,
+             catalog: Catalog | None = None) -> dict[str, torch.Tensor]:
+        """The verified tensors of entry (iteration, op, level); into ``out``'s buffers if given.
+        Raises :class:`MissingEntryError` or :class:`CorruptEntryError`."""
+        entry, algo = self._entry(catalog, EntryRef(iteration, op, Level(level)))
+        return self._read(entry, algo, out).tensors
+
+    def load_meta(self, iteration: int, *, out: Mapping[str, torch.Tensor] | None = None,
+                  catalog: Catalog | None = None) -> MetaEntry:
+        entry, algo = self._entry(catalog, EntryRef(iteration))
+        decoded = self._read(entry, algo, out)
+        return MetaEntry(decoded.header.get("meta", {}), decoded.tensors)
+
+    def verify_entry(self, entry: EntryRecord, algo: str) -> str | None:
+        """``None`` if the entry's bytes match its checksum, else the reason."""
+        try:
+            self._read(entry, algo, None)
+        except CorruptEntryError as exc:
+            return exc.reason
+        return None
+
+    def verify(self, iterations: Iterable[int] | None = None) -> Catalog:
+        """Checksum every entry; the returned catalog holds only verified entries, with all problems."""
+        catalog = self.catalog(iterations)
+        for point in catalog.points():
+            for entry in point.all_entries():
+                reason = self.verify_entry(entry, point.checksum_algo)
+                if reason is not None:
+                    logger.warning("moe-ft store %s: skipping iteration %d %s: %s", self.backend.describe(),
+                                   entry.iteration, entry.name, reason)
+                    catalog = catalog.without(entry.iteration, entry, reason)
+        return catalog
+
+    # -- recovery queries --------------------------------------------------------------------------------
+    def newest_full(self, op: OperatorId, at_or_before: int | None = None) -> int | None:
+        """Iteration of ``op``'s newest FULL entry at or before ``at_or_before`` (lossy recovery)."""
+        return self.catalog().newest_full(op, at_or_before)
+
+    def newest_recoverable(self, rule: RecoveryRule, *, at_or_before: int | None = None,
+                           verify: bool = False) -> RecoveryPoint | None:
+        """Newest recovery point ``rule`` accepts. With ``verify`` every entry it needs is checksummed
+        first; a corrupt one is skipped with a warning and the search continues without it."""
+        from moe_ft.store.rules import newest_recoverable
+
+        catalog = self.catalog()
+        verified: set[EntryRef] = set()
+        while True:
+            point = newest_recoverable(catalog, rule, at_or_before)
+            if point is None or not verify:
+                return point
+            for ref in point.entries:
+                if ref in verified:
+                    continue
+                entry, algo = self._entry(catalog, ref)
+                reason = self.verify_entry(entry, algo)
+                if reason is not None:
+                    logger.warning("moe-ft store %s: skipping iteration %d %s: %s", self.backend.describe(),
+                                   ref.iteration, entry.name, reason)
+                    catalog = catalog.without(ref.iteration, entry, reason)
+                    break
+                verified.add(ref)
+            else:
+                return point
+
+    # -- deletion ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def pin(self, iterations: Iterable[int]) -> Iterator[None]:
+        """Keep ``iterations`` from garbage collection while the block runs (a replication or persistence
+        thread reading them, a recovery loading them)."""
+        its = list(iterations)
+        with self._lock:
+            self._pins.update(its)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pins.subtract(its)
+                self._pins += Counter()  # drop zero counts
+
+    def delete_point(self, iteration: int) -> None:
+        with self._lock:
+            if self._pins[iteration] > 0:
+                raise StoreError(f"point {iteration} is pinned (being read); unpin before deleting it")
+        self.backend.delete_point(iteration)
+
+    def discard_after(self, iteration: int) -> list[int]:
+        """Delete every published point newer than ``iteration`` (after rolling back to it)."""
+        doomed = [it for it in self.points() if it > iteration]
+        for it in doomed:
+            self.delete_point(it)
+        return doomed
+
+    def gc(self) -> list[int]:
+        """Delete the points the retention policy does not keep (and leftovers of dead writers)."""
+        if self.retention is None:
+            return []
+        catalog = self.catalog()
+        keep = self.retention.keep(catalog)
+        with self._lock:
+            pinned = {it for it, n in self._pins.items() if n > 0}
+        # Unreadable points are not in the catalog: the policy cannot vouch for them, and they must not
+        # pile up, so they go once older than the oldest kept point.
+        oldest_kept = min(keep | pinned, default=None)
+        doomed = [it for it in self.points() if it not in keep and it not in pinned
+                  and (it in catalog.iterations or (oldest_kept is not None and it < oldest_kept))]
+        for it in doomed:
+            self.backend.delete_point(it)
+        self.backend.sweep_staging()
+        return doomed
