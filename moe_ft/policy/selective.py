@@ -1,0 +1,145 @@
+"""Selective expert checkpointing (MoEtion §4.1-4.3, Algorithm 1).
+
+Every iteration all non-expert operators are FULL (§4.1) and a budget-limited set of experts is FULL; the
+remaining experts are NONE (lossy; the recovery code reports MLT, MoEtion eq. 6, and boosts the capacity
+of stale experts, §6).
+
+Budgets (§4.2) are bytes per iteration *per device*: ``B_local = BW_host × T_iter`` bounds what one GPU
+copies to host memory (the FULL operators of this plan), ``B_remote = BW_net × T_iter`` what it sends to
+its replication peers (:meth:`SelectivePolicy.remote_plan`). For each rank key (see ``base.py``) the
+non-expert FULL bytes are charged first; the rest buys ``S_total = floor(B / C_expert)`` experts, with
+``C_expert`` the largest FULL size among that rank's experts, so the budget is never exceeded. ``S_total``
+is split over the rank's MoE layers in proportion to their token risk ``R[l]`` (sum of tokens since last
+FULL of the layer's experts), floors first, then largest remainders (Alg. 1 line 5 "adjust so that the
+sum is S_total"), capped at the layer's expert count; each layer saves its top ``S[l]`` experts by tokens
+since last FULL snapshot (§4.3), ties by OperatorId.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from moe_ft.policy.base import (
+    RankKey,
+    SnapshotPolicy,
+    experts_by_layer,
+    expert_scores,
+    make_plan,
+    rank_key,
+    top_by_score,
+)
+from moe_ft.state.operators import Level, OperatorId, OperatorInfo, SnapshotPlan
+
+
+@dataclass(kw_only=True)
+class SelectiveConfig:
+    local_budget: int
+    """``B_local`` in bytes per iteration per device: host-link bandwidth × iteration time (§4.2)."""
+    remote_budget: int
+    """``B_remote`` in bytes per iteration per device: network bandwidth × iteration time (§4.2)."""
+    remote_includes_non_expert: bool = True
+    """Charge non-expert FULL bytes to the remote budget too. Set False when data parallelism already
+    replicates the non-expert state (MoEtion §5.1) and replication skips it."""
+
+    def __post_init__(self) -> None:
+        if self.local_budget < 0 or self.remote_budget < 0:
+            raise ValueError("SelectiveConfig budgets are byte counts and must be >= 0")
+
+    @staticmethod
+    def from_bandwidth(*, host_bytes_per_s: float, net_bytes_per_s: float, t_iter_s: float,
+                       **kwargs) -> "SelectiveConfig":
+        """``B = bandwidth × T_iter`` for both budgets (MoEtion §4.2)."""
+        if min(host_bytes_per_s, net_bytes_per_s, t_iter_s) <= 0:
+            raise ValueError("bandwidths and iteration time must be positive")
+        return SelectiveConfig(local_budget=int(host_bytes_per_s * t_iter_s),
+                               remote_budget=int(net_bytes_per_s * t_iter_s), **kwargs)
+
+
+def allocate_proportional(total: int, risks: Sequence[float], caps: Sequence[int]) -> list[int]:
+    """``S[i] = floor(R[i] / sum(R) × total)`` then the leftover one by one by largest remainder (ties:
+    lower index), never above ``caps[i]`` (MoEtion Alg. 1, COMPUTES). With zero total risk the shares are
+    equal. Returns a list summing to ``min(total, sum(caps))``."""
+    n = len(risks)
+    total = min(max(total, 0), sum(caps))
+    risk_sum = float(sum(risks))
+    ideal = [(r / risk_sum) * total if risk_sum > 0 else total / n for r in risks]
+    alloc = [min(int(x), c) for x, c in zip(ideal, caps)]
+    while sum(alloc) < total:
+        free = [i for i in range(n) if alloc[i] < caps[i]]
+        best = max(free, key=lambda i: (ideal[i] - alloc[i], -i))
+        alloc[best] += 1
+    return alloc
+
+
+class SelectivePolicy(SnapshotPolicy):
+    """MoEtion selective expert checkpointing; see the module docstring. Stateless: the token risk comes
+    from ``popularity.since_full`` (the engine calls ``mark_full`` after each snapshot)."""
+
+    name = "selective"
+
+    def __init__(self, config: SelectiveConfig, operators: Sequence[OperatorInfo]) -> None:
+        super().__init__(operators)
+        self.config = config
+        self._non_expert_bytes: dict[RankKey, int] = {}
+        self._experts: dict[RankKey, dict[int, list[OperatorInfo]]] = {}
+        for info in self.operators:
+            key = rank_key(info)
+            self._non_expert_bytes.setdefault(key, 0)
+            if not info.op.is_expert:
+                self._non_expert_bytes[key] += info.bytes_full
+        for key in self._non_expert_bytes:
+            self._experts[key] = experts_by_layer(i for i in self.operators if rank_key(i) == key)
+        for key, nbytes in sorted(self._non_expert_bytes.items()):
+            if nbytes > config.local_budget:
+                raise ValueError(
+                    f"local_budget of {config.local_budget} bytes is below the {nbytes} bytes of non-expert "
+                    f"FULL state on rank (pp={key[0]}, ep={key[1]}); MoEtion saves non-experts every "
+                    "iteration, so raise the budget (bandwidth × iteration time) or use the sparse policy"
+                )
+            if config.remote_includes_non_expert and nbytes > config.remote_budget:
+                raise ValueError(
+                    f"remote_budget of {config.remote_budget} bytes is below the {nbytes} bytes of non-expert "
+                    f"FULL state on rank (pp={key[0]}, ep={key[1]}); raise it, or set "
+                    "remote_includes_non_expert=False when data parallelism already replicates that state"
+                )
+
+    def _select(self, budget: int, popularity, candidates: Optional[set[OperatorId]],
+                charge_non_expert: bool) -> list[OperatorId]:
+        chosen: list[OperatorId] = []
+        for key, layers in sorted(self._experts.items()):
+            layers = {l: [i for i in exps if candidates is None or i.op in candidates]
+                      for l, exps in layers.items()}
+            layers = {l: exps for l, exps in layers.items() if exps}
+            if not layers:
+                continue
+            avail = budget - (self._non_expert_bytes[key] if charge_non_expert else 0)
+            cost = max(i.bytes_full for exps in layers.values() for i in exps)
+            s_total = max(avail, 0) // cost if cost > 0 else sum(len(e) for e in layers.values())
+            scores = {}
+            for exps in layers.values():
+                scores.update(expert_scores(popularity, exps, "since_full"))
+            risks = [sum(scores[i.op] for i in exps) for exps in layers.values()]
+            alloc = allocate_proportional(s_total, risks, [len(e) for e in layers.values()])
+            for exps, s in zip(layers.values(), alloc):
+                chosen.extend(i.op for i in top_by_score(exps, scores, s))
+        return sorted(chosen)
+
+    def selected_experts(self, iteration: int, popularity=None) -> list[OperatorId]:
+        """Experts FULL in the local snapshot after ``iteration`` (SELECTEXPERTS(B_local))."""
+        return self._select(self.config.local_budget, popularity, None, True)
+
+    def plan(self, iteration: int, popularity=None) -> SnapshotPlan:
+        levels = {i.op: Level.FULL for i in self.operators if not i.op.is_expert}
+        levels.update({op: Level.FULL for op in self.selected_experts(iteration, popularity)})
+        return make_plan(self.operators, levels)
+
+    def remote_plan(self, iteration: int, snapshot_plan: Mapping[OperatorId, Level], popularity=None) -> SnapshotPlan:
+        """What to replicate to remote peers: SELECTEXPERTS(B_remote) restricted to the experts FULL in the
+        local ``snapshot_plan`` (one cannot replicate what was not snapshotted), plus the non-experts unless
+        ``remote_includes_non_expert`` is False. Pass the same popularity as to :meth:`plan`."""
+        full = {op for op, lvl in snapshot_plan.items() if lvl == Level.FULL}
+        charge = self.config.remote_includes_non_expert
+        levels = {op: Level.FULL for op in full if not op.is_expert and charge}
+        levels.update({op: Level.FULL for op in self._select(self.config.remote_budget, popularity, full, charge)})
+        return make_plan(self.operators, levels)

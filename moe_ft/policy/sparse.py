@@ -1,0 +1,172 @@
+"""Sparse checkpointing (MoEvement §3.2, §3.5, Algorithm 1, App. B): the default, exact policy.
+
+Training is cut into windows of ``W_sparse`` iterations. Within a window every operator is FULL after
+exactly one iteration (its *slice*); before that it is COMPUTE, after it NONE, so the snapshots of one
+window together hold a consistent dense checkpoint (sparse-to-dense conversion, §3.3). Operators are
+ordered by ascending popularity so popular experts stay frozen longest during conversion (§3.5). The
+order is decided only at a window boundary, and changes only when at least 25 % of the experts changed
+their activation frequency by more than 10 % since the last ordering (§3.5). Layout arithmetic is in
+``sparse_schedule.py``.
+
+Recovery reads :meth:`SparsePolicy.window_of` (window start, length, iteration at which each operator was
+FULL) for the current and the previous window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence, Union
+
+from moe_ft.policy.base import SnapshotPolicy, expert_scores
+from moe_ft.policy.sparse_schedule import (
+    ORDERS,
+    RankSlicing,
+    SparseWindow,
+    layer_shares,
+    layout_window,
+    order_operators,
+    should_reorder,
+)
+from moe_ft.state.operators import OperatorId, OperatorInfo, SnapshotPlan
+
+
+@dataclass(kw_only=True)
+class SparseConfig:
+    window: Union[int, str] = "auto"
+    """``W_sparse``: ``"auto"`` (``FindWindowSize`` per device, Alg. 1) or a fixed number of iterations."""
+    bandwidth_bytes_per_s: Optional[float] = None
+    """Device-to-host bandwidth of one device (``B_PCIe``); needed by ``window="auto"``."""
+    t_iter_s: Optional[float] = None
+    """Iteration time ``T_Iter`` in seconds; needed by ``window="auto"``."""
+    order: str = "popularity"
+    """``popularity`` (hard counts, §3.5), ``soft`` (gate probabilities), ``ema`` (time-decayed) or
+    ``capacity`` (hard counts / capacity), MoEvement App. B."""
+    capacity: Optional[Mapping[str, float]] = None
+    """For ``order="capacity"``: tokens per batch each expert can take, keyed by ``str(OperatorId)``
+    (e.g. ``"expert.L3.E7"``); experts missing from it count as capacity 1."""
+    reorder_fraction: float = 0.25
+    """Reorder when at least this fraction of experts changed popularity (§3.5: 25 %)."""
+    reorder_change: float = 0.10
+    """... by more than this relative change of their share of the layer's tokens (§3.5: 10 %)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, str):
+            if self.window != "auto":
+                raise ValueError(f"SparseConfig.window must be 'auto' or a positive int, got {self.window!r}")
+            if self.bandwidth_bytes_per_s is None or self.t_iter_s is None:
+                raise ValueError("SparseConfig.window='auto' needs bandwidth_bytes_per_s and t_iter_s "
+                                 "(device-to-host bandwidth and iteration time), or set a fixed window")
+        elif self.window < 1:
+            raise ValueError(f"SparseConfig.window must be >= 1, got {self.window}")
+        for name in ("bandwidth_bytes_per_s", "t_iter_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"SparseConfig.{name} must be positive, got {value}")
+        if self.order not in ORDERS:
+            raise ValueError(f"SparseConfig.order must be one of {sorted(ORDERS)}, got {self.order!r}")
+        if self.order == "capacity" and not self.capacity:
+            raise ValueError("SparseConfig.order='capacity' needs SparseConfig.capacity (tokens per expert)")
+        if self.capacity and any(v <= 0 for v in self.capacity.values()):
+            raise ValueError("SparseConfig.capacity values must be positive")
+        if not 0.0 < self.reorder_fraction <= 1.0 or self.reorder_change < 0:
+            raise ValueError("SparseConfig.reorder_fraction must be in (0, 1] and reorder_change >= 0")
+
+
+class SparsePolicy(SnapshotPolicy):
+    """MoEvement sparse checkpointing; see the module docstring."""
+
+    name = "sparse"
+
+    def __init__(self, config: SparseConfig, operators: Sequence[OperatorInfo]) -> None:
+        super().__init__(operators)
+        self.config = config
+        self._experts = [i for i in self.operators if i.op.is_expert]
+        if config.capacity:
+            known = {str(i.op) for i in self._experts}
+            unknown = sorted(set(config.capacity) - known)
+            if unknown:
+                raise ValueError(f"SparseConfig.capacity names unknown experts {unknown[:5]}")
+        self.current: Optional[SparseWindow] = None
+        self.previous: Optional[SparseWindow] = None
+        self.slicing: dict = {}
+        """Per rank key, the :class:`RankSlicing` of the current window (peak bytes, whether it fits)."""
+        self.num_reorders = 0
+        self._reference: dict[OperatorId, float] = {}
+
+    # -------------------------------------------------------------------------------- ordering
+    def scores(self, popularity) -> dict[OperatorId, float]:
+        """The ordering score of every expert (App. B)."""
+        raw = expert_scores(popularity, self._experts, ORDERS[self.config.order])
+        if self.config.order == "capacity":
+            cap = self.config.capacity or {}
+            raw = {op: v / float(cap.get(str(op), 1.0)) for op, v in raw.items()}
+        return raw
+
+    def _new_window(self, start: int, scores: Mapping[OperatorId, float]) -> SparseWindow:
+        order = order_operators(self.operators, scores)
+        fixed = None if self.config.window == "auto" else int(self.config.window)
+        length, slices, self.slicing = layout_window(
+            self.operators, order, window=fixed,
+            bandwidth_bytes_per_s=self.config.bandwidth_bytes_per_s, t_iter_s=self.config.t_iter_s)
+        self._reference = layer_shares(scores)
+        return SparseWindow(start, length, tuple(order), slices)
+
+    def _advance(self, iteration: int, popularity) -> None:
+        cur = self.current
+        assert cur is not None
+        start = cur.start + cur.length * ((iteration - cur.start) // cur.length)
+        scores = self.scores(popularity)
+        if should_reorder(self._reference, layer_shares(scores), change=self.config.reorder_change,
+                          fraction=self.config.reorder_fraction):
+            nxt = self._new_window(start, scores)
+            self.num_reorders += 1
+        else:
+            nxt = SparseWindow(start, cur.length, cur.order, cur.slice_of)
+        self.previous = SparseWindow(start - cur.length, cur.length, cur.order, cur.slice_of)
+        self.current = nxt
+
+    # ----------------------------------------------------------------------------------- plans
+    def plan(self, iteration: int, popularity=None) -> SnapshotPlan:
+        """The plan after ``iteration``. The first call opens the first window at ``iteration``; a call past
+        the current window opens the next one (reordering only then); a call inside the previous window
+        (a recovery replay) returns that window's plan unchanged."""
+        if self.current is None:
+            self.current = self._new_window(iteration, self.scores(popularity))
+        elif iteration >= self.current.end:
+            self._advance(iteration, popularity)
+        return self.window_of(iteration).plan(iteration)
+
+    def window_of(self, iteration: int) -> SparseWindow:
+        """The remembered window (current or previous) holding ``iteration``: its ``start``, ``length``,
+        ``order`` and ``activation_iteration(op)`` / ``activation_schedule()`` for recovery."""
+        for win in (self.current, self.previous):
+            if win is not None and win.contains(iteration):
+                return win
+        known = [f"[{w.start}, {w.end})" for w in (self.previous, self.current) if w is not None]
+        raise ValueError(f"iteration {iteration} is in no remembered window (known: {known}); restore the "
+                         "policy state_dict saved with the snapshot you recover from")
+
+    @property
+    def window_length(self) -> Optional[int]:
+        return None if self.current is None else self.current.length
+
+    # ----------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "current": None if self.current is None else self.current.to_dict(),
+            "previous": None if self.previous is None else self.previous.to_dict(),
+            "reference": {str(op): v for op, v in sorted(self._reference.items())},
+            "slicing": {f"{k[0]},{k[1]}": vars(v) for k, v in sorted(self.slicing.items())},
+            "num_reorders": self.num_reorders,
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        super().load_state_dict(state)
+        self.current = None if state["current"] is None else SparseWindow.from_dict(state["current"])
+        self.previous = None if state["previous"] is None else SparseWindow.from_dict(state["previous"])
+        if self.current is not None and set(self.current.slice_of) != set(self.info):
+            raise ValueError("sparse policy state was saved for a different operator catalogue")
+        self._reference = {OperatorId.parse(k): float(v) for k, v in state["reference"].items()}
+        self.slicing = {tuple(int(x) for x in k.split(",")): RankSlicing(**v) for k, v in state["slicing"].items()}
+        self.num_reorders = int(state["num_reorders"])
