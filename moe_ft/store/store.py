@@ -238,9 +238,17 @@ class SnapshotStore:
         return Catalog(points, problems)
 
     # -- reading ---------------------------------------------------------------------------------------
+    def _manifest(self, iteration: int) -> PointRecord | None:
+        try:
+            data = self.backend.read_blob(iteration, MANIFEST)
+        except FileNotFoundError:
+            return None
+        return decode_manifest(data, iteration, self._where(iteration, MANIFEST))
+
     def _entry(self, catalog: Catalog | None, ref: EntryRef) -> tuple[EntryRecord, str]:
-        catalog = catalog or self.catalog([ref.iteration])
-        point = catalog.point(ref.iteration)
+        # Without a catalog, trust only the manifest: a listed entry whose file is torn or missing must
+        # surface as CorruptEntryError from _read, not as "missing".
+        point = self._manifest(ref.iteration) if catalog is None else catalog.point(ref.iteration)
         entry = None if point is None else (point.meta if ref.op is None else point.entries.get(ref.op))
         if entry is None or (ref.op is not None and entry.level != ref.level):
             what = "metadata" if ref.op is None else f"{ref.op} at level {Level(ref.level).name}"
@@ -250,6 +258,10 @@ class SnapshotStore:
 
     def _read(self, entry: EntryRecord, algo: str, out) -> Any:
         where = self._where(entry.iteration, entry.blob)
+        size = self.backend.blob_size(entry.iteration, entry.blob)
+        if size != entry.nbytes:
+            raise CorruptEntryError(where, "file missing" if size is None
+                                    else f"file is {size} bytes, manifest says {entry.nbytes} (torn write?)")
         try:
             with self.backend.open_blob(entry.iteration, entry.blob) as stream:
                 return read_entry(stream, size=entry.nbytes, checksum=entry.checksum, algo=algo,
