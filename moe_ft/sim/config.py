@@ -181,17 +181,22 @@ COLLECTIVES = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather", "p2p"
 
 @dataclass(frozen=True, kw_only=True)
 class RecoverySpec:
-    """Failure-handling constants. ``restart_s`` (detect, replace the node, restart processes, rebuild
-    communicators) is what MoC eq. 3 calls ``O_restart``; no paper we follow reports its value."""
+    """Failure-handling constants. ``restart_s`` (detect, replace the node, restart every process, rebuild
+    all communicators, refill the pipeline) is MoC eq. 3's ``O_restart`` for a global restart;
+    ``localized_restart_s`` is the same when only the failed data-parallel group restarts and the others
+    pause (MoEvement §3.4). No paper reports them; the defaults are what MoEvement Table 3 implies for
+    DeepSeek-MoE at 10-minute MTBF (time lost per failure beyond the reported recovery time: ≈50 s for
+    CheckFreq and Gemini, ≈15 s for MoEvement; derivation in docs/simulator.md)."""
 
-    restart_s: float = 30.0
+    restart_s: float = 50.0
+    localized_restart_s: float = 15.0
     replicas: int = 2  # peer copies of each in-memory snapshot (MoEvement §4, r = 2)
     frozen_cost: float = 2.0 / 3.0  # frozen operator: forward + input grad, no weight grad (MoEvement §3.3)
     sync_overlap: float = 0.5  # share of the DP gradient sync hidden behind the backward pass
 
     def __post_init__(self) -> None:
-        if self.restart_s < 0:
-            raise ValueError("recovery.restart_s must be >= 0")
+        if self.restart_s < 0 or self.localized_restart_s < 0:
+            raise ValueError("recovery.restart_s and recovery.localized_restart_s must be >= 0")
         if self.replicas < 0:
             raise ValueError("recovery.replicas must be >= 0")
         if not 0 < self.frozen_cost <= 1 or not 0 <= self.sync_overlap <= 1:

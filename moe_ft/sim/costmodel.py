@@ -60,6 +60,8 @@ class CostModel:
         m = config.model
         self._mult = 3 if m.gated_ffn else 2
         self._attn = m.attention_params_per_layer or 4 * m.hidden_size**2
+        self._rank_ops: dict[int, list[RankOperator]] = {}
+        self._stage_ops: dict[int, list[OperatorId]] = {}
 
     # ---- parameters -------------------------------------------------------------------------------
     def expert_params(self) -> int:
@@ -132,8 +134,18 @@ class CostModel:
         b = self._boundaries
         return range(b[stage_idx], b[stage_idx + 1])
 
+    @cached_property
+    def max_held_bytes(self) -> float:
+        """Largest per-rank HBM state (compute + master + optimizer) over the stages."""
+        return max(sum(self.rank_state_bytes(s).values()) for s in range(self.config.parallel.pp))
+
     def stage_operators(self, stage_idx: int) -> list[OperatorId]:
         """Every operator of a stage (all experts), in layer order."""
+        if stage_idx not in self._stage_ops:
+            self._stage_ops[stage_idx] = self._build_stage_operators(stage_idx)
+        return self._stage_ops[stage_idx]
+
+    def _build_stage_operators(self, stage_idx: int) -> list[OperatorId]:
         m = self.config.model
         ops = [OperatorId.embedding()] if stage_idx == 0 else []
         for layer in self.stage_layers(stage_idx):
@@ -148,6 +160,11 @@ class CostModel:
     def rank_operators(self, stage_idx: int) -> list[RankOperator]:
         """Operators held by one rank of a stage (its ``num_experts/ep`` experts per MoE layer, those of
         EP rank 0; all EP ranks are symmetric), with this rank's snapshot bytes."""
+        if stage_idx not in self._rank_ops:
+            self._rank_ops[stage_idx] = self._build_rank_operators(stage_idx)
+        return self._rank_ops[stage_idx]
+
+    def _build_rank_operators(self, stage_idx: int) -> list[RankOperator]:
         cfg = self.config
         p, prec = cfg.parallel, cfg.precision
         local_experts = cfg.model.num_experts // p.ep

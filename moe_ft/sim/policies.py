@@ -1,0 +1,277 @@
+"""Per-policy cost of checkpointing and of recovery (SPEC §3 policies, seen through the cost model).
+
+A :class:`PolicyModel` answers, for one configuration: how many iterations a *period* lasts (dense: the
+interval ``k``; sparse: the window ``W_sparse``; PEC and selective: one iteration), how much wall time
+a period costs (iterations plus the stall of MoC eq. 10), and how long a recovery takes when a failure
+hits stage ``s`` at iteration ``phase`` of the period. The analytic ETTR (:mod:`moe_ft.sim.analytic`)
+averages these over failure positions; the simulator (:mod:`moe_ft.sim.simulator`) draws them.
+
+Snapshots go in two phases per rank: device→host over PCIe, which must finish within the next forward and
+backward pass (MoC eq. 10), then ``r`` copies to peers over the network (or one to durable storage for
+``store="storage"``), which may take until the next snapshot starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from moe_ft.policy.window import WindowChoice, find_window_size
+from moe_ft.sim.costmodel import CostModel, RankOperator
+from moe_ft.sim.formulas import moetion_experts_per_iter, snapshot_stall_s
+
+POLICY_KINDS = ("dense", "sparse", "pec", "selective")
+ALIASES = {
+    "gemini": "dense:store=memory:interval=oracle",
+    "checkfreq": "dense:store=storage:interval=cap:max_overhead=0.03",
+    "dense-daly": "dense:interval=daly",
+    "moc": "pec:k=dynamic",
+    "moetion": "selective",
+    "moevement": "sparse",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicySpec:
+    """A policy and its knobs, parsed from ``kind[:key=value]...`` (e.g. ``dense:interval=50``)."""
+
+    kind: str
+    label: str
+    interval: str = "oracle"  # dense: an integer, "oracle" (sweep for max ETTR), "daly", or "cap"
+    max_overhead: float = 0.03  # dense interval=cap: smallest interval with overhead <= this (CheckFreq)
+    store: str = "memory"  # dense: "memory" (peer CPU memory, Gemini) or "storage" (durable, CheckFreq)
+    k: str = "fit"  # pec: experts per layer per snapshot, an integer, "fit" or "dynamic" (MoC Dynamic-K)
+    localized: bool = True  # sparse: upstream logging confines recovery to the failed stage (MoEvement §3.4)
+    plt_budget: float = 0.0375  # pec: MoC's PLT threshold (§3, Dynamic-K)
+
+    def __post_init__(self) -> None:
+        if self.kind not in POLICY_KINDS:
+            raise ValueError(f"unknown policy {self.kind!r}; expected one of {POLICY_KINDS} or {sorted(ALIASES)}")
+        if self.store not in ("memory", "storage"):
+            raise ValueError("store must be 'memory' or 'storage'")
+        if self.interval not in ("oracle", "daly", "cap") and not (self.interval.isdigit() and int(self.interval) > 0):
+            raise ValueError(f"interval must be a positive integer, 'oracle', 'daly' or 'cap', got {self.interval!r}")
+        if self.k not in ("fit", "dynamic") and not (self.k.isdigit() and int(self.k) > 0):
+            raise ValueError(f"pec k must be a positive integer, 'fit' or 'dynamic', got {self.k!r}")
+
+
+def parse_policy(text: str) -> PolicySpec:
+    """``dense``, ``dense:interval=57``, ``dense:store=storage:interval=cap``, ``pec:k=2``,
+    ``sparse:localized=0`` or an alias (``gemini``, ``checkfreq``, ``dense-daly``, ``moc``, ``moetion``)."""
+    label = text.strip()
+    expanded = ALIASES.get(label, label)
+    kind, *pairs = expanded.split(":")
+    kwargs: dict = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"policy option {pair!r} in {text!r} must be key=value")
+        if key in ("max_overhead", "plt_budget"):
+            kwargs[key] = float(value)
+        elif key == "localized":
+            kwargs[key] = value.lower() in ("1", "true", "yes")
+        elif key in ("interval", "store", "k"):
+            kwargs[key] = value
+        else:
+            raise ValueError(f"unknown policy option {key!r} in {text!r}; known: interval, max_overhead, "
+                             "store, k, localized, plt_budget")
+    return PolicySpec(kind=kind, label=label, **kwargs)
+
+
+@dataclass
+class PolicyModel:
+    """Costs of one policy with fixed knobs. ``period_iters`` iterations cost ``period_wall_s``."""
+
+    spec: PolicySpec
+    cost: CostModel
+    period_iters: int
+    stall_s: float  # stall added per period (T_ckpt of the ETTR formula, per checkpoint)
+    t_snapshot_s: float  # copy time of the largest per-rank snapshot (both phases, not overlapped)
+    checkpoint_bytes: float  # per rank, largest snapshot
+    knobs: dict = field(default_factory=dict)
+    windows: tuple[WindowChoice, ...] = ()  # sparse: per stage
+    lossy_staleness_iters: float = 0.0  # mean iterations of expert updates lost per failure (PLT/MLT)
+
+    @property
+    def t_iter_s(self) -> float:
+        return self.cost.iteration.t_iter_s
+
+    @property
+    def period_wall_s(self) -> float:
+        return self.period_iters * self.t_iter_s + self.stall_s
+
+    @property
+    def interval(self) -> int:
+        """Iterations between checkpoint starts (1 for policies that snapshot every iteration)."""
+        return self.period_iters if self.spec.kind == "dense" else 1
+
+    @property
+    def overhead(self) -> float:
+        return self.stall_s / (self.period_iters * self.t_iter_s)
+
+    @property
+    def localized(self) -> bool:
+        return self.spec.kind == "sparse" and self.spec.localized
+
+    def restart_load_s(self) -> float:
+        """Restart (global or localized) plus loading the replacement node's state."""
+        cfg = self.cost.config
+        hw = cfg.hardware
+        held = self.cost.max_held_bytes
+        if self.spec.kind == "dense" and self.spec.store == "storage":
+            node = hw.gpus_per_node
+            load = held * node / min(hw.storage_bandwidth, hw.network_bandwidth * node)
+        else:  # the replacement node pulls its state from a peer replica
+            load = held / hw.network_bandwidth
+        restart = cfg.recovery.localized_restart_s if self.localized else cfg.recovery.restart_s
+        return restart + load
+
+    def recovery_s(self, phase: float, stage_idx: int, segment: int = 1) -> float:
+        """Wall time from a failure to being back where the job was. ``phase`` in ``[0, period_iters)``
+        is where in the period the failure struck (fractional part: within the iteration).
+
+        A checkpoint is a recovery point only once its last copy has landed (``t_snapshot_s`` after it
+        started); a failure before that rolls back one more period. Averaged over the phase, the lost
+        work is uniform on ``[L, P + L]``, so the commit latency ``L`` adds to every recovery."""
+        base = self.restart_load_s()
+        if self.spec.kind == "dense":
+            return base + self.t_snapshot_s + phase / self.period_iters * self.period_wall_s
+        if self.spec.kind in ("pec", "selective"):
+            return base + self.t_snapshot_s + (phase - math.floor(phase)) * self.t_iter_s
+        return base + self._sparse_replay_s(phase + self.t_snapshot_s / self.t_iter_s, stage_idx, segment)
+
+    def _sparse_replay_s(self, phase: float, stage_idx: int, segment: int) -> float:
+        """Sparse-to-dense conversion over the last complete window, then the iterations since
+        (MoEvement §3.3: on average ⌈3/2·W⌉ iterations). Frozen operators cost ``frozen_cost``."""
+        cfg = self.cost.config
+        frozen = cfg.recovery.frozen_cost
+        ops = _checkpoint_order(self.cost.rank_operators(stage_idx))
+        choice = self.windows[stage_idx]
+        total = sum(o.flops_share for o in ops) or 1.0
+
+        def replay_iter(factor: float) -> float:
+            if self.spec.localized:
+                return self.cost.stage_replay_s(stage_idx, factor, segment=segment)
+            it = self.cost.iteration
+            return it.t_pipeline_s * factor + it.t_sync_s + it.t_update_s
+
+        t = 0.0
+        for i in range(choice.window):
+            active = sum(o.flops_share for o in ops[: (i + 1) * choice.num_active]) / total
+            t += replay_iter(active + (1.0 - active) * frozen)
+        return t + phase * replay_iter(1.0)
+
+
+def _checkpoint_order(ops: list[RankOperator]) -> list[RankOperator]:
+    """MoEvement ``OrderOperators``: ascending popularity. With no popularity trace every expert is
+    equally popular; non-expert operators see every token, so they come last."""
+    return [o for o in ops if o.op.is_expert] + [o for o in ops if not o.op.is_expert]
+
+
+def _phase_times(cost: CostModel, nbytes: float, replicas_or_storage: str) -> tuple[float, float]:
+    """(device→host seconds, second-phase seconds) of a per-rank snapshot of ``nbytes``."""
+    cfg = cost.config
+    hw = cfg.hardware
+    d2h = nbytes / hw.d2h_bandwidth
+    if replicas_or_storage == "storage":
+        world_bytes = nbytes * cfg.parallel.world_size
+        return d2h, world_bytes / hw.storage_bandwidth
+    return d2h, cfg.recovery.replicas * nbytes / hw.network_bandwidth
+
+
+def dense_model(cost: CostModel, spec: PolicySpec, interval: int) -> PolicyModel:
+    """FULL for every operator every ``interval`` iterations (CheckFreq / Gemini)."""
+    it = cost.iteration
+    nbytes = max(cost.snapshot_bytes(s, "full") for s in range(cost.config.parallel.pp))
+    d2h, second = _phase_times(cost, nbytes, spec.store)
+    stall = snapshot_stall_s(d2h, it.t_pipeline_s) + snapshot_stall_s(second, interval * it.t_iter_s)
+    return PolicyModel(spec=spec, cost=cost, period_iters=interval, stall_s=stall, t_snapshot_s=d2h + second,
+                       checkpoint_bytes=nbytes, knobs={"interval": interval, "store": spec.store})
+
+
+def _budget_bytes(cost: CostModel) -> float:
+    """Per-rank bytes one iteration can snapshot without a stall: device→host within the forward and
+    backward pass, replication within the iteration (MoEtion §4.2 B_local and B_remote)."""
+    cfg, it = cost.config, cost.iteration
+    local = cfg.hardware.d2h_bandwidth * it.t_pipeline_s
+    if cfg.recovery.replicas == 0:
+        return local
+    return min(local, cfg.hardware.network_bandwidth / cfg.recovery.replicas * it.t_iter_s)
+
+
+def _per_iter_stall(cost: CostModel, nbytes: float) -> tuple[float, float]:
+    it = cost.iteration
+    d2h, second = _phase_times(cost, nbytes, "memory")
+    return snapshot_stall_s(d2h, it.t_pipeline_s) + snapshot_stall_s(second, it.t_iter_s), d2h + second
+
+
+def sparse_model(cost: CostModel, spec: PolicySpec) -> PolicyModel:
+    """MoEvement sparse checkpointing: per stage, ``FindWindowSize`` (Alg. 1, per-operator sizes) with
+    the budget of :func:`_budget_bytes`; the job's window is the largest stage window."""
+    it = cost.iteration
+    budget = _budget_bytes(cost)
+    windows, peaks = [], []
+    for s in range(cost.config.parallel.pp):
+        ops = _checkpoint_order(cost.rank_operators(s))
+        choice = find_window_size([o.bytes_full for o in ops], [o.bytes_compute for o in ops],
+                                  bandwidth_bytes_per_s=budget / it.t_iter_s, t_iter_s=it.t_iter_s)
+        windows.append(choice)
+        peaks.append(choice.peak_bytes)
+    peak = max(peaks)
+    stall, t_snap = _per_iter_stall(cost, peak)
+    w = max(c.window for c in windows)
+    return PolicyModel(spec=spec, cost=cost, period_iters=w, stall_s=w * stall, t_snapshot_s=t_snap,
+                       checkpoint_bytes=peak, windows=tuple(windows),
+                       knobs={"window": w, "localized": spec.localized,
+                              "active_per_iter": min(c.num_active for c in windows)})
+
+
+def pec_model(cost: CostModel, spec: PolicySpec, k: int | None = None) -> PolicyModel:
+    """MoC partial experts checkpointing: non-expert operators FULL every iteration plus ``K`` experts
+    per layer (sequential, interleaved over EP ranks, so a rank saves ``K/ep`` of its experts on
+    average). ``k=None`` chooses the largest K whose snapshot hides behind F&B (MoC §5.3 adaptive K)."""
+    num_experts = cost.config.model.num_experts
+
+    def per_rank_bytes(kk: int) -> float:
+        worst = 0.0
+        for s in range(cost.config.parallel.pp):
+            ops = cost.rank_operators(s)
+            ne = sum(o.bytes_full for o in ops if not o.op.is_expert)
+            ex = sum(o.bytes_full for o in ops if o.op.is_expert)
+            worst = max(worst, ne + ex * kk / num_experts)
+        return worst
+
+    if k is None:
+        k = 1
+        budget = _budget_bytes(cost)
+        while k < num_experts and per_rank_bytes(min(num_experts, k * 2)) <= budget:
+            k *= 2
+    k = min(k, num_experts)
+    nbytes = per_rank_bytes(k)
+    stall, t_snap = _per_iter_stall(cost, nbytes)
+    return PolicyModel(spec=spec, cost=cost, period_iters=1, stall_s=stall, t_snapshot_s=t_snap,
+                       checkpoint_bytes=nbytes, knobs={"k": k},
+                       lossy_staleness_iters=(num_experts / k - 1) / 2)
+
+
+def selective_model(cost: CostModel, spec: PolicySpec) -> PolicyModel:
+    """MoEtion: non-expert state every iteration, then ``S_total = B/C_expert`` experts (§4.2–4.3) from
+    the remaining budget, the most at-risk first (round robin when popularity is uniform)."""
+    budget = _budget_bytes(cost)
+    worst_stale, worst_bytes, s_min = 0.0, 0.0, None
+    for s in range(cost.config.parallel.pp):
+        ops = cost.rank_operators(s)
+        experts = [o for o in ops if o.op.is_expert]
+        ne = sum(o.bytes_full for o in ops if not o.op.is_expert)
+        if not experts:
+            worst_bytes = max(worst_bytes, ne)
+            continue
+        s_total = min(len(experts), moetion_experts_per_iter(max(0.0, budget - ne), experts[0].bytes_full))
+        s_min = s_total if s_min is None else min(s_min, s_total)
+        worst_bytes = max(worst_bytes, ne + s_total * experts[0].bytes_full)
+        stale = math.inf if s_total == 0 else (len(experts) / s_total - 1) / 2
+        worst_stale = max(worst_stale, stale)
+    stall, t_snap = _per_iter_stall(cost, worst_bytes)
+    return PolicyModel(spec=spec, cost=cost, period_iters=1, stall_s=stall, t_snapshot_s=t_snap,
+                       checkpoint_bytes=worst_bytes, knobs={"experts_per_iter": s_min},
+                       lossy_staleness_iters=worst_stale)
