@@ -87,7 +87,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _combine_kernel(
-        expert_out_ptr, pos_of_slot_ptr, probs_ptr, out_ptr, topk, hidden_size, BLOCK_H: tl.constexpr
+        expert_out_ptr, pos_of_slot_ptr, probs_ptr, out_ptr, topk, hidden_size,
+        BLOCK_H: tl.constexpr, BF16_BITS: tl.constexpr,
     ):
         token = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -98,7 +99,14 @@ if HAVE_TRITON:
             p = tl.load(probs_ptr + token * topk + k).to(tl.float32)
             y = tl.load(expert_out_ptr + pos * hidden_size + cols, mask=mask, other=0.0).to(tl.float32)
             acc = acc + p * y
-        tl.store(out_ptr + token.to(tl.int64) * hidden_size + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if BF16_BITS:
+            # fp32 -> bf16 round-to-nearest-even by hand: the interpreter's cast truncates, the GPU's rounds,
+            # torch rounds; this matches torch on both (out_ptr is the int16 view of the bf16 output)
+            bits = acc.to(tl.uint32, bitcast=True)
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            tl.store(out_ptr + token.to(tl.int64) * hidden_size + cols, rounded.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        else:
+            tl.store(out_ptr + token.to(tl.int64) * hidden_size + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _block_h(hidden_size: int) -> int:
@@ -147,7 +155,9 @@ def unpermute_triton(expert_out: torch.Tensor, pos_of_slot: torch.Tensor, probs:
     if out.numel():
         block_h = _block_h(expert_out.shape[1])
         grid = (num_tokens, triton.cdiv(expert_out.shape[1], block_h))
+        bf16 = out.dtype == torch.bfloat16
         _combine_kernel[grid](
-            expert_out, pos_of_slot.contiguous(), probs.contiguous(), out, topk, expert_out.shape[1], BLOCK_H=block_h
+            expert_out, pos_of_slot.contiguous(), probs.contiguous(), out.view(torch.int16) if bf16 else out, topk,
+            expert_out.shape[1], BLOCK_H=block_h, BF16_BITS=bf16,
         )
     return out
