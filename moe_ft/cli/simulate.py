@@ -1,0 +1,147 @@
+"""``moe-ft simulate`` and ``moe-ft plan``: ETTR model, failure simulator and policy planner (SPEC §7).
+
+    moe-ft simulate --preset deepseek-moe-16b --mtbf 10m,30m,1h,2h
+    moe-ft simulate --config my.json --mtbf 20m --policies gemini sparse --json --csv out.csv --plot out.png
+    moe-ft simulate --preset deepseek-moe-16b --trace failures.csv --mtbf 19m
+    moe-ft plan --preset deepseek-v3-671b --mtbf 30m
+
+Config file format and the model's assumptions: docs/simulator.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DEFAULT_POLICIES = ["checkfreq", "gemini", "moc", "selective", "sparse"]
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", metavar="FILE", help="JSON config (model, parallel, precision, hardware, recovery)")
+    src.add_argument("--preset", metavar="NAME", help="a named paper setting (see --list-presets)")
+    p.add_argument("--list-presets", action="store_true", help="print the preset names and exit")
+    p.add_argument("--mtbf", nargs="+", default=["10m", "30m", "1h", "2h"],
+                   help="job MTBF values: 600, 10m, 1h (space- or comma-separated)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def register(subparsers) -> None:
+    sim = subparsers.add_parser("simulate", help="predict and simulate ETTR per checkpointing policy",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_common(sim)
+    sim.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES,
+                     help="policies: dense[:interval=N|oracle|daly|cap][:store=memory|storage], sparse"
+                          "[:localized=0], pec[:k=N|fit|dynamic], selective, or gemini, checkfreq, dense-daly, moc")
+    sim.add_argument("--hours", type=float, default=12.0, help="simulated run length (default 12, as MoEvement §5.2)")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the failure process")
+    sim.add_argument("--trace", metavar="CSV", help="replay a failure trace (header time_s,nodes) instead of Poisson")
+    sim.add_argument("--spot-prob", type=float, metavar="P",
+                     help="spot preemptions instead of Poisson: per-node probability per hour (Lazarus §6.7)")
+    sim.add_argument("--analytic-only", action="store_true", help="skip the event simulation")
+    sim.add_argument("--csv", metavar="FILE", help="also write one CSV row per (MTBF, policy)")
+    sim.add_argument("--plot", metavar="PNG", help="also plot ETTR vs MTBF per policy (needs matplotlib)")
+    sim.set_defaults(func=run_simulate)
+
+    pl = subparsers.add_parser("plan", help="rank checkpointing policies and knobs by predicted ETTR")
+    _add_common(pl)
+    pl.add_argument("--exact-only", action="store_true", help="only policies that lose no updates")
+    pl.set_defaults(func=run_plan)
+
+
+def _load(args):
+    from moe_ft.sim.config import load_config
+    from moe_ft.sim.costmodel import CostModel
+    from moe_ft.sim.presets import build_presets, get_preset
+    from moe_ft.sim.report import parse_duration
+
+    if args.list_presets:
+        for name, cfg in build_presets().items():
+            print(f"{name:40s} {cfg.model.name} on {cfg.parallel.world_size} GPUs ({cfg.hardware.name})")
+        return None
+    if not (args.config or args.preset):
+        raise ValueError("give --config FILE or --preset NAME (see --list-presets)")
+    cfg = load_config(args.config) if args.config else get_preset(args.preset)
+    mtbfs = [parse_duration(x) for item in args.mtbf for x in item.split(",") if x.strip()]
+    if not mtbfs:
+        raise ValueError("--mtbf needs at least one value")
+    return CostModel(cfg), mtbfs
+
+
+def run_simulate(args) -> int:
+    from moe_ft.sim.analytic import evaluate
+    from moe_ft.sim.failures import load_trace, poisson_failures, spot_failures
+    from moe_ft.sim.policies import parse_policy
+    from moe_ft.sim.report import format_table, to_json_obj, write_csv, write_plot
+    from moe_ft.sim.simulator import Simulator, num_nodes
+
+    try:
+        loaded = _load(args)
+        if loaded is None:
+            return 0
+        cost, mtbfs = loaded
+        specs = [parse_policy(p) for item in args.policies for p in item.split(",") if p.strip()]
+        if args.hours <= 0:
+            raise ValueError("--hours must be > 0")
+        horizon = args.hours * 3600
+        nodes = num_nodes(cost)
+        trace = load_trace(args.trace, nodes) if args.trace else None
+        rows = {}
+        for mtbf in mtbfs:
+            if trace is not None:
+                events = trace
+            elif args.spot_prob is not None:
+                events = spot_failures(args.spot_prob, horizon, nodes, args.seed)
+            else:
+                events = poisson_failures(mtbf, horizon, nodes, args.seed)
+            rows[mtbf] = [(evaluate(cost, s, mtbf),
+                           None if args.analytic_only else Simulator(cost, s, mtbf).run(events, horizon))
+                          for s in specs]
+        if args.csv:
+            write_csv(args.csv, rows)
+        if args.plot:
+            write_plot(args.plot, cost.config.name, rows)
+    except (ValueError, RuntimeError) as exc:
+        print(f"moe-ft simulate: error: {exc}", file=sys.stderr)
+        return 2
+    it = cost.iteration
+    meta = {"world_size": cost.config.parallel.world_size, "total_params": cost.total_params(),
+            "t_iter_s": it.t_iter_s, "t_pipeline_s": it.t_pipeline_s, "horizon_s": horizon,
+            "failures": "trace" if trace is not None else ("spot" if args.spot_prob is not None else "poisson")}
+    if args.json:
+        print(json.dumps(to_json_obj(cost.config.name, rows, meta), indent=1))
+    else:
+        print(f"{cost.config.parallel.world_size} GPUs, {cost.total_params() / 1e9:.1f}B params, T_iter "
+              f"{it.t_iter_s:.2f} s (pipeline {it.t_pipeline_s:.2f}, sync {it.t_sync_s:.2f}, update "
+              f"{it.t_update_s:.3f}); {args.hours:g} h simulated, seed {args.seed}")
+        print(format_table(cost.config.name, rows))
+    return 0
+
+
+def run_plan(args) -> int:
+    from moe_ft.sim.planner import plan
+
+    try:
+        loaded = _load(args)
+        if loaded is None:
+            return 0
+        cost, mtbfs = loaded
+        out = {}
+        for mtbf in mtbfs:
+            out[mtbf] = plan(cost, mtbf, exact_only=args.exact_only)
+    except (ValueError, RuntimeError) as exc:
+        print(f"moe-ft plan: error: {exc}", file=sys.stderr)
+        return 2
+    from moe_ft.sim.report import format_duration, row_dict
+
+    if args.json:
+        print(json.dumps({format_duration(m): [{"rank": r.rank, "policy": r.result.policy, "reason": r.reason,
+                                                 **row_dict(r.result, None)} for r in recs]
+                          for m, recs in out.items()}, indent=1))
+        return 0
+    for mtbf, recs in out.items():
+        print(f"MTBF {format_duration(mtbf)} ({cost.config.name}):")
+        for r in recs:
+            print(f"  {r.rank}. {r.result.policy:<20} ETTR {r.result.ettr:.3f}  {r.reason}")
+    return 0

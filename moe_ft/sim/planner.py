@@ -1,0 +1,59 @@
+"""Policy planner (``moe-ft plan``): rank policies and their knobs by predicted ETTR and say why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_ft.sim.analytic import PolicyResult, choose_dense_interval, evaluate
+from moe_ft.sim.costmodel import CostModel
+from moe_ft.sim.policies import PolicySpec, _budget_bytes, parse_policy
+
+CANDIDATES = ("gemini", "dense-daly", "checkfreq", "sparse", "sparse:localized=0", "pec:k=fit", "moc", "selective")
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    rank: int
+    result: PolicyResult
+    reason: str
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f} GB"
+
+
+def explain(cost: CostModel, result: PolicyResult, max_overhead: float = 0.03) -> str:
+    """One sentence on what limits this policy here."""
+    pm = result.model
+    spec = pm.spec
+    er = f"E[R] = {result.expected_recovery_s:.0f} s"
+    if spec.kind == "dense":
+        cap = PolicySpec(kind="dense", label="cap", interval="cap", max_overhead=max_overhead, store=spec.store)
+        try:
+            need = f"needs interval ≥ {choose_dense_interval(cost, cap, result.mtbf_s)} to keep overhead ≤ {max_overhead:.0%}"
+        except ValueError:
+            need = f"cannot keep overhead ≤ {max_overhead:.0%} at any interval"
+        return (f"dense ({spec.store}) {need}; a {_gb(pm.checkpoint_bytes)}/rank checkpoint takes "
+                f"{pm.t_snapshot_s:.1f} s to land; chosen interval {result.interval} → overhead "
+                f"{result.overhead:.1%}, {er} (global restart + ½ interval + commit latency)")
+    if spec.kind == "sparse":
+        budget = _budget_bytes(cost)
+        fits = "fits every iteration" if result.overhead == 0 else f"stalls {result.t_ckpt_s:.2f} s/iter"
+        scope = "only the failed stage replays" if spec.localized else "global rollback"
+        return (f"sparse W={result.window} {fits} (busiest iteration {_gb(pm.checkpoint_bytes)} vs budget "
+                f"{_gb(budget)}/rank); {scope}, {er}")
+    if spec.kind == "pec":
+        return (f"PEC K={pm.knobs['k']} experts/layer per snapshot, overhead {result.overhead:.1%}; lossy: PLT ≈ "
+                f"{result.plt:.2%} (MoC budget {spec.plt_budget:.2%}); global restart, {er}")
+    return (f"selective: {pm.knobs['experts_per_iter']} experts/iter per rank fit the budget, overhead "
+            f"{result.overhead:.1%}; lossy: lost-update share ≈ {result.plt:.3%}; global restart, {er}")
+
+
+def plan(cost: CostModel, mtbf_s: float, policies: tuple[str, ...] = CANDIDATES,
+         exact_only: bool = False) -> list[Recommendation]:
+    """Evaluate the candidate policies at ``mtbf_s`` and rank them by ETTR (best first)."""
+    results = [evaluate(cost, parse_policy(p), mtbf_s) for p in policies]
+    if exact_only:
+        results = [r for r in results if r.plt == 0.0 and r.kind in ("dense", "sparse")]
+    results.sort(key=lambda r: r.ettr, reverse=True)
+    return [Recommendation(i + 1, r, explain(cost, r)) for i, r in enumerate(results)]
