@@ -43,6 +43,7 @@ class PolicySpec:
     k: str = "fit"  # pec: experts per layer per snapshot, an integer, "fit" or "dynamic" (MoC Dynamic-K)
     localized: bool = True  # sparse: upstream logging confines recovery to the failed stage (MoEvement §3.4)
     plt_budget: float = 0.0375  # pec: MoC's PLT threshold (§3, Dynamic-K)
+    k0: int = 0  # pec k=dynamic: K the simulated run starts from (0: the largest K that fits, MoC §5.3)
 
     def __post_init__(self) -> None:
         if self.kind not in POLICY_KINDS:
@@ -68,13 +69,15 @@ def parse_policy(text: str) -> PolicySpec:
             raise ValueError(f"policy option {pair!r} in {text!r} must be key=value")
         if key in ("max_overhead", "plt_budget"):
             kwargs[key] = float(value)
+        elif key == "k0":
+            kwargs[key] = int(value)
         elif key == "localized":
             kwargs[key] = value.lower() in ("1", "true", "yes")
         elif key in ("interval", "store", "k"):
             kwargs[key] = value
         else:
             raise ValueError(f"unknown policy option {key!r} in {text!r}; known: interval, max_overhead, "
-                             "store, k, localized, plt_budget")
+                             "store, k, k0, localized, plt_budget")
     return PolicySpec(kind=kind, label=label, **kwargs)
 
 

@@ -84,7 +84,7 @@ class Simulator:
         self.spec = spec
         self.model: PolicyModel = build_model(cost, spec, mtbf_s)
         if spec.kind == "pec" and spec.k == "dynamic":  # start from the fitting K; failures raise it
-            self.model = pec_model(cost, spec)
+            self.model = pec_model(cost, spec, spec.k0 or None)
 
     def _recovery(self, phase: float, stages: set[int]) -> float:
         pm = self.model

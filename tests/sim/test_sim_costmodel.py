@@ -1,0 +1,100 @@
+"""Cost model: bytes per operator and rank, 1F1B iteration time, sparse window from FindWindowSize."""
+
+import dataclasses
+import math
+
+import pytest
+
+from moe_ft.policy.window import find_window_size
+from moe_ft.sim.config import (CollectiveCost, HardwareSpec, ModelSpec, ParallelSpec, PRECISIONS, SimConfig,
+                               config_from_dict)
+from moe_ft.sim.costmodel import CostModel
+from moe_ft.sim.policies import _budget_bytes, _checkpoint_order, parse_policy, sparse_model
+from moe_ft.state.operators import OperatorId
+
+ZERO = CollectiveCost(alpha_s=0.0, beta_s_per_byte=0.0)
+TINY_MODEL = ModelSpec(num_layers=2, hidden_size=4, ffn_hidden_size=8, moe_ffn_hidden_size=2, num_experts=4,
+                       top_k=2, vocab_size=10, seq_length=4)
+
+
+def tiny(pp=1, dp=2, ep=2, d2h=1e9, **hw):
+    hardware = HardwareSpec(peak_flops_bf16=1e12, mfu=0.5, d2h_bandwidth=d2h, nvlink_bandwidth=1e9,
+                            network_bandwidth=1e9, collectives={k: ZERO for k in
+                                                                ("all_to_all", "all_reduce", "reduce_scatter",
+                                                                 "all_gather", "p2p")}, **hw)
+    return SimConfig(model=TINY_MODEL, parallel=ParallelSpec(pp=pp, dp=dp, ep=ep, micro_batch_size=1,
+                                                             global_batch_size=4 * dp),
+                     precision=PRECISIONS["mixed"], hardware=hardware)
+
+
+def test_parameter_counts_by_hand():
+    cm = CostModel(tiny())
+    assert cm.expert_params() == 3 * 4 * 2  # SwiGLU: 3·h·f
+    assert cm.operator_params(OperatorId.dense(0)) == 4 * 16 + 2 * 4  # attention 4h² + two norms
+    assert cm.operator_params(OperatorId.gate(0)) == 4 * 4 + 4
+    assert cm.total_params() == 40 + 40 + 2 * (72 + 20 + 4 * 24)  # = 456
+    assert cm.active_params() == 456 - 2 * 2 * 24
+
+
+def test_rank_bytes_sharded_over_replicas():
+    cm = CostModel(tiny())  # dp 2, ep 2: non-expert state has 2 replicas, experts 1
+    ops = {str(o.op): o for o in cm.rank_operators(0)}
+    assert set(k for k in ops if k.startswith("expert")) == {"expert.L0.E0", "expert.L0.E1",
+                                                            "expert.L1.E0", "expert.L1.E1"}
+    e = ops["expert.L0.E0"]
+    assert (e.bytes_compute, e.bytes_full) == (24 * 2, 24 * (2 + 4 + 8))
+    d = ops["dense.L0"]
+    assert (d.bytes_compute, d.bytes_full) == (72 * 2 / 2, 72 * 14 / 2)
+    held = cm.rank_state_bytes(0)
+    assert held["compute"] == 2 * (40 + 40 + 2 * (72 + 20 + 2 * 24))
+
+
+def test_iteration_time_1f1b_by_hand():
+    cm = CostModel(tiny(pp=2, dp=1, ep=1))
+    # per-token forward FLOPs: layer = 2·72 + 2·s·h (32) + gate 2·20 + experts 4·(2·24·2/4) = 312; output 2·40
+    rate = 1e12 * 0.5
+    stage1 = 3 * 4 * (312 + 80) / rate  # tokens per micro-batch = 1 · 4
+    it = cm.iteration
+    assert it.stage_math_s[1] == pytest.approx(stage1)
+    assert it.stage_times_s[0] == pytest.approx(3 * 4 * 312 / rate)
+    assert it.t_pipeline_s == pytest.approx((4 + 2 - 1) * stage1)  # M = 4, S = 2
+
+
+def test_sparse_window_uses_find_window_size():
+    cfg = tiny(d2h=1.0)
+    cm = CostModel(cfg)
+    pm = sparse_model(cm, parse_policy("sparse"))
+    ops = _checkpoint_order(cm.rank_operators(0))
+    assert [o.op.is_expert for o in ops[:4]] == [True] * 4  # experts first, the always-used operators last
+    budget = _budget_bytes(cm)
+    want = find_window_size([o.bytes_full for o in ops], [o.bytes_compute for o in ops],
+                            bandwidth_bytes_per_s=budget / cm.iteration.t_iter_s, t_iter_s=cm.iteration.t_iter_s)
+    assert pm.windows[0] == want and pm.period_iters == want.window
+
+
+def test_sparse_window_shrinks_with_bandwidth():
+    windows = []
+    for d2h in (1e3, 1e5, 1e7, 1e12):
+        cfg = tiny(d2h=d2h)
+        cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, network_bandwidth=1e15))
+        windows.append(sparse_model(CostModel(cfg), parse_policy("sparse")))
+    assert [w.period_iters for w in windows] == sorted((w.period_iters for w in windows), reverse=True)
+    assert windows[-1].period_iters == 1 and windows[-1].stall_s == 0
+    assert windows[0].stall_s > 0  # even one operator per iteration cannot be hidden
+
+
+def test_config_validation_messages():
+    good = {"model": dataclasses.asdict(TINY_MODEL),
+            "parallel": {"pp": 1, "dp": 2, "ep": 2, "micro_batch_size": 1, "global_batch_size": 8},
+            "hardware": {"peak_flops_bf16": 1e12, "d2h_bandwidth": 1e9, "nvlink_bandwidth": 1e9,
+                         "network_bandwidth": 1e9}}
+    assert config_from_dict(good).parallel.num_microbatches == 4
+    with pytest.raises(ValueError, match="valid keys"):
+        config_from_dict({**good, "model": {**good["model"], "hiden_size": 3}})
+    with pytest.raises(ValueError, match="must divide dp"):
+        config_from_dict({**good, "parallel": {**good["parallel"], "ep": 3}})
+    with pytest.raises(ValueError, match="unknown precision"):
+        config_from_dict({**good, "precision": "fp4"})
+    with pytest.raises(ValueError, match="needs a 'hardware'"):
+        config_from_dict({k: v for k, v in good.items() if k != "hardware"})
+    assert math.isclose(config_from_dict({**good, "precision": "fp8-fp8-fp8fp16"}).precision.optimizer_bytes, 3.0)
