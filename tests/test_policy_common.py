@@ -53,19 +53,17 @@ def make_popularity(num_layers, num_experts):
     return ExpertPopularity(PopularityConfig(moe_layers=list(range(num_layers)), num_experts=num_experts))
 
 
-def feed(pop, iteration, rng, skew=1.0, top_k=2, tokens=64):
-    """One iteration of random routing: ``tokens`` tokens, each to ``top_k`` experts, drawn with weights
-    ``rank ** -skew`` over a random permutation (so popularity is skewed and drifts)."""
+def feed(pop, iteration, rng, skew=1.0, top_k=2, tokens=32):
+    """One iteration of random routing: ``tokens * top_k`` assignments drawn with weights ``rank ** -skew``
+    over a random permutation of the experts (so popularity is skewed and drifts)."""
     num_experts = pop.num_experts
     for layer in pop.moe_layers:
-        weights = torch.tensor([(r + 1) ** -skew for r in range(num_experts)], dtype=torch.float64)
-        perm = torch.tensor(rng.sample(range(num_experts), num_experts))
-        weights = weights[perm]
-        counts = torch.zeros(num_experts, dtype=torch.float64)
-        g = torch.Generator().manual_seed(rng.randrange(2**31))
-        for _ in range(tokens):
-            counts[torch.multinomial(weights, min(top_k, num_experts), generator=g)] += 1
-        pop.record(layer, counts)
+        perm = rng.sample(range(num_experts), num_experts)
+        weights = [(perm[e] + 1) ** -skew for e in range(num_experts)]
+        counts = [0] * num_experts
+        for e in rng.choices(range(num_experts), weights=weights, k=tokens * top_k):
+            counts[e] += 1
+        pop.record(layer, torch.tensor(counts))
     pop.end_iteration(iteration)
 
 
