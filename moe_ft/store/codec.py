@@ -200,58 +200,69 @@ def read_entry(
         raise CorruptEntryError(where, f"header length {header_len} exceeds file size {size}")
     digest.update(prefix)
     if out is None:
+        # Whole file into one buffer; verify before interpreting a single byte of the header.
         body = bytearray(size - _PREFIX.size)
         _read_exact(stream, memoryview(body), where)
-        body_len = size - tail
-        digest.update(memoryview(body)[: body_len - _PREFIX.size])
-        trailer = bytes(body[body_len - _PREFIX.size:])
-        header_bytes = bytes(body[:header_len])
-    else:
-        header_bytes = bytearray(header_len)
-        _read_exact(stream, memoryview(header_bytes), where)
-        digest.update(header_bytes)
+        split = size - tail - _PREFIX.size
+        digest.update(memoryview(body)[:split])
+        _check_trailer(digest.digest(), bytes(body[split:]), size - tail, checksum, algo, where)
+        header = _parse_header(bytes(body[:header_len]), key, where)
+        return DecodedEntry(header, _views(body, header["tensors"], where))
+    header_bytes = bytearray(header_len)
+    _read_exact(stream, memoryview(header_bytes), where)
+    digest.update(header_bytes)
     try:
         header = json.loads(header_bytes)
-        table = header["tensors"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptEntryError(where, f"unreadable header ({exc})") from None
-    if out is not None:
-        pos = _PREFIX.size + header_len
-        for rec in table:
-            dst = out.get(rec["name"])
-            if dst is None:
-                raise ValueError(f"{where}: no output buffer for tensor {rec['name']!r}")
-            if dtype_name(dst.dtype) != rec["dtype"] or list(dst.shape) != rec["shape"]:
-                raise ValueError(f"{where}: output buffer {rec['name']!r} is {dst.dtype}{list(dst.shape)}, "
-                                 f"entry holds {rec['dtype']}{rec['shape']}")
-            _check_tensor(rec["name"], dst)
-            if rec["offset"] < pos or rec["offset"] + rec["nbytes"] > size - tail:
-                raise CorruptEntryError(where, f"tensor {rec['name']!r} lies outside the file")
-            gap = bytearray(rec["offset"] - pos)
-            _read_exact(stream, memoryview(gap), where)
-            digest.update(gap)
-            view = raw_bytes(dst)
-            _read_exact(stream, view, where)
-            digest.update(view)
-            pos = rec["offset"] + rec["nbytes"]
-        rest = bytearray(size - pos)
-        _read_exact(stream, memoryview(rest), where)
-        digest.update(memoryview(rest)[: len(rest) - tail])
-        trailer = bytes(rest[len(rest) - tail:])
-    final = digest.digest()
-    stored, (body_len, end_magic) = trailer[: len(final)], _TAIL.unpack(trailer[len(final):])
-    if end_magic != END_MAGIC or body_len != size - tail:
+        table = list(header["tensors"])
+    except (ValueError, KeyError, TypeError):
+        raise CorruptEntryError(where, "checksum mismatch (unreadable header)") from None
+    pos = _PREFIX.size + header_len
+    for rec in table:
+        dst = out.get(rec["name"])
+        if dst is None:
+            raise ValueError(f"{where}: no output buffer for tensor {rec['name']!r}")
+        if dtype_name(dst.dtype) != rec["dtype"] or list(dst.shape) != rec["shape"]:
+            raise ValueError(f"{where}: output buffer {rec['name']!r} is {dst.dtype}{list(dst.shape)}, "
+                             f"entry holds {rec['dtype']}{rec['shape']}")
+        _check_tensor(rec["name"], dst)
+        if rec["offset"] < pos or rec["offset"] + rec["nbytes"] > size - tail:
+            raise CorruptEntryError(where, f"checksum mismatch (tensor {rec['name']!r} lies outside the file)")
+        gap = bytearray(rec["offset"] - pos)
+        _read_exact(stream, memoryview(gap), where)
+        digest.update(gap)
+        view = raw_bytes(dst)
+        _read_exact(stream, view, where)
+        digest.update(view)
+        pos = rec["offset"] + rec["nbytes"]
+    rest = bytearray(size - pos)
+    _read_exact(stream, memoryview(rest), where)
+    digest.update(memoryview(rest)[: len(rest) - tail])
+    _check_trailer(digest.digest(), bytes(rest[len(rest) - tail:]), size - tail, checksum, algo, where)
+    _parse_header(bytes(header_bytes), key, where)
+    return DecodedEntry(header, {rec["name"]: out[rec["name"]] for rec in table})
+
+
+def _check_trailer(final: bytes, trailer: bytes, body_len: int, checksum: str, algo: str, where: str) -> None:
+    stored, (stored_len, end_magic) = trailer[: len(final)], _TAIL.unpack(trailer[len(final):])
+    if end_magic != END_MAGIC or stored_len != body_len:
         raise CorruptEntryError(where, "bad trailer (torn or truncated write)")
     if final != stored or final.hex() != checksum:
         raise CorruptEntryError(where, f"checksum mismatch ({algo}: computed {final.hex()}, "
                                        f"file {stored.hex()}, manifest {checksum})")
+
+
+def _parse_header(header_bytes: bytes, key: Mapping[str, Any], where: str) -> dict:
+    try:
+        header = json.loads(header_bytes)
+        header["tensors"] = list(header["tensors"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptEntryError(where, f"unreadable header ({exc})") from None
     if header.get("key") != dict(key):
         raise CorruptEntryError(where, f"entry holds {header.get('key')}, expected {dict(key)}")
-    tensors = out if out is not None else _views(body, table, header_len, where)
-    return DecodedEntry(header, {rec["name"]: tensors[rec["name"]] for rec in table})
+    return header
 
 
-def _views(body: bytearray, table: list[dict], header_len: int, where: str) -> dict[str, torch.Tensor]:
+def _views(body: bytearray, table: list[dict], where: str) -> dict[str, torch.Tensor]:
     result = {}
     for rec in table:
         dtype = DTYPES.get(rec["dtype"])
