@@ -171,5 +171,7 @@ def test_config_errors():
         PECConfig(selection="random")
     with pytest.raises(ValueError, match="needs expert operators"):
         PECPolicy(PECConfig(), [i for i in make_catalog(1, 2) if not i.op.is_expert])
+    with pytest.raises(ValueError, match="pass the ExpertPopularity"):
+        PECPolicy(PECConfig(selection="load_aware"), make_catalog(1, 2)).plan(0)
     with pytest.raises(ValueError, match="non-negative"):
         PECPolicy(PECConfig(), make_catalog(1, 2)).on_recovery(0, -0.1)

@@ -91,8 +91,11 @@ def test_budget_below_non_expert_state_is_an_actionable_error():
         SelectivePolicy(SelectiveConfig(local_budget=10**6, remote_budget=10), ops)
     policy = SelectivePolicy(SelectiveConfig(local_budget=10**6, remote_budget=300,
                                              remote_includes_non_expert=False), ops)
-    plan = policy.plan(0)
-    remote = policy.remote_plan(0, plan)
+    with pytest.raises(ValueError, match="pass the ExpertPopularity"):
+        policy.plan(0)
+    pop = make_popularity(2, 2)
+    plan = policy.plan(0, pop)
+    remote = policy.remote_plan(0, plan, pop)
     assert len(_full_experts(remote)) == 1 and set(remote.values()) == {Level.FULL, Level.NONE}
     assert all(remote[op] == Level.NONE for op in remote if not op.is_expert)
 

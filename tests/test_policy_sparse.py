@@ -163,6 +163,13 @@ def test_replay_of_previous_window_and_forgotten_windows():
         assert policy.window_of(t).activation_iteration(OperatorId.output()) == 15
     with pytest.raises(ValueError, match="no remembered window"):
         policy.window_of(12)
+    assert policy.recovery_window(16).start == 13  # failure during 16: window [13, 16) is complete
+    assert policy.recovery_window(17).start == 13
+    with pytest.raises(ValueError, match="no complete window"):
+        policy.recovery_window(15)
+    for t in range(17, 20):
+        policy.plan(t, pop)
+    assert policy.recovery_window(19).start == 16
 
 
 def test_state_dict_round_trip_continues_the_same_schedule():

@@ -144,6 +144,9 @@ class PECPolicy(SnapshotPolicy):
         for layer, order in self._order.items():
             n = len(order)
             if self.config.selection == "load_aware":
+                if popularity is None:
+                    raise ValueError("pec selection='load_aware' ranks experts by tokens since their last FULL "
+                                     "snapshot; pass the ExpertPopularity counters to plan()")
                 scores = expert_scores(popularity, order, "since_full")
                 picks = top_by_score(order, scores, min(k, n))
             else:

@@ -106,6 +106,9 @@ class SelectivePolicy(SnapshotPolicy):
 
     def _select(self, budget: int, popularity, candidates: Optional[set[OperatorId]],
                 charge_non_expert: bool) -> list[OperatorId]:
+        if popularity is None:
+            raise ValueError("the selective policy ranks experts by tokens since their last FULL snapshot; "
+                             "pass the ExpertPopularity counters to plan()/remote_plan()")
         chosen: list[OperatorId] = []
         for key, layers in sorted(self._experts.items()):
             layers = {l: [i for i in exps if candidates is None or i.op in candidates]

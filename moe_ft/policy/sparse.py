@@ -146,6 +146,18 @@ class SparsePolicy(SnapshotPolicy):
         raise ValueError(f"iteration {iteration} is in no remembered window (known: {known}); restore the "
                          "policy state_dict saved with the snapshot you recover from")
 
+    def recovery_window(self, failed_iteration: int) -> SparseWindow:
+        """The newest remembered window all of whose snapshots were taken before ``failed_iteration`` (the
+        first iteration that did not complete): sparse-to-dense conversion starts at its ``start`` and
+        activates each operator at ``activation_iteration(op)`` (MoEvement §3.3, §3.6). Only window starts
+        are recovery points: at any later iteration of a window some operators are NONE."""
+        for win in (self.current, self.previous):
+            if win is not None and win.end <= failed_iteration:
+                return win
+        raise ValueError(f"no complete window before iteration {failed_iteration}; windows remembered: "
+                         f"{[(w.start, w.end) for w in (self.previous, self.current) if w is not None]}; "
+                         "fall back to the last dense (persisted) checkpoint")
+
     @property
     def window_length(self) -> Optional[int]:
         return None if self.current is None else self.current.length
