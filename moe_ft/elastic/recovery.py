@@ -70,8 +70,12 @@ def _poly_mul(a: list[int], b: list[int], max_degree: int) -> list[int]:
     return out
 
 
-def _binomial_row(n: int) -> list[int]:
-    return [math.comb(n, j) for j in range(n + 1)]
+def _binomial_row(n: int, max_degree: int | None = None) -> list[int]:
+    top = n if max_degree is None else min(n, max_degree)
+    row = [1] * (top + 1)
+    for j in range(1, top + 1):
+        row[j] = row[j - 1] * (n - j + 1) // j
+    return row
 
 
 def minimal_supports(sets: Sequence[frozenset[int]]) -> list[frozenset[int]]:
@@ -106,12 +110,13 @@ def _components(sets: list[frozenset[int]]) -> list[list[frozenset[int]]]:
     return list(groups.values())
 
 
-def _component_poly(sets: list[frozenset[int]], max_terms: int) -> tuple[list[int], str] | None:
+def _component_poly(sets: list[frozenset[int]], max_terms: int, max_degree: int) -> tuple[list[int], str] | None:
     nodes = sorted(set().union(*sets))
     v = len(nodes)
     if len(sets) == 1:
-        poly = _binomial_row(v)
-        poly[v] -= 1  # (1+x)^s - x^s
+        poly = _binomial_row(v, max_degree)
+        if v <= max_degree:
+            poly[v] -= 1  # (1+x)^s - x^s
         return poly, "closed_form"
     m = len(sets)
     if (1 << m) <= (1 << v) and (1 << m) <= max_terms:
@@ -152,10 +157,10 @@ def recovering_failure_sets(
     if any(len(s) == 0 for s in sets):
         return [0] * (max_failed + 1), "closed_form"
     covered = set().union(*sets) if sets else set()
-    total = _binomial_row(num_nodes - len(covered))[: max_failed + 1]
+    total = _binomial_row(num_nodes - len(covered), max_failed)
     rank = METHODS.index("closed_form")
     for comp in _components(sets):
-        result = _component_poly(comp, max_exact_terms)
+        result = _component_poly(comp, max_exact_terms, max_failed)
         if result is None:
             return None
         poly, method = result

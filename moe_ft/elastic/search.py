@@ -19,12 +19,17 @@ improvements of single replica swaps between two nodes, within ``max_evaluations
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import combinations_with_replacement
 from typing import Sequence
 
 from moe_ft.elastic.placement import Plan, canonical, compact_plan, mro_plan, spread_plan, supports, validate_allocation
 from moe_ft.elastic.recovery import recovering_failure_sets
+
+
+MAX_EXACT_NODES = 16
+MAX_EXACT_NODE_KINDS = 5000
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -37,7 +42,7 @@ class SearchConfig:
     """Largest number of failed nodes that enters the objective."""
     max_exact_plans: int = 20000
     """Exact search is attempted when the symmetry-reduced plan count is at most this."""
-    max_evaluations: int = 4000
+    max_evaluations: int = 500
     """Plans the local search may evaluate."""
     max_exact_terms: int = 1 << 16
     """Passed to the exact recovery computation (see ``recovery.py``)."""
@@ -78,10 +83,15 @@ class _Objective:
         sets = supports(plan, self.num_experts)
         key = tuple(sorted(tuple(sorted(s)) for s in sets))
         if key not in self.cache:
-            self.evaluations += 1
-            exact = recovering_failure_sets(sets, self.num_nodes, self.max_terms, max(self.ks, default=0))
-            self.cache[key] = None if exact is None else tuple(exact[0][k] for k in self.ks)
+            self.cache[key] = self.of_supports(sets)
         return self.cache[key]
+
+    def of_supports(self, sets: Sequence[frozenset[int]] | Sequence[set[int]]) -> tuple[int, ...] | None:
+        self.evaluations += 1
+        exact = recovering_failure_sets(
+            [frozenset(s) for s in sets], self.num_nodes, self.max_terms, max(self.ks, default=0)
+        )
+        return None if exact is None else tuple(exact[0][k] for k in self.ks)
 
 
 def _better(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> bool:
@@ -116,6 +126,9 @@ def enumerate_plans(replicas: Sequence[int], num_nodes: int, slots_per_node: int
 
 
 def _exact_search(replicas, num_nodes, slots_per_node, objective, limit) -> Plan | None:
+    node_kinds = math.comb(len(replicas) + slots_per_node - 1, slots_per_node)
+    if limit <= 0 or num_nodes > MAX_EXACT_NODES or node_kinds > MAX_EXACT_NODE_KINDS:
+        return None  # hopeless before enumerating: the count of plans grows like node_kinds^N / N!
     best, best_key = None, None
     try:
         for plan in enumerate_plans(replicas, num_nodes, slots_per_node, limit):
@@ -127,9 +140,22 @@ def _exact_search(replicas, num_nodes, slots_per_node, objective, limit) -> Plan
     return best
 
 
+def _swap(nodes, holders, i, a, j, b) -> None:
+    """Move one ``a`` from node ``i`` to node ``j`` and one ``b`` from ``j`` to ``i``; keep supports in sync."""
+    nodes[i][nodes[i].index(a)] = b
+    nodes[j][nodes[j].index(b)] = a
+    holders[a].add(j)
+    holders[b].add(i)
+    if a not in nodes[i]:
+        holders[a].discard(i)
+    if b not in nodes[j]:
+        holders[b].discard(j)
+
+
 def _local_search(start: Plan, objective: _Objective, budget: int) -> Plan:
     nodes = [list(n) for n in start]
-    best_key = objective(start)
+    holders = [set(s) for s in supports(start, objective.num_experts)]
+    best_key = objective.of_supports(holders)
     improved = True
     while improved and objective.evaluations < budget:
         improved = False
@@ -140,20 +166,18 @@ def _local_search(start: Plan, objective: _Objective, budget: int) -> Plan:
             key=lambda ia: (nodes[ia[0]].count(ia[1]) < 2, ia),
         )
         for i, a in sources:
-            for j, node_j in enumerate(nodes):
+            for j in range(len(nodes)):
                 if j == i:
                     continue
-                for b in sorted(set(node_j)):
+                for b in sorted(set(nodes[j])):
                     if b == a:
                         continue
-                    nodes[i][nodes[i].index(a)] = b
-                    nodes[j][node_j.index(b)] = a
-                    key = objective(canonical(nodes))
+                    _swap(nodes, holders, i, a, j, b)
+                    key = objective.of_supports(holders)
                     if _better(key, best_key):
                         best_key, improved = key, True
                         break
-                    nodes[i][nodes[i].index(b)] = a
-                    nodes[j][node_j.index(a)] = b
+                    _swap(nodes, holders, i, b, j, a)  # undo
                     if objective.evaluations >= budget:
                         return canonical(nodes)
                 if improved:
