@@ -37,7 +37,7 @@ from moe_ft.store.local import LocalFSBackend
 from moe_ft.store.manifest import (META_BLOB, EntryRecord, PointRecord, TensorRecord, decode_manifest,
                                    encode_manifest, entry_blob, entry_key)
 from moe_ft.store.retention import RetentionPolicy
-from moe_ft.store.rules import EntryRef, RecoveryPoint, RecoveryRule
+from moe_ft.store.rules import EntryRef, RecoveryPoint, RecoveryRule, newest_recoverable
 
 logger = logging.getLogger("moe_ft.store")
 
@@ -311,8 +311,6 @@ class SnapshotStore:
                            verify: bool = False) -> RecoveryPoint | None:
         """Newest recovery point ``rule`` accepts. With ``verify`` every entry it needs is checksummed
         first; a corrupt one is skipped with a warning and the search continues without it."""
-        from moe_ft.store.rules import newest_recoverable
-
         catalog = self.catalog()
         verified: set[EntryRef] = set()
         while True:
