@@ -175,7 +175,7 @@ def test_exception_before_commit_leaves_previous_points(harness):
             raise RuntimeError("injected failure")
 
     store = SnapshotStore(harness.backend(fault_hook=hook))
-    publish(store, 1, OPS and {op: Level.FULL for op in OPS})
+    publish(store, 1, {op: Level.FULL for op in OPS})
     with pytest.raises(RuntimeError, match="injected"):
         publish(store, 2, {op: Level.FULL for op in OPS})
     assert store.points() == [1]
