@@ -43,6 +43,10 @@ class PopularityConfig:
     """Global number of experts per MoE layer."""
     ema_alpha: float = 0.9
     """Decay ``alpha`` of the time-decayed popularity (MoEvement App. B); weight of the past, in [0, 1)."""
+    device: str = "cpu"
+    """Device of the per-iteration buffer that ``record`` adds to and ``all_reduce`` receives: ``"cuda"``
+    keeps ``record`` free of host syncs and suits an NCCL group; ``"cpu"`` suits gloo. The counters the
+    policies read always live on the CPU."""
 
     def __post_init__(self) -> None:
         layers = list(self.moe_layers)
@@ -79,8 +83,8 @@ class ExpertPopularity:
     ``all_reduce``: optional in-place sum over the ranks whose tokens must be combined (on Megatron:
     ``lambda t: torch.distributed.all_reduce(t, group=...)`` over the data- and expert-parallel ranks,
     and across pipeline stages so that every stage sees every layer; tensor-parallel peers that see the
-    same tokens must not be summed twice). It receives one float64 CPU tensor ``[2, num_layers,
-    num_experts]`` per iteration.
+    same tokens must not be summed twice). It receives one float64 tensor ``[2, num_layers, num_experts]``
+    on ``config.device`` per iteration.
     """
 
     def __init__(
@@ -90,7 +94,8 @@ class ExpertPopularity:
         self.all_reduce = all_reduce
         self._layer_pos = {layer: i for i, layer in enumerate(self.config.moe_layers)}
         shape = (len(self._layer_pos), self.config.num_experts)
-        self._pending = torch.zeros((2, *shape), dtype=torch.float64)  # [hard|soft, L, E] of this iteration
+        # [hard|soft, L, E] of the open iteration
+        self._pending = torch.zeros((2, *shape), dtype=torch.float64, device=config.device)
         self.hard = torch.zeros(shape, dtype=torch.float64)
         self.soft = torch.zeros(shape, dtype=torch.float64)
         self.ema = torch.zeros(shape, dtype=torch.float64)
@@ -128,11 +133,12 @@ class ExpertPopularity:
         """
         row = self.layer_pos(layer_idx)
         num_experts = self.config.num_experts
+        device = self._pending.device
         routing = routing.detach()
         if routing.dim() == 2 and routing.shape[1] == num_experts:
-            hard = routing.to(device="cpu", dtype=torch.float64).sum(dim=0)
+            hard = routing.to(device=device, dtype=torch.float64).sum(dim=0)
         elif routing.dim() == 1 and routing.shape[0] == num_experts:
-            hard = routing.to(device="cpu", dtype=torch.float64)
+            hard = routing.to(device=device, dtype=torch.float64)
         else:
             raise ValueError(
                 f"routing must be a routing map [num_tokens, {num_experts}] or counts [{num_experts}], "
@@ -143,7 +149,7 @@ class ExpertPopularity:
         else:
             if probs.dim() != 2 or probs.shape[1] != num_experts:
                 raise ValueError(f"probs must be [num_tokens, {num_experts}], got {tuple(probs.shape)}")
-            soft = probs.detach().to(device="cpu", dtype=torch.float64).sum(dim=0)
+            soft = probs.detach().to(device=device, dtype=torch.float64).sum(dim=0)
         self._pending[0, row] += hard
         self._pending[1, row] += soft
 
@@ -157,6 +163,7 @@ class ExpertPopularity:
         pending = self._pending.clone()
         if self.all_reduce is not None:
             self.all_reduce(pending)
+        pending = pending.cpu()
         hard, soft = pending[0], pending[1]
         self.hard += hard
         self.soft += soft
@@ -210,7 +217,7 @@ class ExpertPopularity:
             "since_full": self.since_full.clone(),
             "last_counts": self.last_counts.clone(),
             "last_full_iteration": self.last_full_iteration.clone(),
-            "pending": self._pending.clone(),
+            "pending": self._pending.cpu().clone(),
             "last_iteration": self.last_iteration,
         }
 
@@ -223,5 +230,5 @@ class ExpertPopularity:
         for name in ("hard", "soft", "ema", "since_full", "last_counts"):
             setattr(self, name, state[name].to(torch.float64).clone())
         self.last_full_iteration = state["last_full_iteration"].to(torch.int64).clone()
-        self._pending = state["pending"].to(torch.float64).clone()
+        self._pending = state["pending"].to(device=self._pending.device, dtype=torch.float64).clone()
         self.last_iteration = int(state["last_iteration"])

@@ -132,3 +132,31 @@ def test_state_dict_round_trip_continues_exactly_even_mid_iteration():
         assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
     with pytest.raises(ValueError, match="does not match"):
         ExpertPopularity(PopularityConfig(moe_layers=[0], num_experts=4)).load_state_dict(saved)
+
+
+def _gloo_worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        pop = ExpertPopularity(PopularityConfig(moe_layers=[0, 1], num_experts=4), all_reduce=dist.all_reduce)
+        for it in range(3):
+            pop.record(0, torch.tensor([rank + 1, 0, it, 1]))
+            pop.record(1, torch.tensor([0, rank, 0, 2]), probs=torch.full((2, 4), 0.25 * (rank + 1)))
+            pop.end_iteration(it)
+        torch.save(pop.state_dict(), f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_gloo_all_reduce_gives_identical_global_counters_on_every_rank(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gloo_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for key, value in states[0].items():
+        assert torch.equal(value, states[1][key]) if isinstance(value, torch.Tensor) else value == states[1][key]
+    assert states[0]["hard"].tolist() == [[9.0, 0.0, 6.0, 6.0], [0.0, 3.0, 0.0, 12.0]]
+    assert states[0]["soft"][1].tolist() == [4.5] * 4  # 3 iterations x 2 tokens x (0.25 + 0.5)
