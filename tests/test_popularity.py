@@ -150,6 +150,7 @@ def _gloo_worker(rank: int, world_size: int, store_path: str, out_dir: str) -> N
         dist.destroy_process_group()
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(60)
 def test_gloo_all_reduce_gives_identical_global_counters_on_every_rank(tmp_path):
     import torch.multiprocessing as mp
@@ -160,3 +161,19 @@ def test_gloo_all_reduce_gives_identical_global_counters_on_every_rank(tmp_path)
         assert torch.equal(value, states[1][key]) if isinstance(value, torch.Tensor) else value == states[1][key]
     assert states[0]["hard"].tolist() == [[9.0, 0.0, 6.0, 6.0], [0.0, 3.0, 0.0, 12.0]]
     assert states[0]["soft"][1].tolist() == [4.5] * 4  # 3 iterations x 2 tokens x (0.25 + 0.5)
+
+
+@pytest.mark.gpu
+def test_cuda_buffer_counts_like_the_cpu_one():
+    rng = torch.Generator().manual_seed(5)
+    maps = [_routing_map(rng, 16, 8, 2) for _ in range(4)]
+    probs = [torch.rand(16, 8, generator=rng) for _ in range(4)]
+    cpu = ExpertPopularity(PopularityConfig(moe_layers=[0], num_experts=8))
+    gpu = ExpertPopularity(PopularityConfig(moe_layers=[0], num_experts=8, device="cuda"))
+    for it, (rmap, prob) in enumerate(zip(maps, probs)):
+        cpu.record(0, rmap, prob)
+        gpu.record(0, rmap.cuda(), prob.cuda())
+        cpu.end_iteration(it)
+        gpu.end_iteration(it)
+    assert torch.equal(cpu.hard, gpu.hard) and torch.allclose(cpu.soft, gpu.soft)
+    assert gpu.hard.device.type == "cpu" and gpu.state_dict()["pending"].device.type == "cpu"
