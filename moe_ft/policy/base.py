@@ -110,6 +110,3 @@ def top_by_score(candidates: Sequence[OperatorInfo], scores: Mapping[OperatorId,
     """The ``k`` candidates with the highest score, ties broken by OperatorId order."""
     return sorted(candidates, key=lambda i: (-scores[i.op], i.op))[: max(k, 0)]
 
-
-def parse_ops(names: Iterable[str]) -> list[OperatorId]:
-    return [OperatorId.parse(n) for n in names]

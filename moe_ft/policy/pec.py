@@ -108,6 +108,7 @@ class PECPolicy(SnapshotPolicy):
         return self._segments[-1][2]
 
     def k_at(self, iteration: int) -> int:
+        """K in force for the checkpoint after ``iteration`` (Dynamic-K keeps the history)."""
         return self._segment(iteration // self.config.interval)[2]
 
     def _segment(self, checkpoint_idx: int) -> tuple[int, int, int]:
