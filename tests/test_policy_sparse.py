@@ -120,6 +120,7 @@ def test_should_reorder_threshold_cases():
 
 def test_reorder_only_at_window_boundaries_and_only_past_threshold():
     rng = random.Random(2)
+    outcomes = set()
     for case in range(12):
         layers, experts = rng.randint(1, 3), rng.choice([4, 8])
         ops = make_catalog(layers, experts, rng=rng)
@@ -139,6 +140,7 @@ def test_reorder_only_at_window_boundaries_and_only_past_threshold():
                 assert policy.current.order == order and policy.current.start == start
                 continue
             expect = should_reorder(reference, layer_shares(scores), change=0.1, fraction=0.25)
+            outcomes.add(expect)
             # independent count of the threshold rule
             shares = layer_shares(scores)
             changed = sum((abs(shares[o] - reference[o]) > 0.1 * reference[o]) if reference[o] > 0 else shares[o] > 0
@@ -151,6 +153,7 @@ def test_reorder_only_at_window_boundaries_and_only_past_threshold():
             else:
                 assert policy.current.order == order
             order, start = policy.current.order, policy.current.start
+    assert outcomes == {True, False}, "both a reorder and a kept order must be exercised"
 
 
 def test_replay_of_previous_window_and_forgotten_windows():
