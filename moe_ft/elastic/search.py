@@ -3,8 +3,7 @@
 Lazarus Theorem 1 (§4.1, App. A.2) claims MRO maximises the recovery probability for every allocation.
 It does not: for ``r = [2, 2, 2, 3]``, ``N = 3``, ``c = 3`` MRO builds ``{1,2,3}, {1,2,3}, {4,4,4}`` and
 survives one failed node with probability 2/3, while ``{1,2,4}, {1,3,4}, {2,3,4}`` survives any single
-failure. (The proof's upper bound assumes every expert fits in the representative's group; leftover
-replicas placed on a node of their own make that node a single point of failure.)
+failure: the leftover replicas of the last expert fill a node of their own, a single point of failure.
 
 Objective. Plans are compared by the vector of exact recovery probabilities, lexicographically, in the
 order ``(target, 1, 2, ..., K)``: the number of failed nodes asked for (if any) first, then ascending
