@@ -104,7 +104,8 @@ if HAVE_TRITON:
             # torch rounds; this matches torch on both (out_ptr is the int16 view of the bf16 output)
             bits = acc.to(tl.uint32, bitcast=True)
             rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            tl.store(out_ptr + token.to(tl.int64) * hidden_size + cols, rounded.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+            out_bits = rounded.to(tl.uint16).to(tl.int16, bitcast=True)
+            tl.store(out_ptr + token.to(tl.int64) * hidden_size + cols, out_bits, mask=mask)
         else:
             tl.store(out_ptr + token.to(tl.int64) * hidden_size + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
