@@ -118,10 +118,7 @@ def recv_expert_order(schedule: DispatchSchedule) -> torch.Tensor:
     ``expert_major = recv[idx]``; its expert ``e`` block has ``schedule.recv_counts[:, e].sum()`` rows."""
     counts = schedule.recv_counts  # [W, E]
     start = _exclusive_cumsum(counts.reshape(-1), 0).reshape(counts.shape)
-    world, num_experts = counts.shape
-    pieces = [
-        torch.arange(int(start[j, e]), int(start[j, e] + counts[j, e]), dtype=torch.int64)
-        for e in range(num_experts)
-        for j in range(world)
-    ]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    lens = counts.T.reshape(-1)  # chunks in (expert, source rank) order
+    shift = start.T.reshape(-1) - _exclusive_cumsum(lens, 0)  # recv start minus expert-major start
+    total = int(lens.sum())
+    return torch.repeat_interleave(shift, lens, output_size=total) + torch.arange(total, dtype=torch.int64)
