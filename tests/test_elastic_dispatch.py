@@ -113,6 +113,7 @@ def _simulate_layer(routing, replicas, tpe, probs, hidden, config):
         )
         order = recv_expert_order(scheds[i])
         assert (expert_of_row[order].diff() >= 0).all()  # expert-major after reordering
+        assert torch.equal(torch.sort(order).values, torch.arange(recv.shape[0]))  # a permutation
         assert torch.equal(torch.bincount(expert_of_row, minlength=num_experts), capacity(tpe, replicas)[:, i])
         y = recv * (expert_of_row[:, None] + 1).to(recv.dtype)
         outs.append(list(torch.split(y, scheds[i].output_split_sizes)))
