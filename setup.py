@@ -15,6 +15,8 @@ setup(
         "torch==2.13.0",
         "megatron-core==0.16.1",
         "numpy>=1.26",
+        # dist_checkpointing's writer processes need psutil; without it they die and the save hangs.
+        "psutil>=5.9",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "triton==3.9.0", "matplotlib>=3.8"],

@@ -1,0 +1,70 @@
+"""Build argparse groups from config dataclasses, one flag per field (Megatron-LM style).
+
+A field ``micro_batch_size`` becomes ``--micro-batch-size``; its help text is the ``help`` entry of the
+field's metadata. Booleans become ``store_true`` flags (``--bf16``), or ``--no-X`` toggles when their default
+is ``True``. Lists take several values (``--split 949 50 1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _base_type(tp: Any) -> tuple[Any, bool]:
+    """(scalar type, is_list) for the annotations we use: int, float, str, bool, Optional[...], list[...]."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])
+    if origin in (list, tuple):
+        return typing.get_args(tp)[0], True
+    return tp, False
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        if not field.init or field.metadata.get("cli") is False:
+            continue
+        tp, is_list = _base_type(hints[field.name])
+        help_text = field.metadata.get("help", "")
+        default = field.default if field.default is not dataclasses.MISSING else None
+        if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = field.default_factory()  # type: ignore[misc]
+        kwargs: dict[str, Any] = {"dest": field.name, "help": f"{help_text} (default: {default})"}
+        if tp is bool and not is_list:
+            if default:
+                group.add_argument("--no-" + field.name.replace("_", "-"), action="store_false", **kwargs)
+            else:
+                group.add_argument(flag_name(field.name), action="store_true", **kwargs)
+            continue
+        if "choices" in field.metadata:
+            kwargs["choices"] = field.metadata["choices"]
+        if is_list:
+            kwargs["nargs"] = "+"
+        group.add_argument(flag_name(field.name), type=tp, default=default, **kwargs)
+
+
+def dataclass_from_args(cls: type[T], namespace: argparse.Namespace) -> T:
+    values = {}
+    for field in dataclasses.fields(cls):
+        if field.init and hasattr(namespace, field.name):
+            value = getattr(namespace, field.name)
+            values[field.name] = list(value) if isinstance(value, tuple) else value
+    return cls(**values)
+
+
+def field_help(help_text: str, **extra: Any) -> dict[str, Any]:
+    """Metadata for a config field: ``field(default=..., metadata=field_help("..."))``."""
+    return {"help": help_text, **extra}

@@ -1,0 +1,221 @@
+"""Megatron-LM-style command-line flags, mapped one-to-one onto config dataclasses, and their validation.
+
+Validation runs before any process-group work and stops with one actionable line (:class:`ArgumentError`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from megatron.training.argument_utils import add_dataclass_arguments, dataclass_from_args, field_help
+
+
+class ArgumentError(ValueError):
+    """A bad flag or flag combination; the message says what to change."""
+
+
+@dataclass(kw_only=True)
+class ModelArgs:
+    num_layers: int = field(default=2, metadata=field_help("Number of transformer layers."))
+    hidden_size: int = field(default=64, metadata=field_help("Transformer hidden size."))
+    num_attention_heads: int = field(default=4, metadata=field_help("Number of attention heads."))
+    ffn_hidden_size: int | None = field(
+        default=None, metadata=field_help("Hidden size of each expert's MLP (default 4*hidden).")
+    )
+    seq_length: int = field(default=64, metadata=field_help("Sequence length of a training sample."))
+    max_position_embeddings: int | None = field(
+        default=None, metadata=field_help("Positions of the learned position embedding (>= seq length).")
+    )
+    num_experts: int = field(default=4, metadata=field_help("Experts per MoE layer."))
+    moe_router_topk: int = field(default=2, metadata=field_help("Experts each token is routed to."))
+    moe_aux_loss_coeff: float = field(default=0.01, metadata=field_help("Load-balancing loss coefficient."))
+    moe_token_dispatcher_type: str = field(
+        default="alltoall",
+        metadata=field_help("Megatron token dispatcher.", choices=["alltoall", "allgather"]),
+    )
+    moe_grouped_gemm: bool = field(default=False, metadata=field_help("Use grouped-GEMM experts."))
+    vocab_size: int | None = field(
+        default=None, metadata=field_help("Vocabulary size (default: the tokenizer's, padded).")
+    )
+    make_vocab_size_divisible_by: int = field(default=128, metadata=field_help("Pad the vocab to this."))
+    bf16: bool = field(default=False, metadata=field_help("bf16 compute with fp32 master weights (GPU)."))
+    fp16: bool = field(default=False, metadata=field_help("fp16 compute with loss scaling (GPU)."))
+    attention_dropout: float = field(default=0.0, metadata=field_help("Attention dropout probability."))
+    hidden_dropout: float = field(default=0.0, metadata=field_help("Hidden dropout probability."))
+
+
+@dataclass(kw_only=True)
+class ParallelArgs:
+    tensor_model_parallel_size: int = field(default=1, metadata=field_help("Tensor-parallel size."))
+    pipeline_model_parallel_size: int = field(default=1, metadata=field_help("Pipeline stages."))
+    expert_model_parallel_size: int = field(default=1, metadata=field_help("Expert-parallel size."))
+    use_distributed_optimizer: bool = field(
+        default=False, metadata=field_help("Shard optimizer state over data-parallel ranks.")
+    )
+
+
+@dataclass(kw_only=True)
+class TrainingArgs:
+    micro_batch_size: int = field(default=2, metadata=field_help("Samples per micro-batch per DP rank."))
+    global_batch_size: int | None = field(
+        default=None, metadata=field_help("Samples per iteration over all DP ranks (default mbs*dp).")
+    )
+    train_iters: int = field(default=100, metadata=field_help("Iterations to train for."))
+    lr: float = field(default=3e-3, metadata=field_help("Peak learning rate."))
+    min_lr: float = field(default=3e-4, metadata=field_help("Minimum learning rate after decay."))
+    lr_decay_style: str = field(
+        default="cosine", metadata=field_help("LR decay.", choices=["constant", "linear", "cosine", "inverse-square-root"])
+    )
+    lr_warmup_iters: int = field(default=0, metadata=field_help("Linear warm-up iterations."))
+    lr_decay_iters: int | None = field(default=None, metadata=field_help("Decay iterations (default train-iters)."))
+    weight_decay: float = field(default=0.01, metadata=field_help("AdamW weight decay."))
+    adam_beta1: float = field(default=0.9, metadata=field_help("Adam beta1."))
+    adam_beta2: float = field(default=0.95, metadata=field_help("Adam beta2."))
+    clip_grad: float = field(default=1.0, metadata=field_help("Global gradient-norm clip (0: off)."))
+    seed: int = field(default=1234, metadata=field_help("Seed of model init, data order and dropout."))
+    log_interval: int = field(default=10, metadata=field_help("Iterations between log lines."))
+    eval_interval: int = field(default=0, metadata=field_help("Iterations between evaluations (0: off)."))
+    eval_iters: int = field(default=2, metadata=field_help("Iterations per evaluation."))
+    save: str | None = field(default=None, metadata=field_help("Directory to save checkpoints to."))
+    load: str | None = field(default=None, metadata=field_help("Directory to resume from."))
+    save_interval: int = field(default=0, metadata=field_help("Iterations between saves (0: end only)."))
+    num_threads: int = field(default=1, metadata=field_help("torch CPU threads per process (CPU runs)."))
+    progress: bool = field(default=False, metadata=field_help("Show a progress bar on rank 0."))
+    deterministic: bool = field(
+        default=True, metadata=field_help("torch.use_deterministic_algorithms (bitwise reproducible).")
+    )
+
+
+@dataclass(kw_only=True)
+class DataArgs:
+    data_path: str | None = field(
+        default=None, metadata=field_help("Prefix of a Megatron indexed dataset (<prefix>.bin/.idx).")
+    )
+    split: list[int] = field(
+        default_factory=lambda: [98, 2, 0], metadata=field_help("Train/valid/test split weights.")
+    )
+    tokenizer_type: str = field(
+        default="ByteLevel", metadata=field_help("Tokenizer (offline).", choices=["ByteLevel"])
+    )
+
+
+@dataclass(kw_only=True)
+class Args:
+    model: ModelArgs
+    parallel: ParallelArgs
+    training: TrainingArgs
+    data: DataArgs
+    world_size: int = 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        p = self.parallel
+        return self.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+
+    @property
+    def num_microbatches(self) -> int:
+        t = self.training
+        return t.global_batch_size // (t.micro_batch_size * self.data_parallel_size)
+
+
+GROUPS = (("model", ModelArgs, "model"), ("parallel", ParallelArgs, "parallelism"),
+          ("training", TrainingArgs, "training"), ("data", DataArgs, "data"))
+
+
+def build_parser(extra_groups=()) -> argparse.ArgumentParser:
+    """``extra_groups``: (title, dataclass) pairs other components add (e.g. the ``--ft-*`` flags)."""
+    parser = argparse.ArgumentParser(description="Pretrain a Mixture-of-Experts GPT with Megatron-Core.")
+    for _, cls, title in GROUPS:
+        add_dataclass_arguments(parser, cls, title)
+    for title, cls in extra_groups:
+        add_dataclass_arguments(parser, cls, title)
+    return parser
+
+
+def parse_args(argv=None, world_size: int | None = None) -> Args:
+    namespace = build_parser().parse_args(argv)
+    return args_from_namespace(namespace, world_size)
+
+
+def args_from_namespace(namespace: argparse.Namespace, world_size: int | None = None) -> Args:
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args = Args(**{name: dataclass_from_args(cls, namespace) for name, cls, _ in GROUPS}, world_size=world_size)
+    validate_args(args)
+    return args
+
+
+def validate_args(args: Args) -> None:
+    """Fill derived defaults and reject impossible combinations, each with the fix in the message."""
+    m, p, t, d = args.model, args.parallel, args.training, args.data
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_experts",
+                 "moe_router_topk"):
+        if getattr(m, name) <= 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(m, name)}")
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+        if getattr(p, name) <= 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(p, name)}")
+    if p.tensor_model_parallel_size != 1:
+        raise ArgumentError("--tensor-model-parallel-size > 1 is not supported yet; use 1 "
+                            "(scale with --expert-model-parallel-size and --pipeline-model-parallel-size)")
+    if m.bf16 and m.fp16:
+        raise ArgumentError("--bf16 and --fp16 are exclusive; pass one of them")
+    if m.hidden_size % m.num_attention_heads:
+        raise ArgumentError(f"--hidden-size {m.hidden_size} must be divisible by --num-attention-heads "
+                            f"{m.num_attention_heads}")
+    if m.moe_router_topk > m.num_experts:
+        raise ArgumentError(f"--moe-router-topk {m.moe_router_topk} exceeds --num-experts {m.num_experts}")
+    if m.num_experts % p.expert_model_parallel_size:
+        raise ArgumentError(f"--num-experts {m.num_experts} must be divisible by "
+                            f"--expert-model-parallel-size {p.expert_model_parallel_size}")
+    mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    if args.world_size % mp:
+        raise ArgumentError(f"world size {args.world_size} must be divisible by tensor x pipeline parallel "
+                            f"size {mp}; change --nproc-per-node or --pipeline-model-parallel-size")
+    dp = args.world_size // mp
+    if dp % p.expert_model_parallel_size:
+        raise ArgumentError(
+            f"world size {args.world_size} / (TP*PP={mp}) = {dp} ranks per stage must be divisible by "
+            f"--expert-model-parallel-size {p.expert_model_parallel_size}")
+    if m.num_layers % p.pipeline_model_parallel_size:
+        raise ArgumentError(f"--num-layers {m.num_layers} must be divisible by "
+                            f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}")
+    if m.ffn_hidden_size is None:
+        m.ffn_hidden_size = 4 * m.hidden_size
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+    if m.max_position_embeddings < m.seq_length:
+        raise ArgumentError(f"--max-position-embeddings {m.max_position_embeddings} is smaller than "
+                            f"--seq-length {m.seq_length}")
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * dp
+    if t.micro_batch_size <= 0 or t.global_batch_size % (t.micro_batch_size * dp):
+        raise ArgumentError(f"--global-batch-size {t.global_batch_size} must be a positive multiple of "
+                            f"--micro-batch-size x data-parallel size = {t.micro_batch_size} x {dp}")
+    if p.pipeline_model_parallel_size > 1 and args.num_microbatches < p.pipeline_model_parallel_size:
+        raise ArgumentError(f"pipeline parallelism needs at least {p.pipeline_model_parallel_size} "
+                            f"micro-batches per iteration; raise --global-batch-size to "
+                            f"{t.micro_batch_size * dp * p.pipeline_model_parallel_size}")
+    if t.train_iters <= 0:
+        raise ArgumentError(f"--train-iters must be positive, got {t.train_iters}")
+    if t.lr_decay_iters is None:
+        t.lr_decay_iters = t.train_iters
+    if t.lr_warmup_iters >= t.lr_decay_iters and t.lr_decay_style != "constant":
+        raise ArgumentError("--lr-warmup-iters must be smaller than the decay iterations")
+    if t.save_interval < 0 or t.log_interval <= 0 or t.eval_interval < 0:
+        raise ArgumentError("--save-interval/--eval-interval must be >= 0 and --log-interval > 0")
+    if t.save_interval and not t.save:
+        raise ArgumentError("--save-interval needs --save DIR")
+    if d.data_path is None:
+        raise ArgumentError("--data-path is required: prepare one with "
+                            "`python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus`")
+    for suffix in (".bin", ".idx"):
+        if not os.path.isfile(d.data_path + suffix):
+            raise ArgumentError(f"--data-path {d.data_path}: {d.data_path + suffix} not found; create it with "
+                                f"`python tools/preprocess_data.py --output-prefix {d.data_path} ...`")
+    if len(d.split) != 3 or min(d.split) < 0 or d.split[0] <= 0:
+        raise ArgumentError(f"--split needs three non-negative weights with train > 0, got {d.split}")
+    if t.load and not os.path.isdir(t.load):
+        raise ArgumentError(f"--load {t.load}: no such directory")

@@ -1,0 +1,176 @@
+"""Persisted checkpoints in Megatron ``dist_checkpointing`` format (``torch_dist`` backend).
+
+Layout (as Megatron-LM): ``<save>/iter_0000010/`` holds the sharded model, optimizer, scheduler and
+per-rank RNG state; ``<save>/latest_checkpointed_iteration.txt`` names the newest complete one and is
+written (atomically, by rank 0) only after every rank finished saving, so a crash mid-save never makes a
+torn checkpoint "latest". The model part is the plain ``GPTModel.sharded_state_dict()``, so a Megatron-Core
+model built from the same config loads it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+from megatron.training.model import TrainState
+
+log = logging.getLogger("megatron.training")
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message says which and why."""
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_latest_iteration(root: str) -> int | None:
+    path = os.path.join(root, TRACKER_FILE)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    try:
+        return int(text)
+    except ValueError as e:
+        raise CheckpointError(f"{path} holds {text!r}, not an iteration number; fix or delete it") from e
+
+
+def rng_state() -> dict:
+    """This rank's RNG streams: Python, NumPy, torch CPU (and CUDA) and Megatron's tracker."""
+    import random
+
+    import numpy as np
+
+    state = {
+        "random": random.getstate(),
+        "np": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(state["random"])
+    np.random.set_state(state["np"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states({k: v.clone() for k, v in state["tracker"].items()})
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _sharded_state_dict(state: TrainState, is_loading: bool) -> dict:
+    module = state.model[0].module
+    model_sd = module.sharded_state_dict()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return {
+        "model": model_sd,
+        # Megatron-LM's default layout for the distributed optimizer ('fully_sharded_model_space' needs
+        # flattened ShardedTensors, which the torch_dist strategy of megatron-core 0.16 rejects).
+        "optimizer": state.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}),
+        "rng_state": ShardedObject("rng_state", rng_state(), (world,), (rank,), replica_id=0),
+    }
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer the state tensors a checkpoint is loaded into.
+
+    Without Apex/TE, Megatron's ``DistributedOptimizer.state_dict()`` reads ``step`` from every param
+    state and asserts there is one value, so loading into an optimizer that never stepped fails (a
+    Megatron bug on TE-less installs). Create torch Adam's own initial state (``step`` 0, zero moments)
+    instead of taking a dummy optimizer step, which would touch the parameters."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        if inner is None:
+            continue
+        opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param].setdefault("step", torch.tensor(0.0))
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """After loading, give every param state the step its param group carries.
+
+    Megatron's distributed optimizer keeps torch Adam's ``step`` in the param groups of its common state
+    and spreads it over the param states on load, but the ``dp_reshardable`` parameter state it loads
+    afterwards overwrites each ``step`` with the loading template's value (here 0). Adam's bias correction
+    would then restart. Torch optimizers without the distributed optimizer carry ``step`` per param and
+    have no ``step`` in their groups, so they are left as they are."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                if param in inner.state:
+                    inner.state[param]["step"] = torch.tensor(float(group["step"]))
+
+
+def save_checkpoint(root: str, iteration: int, state: TrainState) -> str:
+    """Collective: every rank calls it. Returns the checkpoint directory."""
+    path = checkpoint_dir(root, iteration)
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    sharded = _sharded_state_dict(state, is_loading=False)
+    sharded["scheduler"] = state.scheduler.state_dict()
+    sharded["iteration"] = iteration
+    dist_checkpointing.save(sharded, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = os.path.join(root, TRACKER_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(root, TRACKER_FILE))
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(root: str, state: TrainState) -> int:
+    """Load the newest complete checkpoint under ``root`` into ``state``; returns its iteration.
+    Collective. Raises :class:`CheckpointError` naming the problem."""
+    iteration = read_latest_iteration(root)
+    if iteration is None:
+        raise CheckpointError(f"--load {root}: no {TRACKER_FILE}; nothing was saved there "
+                              f"(or the save did not complete)")
+    path = checkpoint_dir(root, iteration)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{root}/{TRACKER_FILE} names iteration {iteration} but {path} is missing")
+    _ensure_optimizer_state(state.optimizer)
+    sharded = _sharded_state_dict(state, is_loading=True)
+    common = dist_checkpointing.load_common_state_dict(path)
+    try:
+        loaded = dist_checkpointing.load(sharded, path)
+    except Exception as e:  # dist_checkpointing raises many types; name the checkpoint in the error
+        raise CheckpointError(f"cannot load {path}: {e}") from e
+    with torch.no_grad():  # fp32 + distributed optimizer: main params are views of leaf parameters
+        state.model[0].module.load_state_dict(loaded["model"])
+        state.optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(state.optimizer)
+    state.scheduler.load_state_dict(common["scheduler"])
+    set_rng_state(loaded["rng_state"])
+    if int(common["iteration"]) != iteration:
+        raise CheckpointError(f"{path} holds iteration {common['iteration']}, tracker says {iteration}")
+    log.info("loaded checkpoint %s (iteration %d)", path, iteration)
+    return iteration

@@ -1,0 +1,79 @@
+"""Process groups, the CPU layer, seeds and determinism: everything before the model is built."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron.training.arguments import Args
+
+log = logging.getLogger("megatron.training")
+
+
+def quiet_optional_dependency_warnings() -> None:
+    """Megatron warns at import time that Transformer Engine and Apex are absent; on CPU that is expected."""
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*not installed.*")
+    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+
+
+def initialize_distributed(args: Args, timeout_s: float = 300.0) -> None:
+    """Init the default process group (NCCL on GPU, gloo on CPU), the CPU layer, and Megatron's
+    model-parallel groups. Launched by torchrun: RANK/WORLD_SIZE/MASTER_ADDR come from the environment."""
+    from moe_ft.compat import cpu as cpu_compat
+
+    quiet_optional_dependency_warnings()
+    use_cuda = torch.cuda.is_available()
+    if not use_cuda:
+        torch.set_num_threads(args.training.num_threads)
+    if args.training.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    if not dist.is_initialized():
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    if dist.get_world_size() != args.world_size:
+        raise RuntimeError(f"arguments were validated for world size {args.world_size} but the process group "
+                           f"has {dist.get_world_size()} ranks")
+    cpu_compat.activate()
+
+    from megatron.core import parallel_state as ps
+
+    p = args.parallel
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+    )
+
+
+def set_seeds(seed: int) -> None:
+    """Megatron's seeding: every process seeds torch with ``seed + 100*pp_rank`` and the model-parallel RNG
+    tracker (dropout, expert init) with its own offsets."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,132 @@
+"""Build the MoE GPT model, Megatron's DDP wrapper, optimizer and LR/WD scheduler from the arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron.training.arguments import Args
+from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
+
+
+def vocab_size_for(args: Args) -> int:
+    m = args.model
+    if m.vocab_size is not None:
+        return m.vocab_size
+    tokenizer = build_tokenizer(args.data.tokenizer_type)
+    return padded_vocab_size(tokenizer.vocab_size, m.make_vocab_size_divisible_by,
+                             args.parallel.tensor_model_parallel_size)
+
+
+def transformer_config(args: Args) -> TransformerConfig:
+    m, p = args.model, args.parallel
+    dtype = torch.bfloat16 if m.bf16 else torch.float16 if m.fp16 else torch.float32
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size,
+        moe_ffn_hidden_size=m.ffn_hidden_size,
+        num_moe_experts=m.num_experts,
+        moe_router_topk=m.moe_router_topk,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss",
+        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        moe_grouped_gemm=m.moe_grouped_gemm,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=m.bf16,
+        fp16=m.fp16,
+        add_bias_linear=False,  # Megatron's TP=1 MLP adds the bias in place on a reduce output (autograd error)
+        attention_dropout=m.attention_dropout,
+        hidden_dropout=m.hidden_dropout,
+        use_cpu_initialization=False,  # per-rank expert seeds (CPU init gives every EP rank the same experts)
+        deterministic_mode=args.training.deterministic,
+        gradient_accumulation_fusion=False,
+        variable_seq_lengths=False,
+    )
+
+
+def layer_spec(args: Args):
+    """The layer spec: Megatron's local (non-TE) spec; moe-ft's router/MoE subclasses plug in here."""
+    return get_gpt_layer_local_spec(num_experts=args.model.num_experts,
+                                    moe_grouped_gemm=args.model.moe_grouped_gemm)
+
+
+def build_gpt_model(args: Args, config: TransformerConfig | None = None) -> GPTModel:
+    """This rank's pipeline stage of the GPT model (plain Megatron-Core module, not yet wrapped)."""
+    config = config or transformer_config(args)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(args),
+        vocab_size=vocab_size_for(args),
+        max_sequence_length=args.model.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="learned_absolute",
+    )
+
+
+@dataclass
+class TrainState:
+    """The objects a training step touches. ``model`` is the list of DDP-wrapped model chunks."""
+
+    model: list
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+    config: TransformerConfig
+
+
+def build_train_state(args: Args) -> TrainState:
+    config = transformer_config(args)
+    gpt = build_gpt_model(args, config)
+    if torch.cuda.is_available():
+        gpt.cuda(torch.cuda.current_device())
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=args.parallel.use_distributed_optimizer,
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
+    t = args.training
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=t.lr,
+        min_lr=t.min_lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        clip_grad=t.clip_grad,
+        bf16=args.model.bf16,
+        fp16=args.model.fp16,
+        use_distributed_optimizer=args.parallel.use_distributed_optimizer,
+        params_dtype=config.params_dtype,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [model])
+    gbs = t.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if t.lr_warmup_iters else t.lr,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=t.lr_warmup_iters * gbs,
+        lr_decay_steps=t.lr_decay_iters * gbs,
+        lr_decay_style=t.lr_decay_style,
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=t.train_iters * gbs,
+        wd_incr_style="constant",
+    )
+    return TrainState(model=[model], optimizer=optimizer, scheduler=scheduler, config=config)

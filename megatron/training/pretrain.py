@@ -1,0 +1,48 @@
+"""Build everything from validated arguments and train (the body of ``pretrain_gpt_moe.py``)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megatron.training.arguments import Args
+from megatron.training.initialize import initialize_distributed, set_seeds, shutdown
+
+
+def build_data(args: Args):
+    from megatron.training.data import ReplayableData, TokenSamples
+    from megatron.training.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(args.data.tokenizer_type)
+    samples = TokenSamples(args.data.data_path, args.model.seq_length, tokenizer.eod)
+    t = args.training
+    return ReplayableData(samples, split=args.data.split, seed=t.seed, micro_batch_size=t.micro_batch_size,
+                          global_batch_size=t.global_batch_size, data_parallel_size=args.data_parallel_size)
+
+
+def pretrain(args: Args, hooks=None):
+    """Returns the training loop's report (rank-local)."""
+    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron.training.model import build_train_state
+    from megatron.training.training import train
+
+    initialize_distributed(args)
+    try:
+        set_seeds(args.training.seed)
+        state = build_train_state(args)
+        data = build_data(args)
+        start = 0
+        if args.training.load:
+            start = load_checkpoint(args.training.load, state)
+            if dist.get_rank() == 0:
+                print(f"resumed from {args.training.load} at iteration {start}", flush=True)
+        save_fn = None
+        if args.training.save:
+            save_fn = lambda it: save_checkpoint(args.training.save, it, state)  # noqa: E731
+        if dist.get_rank() == 0:
+            n_params = sum(p.numel() for p in state.model[0].module.parameters())
+            print(f"world {args.world_size} | PP {args.parallel.pipeline_model_parallel_size} | EP "
+                  f"{args.parallel.expert_model_parallel_size} | DP {args.data_parallel_size} | "
+                  f"micro-batches {args.num_microbatches} | parameters on rank 0: {n_params}", flush=True)
+        return train(state, data, args, start_iteration=start, hooks=hooks, save_fn=save_fn)
+    finally:
+        shutdown()
