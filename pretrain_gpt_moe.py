@@ -14,18 +14,29 @@ from __future__ import annotations
 import sys
 
 
+def extra_argument_groups():
+    """(title, config dataclass) of every moe-ft component that adds flags; one flag per field."""
+    return []
+
+
+def step_hooks(args):
+    """The per-iteration hooks of the training loop (``megatron.training.training.StepHooks``): where
+    the fault-tolerance runtime plugs in. ``None`` runs plain Megatron training."""
+    return None
+
+
 def main(argv=None) -> int:
     from megatron.training.arguments import ArgumentError, parse_args
 
     try:
-        args = parse_args(argv)  # validated before any process-group work
+        args = parse_args(argv, extra_groups=extra_argument_groups())  # validated before any process-group work
     except ArgumentError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
     from megatron.training.pretrain import pretrain
 
-    pretrain(args)
+    pretrain(args, hooks=step_hooks(args))
     return 0
 
 

@@ -108,6 +108,8 @@ class Args:
     training: TrainingArgs
     data: DataArgs
     world_size: int = 1
+    extra: dict = field(default_factory=dict)
+    """Config dataclasses of other components (e.g. ``FTConfig``), keyed by class name."""
 
     @property
     def data_parallel_size(self) -> int:
@@ -134,16 +136,25 @@ def build_parser(extra_groups=()) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv=None, world_size: int | None = None) -> Args:
-    namespace = build_parser().parse_args(argv)
-    return args_from_namespace(namespace, world_size)
+def parse_args(argv=None, world_size: int | None = None, extra_groups=()) -> Args:
+    """Parse Megatron flags plus the flags of ``extra_groups`` ((title, dataclass) pairs); each extra
+    dataclass instance lands in ``args.extra[cls.__name__]``. Validation errors raise
+    :class:`ArgumentError` (an extra dataclass validates itself in ``__post_init__``)."""
+    namespace = build_parser(extra_groups).parse_args(argv)
+    return args_from_namespace(namespace, world_size, extra_groups)
 
 
-def args_from_namespace(namespace: argparse.Namespace, world_size: int | None = None) -> Args:
+def args_from_namespace(namespace: argparse.Namespace, world_size: int | None = None,
+                        extra_groups=()) -> Args:
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args = Args(**{name: dataclass_from_args(cls, namespace) for name, cls, _ in GROUPS}, world_size=world_size)
     validate_args(args)
+    for _, cls in extra_groups:
+        try:
+            args.extra[cls.__name__] = dataclass_from_args(cls, namespace)
+        except ValueError as e:
+            raise ArgumentError(str(e)) from e
     return args
 
 

@@ -72,7 +72,16 @@ class StepResult:
 
 
 class StepHooks:
-    """Called by the loop around each iteration; the fault-tolerance runtime subclasses it."""
+    """Called by the loop around each iteration; the fault-tolerance runtime subclasses it.
+    ``on_train_start`` receives the built state and data before the first iteration and returns the
+    iteration to start from (it may restore state, e.g. after a failure); ``on_train_end`` runs after
+    the last one."""
+
+    def on_train_start(self, state, data, args, start_iteration: int) -> int:
+        return start_iteration
+
+    def on_train_end(self, report) -> None:
+        return None
 
     def on_step_begin(self, iteration: int) -> None:
         return None
@@ -190,6 +199,8 @@ def train(state: TrainState, data: ReplayableData, args: Args, start_iteration: 
     tokens_per_iter = t.global_batch_size * args.model.seq_length
     for chunk in state.model:
         chunk.train()
+    start_iteration = hooks.on_train_start(state, data, args, start_iteration)
+    report.first_iteration = report.last_iteration = start_iteration
     for iteration in range(start_iteration, t.train_iters):
         hooks.on_step_begin(iteration)
         result = train_step(state, data, iteration, args)
@@ -221,4 +232,5 @@ def train(state: TrainState, data: ReplayableData, args: Args, start_iteration: 
             save_fn(done)
     if save_fn is not None and report.last_iteration > start_iteration:
         save_fn(report.last_iteration)
+    hooks.on_train_end(report)
     return report
