@@ -1,0 +1,62 @@
+"""Which operator (SPEC §2) a Megatron-Core ``GPTModel`` parameter belongs to, by its module path.
+
+``embedding.*`` → ``embedding``; ``output_layer.*`` and ``decoder.final_layernorm.*`` → ``output``;
+inside ``decoder.layers.<i>`` (``i`` local to the pipeline stage, mapped to the global layer through the
+layer's ``layer_number``): ``mlp.router.*`` → ``gate(layer)``; ``mlp.experts.local_experts.<j>.*``
+(``SequentialMLP``) and ``mlp.experts.linear_fc{1,2}.weight<j>`` (``TEGroupedMLP``, one weight per local
+expert) → ``expert(layer, local_expert_indices[j])``; everything else of the layer (attention, norms,
+shared experts, which see every token) → ``dense(layer)``.
+
+``GroupedMLP`` keeps all local experts in one ``weight1``/``weight2``: :func:`grouped_expert_views` cuts
+per-expert views out of them (see there).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from moe_ft.state.operators import OperatorId
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_SEQUENTIAL = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
+_TE_GROUPED = re.compile(r"^mlp\.experts\.linear_fc[12]\.(?:weight|bias)(\d+)$")
+_GROUPED = re.compile(r"^mlp\.experts\.weight[12]$")
+
+
+def operator_of(name: str, gpt) -> OperatorId | None:
+    """The operator of parameter/buffer ``name`` of ``gpt`` (the unwrapped ``GPTModel``), or ``None`` for
+    a ``GroupedMLP`` weight, which holds several experts (use :func:`grouped_expert_views`)."""
+    if name.startswith("embedding."):
+        return OperatorId.embedding()
+    if name.startswith("output_layer.") or name.startswith("decoder.final_layernorm."):
+        return OperatorId.output()
+    m = _LAYER.match(name)
+    if m is None:
+        raise ValueError(f"parameter {name!r} belongs to no known operator; extend moe_ft/state/naming.py "
+                         "for this model layout")
+    layer_module = gpt.decoder.layers[int(m.group(1))]
+    layer = int(layer_module.layer_number) - 1
+    rest = m.group(2)
+    if rest.startswith("mlp.router."):
+        return OperatorId.gate(layer)
+    local = _SEQUENTIAL.match(rest) or _TE_GROUPED.match(rest)
+    if local is not None:
+        return OperatorId.expert_op(layer, int(layer_module.mlp.local_expert_indices[int(local.group(1))]))
+    if _GROUPED.match(rest):
+        return None
+    return OperatorId.dense(layer)
+
+
+def grouped_expert_views(name: str, weight: torch.Tensor, num_local_experts: int) -> list[torch.Tensor]:
+    """Per-local-expert views of a ``GroupedMLP`` weight (Megatron layout): ``weight1``
+    ``[hidden, num_local * ffn']`` → ``[hidden, ffn']`` column blocks; ``weight2`` ``[num_local * ffn,
+    hidden]`` → ``[ffn, hidden]`` row blocks. The views share memory with ``weight`` and together cover it
+    exactly once."""
+    if name.endswith("weight1"):
+        hidden = weight.shape[0]
+        return list(weight.view(hidden, num_local_experts, -1).unbind(1))
+    if name.endswith("weight2"):
+        return list(weight.view(num_local_experts, -1, weight.shape[-1]).unbind(0))
+    raise ValueError(f"{name!r} is not a GroupedMLP weight1/weight2")
