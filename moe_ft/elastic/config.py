@@ -1,0 +1,107 @@
+"""Flags of the elastic (Lazarus) MoE layer and the fixed replica map they describe (SPEC §6, issue 7).
+
+``--moe-token-dispatcher-type flexible`` installs the flexible dispatcher; these ``--ft-*`` flags say which
+expert replicas every EP rank holds. An EP rank plays the role of a Lazarus "node" with
+``--ft-expert-slots`` replica slots. The same plan is used in every MoE layer and in every EP group (the
+plan is indexed by EP rank, so Megatron's expert-data-parallel gradient reduction pairs identical
+parameters). Reconfiguration on failure is a later issue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_ft.elastic.dispatch import BACKENDS
+from moe_ft.elastic.placement import plan_counts, validate_plan
+from moe_ft.elastic.planner import STRATEGIES, PlacementConfig, place, plan_layer
+
+FLEXIBLE = "flexible"
+"""The ``--moe-token-dispatcher-type`` value that selects the elastic MoE layer."""
+
+
+def field_help(help_text: str, **extra) -> dict:
+    """Field metadata read by the flag builder (``megatron/training/argument_utils.py``): help and choices."""
+    return {"help": help_text, **extra}
+
+
+@dataclass(kw_only=True)
+class ElasticConfig:
+    """Replica plan of the flexible dispatcher (Lazarus §4.1 allocation + placement, fixed for the run)."""
+
+    ft_expert_replicas: list[str] | None = field(default=None, metadata=field_help(
+        "Replicas per expert (one count per expert, summing to EP size x --ft-expert-slots), or 'auto' for "
+        "Lazarus eq. 1 from --ft-expert-loads. Unset: one replica per expert where standard EP puts it. "
+        "Needs --moe-token-dispatcher-type flexible."))
+    """``None``, ``["auto"]`` or one integer string per expert."""
+    ft_expert_slots: int | None = field(default=None, metadata=field_help(
+        "Replica slots per EP rank (Lazarus c; default num_experts / EP size)."))
+    """``c``: replicas one EP rank holds; with several slots of one expert a rank takes a larger share."""
+    ft_fault_threshold: int = field(default=1, metadata=field_help(
+        "Minimum replicas per expert for 'auto' (Lazarus f): any f-1 failed EP ranks are survivable."))
+    """``f`` of eq. 1; only used by ``auto``."""
+    ft_expert_loads: list[float] | None = field(default=None, metadata=field_help(
+        "Expected tokens per expert for 'auto' (default: uniform)."))
+    """Popularity fed to eq. 1; one non-negative number per expert."""
+    ft_placement: str = field(default="optimal", metadata=field_help(
+        "Placement strategy of the replicas over EP ranks.", choices=list(STRATEGIES)))
+    """``optimal`` (never worse than MRO), ``mro``, ``spread`` or ``compact``."""
+    ft_dispatch_backend: str = field(default="torch", metadata=field_help(
+        "Permutation implementation: torch (reference) or triton (explicit opt-in).", choices=list(BACKENDS)))
+    """``DispatchConfig.backend`` of the flexible dispatcher."""
+
+    def __post_init__(self):
+        r = self.ft_expert_replicas
+        if r is not None and r != ["auto"]:
+            try:
+                counts = [int(x) for x in r]
+            except ValueError:
+                raise ValueError(f"--ft-expert-replicas takes 'auto' or one integer per expert, got {r}") from None
+            if any(c < 1 for c in counts):
+                raise ValueError(f"--ft-expert-replicas: every expert needs at least one replica, got {counts}")
+        if self.ft_expert_slots is not None and self.ft_expert_slots < 1:
+            raise ValueError(f"--ft-expert-slots must be >= 1, got {self.ft_expert_slots}")
+        if self.ft_fault_threshold < 1:
+            raise ValueError(f"--ft-fault-threshold must be >= 1, got {self.ft_fault_threshold}")
+        if self.ft_expert_loads is not None and r != ["auto"]:
+            raise ValueError("--ft-expert-loads is only used with --ft-expert-replicas auto; drop one of them")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any replica flag asks for the elastic layer."""
+        return self.ft_expert_replicas is not None
+
+    def replica_map(self, num_experts: int, ep_size: int) -> torch.Tensor:
+        """``R[e, j]``: replicas of expert ``e`` on EP rank ``j``, int64 ``[num_experts, ep_size]``."""
+        slots = self.ft_expert_slots if self.ft_expert_slots is not None else num_experts // ep_size
+        if self.ft_expert_replicas is None:
+            if self.ft_expert_slots not in (None, num_experts // ep_size) or num_experts % ep_size:
+                raise ValueError("without --ft-expert-replicas the plan is standard EP (num_experts / EP size "
+                                 "slots per rank); pass --ft-expert-replicas to use other slot counts")
+            plan = tuple(tuple(range(j * slots, (j + 1) * slots)) for j in range(ep_size))
+        elif self.ft_expert_replicas == ["auto"]:
+            loads = self.ft_expert_loads if self.ft_expert_loads is not None else [1.0] * num_experts
+            if len(loads) != num_experts:
+                raise ValueError(f"--ft-expert-loads has {len(loads)} values for {num_experts} experts")
+            config = PlacementConfig(slots_per_node=slots, min_replicas=self.ft_fault_threshold,
+                                     strategy=self.ft_placement)
+            plan = plan_layer(loads, ep_size, config).plan
+        else:
+            counts = [int(x) for x in self.ft_expert_replicas]
+            if len(counts) != num_experts:
+                raise ValueError(f"--ft-expert-replicas has {len(counts)} counts for {num_experts} experts")
+            if sum(counts) != ep_size * slots:
+                raise ValueError(f"--ft-expert-replicas sums to {sum(counts)} but EP size {ep_size} x "
+                                 f"--ft-expert-slots {slots} = {ep_size * slots} slots; make them agree")
+            plan = place(counts, ep_size, PlacementConfig(slots_per_node=slots, strategy=self.ft_placement))
+        return replica_map_from_plan(plan, num_experts)
+
+
+def replica_map_from_plan(plan, num_experts: int) -> torch.Tensor:
+    """``R[e, j]`` (int64 ``[num_experts, num_ranks]``) from a plan (``plan[j]``: experts in rank ``j``'s slots)."""
+    counts = plan_counts(tuple(tuple(node) for node in plan), num_experts).T
+    validate_plan(tuple(tuple(node) for node in plan), counts.sum(1).tolist(), len(plan[0]))
+    if (counts.sum(1) == 0).any():
+        raise ValueError(f"experts {(counts.sum(1) == 0).nonzero()[0].tolist()} have no replica in plan {plan}")
+    return torch.from_numpy(counts.copy()).to(torch.int64)

@@ -1,0 +1,139 @@
+"""Experts module holding an arbitrary multiset of expert replicas per EP rank (Lazarus §4.1-4.2).
+
+``ElasticExperts`` is Megatron's ``SequentialMLP`` with one ``MLP`` per *distinct* expert the rank holds
+(``held_experts``, ascending). Several slots of one expert on one rank share that MLP: their replicas would
+hold identical weights and, after the gradient sum, identical gradients, so separate copies would only cost
+memory; the slot count still sets the rank's share of the expert's tokens (the dispatch capacity).
+
+Initialisation: the standard-EP experts Megatron builds first (same RNG stream as a standard run) are the
+source; every expert is broadcast from its standard-EP home rank to its holders. So all replicas of an
+expert are identical, and the layer equals standard EP with the same seed, parameter for parameter.
+
+Gradients (SPEC §6): the replicas of expert ``e`` see disjoint shares of ``e``'s tokens, so the standard-EP
+gradient is the sum over exactly its holders. ``HolderGradSum`` is an identity on the local weights whose
+backward does one all-reduce over the EP group of a dense buffer with a row per replicated expert (zeros
+from ranks that do not hold it; experts with a single holder are not communicated). It runs once per
+micro-batch inside autograd, before Megatron's DDP hooks see the gradient, so DDP's own reduction over the
+expert-data-parallel group (same EP rank in other EP groups, which hold the same plan) follows unchanged:
+no gradient is counted twice. One collective per layer in a fixed order on every rank (no per-holder-set
+process groups: no ordering hazards between overlapping groups, nothing to create per pipeline stage, and
+nothing to rebuild when a later reconfiguration changes the plan). Cost: every EP rank moves the gradients
+of all replicated experts, not only its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+
+class HolderGradSum:
+    """Sums replicated experts' weight gradients over their holders (one all-reduce over ``ep_group``)."""
+
+    def __init__(self, replicas: torch.Tensor, held_experts: list[int], expert_numel: int, ep_group):
+        holders = (replicas > 0).sum(1)
+        self.shared = [e for e in range(replicas.shape[0]) if holders[e] > 1]
+        self.row_of = {e: row for row, e in enumerate(self.shared)}
+        self.held_experts = held_experts
+        self.expert_numel = expert_numel
+        self.ep_group = ep_group
+
+    @property
+    def active(self) -> bool:
+        return bool(self.shared)
+
+    def reduce(self, grads_per_expert: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """``grads_per_expert[i]``: gradients of ``held_experts[i]``'s parameters; returns them summed."""
+        ref = grads_per_expert[0][0]
+        buf = torch.zeros(len(self.shared), self.expert_numel, dtype=torch.float32, device=ref.device)
+        for e, grads in zip(self.held_experts, grads_per_expert):
+            if e in self.row_of:
+                torch.cat([g.reshape(-1).float() for g in grads], out=buf[self.row_of[e]])
+        dist.all_reduce(buf, group=self.ep_group)
+        out = []
+        for e, grads in zip(self.held_experts, grads_per_expert):
+            if e not in self.row_of:
+                out.append(grads)
+                continue
+            pieces = buf[self.row_of[e]].split([g.numel() for g in grads])
+            out.append([p.view_as(g).to(g.dtype) for p, g in zip(pieces, grads)])
+        return out
+
+
+class _HolderGradSumFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, reducer: HolderGradSum, num_params: int, *weights):
+        ctx.reducer, ctx.num_params = reducer, num_params
+        return tuple(w.view_as(w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n = ctx.num_params
+        per_expert = [list(grads[i : i + n]) for i in range(0, len(grads), n)]
+        summed = ctx.reducer.reduce(per_expert)
+        return (None, None, *(g for expert in summed for g in expert))
+
+
+class ElasticExperts(SequentialMLP):
+    """``SequentialMLP`` over ``held_experts`` (the distinct experts with ``replicas[e, ep_rank] > 0``).
+
+    ``forward(hidden [num_rows, H], tokens_per_expert [len(held_experts)], probs [num_rows])``: rows grouped
+    by held expert in ascending id, as ``ElasticTokenDispatcher.dispatch_postprocess`` returns them.
+    """
+
+    def __init__(self, config, submodules, pg_collection, *, replicas: torch.Tensor):
+        if config.fp8 or config.fp4:
+            raise ValueError("the elastic experts do not support fp8/fp4; run in bf16 or fp32")
+        ep_rank = dist.get_rank(pg_collection.ep)
+        held_experts = (replicas[:, ep_rank] > 0).nonzero().flatten().tolist()
+        if not held_experts:
+            raise ValueError(f"EP rank {ep_rank} holds no expert replica; every rank needs >= 1 slot")
+        super().__init__(len(held_experts), config, submodules, pg_collection=pg_collection)
+        self.held_experts = held_experts
+        self.replicas = replicas
+        numel = sum(p.numel() for p in self.local_experts[0].parameters())
+        self.grad_sum = HolderGradSum(replicas, self.held_experts, numel, self.ep_group)
+
+    @torch.no_grad()
+    def copy_from_standard(self, standard: SequentialMLP) -> None:
+        """Broadcast every expert from its standard-EP home rank (``e // num_local``) to its holders."""
+        num_local = standard.num_local_experts
+        ep_rank = dist.get_rank(self.ep_group)
+        mine = {e: mlp for e, mlp in zip(self.held_experts, self.local_experts)}
+        for e in range(self.replicas.shape[0]):
+            home = e // num_local
+            if home == ep_rank:
+                flat = torch.cat([p.reshape(-1) for p in standard.local_experts[e % num_local].parameters()])
+            else:
+                ref = next(standard.parameters())
+                flat = ref.new_empty(self.grad_sum.expert_numel)
+            dist.broadcast(flat, src=dist.get_global_rank(self.ep_group, home), group=self.ep_group)
+            if e in mine:
+                params = list(mine[e].parameters())
+                for p, piece in zip(params, flat.split([p.numel() for p in params])):
+                    p.copy_(piece.view_as(p))
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        if self.config.moe_apply_probs_on_input:
+            raise ValueError("moe_apply_probs_on_input is not supported by the elastic experts")
+        names = [[n for n, _ in mlp.named_parameters()] for mlp in self.local_experts]
+        weights = [p for mlp in self.local_experts for p in mlp.parameters()]
+        if self.grad_sum.active and torch.is_grad_enabled():
+            weights = _HolderGradSumFn.apply(self.grad_sum, len(names[0]), *weights)
+        n = len(names[0])
+        rows = tokens_per_expert.tolist()
+        outputs = []
+        for i, (mlp, tokens, probs) in enumerate(zip(
+            self.local_experts, permuted_local_hidden_states.split(rows), permuted_probs.split(rows)
+        )):
+            params = dict(zip(names[i], weights[i * n : (i + 1) * n]))
+            out, bias = torch.func.functional_call(mlp, params, (tokens, probs))
+            assert bias is None, "expert MLPs are built without bias (add_bias_linear=False)"
+            outputs.append(out)
+        return torch.cat(outputs, dim=0), None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        raise NotImplementedError(
+            "distributed checkpointing of replicated experts is not implemented yet (issue 7, later step); "
+            "run the flexible dispatcher without --save, or use --moe-token-dispatcher-type alltoall")

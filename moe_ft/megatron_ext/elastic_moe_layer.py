@@ -1,0 +1,63 @@
+"""``MoELayer`` with the flexible dispatcher and replicated experts (Lazarus §4.2; SPEC §6; issue 7).
+
+Megatron picks the token dispatcher with a string switch inside ``MoELayer.__init__``; this subclass
+lets the parent build its standard alltoall dispatcher and standard-EP experts (so the RNG stream and every
+non-expert parameter are exactly those of a standard run), then replaces the two at that one place:
+``ElasticTokenDispatcher`` and ``ElasticExperts`` initialised from the standard experts. Selected by
+``--moe-token-dispatcher-type flexible``; the replica map comes from ``ElasticConfig``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from moe_ft.elastic.config import FLEXIBLE, ElasticConfig
+from moe_ft.elastic.dispatch import DispatchConfig
+from moe_ft.megatron_ext.elastic_dispatcher import ElasticTokenDispatcher
+from moe_ft.megatron_ext.elastic_experts import ElasticExperts
+
+
+class ElasticMoELayer(MoELayer):
+    """``MoELayer`` whose experts are the replicas ``elastic.replica_map(E, EP)`` puts on this EP rank."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
+                 elastic: ElasticConfig):
+        if config.moe_token_dispatcher_type != FLEXIBLE:
+            raise ValueError(f"ElasticMoELayer needs moe_token_dispatcher_type={FLEXIBLE!r}, "
+                             f"got {config.moe_token_dispatcher_type!r}")
+        experts_spec = submodules.experts
+        if not (isinstance(experts_spec, ModuleSpec) and issubclass(experts_spec.module, SequentialMLP)):
+            raise ValueError("the flexible dispatcher needs SequentialMLP experts; drop --moe-grouped-gemm")
+        if config.moe_shared_expert_overlap:
+            raise ValueError("the flexible dispatcher does not overlap shared experts; unset "
+                             "moe_shared_expert_overlap")
+        standard = copy.copy(config)
+        standard.moe_token_dispatcher_type = "alltoall"  # what the parent's switch builds (then replaced)
+        super().__init__(standard, submodules, layer_number, pg_collection)
+        self.config = config
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()  # what the parent used
+        replicas = elastic.replica_map(config.num_moe_experts, self.ep_group.size())
+        self.token_dispatcher = ElasticTokenDispatcher(
+            replicas, config, pg_collection, DispatchConfig(backend=elastic.ft_dispatch_backend))
+        no_init = copy.copy(config)
+        no_init.perform_initialization = False  # weights come from the standard experts, not new RNG draws
+        experts = ElasticExperts(no_init, experts_spec.submodules, pg_collection, replicas=replicas)
+        experts.copy_from_standard(self.experts)
+        self.experts = experts
+
+
+def elastic_mlp_spec(mlp_spec: ModuleSpec, elastic: ElasticConfig) -> ModuleSpec:
+    """Megatron's MoE ``ModuleSpec`` with ``ElasticMoELayer`` in place of ``MoELayer`` (same submodules)."""
+    if not (isinstance(mlp_spec, ModuleSpec) and issubclass(mlp_spec.module, MoELayer)):
+        raise ValueError(f"expected an MoELayer spec for the MLP, got {mlp_spec!r}")
+    if not issubclass(ElasticMoELayer, mlp_spec.module):
+        raise ValueError(f"the MLP spec uses {mlp_spec.module.__name__}; the elastic layer subclasses MoELayer "
+                         "only and cannot also apply that subclass")
+    params = {**(mlp_spec.params or {}), "elastic": elastic}
+    return ModuleSpec(module=ElasticMoELayer, submodules=mlp_spec.submodules, params=params)
