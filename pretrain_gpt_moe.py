@@ -16,13 +16,17 @@ import sys
 
 def extra_argument_groups():
     """(title, config dataclass) of every moe-ft component that adds flags; one flag per field."""
-    return []
+    from moe_ft.config import FTConfig
+
+    return [("fault tolerance", FTConfig)]
 
 
 def step_hooks(args):
     """The per-iteration hooks of the training loop (``megatron.training.training.StepHooks``): where
     the fault-tolerance runtime plugs in. ``None`` runs plain Megatron training."""
-    return None
+    from moe_ft.runtime import build_runtime
+
+    return build_runtime(args)
 
 
 def main(argv=None) -> int:

@@ -59,9 +59,14 @@ def transformer_config(args: Args) -> TransformerConfig:
 
 
 def layer_spec(args: Args):
-    """The layer spec: Megatron's local (non-TE) spec; moe-ft's router/MoE subclasses plug in here."""
-    return get_gpt_layer_local_spec(num_experts=args.model.num_experts,
+    """The layer spec: Megatron's local (non-TE) spec; moe-ft's router/MoE subclasses plug in here: every
+    component config in ``args.extra`` with a ``customize_layer_spec(spec)`` method may adapt it."""
+    spec = get_gpt_layer_local_spec(num_experts=args.model.num_experts,
                                     moe_grouped_gemm=args.model.moe_grouped_gemm)
+    for component in args.extra.values():
+        if hasattr(component, "customize_layer_spec"):
+            spec = component.customize_layer_spec(spec)
+    return spec
 
 
 def build_gpt_model(args: Args, config: TransformerConfig | None = None) -> GPTModel:

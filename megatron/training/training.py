@@ -89,6 +89,11 @@ class StepHooks:
     def on_step_end(self, iteration: int, result: StepResult) -> None:
         return None
 
+    def before_optimizer_step(self, iteration: int) -> None:
+        """After forward/backward, right before the optimizer updates the weights: a snapshot of the
+        previous iteration's state must be off the weights by now (the wait is the snapshot stall)."""
+        return None
+
 
 def _aux_losses(num_layers: int, num_microbatches: int) -> dict[str, float]:
     """Reduce Megatron's per-layer MoE aux-loss tracker, return layer-averaged values, and clear it."""
@@ -103,7 +108,7 @@ def _aux_losses(num_layers: int, num_microbatches: int) -> dict[str, float]:
 
 
 def train_step(state: TrainState, data: ReplayableData, iteration: int, args: Args,
-               forward_only: bool = False, split_idx: int = 0) -> StepResult:
+               forward_only: bool = False, split_idx: int = 0, hooks: StepHooks | None = None) -> StepResult:
     """Run iteration ``iteration`` (0-based): forward/backward over its micro-batches, then the optimizer
     and scheduler steps. Deterministic given the state and the iteration number."""
     start = time.perf_counter()
@@ -126,6 +131,8 @@ def train_step(state: TrainState, data: ReplayableData, iteration: int, args: Ar
     )
     update_successful, grad_norm, num_zeros = True, float("nan"), None
     if not forward_only:
+        if hooks is not None:
+            hooks.before_optimizer_step(iteration)
         update_successful, grad_norm, num_zeros = state.optimizer.step()
         if update_successful:
             state.scheduler.step(increment=args.training.global_batch_size)
@@ -203,7 +210,7 @@ def train(state: TrainState, data: ReplayableData, args: Args, start_iteration: 
     report.first_iteration = report.last_iteration = start_iteration
     for iteration in range(start_iteration, t.train_iters):
         hooks.on_step_begin(iteration)
-        result = train_step(state, data, iteration, args)
+        result = train_step(state, data, iteration, args, hooks=hooks)
         hooks.on_step_end(iteration, result)
         done = iteration + 1
         report.last_iteration = done

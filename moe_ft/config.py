@@ -1,0 +1,83 @@
+"""``FTConfig``: the fault-tolerance flags of ``pretrain_gpt_moe.py`` (one flag per field, ``--ft-*``).
+
+Fault tolerance is off unless ``--ft`` is given: plain Megatron behaviour by default. Once on, the
+snapshot policy defaults to ``sparse`` (SPEC §3: "sparse is exact and is the default").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron.training.argument_utils import field_help
+
+POLICY_CHOICES = ["none", "dense", "pec", "selective", "sparse"]
+
+
+@dataclass(kw_only=True)
+class FTConfig:
+    ft: bool = field(default=False, metadata=field_help("Enable the moe-ft runtime (per-iteration snapshots)."))
+    ft_policy: str = field(default="sparse", metadata=field_help(
+        "Snapshot policy (SPEC §3); 'none' counts popularity and logs but snapshots nothing.", choices=POLICY_CHOICES))
+    ft_store_dir: str = field(default="/dev/shm/moe_ft", metadata=field_help(
+        "Root of the node-local snapshot store (a tmpfs, so snapshots outlive the worker)."))
+    ft_job_id: str = field(default="default", metadata=field_help("Job name inside --ft-store-dir."))
+    ft_dense_interval: int = field(default=1, metadata=field_help("dense: snapshot every N iterations."))
+    ft_pec_k: int = field(default=1, metadata=field_help("pec: K_snapshot experts per layer per checkpoint."))
+    ft_pec_selection: str = field(default="sequential", metadata=field_help(
+        "pec: expert selection.", choices=["sequential", "load_aware"]))
+    ft_sparse_window: int = field(default=0, metadata=field_help(
+        "sparse: W_sparse in iterations; 0 = FindWindowSize (MoEvement Alg. 1) from --ft-snapshot-bandwidth "
+        "and the measured time of the first iteration."))
+    ft_sparse_order: str = field(default="popularity", metadata=field_help(
+        "sparse: operator order (MoEvement §3.5, App. B).", choices=["popularity", "soft", "ema"]))
+    ft_snapshot_bandwidth: float = field(default=25e9, metadata=field_help(
+        "Device-to-host bytes/s of one rank (B_PCIe; sparse window, selective local budget)."))
+    ft_selective_local_budget: int = field(default=0, metadata=field_help(
+        "selective: B_local bytes per iteration per rank; 0 = bandwidth x first iteration time."))
+    ft_selective_remote_budget: int = field(default=0, metadata=field_help(
+        "selective: B_remote bytes per iteration per rank; 0 = same as the local budget."))
+    ft_snapshot_slots: int = field(default=2, metadata=field_help("Host buffer sets of the snapshot engine."))
+    ft_log_interval: int = field(default=0, metadata=field_help(
+        "Iterations between FT metric lines (0 = the training --log-interval)."))
+
+    def __post_init__(self) -> None:
+        if self.ft_policy not in POLICY_CHOICES:
+            raise ValueError(f"--ft-policy must be one of {POLICY_CHOICES}, got {self.ft_policy!r}")
+        for name in ("ft_dense_interval", "ft_pec_k", "ft_snapshot_slots"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("ft_sparse_window", "ft_selective_local_budget", "ft_selective_remote_budget", "ft_log_interval"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.ft_snapshot_bandwidth <= 0:
+            raise ValueError("--ft-snapshot-bandwidth must be positive (bytes/s)")
+
+    def customize_layer_spec(self, spec):
+        """Install the popularity-counting router (``moe_ft.megatron_ext.router``) when FT is on."""
+        if not self.ft:
+            return spec
+        from moe_ft.megatron_ext.router import install_router
+
+        return install_router(spec)
+
+    def policy_config(self, t_iter_s: float) -> dict:
+        """The policy's config fields from the flags; ``t_iter_s``: measured iteration time."""
+        if self.ft_policy == "dense":
+            return {"interval": self.ft_dense_interval}
+        if self.ft_policy == "pec":
+            return {"k_snapshot": self.ft_pec_k, "k_persist": 1, "selection": self.ft_pec_selection}
+        if self.ft_policy == "selective":
+            local = self.ft_selective_local_budget or int(self.ft_snapshot_bandwidth * t_iter_s)
+            return {"local_budget": local, "remote_budget": self.ft_selective_remote_budget or local}
+        if self.ft_policy == "sparse":
+            if self.ft_sparse_window:
+                return {"window": self.ft_sparse_window, "order": self.ft_sparse_order}
+            return {"window": "auto", "bandwidth_bytes_per_s": self.ft_snapshot_bandwidth, "t_iter_s": t_iter_s,
+                    "order": self.ft_sparse_order}
+        return {}
+
+    @property
+    def needs_popularity(self) -> bool:
+        """Whether the policy reads the (data-parallel aggregated) popularity counters."""
+        return self.ft_policy in ("sparse", "selective") or (
+            self.ft_policy == "pec" and self.ft_pec_selection == "load_aware")

@@ -1,0 +1,184 @@
+"""The fault-tolerance runtime: one ``StepHooks`` subclass the training loop calls (SPEC §1 facade).
+
+Per iteration ``t`` (``docs/policies.md`` call sequence, SPEC §2–§4)::
+
+    routers record popularity per micro-batch        (PopularityRouter, installed via the layer spec)
+    before_optimizer_step(t): engine.wait_copied()   (snapshot of t-1 off the weights: the stall)
+    optimizer.step(t)
+    on_step_end(t): popularity.end_iteration(t)      (all_reduce over all ranks when the policy needs it)
+                    plan = policy.plan(t, popularity)
+                    engine.submit(t, plan, metadata)  (copy overlaps forward/backward of t+1)
+                    popularity.mark_full(t, FULL experts)
+
+The registry, the global catalogue, the policy, the store and the engine are built at the end of the
+first iteration (torch's Adam creates its state in the first step). Mechanism and policy stay apart: the
+runtime asks the policy for a plan and hands it to the engine.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron.training.training import StepHooks
+from moe_ft.config import FTConfig
+from moe_ft.state.operators import Level
+
+
+class FTSession:
+    """One policy with its store and engine (the benchmark runs several side by side)."""
+
+    def __init__(self, name: str, policy, engine, store) -> None:
+        self.name, self.policy, self.engine, self.store = name, policy, engine, store
+        self.last_plan: dict = {}
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+class FTRuntime(StepHooks):
+    """Builds registry / popularity / policy / engine / store and runs the per-iteration sequence."""
+
+    def __init__(self, config: FTConfig) -> None:
+        self.config = config
+        self.registry = None
+        self.catalogue = None
+        self.popularity = None
+        self.sessions: list[FTSession] = []
+        self.active: FTSession | None = None
+        self.iteration_seconds: dict[int, float] = {}
+        self._step_start = None
+        self._first_iter_s = None
+
+    # ------------------------------------------------------------------------------------ building
+    def on_train_start(self, state, data, args, start_iteration: int) -> int:
+        from moe_ft.megatron_ext.router import attach_popularity
+        from moe_ft.popularity import ExpertPopularity, PopularityConfig
+
+        self.state, self.args = state, args
+        self.rank = dist.get_rank()
+        all_reduce = (lambda t: dist.all_reduce(t)) if self.config.needs_popularity else None
+        # every layer is an MoE layer in this model; all_reduce over the world = sum over data-parallel
+        # ranks (distinct tokens) and pipeline stages (distinct layers); TP is 1 (validated by arguments)
+        self.popularity = ExpertPopularity(PopularityConfig(moe_layers=list(range(args.model.num_layers)),
+                                                            num_experts=args.model.num_experts), all_reduce)
+        if attach_popularity(state.model, self.popularity) == 0:
+            raise RuntimeError("no PopularityRouter in the model: the layer spec was built without FTConfig "
+                               "(pass the FT flags through pretrain_gpt_moe.extra_argument_groups)")
+        self.start_iteration = start_iteration
+        return start_iteration
+
+    def _build(self) -> None:
+        from moe_ft.state.catalogue import gather_catalogue
+        from moe_ft.state.registry import OperatorRegistry
+
+        self.registry = OperatorRegistry.from_megatron(self.state.model, self.state.optimizer)
+        self.catalogue = gather_catalogue(self.registry.infos(), self.registry.ep_size)
+        self.sessions = [self.build_session(self.config)]
+        self.active = self.sessions[0]
+
+    def build_session(self, config: FTConfig, job_suffix: str = "") -> FTSession:
+        """Policy + store + engine for ``config`` (collective-free; every rank builds the same policy)."""
+        from moe_ft.policy import build_policy
+        from moe_ft.snapshot import EngineConfig, SnapshotEngine
+        from moe_ft.store import StoreConfig, retention_for_policy
+
+        if config.ft_policy == "none":
+            return FTSession("none", None, None, None)
+        t_iter = self._first_iter_s or 1.0
+        policy = build_policy(config.ft_policy, config.policy_config(t_iter), self.catalogue)
+        policy.plan(self.start_iteration, self.popularity)  # opens the first window (sparse)
+        window = getattr(policy, "window_length", None)
+        retention = retention_for_policy(config.ft_policy, list(self.registry), window_size=window,
+                                         window_offset=self.start_iteration % window if window else 0)
+        store = StoreConfig(root=config.ft_store_dir, job_id=config.ft_job_id + job_suffix,
+                            rank=self.rank).build(retention=retention)
+        engine = SnapshotEngine(EngineConfig(num_slots=config.ft_snapshot_slots), self.registry, store)
+        return FTSession(config.ft_policy, policy, engine, store)
+
+    # ---------------------------------------------------------------------------------- iteration
+    def on_step_begin(self, iteration: int) -> None:
+        now = time.perf_counter()
+        if self._step_start is not None:
+            self.iteration_seconds[iteration - 1] = now - self._step_start
+        self._step_start = now
+
+    def before_optimizer_step(self, iteration: int) -> None:
+        for session in self.sessions:
+            if session.engine is not None:
+                session.engine.wait_copied()
+
+    def on_step_end(self, iteration: int, result) -> None:
+        from moe_ft.snapshot.meta import capture_step_meta
+
+        self.popularity.end_iteration(iteration)
+        if self.registry is None:
+            self._first_iter_s = result.seconds
+            self._build()
+        session = self.select_session(iteration)
+        if session.policy is None:
+            session.last_plan = {}
+        else:
+            plan = session.policy.plan(iteration, self.popularity)
+            session.last_plan = plan
+            t = self.args.training
+            meta, tensors = capture_step_meta(iteration=iteration, result=result, state=self.state,
+                                              global_batch_size=t.global_batch_size, clip_grad=t.clip_grad,
+                                              policy=session.policy, popularity=self.popularity)
+            meta["policy_name"] = session.name
+            self.on_snapshot(iteration, plan)
+            session.engine.submit(iteration, plan, meta, tensors)
+            self.popularity.mark_full(iteration, [op for op, lvl in plan.items() if lvl == Level.FULL])
+        self._log(iteration, session)
+
+    def select_session(self, iteration: int) -> FTSession:
+        """The session that snapshots ``iteration`` (one here; the benchmark alternates)."""
+        return self.active
+
+    def on_snapshot(self, iteration: int, plan) -> None:
+        """Called on the training thread right before the engine starts copying (tests capture here)."""
+
+    def on_train_end(self, report) -> None:
+        if self._step_start is not None:
+            self.iteration_seconds[report.last_iteration - 1] = time.perf_counter() - self._step_start
+        for session in self.sessions:
+            session.close()
+
+    # ------------------------------------------------------------------------------------ metrics
+    def metrics(self, session: FTSession) -> dict:
+        rec = session.engine.records[-1] if session.engine is not None and session.engine.records else None
+        prev = session.engine.records[-2] if session.engine is not None and len(session.engine.records) > 1 else None
+        out = {"policy": session.name, "tokens_at_risk": float(self.popularity.since_full.sum())}
+        if rec is not None:
+            out.update(bytes=rec.bytes, full=rec.num_full, compute=rec.num_compute,
+                       stall_ms=1e3 * (prev.stall_s if prev else 0.0))
+        win = getattr(session.policy, "window_of", None)
+        if win is not None and rec is not None:
+            w = win(rec.iteration)
+            out["window"] = f"{rec.iteration - w.start + 1}/{w.length}"
+        return out
+
+    def _log(self, iteration: int, session: FTSession) -> None:
+        interval = self.config.ft_log_interval or self.args.training.log_interval
+        if self.rank != 0 or (iteration + 1) % interval:
+            return
+        m = self.metrics(session)
+        parts = [f"ft iteration {iteration + 1:6d}", f"policy {m['policy']}"]
+        if "bytes" in m:
+            parts += [f"snapshot {m['bytes'] / 1e6:.3f} MB (FULL {m['full']}, COMPUTE {m['compute']})",
+                      f"stall {m['stall_ms']:.2f} ms"]
+        if "window" in m:
+            parts.append(f"window {m['window']}")
+        parts.append(f"tokens at risk {m['tokens_at_risk']:.0f}")
+        print(" | ".join(parts), flush=True)
+
+
+def build_runtime(args) -> FTRuntime | None:
+    """The runtime for parsed ``args`` (``None`` when ``--ft`` is off)."""
+    config = args.extra.get("FTConfig")
+    if config is None or not config.ft:
+        return None
+    return FTRuntime(config)

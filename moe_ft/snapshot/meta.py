@@ -1,0 +1,83 @@
+"""The small per-iteration state exact replay needs (MoEvement §3.3: replay must redo each iteration
+exactly), captured on the training thread after the optimizer step of iteration ``t`` and stored as the
+metadata entry of the snapshot of ``t``.
+
+JSON part: ``iteration``, ``consumed_samples``, ``grad_norm``, ``clip_factor`` (Megatron's
+``min(1, clip_grad / (grad_norm + 1e-6))``), ``loss_scale``, ``found_inf`` (update skipped), ``lr``,
+``scheduler`` (``OptimizerParamScheduler.state_dict()``: the LR-schedule position), ``policy`` (the
+policy's ``state_dict()``), ``popularity`` (its scalar fields), ``rng.python``.
+Tensors: ``rng.torch_cpu``, ``rng.cuda`` (if CUDA), ``rng.tracker.<name>`` (Megatron's model-parallel RNG
+tracker), ``rng.numpy``, ``popularity.<counter>``, ``expert_bias.L<layer>`` (router expert bias).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import torch
+
+
+def capture_rng() -> tuple[dict, dict[str, torch.Tensor]]:
+    from megatron.core import tensor_parallel
+
+    tensors = {"rng.torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    for name, st in tensor_parallel.get_cuda_rng_tracker().get_states().items():
+        tensors[f"rng.tracker.{name}"] = st.detach().cpu().clone()
+    np_state = np.random.get_state()
+    tensors["rng.numpy"] = torch.from_numpy(np.asarray(np_state[1], dtype=np.int64))
+    py = random.getstate()
+    meta = {"rng.python": [py[0], list(py[1]), py[2]],
+            "rng.numpy": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])]}
+    return meta, tensors
+
+
+def restore_rng(meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Inverse of :func:`capture_rng`."""
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(tensors["rng.torch_cpu"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    tracker = {k[len("rng.tracker."):]: v for k, v in tensors.items() if k.startswith("rng.tracker.")}
+    if tracker:
+        tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
+    v, state, gauss = meta["rng.python"]
+    random.setstate((v, tuple(state), gauss))
+    name, pos, has_gauss, cached = meta["rng.numpy"]
+    np.random.set_state((name, tensors["rng.numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def capture_step_meta(*, iteration: int, result, state, global_batch_size: int, clip_grad: float,
+                      policy=None, popularity=None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(meta, tensors)`` for the snapshot of ``iteration``; ``result`` is the loop's ``StepResult``."""
+    grad_norm = float(result.grad_norm)
+    clip = 1.0
+    if clip_grad > 0 and math.isfinite(grad_norm):
+        clip = min(1.0, clip_grad / (grad_norm + 1.0e-6))
+    meta = {
+        "iteration": iteration,
+        "consumed_samples": (iteration + 1) * global_batch_size,
+        "grad_norm": grad_norm,
+        "clip_factor": clip,
+        "loss_scale": float(state.optimizer.get_loss_scale()),
+        "found_inf": not bool(result.update_successful),
+        "lr": float(result.lr),
+        "scheduler": state.scheduler.state_dict(),
+        "policy": policy.state_dict() if policy is not None else None,
+    }
+    rng_meta, tensors = capture_rng()
+    meta.update(rng_meta)
+    if popularity is not None:
+        pop = popularity.state_dict()
+        meta["popularity"] = {k: v for k, v in pop.items() if not isinstance(v, torch.Tensor)}
+        tensors.update({f"popularity.{k}": v for k, v in pop.items() if isinstance(v, torch.Tensor)})
+    for chunk in state.model:
+        for name, buf in getattr(chunk, "module", chunk).named_buffers():
+            if name.endswith("mlp.router.expert_bias") and buf is not None:
+                layer = getattr(chunk, "module", chunk).decoder.layers[int(name.split(".")[2])].layer_number - 1
+                tensors[f"expert_bias.L{layer}"] = buf.detach().cpu().clone()
+    return meta, tensors

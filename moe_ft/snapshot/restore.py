@@ -1,0 +1,39 @@
+"""The inverse of capture: load an operator's stored entry back into the live model/optimizer tensors.
+
+``restore_operator(store, registry, iteration, op, level)`` reads the verified entry and copies every
+tensor into the registry's views (compute weights; with FULL also the fp32 masters and the optimizer
+state — with aliased fp32 masters restoring the compute weight restores the master). The registry must
+describe the same model layout and optimizer as when the entry was written (same parallel sizes).
+``restore_meta`` returns the metadata entry (grad norm, loss scale, scheduler, RNG, popularity, policy).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_ft.state.operators import Level, OperatorId
+
+
+@torch.no_grad()
+def restore_operator(store, registry, iteration: int, op: OperatorId, level: Level) -> int:
+    """Copy entry ``(iteration, op, level)`` into the live tensors; returns the bytes restored."""
+    live = registry[op].tensors(Level(level))
+    loaded = store.load(iteration, op, Level(level))
+    if set(loaded) != set(live):
+        missing, extra = sorted(set(live) - set(loaded)), sorted(set(loaded) - set(live))
+        raise ValueError(f"entry {op} {Level(level).name} @ {iteration} does not match this model's operator "
+                         f"(missing {missing[:3]}, unexpected {extra[:3]}); restore into the same layout")
+    total = 0
+    for name, dst in live.items():
+        src = loaded[name]
+        if src.shape != dst.shape or src.dtype != dst.dtype:
+            raise ValueError(f"{op}/{name}: stored {src.dtype}{tuple(src.shape)} vs live {dst.dtype}{tuple(dst.shape)}")
+        dst.copy_(src)
+        total += src.nbytes
+    return total
+
+
+def restore_meta(store, iteration: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(meta, tensors)`` of iteration ``iteration``'s metadata entry (see ``moe_ft/snapshot/meta.py``)."""
+    entry = store.load_meta(iteration)
+    return entry.meta, entry.tensors
