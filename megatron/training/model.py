@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state as ps
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -120,6 +120,11 @@ def build_train_state(args: Args) -> TrainState:
         params_dtype=config.params_dtype,
     )
     optimizer = get_megatron_optimizer(opt_config, [model])
+    # The schedules call these (Megatron-LM's training.py sets them the same way): without
+    # finalize_model_grads there is no data-parallel gradient all-reduce and replicas drift apart.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model.no_sync
     gbs = t.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer,
