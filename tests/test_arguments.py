@@ -1,0 +1,62 @@
+"""Flags map onto config dataclasses; bad flags stop with one actionable line before any process group."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron.training.arguments import ArgumentError, parse_args  # noqa: E402
+
+
+@pytest.fixture()
+def data_prefix(tmp_path):
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"d{suffix}").write_bytes(b"")
+    return str(tmp_path / "d")
+
+
+def test_flags_map_to_dataclasses(data_prefix):
+    args = parse_args(["--num-layers", "4", "--hidden-size", "32", "--num-experts", "8", "--moe-router-topk", "2",
+                       "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--micro-batch-size", "1", "--global-batch-size", "4", "--split", "90", "9", "1",
+                       "--use-distributed-optimizer", "--data-path", data_prefix], world_size=4)
+    assert args.model.num_layers == 4 and args.model.ffn_hidden_size == 128
+    assert args.parallel.use_distributed_optimizer and args.data.split == [90, 9, 1]
+    assert args.data_parallel_size == 2 and args.num_microbatches == 2
+    assert args.training.lr_decay_iters == args.training.train_iters
+
+
+@pytest.mark.parametrize("flags,world,message", [
+    (["--num-experts", "3", "--expert-model-parallel-size", "2"], 2, "must be divisible by --expert-model"),
+    (["--pipeline-model-parallel-size", "3"], 4, "world size 4 must be divisible"),
+    (["--expert-model-parallel-size", "4", "--num-experts", "4"], 2, "ranks per stage must be divisible"),
+    (["--global-batch-size", "3"], 2, "--global-batch-size 3 must be a positive multiple"),
+    (["--pipeline-model-parallel-size", "2", "--global-batch-size", "2", "--micro-batch-size", "1"], 4,
+     "pipeline parallelism needs at least 2 micro-batches"),
+    (["--moe-router-topk", "5"], 1, "exceeds --num-experts"),
+    (["--bf16", "--fp16"], 1, "exclusive"),
+    (["--save-interval", "5"], 1, "--save-interval needs --save"),
+    (["--tensor-model-parallel-size", "2"], 2, "not supported yet"),
+])
+def test_bad_flags(flags, world, message, data_prefix):
+    with pytest.raises(ArgumentError, match=message):
+        parse_args([*flags, "--data-path", data_prefix], world_size=world)
+
+
+def test_missing_data_path_message():
+    with pytest.raises(ArgumentError, match="preprocess_data.py"):
+        parse_args([], world_size=1)
+
+
+def test_entry_script_one_line_error_without_process_group(tmp_path):
+    env = dict(os.environ, WORLD_SIZE="4", RANK="0")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt_moe.py"), "--num-experts", "6",
+                           "--expert-model-parallel-size", "4", "--data-path", str(tmp_path / "none")],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --num-experts 6 must be divisible")
