@@ -28,15 +28,16 @@ def corpus(tmp_path_factory):
     return make_corpus(str(tmp_path_factory.mktemp("corpus")))
 
 
-@pytest.mark.parametrize("optimizer", ["plain", "distributed"])
-def test_registry_partitions_model_and_optimizer(tmp_path, corpus, optimizer):
-    extra = " --use-distributed-optimizer" if optimizer == "distributed" else ""
+def test_registry_partitions_model_and_optimizer(tmp_path, corpus):
+    """One launch, four layouts: (EP=2 x PP=2, DP=2 x EP=2) x (plain, distributed optimizer)."""
+    cases = [(layout, optimizer) for optimizer in ("plain", "distributed") for layout in LAYOUTS]
     args = ["--out", str(tmp_path), "--data-path", corpus]
-    for layout in LAYOUTS:
-        args += ["--layout", layout + extra]
+    for layout, optimizer in cases:
+        args += ["--layout", layout + (" --use-distributed-optimizer" if optimizer == "distributed" else "")]
     torchrun("tests/_workers_registry.py", args)
     ranks = [json.load(open(os.path.join(tmp_path, f"result_rank{r}.json"))) for r in range(4)]
-    for idx, layout in enumerate(LAYOUTS):
+    for idx, (layout, optimizer) in enumerate(cases):
+        extra = " --use-distributed-optimizer" if optimizer == "distributed" else ""
         results = [r[idx] for r in ranks]
         for rank, res in enumerate(results):
             where = f"{layout}{extra} rank {rank}"
