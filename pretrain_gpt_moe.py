@@ -17,8 +17,9 @@ import sys
 def extra_argument_groups():
     """(title, config dataclass) of every moe-ft component that adds flags; one flag per field."""
     from moe_ft.config import FTConfig
+    from moe_ft.elastic.config import ElasticConfig
 
-    return [("fault tolerance", FTConfig)]
+    return [("elastic expert placement (Lazarus)", ElasticConfig), ("fault tolerance", FTConfig)]
 
 
 def step_hooks(args):

@@ -33,7 +33,9 @@ class ModelArgs:
     moe_aux_loss_coeff: float = field(default=0.01, metadata=field_help("Load-balancing loss coefficient."))
     moe_token_dispatcher_type: str = field(
         default="alltoall",
-        metadata=field_help("Megatron token dispatcher.", choices=["alltoall", "allgather"]),
+        metadata=field_help("Megatron token dispatcher; 'flexible' is moe-ft's Lazarus dispatcher "
+                            "with replicated experts (--ft-expert-* flags).",
+                            choices=["alltoall", "allgather", "flexible"]),
     )
     moe_grouped_gemm: bool = field(default=False, metadata=field_help("Use grouped-GEMM experts."))
     vocab_size: int | None = field(
@@ -42,6 +44,15 @@ class ModelArgs:
     make_vocab_size_divisible_by: int = field(default=128, metadata=field_help("Pad the vocab to this."))
     bf16: bool = field(default=False, metadata=field_help("bf16 compute with fp32 master weights (GPU)."))
     fp16: bool = field(default=False, metadata=field_help("fp16 compute with loss scaling (GPU)."))
+    transformer_impl: str = field(
+        default="local", metadata=field_help("Layer implementation: Megatron-Core local modules, or "
+                                             "Transformer Engine (GPU, needed for FP8).",
+                                             choices=["local", "transformer_engine"]))
+    fp8_format: str | None = field(
+        default=None, metadata=field_help("FP8 training (Transformer Engine).", choices=["e4m3", "hybrid"]))
+    fp8_recipe: str = field(
+        default="delayed", metadata=field_help("FP8 scaling recipe.", choices=["delayed", "tensorwise", "mxfp8",
+                                                                             "blockwise"]))
     attention_dropout: float = field(default=0.0, metadata=field_help("Attention dropout probability."))
     hidden_dropout: float = field(default=0.0, metadata=field_help("Hidden dropout probability."))
 
@@ -173,6 +184,14 @@ def validate_args(args: Args) -> None:
                             "(scale with --expert-model-parallel-size and --pipeline-model-parallel-size)")
     if m.bf16 and m.fp16:
         raise ArgumentError("--bf16 and --fp16 are exclusive; pass one of them")
+    if m.fp8_format and m.transformer_impl != "transformer_engine":
+        raise ArgumentError("--fp8-format needs --transformer-impl transformer_engine")
+    if m.transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            raise ArgumentError("--transformer-impl transformer_engine needs Transformer Engine (CUDA): "
+                                "pip install -e '.[gpu]' on a GPU machine, or use --transformer-impl local") from None
     if m.hidden_size % m.num_attention_heads:
         raise ArgumentError(f"--hidden-size {m.hidden_size} must be divisible by --num-attention-heads "
                             f"{m.num_attention_heads}")

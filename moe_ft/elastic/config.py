@@ -72,6 +72,21 @@ class ElasticConfig:
         """Whether any replica flag asks for the elastic layer."""
         return self.ft_expert_replicas is not None
 
+    def customize_layer_spec(self, spec):
+        """Layer-spec seam of ``megatron/training/model.py``: the MoE MLP becomes ``ElasticMoELayer``, which
+        takes over Megatron's dispatcher switch only for ``--moe-token-dispatcher-type flexible``."""
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        from moe_ft.megatron_ext.elastic_moe_layer import elastic_mlp_spec
+
+        mlp = getattr(spec.submodules, "mlp", None)
+        if mlp is None or not issubclass(getattr(mlp, "module", object), MoELayer):
+            if self.enabled:
+                raise ValueError("--ft-expert-replicas needs an MoE model (--num-experts)")
+            return spec
+        spec.submodules.mlp = elastic_mlp_spec(mlp, self)
+        return spec
+
     def replica_map(self, num_experts: int, ep_size: int) -> torch.Tensor:
         """``R[e, j]``: replicas of expert ``e`` on EP rank ``j``, int64 ``[num_experts, ep_size]``."""
         slots = self.ft_expert_slots if self.ft_expert_slots is not None else num_experts // ep_size

@@ -19,6 +19,11 @@ no gradient is counted twice. One collective per layer in a fixed order on every
 process groups: no ordering hazards between overlapping groups, nothing to create per pipeline stage, and
 nothing to rebuild when a later reconfiguration changes the plan). Cost: every EP rank moves the gradients
 of all replicated experts, not only its own.
+
+Gradient norm: Megatron's clipping norm sums squares over the expert model-parallel group; replicas of an
+expert after the sum hold the same gradient, so every holder but the first marks its parameters
+``shared`` (Megatron's flag for duplicated parameters, e.g. tied embeddings) and the norm -- hence
+clipping -- equals standard EP's.
 """
 
 from __future__ import annotations
@@ -94,6 +99,10 @@ class ElasticExperts(SequentialMLP):
         self.replicas = replicas
         numel = sum(p.numel() for p in self.local_experts[0].parameters())
         self.grad_sum = HolderGradSum(replicas, self.held_experts, numel, self.ep_group)
+        for e, mlp in zip(self.held_experts, self.local_experts):
+            if int((replicas[e] > 0).nonzero()[0]) != ep_rank:  # not the first holder: a duplicate
+                for p in mlp.parameters():
+                    p.shared = True  # Megatron's grad norm / zero count skip it: each expert counted once
 
     @torch.no_grad()
     def copy_from_standard(self, standard: SequentialMLP) -> None:

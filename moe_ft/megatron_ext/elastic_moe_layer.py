@@ -23,13 +23,17 @@ from moe_ft.megatron_ext.elastic_experts import ElasticExperts
 
 
 class ElasticMoELayer(MoELayer):
-    """``MoELayer`` whose experts are the replicas ``elastic.replica_map(E, EP)`` puts on this EP rank."""
+    """``MoELayer`` whose experts are the replicas ``elastic.replica_map(E, EP)`` puts on this EP rank;
+    with any other ``moe_token_dispatcher_type`` it is exactly ``MoELayer``."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
                  elastic: ElasticConfig):
-        if config.moe_token_dispatcher_type != FLEXIBLE:
-            raise ValueError(f"ElasticMoELayer needs moe_token_dispatcher_type={FLEXIBLE!r}, "
-                             f"got {config.moe_token_dispatcher_type!r}")
+        if config.moe_token_dispatcher_type != FLEXIBLE:  # Megatron's own dispatchers: plain MoELayer
+            if elastic.enabled:
+                raise ValueError(f"--ft-expert-replicas needs --moe-token-dispatcher-type {FLEXIBLE}, got "
+                                 f"{config.moe_token_dispatcher_type!r}")
+            super().__init__(config, submodules, layer_number, pg_collection)
+            return
         experts_spec = submodules.experts
         if not (isinstance(experts_spec, ModuleSpec) and issubclass(experts_spec.module, SequentialMLP)):
             raise ValueError("the flexible dispatcher needs SequentialMLP experts; drop --moe-grouped-gemm")
