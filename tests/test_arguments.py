@@ -60,3 +60,13 @@ def test_entry_script_one_line_error_without_process_group(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --num-experts 6 must be divisible")
+
+
+def test_fp8_needs_transformer_engine(data_prefix):
+    with pytest.raises(ArgumentError, match="--fp8-format needs --transformer-impl transformer_engine"):
+        parse_args(["--fp8-format", "hybrid", "--data-path", data_prefix], world_size=1)
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        with pytest.raises(ArgumentError, match="needs Transformer Engine"):
+            parse_args(["--transformer-impl", "transformer_engine", "--data-path", data_prefix], world_size=1)

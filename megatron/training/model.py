@@ -53,6 +53,8 @@ def transformer_config(args: Args) -> TransformerConfig:
         hidden_dropout=m.hidden_dropout,
         use_cpu_initialization=False,  # per-rank expert seeds (CPU init gives every EP rank the same experts)
         deterministic_mode=args.training.deterministic,
+        fp8=m.fp8_format,
+        fp8_recipe=m.fp8_recipe if m.fp8_format else None,
         gradient_accumulation_fusion=False,
         variable_seq_lengths=False,
     )
@@ -61,8 +63,14 @@ def transformer_config(args: Args) -> TransformerConfig:
 def layer_spec(args: Args):
     """The layer spec: Megatron's local (non-TE) spec; moe-ft's router/MoE subclasses plug in here: every
     component config in ``args.extra`` with a ``customize_layer_spec(spec)`` method may adapt it."""
-    spec = get_gpt_layer_local_spec(num_experts=args.model.num_experts,
-                                    moe_grouped_gemm=args.model.moe_grouped_gemm)
+    if args.model.transformer_impl == "transformer_engine":  # GPU; validated to import
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=args.model.num_experts,
+                                                          moe_grouped_gemm=args.model.moe_grouped_gemm)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=args.model.num_experts,
+                                        moe_grouped_gemm=args.model.moe_grouped_gemm)
     for component in args.extra.values():
         if hasattr(component, "customize_layer_spec"):
             spec = component.customize_layer_spec(spec)
