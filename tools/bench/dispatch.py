@@ -3,6 +3,7 @@
     python -m tools.bench.dispatch placement --nodes 1024 --slots 4 --experts 64
     python -m tools.bench.dispatch permute                 # CPU: Triton interpreter, correctness only
     python -m tools.bench.dispatch permute --tokens 16384 --hidden 4096 --topk 8 --experts 64 --world 64  # CUDA
+    python -m tools.bench.dispatch layer --world 2 --experts 8   # layer tokens/s, skewed loads (dispatch_layer.py)
 
 ``placement`` times eq. 1, MRO, the exact recovery probabilities, the ``optimal`` local search, the
 greedy node mapping after one failure and the dispatch schedule for one rank. ``permute`` checks the Triton
@@ -133,6 +134,12 @@ def bench_permute(args) -> None:
     print(f"megatron moe_utils.permute {gbps(lambda: megatron_permute(hidden, routing_map, num_out_tokens=tokens * topk)):8.1f} GB/s")
 
 
+def _bench_layer(args) -> None:
+    from tools.bench.dispatch_layer import bench_layer
+
+    bench_layer(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
     parser = argparse.ArgumentParser(description="Lazarus placement and dispatcher benchmarks")
@@ -153,6 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--world", type=int, default=4)
     q.add_argument("--iters", type=int, default=20)
     q.set_defaults(func=bench_permute)
+    la = sub.add_parser("layer", help="MoE layer tokens/s, standard EP vs replicated, skewed loads (Fig. 10a)")
+    la.add_argument("--world", type=int, default=2)
+    la.add_argument("--experts", type=int, default=8)
+    la.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    la.add_argument("--hidden", type=int, default=256)
+    la.add_argument("--ffn", type=int, default=1024)
+    la.add_argument("--iters", type=int, default=5)
+    la.add_argument("--slots", type=int, default=None, help="replica slots per rank (default 2 x experts/world)")
+    la.add_argument("--ratios", type=float, nargs="+", default=[1.0, 2.0, 4.0])
+    la.set_defaults(func=_bench_layer)
     args = parser.parse_args(argv)
     args.func(args)
     return 0
