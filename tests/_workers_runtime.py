@@ -46,7 +46,10 @@ def main() -> int:
             super().on_step_end(iteration, result)
             if sleep_after is not None and iteration == sleep_after:
                 self.sessions[0].engine.flush()
-                open(os.path.join(out, f"ready_rank{dist.get_rank()}"), "w").close()
+                ready = os.path.join(out, f"ready_rank{dist.get_rank()}")
+                with open(ready + ".tmp", "w") as f:
+                    f.write(str(os.getpid()))  # the test SIGKILLs this pid (torchrun gives workers own sessions)
+                os.rename(ready + ".tmp", ready)  # appears complete
                 time.sleep(600)
 
     runtime = Capture(args.extra["FTConfig"])

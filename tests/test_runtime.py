@@ -64,8 +64,21 @@ def test_sigkill_leaves_store_readable(tmp_path, corpus):
             assert time.time() < deadline, "training did not reach the kill point"
             time.sleep(0.5)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the whole session: torchrun and its 4 workers
+        for r in range(4):  # the 4 training processes themselves (each in its own session under torchrun)
+            ready = tmp_path / f"ready_rank{r}"
+            if ready.exists() and ready.read_text():
+                try:
+                    os.kill(int(ready.read_text()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun
         proc.wait(timeout=30)
+    for r in range(4):
+        pid = int((tmp_path / f"ready_rank{r}").read_text())
+        deadline = time.time() + 10
+        while os.path.exists(f"/proc/{pid}") and time.time() < deadline:  # reaped by init once dead
+            time.sleep(0.2)
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2], pid
     for rank in range(4):
         rank_dir = store / "default" / f"rank{rank}"
         res = subprocess.run([sys.executable, "-m", "moe_ft", "inspect", str(rank_dir), "--verify", "--json"],
