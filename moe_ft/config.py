@@ -39,6 +39,19 @@ class FTConfig:
     ft_snapshot_slots: int = field(default=2, metadata=field_help("Host buffer sets of the snapshot engine."))
     ft_log_interval: int = field(default=0, metadata=field_help(
         "Iterations between FT metric lines (0 = the training --log-interval)."))
+    ft_recover: str = field(default="auto", metadata=field_help(
+        "Recover from the node-local store at start: 'auto' = after a torchrun restart "
+        "(TORCHELASTIC_RESTART_COUNT > 0), 'always', or 'never'.", choices=["auto", "always", "never"]))
+    ft_fail: list[str] = field(default_factory=list, metadata=field_help(
+        "Failure drill: inject faults RANK:ITER[:PHASE[:KIND]] (PHASE forward|backward|step|snapshot|publish|"
+        "persist|recovery, KIND exit|exception|hang); each fires once across restarts (moe_ft/faults.py)."))
+    ft_hang_timeout: float = field(default=0.0, metadata=field_help(
+        "Seconds without iteration progress after which a rank declares itself hung and exits so torchrun "
+        "restarts the job (0 = no watchdog)."))
+    ft_digest_out: str = field(default="", metadata=field_help(
+        "Write the final training-state digest (moe-ft digest) as JSON to this file at the end of training."))
+    ft_report_dir: str = field(default="", metadata=field_help(
+        "Directory for recovery reports (JSON); empty = <ft-store-dir>/<ft-job-id>/reports."))
 
     def __post_init__(self) -> None:
         if self.ft_policy not in POLICY_CHOICES:
@@ -49,6 +62,12 @@ class FTConfig:
         for name in ("ft_sparse_window", "ft_selective_local_budget", "ft_selective_remote_budget", "ft_log_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.ft_hang_timeout < 0:
+            raise ValueError("--ft-hang-timeout must be >= 0 seconds")
+        from moe_ft.faults import Fault
+
+        for text in self.ft_fail:
+            Fault.parse(text)  # raises ValueError naming the bad fault
         if self.ft_snapshot_bandwidth <= 0:
             raise ValueError("--ft-snapshot-bandwidth must be positive (bytes/s)")
 

@@ -17,6 +17,7 @@ runtime asks the policy for a plan and hands it to the engine.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -52,6 +53,11 @@ class FTRuntime(StepHooks):
         self.iteration_seconds: dict[int, float] = {}
         self._step_start = None
         self._first_iter_s = None
+        self.faults = None
+        self.watchdog = None
+        self.report = None
+        self._recovered_at = None
+        self._progress = None
 
     # ------------------------------------------------------------------------------------ building
     def on_train_start(self, state, data, args, start_iteration: int) -> int:
@@ -69,7 +75,58 @@ class FTRuntime(StepHooks):
             raise RuntimeError("no PopularityRouter in the model: the layer spec was built without FTConfig "
                                "(pass the FT flags through pretrain_gpt_moe.extra_argument_groups)")
         self.start_iteration = start_iteration
+        self._setup_faults()
+        restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        mode = self.config.ft_recover
+        if self.config.ft_policy != "none" and (mode == "always" or (mode == "auto" and restart_count > 0)):
+            start_iteration = self._recover(state, data, args, start_iteration, restart_count)
         return start_iteration
+
+    # ------------------------------------------------------------------------ faults and recovery
+    def _setup_faults(self) -> None:
+        from pathlib import Path
+
+        from moe_ft.faults import FaultPlan, FaultPlanConfig
+
+        job_dir = Path(self.config.ft_store_dir) / self.config.ft_job_id
+        self.faults = FaultPlan.from_config(FaultPlanConfig(faults=list(self.config.ft_fail),
+                                                            marker_dir=str(job_dir / "faults")))
+        self._progress = job_dir / f"progress_rank{self.rank}"
+        if self.config.ft_hang_timeout > 0:
+            from moe_ft.recovery.watchdog import Watchdog
+
+            self.watchdog = Watchdog(self.config.ft_hang_timeout, self.rank)
+
+    def check_fault(self, iteration: int, phase: str) -> None:
+        """Failure drill: fire the fault scheduled at (this rank, ``iteration``, ``phase``), once."""
+        if self.faults:
+            self.faults.check(self.rank, iteration, phase)
+
+    def _in_recovery(self, iteration: int) -> bool:
+        return self.report is not None and iteration <= self.report.failed["last_completed"]
+
+    def _recover(self, state, data, args, start_iteration: int, restart_count: int) -> int:
+        from dataclasses import replace
+
+        from megatron.training.training import train_step
+        from moe_ft.recovery.driver import recover, report_dir
+
+        def step_fn(iteration, optimizer):
+            return train_step(replace(state, optimizer=optimizer), data, iteration, args)
+
+        self.report = recover(self, state, args, start_iteration, step_fn, restart_count)
+        self._recovered_at = time.perf_counter()
+        self._write_report(final=not self.report.reexecuted_iterations)
+        return self.report.recovery_point["resume"]
+
+    def _write_report(self, final: bool) -> None:
+        from moe_ft.recovery.driver import report_dir
+
+        if self.rank != 0:
+            return
+        if final:
+            print(self.report.summary(), flush=True)
+        self.report.write(report_dir(self.config))
 
     def _build(self) -> None:
         from moe_ft.state.catalogue import gather_catalogue
@@ -95,18 +152,23 @@ class FTRuntime(StepHooks):
         retention = retention_for_policy(config.ft_policy, list(self.registry), window_size=window,
                                          window_offset=self.start_iteration % window if window else 0)
         store = StoreConfig(root=config.ft_store_dir, job_id=config.ft_job_id + job_suffix,
-                            rank=self.rank).build(retention=retention)
+                            rank=self.rank).build(retention=retention, fault_hook=self._store_fault_hook)
         engine = SnapshotEngine(EngineConfig(num_slots=config.ft_snapshot_slots), self.registry, store)
         return FTSession(config.ft_policy, policy, engine, store)
 
     # ---------------------------------------------------------------------------------- iteration
     def on_step_begin(self, iteration: int) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(iteration)
+        self.check_fault(iteration, "recovery" if self._in_recovery(iteration) else "forward")
         now = time.perf_counter()
         if self._step_start is not None:
             self.iteration_seconds[iteration - 1] = now - self._step_start
         self._step_start = now
 
     def before_optimizer_step(self, iteration: int) -> None:
+        if not self._in_recovery(iteration):
+            self.check_fault(iteration, "backward")
         for session in self.sessions:
             if session.engine is not None:
                 session.engine.wait_copied()
@@ -114,6 +176,8 @@ class FTRuntime(StepHooks):
     def on_step_end(self, iteration: int, result) -> None:
         from moe_ft.snapshot.meta import capture_step_meta
 
+        if not self._in_recovery(iteration):
+            self.check_fault(iteration, "step")
         self.popularity.end_iteration(iteration)
         if self.registry is None:
             self._first_iter_s = result.seconds
@@ -131,8 +195,23 @@ class FTRuntime(StepHooks):
             meta["policy_name"] = session.name
             self.on_snapshot(iteration, plan)
             session.engine.submit(iteration, plan, meta, tensors)
+            if not self._in_recovery(iteration):
+                self.check_fault(iteration, "snapshot")  # the copy is in flight on the engine's thread
             self.popularity.mark_full(iteration, [op for op, lvl in plan.items() if lvl == Level.FULL])
         self._log(iteration, session)
+        self._after_iteration(iteration)
+
+    def _after_iteration(self, iteration: int) -> None:
+        if self._progress is not None:
+            tmp = self._progress.with_suffix(".tmp")
+            tmp.write_text(str(iteration))
+            os.replace(tmp, self._progress)
+        if self.report is not None and iteration == self.report.failed["last_completed"]:
+            self.report.seconds["reexecute"] = round(time.perf_counter() - self._recovered_at, 4)
+            self._write_report(final=True)
+        t = self.args.training
+        if t.save and t.save_interval and (iteration + 1) % t.save_interval == 0 and not self._in_recovery(iteration):
+            self.check_fault(iteration, "persist")  # fires before the loop writes the --save checkpoint
 
     def select_session(self, iteration: int) -> FTSession:
         """The session that snapshots ``iteration`` (one here; the benchmark alternates)."""
@@ -141,11 +220,21 @@ class FTRuntime(StepHooks):
     def on_snapshot(self, iteration: int, plan) -> None:
         """Called on the training thread right before the engine starts copying (tests capture here)."""
 
+    def _store_fault_hook(self, phase: str, iteration: int, name: str) -> None:
+        if phase == "before_commit" and not self._in_recovery(iteration):
+            self.check_fault(iteration, "publish")  # everything written, the rename not yet done
+
     def on_train_end(self, report) -> None:
         if self._step_start is not None:
             self.iteration_seconds[report.last_iteration - 1] = time.perf_counter() - self._step_start
         for session in self.sessions:
             session.close()
+        if self.watchdog is not None:
+            self.watchdog.close()
+        if self.config.ft_digest_out:
+            from moe_ft.cli.digest import write_digest
+
+            write_digest(self.config.ft_digest_out, self.state, report.last_iteration)
 
     # ------------------------------------------------------------------------------------ metrics
     def metrics(self, session: FTSession) -> dict:

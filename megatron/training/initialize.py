@@ -21,6 +21,20 @@ def quiet_optional_dependency_warnings() -> None:
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
 
 
+def _restart_safe_store(timeout_s: float) -> dict:
+    """Under torchrun restarts (``--max-restarts``) workers share the agent's store across attempts, and
+    torch 2.13's gloo then reads the previous attempt's peer addresses (``connectFullMesh ... Connection
+    refused``). Key the default group's store by the restart attempt; ``{}`` outside torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return {}
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return {"store": dist.PrefixStore(f"/megatron/attempt_{attempt}", store),
+            "rank": int(os.environ["RANK"]), "world_size": world}
+
+
 def initialize_distributed(args: Args, timeout_s: float = 300.0) -> None:
     """Init the default process group (NCCL on GPU, gloo on CPU), the CPU layer, and Megatron's
     model-parallel groups. Launched by torchrun: RANK/WORLD_SIZE/MASTER_ADDR come from the environment."""
@@ -36,7 +50,8 @@ def initialize_distributed(args: Args, timeout_s: float = 300.0) -> None:
     if not dist.is_initialized():
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+                                **_restart_safe_store(timeout_s))
     if dist.get_world_size() != args.world_size:
         raise RuntimeError(f"arguments were validated for world size {args.world_size} but the process group "
                            f"has {dist.get_world_size()} ranks")

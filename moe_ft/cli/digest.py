@@ -1,0 +1,82 @@
+"""``moe-ft digest``: print or compare training-state digests written at the end of training.
+
+``pretrain_gpt_moe.py … --ft --ft-digest-out run.json`` writes ``{"digest", "iteration", "per_rank"}``
+(``moe_ft/digest.py``: params, fp32 masters, Adam state and step, LR schedule, RNG of every rank).
+
+    moe-ft digest run.json                 # prints the digest
+    moe-ft digest a.json b.json            # exit 0 if bitwise equal, 1 (and the differing ranks) if not
+    moe-ft digest DIR                      # every *.json digest file under DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def write_digest(path: str, state, iteration: int) -> dict:
+    """Collective: every rank's state digest; rank 0 writes the JSON file."""
+    import torch.distributed as dist
+
+    from moe_ft.digest import local_state_tensors, tensor_digest
+    import hashlib
+
+    local = tensor_digest(local_state_tensors(state.model, state.optimizer, state.scheduler))
+    per_rank = [local]
+    if dist.is_initialized():
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, local)
+    out = {"digest": hashlib.sha256("".join(per_rank).encode()).hexdigest(), "iteration": iteration,
+           "per_rank": per_rank}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f, indent=1)
+        os.replace(tmp, path)
+    return out
+
+
+def read_digest(path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a digest file ({e}); write one with --ft-digest-out") from None
+    if "digest" not in data:
+        raise ValueError(f"{path}: no 'digest' field; write one with --ft-digest-out")
+    return data
+
+
+def _files(paths: list[str]) -> list[str]:
+    out = []
+    for p in paths:
+        out += sorted(str(q) for q in Path(p).rglob("*.json")) if os.path.isdir(p) else [p]
+    return out
+
+
+def run(args) -> int:
+    try:
+        digests = [(p, read_digest(p)) for p in _files(args.paths)]
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
+    for path, d in digests:
+        print(f"{d['digest']}  iteration {d.get('iteration')}  {path}")
+    if len(digests) < 2:
+        return 0
+    ref_path, ref = digests[0]
+    equal = True
+    for path, d in digests[1:]:
+        if d["digest"] != ref["digest"]:
+            equal = False
+            ranks = [r for r, (a, b) in enumerate(zip(ref.get("per_rank", []), d.get("per_rank", []))) if a != b]
+            print(f"DIFFERENT: {path} vs {ref_path} (ranks {ranks})")
+    print("EQUAL" if equal else "NOT EQUAL")
+    return 0 if equal else 1
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("digest", help="print or compare training-state digests (bitwise)")
+    p.add_argument("paths", nargs="+", help="digest JSON files (--ft-digest-out) or directories of them")
+    p.set_defaults(func=run)

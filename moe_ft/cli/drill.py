@@ -1,0 +1,139 @@
+"""``moe-ft drill``: run the tiny CPU job fault-free and with injected faults under torchrun
+(``--max-restarts``), then compare the final training-state digests bitwise.
+
+    moe-ft drill --layout ep2pp2 --policy sparse --iters 12 --fail 1:6 --fail 2:9:snapshot --json
+
+Prints one JSON object: ``faultfree_digest``, ``recovered_digest``, ``equal``, ``token_loss`` (sum over
+recoveries), ``reports`` (the recovery reports, ``moe_ft/recovery/report.py``), the faults and the
+exit codes. Exact policies (``sparse``, ``dense``) must give ``equal: true``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYOUTS = {
+    "ep2pp2": ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+               "--moe-token-dispatcher-type", "alltoall"],
+    "dp2ep2": ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+               "--moe-token-dispatcher-type", "allgather"],
+}
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--num-experts", "4", "--moe-router-topk", "2",
+        "--moe-aux-loss-coeff", "0.01", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
+        "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "3", "--weight-decay", "0.01",
+        "--clip-grad", "1.0", "--seed", "1234", "--split", "98", "2", "0", "--tokenizer-type", "ByteLevel",
+        "--log-interval", "100", "--eval-interval", "0"]
+
+
+def job_argv(*, layout: str, policy: str, iters: int, data: str, store: str, job: str, window: int,
+             digest_out: str, faults: list[str], extra: list[str]) -> list[str]:
+    argv = [*TINY, *LAYOUTS[layout], "--train-iters", str(iters), "--data-path", data,
+            "--ft", "--ft-policy", policy, "--ft-store-dir", store, "--ft-job-id", job,
+            "--ft-sparse-window", str(window), "--ft-digest-out", digest_out, *extra]
+    if faults:
+        argv += ["--ft-fail", *faults]
+    return argv
+
+
+def torchrun(argv: list[str], *, max_restarts: int, timeout: float, log_path: str) -> int:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           f"--max-restarts={max_restarts}", "--monitor-interval=1", str(ROOT / "pretrain_gpt_moe.py"), *argv]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            return 124
+
+
+def ensure_corpus(workdir: str) -> str:
+    sys.path.insert(0, str(ROOT))
+    from tools.make_corpus import write_corpus
+    from tools.preprocess_data import preprocess
+
+    write_corpus(os.path.join(workdir, "c.jsonl"), num_docs=300, seed=0)
+    preprocess(os.path.join(workdir, "c.jsonl"), os.path.join(workdir, "corpus"))
+    return os.path.join(workdir, "corpus")
+
+
+def drill(args) -> dict:
+    from moe_ft.faults import Fault
+
+    faults = [str(Fault.parse(f)) for f in args.fail]
+    work = args.workdir or tempfile.mkdtemp(prefix="moe_ft_drill_")
+    os.makedirs(work, exist_ok=True)
+    data = args.data or ensure_corpus(work)
+    store = args.store_dir or os.path.join("/dev/shm", f"moe_ft_drill_{os.getpid()}")
+    common = dict(layout=args.layout, policy=args.policy, iters=args.iters, data=data, store=store,
+                  window=args.window, extra=list(args.extra or []))
+    if any(f.split(":")[3] == "hang" for f in faults) and "--ft-hang-timeout" not in common["extra"]:
+        common["extra"] += ["--ft-hang-timeout", "20"]
+    out = {"layout": args.layout, "policy": args.policy, "iters": args.iters, "faults": faults, "workdir": work}
+    try:
+        ref_digest = os.path.join(work, "faultfree.json")
+        out["faultfree_rc"] = torchrun(job_argv(job="faultfree", digest_out=ref_digest, faults=[], **common),
+                                       max_restarts=0, timeout=args.timeout, log_path=os.path.join(work, "faultfree.log"))
+        rec_digest = os.path.join(work, "recovered.json")
+        out["faulty_rc"] = torchrun(job_argv(job="faulty", digest_out=rec_digest, faults=faults, **common),
+                                    max_restarts=args.max_restarts, timeout=args.timeout,
+                                    log_path=os.path.join(work, "faulty.log"))
+        read = lambda p: json.loads(Path(p).read_text())["digest"] if os.path.exists(p) else None  # noqa: E731
+        out["faultfree_digest"], out["recovered_digest"] = read(ref_digest), read(rec_digest)
+        out["equal"] = out["faultfree_digest"] is not None and out["faultfree_digest"] == out["recovered_digest"]
+        reports_dir = Path(store) / "faulty" / "reports"
+        out["reports"] = [json.loads(p.read_text()) for p in sorted(reports_dir.glob("recovery_*.json"))]
+        out["token_loss"] = sum(r["token_loss"].get("tokens", 0.0) for r in out["reports"])
+    finally:
+        if not args.keep_store:
+            shutil.rmtree(store, ignore_errors=True)
+    return out
+
+
+def run(args) -> int:
+    result = drill(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for r in result["reports"]:
+            print(f"restart {r['restart_count']}: point {r['recovery_point']} replayed {r['replayed_iterations']} "
+                  f"re-executed {r['reexecuted_iterations']} seconds {r['seconds']} token loss {r['token_loss'].get('tokens')}")
+        print(f"fault-free {result['faultfree_digest']}\nrecovered  {result['recovered_digest']}\n"
+              f"{'EQUAL' if result['equal'] else 'NOT EQUAL'}")
+    exact = args.policy in ("sparse", "dense")
+    return 0 if (result["equal"] or not exact) and result.get("faulty_rc") == 0 else 1
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("drill", help="fault-free vs faulty run of the tiny CPU job, digests compared")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="ep2pp2")
+    p.add_argument("--policy", choices=["sparse", "dense", "pec", "selective"], default="sparse")
+    p.add_argument("--iters", type=int, default=12)
+    p.add_argument("--window", type=int, default=4, help="--ft-sparse-window of the job")
+    p.add_argument("--fail", action="append", default=[], metavar="RANK:ITER[:PHASE[:KIND]]",
+                   help="a fault (repeatable); PHASE forward|backward|step|snapshot|publish|persist|recovery")
+    p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--data", default="", help="dataset prefix (default: a generated tiny corpus)")
+    p.add_argument("--workdir", default="", help="logs and digests (default: a temp dir)")
+    p.add_argument("--store-dir", default="", help="node-local store root (default: /dev/shm/moe_ft_drill_<pid>)")
+    p.add_argument("--keep-store", action="store_true")
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--extra", nargs=argparse_remainder(), default=[], help="more job flags, e.g. --extra --ft-pec-k 1")
+    p.set_defaults(func=run)
+
+
+def argparse_remainder():
+    import argparse
+
+    return argparse.REMAINDER

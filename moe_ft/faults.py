@@ -1,0 +1,150 @@
+"""Deterministic failure injection for drills and tests, keyed by ``(rank, iteration, phase)``.
+
+A :class:`FaultPlan` holds :class:`Fault` events (torchft ``EventInjector().fail_at(rank, step)``, NVRx
+``Fault`` kinds). The runtime calls :meth:`FaultPlan.check` at fixed points of an iteration; a fault
+whose key matches fires **once across restarts**: before firing it creates a marker file
+(``O_CREAT | O_EXCL``) in ``marker_dir``, which outlives the process (put it next to the node-local
+store), so the restarted worker passes the same point untouched.
+
+Phases (where :class:`moe_ft.runtime.FTRuntime` calls ``check``):
+
+=============  ================================================================================
+``forward``    start of the iteration, before the first micro-batch's forward
+``backward``   forward/backward done, right before the optimizer step
+``step``       optimizer step done, before the snapshot of the iteration is taken
+``snapshot``   the snapshot's copy has just been handed to the engine's thread (copy in flight)
+``publish``    the store is about to rename the iteration's staging directory into place
+``persist``    the iteration ends with a ``--save`` checkpoint (fires before it is written)
+``recovery``   a recovery is replaying or re-executing the iteration (cascading failure)
+=============  ================================================================================
+
+Kinds: ``exit`` (SIGKILL of the process itself: no cleanup, like a node loss), ``exception`` (an
+:class:`InjectedFault` raised on the training thread), ``hang`` (the thread blocks forever; the
+:class:`moe_ft.recovery.watchdog.Watchdog` detects it by timeout and kills the process).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+PHASES = ("forward", "backward", "step", "snapshot", "publish", "persist", "recovery")
+KINDS = ("exit", "exception", "hang")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a fault of kind ``exception``."""
+
+
+@dataclass(frozen=True, order=True)
+class Fault:
+    """One scheduled failure: ``rank`` fails at ``phase`` of ``iteration`` (0-based) with ``kind``."""
+
+    rank: int
+    iteration: int
+    phase: str = "forward"
+    kind: str = "exit"
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"fault phase must be one of {PHASES}, got {self.phase!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"fault kind must be one of {KINDS}, got {self.kind!r}")
+        if self.rank < 0 or self.iteration < 0:
+            raise ValueError(f"fault rank and iteration must be >= 0, got {self.rank}:{self.iteration}")
+
+    @classmethod
+    def parse(cls, text: str) -> "Fault":
+        """``RANK:ITER[:PHASE[:KIND]]``, e.g. ``1:6``, ``2:5:snapshot``, ``0:7:forward:hang``."""
+        parts = text.split(":")
+        if not 2 <= len(parts) <= 4:
+            raise ValueError(f"bad fault {text!r}: expected RANK:ITER[:PHASE[:KIND]], e.g. 1:6:forward")
+        try:
+            rank, iteration = int(parts[0]), int(parts[1])
+        except ValueError:
+            raise ValueError(f"bad fault {text!r}: RANK and ITER must be integers") from None
+        return cls(rank, iteration, *(parts[2:]))
+
+    def __str__(self) -> str:
+        return f"{self.rank}:{self.iteration}:{self.phase}:{self.kind}"
+
+    @property
+    def marker_name(self) -> str:
+        return f"fault_r{self.rank}_i{self.iteration}_{self.phase}_{self.kind}.fired"
+
+
+@dataclass(kw_only=True)
+class FaultPlanConfig:
+    """What to inject and where to remember that it fired."""
+
+    faults: list[str] = field(default_factory=list)
+    """Faults as ``RANK:ITER[:PHASE[:KIND]]`` (see :meth:`Fault.parse`)."""
+    marker_dir: str = ""
+    """Directory for the fired-markers (must survive restarts; empty: faults are off)."""
+
+
+class FaultPlan:
+    """The faults of one job. ``check(rank, iteration, phase)`` fires a matching, not yet fired fault."""
+
+    def __init__(self, faults: Iterable[Fault], marker_dir: str | os.PathLike | None) -> None:
+        self.faults = tuple(sorted(faults))
+        self.marker_dir = Path(marker_dir) if marker_dir else None
+        if self.faults and self.marker_dir is None:
+            raise ValueError("a fault plan needs a marker directory so that each fault fires only once")
+        self._index = {(f.rank, f.iteration, f.phase): f for f in self.faults}
+
+    @classmethod
+    def from_config(cls, config: FaultPlanConfig) -> "FaultPlan":
+        return cls([Fault.parse(s) for s in config.faults], config.marker_dir or None)
+
+    @classmethod
+    def seeded(cls, seed: int, *, num_ranks: int, iterations: range, count: int, marker_dir,
+               phases: Iterable[str] = ("forward", "backward", "step", "snapshot", "publish"),
+               kind: str = "exit") -> "FaultPlan":
+        """``count`` faults drawn from ``random.Random(seed)`` over ranks x iterations x phases, at
+        distinct iterations: the same seed gives the same plan."""
+        rng = random.Random(seed)
+        its = rng.sample(list(iterations), count)
+        phase_list = list(phases)
+        return cls([Fault(rng.randrange(num_ranks), it, rng.choice(phase_list), kind) for it in sorted(its)],
+                   marker_dir)
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def fired(self) -> list[Fault]:
+        """The faults whose marker exists (fired in this or an earlier incarnation of the job)."""
+        return [f for f in self.faults if self.marker_dir is not None and (self.marker_dir / f.marker_name).exists()]
+
+    def check(self, rank: int, iteration: int, phase: str) -> None:
+        """Fire the fault at ``(rank, iteration, phase)`` if there is one and it has not fired yet."""
+        fault = self._index.get((rank, iteration, phase))
+        if fault is None or not self._claim(fault):
+            return
+        print(f"moe-ft fault injection: rank {rank} fails at iteration {iteration} ({phase}, {fault.kind})",
+              file=sys.stderr, flush=True)
+        if fault.kind == "exit":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault.kind == "exception":
+            raise InjectedFault(f"injected fault {fault} (rank {rank}, iteration {iteration}, phase {phase})")
+        threading.Event().wait()  # hang: only the watchdog's timeout ends this process
+
+    def _claim(self, fault: Fault) -> bool:
+        """Create the marker atomically; False if it already existed (fired before a restart)."""
+        assert self.marker_dir is not None
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.marker_dir / fault.marker_name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{fault}\npid {os.getpid()}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return True

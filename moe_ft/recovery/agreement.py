@@ -1,0 +1,45 @@
+"""Collective agreement on the recovery point (SPEC §5: "the job agrees on the newest recovery point
+that every needed operator has").
+
+Every rank searches its node-local store for the newest point its rule accepts, checksumming the entries
+the point needs (``newest_recoverable(verify=True)``: a corrupt or torn entry is skipped with a warning
+naming it, never loaded). The ranks then exchange their candidates' ``end`` iterations; while they
+differ, every rank searches again at or before the smallest one. The search only moves backwards, so it
+ends with one iteration every rank can restore, or with ``None`` on every rank (then the caller falls back
+to the persisted Megatron checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("moe_ft.recovery")
+
+
+def _min_over_ranks(value: int, group=None) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
+def agree_on_point(find: Callable[[int | None], object], group=None) -> tuple[object | None, list[int]]:
+    """``find(at_or_before)`` → this rank's newest acceptable ``RecoveryPoint`` (or ``None``). Returns the
+    agreed point (the same ``end`` on every rank, ``None`` everywhere if some rank has none) and the
+    sequence of proposals (for the report)."""
+    bound: int | None = None
+    proposals = []
+    while True:
+        point = find(bound)
+        mine = point.end if point is not None else -1
+        agreed = _min_over_ranks(mine, group)
+        proposals.append(agreed)
+        if agreed < 0:
+            return None, proposals
+        if _min_over_ranks(int(mine == agreed), group) == 1:
+            return point, proposals
+        bound = agreed

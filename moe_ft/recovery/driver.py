@@ -1,0 +1,107 @@
+"""Glue between the runtime and the recovery machine: picks the rule for the policy, builds the
+context, runs the machine, accounts token loss, and writes the report. Called by
+``FTRuntime.on_train_start`` after a restart; the runtime hands over the step function (recovery never
+imports the training loop)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_ft.recovery.lossy import gather_expert_full_at, token_loss
+from moe_ft.recovery.machine import Phase, Recovery, RecoveryConfig, RecoveryContext, RecoveryState
+from moe_ft.recovery.optim import ensure_optimizer_state
+from moe_ft.recovery.report import RecoveryReport
+from moe_ft.state.operators import Level
+from moe_ft.store import DenseRule, NewestFullRule, SparseWindowRule
+
+LOSSY = ("pec", "selective")
+
+
+def rule_for(policy_name: str, policy, operators, window_offset: int, dense_interval: int = 1):
+    if policy_name == "sparse":
+        return SparseWindowRule.aligned(operators, policy.window_length, window_offset)
+    if policy_name == "dense":
+        return DenseRule(operators=frozenset(operators))
+    if policy_name in LOSSY:
+        return NewestFullRule(operators=frozenset(operators))
+    raise ValueError(f"no recovery rule for policy {policy_name!r}")
+
+
+def progress_path(store_root: str, job_id: str, rank: int) -> Path:
+    return Path(store_root) / job_id / f"progress_rank{rank}"
+
+
+def last_completed(store_root: str, job_id: str, rank: int) -> int:
+    """The newest iteration any rank completed before the failure (collective MAX; -1 if none)."""
+    path = progress_path(store_root, job_id, rank)
+    mine = int(path.read_text()) if path.exists() else -1
+    t = torch.tensor([mine], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def recover(rt, state, args, start_iteration: int, step_fn, restart_count: int) -> RecoveryReport:
+    """Restore the newest recovery point every rank has; returns the report (``resume_iteration`` inside
+    ``recovery_point['resume']``)."""
+    from moe_ft.digest import global_digest
+
+    t0 = time.perf_counter()
+    cfg = rt.config
+    ensure_optimizer_state(state.optimizer)
+    rt._build()
+    session = rt.active
+    lossy = cfg.ft_policy in LOSSY
+    rule = rule_for(cfg.ft_policy, session.policy, list(rt.registry), start_iteration)
+    lost_through = last_completed(cfg.ft_store_dir, cfg.ft_job_id, rt.rank)
+    ctx = RecoveryContext(store=session.store, registry=rt.registry, rule=rule, train_state=state, step_fn=step_fn,
+                          popularity=rt.popularity, policy=session.policy,
+                          fault_check=lambda it, phase: rt.check_fault(it, phase))
+    rs = RecoveryState(fallback_iteration=start_iteration)
+    Recovery(RecoveryConfig(lossy=lossy), ctx).run(rs)
+    point = rs.point
+    loss = {"tokens": 0.0, "metric": None, "value": 0.0}
+    if point is not None:
+        plan = session.policy.plan(point.end, rt.popularity)  # idempotent: the plan of `end` as it was
+        fulls = [op for op, lvl in plan.items() if lvl == Level.FULL]
+        since_full = rt.popularity.since_full.clone()  # as recorded at `end`, before mark_full(end)
+        rt.popularity.mark_full(point.end, fulls)
+        if lossy:
+            expert_full_at = gather_expert_full_at(point.full_at)
+            topk_tokens = args.training.global_batch_size * args.model.seq_length * args.model.moe_router_topk
+            if cfg.ft_policy == "pec":
+                denom = torch.full((since_full.shape[0],), float(args.training.train_iters * topk_tokens))
+                metric = "PLT"
+            else:
+                denom = torch.full((since_full.shape[0],), float((point.end + 1) * topk_tokens))
+                metric = "MLT"
+            loss = token_loss(end=point.end, expert_full_at=expert_full_at, since_full=since_full,
+                              moe_layers=rt.popularity.moe_layers, metric=metric, tokens_per_layer=denom)
+            if cfg.ft_policy == "pec":
+                loss["k_before"] = session.policy.k
+                session.policy.on_recovery(point.end, loss["value"])
+                loss["k_after"] = session.policy.k
+    session.store.discard_after(rs.resume_iteration - 1)
+    digest = global_digest(state.model, state.optimizer, state.scheduler)
+    source = "memory" if point is not None else ("checkpoint" if start_iteration else "initial")
+    report = RecoveryReport(
+        policy=cfg.ft_policy, restart_count=restart_count,
+        failed={"last_completed": lost_through, "faults_fired": [str(f) for f in rt.faults.fired()] if rt.faults else []},
+        recovery_point={"source": source, "start": point.start if point else start_iteration,
+                        "end": point.end if point else start_iteration - 1, "resume": rs.resume_iteration,
+                        "proposals": rs.proposals},
+        replayed_iterations=list(rs.replayed),
+        reexecuted_iterations=list(range(rs.resume_iteration, lost_through + 1)),
+        seconds={**{k: round(v, 4) for k, v in rs.seconds.items()}, "total": round(time.perf_counter() - t0, 4)},
+        bytes_loaded=rs.bytes_loaded, token_loss=loss, routing_checked=rs.routing_checked,
+        recovered_digest=digest, message=rs.message)
+    assert rs.phase is Phase.DONE
+    return report
+
+
+def report_dir(cfg) -> str:
+    return cfg.ft_report_dir or os.path.join(cfg.ft_store_dir, cfg.ft_job_id, "reports")

@@ -1,0 +1,41 @@
+"""Token loss of a lossy recovery (``pec``: MoC §3.1.2 eq. 7 PLT; ``selective``: MoEtion §4.1 MLT).
+
+Restoring expert ``(l, e)`` from its newest FULL entry ``f < end`` loses the updates of the tokens routed
+to it in iterations ``f+1 … end``: exactly ``since_full[l, e]`` of the popularity counters as recorded
+with the snapshot of ``end`` (``mark_full(f)`` reset it after the snapshot of ``f``). An expert FULL at
+``end`` loses nothing. Per layer the loss is divided by the expert-token assignments ``T_l · TopK``:
+PLT uses the whole training run (``train_iters`` iterations, MoC "throughout the training"), MLT the tokens
+processed up to the recovery point (MoEtion's momentary loss); both average over the MoE layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def gather_expert_full_at(full_at: dict, group=None) -> dict[tuple[int, int], int]:
+    """``(layer, expert) → iteration of the restored FULL entry`` over all ranks (collective)."""
+    mine = {(op.layer, op.expert): int(it) for op, it in full_at.items() if op.is_expert}
+    if not dist.is_initialized():
+        return mine
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    out: dict = {}
+    for part in gathered:
+        for key, it in part.items():
+            out[key] = min(out.get(key, it), it)
+    return out
+
+
+def token_loss(*, end: int, expert_full_at: dict[tuple[int, int], int], since_full: torch.Tensor,
+               moe_layers: list[int], metric: str, tokens_per_layer: torch.Tensor) -> dict:
+    """``since_full``: ``[num_moe_layers, num_experts]`` as recorded at ``end``; ``tokens_per_layer``:
+    ``[num_moe_layers]`` expert-token assignments of the denominator. Returns the report's token-loss dict."""
+    lost = torch.zeros_like(since_full, dtype=torch.float64)
+    for (layer, expert), f in expert_full_at.items():
+        if f < end:
+            lost[moe_layers.index(layer), expert] = since_full[moe_layers.index(layer), expert]
+    per_layer = lost.sum(dim=1) / tokens_per_layer.to(torch.float64)
+    return {"tokens": float(lost.sum()), "metric": metric, "value": float(per_layer.mean()),
+            "per_layer": [float(x) for x in per_layer], "per_expert": lost.tolist()}

@@ -1,0 +1,53 @@
+"""The recovery report: printed in the log (rank 0) and written as JSON (SPEC §5, issue 4)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(kw_only=True)
+class RecoveryReport:
+    """What one recovery did."""
+
+    policy: str
+    restart_count: int
+    failed: dict
+    """What failed: the faults whose markers exist (drills), the last iteration completed before the failure."""
+    recovery_point: dict
+    """``{"start", "end", "source": "memory"|"checkpoint"|"initial"}``; ``end`` is the restored iteration."""
+    replayed_iterations: list[int] = field(default_factory=list)
+    reexecuted_iterations: list[int] = field(default_factory=list)
+    seconds: dict = field(default_factory=dict)
+    """Seconds per phase: agree, load, replay, finalize, reexecute, total."""
+    bytes_loaded: int = 0
+    """Bytes read from the store by this rank (rank 0's value in the JSON)."""
+    token_loss: dict = field(default_factory=dict)
+    """``{"tokens": …, "metric": "PLT"|"MLT"|None, "value": …, "per_layer": …}``; 0 tokens for exact."""
+    routing_checked: int = 0
+    recovered_digest: str = ""
+    message: str = ""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        rp = self.recovery_point
+        secs = ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items())
+        tl = self.token_loss
+        loss = f"{tl.get('tokens', 0):.0f} tokens" + (f" ({tl['metric']} {100 * tl['value']:.3f} %)" if tl.get("metric") else "")
+        return (f"moe-ft recovery | policy {self.policy} | restart {self.restart_count} | last completed iteration "
+                f"{self.failed.get('last_completed')} | recovery point {rp.get('source')} [{rp.get('start')}, "
+                f"{rp.get('end')}] | replayed {len(self.replayed_iterations)} | re-executed "
+                f"{len(self.reexecuted_iterations)} | {secs} | token loss {loss} | digest "
+                f"{self.recovered_digest[:16]}" + (f" | {self.message}" if self.message else ""))
+
+    def write(self, directory: str) -> str:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"recovery_{self.restart_count:03d}.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+        return path
