@@ -20,6 +20,7 @@ waits for a free slot when the store is slower than training (that wait is count
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -57,14 +58,30 @@ class SnapshotRecord:
     stall_s: float = 0.0
     copy_s: float = 0.0
     write_s: float = 0.0
+    thread_cpu_s: float = 0.0
+    """CPU time the background thread spent on this snapshot (copy + write + publish + GC)."""
     published: bool = False
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One (slot, operator, level): the live tensors, the slot's host buffers for them, and the mapping
+    handed to the store. Built once and reused: the registry's views are fixed when it is built, and
+    re-deriving dicts, buffer keys and byte counts every iteration is pure per-iteration Python cost."""
+
+    op: OperatorId
+    level: Level
+    srcs: list
+    bufs: list
+    out: dict  # name -> host buffer, the store's input
+    nbytes: int
 
 
 @dataclass(kw_only=True)
 class _Job:
     record: SnapshotRecord
     slot: int
-    items: list  # (op, level, {name: (src, buffer)})
+    items: list  # [_Entry]
     meta: dict
     meta_tensors: dict
     copied: threading.Event = field(default_factory=threading.Event)
@@ -88,6 +105,7 @@ class SnapshotEngine:
         self._inflight: _Job | None = None
         self._error: BaseException | None = None
         self._stream = torch.cuda.Stream() if self.cuda else None
+        self._entries: dict[tuple[int, OperatorId, Level], _Entry] = {}
         self.records: list[SnapshotRecord] = []
         self._thread = threading.Thread(target=self._run, name="moe-ft-snapshot", daemon=True)
         self._thread.start()
@@ -96,30 +114,53 @@ class SnapshotEngine:
     def submit(self, iteration: int, plan: Mapping[OperatorId, Level], meta: dict,
                meta_tensors: Mapping[str, torch.Tensor]) -> SnapshotRecord:
         """Start the snapshot of ``iteration``: this rank's operators of ``plan`` at their level, plus the
-        metadata entry. Returns at once (after a free buffer slot is available)."""
+        metadata entry. Returns at once (after a free buffer slot is available). ``meta_tensors`` are
+        copied into the slot's host buffers before returning, so the caller may reuse them."""
         self._raise_if_failed()
         start = time.perf_counter()
         slot = self._free.get()
         waited = time.perf_counter() - start
-        items, total, nfull, ncomp = [], 0, 0, 0
-        for op, level in sorted(plan.items()):
-            if level == Level.NONE or op not in self.registry:
-                continue
-            pairs = {name: (src, self.buffers.get(slot, f"{op}/{name}", src))
-                     for name, src in self.registry[op].tensors(level).items()}
-            items.append((op, Level(level), pairs))
-            total += sum(src.nbytes for src, _ in pairs.values())
-            nfull += level == Level.FULL
-            ncomp += level == Level.COMPUTE
-        record = SnapshotRecord(iteration=iteration, bytes=total, num_full=nfull, num_compute=ncomp, stall_s=waited)
-        job = _Job(record=record, slot=slot, items=items, meta=dict(meta),
-                   meta_tensors={k: v.detach().cpu().clone() for k, v in meta_tensors.items()})
+        # Only host-side bookkeeping happens here, on CPU tensors: leave any torch-function mode of the
+        # training thread (the CPU compatibility layer's) out of it, it costs ~10 us per tensor access.
+        with _no_torch_function(not self.cuda):
+            items, total, nfull, ncomp = [], 0, 0, 0
+            for op, level in sorted(plan.items()):
+                if level == Level.NONE or op not in self.registry:
+                    continue
+                entry = self._entry(slot, op, Level(level))
+                items.append(entry)
+                total += entry.nbytes
+                nfull += level == Level.FULL
+                ncomp += level == Level.COMPUTE
+            record = SnapshotRecord(iteration=iteration, bytes=total, num_full=nfull, num_compute=ncomp,
+                                    stall_s=waited)
+            job = _Job(record=record, slot=slot, items=items, meta=dict(meta),
+                       meta_tensors=self._stage_meta(slot, meta_tensors))
         if self.cuda:
             self._copy_on_stream(job)
         self._inflight = job
         self.records.append(record)
         self._jobs.put(job)
         return record
+
+    def _entry(self, slot: int, op: OperatorId, level: Level) -> _Entry:
+        entry = self._entries.get((slot, op, level))
+        if entry is None:
+            tensors = {name: src.detach() for name, src in self.registry[op].tensors(level).items()}
+            out = {name: self.buffers.get(slot, f"{op}/{name}", src) for name, src in tensors.items()}
+            entry = _Entry(op=op, level=level, srcs=list(tensors.values()), bufs=list(out.values()), out=out,
+                           nbytes=sum(src.nbytes for src in tensors.values()))
+            self._entries[(slot, op, level)] = entry
+        return entry
+
+    def _stage_meta(self, slot: int, meta_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy the metadata tensors (RNG states, popularity counters: small) into the slot's buffers."""
+        srcs = [t.detach() for t in meta_tensors.values()]
+        srcs = [t if t.device.type == "cpu" else t.cpu() for t in srcs]
+        bufs = [self.buffers.get(slot, f"meta/{name}", src) for name, src in zip(meta_tensors, srcs)]
+        if bufs:
+            torch._foreach_copy_(bufs, srcs)
+        return dict(zip(meta_tensors, bufs))
 
     def wait_copied(self) -> float:
         """Block until the in-flight snapshot no longer needs the live tensors; returns (and records) the
@@ -160,50 +201,57 @@ class SnapshotEngine:
         start = time.perf_counter()
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
-            for _, _, pairs in job.items:
-                for src, buf in pairs.values():
-                    buf.copy_(src.detach(), non_blocking=True)
+            for entry in job.items:
+                for src, buf in zip(entry.srcs, entry.bufs):
+                    buf.copy_(src, non_blocking=True)
             job.cuda_event = torch.cuda.Event()
             job.cuda_event.record(self._stream)
         job.record.copy_s = time.perf_counter() - start
 
     # ----------------------------------------------------------------------------- background thread
     def _run(self) -> None:
-        from moe_ft.compat.cpu import enter_device_mode_in_thread
-
+        # No torch-function mode here (unlike threads that run Megatron code): this thread only copies
+        # CPU/pinned tensors and writes bytes, and a Python-level mode would put every tensor access of
+        # it under the GIL, slowing down the training thread it is meant to overlap with.
         torch.set_num_threads(1)
-        with enter_device_mode_in_thread():
-            while True:
-                job = self._jobs.get()
-                if job is None:
-                    self._jobs.task_done()
-                    return
-                try:
-                    if self._error is None:
-                        self._execute(job)
-                except BaseException as exc:  # reported to the training thread on its next call
-                    self._error = exc
-                    job.copied.set()
-                finally:
-                    self._free.put(job.slot)
-                    self._jobs.task_done()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                self._jobs.task_done()
+                return
+            try:
+                if self._error is None:
+                    self._execute(job)
+            except BaseException as exc:  # reported to the training thread on its next call
+                self._error = exc
+                job.copied.set()
+            finally:
+                self._free.put(job.slot)
+                self._jobs.task_done()
 
     @torch.no_grad()
     def _execute(self, job: _Job) -> None:
+        cpu0 = time.thread_time()
         start = time.perf_counter()
         if job.cuda_event is not None:
             job.cuda_event.synchronize()
         else:
-            for _, _, pairs in job.items:
-                for src, buf in pairs.values():
-                    buf.copy_(src.detach())
+            bufs = [buf for entry in job.items for buf in entry.bufs]
+            if bufs:  # one dispatch for all tensors instead of one Python call per tensor
+                torch._foreach_copy_(bufs, [src for entry in job.items for src in entry.srcs])
             job.record.copy_s = time.perf_counter() - start
         job.copied.set()
         start = time.perf_counter()
         with self.store.begin(job.record.iteration) as point:
-            for op, level, pairs in job.items:
-                point.put(op, level, {name: buf for name, (_, buf) in pairs.items()})
+            for entry in job.items:
+                point.put(entry.op, entry.level, entry.out)
             point.put_meta(job.meta, job.meta_tensors)
             point.publish()
         job.record.write_s = time.perf_counter() - start
+        job.record.thread_cpu_s = time.thread_time() - cpu0
         job.record.published = True
+
+
+def _no_torch_function(enabled: bool):
+    """Disable torch-function handling (modes and subclasses) in this block; a null context otherwise."""
+    return torch._C.DisableTorchFunction() if enabled else contextlib.nullcontext()

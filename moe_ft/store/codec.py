@@ -35,6 +35,7 @@ END_MAGIC = b"MOEFTEND"
 VERSION = 1
 ALIGN = 64
 CHUNK = 8 << 20  # checksum+write granularity: large enough to amortise calls, small enough to stay in cache
+COALESCE = 256 << 10  # pieces below this are gathered (one memcpy) and written together
 _PREFIX = struct.Struct("<8sII")
 _TAIL = struct.Struct("<Q8s")
 
@@ -115,38 +116,58 @@ class WrittenEntry:
 
 def write_entry(
     write: Callable[[Any], Any], key: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
-    algo: str, meta: Mapping[str, Any] | None = None,
+    algo: str, meta: Mapping[str, Any] | None = None, *, meta_json: str | None = None,
 ) -> WrittenEntry:
-    """Stream one entry through ``write`` (called with byte buffers, in order) and return its record."""
+    """Stream one entry through ``write`` (called with byte buffers, in order) and return its record.
+    ``meta_json``: ``meta`` already encoded with :func:`encode_meta` (instead of ``meta``)."""
     checked = [(name, _check_tensor(name, t)) for name, t in tensors.items()]
-    table: list[dict] = []
-    header: dict[str, Any] = {"key": dict(key), "checksum": algo, "tensors": table}
+    sizes = [(dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size()) for _, t in checked]
     if meta is not None:
-        header["meta"] = meta
+        meta_json = encode_meta(meta)
+    # The header is the canonical JSON (sorted keys, no spaces) of {"checksum", "key", "meta", "tensors"};
+    # it is assembled from parts so that the metadata (hundreds of numbers: RNG states) is encoded once.
+    head = (f'{{"checksum":{_dumps(algo)},"key":{_dumps(dict(key))},'
+            + (f'"meta":{meta_json},' if meta_json is not None else "") + '"tensors":')
+    table: list[dict] = []
     # Offsets depend on the header length and the header contains the offsets: lay out with a guess of
     # the header length, then grow the guess until it is stable (two rounds in practice).
     reserve = 0
     while True:
         table.clear()
         offset = _align(_PREFIX.size + reserve)
-        for name, t in checked:
-            nbytes = t.numel() * t.element_size()
-            table.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
-                          "offset": offset, "nbytes": nbytes})
+        for (name, _), (dtype, shape, nbytes) in zip(checked, sizes):
+            table.append({"dtype": dtype, "name": name, "nbytes": nbytes, "offset": offset, "shape": shape})
             offset = _align(offset + nbytes)
-        header_bytes = json.dumps(header, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+        header_bytes = (head + _dumps(table) + "}").encode()
         if len(header_bytes) <= reserve:
             break
         reserve = len(header_bytes) + 64
     header_bytes = header_bytes.ljust(reserve, b" ")  # JSON tolerates trailing spaces
     digest = new_checksum(algo)
     pos = 0
+    # Small pieces (prefix, header, padding, small tensors) are gathered into one buffer and checksummed
+    # and written together: one write call per ~COALESCE bytes instead of two per tensor.
+    pending = bytearray()
+    small = min(COALESCE, CHUNK)
+
+    def flush() -> None:
+        if pending:
+            digest.update(pending)
+            write(pending)
+            pending.clear()
 
     def emit(buf: Any) -> None:
         nonlocal pos
-        digest.update(buf)
-        write(buf)
-        pos += len(buf)
+        n = len(buf)
+        if n < small:
+            pending.extend(buf)
+            if len(pending) >= small:
+                flush()
+        else:
+            flush()
+            digest.update(buf)
+            write(buf)
+        pos += n
 
     emit(_PREFIX.pack(MAGIC, VERSION, len(header_bytes)))
     emit(header_bytes)
@@ -155,10 +176,19 @@ def write_entry(
         data = raw_bytes(t)
         for start in range(0, len(data), CHUNK):
             emit(data[start:start + CHUNK])
+    flush()
     final = digest.digest()
-    write(final)
-    write(_TAIL.pack(pos, END_MAGIC))
+    write(final + _TAIL.pack(pos, END_MAGIC))
     return WrittenEntry(pos + len(final) + _TAIL.size, final.hex(), tuple(dict(r) for r in table))
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True)
+
+
+def encode_meta(meta: Mapping[str, Any]) -> str:
+    """The JSON text stored as an entry's ``meta`` (raises ``TypeError``/``ValueError`` if not JSON-able)."""
+    return _dumps(dict(meta))
 
 
 def _read_exact(stream: BinaryIO, buf: memoryview, where: str) -> None:

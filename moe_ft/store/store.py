@@ -31,11 +31,11 @@ import torch
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store.backend import MANIFEST, FaultHook, StagingInfo, StoreBackend
 from moe_ft.store.catalog import Catalog, Problem
-from moe_ft.store.codec import new_checksum, read_entry, write_entry
+from moe_ft.store.codec import encode_meta, new_checksum, read_entry, write_entry
 from moe_ft.store.errors import CorruptEntryError, MissingEntryError, StoreError
 from moe_ft.store.local import LocalFSBackend
-from moe_ft.store.manifest import (META_BLOB, EntryRecord, PointRecord, TensorRecord, decode_manifest,
-                                   encode_manifest, entry_blob, entry_key)
+from moe_ft.store.manifest import (META_BLOB, EntryRecord, PointRecord, TensorRecord, build_manifest,
+                                   decode_manifest, entry_blob, entry_key)
 from moe_ft.store.retention import RetentionPolicy
 from moe_ft.store.rules import EntryRef, RecoveryPoint, RecoveryRule, newest_recoverable
 
@@ -104,10 +104,10 @@ class PendingPoint:
                                  f"one level per iteration)")
             self._reserved.add(what)
 
-    def _write(self, blob: str, key: dict, tensors: Mapping[str, torch.Tensor], meta=None):
+    def _write(self, blob: str, key: dict, tensors: Mapping[str, torch.Tensor], meta_json=None):
         sink = self._writer.open_blob(blob)
         try:
-            written = write_entry(sink.write, key, tensors, self._store.checksum, meta)
+            written = write_entry(sink.write, key, tensors, self._store.checksum, meta_json=meta_json)
         finally:
             sink.close()
         return written
@@ -130,12 +130,12 @@ class PendingPoint:
     def put_meta(self, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None) -> EntryRecord:
         """Write the iteration's metadata entry: a JSON-able dict (floats round-trip exactly) + tensors."""
         try:
-            meta = json.loads(json.dumps(dict(meta), allow_nan=True))
+            meta_json = encode_meta(meta)  # encoded once, here: validates, and the header embeds it as is
         except (TypeError, ValueError) as exc:
             raise ValueError(f"metadata of iteration {self.iteration} is not JSON-serialisable: {exc}") from None
         self._reserve("meta")
         record = _records(self.iteration, None, None, META_BLOB,
-                          self._write(META_BLOB, entry_key(self.iteration, None, None), tensors or {}, meta))
+                          self._write(META_BLOB, entry_key(self.iteration, None, None), tensors or {}, meta_json))
         with self._lock:
             self._meta = record
         return record
@@ -147,13 +147,14 @@ class PendingPoint:
                 raise RuntimeError(f"point {self.iteration} is {self._state}")
             self._state = "publishing"
         try:
-            manifest = encode_manifest(self.iteration, self._store.checksum, list(self._entries.values()), self._meta)
+            manifest, record = build_manifest(self.iteration, self._store.checksum, list(self._entries.values()),
+                                              self._meta)
             self._writer.commit(manifest)
         except BaseException:
             self.abort()
             raise
         self._state = "published"
-        record = decode_manifest(manifest, self.iteration, "(just written)")
+        self._store._remember(self.iteration, manifest, record)
         self._store._after_publish(self.iteration)
         return record
 
@@ -178,6 +179,10 @@ class SnapshotStore:
         self.retention = retention
         self._lock = threading.Lock()
         self._pins: Counter[int] = Counter()
+        # Manifests this store published, as written and as decoded: decoding (JSON, checksum, records)
+        # is most of garbage collection's cost, and GC runs after every publish. A cached record is used
+        # only while the manifest on storage is still byte-for-byte what was written (see _decode).
+        self._written: dict[int, tuple[bytes, PointRecord]] = {}
 
     def __repr__(self) -> str:
         return f"SnapshotStore({self.backend.describe()})"
@@ -190,6 +195,19 @@ class SnapshotStore:
             raise ValueError(f"point {iteration} is already published in {self.backend.describe()}; "
                              f"call discard_after({iteration - 1}) after a rollback before re-snapshotting it")
         return PendingPoint(self, iteration)
+
+    def _remember(self, iteration: int, manifest: bytes, record: PointRecord) -> None:
+        with self._lock:
+            self._written[iteration] = (manifest, record)
+
+    def _decode(self, iteration: int, data: bytes) -> PointRecord:
+        """``decode_manifest`` of ``data``, skipped when ``data`` is exactly the manifest this store wrote
+        for ``iteration`` (then decoding would give the remembered record: same bytes, same result)."""
+        with self._lock:
+            written = self._written.get(iteration)
+        if written is not None and written[0] == data:
+            return written[1]
+        return decode_manifest(data, iteration, self._where(iteration, MANIFEST))
 
     def _after_publish(self, iteration: int) -> None:
         if self.retention is not None:
@@ -215,7 +233,7 @@ class SnapshotStore:
         problems: list[Problem] = []
         for it in self.points() if iterations is None else iterations:
             try:
-                record = decode_manifest(self.backend.read_blob(it, MANIFEST), it, self._where(it, MANIFEST))
+                record = self._decode(it, self.backend.read_blob(it, MANIFEST))
             except FileNotFoundError:
                 if it in self.points():  # a point without manifest; a concurrently deleted one is silent
                     problems.append(Problem(it, "point", "manifest missing"))
@@ -243,7 +261,7 @@ class SnapshotStore:
             data = self.backend.read_blob(iteration, MANIFEST)
         except FileNotFoundError:
             return None
-        return decode_manifest(data, iteration, self._where(iteration, MANIFEST))
+        return self._decode(iteration, data)
 
     def _entry(self, catalog: Catalog | None, ref: EntryRef) -> tuple[EntryRecord, str]:
         # Without a catalog, trust only the manifest: a listed entry whose file is torn or missing must
@@ -351,6 +369,11 @@ class SnapshotStore:
             if self._pins[iteration] > 0:
                 raise StoreError(f"point {iteration} is pinned (being read); unpin before deleting it")
         self.backend.delete_point(iteration)
+        self._forget(iteration)
+
+    def _forget(self, iteration: int) -> None:
+        with self._lock:
+            self._written.pop(iteration, None)
 
     def discard_after(self, iteration: int) -> list[int]:
         """Delete every published point newer than ``iteration`` (after rolling back to it)."""
@@ -374,5 +397,6 @@ class SnapshotStore:
                   and (it in catalog.iterations or (oldest_kept is not None and it < oldest_kept))]
         for it in doomed:
             self.backend.delete_point(it)
+            self._forget(it)
         self.backend.sweep_staging()
         return doomed

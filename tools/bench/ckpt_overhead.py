@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WINDOW = 5
@@ -72,6 +73,12 @@ def worker(argv: list[str]) -> int:
             for name, s in zip(variants, self.sessions):
                 s.name = name
             self.owner: dict[int, str] = {}
+            self.hook_seconds: dict[int, float] = {}
+
+        def on_step_end(self, iteration, result):
+            start = time.perf_counter()
+            super().on_step_end(iteration, result)
+            self.hook_seconds[iteration] = time.perf_counter() - start
 
         def select_session(self, iteration):
             s = self.sessions[(iteration // block) % len(self.sessions)]
@@ -107,7 +114,10 @@ def summarize(runtime, args, out: str) -> None:
             rp = sum(reg.nbytes(win.plan(t)) for t in range(win.start, win.end))
         else:
             rp = full
+        hook = [runtime.hook_seconds[t] for t in its if t in runtime.hook_seconds]
         local[s.name] = {"median_s": statistics.median(times),
+                         "hook_ms": 1e3 * statistics.median(hook) if hook else 0.0,
+                         "thread_cpu_ms": 1e3 * statistics.median([r.thread_cpu_s for r in recs]) if recs else 0.0,
                          "stall_ms": 1e3 * statistics.median([r.stall_s for r in recs]) if recs else 0.0,
                          "bytes_per_iter": sum(r.bytes for r in recs) / max(len(its), 1),
                          "bytes_per_recovery_point": rp}
@@ -120,6 +130,8 @@ def summarize(runtime, args, out: str) -> None:
             med = statistics.median([g[name]["median_s"] for g in gathered])
             report[name] = {"overhead_ratio": round(med / base_t, 4),
                             "stall_ms": round(max(g[name]["stall_ms"] for g in gathered), 4),
+                            "hook_ms": round(statistics.median(g[name]["hook_ms"] for g in gathered), 3),
+                            "thread_cpu_ms": round(statistics.median(g[name]["thread_cpu_ms"] for g in gathered), 3),
                             "bytes_per_iter": int(max(g[name]["bytes_per_iter"] for g in gathered)),
                             "bytes_per_recovery_point": int(max(g[name]["bytes_per_recovery_point"] for g in gathered))}
         report["_setup"] = {"window": WINDOW, "dense_k": DENSE_K, "iterations": args.training.train_iters,
@@ -162,11 +174,12 @@ def main() -> int:
     if a.json:
         print(json.dumps({k: v for k, v in report.items() if not k.startswith("_")}))
     else:
-        print(f"{'policy':10s} {'overhead':>9s} {'stall ms':>9s} {'bytes/iter':>12s} {'bytes/recovery pt':>18s}")
+        print(f"{'policy':10s} {'overhead':>9s} {'stall ms':>9s} {'hook ms':>8s} {'thread ms':>10s} "
+              f"{'bytes/iter':>12s} {'bytes/recovery pt':>18s}")
         for name in POLICIES:
             r = report[name]
-            print(f"{name:10s} {r['overhead_ratio']:9.3f} {r['stall_ms']:9.3f} {r['bytes_per_iter']:12d} "
-                  f"{r['bytes_per_recovery_point']:18d}")
+            print(f"{name:10s} {r['overhead_ratio']:9.3f} {r['stall_ms']:9.3f} {r['hook_ms']:8.2f} "
+                  f"{r['thread_cpu_ms']:10.2f} {r['bytes_per_iter']:12d} {r['bytes_per_recovery_point']:18d}")
         print(json.dumps(report["_setup"]))
     return 0
 
