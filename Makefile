@@ -6,7 +6,6 @@ PY := $(VENV)/bin/python
 .PHONY: setup demo test clean
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test]" --config-settings editable_mode=compat
 	touch $@
 
