@@ -1,8 +1,8 @@
 """Checkpoint overhead of the snapshot policies on the tiny CPU model (issue 3), side by side in one run.
 
-    python tools/bench/ckpt_overhead.py [--quick] [--json] [--data-path PREFIX]
+    python tools/bench/ckpt_overhead.py [--quick] [--json] [--nproc {2,4}] [--data-path PREFIX]
 
-Launches ``torchrun`` (4 ranks, EP=2 x PP=2, 1 thread each) on this file. The FT runtime holds one
+Launches ``torchrun`` (4 ranks, EP=2 x PP=2, 1 thread each; ``--nproc 2``: EP=2, one stage) on this file. The FT runtime holds one
 session (policy + engine + store) per policy — ``none``, ``dense(1)``, ``dense(k)``, ``pec``,
 ``selective``, ``sparse`` — and hands iterations to them in blocks of ``W`` (the sparse window),
 cycling, so every policy sees the same machine noise; the first cycle is warm-up. Reported per policy:
@@ -10,6 +10,10 @@ cycling, so every policy sees the same machine noise; the first cycle is warm-up
 * ``overhead_ratio``: median wall time of its iterations / median of ``none`` (begin of ``t`` to begin of
   ``t+1``: includes the plan, metadata capture, submit and the stall);
 * ``stall_ms``: median wait of the optimizer step for the snapshot copy;
+* ``hook_ms``: median time of the FT hook after the optimizer step on the training thread (popularity
+  all-reduce, plan, metadata capture, submit; ``none`` pays the all-reduce only);
+* ``thread_cpu_ms``: median CPU time of the background snapshot thread per snapshot (copy, encode,
+  checksum, write, publish, garbage collection) — CPU the 2 shared cores lose to the training processes;
 * ``bytes_per_iter``: mean bytes snapshotted per iteration per rank (max over ranks);
 * ``bytes_per_recovery_point``: bytes one recovery point keeps per rank (max over ranks): dense one
   snapshot; sparse the ``W`` snapshots of a window (MoEvement §3.3); pec/selective each operator's newest
@@ -32,7 +36,8 @@ DENSE_K = 5
 POLICIES = ["none", "dense(1)", f"dense(k)", "pec", "selective", "sparse"]
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
-         "--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "8"]
+         "--micro-batch-size", "2", "--global-batch-size", "8"]
+PP = {4: 2, 2: 1}  # ranks -> pipeline stages (EP = 2 always): 4 ranks = EP2 x PP2, 2 ranks = EP2
 
 
 def worker(argv: list[str]) -> int:
@@ -117,7 +122,8 @@ def summarize(runtime, args, out: str) -> None:
         hook = [runtime.hook_seconds[t] for t in its if t in runtime.hook_seconds]
         local[s.name] = {"median_s": statistics.median(times),
                          "hook_ms": 1e3 * statistics.median(hook) if hook else 0.0,
-                         "thread_cpu_ms": 1e3 * statistics.median([r.thread_cpu_s for r in recs]) if recs else 0.0,
+                         "thread_cpu_ms": 1e3 * statistics.median([getattr(r, "thread_cpu_s", 0.0) for r in recs])
+                         if recs else 0.0,
                          "stall_ms": 1e3 * statistics.median([r.stall_s for r in recs]) if recs else 0.0,
                          "bytes_per_iter": sum(r.bytes for r in recs) / max(len(its), 1),
                          "bytes_per_recovery_point": rp}
@@ -147,6 +153,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="3 measured cycles instead of 10 (< 3 min on 2 cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by policy")
     p.add_argument("--data-path", default=None, help="indexed dataset prefix (default: a generated corpus)")
+    p.add_argument("--nproc", type=int, default=4, choices=sorted(PP),
+                   help="training processes: 4 (EP=2 x PP=2, default) or 2 (EP=2, one stage: one process per core)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="ckpt_overhead_") as tmp, \
             tempfile.TemporaryDirectory(prefix="moe_ft_bench_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as shm:
@@ -163,8 +171,9 @@ def main() -> int:
         iters = cycles * WINDOW * len(POLICIES)
         out = os.path.join(tmp, "report.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", __file__,
-               "--worker", "--out", out, *MODEL, "--train-iters", str(iters), "--log-interval", str(iters),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}", __file__,
+               "--worker", "--out", out, *MODEL, "--pipeline-model-parallel-size", str(PP[a.nproc]),
+               "--train-iters", str(iters), "--log-interval", str(iters),
                "--data-path", data, "--ft", "--ft-store-dir", shm, "--ft-sparse-window", str(WINDOW)]
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -180,7 +189,7 @@ def main() -> int:
             r = report[name]
             print(f"{name:10s} {r['overhead_ratio']:9.3f} {r['stall_ms']:9.3f} {r['hook_ms']:8.2f} "
                   f"{r['thread_cpu_ms']:10.2f} {r['bytes_per_iter']:12d} {r['bytes_per_recovery_point']:18d}")
-        print(json.dumps(report["_setup"]))
+        print(json.dumps(dict(report["_setup"], nproc=a.nproc)))
     return 0
 
 
