@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "_workers_elastic_train.py")
+from tests._ft_helpers import torchrun
+
+WORKER = "tests/_workers_elastic_train.py"
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -27,25 +26,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--seed", "1234"]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    sys.path.insert(0, ROOT)
-    from tools.make_corpus import write_corpus
-    from tools.preprocess_data import preprocess
-
-    d = tmp_path_factory.mktemp("corpus")
-    write_corpus(str(d / "c.jsonl"), num_docs=600, seed=0)
-    preprocess(str(d / "c.jsonl"), str(d / "corpus"))
-    return str(d / "corpus")
-
-
 def _train(out: str, corpus: str, flags: list[str]) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", WORKER,
-           "--out", out, *MODEL, "--data-path", corpus, *flags]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=140)
-    if proc.returncode != 0:
-        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    torchrun(WORKER, ["--out", out, *MODEL, "--data-path", corpus, *flags], timeout=240)
     with open(os.path.join(out, "losses.json")) as f:
         return json.load(f)
 

@@ -13,14 +13,13 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "_workers_foundation.py")
+from tests._ft_helpers import torchrun
+
+WORKER = "tests/_workers_foundation.py"
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -28,25 +27,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--log-interval", "3", "--lr", "3e-3", "--seed", "1234"]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    sys.path.insert(0, ROOT)
-    from tools.make_corpus import write_corpus
-    from tools.preprocess_data import preprocess
-
-    d = tmp_path_factory.mktemp("corpus")
-    write_corpus(str(d / "c.jsonl"), num_docs=600, seed=0)
-    preprocess(str(d / "c.jsonl"), str(d / "corpus"))
-    return str(d / "corpus")
-
-
 def run_worker(out: str, flags: list[str], nproc: int = 4) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER,
-           "--out", out, *flags]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    if proc.returncode != 0:
-        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    torchrun(WORKER, ["--out", out, *flags], nproc=nproc, timeout=400)
     results = []
     for rank in range(nproc):
         with open(os.path.join(out, f"result_rank{rank}.json")) as f:
