@@ -1,0 +1,143 @@
+"""Background receiver: one thread per source rank (``ReplicaPlan.sources``) takes points off the
+transport, verifies every entry against the owner's checksums, and publishes the verified ones into this
+node's store of the owner's replicas, ``<root>/<job>/replicas/rank<owner>`` (same format as a rank's own
+store, so ``moe-ft inspect`` and :class:`SnapshotStore` read it). A mismatching entry is rejected, never
+published, and reported (``rejections``, logger ``moe_ft.replication``); the rest of the point is kept.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from moe_ft.replication.transport import PointMessage, Transport
+from moe_ft.store import SnapshotStore, StoreConfig
+from moe_ft.store.codec import read_entry
+from moe_ft.store.errors import CorruptEntryError
+from moe_ft.store.manifest import EntryRecord, build_manifest, decode_manifest
+
+logger = logging.getLogger("moe_ft.replication")
+
+
+def replica_store_config(*, root: str, job_id: str, owner: int) -> StoreConfig:
+    """Where this node keeps rank ``owner``'s replicas."""
+    return StoreConfig(root=root, job_id=f"{job_id}/replicas", rank=owner)
+
+
+@dataclass(kw_only=True)
+class ReceiverConfig:
+    keep_points: int = 8
+    """Newest replicated points kept per owner (older ones are deleted after each arrival); at least one
+    sparse window plus the one in flight."""
+
+    def __post_init__(self) -> None:
+        if self.keep_points < 1:
+            raise ValueError(f"keep_points must be >= 1, got {self.keep_points}")
+
+
+@dataclass(frozen=True)
+class Rejection:
+    owner: int
+    iteration: int
+    entry: str
+    reason: str
+
+
+def verify_message(message: PointMessage) -> tuple[str, list[EntryRecord], EntryRecord | None, list[Rejection]]:
+    """Check ``message`` against the owner's manifest: returns (checksum algorithm, verified operator
+    entries, verified metadata entry, rejections). A damaged manifest rejects the whole point."""
+    it, owner = message.iteration, message.owner
+    try:
+        record = decode_manifest(message.manifest, it, f"replica of rank {owner} iteration {it}")
+    except CorruptEntryError as exc:
+        return "", [], None, [Rejection(owner, it, "MANIFEST", exc.reason)]
+    by_blob = {e.blob: e for e in record.all_entries()}
+    good, meta, rejected = [], None, []
+    for name, data in message.blobs.items():
+        entry = by_blob.get(name)
+        if entry is None:
+            rejected.append(Rejection(owner, it, name, "not in the owner's manifest"))
+            continue
+        try:
+            if len(data) != entry.nbytes:
+                raise CorruptEntryError(name, f"{len(data)} bytes arrived, manifest says {entry.nbytes}")
+            read_entry(io.BytesIO(data), size=entry.nbytes, checksum=entry.checksum, algo=record.checksum_algo,
+                       key=entry.key, where=f"replica of rank {owner} iteration {it} {name}")
+        except CorruptEntryError as exc:
+            rejected.append(Rejection(owner, it, entry.name, exc.reason))
+            continue
+        if entry.op is None:
+            meta = entry
+        else:
+            good.append(entry)
+    return record.checksum_algo, good, meta, rejected
+
+
+class ReplicaReceiver:
+    """Receives the replicas of ``sources`` over ``transport`` into ``store_for(owner)``."""
+
+    def __init__(self, config: ReceiverConfig, transport: Transport, sources: Sequence[int],
+                 store_for: Callable[[int], SnapshotStore]) -> None:
+        self.config, self.transport, self.sources = config, transport, tuple(sources)
+        self._stores = {src: store_for(src) for src in self.sources}
+        self.received: list[tuple[int, int, int]] = []  # (owner, iteration, bytes)
+        self.rejections: list[Rejection] = []
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(src,), name=f"moe-ft-replica-recv{src}",
+                                          daemon=True) for src in self.sources]
+        for thread in self._threads:
+            thread.start()
+
+    def store(self, owner: int) -> SnapshotStore:
+        return self._stores[owner]
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until every source closed its stream; raises if a receiving thread failed."""
+        for thread in self._threads:
+            thread.join(timeout)
+            if thread.is_alive():
+                raise TimeoutError(f"{thread.name}: the source has not closed its replication stream")
+        if self.errors:
+            raise RuntimeError(f"replica receiver failed: {self.errors[0]!r}") from self.errors[0]
+
+    def _run(self, src: int) -> None:
+        try:
+            while (message := self.transport.receive(src)) is not None:
+                if message.owner != src:
+                    raise RuntimeError(f"rank {src} sent a point of rank {message.owner}; placement mismatch")
+                self._accept(self._stores[src], message)
+        except BaseException as exc:
+            with self._lock:
+                self.errors.append(exc)
+            logger.error("moe-ft replica receiver (from rank %d): %r", src, exc)
+
+    def _accept(self, store: SnapshotStore, message: PointMessage) -> None:
+        algo, entries, meta, rejected = verify_message(message)
+        for rejection in rejected:
+            logger.warning("moe-ft replica of rank %d iteration %d: rejected %s: %s", rejection.owner,
+                           rejection.iteration, rejection.entry, rejection.reason)
+        with self._lock:
+            self.rejections.extend(rejected)
+        if not algo:
+            return
+        it, backend = message.iteration, store.backend
+        if it in backend.list_points():  # re-snapshotted after a rollback: the newer bytes win
+            store.delete_point(it)
+        writer = backend.begin_point(it)
+        try:
+            for entry in entries + ([meta] if meta else []):
+                sink = writer.open_blob(entry.blob)
+                sink.write(message.blobs[entry.blob])
+                sink.close()
+            writer.commit(build_manifest(it, algo, entries, meta)[0])  # the owner's per-entry checksums
+        except BaseException:
+            writer.abort()
+            raise
+        with self._lock:
+            self.received.append((message.owner, it, message.nbytes))
+        for old in backend.list_points()[:-self.config.keep_points]:
+            store.delete_point(old)
