@@ -1,0 +1,137 @@
+"""The durable tier (MoC §5.1 two-level persistence): recovery points copied from the node-local store
+to durable storage (``--ft-persist-dir``, default ``--save``), in the store's own entry format.
+
+Layout::
+
+    <persist_dir>/moe_ft/<job_id>/
+      rank<r>/points/<iteration>/...        LocalFSBackend (fsync on): the entries a recovery point needs
+      rank<r>/done/<end>.json               this rank's part of the point ending at <end> is durable
+      complete/<end>.json                   every rank's part is durable: the point is usable
+
+A point is *complete* only when ``complete/<end>.json`` exists; the rank that finds every rank's
+``done`` marker writes it (write to a temporary file, fsync, rename — atomic, idempotent). Retention keeps
+the newest ``keep`` complete points and whatever a newer, still incomplete point uses; it never deletes
+the newest complete point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store import LocalFSBackend, SnapshotStore
+from moe_ft.store.rules import EntryRef, RecoveryPoint
+
+
+def _atomic_write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def point_to_json(point: RecoveryPoint) -> dict:
+    return {"start": point.start, "end": point.end,
+            "full_at": {str(op): it for op, it in point.full_at.items()},
+            "entries": [[e.iteration, None if e.op is None else str(e.op), None if e.level is None else e.level.name]
+                        for e in point.entries]}
+
+
+def point_from_json(data: dict) -> RecoveryPoint:
+    entries = tuple(EntryRef(it, None if op is None else OperatorId.parse(op), None if lvl is None else Level[lvl])
+                    for it, op, lvl in data["entries"])
+    return RecoveryPoint(data["start"], data["end"], {OperatorId.parse(k): v for k, v in data["full_at"].items()},
+                         entries)
+
+
+@dataclass(frozen=True)
+class CompletePoint:
+    """A durable recovery point every rank finished: ``parts[rank]`` is that rank's :class:`RecoveryPoint`."""
+
+    end: int
+    parts: dict[int, RecoveryPoint]
+
+
+class DurableTier:
+    """Reads and writes the layout above for a job of ``world_size`` ranks."""
+
+    def __init__(self, persist_dir: str | os.PathLike, job_id: str, world_size: int) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.directory = Path(persist_dir) / "moe_ft" / job_id
+        self.world_size = world_size
+
+    def store(self, rank: int) -> SnapshotStore:
+        """Rank ``rank``'s durable entries, read and written through the usual verified store."""
+        return SnapshotStore(LocalFSBackend(self.directory / f"rank{rank}", fsync=True))
+
+    def _done(self, rank: int, end: int) -> Path:
+        return self.directory / f"rank{rank}" / "done" / f"{end:012d}.json"
+
+    def mark_done(self, rank: int, point: RecoveryPoint) -> bool:
+        """Record that ``rank``'s part of ``point`` is durable; returns whether the point became complete."""
+        _atomic_write(self._done(rank, point.end), point_to_json(point))
+        parts = {}
+        for r in range(self.world_size):
+            path = self._done(r, point.end)
+            if not path.exists():
+                return False
+            parts[str(r)] = json.loads(path.read_text())
+        _atomic_write(self.directory / "complete" / f"{point.end:012d}.json", {"end": point.end, "parts": parts})
+        return True
+
+    def complete_points(self) -> list[int]:
+        """Ends of complete durable points, ascending."""
+        folder = self.directory / "complete"
+        if not folder.is_dir():
+            return []
+        return sorted(int(p.stem) for p in folder.iterdir() if p.suffix == ".json" and not p.name.startswith("."))
+
+    def complete(self, end: int) -> CompletePoint:
+        data = json.loads((self.directory / "complete" / f"{end:012d}.json").read_text())
+        return CompletePoint(end, {int(r): point_from_json(p) for r, p in data["parts"].items()})
+
+    def newest_complete(self) -> CompletePoint | None:
+        ends = self.complete_points()
+        return self.complete(ends[-1]) if ends else None
+
+    def done_points(self, rank: int) -> list[int]:
+        folder = self.directory / f"rank{rank}" / "done"
+        if not folder.is_dir():
+            return []
+        return sorted(int(p.stem) for p in folder.iterdir() if p.suffix == ".json" and not p.name.startswith("."))
+
+    def gc(self, rank: int, keep: int) -> list[int]:
+        """Delete ``rank``'s durable entries no kept point needs: the newest ``keep`` (>= 1) complete points
+        and any newer point still in flight. Returns the deleted iterations."""
+        ends = self.complete_points()
+        if not ends:
+            return []
+        kept_ends = ends[-max(1, keep):]
+        newest = kept_ends[-1]
+        needed: set[int] = set()
+        for end in kept_ends:
+            needed.update(self.complete(end).parts[rank].iterations)
+        for end in self.done_points(rank):
+            if end > newest:  # in flight on other ranks
+                needed.update(point_from_json(json.loads(self._done(rank, end).read_text())).iterations)
+            elif end not in kept_ends:
+                self._done(rank, end).unlink(missing_ok=True)
+        store = self.store(rank)
+        doomed = [it for it in store.points() if it not in needed and it < newest]
+        for it in doomed:
+            store.delete_point(it)
+        for end in ends[:-max(1, keep)]:  # any rank may drop markers older than the kept points
+            (self.directory / "complete" / f"{end:012d}.json").unlink(missing_ok=True)
+        return doomed

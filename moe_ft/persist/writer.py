@@ -1,0 +1,140 @@
+"""Background writer of the durable tier (MoC §5.1): every ``interval`` iterations it takes the newest
+recovery point of the node-local store that the policy's rule accepts, copies the entries it needs —
+verified against their checksums on the way — into :class:`DurableTier`, and marks this rank's part done;
+the last rank to finish makes the point complete. The training thread only enqueues an iteration.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from moe_ft.persist.durable import DurableTier
+from moe_ft.store import SnapshotStore
+from moe_ft.store.errors import CorruptEntryError
+from moe_ft.store.manifest import build_manifest
+from moe_ft.store.rules import RecoveryPoint, RecoveryRule
+
+logger = logging.getLogger("moe_ft.persist")
+
+
+@dataclass(kw_only=True)
+class PersistConfig:
+    interval: int = 0
+    """``--ft-persist-interval``: persist every N iterations (0 = off)."""
+    persist_dir: str = ""
+    """``--ft-persist-dir``: root of the durable tier (default ``--save``)."""
+    keep: int = 2
+    """Complete durable points kept (the newest one is never deleted)."""
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            raise ValueError(f"--ft-persist-interval must be >= 0, got {self.interval}")
+        if self.interval and not self.persist_dir:
+            raise ValueError("--ft-persist-interval needs a durable directory: pass --ft-persist-dir or --save")
+        if self.keep < 1:
+            raise ValueError(f"keep must be >= 1 (the newest complete point is never deleted), got {self.keep}")
+
+
+@dataclass(frozen=True)
+class PersistRecord:
+    end: int
+    nbytes: int
+    seconds: float
+    complete: bool
+
+
+class PersistWriter:
+    def __init__(self, config: PersistConfig, store: SnapshotStore, tier: DurableTier, rule: RecoveryRule, *,
+                 rank: int) -> None:
+        self.config, self.store, self.tier, self.rule, self.rank = config, store, tier, rule, rank
+        self.durable = tier.store(rank)
+        self.records: list[PersistRecord] = []
+        self.skipped: list[tuple[int, str]] = []
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"moe-ft-persist{rank}", daemon=True)
+        self._thread.start()
+
+    def due(self, iteration: int) -> bool:
+        return bool(self.config.interval) and (iteration + 1) % self.config.interval == 0
+
+    def submit(self, iteration: int) -> None:
+        """Persist the newest recovery point at or before ``iteration`` if it is due (returns at once)."""
+        if self._error is not None:
+            raise RuntimeError(f"durable persistence of rank {self.rank} failed: {self._error!r}") from self._error
+        if self.due(iteration):
+            self._queue.put(iteration)
+
+    def flush(self) -> None:
+        self._queue.join()
+        if self._error is not None:
+            raise RuntimeError(f"durable persistence of rank {self.rank} failed: {self._error!r}") from self._error
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            iteration = self._queue.get()
+            try:
+                if iteration is None:
+                    return
+                if self._error is None:
+                    self.persist(iteration)
+            except BaseException as exc:
+                self._error = exc
+                logger.error("moe-ft persist rank %d: %r", self.rank, exc)
+            finally:
+                self._queue.task_done()
+
+    def persist(self, iteration: int) -> PersistRecord | None:
+        """Synchronous body of one flush (the thread calls it; tests may too)."""
+        start = time.perf_counter()
+        point = self.store.newest_recoverable(self.rule, at_or_before=iteration, verify=True)
+        if point is None:
+            self.skipped.append((iteration, "no recovery point in the node-local store yet"))
+            return None
+        with self.store.pin(point.iterations):
+            nbytes = sum(self._copy(point, it) for it in point.iterations)
+        complete = self.tier.mark_done(self.rank, point)
+        self.tier.gc(self.rank, self.config.keep)
+        record = PersistRecord(point.end, nbytes, time.perf_counter() - start, complete)
+        self.records.append(record)
+        return record
+
+    def _copy(self, point: RecoveryPoint, iteration: int) -> int:
+        """Copy the entries of ``point`` at ``iteration`` (verified) into the durable store."""
+        wanted = {(ref.op, ref.level) for ref in point.entries if ref.iteration == iteration}
+        catalog = self.store.catalog([iteration])
+        source = catalog.point(iteration)
+        entries = [e for e in source.entries.values() if (e.op, e.level) in wanted]
+        meta = source.meta if (None, None) in wanted else None
+        if iteration in self.durable.points():
+            held = self.durable.catalog([iteration]).point(iteration)
+            if held is not None and {(e.op, e.level) for e in held.all_entries()} >= wanted:
+                return 0  # already durable (a sparse window shared by consecutive flushes)
+            self.durable.delete_point(iteration)
+        backend = self.store.backend
+        writer = self.durable.backend.begin_point(iteration)
+        nbytes = 0
+        try:
+            for entry in entries + ([meta] if meta else []):
+                reason = self.store.verify_entry(entry, source.checksum_algo)
+                if reason is not None:  # never make a corrupt entry durable
+                    raise CorruptEntryError(f"{backend.describe()} iteration {iteration} {entry.blob}", reason)
+                data = backend.read_blob(iteration, entry.blob)
+                sink = writer.open_blob(entry.blob)
+                sink.write(data)
+                sink.close()
+                nbytes += len(data)
+            writer.commit(build_manifest(iteration, source.checksum_algo, entries, meta)[0])
+        except BaseException:
+            writer.abort()
+            raise
+        return nbytes
