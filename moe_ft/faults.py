@@ -14,13 +14,17 @@ Phases (where :class:`moe_ft.runtime.FTRuntime` calls ``check``):
 ``step``       optimizer step done, before the snapshot of the iteration is taken
 ``snapshot``   the snapshot's copy has just been handed to the engine's thread (copy in flight)
 ``publish``    the store is about to rename the iteration's staging directory into place
-``persist``    the iteration ends with a ``--save`` checkpoint (fires before it is written)
+``published``  the store has just renamed the iteration's point into place (only kind ``corrupt``)
+``persist``    the iteration ends with a ``--save`` checkpoint (fires before it is written: Megatron's
+               ``save_checkpoint`` has no hook inside the write, so a kill *during* it is not modelled)
 ``recovery``   a recovery is replaying or re-executing the iteration (cascading failure)
 =============  ================================================================================
 
 Kinds: ``exit`` (SIGKILL of the process itself: no cleanup, like a node loss), ``exception`` (an
 :class:`InjectedFault` raised on the training thread), ``hang`` (the thread blocks forever; the
-:class:`moe_ft.recovery.watchdog.Watchdog` detects it by timeout and kills the process).
+:class:`moe_ft.recovery.watchdog.Watchdog` detects it by timeout and kills the process), ``corrupt`` (phase ``published`` only: flip one byte of the
+point's first data file, as a torn or bit-rotted store entry, then SIGKILL so that the job recovers and must
+detect it).
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-PHASES = ("forward", "backward", "step", "snapshot", "publish", "persist", "recovery")
-KINDS = ("exit", "exception", "hang")
+PHASES = ("forward", "backward", "step", "snapshot", "publish", "published", "persist", "recovery")
+KINDS = ("exit", "exception", "hang", "corrupt")
 
 
 class InjectedFault(RuntimeError):
@@ -56,6 +60,9 @@ class Fault:
             raise ValueError(f"fault phase must be one of {PHASES}, got {self.phase!r}")
         if self.kind not in KINDS:
             raise ValueError(f"fault kind must be one of {KINDS}, got {self.kind!r}")
+        if (self.kind == "corrupt") != (self.phase == "published"):
+            raise ValueError(f"fault {self}: kind 'corrupt' goes with phase 'published' and only with it "
+                             "(e.g. 2:8:published:corrupt)")
         if self.rank < 0 or self.iteration < 0:
             raise ValueError(f"fault rank and iteration must be >= 0, got {self.rank}:{self.iteration}")
 
@@ -122,13 +129,18 @@ class FaultPlan:
         """The faults whose marker exists (fired in this or an earlier incarnation of the job)."""
         return [f for f in self.faults if self.marker_dir is not None and (self.marker_dir / f.marker_name).exists()]
 
-    def check(self, rank: int, iteration: int, phase: str) -> None:
-        """Fire the fault at ``(rank, iteration, phase)`` if there is one and it has not fired yet."""
+    def check(self, rank: int, iteration: int, phase: str, target: str | os.PathLike | None = None) -> None:
+        """Fire the fault at ``(rank, iteration, phase)`` if there is one and it has not fired yet.
+        ``target``: the published point's directory (phase ``published``: what ``corrupt`` damages)."""
         fault = self._index.get((rank, iteration, phase))
         if fault is None or not self._claim(fault):
             return
         print(f"moe-ft fault injection: rank {rank} fails at iteration {iteration} ({phase}, {fault.kind})",
               file=sys.stderr, flush=True)
+        if fault.kind == "corrupt":
+            damaged = corrupt_point(target)
+            print(f"moe-ft fault injection: corrupted {damaged}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "exit":
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "exception":
@@ -148,3 +160,22 @@ class FaultPlan:
             f.flush()
             os.fsync(f.fileno())
         return True
+
+
+def corrupt_point(directory: str | os.PathLike | None) -> Path:
+    """Flip one byte in the middle of a published point's first FULL entry (by name); returns its path."""
+    if directory is None:
+        raise ValueError("a 'corrupt' fault needs the published point's directory")
+    files = sorted((not p.name.endswith(".full.ent"), p.name, p) for p in Path(directory).iterdir()
+                   if p.is_file() and p.stat().st_size > 0 and p.name != "MANIFEST.json")
+    files = [p for _, _, p in files]  # an operator's FULL entry first (what a recovery point needs)
+    if not files:
+        raise RuntimeError(f"nothing to corrupt in {directory}")
+    with open(files[0], "r+b") as f:
+        f.seek(files[0].stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())
+    return files[0]

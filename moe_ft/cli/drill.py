@@ -52,9 +52,25 @@ def torchrun(argv: list[str], *, max_restarts: int, timeout: float, log_path: st
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+            kill_tree(proc.pid)
             proc.wait()
             return 124
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL torchrun and its workers by pid (the workers run in sessions of their own)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def ensure_corpus(workdir: str) -> str:
@@ -65,6 +81,25 @@ def ensure_corpus(workdir: str) -> str:
     write_corpus(os.path.join(workdir, "c.jsonl"), num_docs=300, seed=0)
     preprocess(os.path.join(workdir, "c.jsonl"), os.path.join(workdir, "corpus"))
     return os.path.join(workdir, "corpus")
+
+
+def read_digest(path: str) -> str | None:
+    return json.loads(Path(path).read_text())["digest"] if os.path.exists(path) else None
+
+
+def read_reports(store: str, job: str) -> list[dict]:
+    """The recovery reports a job wrote (one per restart, ``recovery_<restart>.json``)."""
+    return [json.loads(p.read_text()) for p in sorted((Path(store) / job / "reports").glob("recovery_*.json"))]
+
+
+def run_job(*, job: str, workdir: str, faults: list[str] | None = None, max_restarts: int = 0,
+            timeout: float = 300, **common) -> dict:
+    """One torchrun launch of the tiny job (``common``: the keywords of :func:`job_argv` but ``job``,
+    ``digest_out`` and ``faults``); returns ``rc``, ``digest``, ``reports`` and the ``log`` path."""
+    digest_out, log = os.path.join(workdir, f"{job}.json"), os.path.join(workdir, f"{job}.log")
+    rc = torchrun(job_argv(job=job, digest_out=digest_out, faults=list(faults or []), **common),
+                  max_restarts=max_restarts, timeout=timeout, log_path=log)
+    return {"rc": rc, "digest": read_digest(digest_out), "reports": read_reports(common["store"], job), "log": log}
 
 
 def drill(args) -> dict:
@@ -81,18 +116,13 @@ def drill(args) -> dict:
         common["extra"] += ["--ft-hang-timeout", "20"]
     out = {"layout": args.layout, "policy": args.policy, "iters": args.iters, "faults": faults, "workdir": work}
     try:
-        ref_digest = os.path.join(work, "faultfree.json")
-        out["faultfree_rc"] = torchrun(job_argv(job="faultfree", digest_out=ref_digest, faults=[], **common),
-                                       max_restarts=0, timeout=args.timeout, log_path=os.path.join(work, "faultfree.log"))
-        rec_digest = os.path.join(work, "recovered.json")
-        out["faulty_rc"] = torchrun(job_argv(job="faulty", digest_out=rec_digest, faults=faults, **common),
-                                    max_restarts=args.max_restarts, timeout=args.timeout,
-                                    log_path=os.path.join(work, "faulty.log"))
-        read = lambda p: json.loads(Path(p).read_text())["digest"] if os.path.exists(p) else None  # noqa: E731
-        out["faultfree_digest"], out["recovered_digest"] = read(ref_digest), read(rec_digest)
-        out["equal"] = out["faultfree_digest"] is not None and out["faultfree_digest"] == out["recovered_digest"]
-        reports_dir = Path(store) / "faulty" / "reports"
-        out["reports"] = [json.loads(p.read_text()) for p in sorted(reports_dir.glob("recovery_*.json"))]
+        ref = run_job(job="faultfree", workdir=work, timeout=args.timeout, **common)
+        bad = run_job(job="faulty", workdir=work, faults=faults, max_restarts=args.max_restarts,
+                      timeout=args.timeout, **common)
+        out["faultfree_rc"], out["faulty_rc"] = ref["rc"], bad["rc"]
+        out["faultfree_digest"], out["recovered_digest"] = ref["digest"], bad["digest"]
+        out["equal"] = ref["digest"] is not None and ref["digest"] == bad["digest"]
+        out["reports"] = bad["reports"]
         out["token_loss"] = sum(r["token_loss"].get("tokens", 0.0) for r in out["reports"])
     finally:
         if not args.keep_store:

@@ -8,18 +8,113 @@ attached counter the router behaves exactly like Megatron's.
 
 from __future__ import annotations
 
-from typing import Iterable
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
 
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 
+def per_expert_token_dropping(probs: torch.Tensor, routing_map: torch.Tensor, *, topk: int,
+                              capacity_factors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token dropping with one capacity factor per expert (Megatron's ``apply_router_token_dropping``
+    with ``drop_policy="probs"`` uses one factor for all). Expert ``e`` keeps its
+    ``ceil(num_tokens * topk / num_experts * capacity_factors[e])`` highest-probability tokens.
+
+    ``probs``, ``routing_map``: ``[num_tokens, num_experts]``; ``capacity_factors``: ``[num_experts]``.
+    Returns the masked ``(probs, routing_map)``."""
+    num_tokens, num_experts = probs.shape
+    capacity = torch.tensor([math.ceil(num_tokens * topk / num_experts * float(f)) for f in capacity_factors],
+                            dtype=torch.long, device=probs.device)
+    # rank of every token within its expert's column by probability (0 = highest); unselected
+    # (token, expert) pairs are never kept, so they are ranked after every selected one
+    key = torch.where(routing_map, probs.detach(), torch.full_like(probs, -1.0, dtype=probs.dtype))
+    order = torch.argsort(key, dim=0, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(0, order, torch.arange(num_tokens, device=probs.device).unsqueeze(1).expand_as(order))
+    final_map = routing_map & (rank < capacity.unsqueeze(0))
+    return probs * final_map, final_map
+
+
+@dataclass(kw_only=True)
+class CapacityBoostConfig:
+    """MoEtion §6: after a lossy recovery, experts restored from a stale FULL entry take more capacity
+    until the tokens they lost are made up."""
+
+    capacity_factor: float
+    """Base capacity factor of every expert (as Megatron's ``--moe-expert-capacity-factor``, which must
+    then be unset: this router does the dropping)."""
+    boost: float = 0.10
+    """Extra capacity of a stale expert (MoEtion: "process 10 % more tokens")."""
+
+    def __post_init__(self) -> None:
+        if self.capacity_factor <= 0 or self.boost < 0:
+            raise ValueError(f"CapacityBoostConfig needs capacity_factor > 0 and boost >= 0, got {self}")
+
+
+class CapacityBoost:
+    """Per ``(moe layer, expert)`` the tokens still to make up. While positive, the expert's capacity
+    factor is ``capacity_factor * (1 + boost)``; every token it keeps beyond the base capacity pays one
+    token off (the boosted capacity is where lost tokens are made up). State on the object, attached to
+    the routers like the popularity counters (:func:`attach_capacity_boost`)."""
+
+    def __init__(self, config: CapacityBoostConfig, *, moe_layers: list[int], num_experts: int,
+                 all_reduce: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+        self.config, self.moe_layers, self.all_reduce = config, list(moe_layers), all_reduce
+        self.deficit = torch.zeros(len(self.moe_layers), num_experts, dtype=torch.float64)
+        self._extra = torch.zeros_like(self.deficit)
+
+    def start(self, lost_tokens: torch.Tensor) -> None:
+        """After a lossy recovery: ``lost_tokens`` ``[num_moe_layers, num_experts]`` (the report's
+        ``per_expert``) become the deficit to make up."""
+        self.deficit += lost_tokens.to(torch.float64).clamp(min=0)
+
+    def capacity_factors(self, layer_idx: int) -> torch.Tensor:
+        """``[num_experts]`` capacity factors of ``layer_idx`` (global 0-based layer index)."""
+        stale = self.deficit[self.moe_layers.index(layer_idx)] > 0
+        return self.config.capacity_factor * (1.0 + self.config.boost * stale.to(torch.float64))
+
+    def record(self, layer_idx: int, routing_map: torch.Tensor, topk: int) -> None:
+        """Count the tokens each expert kept beyond its base capacity in one micro-batch."""
+        num_tokens, num_experts = routing_map.shape
+        base = math.ceil(num_tokens * topk / num_experts * self.config.capacity_factor)
+        kept = routing_map.sum(dim=0).to(torch.float64).cpu()
+        self._extra[self.moe_layers.index(layer_idx)] += (kept - base).clamp(min=0)
+
+    def end_iteration(self) -> None:
+        """Pay the iteration's extra tokens off the deficit (summed over ranks with ``all_reduce``)."""
+        if self.all_reduce is not None:
+            self.all_reduce(self._extra)
+        self.deficit = (self.deficit - self._extra).clamp(min=0)
+        self._extra.zero_()
+
+    @property
+    def active(self) -> bool:
+        return bool((self.deficit > 0).any())
+
+
 class PopularityRouter(TopKRouter):
     """Megatron's top-k router; after routing it calls ``popularity.record(layer, routing_map, probs)``
     for training forwards (grad enabled, module in training mode). ``layer`` is the global 0-based layer
-    index (Megatron's ``layer_number - 1``)."""
+    index (Megatron's ``layer_number - 1``). With a :class:`CapacityBoost` attached it drops tokens per
+    expert (:func:`per_expert_token_dropping`, MoEtion §6 capacity boost of stale experts)."""
 
     popularity = None
+    capacity = None
+
+    def routing(self, logits: torch.Tensor, *args, **kwargs):
+        probs, routing_map = super().routing(logits, *args, **kwargs)
+        if self.capacity is not None:
+            if self.config.moe_expert_capacity_factor is not None:
+                raise ValueError("the capacity boost drops tokens itself: unset --moe-expert-capacity-factor "
+                                 "and give the base factor in CapacityBoostConfig.capacity_factor")
+            layer_idx = int(self.layer_number) - 1
+            probs, routing_map = per_expert_token_dropping(probs, routing_map, topk=self.topk,
+                                                           capacity_factors=self.capacity.capacity_factors(layer_idx))
+            if self.training and torch.is_grad_enabled():
+                self.capacity.record(layer_idx, routing_map, self.topk)
+        return probs, routing_map
 
     def forward(self, input: torch.Tensor, *args, **kwargs):
         probs, routing_map = super().forward(input, *args, **kwargs)
@@ -45,5 +140,16 @@ def attach_popularity(model_chunks: Iterable, popularity) -> int:
         for module in chunk.modules():
             if isinstance(module, PopularityRouter):
                 module.popularity = popularity
+                count += 1
+    return count
+
+
+def attach_capacity_boost(model_chunks: Iterable, boost: CapacityBoost) -> int:
+    """Point every :class:`PopularityRouter` of the model chunks at ``boost``; returns how many."""
+    count = 0
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, PopularityRouter):
+                module.capacity = boost
                 count += 1
     return count

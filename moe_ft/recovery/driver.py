@@ -6,6 +6,7 @@ imports the training loop)."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +46,13 @@ def last_completed(store_root: str, job_id: str, rank: int) -> int:
     return int(t.item())
 
 
+def gather_skipped(mine: list[str], rank: int) -> list[str]:
+    """Every rank's skipped-entry warnings, prefixed with the rank (collective)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [f"rank {rank}: {m}" for m in mine])
+    return [m for part in gathered for m in part]
+
+
 def recover(rt, state, args, start_iteration: int, step_fn, restart_count: int) -> RecoveryReport:
     """Restore the newest recovery point every rank has; returns the report (``resume_iteration`` inside
     ``recovery_point['resume']``)."""
@@ -64,6 +72,11 @@ def recover(rt, state, args, start_iteration: int, step_fn, restart_count: int) 
     rs = RecoveryState(fallback_iteration=start_iteration)
     Recovery(RecoveryConfig(lossy=lossy), ctx).run(rs)
     point = rs.point
+    for line in rs.skipped:  # the reason, in the log of the rank that found it
+        print(f"moe-ft recovery rank {rt.rank}: {line}", file=sys.stderr, flush=True)
+    skipped = gather_skipped(rs.skipped, rt.rank)
+    if skipped:
+        rs.message = "; ".join(filter(None, [rs.message, "corrupt entries skipped: " + "; ".join(skipped)]))
     loss = {"tokens": 0.0, "metric": None, "value": 0.0}
     if point is not None:
         plan = session.policy.plan(point.end, rt.popularity)  # idempotent: the plan of `end` as it was

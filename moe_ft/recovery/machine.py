@@ -87,6 +87,8 @@ class RecoveryState:
     seconds: dict[str, float] = field(default_factory=dict)
     bytes_loaded: int = 0
     routing_checked: int = 0
+    skipped: list[str] = field(default_factory=list)
+    """Store entries this rank found corrupt and skipped while agreeing (the store's warnings)."""
     message: str = ""
 
 
@@ -106,6 +108,25 @@ class RecoveryContext:
     policy: object = None
     fault_check: Callable[[int, str], None] = lambda iteration, phase: None
     group: object = None
+
+
+class _StoreWarnings(logging.Handler):
+    """Collects the store's warnings (a corrupt entry skipped, with the reason) while agreeing."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.messages: list[str] = []
+        self._logger = logging.getLogger("moe_ft.store")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> "_StoreWarnings":
+        self._logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._logger.removeHandler(self)
 
 
 class Recovery:
@@ -129,7 +150,9 @@ class Recovery:
     def _agree(self, s: RecoveryState) -> None:
         find = lambda bound: self.ctx.store.newest_recoverable(self.ctx.rule, at_or_before=bound,  # noqa: E731
                                                                verify=self.config.verify)
-        s.point, s.proposals = agree_on_point(find, self.ctx.group)
+        with _StoreWarnings() as skipped:
+            s.point, s.proposals = agree_on_point(find, self.ctx.group)
+        s.skipped.extend(skipped.messages)
         s.phase = Phase.LOAD if s.point is not None else Phase.FALLBACK
 
     def _fallback(self, s: RecoveryState) -> None:
