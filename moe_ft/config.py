@@ -44,12 +44,16 @@ class FTConfig:
         "(TORCHELASTIC_RESTART_COUNT > 0), 'always', or 'never'.", choices=["auto", "always", "never"]))
     ft_fail: list[str] = field(default_factory=list, metadata=field_help(
         "Failure drill: inject faults RANK:ITER[:PHASE[:KIND]] (PHASE forward|backward|step|snapshot|publish|"
-        "persist|recovery, KIND exit|exception|hang); each fires once across restarts (moe_ft/faults.py)."))
+        "persist|recovery|published, KIND exit|exception|hang|corrupt); each fires once across restarts "
+        "(moe_ft/faults.py)."))
     ft_hang_timeout: float = field(default=0.0, metadata=field_help(
         "Seconds without iteration progress after which a rank declares itself hung and exits so torchrun "
         "restarts the job (0 = no watchdog)."))
     ft_digest_out: str = field(default="", metadata=field_help(
         "Write the final training-state digest (moe-ft digest) as JSON to this file at the end of training."))
+    ft_trace_out: str = field(default="", metadata=field_help(
+        "Rank 0 appends one JSON line per trained iteration (not replays) to this file: the world-summed "
+        "per-expert token counts and the experts the plan saved FULL (drills recompute PLT/MLT from it)."))
     ft_report_dir: str = field(default="", metadata=field_help(
         "Directory for recovery reports (JSON); empty = <ft-store-dir>/<ft-job-id>/reports."))
 

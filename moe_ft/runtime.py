@@ -202,6 +202,8 @@ class FTRuntime(StepHooks):
             if not self._in_recovery(iteration):
                 self.check_fault(iteration, "snapshot")  # the copy is in flight on the engine's thread
             self.popularity.mark_full(iteration, [op for op, lvl in plan.items() if lvl == Level.FULL])
+            if self.config.ft_trace_out and self.rank == 0:
+                self._trace(iteration, plan)
         self._log(iteration, session)
         self._after_iteration(iteration)
 
@@ -217,6 +219,16 @@ class FTRuntime(StepHooks):
         if t.save and t.save_interval and (iteration + 1) % t.save_interval == 0 and not self._in_recovery(iteration):
             self.check_fault(iteration, "persist")  # fires before the loop writes the --save checkpoint
 
+    def _trace(self, iteration: int, plan) -> None:
+        """One ``--ft-trace-out`` line (the popularity counters of ``iteration`` and its FULL experts)."""
+        import json
+
+        full = sorted([op.layer, op.expert] for op, lvl in plan.items() if lvl == Level.FULL and op.is_expert)
+        line = {"iteration": iteration, "replay": self._in_recovery(iteration),
+                "counts": self.popularity.last_counts.tolist(), "full_experts": full}
+        with open(self.config.ft_trace_out, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
     def select_session(self, iteration: int) -> FTSession:
         """The session that snapshots ``iteration`` (one here; the benchmark alternates)."""
         return self.active
@@ -227,6 +239,9 @@ class FTRuntime(StepHooks):
     def _store_fault_hook(self, phase: str, iteration: int, name: str) -> None:
         if phase == "before_commit" and not self._in_recovery(iteration):
             self.check_fault(iteration, "publish")  # everything written, the rename not yet done
+        if phase == "after_commit" and self.faults and not self._in_recovery(iteration):
+            points_dir = self.active.store.backend.points_dir  # the point just renamed into place
+            self.faults.check(self.rank, iteration, "published", target=points_dir / f"{iteration:012d}")
 
     def on_train_end(self, report) -> None:
         if self._step_start is not None:
