@@ -56,6 +56,15 @@ class FTConfig:
         "per-expert token counts and the experts the plan saved FULL (drills recompute PLT/MLT from it)."))
     ft_report_dir: str = field(default="", metadata=field_help(
         "Directory for recovery reports (JSON); empty = <ft-store-dir>/<ft-job-id>/reports."))
+    ft_replicas: int = field(default=2, metadata=field_help(
+        "Peers on other nodes holding a copy of each rank's snapshots (MoEtion Alg. 2; 0 = off). A job on one "
+        "node has no other failure domain and does not replicate."))
+    ft_ranks_per_node: int = field(default=0, metadata=field_help(
+        "Ranks per node for replica placement (0 = LOCAL_WORLD_SIZE); smaller values simulate nodes."))
+    ft_persist_interval: int = field(default=0, metadata=field_help(
+        "Copy the newest recovery point to durable storage every N iterations in the background (0 = off)."))
+    ft_persist_dir: str = field(default="", metadata=field_help(
+        "Durable tier root (<dir>/moe_ft/<job>); empty = --save."))
 
     def __post_init__(self) -> None:
         if self.ft_policy not in POLICY_CHOICES:
@@ -63,7 +72,8 @@ class FTConfig:
         for name in ("ft_dense_interval", "ft_pec_k", "ft_snapshot_slots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("ft_sparse_window", "ft_selective_local_budget", "ft_selective_remote_budget", "ft_log_interval"):
+        for name in ("ft_sparse_window", "ft_selective_local_budget", "ft_selective_remote_budget", "ft_log_interval",
+                     "ft_replicas", "ft_ranks_per_node", "ft_persist_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.ft_hang_timeout < 0:

@@ -58,6 +58,8 @@ class FTRuntime(StepHooks):
         self.report = None
         self._recovered_at = None
         self._progress = None
+        self.replication = None
+        self.persistence = None
 
     # ------------------------------------------------------------------------------------ building
     def on_train_start(self, state, data, args, start_iteration: int) -> int:
@@ -136,6 +138,27 @@ class FTRuntime(StepHooks):
         self.catalogue = gather_catalogue(self.registry.infos(), self.registry.ep_size)
         self.sessions = [self.build_session(self.config)]
         self.active = self.sessions[0]
+        self._build_replication()
+
+    def _build_replication(self) -> None:
+        """Peer replicas and the durable tier of the active session's store (issue 5; collective)."""
+        from moe_ft.replication.service import Layout, Replication, build_persistence
+        from moe_ft.store import DenseRule
+
+        c, store = self.config, self.active.store
+        if store is None:
+            return
+        layout = Layout.gather(ranks_per_node=c.ft_ranks_per_node,
+                               distributed_optimizer=self.args.parallel.use_distributed_optimizer)
+        self.replication = Replication.build(num_replicas=c.ft_replicas, layout=layout, store=store,
+                                             store_root=c.ft_store_dir, job_id=c.ft_job_id)
+        retention = store.retention
+        rule = (getattr(retention, "rule", None) or getattr(retention, "floor", None)
+                or DenseRule(operators=frozenset(self.registry)))
+        self.persistence = build_persistence(interval=c.ft_persist_interval,
+                                             persist_dir=c.ft_persist_dir or self.args.training.save or "",
+                                             store=store, rule=rule, rank=self.rank,
+                                             world_size=dist.get_world_size(), job_id=c.ft_job_id)
 
     def build_session(self, config: FTConfig, job_suffix: str = "") -> FTSession:
         """Policy + store + engine for ``config`` (collective-free; every rank builds the same policy)."""
@@ -202,6 +225,9 @@ class FTRuntime(StepHooks):
             if not self._in_recovery(iteration):
                 self.check_fault(iteration, "snapshot")  # the copy is in flight on the engine's thread
             self.popularity.mark_full(iteration, [op for op, lvl in plan.items() if lvl == Level.FULL])
+            for tier in (self.replication, self.persistence):
+                if tier is not None:
+                    tier.submit(iteration)  # enqueue only: the copies run on their own threads
             if self.config.ft_trace_out and self.rank == 0:
                 self._trace(iteration, plan)
         self._log(iteration, session)
@@ -248,6 +274,10 @@ class FTRuntime(StepHooks):
             self.iteration_seconds[report.last_iteration - 1] = time.perf_counter() - self._step_start
         for session in self.sessions:
             session.close()
+        if self.replication is not None:
+            self.replication.close()
+        if self.persistence is not None:
+            self.persistence.close()
         if self.watchdog is not None:
             self.watchdog.close()
         if self.config.ft_digest_out:
@@ -263,6 +293,8 @@ class FTRuntime(StepHooks):
         if rec is not None:
             out.update(bytes=rec.bytes, full=rec.num_full, compute=rec.num_compute,
                        stall_ms=1e3 * (prev.stall_s if prev else 0.0))
+        if self.replication is not None and rec is not None:
+            out.update(self.replication.metrics(rec.iteration))
         win = getattr(session.policy, "window_of", None)
         if win is not None and rec is not None:
             w = win(rec.iteration)
@@ -280,6 +312,8 @@ class FTRuntime(StepHooks):
                       f"stall {m['stall_ms']:.2f} ms"]
         if "window" in m:
             parts.append(f"window {m['window']}")
+        if "replication_lag" in m:
+            parts.append(f"replica {m['replication_bytes'] / 1e6:.3f} MB lag {m['replication_lag']} it")
         parts.append(f"tokens at risk {m['tokens_at_risk']:.0f}")
         print(" | ".join(parts), flush=True)
 

@@ -29,6 +29,8 @@ class PersistConfig:
     """``--ft-persist-dir``: root of the durable tier (default ``--save``)."""
     keep: int = 2
     """Complete durable points kept (the newest one is never deleted)."""
+    publish_timeout_s: float = 300.0
+    """How long the writer waits for the node-local point of a due iteration to be published."""
 
     def __post_init__(self) -> None:
         if self.interval < 0:
@@ -86,12 +88,20 @@ class PersistWriter:
                 if iteration is None:
                     return
                 if self._error is None:
+                    self._wait_published(iteration)
                     self.persist(iteration)
             except BaseException as exc:
                 self._error = exc
                 logger.error("moe-ft persist rank %d: %r", self.rank, exc)
             finally:
                 self._queue.task_done()
+
+    def _wait_published(self, iteration: int) -> None:
+        """The engine publishes on its own thread; persist the point of ``iteration`` once it is there
+        (if it never comes, the newest older point is persisted)."""
+        deadline = time.monotonic() + self.config.publish_timeout_s
+        while iteration not in self.store.points() and time.monotonic() < deadline:
+            time.sleep(0.002)
 
     def persist(self, iteration: int) -> PersistRecord | None:
         """Synchronous body of one flush (the thread calls it; tests may too)."""

@@ -1,0 +1,106 @@
+"""Replication and persistence as the runtime uses them: built once (collectively) at the end of the first
+iteration, fed one iteration number per step, closed at the end of training. Keeps ``runtime.py`` to a few
+calls. Layout facts (nodes, data-parallel groups) are gathered here so that every rank computes the same
+placement.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from moe_ft.persist import DurableTier, PersistConfig, PersistWriter
+from moe_ft.replication.placement import (PlacementConfig, ReplicaPlan, has_copy_off_node, needs_replication,
+                                          nodes_from_local_world_size, place_replicas)
+from moe_ft.replication.receiver import ReceiverConfig, ReplicaReceiver, replica_store_config
+from moe_ft.replication.sender import ReplicaSender, SenderConfig
+from moe_ft.replication.transport import GlooTransport, GlooTransportConfig
+
+logger = logging.getLogger("moe_ft.replication")
+
+
+@dataclass(kw_only=True)
+class Layout:
+    """What placement needs to know about the job (identical on every rank)."""
+
+    rank: int
+    node_of: list[int]
+    dp_groups: list[list[int]]
+    expert_dp_groups: list[list[int]]
+    distributed_optimizer: bool
+
+    @staticmethod
+    def gather(*, ranks_per_node: int, distributed_optimizer: bool) -> "Layout":
+        """Collective over the default group. ``ranks_per_node`` 0 = ``LOCAL_WORLD_SIZE``."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        mine = (dist.get_process_group_ranks(ps.get_data_parallel_group()),
+                dist.get_process_group_ranks(ps.get_expert_data_parallel_group()))
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine)
+        unique = lambda groups: [list(g) for g in sorted({tuple(g) for g in groups})]
+        return Layout(rank=rank, node_of=nodes_from_local_world_size(world_size=world, local_world_size=per_node),
+                      dp_groups=unique(e[0] for e in everyone), expert_dp_groups=unique(e[1] for e in everyone),
+                      distributed_optimizer=distributed_optimizer)
+
+    def group_of(self, groups: list[list[int]]) -> list[int]:
+        return next(g for g in groups if self.rank in g)
+
+
+class Replication:
+    """Sender + receiver of one rank over a dedicated gloo group (build with :meth:`build`)."""
+
+    def __init__(self, sender: ReplicaSender, receiver: ReplicaReceiver, plan: ReplicaPlan) -> None:
+        self.sender, self.receiver, self.plan = sender, receiver, plan
+
+    @staticmethod
+    def build(*, num_replicas: int, layout: Layout, store, store_root: str, job_id: str) -> "Replication | None":
+        """Collective (the dedicated group). ``None`` when there is nothing to replicate to: ``r = 0``, or a
+        single-node job (no other failure domain; logged)."""
+        if num_replicas == 0:
+            return None
+        if len(set(layout.node_of)) == 1:
+            if layout.rank == 0:
+                logger.warning("moe-ft: --ft-replicas %d ignored: all ranks are on one node (no other failure "
+                               "domain); set --ft-ranks-per-node to simulate nodes", num_replicas)
+            return None
+        plan = place_replicas(PlacementConfig(num_replicas=num_replicas), node_of=layout.node_of,
+                              dp_groups=layout.dp_groups)
+        config = GlooTransportConfig()
+        transport = GlooTransport(config, config.build_group())
+        dp_off = has_copy_off_node(layout.rank, layout.group_of(layout.dp_groups), layout.node_of)
+        edp_off = has_copy_off_node(layout.rank, layout.group_of(layout.expert_dp_groups), layout.node_of)
+        select = lambda e: needs_replication(e.op, e.level, dp_copy_off_node=dp_off, expert_dp_copy_off_node=edp_off,
+                                             distributed_optimizer=layout.distributed_optimizer)
+        receiver = ReplicaReceiver(ReceiverConfig(), transport, plan.sources[layout.rank],
+                                   lambda owner: replica_store_config(root=store_root, job_id=job_id,
+                                                                      owner=owner).build())
+        sender = ReplicaSender(SenderConfig(), store, transport, plan.peers[layout.rank], owner=layout.rank,
+                               select=select)
+        return Replication(sender, receiver, plan)
+
+    def submit(self, iteration: int) -> None:
+        self.sender.submit(iteration)
+
+    def metrics(self, iteration: int) -> dict:
+        sent = self.sender.sent
+        return {"replication_lag": self.sender.lag(iteration),
+                "replication_bytes": sent[-1].nbytes if sent else 0,
+                "replica_rejections": len(self.receiver.rejections)}
+
+    def close(self) -> None:
+        """Collective in effect: every rank's receiver waits for its sources to close their streams."""
+        self.sender.close()
+        self.receiver.join(timeout=600)
+
+
+def build_persistence(*, interval: int, persist_dir: str, store, rule, rank: int, world_size: int,
+                      job_id: str) -> PersistWriter | None:
+    if not interval:
+        return None
+    config = PersistConfig(interval=interval, persist_dir=persist_dir)
+    return PersistWriter(config, store, DurableTier(persist_dir, job_id, world_size), rule, rank=rank)
