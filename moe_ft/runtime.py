@@ -295,6 +295,9 @@ class FTRuntime(StepHooks):
                        stall_ms=1e3 * (prev.stall_s if prev else 0.0))
         if self.replication is not None and rec is not None:
             out.update(self.replication.metrics(rec.iteration))
+        if self.persistence is not None and self.persistence.records:
+            p = self.persistence.records[-1]
+            out.update(persist_end=p.end, persist_mb_s=p.nbytes / 1e6 / max(p.seconds, 1e-9))
         win = getattr(session.policy, "window_of", None)
         if win is not None and rec is not None:
             w = win(rec.iteration)
@@ -314,6 +317,8 @@ class FTRuntime(StepHooks):
             parts.append(f"window {m['window']}")
         if "replication_lag" in m:
             parts.append(f"replica {m['replication_bytes'] / 1e6:.3f} MB lag {m['replication_lag']} it")
+        if "persist_end" in m:
+            parts.append(f"durable {m['persist_end'] + 1} ({m['persist_mb_s']:.1f} MB/s)")
         parts.append(f"tokens at risk {m['tokens_at_risk']:.0f}")
         print(" | ".join(parts), flush=True)
 
