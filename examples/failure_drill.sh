@@ -5,6 +5,8 @@
 #   bash examples/failure_drill.sh                                   # sparse, EP2xPP2, kill rank 1 at iteration 6
 #   LAYOUT=dp2ep2 FAILS="--fail 2:5:snapshot --fail 1:4:recovery" bash examples/failure_drill.sh
 #   POLICY=pec FAILS="--fail 0:7" bash examples/failure_drill.sh     # lossy: reports PLT
+#   POLICY=dense FAILS="--fail 1:5 --fail 2:6:published:corrupt" EXTRA="--extra --ft-dense-interval 3" \
+#     bash examples/failure_drill.sh                                 # dense(3); a corrupt entry is skipped
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LAYOUT=${LAYOUT:-ep2pp2}

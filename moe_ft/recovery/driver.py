@@ -53,12 +53,22 @@ def gather_skipped(mine: list[str], rank: int) -> list[str]:
     return [m for part in gathered for m in part]
 
 
+def seconds_since_last_fault(faults) -> float | None:
+    """Drills: wall seconds from the newest fired fault (its marker's mtime) to now, i.e. failure
+    detection + torchrun restart + process start + model build; ``None`` without fired faults."""
+    fired = faults.fired() if faults else []
+    if not fired:
+        return None
+    return time.time() - max((faults.marker_dir / f.marker_name).stat().st_mtime for f in fired)
+
+
 def recover(rt, state, args, start_iteration: int, step_fn, restart_count: int) -> RecoveryReport:
     """Restore the newest recovery point every rank has; returns the report (``resume_iteration`` inside
     ``recovery_point['resume']``)."""
     from moe_ft.digest import global_digest
 
     t0 = time.perf_counter()
+    since_fault = seconds_since_last_fault(rt.faults)
     cfg = rt.config
     ensure_optimizer_state(state.optimizer)
     rt._build()
@@ -109,7 +119,8 @@ def recover(rt, state, args, start_iteration: int, step_fn, restart_count: int) 
                         "proposals": rs.proposals},
         replayed_iterations=list(rs.replayed),
         reexecuted_iterations=list(range(rs.resume_iteration, lost_through + 1)),
-        seconds={**{k: round(v, 4) for k, v in rs.seconds.items()}, "total": round(time.perf_counter() - t0, 4)},
+        seconds={**{k: round(v, 4) for k, v in rs.seconds.items()}, "total": round(time.perf_counter() - t0, 4),
+                 **({"restart": round(since_fault, 4)} if since_fault is not None else {})},
         bytes_loaded=rs.bytes_loaded, token_loss=loss, routing_checked=rs.routing_checked,
         recovered_digest=digest, message=rs.message)
     assert rs.phase is Phase.DONE

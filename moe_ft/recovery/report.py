@@ -20,7 +20,8 @@ class RecoveryReport:
     replayed_iterations: list[int] = field(default_factory=list)
     reexecuted_iterations: list[int] = field(default_factory=list)
     seconds: dict = field(default_factory=dict)
-    """Seconds per phase: agree, load, replay, finalize, reexecute, total."""
+    """Seconds per phase: agree, load, replay, finalize, total (the in-job recovery), reexecute (the lost
+    iterations run again afterwards) and, in drills, restart (from the fault to the start of recovery)."""
     bytes_loaded: int = 0
     """Bytes read from the store by this rank (rank 0's value in the JSON)."""
     token_loss: dict = field(default_factory=dict)

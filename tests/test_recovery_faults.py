@@ -1,0 +1,31 @@
+"""The ``published:corrupt`` fault: validation and the damage it does to a published point."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_ft.faults import Fault, corrupt_point
+
+
+@pytest.mark.timeout(30)
+def test_corrupt_goes_with_published_only():
+    assert str(Fault.parse("2:6:published:corrupt")) == "2:6:published:corrupt"
+    for bad in ("2:6:publish:corrupt", "2:6:published", "2:6:published:exit"):
+        with pytest.raises(ValueError, match="published"):
+            Fault.parse(bad)
+
+
+@pytest.mark.timeout(30)
+def test_corrupt_point_flips_one_byte_of_a_full_entry(tmp_path):
+    files = {"MANIFEST.json": b"{}" * 8, "_meta.ent": bytes(64), "a.compute.ent": bytes(64),
+             "b.full.ent": bytes(range(64)), "c.full.ent": bytes(64)}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    damaged = corrupt_point(tmp_path)
+    assert damaged.name == "b.full.ent"
+    after = {name: (tmp_path / name).read_bytes() for name in files}
+    diff = [i for i, (x, y) in enumerate(zip(files["b.full.ent"], after["b.full.ent"])) if x != y]
+    assert diff == [32] and after["b.full.ent"][32] == 32 ^ 0xFF
+    assert all(after[n] == files[n] for n in files if n != "b.full.ent")
+    with pytest.raises(ValueError, match="directory"):
+        corrupt_point(None)
