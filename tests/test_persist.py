@@ -124,3 +124,30 @@ def test_config_errors():
         PersistConfig(interval=5)
     with pytest.raises(ValueError, match="never deleted"):
         PersistConfig(keep=0)
+
+
+def test_inspect_validate_durable_point(tmp_path, capsys):
+    from moe_ft.cli.main import main
+
+    stores, tier, config = _setup(tmp_path)
+    ops = {0: [OPS[0], OPS[1]], 1: [OPS[0], OPS[2]]}  # EP=2: expert 0 on rank 0, expert 1 on rank 1
+    writers = [PersistWriter(config, s, tier, DenseRule(operators=frozenset(ops[r])), rank=r)
+               for r, s in enumerate(stores)]
+    for r, s in enumerate(stores):
+        _write(s, r, 1, {op: Level.FULL for op in ops[r]})
+        writers[r].persist(1)
+    job = str(tier.directory)
+    assert main(["inspect", job, "--validate", "--num-layers", "1", "--num-experts", "2"]) == 0
+    assert "every entry verified" in capsys.readouterr().out
+    assert main(["inspect", job, "--validate", "--num-layers", "1", "--num-experts", "3"]) == 1
+    assert "expert.L0.E2: no FULL entry" in capsys.readouterr().out
+    blob = tier.directory / "rank1" / "points" / f"{1:012d}" / "expert.L0.E1.full.ent"
+    data = bytearray(blob.read_bytes())
+    data[100] ^= 4
+    blob.write_bytes(bytes(data))
+    assert main(["inspect", job, "--validate", "--num-layers", "1", "--num-experts", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "rank 1: iteration 1 expert.L0.E1@FULL" in out and "checksum" in out
+    assert main(["inspect", str(tmp_path), "--validate", "--num-layers", "1", "--num-experts", "2"]) == 2
+    for w in writers:
+        w.close()

@@ -5,7 +5,7 @@ and verified, a complete durable point holds every expert of every layer, and th
 import pytest
 
 from moe_ft.persist import DurableTier
-from moe_ft.persist.validate import validate_experts
+from moe_ft.persist.validate import validate_durable, validate_experts
 from moe_ft.replication import replica_store_config
 from moe_ft.store import StoreConfig
 from tests._ft_helpers import torchrun
@@ -37,5 +37,4 @@ def test_runtime_replicates_and_persists(tmp_path, corpus):
     done = tier.newest_complete()
     assert done is not None and done.end == 5, tier.complete_points()
     assert validate_experts(done.parts, num_layers=2, num_experts=4) == []
-    for rank in range(4):
-        assert not tier.store(rank).verify().problems
+    assert validate_durable(durable / "moe_ft" / "job", num_layers=2, num_experts=4) == (5, [])

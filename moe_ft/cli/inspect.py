@@ -21,6 +21,11 @@ def register(subparsers) -> None:
     parser.add_argument("--verify", action="store_true", help="read every entry and check its checksum")
     parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     parser.add_argument("--entries", action="store_true", help="list every entry, not only the per-point summary")
+    parser.add_argument("--validate", action="store_true",
+                        help="STORE_DIR is a durable tier (<persist_dir>/moe_ft/<job>): check that its newest complete "
+                             "point verifies and holds every expert of every layer (needs --num-layers, --num-experts)")
+    parser.add_argument("--num-layers", type=int, default=0, help="--validate: MoE layers of the model")
+    parser.add_argument("--num-experts", type=int, default=0, help="--validate: experts per layer")
     parser.set_defaults(func=run)
 
 
@@ -78,8 +83,25 @@ def _print_text(report: dict, entries: bool) -> None:
         print(f"{len(report['problems'])} problem(s); damaged entries are skipped by recovery")
 
 
+def _validate(args: argparse.Namespace) -> int:
+    from moe_ft.persist.validate import validate_durable
+
+    if args.num_layers < 1 or args.num_experts < 1:
+        print("moe-ft inspect --validate needs --num-layers and --num-experts (the model's)", file=sys.stderr)
+        return 2
+    end, problems = validate_durable(args.store_dir, num_layers=args.num_layers, num_experts=args.num_experts)
+    for problem in problems:
+        print(f"INVALID: {problem}")
+    if end is not None and not problems:
+        print(f"durable point ending at iteration {end}: every entry verified, "
+              f"{args.num_layers} x {args.num_experts} experts present")
+    return 2 if end is None else (1 if problems else 0)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("moe_ft.store").setLevel(logging.ERROR)  # problems are reported below, once
+    if args.validate:
+        return _validate(args)
     try:
         store = SnapshotStore(LocalFSBackend(args.store_dir, create=False))
     except (StoreError, OSError, ValueError) as exc:

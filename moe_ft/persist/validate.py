@@ -44,3 +44,35 @@ def refuse_mixed_iterations(point: RecoveryPoint, loaded: Mapping[OperatorId, in
     if bad:
         raise ValueError(f"refusing to load a torn recovery point ending at {point.end}: entries from the wrong "
                          f"iteration {bad} (expected {{op: {point.full_at}}}); recover from one consistent point")
+
+
+def validate_durable(job_dir, *, num_layers: int, num_experts: int) -> tuple[int | None, list[str]]:
+    """Round-trip check of the newest complete point of a durable tier (``<persist_dir>/moe_ft/<job>``):
+    every entry each rank's part needs is present and passes its checksum, the parts form one point, and
+    every expert of every layer is FULL in it. Returns ``(end, problems)``; ``end`` is ``None`` if there is
+    no complete point."""
+    from pathlib import Path
+
+    from moe_ft.persist.durable import DurableTier
+    from moe_ft.store.rules import EntryRef
+
+    job_dir = Path(job_dir)
+    if not (job_dir / "complete").is_dir():
+        return None, [f"{job_dir}: no complete/ directory; not a durable tier (<persist_dir>/moe_ft/<job>)"]
+    world = len([p for p in job_dir.iterdir() if p.name.startswith("rank")])
+    tier = DurableTier(job_dir.parent.parent, job_dir.name, world)
+    point = tier.newest_complete()
+    if point is None:
+        return None, [f"{job_dir}: no complete durable point"]
+    problems = validate_experts(point.parts, num_layers=num_layers, num_experts=num_experts)
+    for rank, part in sorted(point.parts.items()):
+        store = tier.store(rank)
+        catalog = store.verify(part.iterations)
+        problems += [f"rank {rank}: iteration {p.iteration} {p.what}: {p.reason}" for p in catalog.problems]
+        for ref in part.entries:
+            held = catalog.point(ref.iteration)
+            entry = None if held is None else (held.meta if ref.op is None else held.entries.get(ref.op))
+            if entry is None or (ref.op is not None and entry.level != ref.level):
+                what = "metadata" if ref.op is None else f"{ref.op}@{ref.level.name}"
+                problems.append(f"rank {rank}: {what} of iteration {ref.iteration} missing or corrupt")
+    return point.end, problems
