@@ -9,9 +9,11 @@ cycling, so every policy sees the same machine noise; the first cycle is warm-up
 
 * ``overhead_ratio``: median wall time of its iterations / median of ``none`` (begin of ``t`` to begin of
   ``t+1``: includes the plan, metadata capture, submit and the stall);
+* ``cpu_ratio``: the same with CPU time (all threads of the rank) instead of wall time: what the snapshots
+  cost in CPU, much less sensitive than wall time to other load on a shared machine;
 * ``stall_ms``: median wait of the optimizer step for the snapshot copy;
 * ``hook_ms``: median time of the FT hook after the optimizer step on the training thread (popularity
-  all-reduce, plan, metadata capture, submit; ``none`` pays the all-reduce only);
+  all-reduce, plan, metadata capture, submit; ``none`` pays the all-reduce only); ``hook_cpu_ms``: its CPU;
 * ``thread_cpu_ms``: median CPU time of the background snapshot thread per snapshot (copy, encode,
   checksum, write, publish, garbage collection) — CPU the 2 shared cores lose to the training processes;
 * ``bytes_per_iter``: mean bytes snapshotted per iteration per rank (max over ranks);
@@ -79,11 +81,25 @@ def worker(argv: list[str]) -> int:
                 s.name = name
             self.owner: dict[int, str] = {}
             self.hook_seconds: dict[int, float] = {}
+            self.hook_cpu: dict[int, float] = {}
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.iteration_cpu: dict[int, float] = {}
+            self._cpu_start = None
+
+        def on_step_begin(self, iteration):
+            now = time.process_time()  # CPU of every thread of this rank: robust to other load on the box
+            if self._cpu_start is not None:
+                self.iteration_cpu[iteration - 1] = now - self._cpu_start
+            self._cpu_start = now
+            super().on_step_begin(iteration)
 
         def on_step_end(self, iteration, result):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             super().on_step_end(iteration, result)
             self.hook_seconds[iteration] = time.perf_counter() - start
+            self.hook_cpu[iteration] = time.thread_time() - cpu
 
         def select_session(self, iteration):
             s = self.sessions[(iteration // block) % len(self.sessions)]
@@ -120,7 +136,10 @@ def summarize(runtime, args, out: str) -> None:
         else:
             rp = full
         hook = [runtime.hook_seconds[t] for t in its if t in runtime.hook_seconds]
+        cpu = [runtime.iteration_cpu[t] for t in its if t in runtime.iteration_cpu]
         local[s.name] = {"median_s": statistics.median(times),
+                         "median_cpu_s": statistics.median(cpu),
+                         "hook_cpu_ms": 1e3 * statistics.median(runtime.hook_cpu[t] for t in its if t in runtime.hook_cpu),
                          "hook_ms": 1e3 * statistics.median(hook) if hook else 0.0,
                          "thread_cpu_ms": 1e3 * statistics.median([getattr(r, "thread_cpu_s", 0.0) for r in recs])
                          if recs else 0.0,
@@ -131,17 +150,21 @@ def summarize(runtime, args, out: str) -> None:
     dist.all_gather_object(gathered, local)
     if dist.get_rank() == 0:
         base_t = statistics.median([g["none"]["median_s"] for g in gathered])
+        base_cpu = statistics.median([g["none"]["median_cpu_s"] for g in gathered])
         report = {}
         for name in POLICIES:
             med = statistics.median([g[name]["median_s"] for g in gathered])
+            cpu = statistics.median([g[name]["median_cpu_s"] for g in gathered])
             report[name] = {"overhead_ratio": round(med / base_t, 4),
+                            "cpu_ratio": round(cpu / base_cpu, 4),
+                            "hook_cpu_ms": round(statistics.median(g[name]["hook_cpu_ms"] for g in gathered), 3),
                             "stall_ms": round(max(g[name]["stall_ms"] for g in gathered), 4),
                             "hook_ms": round(statistics.median(g[name]["hook_ms"] for g in gathered), 3),
                             "thread_cpu_ms": round(statistics.median(g[name]["thread_cpu_ms"] for g in gathered), 3),
                             "bytes_per_iter": int(max(g[name]["bytes_per_iter"] for g in gathered)),
                             "bytes_per_recovery_point": int(max(g[name]["bytes_per_recovery_point"] for g in gathered))}
         report["_setup"] = {"window": WINDOW, "dense_k": DENSE_K, "iterations": args.training.train_iters,
-                            "median_iter_s_none": round(base_t, 4)}
+                            "median_iter_s_none": round(base_t, 4), "median_iter_cpu_s_none": round(base_cpu, 4)}
         with open(out, "w") as f:
             json.dump(report, f)
 
@@ -183,12 +206,13 @@ def main() -> int:
     if a.json:
         print(json.dumps({k: v for k, v in report.items() if not k.startswith("_")}))
     else:
-        print(f"{'policy':10s} {'overhead':>9s} {'stall ms':>9s} {'hook ms':>8s} {'thread ms':>10s} "
-              f"{'bytes/iter':>12s} {'bytes/recovery pt':>18s}")
+        print(f"{'policy':10s} {'overhead':>9s} {'cpu ratio':>9s} {'stall ms':>9s} {'hook ms':>8s} {'hook cpu':>8s} "
+              f"{'thread ms':>10s} {'bytes/iter':>12s} {'bytes/recovery pt':>18s}")
         for name in POLICIES:
             r = report[name]
-            print(f"{name:10s} {r['overhead_ratio']:9.3f} {r['stall_ms']:9.3f} {r['hook_ms']:8.2f} "
-                  f"{r['thread_cpu_ms']:10.2f} {r['bytes_per_iter']:12d} {r['bytes_per_recovery_point']:18d}")
+            print(f"{name:10s} {r['overhead_ratio']:9.3f} {r['cpu_ratio']:9.3f} {r['stall_ms']:9.3f} {r['hook_ms']:8.2f} "
+                  f"{r['hook_cpu_ms']:8.2f} {r['thread_cpu_ms']:10.2f} {r['bytes_per_iter']:12d} "
+                  f"{r['bytes_per_recovery_point']:18d}")
         print(json.dumps(dict(report["_setup"], nproc=a.nproc)))
     return 0
 
