@@ -1,0 +1,167 @@
+"""Issue 4 acceptance: real processes are SIGKILLed by the deterministic fault plan (``--ft-fail``),
+torchrun restarts the job (``--max-restarts``), the job recovers from the node-local store and finishes.
+
+Exact policies (``sparse``, ``dense(k)``): the final training-state digest equals a fault-free run's
+bitwise. One fault-free reference per layout (module-scoped, built lazily) serves every faulty run of that
+layout; each faulty run carries several faults so that one launch exercises several paths (a kill inside a
+window, during a snapshot copy, during store publish, during replay, a corrupted store entry).
+
+Lossy policies (``pec``, ``selective``): the reported PLT/MLT equals the token loss recomputed here from the
+per-iteration popularity counters (``--ft-trace-out``), and Dynamic-K doubles K past 3.75 % PLT.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_ft.cli.drill import run_job
+
+ITERS, WINDOW = 8, 3
+# tiny job: global batch 8 x seq 32 tokens, top-2 routing (moe_ft/cli/drill.py TINY)
+TOPK_TOKENS = 8 * 32 * 2
+
+
+@pytest.fixture(scope="module")
+def drill_env(corpus, tmp_path_factory):
+    return {"data": corpus, "work": str(tmp_path_factory.mktemp("drill")),
+            "store": str(tmp_path_factory.mktemp("drill_store"))}
+
+
+@pytest.fixture(scope="module")
+def reference(drill_env):
+    """``reference(layout)`` → digest of the fault-free sparse run of that layout (run once, on demand)."""
+    cache: dict[str, str] = {}
+
+    def get(layout: str) -> str:
+        if layout not in cache:
+            res = launch(drill_env, f"ref_{layout}", layout=layout, policy="sparse")
+            assert res["rc"] == 0 and res["digest"], f"fault-free {layout} run failed, see {res['log']}"
+            assert res["reports"] == []
+            cache[layout] = res["digest"]
+        return cache[layout]
+
+    return get
+
+
+def launch(env, job, *, layout, policy, faults=(), extra=(), max_restarts=0, timeout=300):
+    return run_job(job=job, workdir=env["work"], faults=list(faults), max_restarts=max_restarts, timeout=timeout,
+                   layout=layout, policy=policy, iters=ITERS, data=env["data"], store=env["store"],
+                   window=WINDOW, extra=list(extra))
+
+
+def check_exact_reports(reports, *, ends: dict[int, int], fired: list[str]):
+    """``ends``: restart count → restored iteration of that restart's (completed) recovery; ``fired``: the
+    faults in firing order (one per restart). Every recovery restored a point from memory, replayed exactly
+    the window's iterations after its start and re-executed exactly the iterations lost after the point."""
+    assert {r["restart_count"]: r["recovery_point"]["end"] for r in reports} == ends, reports
+    for r in reports:
+        rp = r["recovery_point"]
+        assert rp["source"] == "memory" and rp["resume"] == rp["end"] + 1
+        assert r["replayed_iterations"] == list(range(rp["start"] + 1, rp["end"] + 1))
+        assert r["reexecuted_iterations"] == list(range(rp["resume"], r["failed"]["last_completed"] + 1))
+        assert r["routing_checked"] == len(r["replayed_iterations"])
+        assert r["token_loss"]["tokens"] == 0.0
+        assert set(r["failed"]["faults_fired"]) == set(fired[: r["restart_count"]])
+        assert {"agree", "load", "finalize", "total"} <= set(r["seconds"])
+
+
+@pytest.mark.timeout(600)
+def test_sparse_ep2pp2_publish_and_replay_kills(drill_env, reference):
+    """Kill rank 1 while it publishes iteration 5 (window [3, 5] never completes on it: back to [0, 2]),
+    then rank 2 while it replays iteration 2 (a cascading failure during recovery)."""
+    faults = ["1:5:publish", "2:2:recovery"]
+    res = launch(drill_env, "sparse_ep2pp2", layout="ep2pp2", policy="sparse", faults=faults, max_restarts=2)
+    assert res["rc"] == 0, res["log"]
+    assert res["digest"] == reference("ep2pp2")
+    # restart 1's recovery was killed while replaying (no report); restart 2 redid it from [0, 2]
+    check_exact_reports(res["reports"], ends={2: 2}, fired=[f + ":exit" for f in faults])
+    (report,) = res["reports"]
+    assert report["replayed_iterations"] == [1, 2] and report["failed"]["last_completed"] >= 4
+    assert "moe-ft fault injection: rank 2 fails at iteration 2 (recovery, exit)" in Path(res["log"]).read_text()
+
+
+@pytest.mark.timeout(600)
+def test_sparse_dp2ep2_snapshot_and_forward_kills(drill_env, reference):
+    """DP=2 x EP=2 (distributed optimizer): kill rank 0 with the copy of iteration 4 in flight, then rank 1
+    at the start of iteration 7 (inside window [6, 8]: back to [3, 5], replay 4 and 5, re-execute 6)."""
+    faults = ["0:4:snapshot", "1:7:forward"]
+    res = launch(drill_env, "sparse_dp2ep2", layout="dp2ep2", policy="sparse", faults=faults, max_restarts=2)
+    assert res["rc"] == 0, res["log"]
+    assert res["digest"] == reference("dp2ep2")
+    check_exact_reports(res["reports"], ends={1: 2, 2: 5}, fired=[f + ":exit" for f in faults])
+    assert res["reports"][1]["replayed_iterations"] == [4, 5]
+    assert res["reports"][1]["reexecuted_iterations"] == [6]
+
+
+@pytest.mark.timeout(600)
+def test_dense_k_exact_and_corrupt_entry_skipped(drill_env, reference):
+    """dense(k=3) points at 0, 3, 6. Rank 1 dies at the start of 5: restore 3, re-execute 4 only. Later
+    rank 2 corrupts its published point 6 and dies: the corrupt entry is detected and skipped (reason in
+    the log and the report), the job agrees on 3 again and still ends bitwise equal to the fault-free run
+    (taking snapshots never changes the training state, so the sparse reference applies)."""
+    faults = ["1:5:forward", "2:6:published:corrupt"]
+    res = launch(drill_env, "dense_dp2ep2", layout="dp2ep2", policy="dense", faults=faults, max_restarts=2,
+                 extra=["--ft-dense-interval", "3"])
+    assert res["rc"] == 0, res["log"]
+    assert res["digest"] == reference("dp2ep2")
+    first, second = res["reports"]
+    check_exact_reports(res["reports"], ends={1: 3, 2: 3}, fired=["1:5:forward:exit", "2:6:published:corrupt"])
+    assert first["reexecuted_iterations"] == [4] and first["replayed_iterations"] == []
+    assert second["replayed_iterations"] == [] and len(second["reexecuted_iterations"]) >= 3
+    assert "corrupt entries skipped: rank 2:" in second["message"] and "iteration 6" in second["message"]
+    log = Path(res["log"]).read_text()
+    assert "corrupted" in log and "moe-ft recovery rank 2: " in log and "skipping iteration 6" in log
+
+
+def expected_loss(trace_path: str, end: int, denominator: float) -> tuple[float, float, list[float]]:
+    """Tokens routed to each expert after its newest FULL at or before ``end`` (the first incarnation's
+    per-iteration counters), and their mean per-layer fraction of ``denominator``."""
+    first: dict[int, dict] = {}
+    for line in Path(trace_path).read_text().splitlines():
+        rec = json.loads(line)
+        first.setdefault(rec["iteration"], rec)
+    assert set(range(end + 1)) <= set(first), "the trace misses iterations before the recovery point"
+    num_layers, num_experts = len(first[0]["counts"]), len(first[0]["counts"][0])
+    per_layer = []
+    total = 0.0
+    for layer in range(num_layers):
+        lost = 0.0
+        for expert in range(num_experts):
+            fulls = [t for t in range(end + 1) if [layer, expert] in first[t]["full_experts"]]
+            newest = fulls[-1] if fulls else -1
+            lost += sum(first[t]["counts"][layer][expert] for t in range(newest + 1, end + 1))
+        per_layer.append(lost / denominator)
+        total += lost
+    return total, sum(per_layer) / num_layers, per_layer
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("policy,layout", [("pec", "ep2pp2"), ("selective", "dp2ep2")])
+def test_lossy_token_loss_matches_counters(drill_env, policy, layout):
+    """Rank 1 dies at the start of iteration 6; each expert restarts from its newest FULL entry. The
+    report's PLT (pec, over the whole run's tokens, MoC eq. 7) or MLT (selective, over the tokens so far,
+    MoEtion eq. 6) equals the loss recomputed from the counters; pec's Dynamic-K doubles K past 3.75 %."""
+    trace = str(Path(drill_env["work"]) / f"trace_{policy}.jsonl")
+    # selective: ~210 kB of non-expert FULL state per rank + room for one or two ~50 kB experts, so most
+    # experts are stale at any time (the default budget, bandwidth x iteration time, saves them all)
+    extra = ["--ft-trace-out", trace] + (["--ft-pec-k", "1"] if policy == "pec" else
+                                         ["--ft-selective-local-budget", "320000"])
+    res = launch(drill_env, f"lossy_{policy}", layout=layout, policy=policy, faults=["1:6:forward"],
+                 max_restarts=1, extra=extra)
+    assert res["rc"] == 0, res["log"]
+    (report,) = res["reports"]
+    end = report["recovery_point"]["end"]
+    assert report["replayed_iterations"] == [] and report["recovery_point"]["resume"] == end + 1
+    denominator = (ITERS if policy == "pec" else end + 1) * TOPK_TOKENS
+    tokens, value, per_layer = expected_loss(trace, end, denominator)
+    loss = report["token_loss"]
+    assert loss["metric"] == ("PLT" if policy == "pec" else "MLT")
+    assert tokens > 0 and loss["tokens"] == tokens
+    assert loss["per_layer"] == pytest.approx(per_layer, rel=1e-12)
+    assert loss["value"] == pytest.approx(value, rel=1e-12)
+    if policy == "pec":
+        assert value > 0.0375, "the drill should cross the Dynamic-K threshold"
+        assert loss["k_before"] == 1 and loss["k_after"] == 2
