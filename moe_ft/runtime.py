@@ -60,6 +60,7 @@ class FTRuntime(StepHooks):
         self._progress = None
         self.replication = None
         self.persistence = None
+        self.megatron_dense = None
 
     # ------------------------------------------------------------------------------------ building
     def on_train_start(self, state, data, args, start_iteration: int) -> int:
@@ -159,6 +160,10 @@ class FTRuntime(StepHooks):
                                              persist_dir=c.ft_persist_dir or self.args.training.save or "",
                                              store=store, rule=rule, rank=self.rank,
                                              world_size=dist.get_world_size(), job_id=c.ft_job_id)
+        if self.persistence is not None and c.ft_policy == "dense":  # plain-Megatron-loadable dense points
+            from moe_ft.persist.megatron_dense import MegatronDenseWriter
+
+            self.megatron_dense = MegatronDenseWriter(self.persistence.config.persist_dir, self.state)
 
     def build_session(self, config: FTConfig, job_suffix: str = "") -> FTSession:
         """Policy + store + engine for ``config`` (collective-free; every rank builds the same policy)."""
@@ -228,6 +233,11 @@ class FTRuntime(StepHooks):
             for tier in (self.replication, self.persistence):
                 if tier is not None:
                     tier.submit(iteration)  # enqueue only: the copies run on their own threads
+            if self.megatron_dense is not None:
+                dense = bool(plan) and all(lvl == Level.FULL for lvl in plan.values())
+                if dense and self.persistence.due(iteration) and not self._in_recovery(iteration):
+                    self.megatron_dense.save(iteration + 1)  # collective; the write runs in the background
+                self.megatron_dense.poll()
             if self.config.ft_trace_out and self.rank == 0:
                 self._trace(iteration, plan)
         self._log(iteration, session)
@@ -278,6 +288,8 @@ class FTRuntime(StepHooks):
             self.replication.close()
         if self.persistence is not None:
             self.persistence.close()
+        if self.megatron_dense is not None:
+            self.megatron_dense.close()
         if self.watchdog is not None:
             self.watchdog.close()
         if self.config.ft_digest_out:
