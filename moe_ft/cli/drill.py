@@ -151,7 +151,8 @@ def register(subparsers) -> None:
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--window", type=int, default=4, help="--ft-sparse-window of the job")
     p.add_argument("--fail", action="append", default=[], metavar="RANK:ITER[:PHASE[:KIND]]",
-                   help="a fault (repeatable); PHASE forward|backward|step|snapshot|publish|persist|recovery")
+                   help="a fault (repeatable); PHASE forward|backward|step|snapshot|publish|persist|recovery, "
+                        "or RANK:ITER:published:corrupt (damage the just-published point, then die)")
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--data", default="", help="dataset prefix (default: a generated tiny corpus)")
     p.add_argument("--workdir", default="", help="logs and digests (default: a temp dir)")
