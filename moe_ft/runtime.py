@@ -230,9 +230,12 @@ class FTRuntime(StepHooks):
             if not self._in_recovery(iteration):
                 self.check_fault(iteration, "snapshot")  # the copy is in flight on the engine's thread
             self.popularity.mark_full(iteration, [op for op, lvl in plan.items() if lvl == Level.FULL])
-            for tier in (self.replication, self.persistence):
-                if tier is not None:
-                    tier.submit(iteration)  # enqueue only: the copies run on their own threads
+            if self.replication is not None:
+                self.replication.submit(iteration)  # enqueue only: the copies run on their own threads
+            if self.persistence is not None:
+                persist_plan = getattr(session.policy, "persist_plan", None)  # pec: K_persist experts (MoC §5.1)
+                due = persist_plan is not None and self.persistence.due(iteration)
+                self.persistence.submit(iteration, persist_plan(iteration, plan) if due else None)
             if self.megatron_dense is not None:
                 dense = bool(plan) and all(lvl == Level.FULL for lvl in plan.values())
                 if dense and self.persistence.due(iteration) and not self._in_recovery(iteration):
@@ -308,8 +311,9 @@ class FTRuntime(StepHooks):
         if self.replication is not None and rec is not None:
             out.update(self.replication.metrics(rec.iteration))
         if self.persistence is not None and self.persistence.records:
-            p = self.persistence.records[-1]
-            out.update(persist_end=p.end, persist_mb_s=p.nbytes / 1e6 / max(p.seconds, 1e-9))
+            p, ends = self.persistence.records[-1], self.persistence.tier.complete_points()
+            if ends:  # the newest point every rank finished, not this rank's newest flush
+                out.update(persist_end=ends[-1], persist_mb_s=p.nbytes / 1e6 / max(p.seconds, 1e-9))
         win = getattr(session.policy, "window_of", None)
         if win is not None and rec is not None:
             w = win(rec.iteration)

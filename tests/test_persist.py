@@ -151,3 +151,28 @@ def test_inspect_validate_durable_point(tmp_path, capsys):
     assert main(["inspect", str(tmp_path), "--validate", "--num-layers", "1", "--num-experts", "2"]) == 2
     for w in writers:
         w.close()
+
+
+def test_pec_incremental_k_persist(tmp_path):
+    """pec (MoC §5.1): each flush writes only policy.persist_plan's entries (K_persist experts per layer);
+    the durable point is each operator's newest durable FULL, complete once every operator has one."""
+    from moe_ft.store import NewestFullRule
+
+    stores, tier, config = _setup(tmp_path, world=1, keep=1)
+    writer = PersistWriter(config, stores[0], tier, NewestFullRule(operators=frozenset(OPS)), rank=0)
+    dense, e0, e1 = OPS
+    for it in range(6):
+        _write(stores[0], 0, it, {op: Level.FULL for op in OPS})
+    first = writer.persist(1, {dense: Level.FULL, e0: Level.FULL})
+    assert not first.complete and tier.complete_points() == []  # expert 1 not durable yet
+    assert writer.persist(3, {dense: Level.FULL, e1: Level.FULL}).complete
+    done = tier.newest_complete().parts[0]
+    assert done.full_at == {dense: 3, e0: 1, e1: 3}
+    assert set(tier.store(0).catalog([1]).point(1).entries) == {dense, e0}  # only the planned entries
+    writer.submit(5, {dense: Level.FULL, e0: Level.FULL})
+    writer.flush()
+    assert tier.newest_complete().parts[0].full_at == {dense: 5, e0: 5, e1: 3}
+    assert tier.store(0).points() == [3, 5]  # 1 holds nothing the newest point needs
+    got = tier.store(0).load(3, e1, Level.FULL)
+    assert torch.equal(got["w"], _tensors(0, 3, e1)["w"])
+    writer.close()

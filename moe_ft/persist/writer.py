@@ -11,12 +11,14 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Mapping
 
 from moe_ft.persist.durable import DurableTier
+from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import SnapshotStore
 from moe_ft.store.errors import CorruptEntryError
 from moe_ft.store.manifest import build_manifest
-from moe_ft.store.rules import RecoveryPoint, RecoveryRule
+from moe_ft.store.rules import EntryRef, RecoveryPoint, RecoveryRule
 
 logger = logging.getLogger("moe_ft.persist")
 
@@ -64,12 +66,15 @@ class PersistWriter:
     def due(self, iteration: int) -> bool:
         return bool(self.config.interval) and (iteration + 1) % self.config.interval == 0
 
-    def submit(self, iteration: int) -> None:
-        """Persist the newest recovery point at or before ``iteration`` if it is due (returns at once)."""
+    def submit(self, iteration: int, persist_plan: Mapping[OperatorId, Level] | None = None) -> None:
+        """If ``iteration`` is due, persist (in the background) the newest recovery point at or before it —
+        or, with ``persist_plan`` (``pec``: ``policy.persist_plan``, K_persist experts per layer, MoC §5.1),
+        only those entries of point ``iteration``; the durable point is then each operator's newest
+        durable FULL (the rule). Returns at once."""
         if self._error is not None:
             raise RuntimeError(f"durable persistence of rank {self.rank} failed: {self._error!r}") from self._error
         if self.due(iteration):
-            self._queue.put(iteration)
+            self._queue.put((iteration, persist_plan))
 
     def flush(self) -> None:
         self._queue.join()
@@ -83,13 +88,13 @@ class PersistWriter:
 
     def _run(self) -> None:
         while True:
-            iteration = self._queue.get()
+            job = self._queue.get()
             try:
-                if iteration is None:
+                if job is None:
                     return
                 if self._error is None:
-                    self._wait_published(iteration)
-                    self.persist(iteration)
+                    self._wait_published(job[0])
+                    self.persist(*job)
             except BaseException as exc:
                 self._error = exc
                 logger.error("moe-ft persist rank %d: %r", self.rank, exc)
@@ -103,15 +108,31 @@ class PersistWriter:
         while iteration not in self.store.points() and time.monotonic() < deadline:
             time.sleep(0.002)
 
-    def persist(self, iteration: int) -> PersistRecord | None:
+    def persist(self, iteration: int, persist_plan: Mapping[OperatorId, Level] | None = None) -> PersistRecord | None:
         """Synchronous body of one flush (the thread calls it; tests may too)."""
         start = time.perf_counter()
+        if persist_plan is not None:
+            return self._persist_incremental(iteration, persist_plan, start)
         point = self.store.newest_recoverable(self.rule, at_or_before=iteration, verify=True)
         if point is None:
             self.skipped.append((iteration, "no recovery point in the node-local store yet"))
             return None
         with self.store.pin(point.iterations):
             nbytes = sum(self._copy(point, it) for it in point.iterations)
+        return self._finish(point, nbytes, start)
+
+    def _persist_incremental(self, iteration: int, plan: Mapping[OperatorId, Level], start: float):
+        refs = tuple(EntryRef(iteration, op, Level(level)) for op, level in sorted(plan.items())
+                     if level != Level.NONE) + (EntryRef(iteration),)
+        with self.store.pin([iteration]):
+            nbytes = self._copy(RecoveryPoint(iteration, iteration, {}, refs), iteration)
+        point = self.durable.newest_recoverable(self.rule, at_or_before=iteration)
+        if point is None:  # some operator has no durable FULL yet: nothing complete to mark
+            self.records.append(PersistRecord(iteration, nbytes, time.perf_counter() - start, False))
+            return self.records[-1]
+        return self._finish(point, nbytes, start)
+
+    def _finish(self, point: RecoveryPoint, nbytes: int, start: float) -> PersistRecord:
         complete = self.tier.mark_done(self.rank, point)
         self.tier.gc(self.rank, self.config.keep)
         record = PersistRecord(point.end, nbytes, time.perf_counter() - start, complete)
