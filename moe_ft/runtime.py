@@ -179,10 +179,11 @@ class FTRuntime(StepHooks):
         window = getattr(policy, "window_length", None)
         retention = retention_for_policy(config.ft_policy, list(self.registry), window_size=window,
                                          window_offset=self.start_iteration % window if window else 0)
-        if getattr(retention, "rule", None) is not None:  # dense / sparse: keep a point common to all ranks
+        rule = getattr(retention, "rule", None) or getattr(retention, "floor", None)
+        if rule is not None:  # dense / sparse / pec / selective: keep a point common to all ranks
             from moe_ft.recovery.retention import KeepTwoRecoverable
 
-            retention = KeepTwoRecoverable(rule=retention.rule)
+            retention = KeepTwoRecoverable(rule=rule)
         store = StoreConfig(root=config.ft_store_dir, job_id=config.ft_job_id + job_suffix,
                             rank=self.rank).build(retention=retention, fault_hook=self._store_fault_hook)
         engine = SnapshotEngine(EngineConfig(num_slots=config.ft_snapshot_slots), self.registry, store)

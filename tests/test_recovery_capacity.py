@@ -72,6 +72,7 @@ def test_deficit_is_paid_off_by_extra_tokens_then_boost_ends():
     assert not boost.active and boost.capacity_factors(0).tolist() == [1.0] * 4
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(180)
 def test_router_subclass_applies_per_expert_capacity():
     """Megatron's router (CPU layer, single-rank gloo) in a subprocess, so the CPU layer's shims stay out

@@ -4,7 +4,13 @@ Each rank garbage-collects its own store after each publish. With ``KeepNewestRe
 newest window completed deletes the previous one while a slower rank (killed with that window's last
 snapshot still in flight) only has the previous one: then no point is common to all ranks (found by the
 failure drill). Snapshots are at most one recovery point apart across ranks (iterations are synchronised
-by collectives), so keeping the newest **two** recoverable points per rank always leaves a common one."""
+by collectives), so keeping the newest **two** recoverable points per rank always leaves a common one.
+
+The lossy policies (``pec``, ``selective``) use it too, with their ``NewestFullRule`` (in place of the
+store's ``TripleBuffer`` floor, which keeps only each operator's newest FULL entry): a rank that published
+iteration ``e`` while another was killed with ``e`` in flight must still restore ``e - 1``, which needs the
+FULL entries that were newest at ``e - 1`` (found by the pec drill: proposals ``[5, -1]``, the job restarted
+from the initial state)."""
 
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from moe_ft.store import Catalog, RecoveryRule, RetentionPolicy, newest_recovera
 @dataclass(frozen=True, kw_only=True)
 class KeepTwoRecoverable(RetentionPolicy):
     rule: RecoveryRule
-    """Completeness rule (``DenseRule`` / ``SparseWindowRule``)."""
+    """Completeness rule (``DenseRule`` / ``SparseWindowRule`` / ``NewestFullRule``)."""
 
     def keep(self, catalog: Catalog) -> set[int]:
         newest = newest_recoverable(catalog, self.rule)
