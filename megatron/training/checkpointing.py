@@ -15,11 +15,11 @@ import os
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron.training.model import TrainState
+from moe_ft.state.optimizer_views import ensure_optimizer_state
 
 log = logging.getLogger("megatron.training")
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -88,23 +88,6 @@ def _sharded_state_dict(state: TrainState, is_loading: bool) -> dict:
     }
 
 
-def _ensure_optimizer_state(optimizer) -> None:
-    """Give a fresh optimizer the state tensors a checkpoint is loaded into.
-
-    Without Apex/TE, Megatron's ``DistributedOptimizer.state_dict()`` reads ``step`` from every param
-    state and asserts there is one value, so loading into an optimizer that never stepped fails (a
-    Megatron bug on TE-less installs). Create torch Adam's own initial state (``step`` 0, zero moments)
-    instead of taking a dummy optimizer step, which would touch the parameters."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
-        if inner is None:
-            continue
-        opt.init_state_fn(inner, opt.config)
-        for group in inner.param_groups:
-            for param in group["params"]:
-                inner.state[param].setdefault("step", torch.tensor(0.0))
-
-
 def _restore_adam_steps(optimizer) -> None:
     """After loading, give every param state the step its param group carries.
 
@@ -157,7 +140,7 @@ def load_checkpoint(root: str, state: TrainState) -> int:
     path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path):
         raise CheckpointError(f"{root}/{TRACKER_FILE} names iteration {iteration} but {path} is missing")
-    _ensure_optimizer_state(state.optimizer)
+    ensure_optimizer_state(state.optimizer)  # a fresh optimizer has no state to load into
     sharded = _sharded_state_dict(state, is_loading=True)
     common = dist_checkpointing.load_common_state_dict(path)
     try:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from moe_ft.recovery.lossy import gather_expert_full_at, token_loss
 from moe_ft.recovery.machine import Phase, Recovery, RecoveryConfig, RecoveryContext, RecoveryState
-from moe_ft.recovery.optim import ensure_optimizer_state
+from moe_ft.state.optimizer_views import ensure_optimizer_state
 from moe_ft.recovery.report import RecoveryReport
 from moe_ft.state.operators import Level
 from moe_ft.store import DenseRule, NewestFullRule, SparseWindowRule

@@ -27,19 +27,6 @@ import torch
 from moe_ft.state.optimizer_views import leaf_optimizers
 
 
-def ensure_optimizer_state(optimizer) -> None:
-    """Give an optimizer that never stepped its state tensors (Adam ``exp_avg``/``exp_avg_sq``, ``step``
-    0) so that snapshot entries can be restored into them; no parameter is touched."""
-    for opt in leaf_optimizers(optimizer):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
-        opt.init_state_fn(inner, opt.config)
-        for group in inner.param_groups:
-            for param in group["params"]:
-                inner.state[param].setdefault("step", torch.tensor(0.0))
-
-
 def main_params_by_model_param(optimizer) -> dict[int, list[torch.Tensor]]:
     """``id(model parameter) → [the torch optimizer's parameters that update it]`` on this rank (the
     parameter itself for ``FP32Optimizer``, its fp32 copy for the float16 optimizer, its shard for the

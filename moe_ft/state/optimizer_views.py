@@ -58,6 +58,23 @@ def leaf_optimizers(optimizer) -> Iterator:
         yield from leaf_optimizers(opt)
 
 
+def ensure_optimizer_state(optimizer) -> None:
+    """Give an optimizer that never stepped its state tensors (Adam ``exp_avg``/``exp_avg_sq``, ``step``
+    0), so that a checkpoint or snapshot can be loaded into them; no parameter is touched.
+
+    Without Apex/TE, Megatron's ``DistributedOptimizer.state_dict()`` reads ``step`` from every param
+    state and asserts there is one value, so loading into an optimizer that never stepped fails (a
+    Megatron bug on TE-less installs); a dummy optimizer step instead would change the parameters."""
+    for opt in leaf_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param].setdefault("step", torch.tensor(0.0))
+
+
 def _distributed(opt) -> Iterator[tuple[torch.nn.Parameter, MainState]]:
     for model_param, (group_idx, order) in opt.model_param_group_index_map.items():
         main = opt.optimizer.param_groups[group_idx]["params"][order]
