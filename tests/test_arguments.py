@@ -41,6 +41,7 @@ def test_flags_map_to_dataclasses(data_prefix):
     (["--bf16", "--fp16"], 1, "exclusive"),
     (["--save-interval", "5"], 1, "--save-interval needs --save"),
     (["--tensor-model-parallel-size", "2"], 2, "not supported yet"),
+    (["--moe-token-dispatcher-type", "flexible", "--save", "ckpt"], 1, "not supported with --moe-token"),
 ])
 def test_bad_flags(flags, world, message, data_prefix):
     with pytest.raises(ArgumentError, match=message):

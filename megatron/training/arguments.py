@@ -236,6 +236,9 @@ def validate_args(args: Args) -> None:
         raise ArgumentError("--lr-warmup-iters must be smaller than the decay iterations")
     if t.save_interval < 0 or t.log_interval <= 0 or t.eval_interval < 0:
         raise ArgumentError("--save-interval/--eval-interval must be >= 0 and --log-interval > 0")
+    if m.moe_token_dispatcher_type == "flexible" and (t.save or t.load):
+        raise ArgumentError("--save/--load are not supported with --moe-token-dispatcher-type flexible yet "
+                            "(replicated experts have no dist_checkpointing layout); drop them or use alltoall")
     if t.save_interval and not t.save:
         raise ArgumentError("--save-interval needs --save DIR")
     if d.data_path is None:

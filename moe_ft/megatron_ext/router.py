@@ -133,23 +133,21 @@ def install_router(spec, router_cls: type = PopularityRouter):
     return spec
 
 
+def _routers(model_chunks: Iterable) -> list["PopularityRouter"]:
+    return [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, PopularityRouter)]
+
+
 def attach_popularity(model_chunks: Iterable, popularity) -> int:
     """Point every :class:`PopularityRouter` of the model chunks at ``popularity``; returns how many."""
-    count = 0
-    for chunk in model_chunks:
-        for module in chunk.modules():
-            if isinstance(module, PopularityRouter):
-                module.popularity = popularity
-                count += 1
-    return count
+    routers = _routers(model_chunks)
+    for router in routers:
+        router.popularity = popularity
+    return len(routers)
 
 
 def attach_capacity_boost(model_chunks: Iterable, boost: CapacityBoost) -> int:
     """Point every :class:`PopularityRouter` of the model chunks at ``boost``; returns how many."""
-    count = 0
-    for chunk in model_chunks:
-        for module in chunk.modules():
-            if isinstance(module, PopularityRouter):
-                module.capacity = boost
-                count += 1
-    return count
+    routers = _routers(model_chunks)
+    for router in routers:
+        router.capacity = boost
+    return len(routers)
