@@ -79,10 +79,12 @@ class FTRuntime(StepHooks):
                                "(pass the FT flags through pretrain_gpt_moe.extra_argument_groups)")
         self.start_iteration = start_iteration
         self._setup_faults()
-        restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        mode = self.config.ft_recover
-        if self.config.ft_policy != "none" and (mode == "always" or (mode == "auto" and restart_count > 0)):
-            start_iteration = self._recover(state, data, args, start_iteration, restart_count)
+        if self.config.ft_policy != "none":
+            from moe_ft.recovery.driver import should_recover
+
+            recover, restart_count = should_recover(self.config, args)  # collective: every rank decides alike
+            if recover:
+                start_iteration = self._recover(state, data, args, start_iteration, restart_count)
         return start_iteration
 
     # ------------------------------------------------------------------------ faults and recovery

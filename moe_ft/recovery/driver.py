@@ -33,6 +33,29 @@ def rule_for(policy_name: str, policy, operators, window_offset: int, dense_inte
     raise ValueError(f"no recovery rule for policy {policy_name!r}")
 
 
+def should_recover(cfg, args) -> tuple[bool, int]:
+    """Whether this start is a recovery, and the (largest) torchrun restart count (collective).
+
+    ``--ft-recover auto`` recovers when *any* rank was restarted by torchrun: a replacement node's agent is
+    fresh (``TORCHELASTIC_RESTART_COUNT`` 0) while the survivors' agents count a restart, and every rank
+    must take the same path. It also recovers when the durable tier already holds a complete point of this
+    job (the whole job was relaunched after losing every node: the in-memory tier is gone, the durable one
+    is not)."""
+    from moe_ft.persist import DurableTier
+
+    restarts = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))], dtype=torch.int64)
+    dist.all_reduce(restarts, op=dist.ReduceOp.MAX)
+    restart_count = int(restarts.item())
+    if cfg.ft_recover == "never":
+        return False, restart_count
+    if cfg.ft_recover == "always" or restart_count > 0:
+        return True, restart_count
+    persist_dir = cfg.ft_persist_dir or args.training.save
+    durable = bool(cfg.ft_persist_interval and persist_dir and
+                   DurableTier(persist_dir, cfg.ft_job_id, dist.get_world_size()).complete_points())
+    return durable, restart_count
+
+
 def progress_path(store_root: str, job_id: str, rank: int) -> Path:
     return Path(store_root) / job_id / f"progress_rank{rank}"
 
