@@ -20,11 +20,14 @@ Phases (where :class:`moe_ft.runtime.FTRuntime` calls ``check``):
 ``recovery``   a recovery is replaying or re-executing the iteration (cascading failure)
 =============  ================================================================================
 
-Kinds: ``exit`` (SIGKILL of the process itself: no cleanup, like a node loss), ``exception`` (an
+Kinds: ``exit`` (SIGKILL of the process itself: no cleanup, like a crashed worker), ``exception`` (an
 :class:`InjectedFault` raised on the training thread), ``hang`` (the thread blocks forever; the
 :class:`moe_ft.recovery.watchdog.Watchdog` detects it by timeout and kills the process), ``corrupt`` (phase ``published`` only: flip one byte of the
 point's first data file, as a torn or bit-rotted store entry, then SIGKILL so that the job recovers and must
-detect it).
+detect it), ``node`` (the whole simulated node is lost at once: SIGKILL of this worker's torchrun agent, of
+every process the agent started — the other ranks of the node — and of this process; see
+:func:`kill_node`. ``moe-ft drill --nodes N --fail-node NODE:ITER[:PHASE]`` schedules it on the node's first
+rank, then deletes the node's store and starts a replacement, ``moe_ft/drill_nodes.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from pathlib import Path
 from typing import Iterable
 
 PHASES = ("forward", "backward", "step", "snapshot", "publish", "published", "persist", "recovery")
-KINDS = ("exit", "exception", "hang", "corrupt")
+KINDS = ("exit", "exception", "hang", "corrupt", "node")
 
 
 class InjectedFault(RuntimeError):
@@ -143,6 +146,8 @@ class FaultPlan:
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "exit":
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault.kind == "node":
+            kill_node()
         if fault.kind == "exception":
             raise InjectedFault(f"injected fault {fault} (rank {rank}, iteration {iteration}, phase {phase})")
         threading.Event().wait()  # hang: only the watchdog's timeout ends this process
@@ -160,6 +165,30 @@ class FaultPlan:
             f.flush()
             os.fsync(f.fileno())
         return True
+
+
+def kill_node() -> None:
+    """SIGKILL the node this torchrun worker runs on: its agent (the parent process) first, so that it cannot
+    restart anything, then every other process the agent started (torchrun puts each worker in a session of
+    its own, so a process-group kill would miss them), then this process. Never returns.
+
+    Outside torchrun (no ``TORCHELASTIC_RUN_ID``) the parent is not an agent: only this process is killed."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        import psutil
+
+        me = os.getpid()
+        try:
+            agent = psutil.Process(os.getppid())
+            victims = [p for p in agent.children(recursive=True) if p.pid != me]  # listed before the agent dies
+            agent.kill()
+        except psutil.NoSuchProcess:
+            victims = []
+        for p in victims:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def corrupt_point(directory: str | os.PathLike | None) -> Path:
