@@ -135,3 +135,20 @@ class DurableTier:
         for end in ends[:-max(1, keep)]:  # any rank may drop markers older than the kept points
             (self.directory / "complete" / f"{end:012d}.json").unlink(missing_ok=True)
         return doomed
+
+    def discard_after(self, rank: int, iteration: int) -> list[int]:
+        """After a rollback to ``iteration``: drop ``rank``'s durable points (and done markers) newer than it
+        that no complete point uses — the abandoned timeline's partial flushes, which must not mix with the
+        new timeline's (a lossy run re-executes differently). Complete points are never touched. Returns
+        the deleted iterations."""
+        needed: set[int] = set()
+        for end in self.complete_points():
+            needed.update(self.complete(end).parts[rank].iterations)
+        for end in self.done_points(rank):
+            if end > iteration and end not in self.complete_points():
+                self._done(rank, end).unlink(missing_ok=True)
+        store = self.store(rank)
+        doomed = [it for it in store.points() if it > iteration and it not in needed]
+        for it in doomed:
+            store.delete_point(it)
+        return doomed

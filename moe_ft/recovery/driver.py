@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -99,11 +100,31 @@ def recover(rt, state, args, start_iteration: int, step_fn, restart_count: int) 
     lossy = cfg.ft_policy in LOSSY
     rule = rule_for(cfg.ft_policy, session.policy, list(rt.registry), start_iteration)
     lost_through = last_completed(cfg.ft_store_dir, cfg.ft_job_id, rt.rank)
+    t_fetch = time.perf_counter()
+    fetched = fetch_lost_points(rt, session.store)
+    t_fetch = time.perf_counter() - t_fetch
     ctx = RecoveryContext(store=session.store, registry=rt.registry, rule=rule, train_state=state, step_fn=step_fn,
                           popularity=rt.popularity, policy=session.policy,
                           fault_check=lambda it, phase: rt.check_fault(it, phase))
     rs = RecoveryState(fallback_iteration=start_iteration)
     Recovery(RecoveryConfig(lossy=lossy), ctx).run(rs)
+    source = "memory"
+    durable = durable_store(cfg, args, rt.rank, newer_than=start_iteration - 1) if rs.point is None else None
+    if durable is not None:  # every node's memory tier lost the point: the durable tier is the last resort
+        store, complete_end = durable
+        memory = rs
+        rs = RecoveryState(fallback_iteration=start_iteration, skipped=list(memory.skipped))
+        ctx = replace(ctx, store=BoundedStore(store, complete_end))
+        Recovery(RecoveryConfig(lossy=lossy), ctx).run(rs)
+        rs.proposals = memory.proposals + rs.proposals
+        rs.seconds = {k: memory.seconds.get(k, 0.0) + rs.seconds.get(k, 0.0) for k in {*memory.seconds, *rs.seconds}}
+        if rs.point is not None:
+            source = "durable"
+            rs.message = (f"no recovery point in every rank's memory tier (node-local stores and replicas); "
+                          f"recovered from the newest complete durable point (iteration {complete_end}) in "
+                          f"{os.path.dirname(store.backend.describe())}")
+    if t_fetch > 0.0005 and fetched:
+        rs.seconds["fetch"] = t_fetch
     point = rs.point
     for line in rs.skipped:  # the reason, in the log of the rank that found it
         print(f"moe-ft recovery rank {rt.rank}: {line}", file=sys.stderr, flush=True)
@@ -132,14 +153,19 @@ def recover(rt, state, args, start_iteration: int, step_fn, restart_count: int) 
                 session.policy.on_recovery(point.end, loss["value"])
                 loss["k_after"] = session.policy.k
     session.store.discard_after(rs.resume_iteration - 1)
+    if rt.replication is not None:  # replicas of the abandoned timeline must not outlive it (lossy runs differ)
+        rt.replication.discard_after(rs.resume_iteration - 1)
+    if rt.persistence is not None:
+        rt.persistence.tier.discard_after(rt.rank, rs.resume_iteration - 1)
     digest = global_digest(state.model, state.optimizer, state.scheduler)
-    source = "memory" if point is not None else ("checkpoint" if start_iteration else "initial")
+    if point is None:
+        source = "checkpoint" if start_iteration else "initial"
     report = RecoveryReport(
         policy=cfg.ft_policy, restart_count=restart_count,
         failed={"last_completed": lost_through, "faults_fired": [str(f) for f in rt.faults.fired()] if rt.faults else []},
         recovery_point={"source": source, "start": point.start if point else start_iteration,
                         "end": point.end if point else start_iteration - 1, "resume": rs.resume_iteration,
-                        "proposals": rs.proposals},
+                        "proposals": rs.proposals, **fetched},
         replayed_iterations=list(rs.replayed),
         reexecuted_iterations=list(range(rs.resume_iteration, lost_through + 1)),
         seconds={**{k: round(v, 4) for k, v in rs.seconds.items()}, "total": round(time.perf_counter() - t0, 4),
@@ -148,6 +174,48 @@ def recover(rt, state, args, start_iteration: int, step_fn, restart_count: int) 
         recovered_digest=digest, message=rs.message)
     assert rs.phase is Phase.DONE
     return report
+
+
+def fetch_lost_points(rt, local) -> dict:
+    """Node loss: rebuild node-local stores from replica holders and data-parallel peers (collective;
+    ``moe_ft/replication/fetch.py``). Returns the report's ``{"fetched": {rank: …}}`` (ranks that fetched
+    or could not), or ``{}`` without replication."""
+    if rt.replication is None:
+        return {}
+    mine = rt.replication.fetch_missing(local, list(rt.registry))
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine.to_json())
+    fetched = {str(r): f for r, f in enumerate(gathered) if f["points"] or f["skipped"]}
+    return {"fetched": fetched} if fetched else {}
+
+
+class BoundedStore:
+    """A store seen only up to iteration ``end`` (recovery from the newest *complete* durable point: a
+    newer point some ranks finished writing is not one the whole job can trust yet)."""
+
+    def __init__(self, store, end: int) -> None:
+        self._store, self.end = store, end
+
+    def newest_recoverable(self, rule, *, at_or_before=None, verify=False):
+        bound = self.end if at_or_before is None else min(at_or_before, self.end)
+        return self._store.newest_recoverable(rule, at_or_before=bound, verify=verify)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def durable_store(cfg, args, rank: int, newer_than: int):
+    """``(this rank's durable store, end of the newest complete durable point)`` if that point is newer than
+    ``newer_than`` (the ``--load`` checkpoint's last iteration), else ``None``. Same answer on every rank
+    (the completion markers are shared)."""
+    from moe_ft.persist import DurableTier
+
+    persist_dir = cfg.ft_persist_dir or args.training.save
+    if not (cfg.ft_persist_interval and persist_dir):
+        return None
+    tier = DurableTier(persist_dir, cfg.ft_job_id, dist.get_world_size())
+    ends = [e for e in tier.complete_points() if e > newer_than]
+    return (tier.store(rank), ends[-1]) if ends else None
 
 
 def report_dir(cfg) -> str:

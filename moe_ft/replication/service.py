@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from moe_ft.persist import DurableTier, PersistConfig, PersistWriter
+from moe_ft.replication.fetch import FetchResult, FetchTopology, fetch_from_peers
 from moe_ft.replication.placement import (PlacementConfig, ReplicaPlan, has_copy_off_node, needs_replication,
                                           nodes_from_local_world_size, place_replicas)
 from moe_ft.replication.receiver import ReceiverConfig, ReplicaReceiver, replica_store_config
@@ -54,8 +55,19 @@ class Layout:
 class Replication:
     """Sender + receiver of one rank over a dedicated gloo group (build with :meth:`build`)."""
 
-    def __init__(self, sender: ReplicaSender, receiver: ReplicaReceiver, plan: ReplicaPlan) -> None:
-        self.sender, self.receiver, self.plan = sender, receiver, plan
+    def __init__(self, sender: ReplicaSender, receiver: ReplicaReceiver, plan: ReplicaPlan, layout: Layout) -> None:
+        self.sender, self.receiver, self.plan, self.layout = sender, receiver, plan, layout
+
+    def fetch_missing(self, local, operators) -> FetchResult:
+        """Rebuild this rank's node-local store from its replica holders and data-parallel peers when it
+        lost points they hold (a replaced node; ``fetch.py``). Collective; call before recovery agrees."""
+        lay = self.layout
+        group = lambda groups: {r: g for g in groups for r in g}  # noqa: E731
+        topo = FetchTopology(holders=self.plan.peers, dp_group=group(lay.dp_groups),
+                             expert_dp_group=group(lay.expert_dp_groups),
+                             distributed_optimizer=lay.distributed_optimizer)
+        return fetch_from_peers(local=local, operators=operators, rank=lay.rank, world_size=len(lay.node_of),
+                                topo=topo, replica_store_of=self.receiver.store)
 
     @staticmethod
     def build(*, num_replicas: int, layout: Layout, store, store_root: str, job_id: str) -> "Replication | None":
@@ -68,6 +80,13 @@ class Replication:
                 logger.warning("moe-ft: --ft-replicas %d ignored: all ranks are on one node (no other failure "
                                "domain); set --ft-ranks-per-node to simulate nodes", num_replicas)
             return None
+        num_nodes = len(set(layout.node_of))
+        if num_replicas > num_nodes - 1:  # each replica needs a node of its own, other than the owner's
+            if layout.rank == 0:
+                logger.warning("moe-ft: --ft-replicas %d lowered to %d: the job has %d nodes and each replica "
+                               "lives on a node other than its owner's (and the other replicas')", num_replicas,
+                               num_nodes - 1, num_nodes)
+            num_replicas = num_nodes - 1
         plan = place_replicas(PlacementConfig(num_replicas=num_replicas), node_of=layout.node_of,
                               dp_groups=layout.dp_groups)
         config = GlooTransportConfig()
@@ -81,10 +100,15 @@ class Replication:
                                                                       owner=owner).build())
         sender = ReplicaSender(SenderConfig(), store, transport, plan.peers[layout.rank], owner=layout.rank,
                                select=select)
-        return Replication(sender, receiver, plan)
+        return Replication(sender, receiver, plan, layout)
 
     def submit(self, iteration: int) -> None:
         self.sender.submit(iteration)
+
+    def discard_after(self, iteration: int) -> None:
+        """Drop the replicas this rank holds of points newer than ``iteration`` (after a rollback)."""
+        for owner in self.plan.sources[self.layout.rank]:
+            self.receiver.store(owner).discard_after(iteration)
 
     def metrics(self, iteration: int) -> dict:
         sent = self.sender.sent

@@ -1,0 +1,315 @@
+"""Recovery with a lost node (issue 5 part 5; MoEtion §5.1, MoEvement §3.2): a restarted rank whose
+node-local store is empty (its node was replaced) gets its entries back from the peers before recovery.
+
+Where an entry of rank ``r`` at iteration ``t`` can come from, in order of preference:
+
+1. a **replica holder** of ``r`` (``ReplicaPlan.peers[r]``): the replica store it keeps for ``r``;
+2. for state the replication deliberately did not send because data parallelism already keeps it on
+   another node (``needs_replication``, MoEtion §5.1): the **node-local store of a data-parallel peer**
+   (the expert-data-parallel group for experts) — COMPUTE weights always, FULL entries only without the
+   distributed optimizer (which shards masters and moments, so a peer's FULL is a different shard).
+
+The plan (:func:`plan_fetch`) is a pure function of the inventories every rank publishes (one
+``all_gather_object``), so every rank computes the same transfers without further talk. Each entry goes to
+the least-loaded eligible source (bytes so far), which spreads one rank's transfers over all its holders.
+A point is fetched only if *every* operator of the rank and its metadata have a source; otherwise it is
+left out with the reason. Transfers run on a dedicated gloo group (one receiving thread per source, sends
+on the calling thread, so no pair can deadlock); every entry is verified against the checksum of the store
+it came from (the owner's, for replicas) before the point is published, atomically, into the rank's
+node-local store. Recovery then proceeds exactly as after a worker crash (``moe_ft/recovery``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from moe_ft.replication.receiver import verify_message
+from moe_ft.replication.transport import GlooTransport, GlooTransportConfig, PointMessage, Transport
+from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store import SnapshotStore
+from moe_ft.store.backend import MANIFEST
+from moe_ft.store.manifest import build_manifest
+
+logger = logging.getLogger("moe_ft.replication")
+
+META = "meta"
+REPLICA, PEER = "replica", "peer"
+
+
+# ------------------------------------------------------------------------------------------- inventory
+@dataclass(kw_only=True)
+class PointInventory:
+    """The entries of one published point: ``entries[op] = (level name, blob, nbytes)``; ``op`` is the
+    operator's string id or ``"meta"``."""
+
+    entries: dict[str, tuple[str, str, int]] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Inventory:
+    """What one rank can serve and needs (exchanged with ``all_gather_object``; plain data only)."""
+
+    rank: int
+    operators: list[str]
+    """The operators this rank restores (its registry)."""
+    local: dict[int, PointInventory]
+    """Points of its node-local store."""
+    replicas: dict[int, dict[int, PointInventory]]
+    """``replicas[owner][t]``: replica points it holds for ``owner``."""
+
+
+def inventory_of(store: SnapshotStore) -> dict[int, PointInventory]:
+    """The published points of ``store`` with the entries whose bytes match their checksums (a damaged
+    manifest or entry is left out with the store's warning, so the plan takes another source)."""
+    out: dict[int, PointInventory] = {}
+    for point in store.verify().points():
+        it = point.iteration
+        inv = PointInventory()
+        for entry in point.all_entries():
+            key = META if entry.op is None else str(entry.op)
+            level = "" if entry.level is None else entry.level.name
+            inv.entries[key] = (level, entry.blob, entry.nbytes)
+        out[it] = inv
+    return out
+
+
+# ------------------------------------------------------------------------------------------- planning
+@dataclass(frozen=True)
+class Transfer:
+    """``src`` sends ``dst`` the blobs ``blobs`` of ``src``'s point ``iteration`` (its node-local store when
+    ``kind == "peer"``, its replica store of ``dst`` when ``kind == "replica"``)."""
+
+    src: int
+    dst: int
+    iteration: int
+    kind: str
+    blobs: tuple[str, ...]
+    nbytes: int
+
+
+@dataclass(kw_only=True)
+class FetchPlan:
+    transfers: list[Transfer]
+    points: dict[int, list[int]]
+    """``points[r]``: iterations rank ``r`` will receive (every entry sourced)."""
+    skipped: dict[int, list[str]]
+    """``skipped[r]``: why an iteration offered by ``r``'s holders cannot be rebuilt."""
+
+    def sources_of(self, rank: int) -> list[int]:
+        return sorted({t.src for t in self.transfers if t.dst == rank})
+
+
+@dataclass(kw_only=True)
+class FetchTopology:
+    """The job layout the plan needs (identical on every rank)."""
+
+    holders: Mapping[int, Sequence[int]]
+    """``ReplicaPlan.peers``: the ranks holding each rank's replicas."""
+    dp_group: Mapping[int, Sequence[int]]
+    """Each rank's data-parallel group (dense operators)."""
+    expert_dp_group: Mapping[int, Sequence[int]]
+    """Each rank's expert-data-parallel group (expert operators)."""
+    distributed_optimizer: bool
+
+
+def needs_fetch(inv: Inventory, offered: set[int]) -> list[int]:
+    """Iterations to fetch for a rank: those its holders offer beyond its newest local point (an empty
+    local store — a replaced node — takes everything offered; a survivor's replicas are never newer than
+    its own store)."""
+    newest = max(inv.local, default=-1)
+    return sorted(t for t in offered if t > newest)
+
+
+def plan_fetch(inventories: Sequence[Inventory], topo: FetchTopology) -> FetchPlan:
+    """Who sends what to whom (module docstring). Pure; every rank computes the same plan."""
+    by_rank = {inv.rank: inv for inv in inventories}
+    sent_bytes: dict[int, int] = defaultdict(int)
+    blobs: dict[tuple[int, int, int, str], list[tuple[str, int]]] = defaultdict(list)
+    points: dict[int, list[int]] = {}
+    skipped: dict[int, list[str]] = {}
+    for inv in sorted(inventories, key=lambda i: i.rank):
+        r = inv.rank
+        holders = [h for h in topo.holders.get(r, ()) if h in by_rank]
+        offered = {t for h in holders for t in by_rank[h].replicas.get(r, {})}
+        for t in needs_fetch(inv, offered):
+            choice, why = _source_point(inv, t, holders, by_rank, topo, sent_bytes)
+            if choice is None:
+                skipped.setdefault(r, []).append(f"iteration {t}: {why}")
+                continue
+            for key, (src, kind, blob, nbytes) in choice.items():
+                sent_bytes[src] += nbytes
+                blobs[(src, r, t, kind)].append((blob, nbytes))
+            points.setdefault(r, []).append(t)
+    transfers = [Transfer(src=src, dst=dst, iteration=t, kind=kind, blobs=tuple(b for b, _ in items),
+                          nbytes=sum(n for _, n in items))
+                 for (src, dst, t, kind), items in sorted(blobs.items())]
+    return FetchPlan(transfers=transfers, points=points, skipped=skipped)
+
+
+def _source_point(inv: Inventory, t: int, holders: list[int], by_rank: Mapping[int, Inventory],
+                  topo: FetchTopology, sent_bytes: Mapping[int, int]):
+    """``{op or "meta": (src, kind, blob, nbytes)}`` for every entry of rank ``inv.rank``'s point ``t``,
+    or ``(None, reason)``."""
+    r = inv.rank
+    choice: dict[str, tuple[int, str, str, int]] = {}
+    load = dict(sent_bytes)
+    for key in [META, *inv.operators]:
+        candidates = [(h, REPLICA, by_rank[h].replicas[r][t].entries[key]) for h in holders
+                      if key in by_rank[h].replicas.get(r, {}).get(t, PointInventory()).entries]
+        if not candidates and key != META:
+            expert = OperatorId.parse(key).is_expert
+            group = (topo.expert_dp_group if expert else topo.dp_group).get(r, ())
+            for q in group:
+                entry = by_rank[q].local.get(t, PointInventory()).entries.get(key) if q in by_rank and q != r else None
+                if entry is not None and (entry[0] == Level.COMPUTE.name or not topo.distributed_optimizer):
+                    candidates.append((q, PEER, entry))
+        if not candidates:
+            return None, f"no holder or data-parallel peer has {key}"
+        src, kind, (level, blob, nbytes) = min(candidates, key=lambda c: (load.get(c[0], 0), c[0]))
+        load[src] = load.get(src, 0) + nbytes
+        choice[key] = (src, kind, blob, nbytes)
+    return choice, ""
+
+
+# ------------------------------------------------------------------------------------------- execution
+@dataclass(kw_only=True)
+class FetchResult:
+    """What this rank received (and from whom) and what it could not rebuild."""
+
+    points: list[int] = field(default_factory=list)
+    sources: list[int] = field(default_factory=list)
+    nbytes: int = 0
+    seconds: float = 0.0
+    skipped: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"points": self.points, "sources": self.sources, "bytes": self.nbytes,
+                "seconds": round(self.seconds, 4), "skipped": self.skipped}
+
+
+class PeerFetch:
+    """Executes a :class:`FetchPlan` on one rank: serves its transfers and receives its own."""
+
+    def __init__(self, transport: Transport, rank: int, local: SnapshotStore,
+                 replica_store_of: Callable[[int], SnapshotStore]) -> None:
+        self.transport, self.rank, self.local = transport, rank, local
+        self.replica_store_of = replica_store_of
+
+    def run(self, plan: FetchPlan) -> FetchResult:
+        start = time.perf_counter()
+        incoming = [t for t in plan.transfers if t.dst == self.rank]
+        by_src: dict[int, list[Transfer]] = defaultdict(list)
+        for t in incoming:
+            by_src[t.src].append(t)
+        received: dict[int, list[tuple[Transfer, PointMessage]]] = defaultdict(list)
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def receive(src: int, expected: list[Transfer]) -> None:
+            try:
+                for transfer in expected:  # each pair is a FIFO; the sender follows the same order
+                    message = self.transport.receive(src)
+                    if message is None or message.iteration != transfer.iteration:
+                        raise RuntimeError(f"peer fetch from rank {src}: expected iteration {transfer.iteration}, "
+                                           f"got {None if message is None else message.iteration}")
+                    with lock:
+                        received[transfer.iteration].append((transfer, message))
+            except BaseException as exc:
+                with lock:
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=receive, args=(src, ts), name=f"moe-ft-fetch-from{src}", daemon=True)
+                   for src, ts in sorted(by_src.items())]
+        for thread in threads:
+            thread.start()
+        try:
+            for transfer in (t for t in plan.transfers if t.src == self.rank):
+                self.transport.send_point(transfer.dst, self._message(transfer))
+        finally:
+            for thread in threads:
+                thread.join()
+        if errors:
+            raise RuntimeError(f"peer fetch on rank {self.rank} failed: {errors[0]!r}") from errors[0]
+        result = FetchResult(sources=sorted(by_src), skipped=list(plan.skipped.get(self.rank, [])))
+        for it in sorted(received):
+            why = self._publish(it, received[it])
+            if why:
+                result.skipped.append(f"iteration {it}: {why}")
+            else:
+                result.points.append(it)
+                result.nbytes += sum(m.nbytes for _, m in received[it])
+        result.seconds = time.perf_counter() - start
+        return result
+
+    def _message(self, transfer: Transfer) -> PointMessage:
+        store = self.local if transfer.kind == PEER else self.replica_store_of(transfer.dst)
+        backend = store.backend
+        with store.pin([transfer.iteration]):
+            manifest = backend.read_blob(transfer.iteration, MANIFEST)
+            blobs = {name: backend.read_blob(transfer.iteration, name) for name in transfer.blobs}
+        owner = self.rank if transfer.kind == PEER else transfer.dst
+        return PointMessage(owner=owner, iteration=transfer.iteration, manifest=manifest, blobs=blobs)
+
+    def _publish(self, iteration: int, parts: list[tuple[Transfer, PointMessage]]) -> str:
+        """Verify every entry against its source's checksum and publish the point; the reason on failure
+        (nothing is published then)."""
+        entries, meta, algos = [], None, set()
+        for transfer, message in parts:
+            algo, good, got_meta, rejected = verify_message(message)
+            if rejected:
+                return "; ".join(f"{rej.entry} from rank {transfer.src}: {rej.reason}" for rej in rejected)
+            algos.add(algo)
+            entries += good
+            meta = got_meta or meta
+        if len(algos) != 1 or meta is None:
+            return "sources disagree on the checksum algorithm" if len(algos) > 1 else "metadata entry missing"
+        blobs = {name: data for _, m in parts for name, data in m.blobs.items()}
+        backend = self.local.backend
+        if iteration in backend.list_points():
+            return "already in the node-local store"
+        writer = backend.begin_point(iteration)
+        try:
+            for entry in entries + [meta]:
+                sink = writer.open_blob(entry.blob)
+                sink.write(blobs[entry.blob])
+                sink.close()
+            writer.commit(build_manifest(iteration, algos.pop(), entries, meta)[0])
+        except BaseException:
+            writer.abort()
+            raise
+        return ""
+
+
+def fetch_from_peers(*, local: SnapshotStore, operators: Sequence[OperatorId], rank: int, world_size: int,
+                     topo: FetchTopology, replica_store_of: Callable[[int], SnapshotStore],
+                     group_config: GlooTransportConfig | None = None) -> FetchResult:
+    """Collective over the default group: exchange inventories, plan, and (only if some rank needs
+    anything) move the entries on a dedicated gloo group. Returns this rank's :class:`FetchResult`."""
+    import torch.distributed as dist
+
+    holding = {owner for owner, holders in topo.holders.items() if rank in holders}
+    mine = Inventory(rank=rank, operators=sorted(str(op) for op in operators), local=inventory_of(local),
+                     replicas={owner: inventory_of(replica_store_of(owner)) for owner in sorted(holding)})
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    plan = plan_fetch(everyone, topo)
+    if not plan.transfers:
+        return FetchResult(skipped=list(plan.skipped.get(rank, [])))
+    config = group_config or GlooTransportConfig()
+    transport = GlooTransport(config, config.build_group())
+    result = PeerFetch(transport, rank, local, replica_store_of).run(plan)
+    if result.points:
+        logger.warning("moe-ft recovery rank %d: node-local store rebuilt from peers %s: iterations %s (%.1f MB)",
+                       rank, result.sources, result.points, result.nbytes / 1e6)
+    for line in result.skipped:
+        logger.warning("moe-ft recovery rank %d: not fetched: %s", rank, line)
+    return result
+
+
+__all__ = ["FetchPlan", "FetchResult", "FetchTopology", "Inventory", "PeerFetch", "PointInventory", "Transfer",
+           "fetch_from_peers", "inventory_of", "needs_fetch", "plan_fetch"]
