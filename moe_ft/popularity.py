@@ -16,6 +16,11 @@ Counters, all ``[num_layers, num_experts]`` float64 (exact for integer counts be
 * ``since_full``: tokens routed to each expert since its last FULL snapshot (MoEtion §4.3 "token
   popularity", MoC §3.2 "unsaved updates"), reset by :meth:`ExpertPopularity.mark_full`.
 
+Besides the counters, ``routing_digest`` ``[num_layers]`` int64 is a digest of the routing decisions of the
+last closed iteration on *this* rank (which tokens of which micro-batch went to which experts,
+:func:`routing_digest`); it is not summed over ranks. A sparse-to-dense replay compares it with the recorded
+one: equal per-expert counts with different routing are caught too.
+
 Sequence per iteration ``t``: ``record(...)`` for every micro-batch, ``end_iteration(t)``, plan,
 snapshot, ``mark_full(t, full_experts)``. The tokens of iteration ``t`` are then counted as saved by the
 snapshot of iteration ``t`` (a snapshot at ``t`` holds the state after the update of ``t``).
@@ -31,6 +36,24 @@ import torch
 from moe_ft.state.operators import OperatorId
 
 SOURCES = ("hard", "soft", "ema", "since_full")
+DIGEST_PRIME = 2**31 - 1
+
+
+def routing_digest(routing_map: torch.Tensor, microbatch: int) -> torch.Tensor:
+    """Digest in ``[0, 2**31 - 1)`` (int64 scalar on ``routing_map``'s device, no host sync) of one
+    micro-batch's routing decisions: the set of selected ``(microbatch, token, expert)`` triples of
+    ``routing_map`` ``[num_tokens, num_experts]``, each mixed through two rounds of a non-linear modular
+    hash and summed mod a prime. A linear hash would miss two tokens swapping experts (the sum of their
+    keys is unchanged); the squaring rounds make that a ~2**-31 collision. Digests of micro-batches add up
+    mod the prime."""
+    num_tokens, num_experts = routing_map.shape
+    key = torch.arange(num_tokens * num_experts, dtype=torch.int64, device=routing_map.device)
+    key = (key + microbatch * num_tokens * num_experts) % DIGEST_PRIME
+    x = (key * 48271 + 11) % DIGEST_PRIME
+    x = x * x % DIGEST_PRIME
+    x = (x * 16807 + 12345) % DIGEST_PRIME
+    x = x * x % DIGEST_PRIME
+    return (x * routing_map.reshape(-1).to(torch.int64)).sum() % DIGEST_PRIME
 
 
 @dataclass(kw_only=True)
@@ -103,6 +126,10 @@ class ExpertPopularity:
         self.last_counts = torch.zeros(shape, dtype=torch.float64)  # hard counts of the last closed iteration
         self.last_full_iteration = torch.full(shape, -1, dtype=torch.int64)
         self.last_iteration = -1  # last iteration closed by end_iteration
+        # routing digest of the open iteration per layer (rank-local) and of the last closed one
+        self._digest_pending = torch.zeros(shape[0], dtype=torch.int64, device=config.device)
+        self._microbatches = [0] * shape[0]  # record() calls per layer in the open iteration
+        self.routing_digest = torch.zeros(shape[0], dtype=torch.int64)
 
     # ----------------------------------------------------------------------------------- layout
     @property
@@ -137,6 +164,9 @@ class ExpertPopularity:
         routing = routing.detach()
         if routing.dim() == 2 and routing.shape[1] == num_experts:
             hard = routing.to(device=device, dtype=torch.float64).sum(dim=0)
+            digest = routing_digest(routing.to(device=device), self._microbatches[row])
+            self._digest_pending[row] = (self._digest_pending[row] + digest) % DIGEST_PRIME
+            self._microbatches[row] += 1
         elif routing.dim() == 1 and routing.shape[0] == num_experts:
             hard = routing.to(device=device, dtype=torch.float64)
         else:
@@ -173,6 +203,9 @@ class ExpertPopularity:
         self.last_counts = hard.clone()
         self.last_iteration = iteration
         self._pending.zero_()
+        self.routing_digest = self._digest_pending.cpu().clone()
+        self._digest_pending.zero_()
+        self._microbatches = [0] * len(self._microbatches)
 
     def mark_full(self, iteration: int, experts: Iterable[OperatorId]) -> None:
         """Experts in ``experts`` (non-expert operators are ignored) got a FULL snapshot at ``iteration``:
@@ -219,6 +252,9 @@ class ExpertPopularity:
             "last_full_iteration": self.last_full_iteration.clone(),
             "pending": self._pending.cpu().clone(),
             "last_iteration": self.last_iteration,
+            "routing_digest": self.routing_digest.clone(),
+            "routing_digest_pending": self._digest_pending.cpu().clone(),
+            "routing_microbatches": list(self._microbatches),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -232,3 +268,9 @@ class ExpertPopularity:
         self.last_full_iteration = state["last_full_iteration"].to(torch.int64).clone()
         self._pending = state["pending"].to(device=self._pending.device, dtype=torch.float64).clone()
         self.last_iteration = int(state["last_iteration"])
+        # states saved before the routing digest existed restore an empty one
+        num_layers = len(self._microbatches)
+        self.routing_digest = state.get("routing_digest", torch.zeros(num_layers, dtype=torch.int64)).to(torch.int64).clone()
+        self._digest_pending = state.get("routing_digest_pending", torch.zeros(num_layers, dtype=torch.int64)).to(
+            device=self._digest_pending.device, dtype=torch.int64).clone()
+        self._microbatches = list(state.get("routing_microbatches", [0] * num_layers))

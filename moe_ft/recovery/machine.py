@@ -15,7 +15,7 @@ transition; ``run(state)`` advances until ``DONE``::
             RNG, LR schedule and popularity ← metadata of t-1; run iteration t with exactly its batches
             through the step function the loop handed in, with a :class:`RecordedStepOptimizer`
             (recorded global grad norm, frozen operators not updated); check routing against the
-            recorded per-expert token counts of t
+            recorded per-expert token counts and routing digest of t (:func:`check_routing`)
       │
       ▼
     FINALIZE  operators FULL at e → FULL; RNG, LR schedule, popularity, policy ← metadata of e
@@ -64,7 +64,8 @@ class RecoveryConfig:
     use_recorded_grad_norm: bool = True
     """Clip replayed iterations with the recorded global grad norm (off only to demonstrate the pitfall)."""
     check_routing: bool = True
-    """Compare each replayed iteration's per-expert token counts with the recorded ones (raise on a
+    """Compare each replayed iteration's per-expert token counts and this rank's routing digest (top-k
+    experts of every token, ``moe_ft.popularity.routing_digest``) with the recorded ones (raise on a
     mismatch: the replay diverged)."""
     lossy: bool = False
     """Restore each operator's newest FULL entry and do not replay (``pec``, ``selective``)."""
@@ -108,6 +109,25 @@ class RecoveryContext:
     policy: object = None
     fault_check: Callable[[int, str], None] = lambda iteration, phase: None
     group: object = None
+
+
+def check_routing(popularity, recorded: dict, iteration: int) -> None:
+    """Raise ``RuntimeError`` if the routing of the replayed ``iteration`` differs from the recorded one:
+    the world-summed per-expert token counts (``popularity.last_counts``) or this rank's digest of the
+    routing decisions (``popularity.routing_digest``, per MoE layer; absent in snapshots taken before it
+    existed). ``recorded``: the metadata tensors of ``iteration``'s snapshot."""
+    counts = recorded["popularity.last_counts"].to(torch.float64)
+    if not torch.equal(popularity.last_counts, counts):
+        raise RuntimeError(f"replay diverged at iteration {iteration}: the per-expert token counts differ from "
+                           "the recorded ones (routing was not reproduced)")
+    digest = recorded.get("popularity.routing_digest")
+    if digest is not None and not torch.equal(popularity.routing_digest, digest.to(torch.int64)):
+        layers = [popularity.moe_layers[i] for i in
+                  (popularity.routing_digest != digest.to(torch.int64)).nonzero().flatten().tolist()]
+        raise RuntimeError(f"replay diverged at iteration {iteration}: the routing decisions (top-k experts per "
+                           f"token) of MoE layer(s) {layers} differ from the recorded ones although the per-expert "
+                           "token counts match (routing was not reproduced: check the batches, RNG and router "
+                           "state the replay restores)")
 
 
 class _StoreWarnings(logging.Handler):
@@ -204,9 +224,7 @@ class Recovery:
         if self.ctx.popularity is not None:
             self.ctx.popularity.end_iteration(t)
             if self.config.check_routing and "popularity.last_counts" in tensors:
-                if not torch.equal(self.ctx.popularity.last_counts, tensors["popularity.last_counts"].to(torch.float64)):
-                    raise RuntimeError(f"replay diverged at iteration {t}: the per-expert token counts differ from "
-                                       "the recorded ones (routing was not reproduced)")
+                check_routing(self.ctx.popularity, tensors, t)
                 s.routing_checked += 1
         s.replayed.append(t)
         s.next_replay = t + 1
