@@ -3,9 +3,21 @@
 
     moe-ft drill --layout ep2pp2 --policy sparse --iters 12 --fail 1:6 --fail 2:9:snapshot --json
 
+Node-loss drill: the faulty run on ``--nodes N`` simulated nodes (N torchrun agents, ``moe_ft/drill_nodes.py``),
+each with its own node-local store, replicas on the other nodes (``--ft-replicas``, ``--ft-ranks-per-node``);
+``--fail-node NODE:ITER[:PHASE]`` loses a whole node there (agent + workers SIGKILLed, its store deleted,
+a replacement agent started); the same ``ITER:PHASE`` on several nodes loses them together::
+
+    moe-ft drill --nodes 2 --layout dp2ep2 --iters 12 --window 4 --fail-node 1:6 --json
+    moe-ft drill --nodes 2 --iters 12 --window 4 --fail-node 0:9 --fail-node 1:9 --json   # durable tier
+
+The fault-free reference stays one ``torchrun --standalone`` of the same 4-rank job (same ranks, same
+layout, same flags: the digest does not depend on the launcher).
+
 Prints one JSON object: ``faultfree_digest``, ``recovered_digest``, ``equal``, ``token_loss`` (sum over
 recoveries), ``reports`` (the recovery reports, ``moe_ft/recovery/report.py``), the faults and the
-exit codes. Exact policies (``sparse``, ``dense``) must give ``equal: true``.
+exit codes; with ``--nodes``, also ``node_losses`` (one event per loss: nodes, iteration, phase, survivors),
+``nodes_lost`` and ``nodes_replaced``. Exact policies (``sparse``, ``dense``) must give ``equal: true``.
 """
 
 from __future__ import annotations
@@ -102,23 +114,96 @@ def run_job(*, job: str, workdir: str, faults: list[str] | None = None, max_rest
     return {"rc": rc, "digest": read_digest(digest_out), "reports": read_reports(common["store"], job), "log": log}
 
 
+def run_node_job(*, job: str, workdir: str, faults: list[str], losses: list, num_nodes: int,
+                 max_restarts: int, timeout: float, **common) -> dict:
+    """The job on ``num_nodes`` simulated nodes (``common``: as :func:`run_job`; ``common['store']`` is the
+    root of the node stores ``<store>/node<k>``); returns what :func:`run_job` does plus ``node_losses``,
+    ``launches`` (agents started per node) and ``logs`` (one per agent launch)."""
+    from moe_ft.drill_nodes import ClusterConfig, SimulatedCluster, read_reports
+    from moe_ft.faults import Fault
+
+    world = 4
+    if world % num_nodes:
+        raise ValueError(f"--nodes {num_nodes} must divide the job's {world} ranks")
+    digest_out = os.path.join(workdir, f"{job}.json")
+    store_of = lambda node: os.path.join(common["store"], f"node{node}")
+    report_dir = lambda node, launch_idx: os.path.join(workdir, f"{job}_reports", f"node{node}.{launch_idx}")
+
+    def argv_for(node: int, launch_idx: int, pending: list[str]) -> list[str]:
+        argv = job_argv(job=job, digest_out=digest_out, faults=pending, **dict(common, store=store_of(node)))
+        return argv + ["--ft-report-dir", report_dir(node, launch_idx)]
+
+    cluster = SimulatedCluster(ClusterConfig(num_nodes=num_nodes, ranks_per_node=world // num_nodes,
+                                             max_restarts=max_restarts, timeout=timeout),
+                               script=str(ROOT / "pretrain_gpt_moe.py"), root=str(ROOT), store_of=store_of,
+                               argv_for=argv_for, log_prefix=os.path.join(workdir, job), run_id=job)
+    res = cluster.run([Fault.parse(f) for f in faults], list(losses))
+    dirs = [report_dir(int(n), i) for n, k in res["launches"].items() for i in range(k)]
+    return dict(res, digest=read_digest(digest_out), reports=read_reports(dirs),
+                log=res["logs"][0] if res["logs"] else None)
+
+
+def node_flags(args, losses: list, faults: list[str], work: str) -> list[str]:
+    """The FT flags of a ``--nodes`` drill: replicas on other nodes, the node layout, and the durable tier
+    (needed when a loss takes every node; ``persist`` faults also need ``--save`` at the same interval, the
+    point where the runtime checks them)."""
+    everyone = set(range(args.nodes))
+    all_lost = any({l.node for l in losses if (l.iteration, l.phase) == (m.iteration, m.phase)} == everyone
+                   for m in losses)
+    persist_phase = [f for f in faults if f.split(":")[2] == "persist"] + [str(l) for l in losses
+                                                                          if l.phase == "persist"]
+    interval = args.persist_interval if args.persist_interval >= 0 else \
+        (args.window if all_lost or persist_phase else 0)
+    if all_lost and not interval:
+        raise ValueError("losing every node needs the durable tier: --persist-interval K > 0")
+    flags = ["--ft-replicas", str(args.replicas or min(2, args.nodes - 1)),
+             "--ft-ranks-per-node", str(4 // args.nodes)]
+    if interval:
+        flags += ["--ft-persist-interval", str(interval), "--ft-persist-dir",
+                  args.persist_dir or os.path.join(work, "durable")]
+    if persist_phase:
+        bad = [f for f in persist_phase if (int(f.split(":")[1]) + 1) % (interval or 1)]
+        if not interval or bad:
+            raise ValueError(f"persist faults {bad or persist_phase} must sit at an iteration t with (t + 1) a "
+                             f"multiple of --persist-interval ({interval}): the runtime checks them there")
+        flags += ["--save", os.path.join(work, "save"), "--save-interval", str(interval)]
+    return flags
+
+
 def drill(args) -> dict:
+    from moe_ft.drill_nodes import NodeLoss, check_losses
     from moe_ft.faults import Fault
 
     faults = [str(Fault.parse(f)) for f in args.fail]
+    losses = [NodeLoss.parse(f) for f in args.fail_node]
+    if losses and args.nodes < 2:
+        raise ValueError("--fail-node needs --nodes N (N >= 2 simulated nodes)")
+    check_losses(losses, args.nodes)
     work = args.workdir or tempfile.mkdtemp(prefix="moe_ft_drill_")
     os.makedirs(work, exist_ok=True)
     data = args.data or ensure_corpus(work)
     store = args.store_dir or os.path.join("/dev/shm", f"moe_ft_drill_{os.getpid()}")
     common = dict(layout=args.layout, policy=args.policy, iters=args.iters, data=data, store=store,
                   window=args.window, extra=list(args.extra or []))
+    if args.nodes > 1:
+        common["extra"] = node_flags(args, losses, faults, work) + common["extra"]
     if any(f.split(":")[3] == "hang" for f in faults) and "--ft-hang-timeout" not in common["extra"]:
         common["extra"] += ["--ft-hang-timeout", "20"]
     out = {"layout": args.layout, "policy": args.policy, "iters": args.iters, "faults": faults, "workdir": work}
     try:
         ref = run_job(job="faultfree", workdir=work, timeout=args.timeout, **common)
-        bad = run_job(job="faulty", workdir=work, faults=faults, max_restarts=args.max_restarts,
-                      timeout=args.timeout, **common)
+        if args.nodes > 1:
+            bad = run_node_job(job="faulty", workdir=work, faults=faults, losses=losses, num_nodes=args.nodes,
+                               max_restarts=args.max_restarts, timeout=args.timeout, **common)
+            out["nodes"] = args.nodes
+            out["fail_node"] = [str(l) for l in losses]
+            out["node_losses"] = bad["node_losses"]
+            out["nodes_lost"] = sum(len(e["nodes"]) for e in bad["node_losses"])
+            out["nodes_replaced"] = sum(bad["launches"].values()) - args.nodes
+            out["faulty_logs"] = bad["logs"]
+        else:
+            bad = run_job(job="faulty", workdir=work, faults=faults, max_restarts=args.max_restarts,
+                          timeout=args.timeout, **common)
         out["faultfree_rc"], out["faulty_rc"] = ref["rc"], bad["rc"]
         out["faultfree_digest"], out["recovered_digest"] = ref["digest"], bad["digest"]
         out["equal"] = ref["digest"] is not None and ref["digest"] == bad["digest"]
@@ -135,6 +220,9 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result))
     else:
+        for e in result.get("node_losses", []):
+            print(f"lost node(s) {e['nodes']} at iteration {e['iteration']} ({e['phase']}), survivors "
+                  f"{e['survivors']}, replacement after {e['seconds_to_replacement']} s")
         for r in result["reports"]:
             print(f"restart {r['restart_count']}: point {r['recovery_point']} replayed {r['replayed_iterations']} "
                   f"re-executed {r['reexecuted_iterations']} seconds {r['seconds']} token loss {r['token_loss'].get('tokens')}")
@@ -153,6 +241,16 @@ def register(subparsers) -> None:
     p.add_argument("--fail", action="append", default=[], metavar="RANK:ITER[:PHASE[:KIND]]",
                    help="a fault (repeatable); PHASE forward|backward|step|snapshot|publish|persist|recovery, "
                         "or RANK:ITER:published:corrupt (damage the just-published point, then die)")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="simulated nodes of the faulty run (torchrun agents; 1 = one --standalone torchrun)")
+    p.add_argument("--fail-node", action="append", default=[], metavar="NODE:ITER[:PHASE]",
+                   help="lose a whole node there (repeatable; the same ITER:PHASE on several nodes loses them "
+                        "together); its store is deleted and a replacement node started")
+    p.add_argument("--replicas", type=int, default=0, help="--ft-replicas with --nodes (0: min(2, nodes - 1))")
+    p.add_argument("--persist-interval", type=int, default=-1,
+                   help="--ft-persist-interval with --nodes (-1: the window when every node is lost or a "
+                        "persist fault is given, else 0)")
+    p.add_argument("--persist-dir", default="", help="durable tier root (default: <workdir>/durable)")
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--data", default="", help="dataset prefix (default: a generated tiny corpus)")
     p.add_argument("--workdir", default="", help="logs and digests (default: a temp dir)")

@@ -1,0 +1,292 @@
+"""Simulated nodes for node-loss drills: ``num_nodes`` torchrun agents on this one machine.
+
+The driver (this process) hosts the c10d rendezvous store itself, so that any node can die without taking
+the rendezvous with it; every agent joins it as a client::
+
+    torchrun --nnodes 2 --node-rank K --nproc-per-node 2 --max-restarts M --monitor-interval 1 \\
+      --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-id JOB \\
+      --rdzv-conf is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3 \\
+      --local-addr 127.0.0.<K+1> pretrain_gpt_moe.py … --ft-store-dir <stores>/node<K> …
+
+Two torch 2.13 details shape this:
+
+* c10d assigns group ranks by sorting the participants' ``(addr, pid, …)``, not by ``--node-rank``;
+  ``--local-addr 127.0.0.<K+1>`` makes node K hold global ranks ``K*R … K*R+R-1`` in every round, also after
+  it was replaced by a process with another pid (placement and the drill's faults rely on that).
+* With the shared agent store (the default) a survivor keeps the bootstrap address of the round in which it
+  first joined, i.e. the store of a node that may be gone. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes
+  every round publish a fresh master address; worker rank 0 then hosts the default group's store
+  (``env://``), a new one per attempt.
+
+A node loss ``NODE:ITER[:PHASE]`` becomes the fault ``R:ITER:PHASE:node`` on the node's first rank R
+(``moe_ft.faults.kill_node``: agent and workers SIGKILLed at once). When the driver sees that agent die it
+kills the other nodes lost at the same ``(ITER, PHASE)`` (a multi-node loss), deletes the lost nodes'
+store directories (their snapshots and the replicas they held are gone), waits until the survivors'
+workers have exited (their gloo peers vanished; their agents restart them and count the restart), and
+starts replacement agents with the same ``--node-rank``. If no node survived, the replacements join a new
+rendezvous (``<job>.g<n>``): the job is relaunched and can only recover from the durable tier.
+
+Faults whose once-only marker was deleted with a node's store are not scheduled again on its replacement
+(they fired). Each agent launch writes its recovery reports to a directory of its own (``reports/node<K>.<n>``,
+shared storage: they survive the node).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from moe_ft.faults import PHASES, Fault
+
+
+@dataclass(frozen=True, order=True)
+class NodeLoss:
+    """Node ``node`` is lost at ``phase`` of ``iteration`` (``NODE:ITER[:PHASE]``, phases as for ``--fail``)."""
+
+    node: int
+    iteration: int
+    phase: str = "forward"
+
+    @classmethod
+    def parse(cls, text: str) -> "NodeLoss":
+        parts = text.split(":")
+        if not 2 <= len(parts) <= 3:
+            raise ValueError(f"bad node loss {text!r}: expected NODE:ITER[:PHASE], e.g. 1:6:snapshot")
+        try:
+            node, iteration = int(parts[0]), int(parts[1])
+        except ValueError:
+            raise ValueError(f"bad node loss {text!r}: NODE and ITER must be integers") from None
+        loss = cls(node, iteration, *parts[2:])
+        if loss.phase not in PHASES or loss.phase == "published":
+            raise ValueError(f"node loss phase must be one of {[p for p in PHASES if p != 'published']}, "
+                             f"got {loss.phase!r}")
+        if node < 0 or iteration < 0:
+            raise ValueError(f"node loss {text!r}: NODE and ITER must be >= 0")
+        return loss
+
+    def __str__(self) -> str:
+        return f"{self.node}:{self.iteration}:{self.phase}"
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """Shape and timing of the simulated cluster."""
+
+    num_nodes: int = 2
+    """Torchrun agents (simulated nodes)."""
+    ranks_per_node: int = 2
+    """Workers per agent (``--nproc-per-node``)."""
+    max_restarts: int = 3
+    """``--max-restarts`` of every agent (survivors spend one per node loss)."""
+    timeout: float = 300.0
+    """Wall seconds for the whole job (every incarnation); then everything is killed (rc 124)."""
+    keep_alive_interval: int = 1
+    """Rendezvous heartbeat seconds; a dead node leaves the rendezvous after 3 missed beats."""
+    survivor_exit_timeout: float = 120.0
+    """Seconds to wait for the survivors' workers to exit after a loss before the replacement starts."""
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 2:
+            raise ValueError(f"a node-loss drill needs at least 2 nodes, got {self.num_nodes}")
+        if self.ranks_per_node < 1:
+            raise ValueError(f"ranks per node must be >= 1, got {self.ranks_per_node}")
+
+
+def node_faults(losses: list[NodeLoss], ranks_per_node: int) -> list[Fault]:
+    """One ``node`` fault per distinct ``(ITER, PHASE)``, on the first rank of the lowest node lost then (the
+    driver kills the other nodes of that event)."""
+    first: dict[tuple[int, str], NodeLoss] = {}
+    for loss in sorted(losses):
+        first.setdefault((loss.iteration, loss.phase), loss)
+    return [Fault(l.node * ranks_per_node, l.iteration, l.phase, "node") for l in first.values()]
+
+
+def check_losses(losses: list[NodeLoss], num_nodes: int) -> None:
+    for loss in losses:
+        if loss.node >= num_nodes:
+            raise ValueError(f"--fail-node {loss}: node {loss.node} does not exist (--nodes {num_nodes})")
+    if len(set(losses)) != len(losses):
+        raise ValueError(f"--fail-node given twice for the same node and point: {[str(l) for l in losses]}")
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and everything below it (torchrun's workers run in sessions of their own)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def children(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def fired_markers(store: Path) -> list[Fault]:
+    """The faults whose once-only marker lies in a node's store (``<store>/<job>/faults/*.fired``)."""
+    out = []
+    for marker in sorted(store.glob("*/faults/*.fired")):
+        text = marker.read_text().splitlines()
+        if text:
+            out.append(Fault.parse(text[0]))
+    return out
+
+
+ArgvFor = Callable[[int, int, list[str]], list[str]]
+"""``argv_for(node, launch_idx, faults)`` → the training script's arguments for one agent launch."""
+
+
+class SimulatedCluster:
+    """Runs one job on ``config.num_nodes`` torchrun agents and plays the node losses (see the module doc)."""
+
+    def __init__(self, config: ClusterConfig, *, script: str, root: str, store_of: Callable[[int], str],
+                 argv_for: ArgvFor, log_prefix: str, run_id: str) -> None:
+        self.config, self.script, self.root = config, script, root
+        self.store_of, self.argv_for, self.log_prefix, self.run_id = store_of, argv_for, log_prefix, run_id
+        self.generation = 0  # bumped when every node was lost: a new rendezvous
+        self.launches: dict[int, int] = {}  # node → number of agents started for it
+        self.agents: dict[int, subprocess.Popen] = {}
+        self.logs: list[str] = []
+        self.events: list[dict] = []
+        self.fired: set[Fault] = set()
+
+    # ----------------------------------------------------------------------------------------- launch
+    def _rdzv_id(self) -> str:
+        return self.run_id if self.generation == 0 else f"{self.run_id}.g{self.generation}"
+
+    def _launch(self, node: int, faults: list[Fault], port: int) -> None:
+        c = self.config
+        launch_idx = self.launches.get(node, 0)
+        self.launches[node] = launch_idx + 1
+        pending = [str(f) for f in faults if f not in self.fired]
+        rdzv_conf = f"is_host=false,keep_alive_interval={c.keep_alive_interval},keep_alive_max_attempt=3," \
+                    f"join_timeout={int(c.timeout)}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={c.num_nodes}", f"--node-rank={node}",
+               f"--nproc-per-node={c.ranks_per_node}", f"--max-restarts={c.max_restarts}", "--monitor-interval=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={self._rdzv_id()}",
+               f"--rdzv-conf={rdzv_conf}", f"--local-addr=127.0.0.{node + 1}",
+               self.script, *self.argv_for(node, launch_idx, pending)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                   PYTHONPATH=self.root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        log_path = f"{self.log_prefix}.node{node}.{launch_idx}.log"
+        self.logs.append(log_path)
+        with open(log_path, "w") as log:
+            self.agents[node] = subprocess.Popen(cmd, env=env, cwd=self.root, stdout=log, stderr=subprocess.STDOUT,
+                                                 start_new_session=True)
+
+    # -------------------------------------------------------------------------------------------- run
+    def run(self, faults: list[Fault], losses: list[NodeLoss]) -> dict:
+        """Start every node, replace lost ones until every agent exits 0 (or one fails, or time is up).
+        Returns ``rc`` (0, the failing agent's code, or 124), ``node_losses`` (one event per loss) and the
+        agents' ``logs``."""
+        import torch.distributed as dist
+
+        c = self.config
+        faults = list(faults) + node_faults(losses, c.ranks_per_node)
+        events = {(l.iteration, l.phase): sorted({m.node for m in losses if (m.iteration, m.phase) ==
+                                                   (l.iteration, l.phase)}) for l in losses}
+        # the rendezvous lives here, not on a node: every node can be lost
+        rdzv = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
+        deadline = time.monotonic() + c.timeout
+        done: set[int] = set()
+        rc = 0
+        try:
+            for node in range(c.num_nodes):
+                self._launch(node, faults, rdzv.port)
+            while len(done) < c.num_nodes:
+                if time.monotonic() > deadline:
+                    rc = 124
+                    break
+                time.sleep(0.05)
+                exited = {n: a.poll() for n, a in self.agents.items() if n not in done and a.poll() is not None}
+                for node, code in exited.items():
+                    if code == 0:
+                        done.add(node)
+                if not any(code != 0 for code in exited.values()):
+                    continue
+                lost = self._lost_event(exited, events)
+                if lost is None:  # an agent failed without a node fault: the job failed
+                    rc = next(code for code in exited.values() if code != 0)
+                    break
+                (iteration, phase), nodes = lost
+                self._replace(nodes, iteration, phase, faults, rdzv.port)
+        finally:
+            for agent in self.agents.values():
+                if agent.poll() is None:
+                    kill_tree(agent.pid)
+                agent.wait()
+            del rdzv
+        return {"rc": rc, "node_losses": self.events, "logs": self.logs,
+                "launches": {str(n): k for n, k in sorted(self.launches.items())}}
+
+    def _lost_event(self, exited: dict[int, int], events: dict) -> tuple[tuple[int, str], list[int]] | None:
+        """The scheduled loss that killed an exited agent (its ``node`` marker), or None."""
+        for node, code in exited.items():
+            if code == 0:
+                continue
+            for fault in fired_markers(Path(self.store_of(node))):
+                key = (fault.iteration, fault.phase)
+                if fault.kind == "node" and fault not in self.fired and key in events:
+                    return key, events[key]
+        return None
+
+    def _replace(self, nodes: list[int], iteration: int, phase: str, faults: list[Fault], port: int) -> None:
+        t0 = time.monotonic()
+        for node in nodes:  # the other nodes lost in the same event go down now
+            kill_tree(self.agents[node].pid)
+            self.agents[node].wait()
+        survivors = [n for n in self.agents if n not in nodes]
+        survivor_workers = [pid for n in survivors for pid in children(self.agents[n].pid)]
+        for node in nodes:  # the node is gone: its snapshots and the replicas it held with it
+            store = Path(self.store_of(node))
+            self.fired.update(fired_markers(store))
+            shutil.rmtree(store, ignore_errors=True)
+        while any(alive(pid) for pid in survivor_workers) and time.monotonic() - t0 < self.config.survivor_exit_timeout:
+            time.sleep(0.05)
+        survivors_exited = not any(alive(pid) for pid in survivor_workers)
+        if not survivors:
+            self.generation += 1
+        for node in nodes:
+            self._launch(node, faults, port)
+        self.events.append({"nodes": nodes, "iteration": iteration, "phase": phase, "survivors": survivors,
+                            "survivor_workers_exited": survivors_exited,
+                            "rendezvous": self._rdzv_id(),
+                            "seconds_to_replacement": round(time.monotonic() - t0, 3)})
+        print(f"moe-ft node drill: lost node(s) {nodes} at iteration {iteration} ({phase}); stores deleted; "
+              f"replacement started (rendezvous {self._rdzv_id()})", file=sys.stderr, flush=True)
+
+
+def read_reports(report_dirs: list[str]) -> list[dict]:
+    """Recovery reports of every agent launch, in launch order (``recovery_<restart>.json`` each)."""
+    out = []
+    for d in report_dirs:
+        out += [json.loads(p.read_text()) for p in sorted(Path(d).glob("recovery_*.json"))]
+    return out
