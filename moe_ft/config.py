@@ -65,6 +65,10 @@ class FTConfig:
         "Copy the newest recovery point to durable storage every N iterations in the background (0 = off)."))
     ft_persist_dir: str = field(default="", metadata=field_help(
         "Durable tier root (<dir>/moe_ft/<job>); empty = --save."))
+    ft_capacity_boost: float = field(default=0.0, metadata=field_help(
+        "MoEtion §6 capacity boost: after a pec/selective recovery, every expert restored from a stale FULL "
+        "entry gets this fraction more capacity (0.1 = 10 %%) until it has kept as many extra tokens as the "
+        "recovery lost for it (0 = off). Needs token dropping (--moe-expert-capacity-factor)."))
 
     def __post_init__(self) -> None:
         if self.ft_policy not in POLICY_CHOICES:
@@ -84,6 +88,18 @@ class FTConfig:
             Fault.parse(text)  # raises ValueError naming the bad fault
         if self.ft_snapshot_bandwidth <= 0:
             raise ValueError("--ft-snapshot-bandwidth must be positive (bytes/s)")
+        if self.ft_capacity_boost < 0:
+            raise ValueError(f"--ft-capacity-boost must be >= 0 (a fraction, 0.1 = 10 %), got {self.ft_capacity_boost}")
+        if self.ft_capacity_boost and self.ft_policy not in ("pec", "selective"):
+            raise ValueError(f"--ft-capacity-boost makes up the tokens a lossy recovery loses; --ft-policy "
+                             f"{self.ft_policy} loses none: use it with --ft-policy pec or selective")
+
+    def check_args(self, args) -> None:
+        """Checks against the model's flags (``args``: Megatron's parsed ``Args``)."""
+        if self.ft and self.ft_capacity_boost and getattr(args.model, "moe_expert_capacity_factor", None) is None:
+            raise ValueError("--ft-capacity-boost gives stale experts more *capacity*: it needs token dropping, "
+                             "set --moe-expert-capacity-factor (e.g. 1.0); without it no expert drops tokens "
+                             "and there is nothing to boost")
 
     def customize_layer_spec(self, spec):
         """Install the popularity-counting router (``moe_ft.megatron_ext.router``) when FT is on."""
@@ -111,6 +127,7 @@ class FTConfig:
 
     @property
     def needs_popularity(self) -> bool:
-        """Whether the policy reads the (data-parallel aggregated) popularity counters."""
-        return self.ft_policy in ("sparse", "selective") or (
-            self.ft_policy == "pec" and self.ft_pec_selection == "load_aware")
+        """Whether the popularity counters must be summed over all ranks: the policy reads them (sparse,
+        selective, pec load-aware), or a lossy recovery accounts the tokens lost per expert (pec,
+        selective: PLT/MLT and the capacity boost need the whole job's tokens, not one rank's)."""
+        return self.ft_policy in ("sparse", "selective", "pec")

@@ -61,6 +61,7 @@ class FTRuntime(StepHooks):
         self.replication = None
         self.persistence = None
         self.megatron_dense = None
+        self.boost = None  # MoEtion §6 capacity boost (--ft-capacity-boost)
 
     # ------------------------------------------------------------------------------------ building
     def on_train_start(self, state, data, args, start_iteration: int) -> int:
@@ -77,6 +78,11 @@ class FTRuntime(StepHooks):
         if attach_popularity(state.model, self.popularity) == 0:
             raise RuntimeError("no PopularityRouter in the model: the layer spec was built without FTConfig "
                                "(pass the FT flags through pretrain_gpt_moe.extra_argument_groups)")
+        if self.config.ft_capacity_boost:
+            from moe_ft.recovery.boost import build_capacity_boost
+
+            self.config.check_args(args)
+            self.boost = build_capacity_boost(self.config.ft_capacity_boost, state, self.popularity)
         self.start_iteration = start_iteration
         self._setup_faults()
         if self.config.ft_policy != "none":
@@ -120,6 +126,10 @@ class FTRuntime(StepHooks):
             return train_step(replace(state, optimizer=optimizer), data, iteration, args)
 
         self.report = recover(self, state, args, start_iteration, step_fn, restart_count)
+        if self.boost is not None:
+            from moe_ft.recovery.boost import start_after_recovery
+
+            self.report.capacity_boost = start_after_recovery(self.boost, self.report, self.active.store)
         self._recovered_at = time.perf_counter()
         self._write_report(final=not self.report.reexecuted_iterations)
         return self.report.recovery_point["resume"]
@@ -214,6 +224,8 @@ class FTRuntime(StepHooks):
         if not self._in_recovery(iteration):
             self.check_fault(iteration, "step")
         self.popularity.end_iteration(iteration)
+        if self.boost is not None:
+            self._boost_end_iteration(iteration)
         if self.registry is None:
             self._first_iter_s = result.seconds
             self._build()
@@ -228,6 +240,10 @@ class FTRuntime(StepHooks):
                                               global_batch_size=t.global_batch_size, clip_grad=t.clip_grad,
                                               policy=session.policy, popularity=self.popularity)
             meta["policy_name"] = session.name
+            if self.boost is not None:
+                from moe_ft.recovery.boost import snapshot_tensors
+
+                tensors.update(snapshot_tensors(self.boost))
             self.on_snapshot(iteration, plan)
             session.engine.submit(iteration, plan, meta, tensors)
             if not self._in_recovery(iteration):
@@ -261,6 +277,20 @@ class FTRuntime(StepHooks):
         if t.save and t.save_interval and (iteration + 1) % t.save_interval == 0 and not self._in_recovery(iteration):
             self.check_fault(iteration, "persist")  # fires before the loop writes the --save checkpoint
 
+    def _boost_end_iteration(self, iteration: int) -> None:
+        """Pay the boosted experts' extra tokens off (collective while a boost is active); note in the
+        recovery report when each expert made its lost tokens up."""
+        from moe_ft.recovery.boost import record_made_up
+
+        made_up = self.boost.end_iteration(iteration)
+        section = self.report.capacity_boost if self.report is not None else None
+        if made_up and section and record_made_up(section, made_up, iteration, self.boost.active):
+            if self.rank == 0 and section.get("ended_at") is not None:
+                print(f"moe-ft capacity boost: {len(section['experts'])} experts made up "
+                      f"{section['tokens_to_make_up']:.0f} lost tokens by iteration {iteration}", flush=True)
+            if not self._in_recovery(iteration):  # while re-executing, the final report write follows
+                self._write_report(final=False)
+
     def _trace(self, iteration: int, plan) -> None:
         """One ``--ft-trace-out`` line (the popularity counters of ``iteration`` and its FULL experts)."""
         import json
@@ -268,6 +298,8 @@ class FTRuntime(StepHooks):
         full = sorted([op.layer, op.expert] for op, lvl in plan.items() if lvl == Level.FULL and op.is_expert)
         line = {"iteration": iteration, "replay": self._in_recovery(iteration),
                 "counts": self.popularity.last_counts.tolist(), "full_experts": full}
+        if self.boost is not None:
+            line["boost_deficit"] = self.boost.deficit.tolist()
         with open(self.config.ft_trace_out, "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -317,6 +349,8 @@ class FTRuntime(StepHooks):
             p, ends = self.persistence.records[-1], self.persistence.tier.complete_points()
             if ends:  # the newest point every rank finished, not this rank's newest flush
                 out.update(persist_end=ends[-1], persist_mb_s=p.nbytes / 1e6 / max(p.seconds, 1e-9))
+        if self.boost is not None and self.boost.active:
+            out.update(boost_experts=int((self.boost.deficit > 0).sum()), boost_deficit=float(self.boost.deficit.sum()))
         win = getattr(session.policy, "window_of", None)
         if win is not None and rec is not None:
             w = win(rec.iteration)
@@ -338,6 +372,8 @@ class FTRuntime(StepHooks):
             parts.append(f"replica {m['replication_bytes'] / 1e6:.3f} MB lag {m['replication_lag']} it")
         if "persist_end" in m:
             parts.append(f"durable {m['persist_end'] + 1} ({m['persist_mb_s']:.1f} MB/s)")
+        if "boost_experts" in m:
+            parts.append(f"capacity boost {m['boost_experts']} experts, {m['boost_deficit']:.0f} tokens to make up")
         parts.append(f"tokens at risk {m['tokens_at_risk']:.0f}")
         print(" | ".join(parts), flush=True)
 

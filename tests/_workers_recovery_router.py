@@ -43,6 +43,33 @@ def main() -> None:
     assert torch.equal(boosted[:, 1:], plain[:, 1:])
     boost.end_iteration()
     assert float(boost.deficit[0, 0]) == 100.0 - (int(boosted.sum(0)[0]) - base)
+
+    # with Megatron's own token dropping on (--moe-expert-capacity-factor), attaching the boost hands the
+    # dropping to the router: inactive, it drops exactly what Megatron drops; the layer config keeps the factor
+    dropping_cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
+                                     moe_router_topk=2, use_cpu_initialization=True, moe_aux_loss_coeff=0.0,
+                                     moe_expert_capacity_factor=1.0)
+    megatron_router = PopularityRouter(config=dropping_cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    megatron_router.set_layer_number(1)
+    with torch.no_grad():
+        megatron_router.weight.copy_(router.weight)
+    ref_probs, ref_map = megatron_router(x)
+    assert int(ref_map.sum(0)[0]) == base
+    taken = CapacityBoost(CapacityBoostConfig(capacity_factor=1.0, boost=0.1), moe_layers=[0], num_experts=4)
+    assert attach_capacity_boost([megatron_router], taken) == 1
+    assert megatron_router.config.moe_expert_capacity_factor is None and dropping_cfg.moe_expert_capacity_factor == 1.0
+    out_probs, out_map = megatron_router(x)
+    assert torch.equal(out_map, ref_map) and torch.equal(out_probs, ref_probs)
+    taken.start(torch.tensor([[10.0, 0, 0, 0]]))
+    _, boosted_map = megatron_router(x)
+    assert int(boosted_map.sum(0)[0]) == min(int(unlimited.sum(0)[0]), math.ceil(base * 1.1)) > base
+    mismatched = PopularityRouter(config=dropping_cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    try:
+        attach_capacity_boost([mismatched], CapacityBoost(CapacityBoostConfig(capacity_factor=2.0), moe_layers=[0],
+                                                         num_experts=4))
+        raise AssertionError("a base factor different from the model's must be refused")
+    except ValueError as e:
+        assert "differs from the model's --moe-expert-capacity-factor" in str(e)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     print("router capacity boost ok", flush=True)

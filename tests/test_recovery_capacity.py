@@ -81,3 +81,24 @@ def test_router_subclass_applies_per_expert_capacity():
                           cwd=ROOT, capture_output=True, text=True, timeout=170,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
     assert proc.returncode == 0 and "router capacity boost ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.timeout(60)
+def test_made_up_iteration_state_round_trip_and_no_collective_while_inactive():
+    calls = []
+    boost = CapacityBoost(CapacityBoostConfig(capacity_factor=1.0), moe_layers=[2, 3], num_experts=4,
+                          all_reduce=lambda t: calls.append(t.clone()))
+    assert boost.end_iteration(0) == [] and calls == []  # inactive on every rank alike: no all_reduce
+    boost.start(torch.tensor([[3.0, 0, 0, 0], [0, 0, 9.0, 0]]))
+    saved = boost.state_dict()
+    probs, rmap = routed()
+    _, kept = per_expert_token_dropping(probs, rmap, topk=2, capacity_factors=boost.capacity_factors(2))
+    boost.record(2, kept, topk=2)  # 4 extra tokens for expert 0 of layer 2
+    assert boost.end_iteration(7) == [(2, 0)] and len(calls) == 1
+    assert boost.made_up_at.tolist() == [[7, -1, -1, -1], [-1, -1, -1, -1]] and boost.active
+    restored = CapacityBoost(CapacityBoostConfig(capacity_factor=1.0), moe_layers=[2, 3], num_experts=4)
+    restored.load_state_dict(saved)  # e.g. a later recovery to a point taken before iteration 7
+    assert torch.equal(restored.deficit, saved["deficit"]) and restored.made_up_at.tolist() == [[-1] * 4] * 2
+    assert torch.equal(restored.owed, torch.tensor([[3.0, 0, 0, 0], [0, 0, 9.0, 0]], dtype=torch.float64))
+    with pytest.raises(ValueError, match="does not match"):
+        CapacityBoost(CapacityBoostConfig(capacity_factor=1.0), moe_layers=[2], num_experts=4).load_state_dict(saved)

@@ -38,6 +38,7 @@ def transformer_config(args: Args) -> TransformerConfig:
         num_moe_experts=m.num_experts,
         moe_router_topk=m.moe_router_topk,
         moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_expert_capacity_factor=m.moe_expert_capacity_factor,
         moe_router_load_balancing_type="aux_loss",
         moe_token_dispatcher_type=m.moe_token_dispatcher_type,
         moe_grouped_gemm=m.moe_grouped_gemm,

@@ -8,6 +8,7 @@ attached counter the router behaves exactly like Megatron's.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
@@ -43,8 +44,8 @@ class CapacityBoostConfig:
     until the tokens they lost are made up."""
 
     capacity_factor: float
-    """Base capacity factor of every expert (as Megatron's ``--moe-expert-capacity-factor``, which must
-    then be unset: this router does the dropping)."""
+    """Base capacity factor of every expert: Megatron's ``--moe-expert-capacity-factor`` (the router then
+    does the dropping in place of Megatron's, :meth:`PopularityRouter.take_over_token_dropping`)."""
     boost: float = 0.10
     """Extra capacity of a stale expert (MoEtion: "process 10 % more tokens")."""
 
@@ -57,18 +58,27 @@ class CapacityBoost:
     """Per ``(moe layer, expert)`` the tokens still to make up. While positive, the expert's capacity
     factor is ``capacity_factor * (1 + boost)``; every token it keeps beyond the base capacity pays one
     token off (the boosted capacity is where lost tokens are made up). State on the object, attached to
-    the routers like the popularity counters (:func:`attach_capacity_boost`)."""
+    the routers like the popularity counters (:func:`attach_capacity_boost`).
+
+    Tensors, all ``[num_moe_layers, num_experts]``: ``deficit`` (float64, tokens still to make up),
+    ``owed`` (float64, the tokens handed over by :meth:`start` so far) and ``made_up_at`` (int64, the
+    iteration in which the deficit reached zero; -1 while it is positive or was never started)."""
 
     def __init__(self, config: CapacityBoostConfig, *, moe_layers: list[int], num_experts: int,
                  all_reduce: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         self.config, self.moe_layers, self.all_reduce = config, list(moe_layers), all_reduce
         self.deficit = torch.zeros(len(self.moe_layers), num_experts, dtype=torch.float64)
+        self.owed = torch.zeros_like(self.deficit)
+        self.made_up_at = torch.full(self.deficit.shape, -1, dtype=torch.int64)
         self._extra = torch.zeros_like(self.deficit)
 
     def start(self, lost_tokens: torch.Tensor) -> None:
         """After a lossy recovery: ``lost_tokens`` ``[num_moe_layers, num_experts]`` (the report's
-        ``per_expert``) become the deficit to make up."""
-        self.deficit += lost_tokens.to(torch.float64).clamp(min=0)
+        ``per_expert``) are added to the deficit to make up."""
+        lost = lost_tokens.to(torch.float64).clamp(min=0)
+        self.deficit += lost
+        self.owed += lost
+        self.made_up_at[lost > 0] = -1
 
     def capacity_factors(self, layer_idx: int) -> torch.Tensor:
         """``[num_experts]`` capacity factors of ``layer_idx`` (global 0-based layer index)."""
@@ -82,16 +92,38 @@ class CapacityBoost:
         kept = routing_map.sum(dim=0).to(torch.float64).cpu()
         self._extra[self.moe_layers.index(layer_idx)] += (kept - base).clamp(min=0)
 
-    def end_iteration(self) -> None:
-        """Pay the iteration's extra tokens off the deficit (summed over ranks with ``all_reduce``)."""
+    def end_iteration(self, iteration: int = -1) -> list[tuple[int, int]]:
+        """Pay the iteration's extra tokens off the deficit (summed over ranks with ``all_reduce``, a
+        collective every rank calls; skipped on every rank alike while no expert is boosted). Returns the
+        ``(layer, expert)`` pairs whose deficit reached zero in ``iteration``."""
+        if not self.active:  # `deficit` is identical on every rank: all skip the all_reduce together
+            self._extra.zero_()
+            return []
         if self.all_reduce is not None:
             self.all_reduce(self._extra)
+        was = self.deficit > 0
         self.deficit = (self.deficit - self._extra).clamp(min=0)
         self._extra.zero_()
+        done = was & (self.deficit == 0)
+        self.made_up_at[done] = iteration
+        return [(self.moe_layers[int(r)], int(e)) for r, e in done.nonzero().tolist()]
 
     @property
     def active(self) -> bool:
         return bool((self.deficit > 0).any())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies of ``deficit``, ``owed`` and ``made_up_at`` (snapshot metadata tensors)."""
+        return {"deficit": self.deficit.clone(), "owed": self.owed.clone(), "made_up_at": self.made_up_at.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if tuple(state["deficit"].shape) != tuple(self.deficit.shape):
+            raise ValueError(f"capacity-boost state of shape {tuple(state['deficit'].shape)} does not match this "
+                             f"model's {tuple(self.deficit.shape)} (MoE layers x experts)")
+        self.deficit = state["deficit"].to(torch.float64).clone()
+        self.owed = state["owed"].to(torch.float64).clone()
+        self.made_up_at = state["made_up_at"].to(torch.int64).clone()
+        self._extra.zero_()
 
 
 class PopularityRouter(TopKRouter):
@@ -106,15 +138,33 @@ class PopularityRouter(TopKRouter):
     def routing(self, logits: torch.Tensor, *args, **kwargs):
         probs, routing_map = super().routing(logits, *args, **kwargs)
         if self.capacity is not None:
-            if self.config.moe_expert_capacity_factor is not None:
-                raise ValueError("the capacity boost drops tokens itself: unset --moe-expert-capacity-factor "
-                                 "and give the base factor in CapacityBoostConfig.capacity_factor")
             layer_idx = int(self.layer_number) - 1
-            probs, routing_map = per_expert_token_dropping(probs, routing_map, topk=self.topk,
-                                                           capacity_factors=self.capacity.capacity_factors(layer_idx))
+            factors = (self.capacity.capacity_factors(layer_idx) if self.training else
+                       torch.full((routing_map.shape[1],), self.capacity.config.capacity_factor, dtype=torch.float64))
+            probs, routing_map = per_expert_token_dropping(probs, routing_map, topk=self.topk, capacity_factors=factors)
             if self.training and torch.is_grad_enabled():
                 self.capacity.record(layer_idx, routing_map, self.topk)
         return probs, routing_map
+
+    def take_over_token_dropping(self, capacity_factor: float) -> None:
+        """Drop tokens here, per expert (:func:`per_expert_token_dropping`), instead of in Megatron's
+        ``TopKRouter.routing``: the router gets a copy of its config with ``moe_expert_capacity_factor``
+        unset (the layer's config keeps it, so the token dispatcher still expects dropped tokens). With
+        equal factors this drops exactly the tokens Megatron's ``drop_policy="probs"`` drops."""
+        cfg = self.config
+        if cfg.moe_router_enable_expert_bias:
+            raise ValueError("the capacity boost drops tokens after routing, so the aux-loss-free expert bias "
+                             "would count dropped tokens: drop --moe-router-enable-expert-bias or the boost")
+        if cfg.moe_expert_capacity_factor is None:
+            return  # no Megatron dropping to take over (the boost's base factor does it all)
+        if float(cfg.moe_expert_capacity_factor) != float(capacity_factor):
+            raise ValueError(f"capacity boost base factor {capacity_factor} differs from the model's "
+                             f"--moe-expert-capacity-factor {cfg.moe_expert_capacity_factor}")
+        if cfg.moe_pad_expert_input_to_capacity or cfg.moe_token_drop_policy != "probs":
+            raise ValueError("the capacity boost drops tokens by probability without padding: it needs "
+                             "moe_token_drop_policy='probs' and moe_pad_expert_input_to_capacity off")
+        self.config = copy.copy(cfg)
+        self.config.moe_expert_capacity_factor = None
 
     def forward(self, input: torch.Tensor, *args, **kwargs):
         probs, routing_map = super().forward(input, *args, **kwargs)
@@ -146,8 +196,10 @@ def attach_popularity(model_chunks: Iterable, popularity) -> int:
 
 
 def attach_capacity_boost(model_chunks: Iterable, boost: CapacityBoost) -> int:
-    """Point every :class:`PopularityRouter` of the model chunks at ``boost``; returns how many."""
+    """Point every :class:`PopularityRouter` of the model chunks at ``boost`` (each takes over Megatron's
+    token dropping, :meth:`PopularityRouter.take_over_token_dropping`); returns how many."""
     routers = _routers(model_chunks)
     for router in routers:
+        router.take_over_token_dropping(boost.config.capacity_factor)
         router.capacity = boost
     return len(routers)

@@ -27,6 +27,11 @@ class RecoveryReport:
     token_loss: dict = field(default_factory=dict)
     """``{"tokens": …, "metric": "PLT"|"MLT"|None, "value": …, "per_layer": …}``; 0 tokens for exact."""
     routing_checked: int = 0
+    capacity_boost: dict = field(default_factory=dict)
+    """MoEtion §6 boost after a lossy recovery (``--ft-capacity-boost``, ``moe_ft/recovery/boost.py``):
+    ``{"boost", "capacity_factor", "started_at", "tokens_to_make_up", "ended_at", "experts": [{"layer",
+    "expert", "lost", "carried", "tokens", "made_up_at"}]}``; rewritten as experts make their tokens up.
+    Empty without the boost."""
     recovered_digest: str = ""
     message: str = ""
 
@@ -42,7 +47,14 @@ class RecoveryReport:
                 f"{self.failed.get('last_completed')} | recovery point {rp.get('source')} [{rp.get('start')}, "
                 f"{rp.get('end')}] | replayed {len(self.replayed_iterations)} | re-executed "
                 f"{len(self.reexecuted_iterations)} | {secs} | token loss {loss} | digest "
-                f"{self.recovered_digest[:16]}" + (f" | {self.message}" if self.message else ""))
+                f"{self.recovered_digest[:16]}" + self._boost_summary() + (f" | {self.message}" if self.message else ""))
+
+    def _boost_summary(self) -> str:
+        cb = self.capacity_boost
+        if not cb:
+            return ""
+        return (f" | capacity boost +{100 * cb['boost']:.0f} % for {len(cb['experts'])} experts, "
+                f"{cb['tokens_to_make_up']:.0f} tokens to make up")
 
     def write(self, directory: str) -> str:
         os.makedirs(directory, exist_ok=True)
