@@ -31,6 +31,9 @@ class ModelArgs:
     num_experts: int = field(default=4, metadata=field_help("Experts per MoE layer."))
     moe_router_topk: int = field(default=2, metadata=field_help("Experts each token is routed to."))
     moe_aux_loss_coeff: float = field(default=0.01, metadata=field_help("Load-balancing loss coefficient."))
+    moe_expert_capacity_factor: float | None = field(default=None, metadata=field_help(
+        "Capacity factor of each expert: it keeps at most ceil(factor x tokens x topk / experts) tokens per "
+        "micro-batch, its highest-probability ones (Megatron's drop policy 'probs'); default: no dropping."))
     moe_token_dispatcher_type: str = field(
         default="alltoall",
         metadata=field_help("Megatron token dispatcher; 'flexible' is moe-ft's Lazarus dispatcher "
@@ -195,6 +198,8 @@ def validate_args(args: Args) -> None:
     if m.hidden_size % m.num_attention_heads:
         raise ArgumentError(f"--hidden-size {m.hidden_size} must be divisible by --num-attention-heads "
                             f"{m.num_attention_heads}")
+    if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
+        raise ArgumentError(f"--moe-expert-capacity-factor must be positive, got {m.moe_expert_capacity_factor}")
     if m.moe_router_topk > m.num_experts:
         raise ArgumentError(f"--moe-router-topk {m.moe_router_topk} exceeds --num-experts {m.num_experts}")
     if m.num_experts % p.expert_model_parallel_size:
