@@ -166,7 +166,9 @@ def args_from_namespace(namespace: argparse.Namespace, world_size: int | None = 
     validate_args(args)
     for _, cls in extra_groups:
         try:
-            args.extra[cls.__name__] = dataclass_from_args(cls, namespace)
+            extra = args.extra[cls.__name__] = dataclass_from_args(cls, namespace)
+            if hasattr(extra, "check_args"):  # checks of a component's flags against the model's
+                extra.check_args(args)
         except ValueError as e:
             raise ArgumentError(str(e)) from e
     return args
@@ -241,9 +243,13 @@ def validate_args(args: Args) -> None:
         raise ArgumentError("--lr-warmup-iters must be smaller than the decay iterations")
     if t.save_interval < 0 or t.log_interval <= 0 or t.eval_interval < 0:
         raise ArgumentError("--save-interval/--eval-interval must be >= 0 and --log-interval > 0")
-    if m.moe_token_dispatcher_type == "flexible" and (t.save or t.load):
-        raise ArgumentError("--save/--load are not supported with --moe-token-dispatcher-type flexible yet "
-                            "(replicated experts have no dist_checkpointing layout); drop them or use alltoall")
+    if m.moe_token_dispatcher_type == "flexible" and p.use_distributed_optimizer and (t.save or t.load):
+        # the distributed optimizer's dp_reshardable format stores Adam state as flat parameter buffers, whose
+        # layout depends on the replica plan: a checkpoint would load only into the same plan, and silently
+        # into the wrong experts when two plans happen to have equal buffer sizes
+        raise ArgumentError("--save/--load with --moe-token-dispatcher-type flexible need the plain optimizer "
+                            "(per-parameter optimizer state, loadable into any replica plan or standard EP); "
+                            "drop --use-distributed-optimizer")
     if t.save_interval and not t.save:
         raise ArgumentError("--save-interval needs --save DIR")
     if d.data_path is None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_ft.elastic.dispatch import BACKENDS
+from moe_ft.elastic.loads import MeasuredLoads, read_trace_loads
 from moe_ft.elastic.placement import plan_counts, validate_plan
 from moe_ft.elastic.planner import STRATEGIES, PlacementConfig, place, plan_layer
 
@@ -32,8 +33,8 @@ class ElasticConfig:
 
     ft_expert_replicas: list[str] | None = field(default=None, metadata=field_help(
         "Replicas per expert (one count per expert, summing to EP size x --ft-expert-slots), or 'auto' for "
-        "Lazarus eq. 1 from --ft-expert-loads. Unset: one replica per expert where standard EP puts it. "
-        "Needs --moe-token-dispatcher-type flexible."))
+        "Lazarus eq. 1 from --ft-expert-loads-from (per layer) or --ft-expert-loads. Unset: one replica per "
+        "expert where standard EP puts it. Needs --moe-token-dispatcher-type flexible."))
     """``None``, ``["auto"]`` or one integer string per expert."""
     ft_expert_slots: int | None = field(default=None, metadata=field_help(
         "Replica slots per EP rank (Lazarus c; default num_experts / EP size)."))
@@ -43,13 +44,23 @@ class ElasticConfig:
     """``f`` of eq. 1; only used by ``auto``."""
     ft_expert_loads: list[float] | None = field(default=None, metadata=field_help(
         "Expected tokens per expert for 'auto' (default: uniform)."))
-    """Popularity fed to eq. 1; one non-negative number per expert."""
+    """Popularity fed to eq. 1; one non-negative number per expert, the same for every MoE layer."""
+    ft_expert_loads_from: str = field(default="", metadata=field_help(
+        "--ft-trace-out file of an earlier run: its popularity counters, summed per MoE layer, are the loads "
+        "of 'auto', and every layer gets its own allocation and plan."))
+    """Path of a JSONL trace (``moe_ft.elastic.loads``); read once, at argument parsing."""
+    ft_expert_loads_window: int = field(default=0, metadata=field_help(
+        "With --ft-expert-loads-from: sum only the newest N iterations of the trace (0 = all)."))
+    """Recent-history window of the measured loads, in iterations."""
     ft_placement: str = field(default="optimal", metadata=field_help(
         "Placement strategy of the replicas over EP ranks.", choices=list(STRATEGIES)))
     """``optimal`` (never worse than MRO), ``mro``, ``spread`` or ``compact``."""
     ft_dispatch_backend: str = field(default="torch", metadata=field_help(
         "Permutation implementation: torch (reference) or triton (explicit opt-in).", choices=list(BACKENDS)))
     """``DispatchConfig.backend`` of the flexible dispatcher."""
+
+    measured: MeasuredLoads | None = field(default=None, init=False, repr=False)
+    """Per-layer loads read from ``ft_expert_loads_from`` (not a flag)."""
 
     def __post_init__(self):
         r = self.ft_expert_replicas
@@ -66,6 +77,27 @@ class ElasticConfig:
             raise ValueError(f"--ft-fault-threshold must be >= 1, got {self.ft_fault_threshold}")
         if self.ft_expert_loads is not None and r != ["auto"]:
             raise ValueError("--ft-expert-loads is only used with --ft-expert-replicas auto; drop one of them")
+        if self.ft_expert_loads_from:
+            if r != ["auto"]:
+                raise ValueError("--ft-expert-loads-from is only used with --ft-expert-replicas auto; add it or "
+                                 "drop --ft-expert-loads-from")
+            if self.ft_expert_loads is not None:
+                raise ValueError("--ft-expert-loads and --ft-expert-loads-from both give the loads; pass one")
+            self.measured = read_trace_loads(self.ft_expert_loads_from, self.ft_expert_loads_window)
+        elif self.ft_expert_loads_window:
+            raise ValueError("--ft-expert-loads-window needs --ft-expert-loads-from")
+
+    def check_args(self, args) -> None:
+        """Parse-time checks against the model flags (``megatron/training/arguments.py`` calls this)."""
+        if self.enabled and args.model.moe_token_dispatcher_type != FLEXIBLE:
+            raise ValueError(f"--ft-expert-replicas needs --moe-token-dispatcher-type {FLEXIBLE}")
+        if self.measured is not None:
+            self.measured.check_model(args.model.num_layers, args.model.num_experts)
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether every MoE layer has its own plan (loads measured per layer)."""
+        return self.measured is not None
 
     @property
     def enabled(self) -> bool:
@@ -87,8 +119,9 @@ class ElasticConfig:
         spec.submodules.mlp = elastic_mlp_spec(mlp, self)
         return spec
 
-    def replica_map(self, num_experts: int, ep_size: int) -> torch.Tensor:
-        """``R[e, j]``: replicas of expert ``e`` on EP rank ``j``, int64 ``[num_experts, ep_size]``."""
+    def replica_map(self, num_experts: int, ep_size: int, layer_idx: int | None = None) -> torch.Tensor:
+        """``R[e, j]``: replicas of expert ``e`` on EP rank ``j``, int64 ``[num_experts, ep_size]``, for MoE
+        layer ``layer_idx`` (0-based global index; only needed when ``per_layer``)."""
         slots = self.ft_expert_slots if self.ft_expert_slots is not None else num_experts // ep_size
         if self.ft_expert_replicas is None:
             if self.ft_expert_slots not in (None, num_experts // ep_size) or num_experts % ep_size:
@@ -96,7 +129,15 @@ class ElasticConfig:
                                  "slots per rank); pass --ft-expert-replicas to use other slot counts")
             plan = tuple(tuple(range(j * slots, (j + 1) * slots)) for j in range(ep_size))
         elif self.ft_expert_replicas == ["auto"]:
-            loads = self.ft_expert_loads if self.ft_expert_loads is not None else [1.0] * num_experts
+            if self.measured is not None:
+                if layer_idx is None:
+                    raise ValueError("loads measured per layer (--ft-expert-loads-from) need the layer index")
+                loads = self.measured.layer(layer_idx)
+                if len(loads) != num_experts:
+                    raise ValueError(f"{self.measured.source} has loads of {len(loads)} experts for a model "
+                                     f"with {num_experts}")
+            else:
+                loads = self.ft_expert_loads if self.ft_expert_loads is not None else [1.0] * num_experts
             if len(loads) != num_experts:
                 raise ValueError(f"--ft-expert-loads has {len(loads)} values for {num_experts} experts")
             config = PlacementConfig(slots_per_node=slots, min_replicas=self.ft_fault_threshold,

@@ -24,13 +24,20 @@ Gradient norm: Megatron's clipping norm sums squares over the expert model-paral
 expert after the sum hold the same gradient, so every holder but the first marks its parameters
 ``shared`` (Megatron's flag for duplicated parameters, e.g. tied embeddings) and the norm -- hence
 clipping -- equals standard EP's.
+
+Checkpoints (``sharded_state_dict``): the layout of standard EP's ``SequentialMLP`` -- expert ``e`` is slice
+``e`` of the ``experts.*`` sharded tensors -- written once per expert by its first holder; the other
+holders carry a non-zero replica id. The optimizer state follows the parameters' sharded tensors, so a
+checkpoint loads into any replica plan and into standard EP, and back.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 
 class HolderGradSum:
@@ -143,6 +150,34 @@ class ElasticExperts(SequentialMLP):
         return torch.cat(outputs, dim=0), None
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        raise NotImplementedError(
-            "distributed checkpointing of replicated experts is not implemented yet (issue 7, later step); "
-            "run the flexible dispatcher without --save, or use --moe-token-dispatcher-type alltoall")
+        """Standard EP's checkpoint layout (``SequentialMLP.sharded_state_dict``): expert ``e``'s tensors are
+        slice ``e`` of the ``experts.*`` sharded tensors (or ``experts.{e}.*`` with singleton local shards).
+
+        Every expert is written once: its first holder (lowest EP rank) keeps Megatron's replica id
+        ``(PP, TP, expert-DP rank)``, so the main replica is the first holder at expert-DP rank 0; the other
+        holders get a non-zero replica id and are not written. Loading fills every holder from the same
+        slice. Nothing in the layout depends on the plan, so a checkpoint moves between replica plans and
+        standard EP in both directions, and the optimizer state (keyed by these sharded tensors) with it.
+        """
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        num_experts = self.replicas.shape[0]
+        singleton_local_shards = (metadata or {}).get("singleton_local_shards", False)
+        ep_rank, dp_rank, dp_size = dist.get_rank(self.ep_group), self.dp_group.rank(), self.dp_group.size()
+        sharded = {}
+        for local_idx, (e, expert) in enumerate(zip(self.held_experts, self.local_experts)):
+            local_prefix = f"{prefix}local_experts.{local_idx}."
+            if singleton_local_shards:
+                sharded_prefix, offsets = f"{prefix}experts.{e}.", sharded_offsets
+            else:
+                sharded_prefix = f"{prefix}experts."
+                offsets = (*sharded_offsets, (len(sharded_offsets), e, num_experts))
+            expert_sd = expert.sharded_state_dict(local_prefix, offsets, metadata)
+            replace_prefix_for_sharding(expert_sd, local_prefix, sharded_prefix)
+            holders = (self.replicas[e] > 0).nonzero().flatten().tolist()
+            holder_idx = holders.index(ep_rank)  # 0 on the first holder
+            for key, sh_ten in expert_sd.items():
+                replica_id = sh_ten.replica_id
+                assert len(replica_id) == 3, f"expected a (PP, TP, DP) replica id for {key}, got {replica_id}"
+                sh_ten.replica_id = (*replica_id[:2], dp_rank + holder_idx * dp_size)  # unique per copy
+            sharded.update(expert_sd)
+        return sharded

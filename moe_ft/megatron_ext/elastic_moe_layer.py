@@ -46,15 +46,37 @@ class ElasticMoELayer(MoELayer):
         self.config = config
         if pg_collection is None:
             pg_collection = get_default_pg_collection()  # what the parent used
-        replicas = elastic.replica_map(config.num_moe_experts, self.ep_group.size())
+        self._elastic, self._pg_collection, self._experts_spec = elastic, pg_collection, experts_spec
+        self.replicas = None  # R[e, j] of this layer once built
+        # loads measured per layer: the plan needs the layer index, which TransformerLayer passes through
+        # set_layer_number right after construction
+        if not elastic.per_layer or layer_number is not None:
+            self._build_elastic(layer_number)
+
+    def set_layer_number(self, layer_number: int):
+        super().set_layer_number(layer_number)
+        if self.config.moe_token_dispatcher_type == FLEXIBLE and self.replicas is None:
+            self._build_elastic(layer_number)
+
+    def _build_elastic(self, layer_number: int | None) -> None:
+        """Replace the standard dispatcher/experts with this layer's plan (collective over the EP group)."""
+        config, pg_collection, elastic = self.config, self._pg_collection, self._elastic
+        layer_idx = None if layer_number is None else int(layer_number) - 1  # as the popularity counters
+        replicas = elastic.replica_map(config.num_moe_experts, self.ep_group.size(), layer_idx)
         self.token_dispatcher = ElasticTokenDispatcher(
             replicas, config, pg_collection, DispatchConfig(backend=elastic.ft_dispatch_backend))
         no_init = copy.copy(config)
         no_init.perform_initialization = False  # weights come from the standard experts, not new RNG draws
-        experts = ElasticExperts(no_init, experts_spec.submodules, pg_collection, replicas=replicas)
+        experts = ElasticExperts(no_init, self._experts_spec.submodules, pg_collection, replicas=replicas)
         experts.copy_from_standard(self.experts)
         self.experts = experts
+        self.replicas = replicas
 
+    def forward(self, *args, **kwargs):
+        if self.config.moe_token_dispatcher_type == FLEXIBLE and self.replicas is None:
+            raise RuntimeError("ElasticMoELayer with per-layer plans was used before set_layer_number(); "
+                               "build it inside a TransformerLayer or pass layer_number")
+        return super().forward(*args, **kwargs)
 
 def elastic_mlp_spec(mlp_spec: ModuleSpec, elastic: ElasticConfig) -> ModuleSpec:
     """Megatron's MoE ``ModuleSpec`` with ``ElasticMoELayer`` in place of ``MoELayer`` (same submodules)."""
