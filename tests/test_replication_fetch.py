@@ -41,6 +41,8 @@ def tensors(op, level, it, rank):
 
 
 def level_of(op, it):
+    if not op.is_expert and it == 6:
+        return None  # a sparse point need not hold every operator (active ones save nothing)
     return Level.FULL if it == (4 if not op.is_expert else 5) else Level.COMPUTE
 
 
@@ -69,7 +71,8 @@ def job(tmp_path):
         for it in ITERS:
             with store.begin(it) as point:
                 for op in ops_of(r):
-                    point.put(op, level_of(op, it), tensors(op, level_of(op, it), it, r))
+                    if level_of(op, it) is not None:
+                        point.put(op, level_of(op, it), tensors(op, level_of(op, it), it, r))
                 point.put_meta({"rank": r, "iteration": it})
                 point.publish()
         group = next(g for g in DP if r in g)
@@ -91,8 +94,8 @@ def job(tmp_path):
 
 
 def inventories(tmp_path, plan):
-    return [Inventory(rank=r, operators=[str(op) for op in ops_of(r)], local=inventory_of(local_store(tmp_path, r)),
-                      replicas={o: inventory_of(replica_store(tmp_path, r, o)) for o in plan.sources[r]})
+    return [Inventory(rank=r, local=inventory_of(local_store(tmp_path, r)),
+                      replicas={o: inventory_of(replica_store(tmp_path, r, o), replica=True) for o in plan.sources[r]})
             for r in range(6)]
 
 
@@ -137,8 +140,9 @@ def test_replaced_node_rebuilds_its_stores_from_holders_and_dp_peers(tmp_path, j
         store = local_store(tmp_path, r)
         assert store.points() == list(ITERS)
         for it in ITERS:
-            for op in ops_of(r):
-                got = store.load(it, op, level_of(op, it))  # verified against the manifest's checksums
+            assert store.catalog().point(it).entries.keys() == {op for op in ops_of(r) if level_of(op, it)}
+            for op in (op for op in ops_of(r) if level_of(op, it)):
+                got = store.load(it, op, level_of(op, it))  # verified against the owner's checksums
                 want = tensors(op, level_of(op, it), it, r)
                 assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
             assert store.load_meta(it).meta == {"rank": r, "iteration": it}
@@ -182,6 +186,29 @@ def test_point_without_a_source_is_skipped_with_the_reason(tmp_path, job):
 
 
 def test_needs_fetch_only_beyond_the_newest_local_point():
-    inv = Inventory(rank=0, operators=[], local={5: None, 6: None}, replicas={})
+    inv = Inventory(rank=0, local={5: None, 6: None}, replicas={})
     assert needs_fetch(inv, {3, 4, 5, 6, 7}) == [7]
-    assert needs_fetch(Inventory(rank=0, operators=[], local={}, replicas={}), {3, 4}) == [3, 4]
+    assert needs_fetch(Inventory(rank=0, local={}, replicas={}), {3, 4}) == [3, 4]
+
+
+def test_peer_copy_that_differs_from_the_owners_is_rejected(tmp_path, job):
+    """A data-parallel peer's entry is used only if it is byte-for-byte what the owner saved (checked against
+    the owner's manifest): here the peers' dense COMPUTE of iteration 7 differs (valid in their own stores)."""
+    plan, topo = job
+    lose_node(tmp_path, 2)
+    for peer in (0, 2):
+        store = local_store(tmp_path, peer)
+        store.delete_point(7)
+        with store.begin(7) as point:
+            for op in ops_of(peer):
+                extra = 1.0 if not op.is_expert else 0.0
+                point.put(op, level_of(op, 7), {k: v + extra for k, v in tensors(op, level_of(op, 7), 7, peer).items()})
+            point.put_meta({"rank": peer, "iteration": 7})
+            point.publish()
+    fetch_plan = plan_fetch(inventories(tmp_path, plan), topo)
+    assert 7 in fetch_plan.points[4]  # the inventory cannot know; the bytes decide
+    results = run_fetch(tmp_path, plan, fetch_plan)
+    assert results[4].points == [4, 5, 6]
+    assert any(s.startswith("iteration 7") and "dense.L0@COMPUTE" in s for s in results[4].skipped), results[4].skipped
+    assert 7 not in local_store(tmp_path, 4).points()
+

@@ -182,7 +182,7 @@ def fetch_lost_points(rt, local) -> dict:
     or could not), or ``{}`` without replication."""
     if rt.replication is None:
         return {}
-    mine = rt.replication.fetch_missing(local, list(rt.registry))
+    mine = rt.replication.fetch_missing(local)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine.to_json())
     fetched = {str(r): f for r, f in enumerate(gathered) if f["points"] or f["skipped"]}

@@ -12,11 +12,12 @@ Where an entry of rank ``r`` at iteration ``t`` can come from, in order of prefe
 The plan (:func:`plan_fetch`) is a pure function of the inventories every rank publishes (one
 ``all_gather_object``), so every rank computes the same transfers without further talk. Each entry goes to
 the least-loaded eligible source (bytes so far), which spreads one rank's transfers over all its holders.
-A point is fetched only if *every* operator of the rank and its metadata have a source; otherwise it is
-left out with the reason. Transfers run on a dedicated gloo group (one receiving thread per source, sends
-on the calling thread, so no pair can deadlock); every entry is verified against the checksum of the store
-it came from (the owner's, for replicas) before the point is published, atomically, into the rank's
-node-local store. Recovery then proceeds exactly as after a worker crash (``moe_ft/recovery``).
+Holders keep the owner's manifest with each replica point (``OWNER_MANIFEST``), so the plan knows every
+entry the owner had — a sparse point holds only some operators — and a point is fetched only if each of
+them has a source; otherwise it is left out with the reason. Transfers run on a dedicated gloo group (one receiving thread per source, sends
+on the calling thread, so no pair can deadlock); every entry is verified against the *owner's* checksum (a data-parallel
+peer's copy must be the very bytes the owner had) before the point is published, atomically and under the
+owner's own manifest, into the rank's node-local store. Recovery then proceeds exactly as after a worker crash (``moe_ft/recovery``).
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from moe_ft.replication.receiver import verify_message
+from moe_ft.replication.receiver import OWNER_MANIFEST, verify_message
 from moe_ft.replication.transport import GlooTransport, GlooTransportConfig, PointMessage, Transport
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import SnapshotStore
 from moe_ft.store.backend import MANIFEST
-from moe_ft.store.manifest import build_manifest
+from moe_ft.store.errors import CorruptEntryError
+from moe_ft.store.manifest import decode_manifest
 
 logger = logging.getLogger("moe_ft.replication")
 
@@ -44,10 +46,12 @@ REPLICA, PEER = "replica", "peer"
 # ------------------------------------------------------------------------------------------- inventory
 @dataclass(kw_only=True)
 class PointInventory:
-    """The entries of one published point: ``entries[op] = (level name, blob, nbytes)``; ``op`` is the
-    operator's string id or ``"meta"``."""
+    """The verified entries of one published point: ``entries[op] = (level name, blob, nbytes)``; ``op`` is
+    the operator's string id or ``"meta"``. For a replica point, ``owner`` lists the same for every entry
+    the *owner* had (its manifest, kept with the replica), deduplicated ones included."""
 
     entries: dict[str, tuple[str, str, int]] = field(default_factory=dict)
+    owner: dict[str, tuple[str, str, int]] | None = None
 
 
 @dataclass(kw_only=True)
@@ -55,26 +59,33 @@ class Inventory:
     """What one rank can serve and needs (exchanged with ``all_gather_object``; plain data only)."""
 
     rank: int
-    operators: list[str]
-    """The operators this rank restores (its registry)."""
     local: dict[int, PointInventory]
     """Points of its node-local store."""
     replicas: dict[int, dict[int, PointInventory]]
     """``replicas[owner][t]``: replica points it holds for ``owner``."""
 
 
-def inventory_of(store: SnapshotStore) -> dict[int, PointInventory]:
+def _entries(records) -> dict[str, tuple[str, str, int]]:
+    return {META if e.op is None else str(e.op): ("" if e.level is None else e.level.name, e.blob, e.nbytes)
+            for e in records}
+
+
+def inventory_of(store: SnapshotStore, *, replica: bool = False) -> dict[int, PointInventory]:
     """The published points of ``store`` with the entries whose bytes match their checksums (a damaged
-    manifest or entry is left out with the store's warning, so the plan takes another source)."""
+    manifest or entry is left out with the store's warning, so the plan takes another source). With
+    ``replica``, also the owner's manifest kept with each replica point (``None`` if missing or damaged)."""
     out: dict[int, PointInventory] = {}
     for point in store.verify().points():
         it = point.iteration
-        inv = PointInventory()
-        for entry in point.all_entries():
-            key = META if entry.op is None else str(entry.op)
-            level = "" if entry.level is None else entry.level.name
-            inv.entries[key] = (level, entry.blob, entry.nbytes)
-        out[it] = inv
+        owner = None
+        if replica:
+            try:
+                data = store.backend.read_blob(it, OWNER_MANIFEST)
+                owner = _entries(decode_manifest(data, it, f"{store.backend.describe()} {OWNER_MANIFEST}").all_entries())
+            except (FileNotFoundError, CorruptEntryError) as exc:
+                logger.warning("moe-ft replica %s iteration %d: owner manifest unusable (%s)",
+                               store.backend.describe(), it, getattr(exc, "reason", exc))
+        out[it] = PointInventory(entries=_entries(point.all_entries()), owner=owner)
     return out
 
 
@@ -153,26 +164,30 @@ def plan_fetch(inventories: Sequence[Inventory], topo: FetchTopology) -> FetchPl
 
 def _source_point(inv: Inventory, t: int, holders: list[int], by_rank: Mapping[int, Inventory],
                   topo: FetchTopology, sent_bytes: Mapping[int, int]):
-    """``{op or "meta": (src, kind, blob, nbytes)}`` for every entry of rank ``inv.rank``'s point ``t``,
-    or ``(None, reason)``."""
+    """``{op or "meta": (src, kind, blob, nbytes)}`` for every entry rank ``inv.rank`` had at ``t`` (its
+    manifest, kept by the holders), or ``(None, reason)``."""
     r = inv.rank
+    replica = lambda h: by_rank[h].replicas.get(r, {}).get(t)  # noqa: E731
+    needed = next((replica(h).owner for h in holders if replica(h) is not None and replica(h).owner), None)
+    if needed is None:
+        return None, "no holder kept a valid copy of the owner's manifest"
     choice: dict[str, tuple[int, str, str, int]] = {}
     load = dict(sent_bytes)
-    for key in [META, *inv.operators]:
-        candidates = [(h, REPLICA, by_rank[h].replicas[r][t].entries[key]) for h in holders
-                      if key in by_rank[h].replicas.get(r, {}).get(t, PointInventory()).entries]
+    for key, (level, blob, nbytes) in sorted(needed.items()):
+        candidates = [(h, REPLICA) for h in holders
+                      if replica(h) is not None and replica(h).entries.get(key, ("",))[0] == level]
         if not candidates and key != META:
-            expert = OperatorId.parse(key).is_expert
-            group = (topo.expert_dp_group if expert else topo.dp_group).get(r, ())
-            for q in group:
-                entry = by_rank[q].local.get(t, PointInventory()).entries.get(key) if q in by_rank and q != r else None
-                if entry is not None and (entry[0] == Level.COMPUTE.name or not topo.distributed_optimizer):
-                    candidates.append((q, PEER, entry))
+            group = (topo.expert_dp_group if OperatorId.parse(key).is_expert else topo.dp_group).get(r, ())
+            if level == Level.COMPUTE.name or not topo.distributed_optimizer:
+                candidates = [(q, PEER) for q in group if q != r and q in by_rank and
+                              by_rank[q].local.get(t, PointInventory()).entries.get(key, ("",))[0] == level]
         if not candidates:
-            return None, f"no holder or data-parallel peer has {key}"
-        src, kind, (level, blob, nbytes) = min(candidates, key=lambda c: (load.get(c[0], 0), c[0]))
+            return None, f"no holder or data-parallel peer has {key}@{level or 'META'}"
+        src, kind = min(candidates, key=lambda c: (load.get(c[0], 0), c[0]))
         load[src] = load.get(src, 0) + nbytes
         choice[key] = (src, kind, blob, nbytes)
+    src, kind, blob, nbytes = choice[META]
+    choice[OWNER_MANIFEST] = (src, kind, OWNER_MANIFEST, 0)  # travels with the metadata, from a holder
     return choice, ""
 
 
@@ -256,36 +271,37 @@ class PeerFetch:
         return PointMessage(owner=owner, iteration=transfer.iteration, manifest=manifest, blobs=blobs)
 
     def _publish(self, iteration: int, parts: list[tuple[Transfer, PointMessage]]) -> str:
-        """Verify every entry against its source's checksum and publish the point; the reason on failure
-        (nothing is published then)."""
-        entries, meta, algos = [], None, set()
-        for transfer, message in parts:
-            algo, good, got_meta, rejected = verify_message(message)
-            if rejected:
-                return "; ".join(f"{rej.entry} from rank {transfer.src}: {rej.reason}" for rej in rejected)
-            algos.add(algo)
-            entries += good
-            meta = got_meta or meta
-        if len(algos) != 1 or meta is None:
-            return "sources disagree on the checksum algorithm" if len(algos) > 1 else "metadata entry missing"
+        """Verify every entry against the *owner's* checksums (its manifest, kept by the holder) and publish
+        the point under that manifest, byte for byte; the reason on failure (nothing is published then)."""
         blobs = {name: data for _, m in parts for name, data in m.blobs.items()}
+        owner_manifest = blobs.pop(OWNER_MANIFEST, None)
+        if owner_manifest is None:
+            return "the owner's manifest did not arrive"
+        algo, good, meta, rejected = verify_message(PointMessage(owner=self.rank, iteration=iteration,
+                                                                 manifest=owner_manifest, blobs=blobs))
+        if rejected:
+            sender = {name: t.src for t, m in parts for name in m.blobs}
+            return "; ".join(f"{rej.entry} from rank {sender.get(rej.entry, '?')}: {rej.reason}" for rej in rejected)
+        record = decode_manifest(owner_manifest, iteration, OWNER_MANIFEST)
+        if len(good) + (meta is not None) != len(record.all_entries()):
+            return f"{len(record.all_entries()) - len(good) - (meta is not None)} entries of the owner's manifest missing"
         backend = self.local.backend
         if iteration in backend.list_points():
             return "already in the node-local store"
         writer = backend.begin_point(iteration)
         try:
-            for entry in entries + [meta]:
+            for entry in record.all_entries():
                 sink = writer.open_blob(entry.blob)
                 sink.write(blobs[entry.blob])
                 sink.close()
-            writer.commit(build_manifest(iteration, algos.pop(), entries, meta)[0])
+            writer.commit(owner_manifest)
         except BaseException:
             writer.abort()
             raise
         return ""
 
 
-def fetch_from_peers(*, local: SnapshotStore, operators: Sequence[OperatorId], rank: int, world_size: int,
+def fetch_from_peers(*, local: SnapshotStore, rank: int, world_size: int,
                      topo: FetchTopology, replica_store_of: Callable[[int], SnapshotStore],
                      group_config: GlooTransportConfig | None = None) -> FetchResult:
     """Collective over the default group: exchange inventories, plan, and (only if some rank needs
@@ -293,8 +309,8 @@ def fetch_from_peers(*, local: SnapshotStore, operators: Sequence[OperatorId], r
     import torch.distributed as dist
 
     holding = {owner for owner, holders in topo.holders.items() if rank in holders}
-    mine = Inventory(rank=rank, operators=sorted(str(op) for op in operators), local=inventory_of(local),
-                     replicas={owner: inventory_of(replica_store_of(owner)) for owner in sorted(holding)})
+    mine = Inventory(rank=rank, local=inventory_of(local),
+                     replicas={owner: inventory_of(replica_store_of(owner), replica=True) for owner in sorted(holding)})
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, mine)
     plan = plan_fetch(everyone, topo)

@@ -22,6 +22,11 @@ from moe_ft.store.manifest import EntryRecord, build_manifest, decode_manifest
 logger = logging.getLogger("moe_ft.replication")
 
 
+OWNER_MANIFEST = "OWNER_MANIFEST.json"
+"""Blob of a replica point: the owner's own manifest, byte for byte (it lists entries deduplicated away
+by MoEtion §5.1 too; a rebuilt node-local point is published under it, ``fetch.py``)."""
+
+
 def replica_store_config(*, root: str, job_id: str, owner: int) -> StoreConfig:
     """Where this node keeps rank ``owner``'s replicas."""
     return StoreConfig(root=root, job_id=f"{job_id}/replicas", rank=owner)
@@ -133,6 +138,9 @@ class ReplicaReceiver:
                 sink = writer.open_blob(entry.blob)
                 sink.write(message.blobs[entry.blob])
                 sink.close()
+            sink = writer.open_blob(OWNER_MANIFEST)  # every entry the owner had: what a rebuild must restore
+            sink.write(message.manifest)
+            sink.close()
             writer.commit(build_manifest(it, algo, entries, meta)[0])  # the owner's per-entry checksums
         except BaseException:
             writer.abort()

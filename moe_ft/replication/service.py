@@ -58,7 +58,7 @@ class Replication:
     def __init__(self, sender: ReplicaSender, receiver: ReplicaReceiver, plan: ReplicaPlan, layout: Layout) -> None:
         self.sender, self.receiver, self.plan, self.layout = sender, receiver, plan, layout
 
-    def fetch_missing(self, local, operators) -> FetchResult:
+    def fetch_missing(self, local) -> FetchResult:
         """Rebuild this rank's node-local store from its replica holders and data-parallel peers when it
         lost points they hold (a replaced node; ``fetch.py``). Collective; call before recovery agrees."""
         lay = self.layout
@@ -66,7 +66,7 @@ class Replication:
         topo = FetchTopology(holders=self.plan.peers, dp_group=group(lay.dp_groups),
                              expert_dp_group=group(lay.expert_dp_groups),
                              distributed_optimizer=lay.distributed_optimizer)
-        return fetch_from_peers(local=local, operators=operators, rank=lay.rank, world_size=len(lay.node_of),
+        return fetch_from_peers(local=local, rank=lay.rank, world_size=len(lay.node_of),
                                 topo=topo, replica_store_of=self.receiver.store)
 
     @staticmethod
