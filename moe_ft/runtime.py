@@ -103,6 +103,7 @@ class FTRuntime(StepHooks):
         self.faults = FaultPlan.from_config(FaultPlanConfig(faults=list(self.config.ft_fail),
                                                             marker_dir=str(job_dir / "faults")))
         self._progress = job_dir / f"progress_rank{self.rank}"
+        job_dir.mkdir(parents=True, exist_ok=True)  # --ft-policy none builds no store that would create it
         if self.config.ft_hang_timeout > 0:
             from moe_ft.recovery.watchdog import Watchdog
 
@@ -273,9 +274,12 @@ class FTRuntime(StepHooks):
         if self.report is not None and iteration == self.report.failed["last_completed"]:
             self.report.seconds["reexecute"] = round(time.perf_counter() - self._recovered_at, 4)
             self._write_report(final=True)
-        t = self.args.training
-        if t.save and t.save_interval and (iteration + 1) % t.save_interval == 0 and not self._in_recovery(iteration):
-            self.check_fault(iteration, "persist")  # fires before the loop writes the --save checkpoint
+
+    def during_checkpoint_write(self, iteration: int) -> None:
+        """The ``--save`` checkpoint after ``iteration`` iterations has its shards on disk but is not
+        finalized: a ``persist`` fault of the iteration that ended there fires now (a torn checkpoint)."""
+        if not self._in_recovery(iteration - 1):
+            self.check_fault(iteration - 1, "persist")
 
     def _boost_end_iteration(self, iteration: int) -> None:
         """Pay the boosted experts' extra tokens off (collective while a boost is active); note in the

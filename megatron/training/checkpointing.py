@@ -2,8 +2,9 @@
 
 Layout (as Megatron-LM): ``<save>/iter_0000010/`` holds the sharded model, optimizer, scheduler and
 per-rank RNG state; ``<save>/latest_checkpointed_iteration.txt`` names the newest complete one and is
-written (atomically, by rank 0) only after every rank finished saving, so a crash mid-save never makes a
-torn checkpoint "latest". The model part is the plain ``GPTModel.sharded_state_dict()``, so a Megatron-Core
+written (atomically, by rank 0) only after every rank finished saving and the checkpoint's metadata is
+written, so a crash mid-save never makes a torn checkpoint "latest" (loading warns about and ignores any
+newer, unfinished ``iter_*`` directory). The model part is the plain ``GPTModel.sharded_state_dict()``, so a Megatron-Core
 model built from the same config loads it directly.
 """
 
@@ -108,8 +109,15 @@ def _restore_adam_steps(optimizer) -> None:
                     inner.state[param]["step"] = torch.tensor(float(group["step"]))
 
 
-def save_checkpoint(root: str, iteration: int, state: TrainState) -> str:
-    """Collective: every rank calls it. Returns the checkpoint directory."""
+def save_checkpoint(root: str, iteration: int, state: TrainState, hooks=None) -> str:
+    """Collective: every rank calls it. Returns the checkpoint directory.
+
+    The write runs as megatron-core's save request, executed synchronously: every rank writes its shards
+    (``common.pt`` and ``__<rank>_*.distcp``), a barrier, then the finalization (the global ``.metadata``
+    and ``metadata.json``), and only after that rank 0 points the tracker file at the checkpoint.
+    ``hooks.during_checkpoint_write(iteration)`` (``megatron.training.training.StepHooks``) runs between the
+    shards and the finalization: a drill that kills a rank there leaves a torn checkpoint that the tracker
+    never names."""
     path = checkpoint_dir(root, iteration)
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
@@ -117,7 +125,10 @@ def save_checkpoint(root: str, iteration: int, state: TrainState) -> str:
     sharded = _sharded_state_dict(state, is_loading=False)
     sharded["scheduler"] = state.scheduler.state_dict()
     sharded["iteration"] = iteration
-    dist_checkpointing.save(sharded, path)
+    request = dist_checkpointing.save(sharded, path, async_sharded_save=True)
+    if hooks is not None:
+        request.finalize_fns.insert(0, lambda: hooks.during_checkpoint_write(iteration))
+    request.execute_sync()
     dist.barrier()
     if dist.get_rank() == 0:
         tmp = os.path.join(root, TRACKER_FILE + ".tmp")
@@ -130,6 +141,18 @@ def save_checkpoint(root: str, iteration: int, state: TrainState) -> str:
     return path
 
 
+def torn_checkpoints(root: str, latest: int | None) -> list[str]:
+    """Checkpoint directories under ``root`` newer than the tracker's ``latest`` (all, without a tracker):
+    saves that did not finish (a crash between the first shard and the tracker update). Never loaded."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in sorted(os.listdir(root)):
+        if name.startswith("iter_") and name[5:].isdigit() and (latest is None or int(name[5:]) > latest):
+            out.append(name)
+    return out
+
+
 def load_checkpoint(root: str, state: TrainState) -> int:
     """Load the newest complete checkpoint under ``root`` into ``state``; returns its iteration.
     Collective. Raises :class:`CheckpointError` naming the problem."""
@@ -140,6 +163,10 @@ def load_checkpoint(root: str, state: TrainState) -> int:
     path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path):
         raise CheckpointError(f"{root}/{TRACKER_FILE} names iteration {iteration} but {path} is missing")
+    torn = torn_checkpoints(root, iteration)
+    if torn and dist.get_rank() == 0:
+        log.warning("ignoring %s in %s: newer than %s (iteration %d), the save did not finish",
+                    ", ".join(torn), root, TRACKER_FILE, iteration)
     ensure_optimizer_state(state.optimizer)  # a fresh optimizer has no state to load into
     sharded = _sharded_state_dict(state, is_loading=True)
     common = dist_checkpointing.load_common_state_dict(path)

@@ -37,7 +37,7 @@ def pretrain(args: Args, hooks=None):
                 print(f"resumed from {args.training.load} at iteration {start}", flush=True)
         save_fn = None
         if args.training.save:
-            save_fn = lambda it: save_checkpoint(args.training.save, it, state)  # noqa: E731
+            save_fn = lambda it: save_checkpoint(args.training.save, it, state, hooks=hooks)  # noqa: E731
         if dist.get_rank() == 0:
             n_params = sum(p.numel() for p in state.model[0].module.parameters())
             print(f"world {args.world_size} | PP {args.parallel.pipeline_model_parallel_size} | EP "

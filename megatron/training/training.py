@@ -94,6 +94,12 @@ class StepHooks:
         previous iteration's state must be off the weights by now (the wait is the snapshot stall)."""
         return None
 
+    def during_checkpoint_write(self, iteration: int) -> None:
+        """Inside ``save_checkpoint`` of the ``--save`` checkpoint after ``iteration`` iterations: every
+        rank's shards are on disk, the checkpoint is not finalized and the tracker file does not name it
+        yet (failure drills kill a rank here)."""
+        return None
+
 
 def _aux_losses(num_layers: int, num_microbatches: int) -> dict[str, float]:
     """Reduce Megatron's per-layer MoE aux-loss tracker, return layer-averaged values, and clear it."""
