@@ -1,5 +1,6 @@
 """torchrun worker: ``pretrain_gpt_moe.py``'s own argument groups and training loop; rank 0 writes the loss
-and gradient norm of every iteration to ``--out``/losses.json.
+and gradient norm of every iteration to ``--out``/losses.json, and the replica map ``R[e, j]`` of every
+elastic MoE layer (keyed by 0-based layer index) as ``plans``.
 
     torchrun --nproc-per-node 4 tests/_workers_elastic_train.py --out DIR <pretrain_gpt_moe.py flags>
 """
@@ -26,9 +27,16 @@ def main() -> int:
     out = argv[argv.index("--out") + 1]
     del argv[argv.index("--out"): argv.index("--out") + 2]
     args = parse_args(argv, extra_groups=extra_argument_groups())
-    record = {"losses": [], "grad_norms": []}
+    record = {"losses": [], "grad_norms": [], "plans": {}}
 
     class Record(StepHooks):
+        def on_train_start(self, state, data, args, start_iteration):
+            for layer in state.model[0].module.decoder.layers:
+                replicas = getattr(layer.mlp, "replicas", None)
+                if replicas is not None:
+                    record["plans"][layer.layer_number - 1] = replicas.tolist()
+            return start_iteration
+
         def on_step_end(self, iteration, step):
             record["losses"].append(step.loss)
             record["grad_norms"].append(step.grad_norm)
