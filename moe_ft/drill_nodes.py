@@ -150,6 +150,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def last_completed(stores: list[Path]) -> int:
+    """The newest iteration any rank of these stores completed (``<store>/<job>/progress_rank<r>``; -1: none).
+    Read before a lost node's store is deleted: with every node lost, nothing else remembers it."""
+    files = [p for s in stores for p in s.glob("*/progress_rank*") if not p.suffix]  # not the .tmp being written
+    done = [int(text) for text in (p.read_text().strip() for p in files) if text]
+    return max(done, default=-1)
+
+
 def fired_markers(store: Path) -> list[Fault]:
     """The faults whose once-only marker lies in a node's store (``<store>/<job>/faults/*.fired``)."""
     out = []
@@ -265,6 +273,7 @@ class SimulatedCluster:
             self.agents[node].wait()
         survivors = [n for n in self.agents if n not in nodes]
         survivor_workers = [pid for n in survivors for pid in children(self.agents[n].pid)]
+        completed = last_completed([Path(self.store_of(n)) for n in self.agents])
         for node in nodes:  # the node is gone: its snapshots and the replicas it held with it
             store = Path(self.store_of(node))
             self.fired.update(fired_markers(store))
@@ -277,11 +286,27 @@ class SimulatedCluster:
         for node in nodes:
             self._launch(node, faults, port)
         self.events.append({"nodes": nodes, "iteration": iteration, "phase": phase, "survivors": survivors,
+                            "last_completed": completed,
                             "survivor_workers_exited": survivors_exited,
                             "rendezvous": self._rdzv_id(),
                             "seconds_to_replacement": round(time.monotonic() - t0, 3)})
         print(f"moe-ft node drill: lost node(s) {nodes} at iteration {iteration} ({phase}); stores deleted; "
               f"replacement started (rendezvous {self._rdzv_id()})", file=sys.stderr, flush=True)
+
+
+def redone_iterations(events: list[dict], reports: list[dict]) -> None:
+    """Add to each loss event the iterations trained again because of it: the recovery's replayed window
+    plus ``resume … last_completed`` (the driver read ``last_completed`` from the stores before deleting
+    them; a job that lost every node cannot know it). Events and reports pair up in order when there is
+    one report per loss (no cascading failure); otherwise nothing is added."""
+    if len(events) != len(reports):
+        return
+    for event, report in zip(events, reports):
+        point = report["recovery_point"]
+        reexecuted = list(range(point["resume"], event["last_completed"] + 1))
+        event.update(recovery_source=point["source"], recovery_end=point["end"],
+                     replayed=report["replayed_iterations"], reexecuted=reexecuted,
+                     iterations_redone=len(report["replayed_iterations"]) + len(reexecuted))
 
 
 def read_reports(report_dirs: list[str]) -> list[dict]:

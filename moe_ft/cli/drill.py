@@ -119,7 +119,7 @@ def run_node_job(*, job: str, workdir: str, faults: list[str], losses: list, num
     """The job on ``num_nodes`` simulated nodes (``common``: as :func:`run_job`; ``common['store']`` is the
     root of the node stores ``<store>/node<k>``); returns what :func:`run_job` does plus ``node_losses``,
     ``launches`` (agents started per node) and ``logs`` (one per agent launch)."""
-    from moe_ft.drill_nodes import ClusterConfig, SimulatedCluster, read_reports
+    from moe_ft.drill_nodes import ClusterConfig, SimulatedCluster, read_reports, redone_iterations
     from moe_ft.faults import Fault
 
     world = 4
@@ -139,28 +139,30 @@ def run_node_job(*, job: str, workdir: str, faults: list[str], losses: list, num
                                argv_for=argv_for, log_prefix=os.path.join(workdir, job), run_id=job)
     res = cluster.run([Fault.parse(f) for f in faults], list(losses))
     dirs = [report_dir(int(n), i) for n, k in res["launches"].items() for i in range(k)]
-    return dict(res, digest=read_digest(digest_out), reports=read_reports(dirs),
+    reports = read_reports(dirs)
+    redone_iterations(res["node_losses"], reports)
+    return dict(res, digest=read_digest(digest_out), reports=reports,
                 log=res["logs"][0] if res["logs"] else None)
 
 
-def node_flags(args, losses: list, faults: list[str], work: str) -> list[str]:
-    """The FT flags of a ``--nodes`` drill: replicas on other nodes, the node layout, and the durable tier
-    (needed when a loss takes every node; ``persist`` faults also need ``--save`` at the same interval, the
-    point where the runtime checks them)."""
-    everyone = set(range(args.nodes))
+def node_flags(*, nodes: int, losses: list, faults: list[str], work: str, window: int, replicas: int = 0,
+               persist_interval: int = -1, persist_dir: str = "") -> list[str]:
+    """The FT flags of a ``--nodes`` drill: replicas on other nodes (``replicas`` 0: ``min(2, nodes - 1)``),
+    the node layout, and the durable tier (``persist_interval`` -1: the window when a loss takes every node
+    or a ``persist`` fault is given, else off). ``persist`` faults also need ``--save`` at the same interval:
+    the runtime checks them right before that save, while the durable writer flushes the same iteration."""
+    everyone = set(range(nodes))
     all_lost = any({l.node for l in losses if (l.iteration, l.phase) == (m.iteration, m.phase)} == everyone
                    for m in losses)
     persist_phase = [f for f in faults if f.split(":")[2] == "persist"] + [str(l) for l in losses
                                                                           if l.phase == "persist"]
-    interval = args.persist_interval if args.persist_interval >= 0 else \
-        (args.window if all_lost or persist_phase else 0)
+    interval = persist_interval if persist_interval >= 0 else (window if all_lost or persist_phase else 0)
     if all_lost and not interval:
         raise ValueError("losing every node needs the durable tier: --persist-interval K > 0")
-    flags = ["--ft-replicas", str(args.replicas or min(2, args.nodes - 1)),
-             "--ft-ranks-per-node", str(4 // args.nodes)]
+    flags = ["--ft-replicas", str(replicas or min(2, nodes - 1)), "--ft-ranks-per-node", str(4 // nodes)]
     if interval:
         flags += ["--ft-persist-interval", str(interval), "--ft-persist-dir",
-                  args.persist_dir or os.path.join(work, "durable")]
+                  persist_dir or os.path.join(work, "durable")]
     if persist_phase:
         bad = [f for f in persist_phase if (int(f.split(":")[1]) + 1) % (interval or 1)]
         if not interval or bad:
@@ -186,7 +188,9 @@ def drill(args) -> dict:
     common = dict(layout=args.layout, policy=args.policy, iters=args.iters, data=data, store=store,
                   window=args.window, extra=list(args.extra or []))
     if args.nodes > 1:
-        common["extra"] = node_flags(args, losses, faults, work) + common["extra"]
+        common["extra"] = node_flags(nodes=args.nodes, losses=losses, faults=faults, work=work, window=args.window,
+                                     replicas=args.replicas, persist_interval=args.persist_interval,
+                                     persist_dir=args.persist_dir) + common["extra"]
     if any(f.split(":")[3] == "hang" for f in faults) and "--ft-hang-timeout" not in common["extra"]:
         common["extra"] += ["--ft-hang-timeout", "20"]
     out = {"layout": args.layout, "policy": args.policy, "iters": args.iters, "faults": faults, "workdir": work}
@@ -222,7 +226,9 @@ def run(args) -> int:
     else:
         for e in result.get("node_losses", []):
             print(f"lost node(s) {e['nodes']} at iteration {e['iteration']} ({e['phase']}), survivors "
-                  f"{e['survivors']}, replacement after {e['seconds_to_replacement']} s")
+                  f"{e['survivors']}, replacement after {e['seconds_to_replacement']} s; recovered from "
+                  f"{e.get('recovery_source')} point {e.get('recovery_end')}, {e.get('iterations_redone')} "
+                  f"iterations trained again")
         for r in result["reports"]:
             print(f"restart {r['restart_count']}: point {r['recovery_point']} replayed {r['replayed_iterations']} "
                   f"re-executed {r['reexecuted_iterations']} seconds {r['seconds']} token loss {r['token_loss'].get('tokens')}")
