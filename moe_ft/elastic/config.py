@@ -2,9 +2,11 @@
 
 ``--moe-token-dispatcher-type flexible`` installs the flexible dispatcher; these ``--ft-*`` flags say which
 expert replicas every EP rank holds. An EP rank plays the role of a Lazarus "node" with
-``--ft-expert-slots`` replica slots. The same plan is used in every MoE layer and in every EP group (the
-plan is indexed by EP rank, so Megatron's expert-data-parallel gradient reduction pairs identical
-parameters). Reconfiguration on failure is a later issue.
+``--ft-expert-slots`` replica slots. Explicit counts and ``--ft-expert-loads`` give one plan for every MoE
+layer; ``--ft-expert-loads-from`` (popularity counters measured by an earlier run, ``loads.py``) gives every
+layer its own. A layer's plan is the same in every EP group (it is indexed by EP rank, so Megatron's
+expert-data-parallel gradient reduction pairs identical parameters). Reconfiguration on failure is a later
+issue.
 """
 
 from __future__ import annotations

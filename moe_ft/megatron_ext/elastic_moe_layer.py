@@ -23,8 +23,10 @@ from moe_ft.megatron_ext.elastic_experts import ElasticExperts
 
 
 class ElasticMoELayer(MoELayer):
-    """``MoELayer`` whose experts are the replicas ``elastic.replica_map(E, EP)`` puts on this EP rank;
-    with any other ``moe_token_dispatcher_type`` it is exactly ``MoELayer``."""
+    """``MoELayer`` whose experts are the replicas ``elastic.replica_map(E, EP, layer)`` puts on this EP
+    rank; with any other ``moe_token_dispatcher_type`` it is exactly ``MoELayer``. With per-layer plans the
+    replacement happens in ``set_layer_number`` (the layer index is not known earlier); ``replicas`` is this
+    layer's ``R[e, j]`` once built."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *,
                  elastic: ElasticConfig):
