@@ -15,8 +15,10 @@ Phases (where :class:`moe_ft.runtime.FTRuntime` calls ``check``):
 ``snapshot``   the snapshot's copy has just been handed to the engine's thread (copy in flight)
 ``publish``    the store is about to rename the iteration's staging directory into place
 ``published``  the store has just renamed the iteration's point into place (only kind ``corrupt``)
-``persist``    the iteration ends with a ``--save`` checkpoint (fires before it is written: Megatron's
-               ``save_checkpoint`` has no hook inside the write, so a kill *during* it is not modelled)
+``persist``    the iteration ends with a ``--save`` checkpoint: fires during its write (the shards are on
+               disk, the checkpoint is not finalized: ``StepHooks.during_checkpoint_write``); with
+               ``--ft-persist-interval`` equal to ``--save-interval`` the durable writer is flushing
+               the same iteration in the background then
 ``recovery``   a recovery is replaying or re-executing the iteration (cascading failure)
 =============  ================================================================================
 

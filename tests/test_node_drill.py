@@ -109,8 +109,8 @@ def test_dp2ep2_node0_lost_during_snapshot_copy(env, reference):
 
 @pytest.mark.timeout(600)
 def test_dp2ep2_node1_lost_while_persisting(env, reference):
-    """Node 1 dies right after handing iteration 7 to the durable writer (phase ``persist``, checked before
-    the ``--save`` of the same interval): the durable point 7 is torn, recovery comes from memory.
+    """Node 1 dies during the ``--save`` write after iteration 7 (phase ``persist``), with the durable
+    writer flushing point 7 (same interval): both are torn, recovery comes from memory.
 
     Iteration 7 closes window [4, 7]; rank 2 dies while its snapshot of 7 is being published and sent, so
     whether node 0 holds it is a genuine race of the system (as on a real cluster). Both outcomes are legal
