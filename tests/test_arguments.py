@@ -41,7 +41,8 @@ def test_flags_map_to_dataclasses(data_prefix):
     (["--bf16", "--fp16"], 1, "exclusive"),
     (["--save-interval", "5"], 1, "--save-interval needs --save"),
     (["--tensor-model-parallel-size", "2"], 2, "not supported yet"),
-    (["--moe-token-dispatcher-type", "flexible", "--save", "ckpt"], 1, "not supported with --moe-token"),
+    (["--moe-token-dispatcher-type", "flexible", "--use-distributed-optimizer", "--save", "ckpt"], 1,
+     "need the plain optimizer"),
 ])
 def test_bad_flags(flags, world, message, data_prefix):
     with pytest.raises(ArgumentError, match=message):
