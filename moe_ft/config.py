@@ -80,6 +80,11 @@ class FTConfig:
                      "ft_replicas", "ft_ranks_per_node", "ft_persist_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.ft_policy == "pec" and self.ft_persist_interval > 1:
+            raise ValueError(f"--ft-persist-interval {self.ft_persist_interval} with --ft-policy pec: pec persists "
+                             "K_persist experts of every snapshot (MoC §5.1), so a durable point would never "
+                             "hold every expert's FULL state (the sequential expert cycle aliases with the "
+                             "interval); use --ft-persist-interval 1 (or 0 = no durable tier)")
         if self.ft_hang_timeout < 0:
             raise ValueError("--ft-hang-timeout must be >= 0 seconds")
         from moe_ft.faults import Fault
@@ -129,5 +134,6 @@ class FTConfig:
     def needs_popularity(self) -> bool:
         """Whether the popularity counters must be summed over all ranks: the policy reads them (sparse,
         selective, pec load-aware), or a lossy recovery accounts the tokens lost per expert (pec,
-        selective: PLT/MLT and the capacity boost need the whole job's tokens, not one rank's)."""
-        return self.ft_policy in ("sparse", "selective", "pec")
+        selective: PLT/MLT and the capacity boost need the whole job's tokens, not one rank's), or the
+        ``--ft-trace-out`` file records them (its counts are the job's, whatever the policy)."""
+        return self.ft_policy in ("sparse", "selective", "pec") or bool(self.ft_trace_out)

@@ -233,6 +233,8 @@ class FTRuntime(StepHooks):
         session = self.select_session(iteration)
         if session.policy is None:
             session.last_plan = {}
+            if self.config.ft_trace_out and self.rank == 0:  # popularity measured without snapshots
+                self._trace(iteration, {})
         else:
             plan = session.policy.plan(iteration, self.popularity)
             session.last_plan = plan

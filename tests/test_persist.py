@@ -124,6 +124,11 @@ def test_config_errors():
         PersistConfig(interval=5)
     with pytest.raises(ValueError, match="never deleted"):
         PersistConfig(keep=0)
+    from moe_ft.config import FTConfig
+
+    with pytest.raises(ValueError, match="--ft-persist-interval 1"):  # would never complete (aliasing)
+        FTConfig(ft=True, ft_policy="pec", ft_persist_interval=2)
+    FTConfig(ft=True, ft_policy="pec", ft_persist_interval=1)
 
 
 def test_inspect_validate_durable_point(tmp_path, capsys):

@@ -16,6 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from moe_ft.compat import writer_queue
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
@@ -125,6 +126,7 @@ def save_checkpoint(root: str, iteration: int, state: TrainState, hooks=None) ->
     sharded = _sharded_state_dict(state, is_loading=False)
     sharded["scheduler"] = state.scheduler.state_dict()
     sharded["iteration"] = iteration
+    writer_queue.install()  # no Manager server process that would outlive a killed rank
     request = dist_checkpointing.save(sharded, path, async_sharded_save=True)
     if hooks is not None:
         request.finalize_fns.insert(0, lambda: hooks.during_checkpoint_write(iteration))

@@ -20,7 +20,9 @@ import torch.distributed as dist
 class MegatronDenseWriter:
     def __init__(self, root: str, state) -> None:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+        from moe_ft.compat import writer_queue
 
+        writer_queue.install()  # no Manager server process that would outlive a killed rank
         self.root, self.state = root, state
         self.queue = AsyncCallsQueue(persistent=False)
         self.saved: list[int] = []

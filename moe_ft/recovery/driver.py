@@ -20,12 +20,34 @@ from moe_ft.state.optimizer_views import ensure_optimizer_state
 from moe_ft.recovery.report import RecoveryReport
 from moe_ft.state.operators import Level
 from moe_ft.store import DenseRule, NewestFullRule, SparseWindowRule
+from moe_ft.store.errors import StoreError
 
 LOSSY = ("pec", "selective")
 
 
-def rule_for(policy_name: str, policy, operators, window_offset: int, dense_interval: int = 1):
+def recorded_windows(store) -> list[tuple[int, int]]:
+    """The sparse windows ``(start, end)`` as the policy recorded them in the metadata of the store's points
+    (its state after each snapshot). Recovery must use these, not windows aligned to this run's start
+    iteration: a run resumed from a ``--load`` checkpoint, or whose window length was measured again
+    (``--ft-sparse-window 0``), would otherwise look for windows that were never taken."""
+    windows: set[tuple[int, int]] = set()
+    for it in store.points():
+        try:
+            policy = store.load_meta(it).meta.get("policy") or {}
+        except StoreError:  # a damaged metadata entry: agreement skips its point with the reason anyway
+            continue
+        for key in ("current", "previous"):
+            w = policy.get(key)
+            if w:
+                windows.add((int(w["start"]), int(w["start"]) + int(w["length"]) - 1))
+    return sorted(windows)
+
+
+def rule_for(policy_name: str, policy, operators, window_offset: int, dense_interval: int = 1, store=None):
     if policy_name == "sparse":
+        windows = recorded_windows(store) if store is not None else []
+        if windows:
+            return SparseWindowRule.explicit(operators, windows)
         return SparseWindowRule.aligned(operators, policy.window_length, window_offset)
     if policy_name == "dense":
         return DenseRule(operators=frozenset(operators))
@@ -98,12 +120,15 @@ def recover(rt, state, args, start_iteration: int, step_fn, restart_count: int) 
     rt._build()
     session = rt.active
     lossy = cfg.ft_policy in LOSSY
-    rule = rule_for(cfg.ft_policy, session.policy, list(rt.registry), start_iteration)
     lost_through = last_completed(cfg.ft_store_dir, cfg.ft_job_id, rt.rank)
     t_fetch = time.perf_counter()
     fetched = fetch_lost_points(rt, session.store)
     t_fetch = time.perf_counter() - t_fetch
-    ctx = RecoveryContext(store=session.store, registry=rt.registry, rule=rule, train_state=state, step_fn=step_fn,
+    ops = list(rt.registry)
+    rule = rule_for(cfg.ft_policy, session.policy, ops, start_iteration, store=session.store)
+    # a point older than the --load checkpoint would only re-execute more: never go behind it
+    memory = BoundedStore(session.store, lo=start_iteration - 1)
+    ctx = RecoveryContext(store=memory, registry=rt.registry, rule=rule, train_state=state, step_fn=step_fn,
                           popularity=rt.popularity, policy=session.policy,
                           fault_check=lambda it, phase: rt.check_fault(it, phase))
     rs = RecoveryState(fallback_iteration=start_iteration)
@@ -114,7 +139,8 @@ def recover(rt, state, args, start_iteration: int, step_fn, restart_count: int) 
         store, complete_end = durable
         memory = rs
         rs = RecoveryState(fallback_iteration=start_iteration, skipped=list(memory.skipped))
-        ctx = replace(ctx, store=BoundedStore(store, complete_end))
+        ctx = replace(ctx, store=BoundedStore(store, hi=complete_end),
+                      rule=rule_for(cfg.ft_policy, session.policy, ops, start_iteration, store=store))
         Recovery(RecoveryConfig(lossy=lossy), ctx).run(rs)
         rs.proposals = memory.proposals + rs.proposals
         rs.seconds = {k: memory.seconds.get(k, 0.0) + rs.seconds.get(k, 0.0) for k in {*memory.seconds, *rs.seconds}}
@@ -153,6 +179,8 @@ def recover(rt, state, args, start_iteration: int, step_fn, restart_count: int) 
                 session.policy.on_recovery(point.end, loss["value"])
                 loss["k_after"] = session.policy.k
     session.store.discard_after(rs.resume_iteration - 1)
+    if point is not None and cfg.ft_policy == "sparse":
+        realign_sparse_retention(rt, session, ops)
     if rt.replication is not None:  # replicas of the abandoned timeline must not outlive it (lossy runs differ)
         rt.replication.discard_after(rs.resume_iteration - 1)
     if rt.persistence is not None:
@@ -176,6 +204,18 @@ def recover(rt, state, args, start_iteration: int, step_fn, restart_count: int) 
     return report
 
 
+def realign_sparse_retention(rt, session, operators) -> None:
+    """Retention and persistence built before recovery assumed windows aligned to this run's start
+    iteration; the restored policy continues the recorded windows, so align both to those."""
+    from moe_ft.recovery.retention import KeepTwoRecoverable
+
+    window = session.policy.current
+    rule = SparseWindowRule.aligned(operators, window.length, window.start % window.length)
+    session.store.retention = KeepTwoRecoverable(rule=rule)
+    if rt.persistence is not None:
+        rt.persistence.rule = rule
+
+
 def fetch_lost_points(rt, local) -> dict:
     """Node loss: rebuild node-local stores from replica holders and data-parallel peers (collective;
     ``moe_ft/replication/fetch.py``). Returns the report's ``{"fetched": {rank: …}}`` (ranks that fetched
@@ -190,15 +230,17 @@ def fetch_lost_points(rt, local) -> dict:
 
 
 class BoundedStore:
-    """A store seen only up to iteration ``end`` (recovery from the newest *complete* durable point: a
-    newer point some ranks finished writing is not one the whole job can trust yet)."""
+    """A store whose recovery points must end in ``[lo, hi]``: not after the newest *complete* durable point
+    (a newer point some ranks finished writing is not one the whole job can trust yet), not before the
+    ``--load`` checkpoint (restoring it would only re-execute more)."""
 
-    def __init__(self, store, end: int) -> None:
-        self._store, self.end = store, end
+    def __init__(self, store, *, lo: int | None = None, hi: int | None = None) -> None:
+        self._store, self.lo, self.hi = store, lo, hi
 
     def newest_recoverable(self, rule, *, at_or_before=None, verify=False):
-        bound = self.end if at_or_before is None else min(at_or_before, self.end)
-        return self._store.newest_recoverable(rule, at_or_before=bound, verify=verify)
+        bound = at_or_before if self.hi is None else (self.hi if at_or_before is None else min(at_or_before, self.hi))
+        point = self._store.newest_recoverable(rule, at_or_before=bound, verify=verify)
+        return None if point is None or (self.lo is not None and point.end < self.lo) else point
 
     def __getattr__(self, name):
         return getattr(self._store, name)
