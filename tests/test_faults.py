@@ -93,3 +93,61 @@ def test_node_outside_torchrun_kills_only_itself(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)), env=env,
                          timeout=30)
     assert res.returncode == -9  # and this test process (its parent) is still here
+
+
+def test_node_loss_parse_and_one_fault_per_event():
+    from moe_ft.drill_nodes import NodeLoss, check_losses, node_faults
+
+    assert NodeLoss.parse("1:6") == NodeLoss(1, 6, "forward")
+    assert NodeLoss.parse("0:7:persist") == NodeLoss(0, 7, "persist")
+    for bad in ("1", "1:x", "1:2:nowhere", "1:2:published", "-1:3", "1:2:forward:node"):
+        with pytest.raises(ValueError):
+            NodeLoss.parse(bad)
+    losses = [NodeLoss(1, 9), NodeLoss(0, 9), NodeLoss(1, 4, "snapshot")]
+    # nodes lost at the same point: one node fault on the lowest node's first rank (the driver kills the rest)
+    assert set(node_faults(losses, ranks_per_node=2)) == {Fault(2, 4, "snapshot", "node"), Fault(0, 9, "forward", "node")}
+    with pytest.raises(ValueError, match="does not exist"):
+        check_losses([NodeLoss(2, 3)], num_nodes=2)
+    with pytest.raises(ValueError, match="twice"):
+        check_losses([NodeLoss(1, 3), NodeLoss(1, 3)], num_nodes=2)
+
+
+def test_node_flags_turn_on_the_durable_tier_when_every_node_is_lost(tmp_path):
+    from moe_ft.cli.drill import node_flags
+    from moe_ft.drill_nodes import NodeLoss
+
+    one = node_flags(nodes=2, losses=[NodeLoss(1, 6)], faults=[], work=str(tmp_path), window=4)
+    assert one == ["--ft-replicas", "1", "--ft-ranks-per-node", "2"]
+    both = node_flags(nodes=2, losses=[NodeLoss(0, 9), NodeLoss(1, 9)], faults=[], work=str(tmp_path), window=4)
+    assert both[4:] == ["--ft-persist-interval", "4", "--ft-persist-dir", str(tmp_path / "durable")]
+    apart = node_flags(nodes=2, losses=[NodeLoss(0, 5), NodeLoss(1, 9)], faults=[], work=str(tmp_path), window=4)
+    assert "--ft-persist-interval" not in apart  # never every node at once: a survivor holds the replicas
+    with pytest.raises(ValueError, match="durable tier"):
+        node_flags(nodes=2, losses=[NodeLoss(0, 9), NodeLoss(1, 9)], faults=[], work=str(tmp_path), window=4,
+                   persist_interval=0)
+    persist = node_flags(nodes=2, losses=[NodeLoss(1, 7, "persist")], faults=[], work=str(tmp_path), window=4)
+    assert persist[-4:] == ["--save", str(tmp_path / "save"), "--save-interval", "4"]
+    with pytest.raises(ValueError, match="multiple of --persist-interval"):  # 6 + 1 is not a multiple of 4
+        node_flags(nodes=2, losses=[NodeLoss(1, 6, "persist")], faults=[], work=str(tmp_path), window=4)
+
+
+def test_driver_reads_progress_and_markers_before_deleting_a_store(tmp_path):
+    from moe_ft.drill_nodes import fired_markers, last_completed, redone_iterations
+
+    job = tmp_path / "node1" / "job"
+    (job / "faults").mkdir(parents=True)
+    (job / "progress_rank2").write_text("8")
+    (job / "progress_rank3").write_text("7")
+    (job / "progress_rank3.tmp").write_text("")  # a write in flight is not progress
+    plan = FaultPlan([Fault(2, 9, "forward", "exception")], job / "faults")
+    with pytest.raises(InjectedFault):
+        plan.check(2, 9, "forward")
+    assert last_completed([tmp_path / "node0", tmp_path / "node1"]) == 8
+    assert fired_markers(tmp_path / "node1") == [Fault(2, 9, "forward", "exception")]
+    events = [{"last_completed": 8}]
+    report = {"recovery_point": {"source": "durable", "end": 7, "resume": 8}, "replayed_iterations": [5, 6, 7]}
+    redone_iterations(events, [report])
+    assert events[0]["reexecuted"] == [8] and events[0]["iterations_redone"] == 4
+    unpaired = [{"last_completed": 8}, {"last_completed": 9}]
+    redone_iterations(unpaired, [report])  # a cascading failure left fewer reports: nothing is guessed
+    assert "iterations_redone" not in unpaired[0]
