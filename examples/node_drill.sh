@@ -8,6 +8,7 @@
 #   LAYOUT=dp2ep2 LOSSES="--fail-node 0:5:snapshot" bash examples/node_drill.sh   # node 0, copy in flight
 #   LOSSES="--fail-node 1:7:persist" bash examples/node_drill.sh       # lost while the durable tier writes 7
 #   LOSSES="--fail-node 0:9 --fail-node 1:9" bash examples/node_drill.sh  # both nodes: durable-tier fallback
+#   bash examples/node_drill.sh --json --keep-store                    # more drill flags pass through
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LAYOUT=${LAYOUT:-ep2pp2}
@@ -19,4 +20,4 @@ DATA_ARG=${DATA:+--data $DATA}
 export OMP_NUM_THREADS=1
 # shellcheck disable=SC2086
 exec python -m moe_ft drill --nodes 2 --layout "$LAYOUT" --policy "$POLICY" --iters "$ITERS" --window "$WINDOW" \
-  --max-restarts "${MAX_RESTARTS:-3}" $LOSSES ${FAILS:-} $DATA_ARG ${EXTRA:-}
+  --max-restarts "${MAX_RESTARTS:-3}" $LOSSES ${FAILS:-} $DATA_ARG ${EXTRA:-} "$@"
