@@ -20,4 +20,4 @@ DATA_ARG=${DATA:+--data $DATA}
 export OMP_NUM_THREADS=1
 # shellcheck disable=SC2086
 exec python -m moe_ft drill --nodes 2 --layout "$LAYOUT" --policy "$POLICY" --iters "$ITERS" --window "$WINDOW" \
-  --max-restarts "${MAX_RESTARTS:-3}" $LOSSES ${FAILS:-} $DATA_ARG ${EXTRA:-} "$@"
+  --max-restarts "${MAX_RESTARTS:-3}" $LOSSES ${FAILS:-} $DATA_ARG "$@" ${EXTRA:-}  # EXTRA (--extra …) last: it takes the rest
