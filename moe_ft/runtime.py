@@ -269,10 +269,12 @@ class FTRuntime(StepHooks):
         self._after_iteration(iteration)
 
     def _after_iteration(self, iteration: int) -> None:
+        from moe_ft.recovery.driver import write_progress
+
         if self._progress is not None:
-            tmp = self._progress.with_suffix(".tmp")
-            tmp.write_text(str(iteration))
-            os.replace(tmp, self._progress)
+            write_progress(self._progress, iteration)
+        if self.persistence is not None and self.rank == 0:  # outlives every node (one small file, rank 0)
+            write_progress(self.persistence.tier.directory / "progress", iteration)
         if self.report is not None and iteration == self.report.failed["last_completed"]:
             self.report.seconds["reexecute"] = round(time.perf_counter() - self._recovered_at, 4)
             self._write_report(final=True)

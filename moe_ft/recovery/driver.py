@@ -83,10 +83,20 @@ def progress_path(store_root: str, job_id: str, rank: int) -> Path:
     return Path(store_root) / job_id / f"progress_rank{rank}"
 
 
-def last_completed(store_root: str, job_id: str, rank: int) -> int:
-    """The newest iteration any rank completed before the failure (collective MAX; -1 if none)."""
-    path = progress_path(store_root, job_id, rank)
-    mine = int(path.read_text()) if path.exists() else -1
+def write_progress(path: Path, iteration: int) -> None:
+    """Record that ``iteration`` completed (atomically: a reader sees the old or the new number)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(iteration))
+    os.replace(tmp, path)
+
+
+def last_completed(store_root: str, job_id: str, rank: int, durable_dir: Path | None = None) -> int:
+    """The newest iteration any rank completed before the failure (collective MAX; -1 if none): from the
+    node-local progress files and, when every node was lost with them, from the one rank 0 keeps next to
+    the durable tier (``durable_dir``)."""
+    paths = [progress_path(store_root, job_id, rank)] + ([durable_dir / "progress"] if durable_dir else [])
+    mine = max((int(p.read_text()) for p in paths if p.exists()), default=-1)
     t = torch.tensor([mine], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
@@ -120,7 +130,8 @@ def recover(rt, state, args, start_iteration: int, step_fn, restart_count: int) 
     rt._build()
     session = rt.active
     lossy = cfg.ft_policy in LOSSY
-    lost_through = last_completed(cfg.ft_store_dir, cfg.ft_job_id, rt.rank)
+    lost_through = last_completed(cfg.ft_store_dir, cfg.ft_job_id, rt.rank,
+                                  rt.persistence.tier.directory if rt.persistence is not None else None)
     t_fetch = time.perf_counter()
     fetched = fetch_lost_points(rt, session.store)
     t_fetch = time.perf_counter() - t_fetch
