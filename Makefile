@@ -15,7 +15,7 @@ demo: setup
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/quickstart.sh
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 clean:
 	rm -rf $(VENV) data runs

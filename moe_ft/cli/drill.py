@@ -30,6 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from moe_ft.drill_nodes import kill_tree  # noqa: F401  (also used by tests)
+
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = {
     "ep2pp2": ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -67,22 +69,6 @@ def torchrun(argv: list[str], *, max_restarts: int, timeout: float, log_path: st
             kill_tree(proc.pid)
             proc.wait()
             return 124
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL torchrun and its workers by pid (the workers run in sessions of their own)."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = root.children(recursive=True) + [root]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def ensure_corpus(workdir: str) -> str:
