@@ -33,6 +33,7 @@ shared storage: they survive the node).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -126,10 +127,8 @@ def kill_tree(pid: int) -> None:
     except psutil.NoSuchProcess:
         return
     for p in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):  # already gone
             p.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def children(pid: int) -> list[int]:

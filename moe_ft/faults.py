@@ -34,6 +34,7 @@ rank, then deletes the node's store and starts a replacement, ``moe_ft/drill_nod
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -186,10 +187,8 @@ def kill_node() -> None:
         except psutil.NoSuchProcess:
             victims = []
         for p in victims:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):  # already gone
                 p.kill()
-            except psutil.NoSuchProcess:
-                pass
     os.kill(os.getpid(), signal.SIGKILL)
 
 

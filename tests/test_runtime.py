@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -67,10 +68,8 @@ def test_sigkill_leaves_store_readable(tmp_path, corpus):
         for r in range(4):  # the 4 training processes themselves (each in its own session under torchrun)
             ready = tmp_path / f"ready_rank{r}"
             if ready.exists() and ready.read_text():
-                try:
+                with contextlib.suppress(ProcessLookupError):  # already gone
                     os.kill(int(ready.read_text()), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun
         proc.wait(timeout=30)
     for r in range(4):
