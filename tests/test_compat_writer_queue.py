@@ -64,3 +64,32 @@ def test_without_it_megatron_leaves_a_server_running(tmp_path):
     finally:
         for pid in alive(leaked):
             psutil.Process(pid).kill()
+
+
+SAVES = r"""
+import sys, tempfile, torch, torch.distributed as dist
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="file://" + tempfile.mktemp())
+from moe_ft.compat import cpu, writer_queue
+cpu.activate()
+writer_queue.install()
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+for i in range(int(sys.argv[1])):
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0) + i)}, tempfile.mkdtemp())
+print("saved", sys.argv[1])
+"""
+
+
+def test_results_arrive_under_load(tmp_path):
+    """megatron-core reads the results with ``get_nowait`` right after the put; a plain pipe queue lost that
+    race under CPU contention ("results_queue should not be empty": 4 processes x 40 saves on 2 cores failed
+    before :class:`ResultsQueue`)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    logs = [tmp_path / f"saves{i}.log" for i in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-c", SAVES, "40"], env=env, stdout=open(log, "w"),
+                              stderr=subprocess.STDOUT, start_new_session=True) for log in logs]
+    for proc, log in zip(procs, logs):
+        assert proc.wait(timeout=100) == 0, log.read_text()[-3000:]
+        assert "saved 40" in log.read_text()
+
