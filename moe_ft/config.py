@@ -1,107 +1,244 @@
-"""``FTConfig``: the fault-tolerance flags of ``pretrain_gpt_moe.py`` (one flag per field, ``--ft-*``).
+"""``FTConfig``: the fault-tolerance flags of ``pretrain_gpt_moe.py``, one nested config per component.
 
 Fault tolerance is off unless ``--ft`` is given: plain Megatron behaviour by default. Once on, the
 snapshot policy defaults to ``sparse`` (SPEC §3: "sparse is exact and is the default").
+
+Each component (snapshot, replication, durable tier, drills, recovery) has its own config dataclass with
+its own validation and a ``build(...)`` that returns the built component (``None`` when switched off). The
+flags stay one per field: a nested config's fields become ``--<flag_prefix><field>`` (e.g.
+``persist.interval`` is ``--ft-persist-interval``; ``megatron/training/argument_utils.py``). Cross-component
+rules live in :meth:`FTConfig.__post_init__`; everything a snapshot policy means is asked of the policy
+class (``moe_ft.policy.policy_class``), never decided by comparing its name here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from megatron.training.argument_utils import field_help
+from megatron.training.argument_utils import dataclass_from_flags, field_help
+from moe_ft.policy.factory import NO_SNAPSHOTS, POLICIES, POLICY_CHOICES, policy_class
 
-POLICY_CHOICES = ["none", "dense", "pec", "selective", "sparse"]
+if TYPE_CHECKING:
+    from moe_ft.runtime.context import BuildContext
+
+
+def _non_negative(obj, names: tuple[str, ...], prefix: str) -> None:
+    for name in names:
+        if getattr(obj, name) < 0:
+            raise ValueError(f"--{(prefix + name).replace('_', '-')} must be >= 0, got {getattr(obj, name)}")
 
 
 @dataclass(kw_only=True)
-class FTConfig:
-    ft: bool = field(default=False, metadata=field_help("Enable the moe-ft runtime (per-iteration snapshots)."))
-    ft_policy: str = field(default="sparse", metadata=field_help(
+class SnapshotConfig:
+    """The snapshot policy, the node-local store and the snapshot engine (SPEC §3, §4)."""
+
+    policy: str = field(default="sparse", metadata=field_help(
         "Snapshot policy (SPEC §3); 'none' counts popularity and logs but snapshots nothing.", choices=POLICY_CHOICES))
-    ft_store_dir: str = field(default="/dev/shm/moe_ft", metadata=field_help(
+    store_dir: str = field(default="/dev/shm/moe_ft", metadata=field_help(
         "Root of the node-local snapshot store (a tmpfs, so snapshots outlive the worker)."))
-    ft_job_id: str = field(default="default", metadata=field_help("Job name inside --ft-store-dir."))
-    ft_dense_interval: int = field(default=1, metadata=field_help("dense: snapshot every N iterations."))
-    ft_pec_k: int = field(default=1, metadata=field_help("pec: K_snapshot experts per layer per checkpoint."))
-    ft_pec_selection: str = field(default="sequential", metadata=field_help(
+    job_id: str = field(default="default", metadata=field_help("Job name inside --ft-store-dir."))
+    dense_interval: int = field(default=1, metadata=field_help("dense: snapshot every N iterations."))
+    pec_k: int = field(default=1, metadata=field_help("pec: K_snapshot experts per layer per checkpoint."))
+    pec_selection: str = field(default="sequential", metadata=field_help(
         "pec: expert selection.", choices=["sequential", "load_aware"]))
-    ft_sparse_window: int = field(default=0, metadata=field_help(
+    sparse_window: int = field(default=0, metadata=field_help(
         "sparse: W_sparse in iterations; 0 = FindWindowSize (MoEvement Alg. 1) from --ft-snapshot-bandwidth "
         "and the measured time of the first iteration."))
-    ft_sparse_order: str = field(default="popularity", metadata=field_help(
+    sparse_order: str = field(default="popularity", metadata=field_help(
         "sparse: operator order (MoEvement §3.5, App. B).", choices=["popularity", "soft", "ema"]))
-    ft_snapshot_bandwidth: float = field(default=25e9, metadata=field_help(
+    snapshot_bandwidth: float = field(default=25e9, metadata=field_help(
         "Device-to-host bytes/s of one rank (B_PCIe; sparse window, selective local budget)."))
-    ft_selective_local_budget: int = field(default=0, metadata=field_help(
+    selective_local_budget: int = field(default=0, metadata=field_help(
         "selective: B_local bytes per iteration per rank; 0 = bandwidth x first iteration time."))
-    ft_selective_remote_budget: int = field(default=0, metadata=field_help(
+    selective_remote_budget: int = field(default=0, metadata=field_help(
         "selective: B_remote bytes per iteration per rank; 0 = same as the local budget."))
-    ft_snapshot_slots: int = field(default=2, metadata=field_help("Host buffer sets of the snapshot engine."))
-    ft_log_interval: int = field(default=0, metadata=field_help(
-        "Iterations between FT metric lines (0 = the training --log-interval)."))
-    ft_recover: str = field(default="auto", metadata=field_help(
-        "Recover from the node-local store at start: 'auto' = after a torchrun restart "
-        "(TORCHELASTIC_RESTART_COUNT > 0), 'always', or 'never'.", choices=["auto", "always", "never"]))
-    ft_fail: list[str] = field(default_factory=list, metadata=field_help(
-        "Failure drill: inject faults RANK:ITER[:PHASE[:KIND]] (PHASE forward|backward|step|snapshot|publish|"
-        "persist|recovery|published, KIND exit|exception|hang|corrupt); each fires once across restarts "
-        "(moe_ft/faults.py)."))
-    ft_hang_timeout: float = field(default=0.0, metadata=field_help(
-        "Seconds without iteration progress after which a rank declares itself hung and exits so torchrun "
-        "restarts the job (0 = no watchdog)."))
-    ft_digest_out: str = field(default="", metadata=field_help(
-        "Write the final training-state digest (moe-ft digest) as JSON to this file at the end of training."))
-    ft_trace_out: str = field(default="", metadata=field_help(
-        "Rank 0 appends one JSON line per trained iteration (not replays) to this file: the world-summed "
-        "per-expert token counts and the experts the plan saved FULL (drills recompute PLT/MLT from it)."))
-    ft_report_dir: str = field(default="", metadata=field_help(
-        "Directory for recovery reports (JSON); empty = <ft-store-dir>/<ft-job-id>/reports."))
-    ft_replicas: int = field(default=2, metadata=field_help(
+    snapshot_slots: int = field(default=2, metadata=field_help("Host buffer sets of the snapshot engine."))
+
+    def __post_init__(self) -> None:
+        policy_class(self.policy)  # raises ValueError naming the choices
+        for name in ("dense_interval", "pec_k", "snapshot_slots"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--ft-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        _non_negative(self, ("sparse_window", "selective_local_budget", "selective_remote_budget"), "ft_")
+        if self.snapshot_bandwidth <= 0:
+            raise ValueError("--ft-snapshot-bandwidth must be positive (bytes/s)")
+
+    @property
+    def policy_cls(self):
+        """The policy class (``None`` for ``--ft-policy none``)."""
+        return policy_class(self.policy)
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != NO_SNAPSHOTS
+
+    def build(self, ctx: "BuildContext", *, job_suffix: str = ""):
+        """Policy + store + engine (collective-free; every rank builds the same policy), or ``None`` for
+        ``--ft-policy none``. See :func:`moe_ft.snapshot.session.build_session`."""
+        if not self.enabled:
+            return None
+        from moe_ft.snapshot.session import build_session
+
+        return build_session(self, ctx, job_suffix=job_suffix)
+
+
+@dataclass(kw_only=True)
+class ReplicationConfig:
+    """Peer replicas of every snapshot (MoEtion Alg. 2, §5.1)."""
+
+    replicas: int = field(default=2, metadata=field_help(
         "Peers on other nodes holding a copy of each rank's snapshots (MoEtion Alg. 2; 0 = off). A job on one "
         "node has no other failure domain and does not replicate."))
-    ft_ranks_per_node: int = field(default=0, metadata=field_help(
+    ranks_per_node: int = field(default=0, metadata=field_help(
         "Ranks per node for replica placement (0 = LOCAL_WORLD_SIZE); smaller values simulate nodes."))
-    ft_persist_interval: int = field(default=0, metadata=field_help(
+
+    def __post_init__(self) -> None:
+        _non_negative(self, ("replicas", "ranks_per_node"), "ft_")
+
+    def build(self, ctx: "BuildContext", session):
+        """The replication service of ``session``'s store (collective), or ``None`` (no store, r = 0, or a
+        single-node job)."""
+        if session is None:
+            return None
+        from moe_ft.replication.service import Layout, Replication
+
+        layout = Layout.gather(ranks_per_node=self.ranks_per_node,
+                               distributed_optimizer=ctx.args.parallel.use_distributed_optimizer)
+        return Replication.build(num_replicas=self.replicas, layout=layout, store=session.store,
+                                 store_root=session.store_root, job_id=session.job_id)
+
+
+@dataclass(kw_only=True)
+class DurableConfig:
+    """The durable tier: background copies of recovery points to shared storage (MoC §5.1 two-level)."""
+
+    interval: int = field(default=0, metadata=field_help(
         "Copy the newest recovery point to durable storage every N iterations in the background (0 = off)."))
-    ft_persist_dir: str = field(default="", metadata=field_help(
+    dir: str = field(default="", metadata=field_help(
         "Durable tier root (<dir>/moe_ft/<job>); empty = --save."))
-    ft_capacity_boost: float = field(default=0.0, metadata=field_help(
+
+    def __post_init__(self) -> None:
+        _non_negative(self, ("interval",), "ft_persist_")
+
+    def root(self, save_dir: str | None) -> str:
+        return self.dir or save_dir or ""
+
+    def build(self, ctx: "BuildContext", session):
+        """The durable writer of ``session``'s store (plus Megatron-format copies when the policy's points
+        are dense), or ``None``."""
+        if session is None or not self.interval:
+            return None
+        from moe_ft.runtime.components import Durable
+
+        return Durable.build(self.interval, self.root(ctx.args.training.save), ctx, session)
+
+
+@dataclass(kw_only=True)
+class DrillConfig:
+    """Failure drills: injected faults and the files drills compare (``moe_ft/faults.py``, ``moe-ft drill``)."""
+
+    fail: list[str] = field(default_factory=list, metadata=field_help(
+        "Failure drill: inject faults RANK:ITER[:PHASE[:KIND]] (PHASE forward|backward|step|snapshot|publish|"
+        "persist|recovery|published, KIND exit|exception|hang|corrupt|node); each fires once across restarts "
+        "(moe_ft/faults.py)."))
+    digest_out: str = field(default="", metadata=field_help(
+        "Write the final training-state digest (moe-ft digest) as JSON to this file at the end of training."))
+    trace_out: str = field(default="", metadata=field_help(
+        "Rank 0 appends one JSON line per trained iteration (not replays) to this file: the world-summed "
+        "per-expert token counts and the experts the plan saved FULL (drills recompute PLT/MLT from it)."))
+
+    def __post_init__(self) -> None:
+        from moe_ft.faults import Fault
+
+        for text in self.fail:
+            Fault.parse(text)  # raises ValueError naming the bad fault
+
+    def build(self, job_dir: str):
+        """The fault plan (fired markers under ``job_dir/faults``: each fault fires once across restarts)."""
+        import os
+
+        from moe_ft.faults import FaultPlan, FaultPlanConfig
+
+        return FaultPlan.from_config(FaultPlanConfig(faults=list(self.fail), marker_dir=os.path.join(job_dir, "faults")))
+
+
+@dataclass(kw_only=True)
+class RecoverConfig:
+    """What a (re)start does: recover or not, detect hangs, report, make lost tokens up (SPEC §5)."""
+
+    recover: str = field(default="auto", metadata=field_help(
+        "Recover from the node-local store at start: 'auto' = after a torchrun restart "
+        "(TORCHELASTIC_RESTART_COUNT > 0 on any rank) or when the durable tier holds a complete point, "
+        "'always', or 'never'.", choices=["auto", "always", "never"]))
+    hang_timeout: float = field(default=0.0, metadata=field_help(
+        "Seconds without iteration progress after which a rank declares itself hung and exits so torchrun "
+        "restarts the job (0 = no watchdog)."))
+    report_dir: str = field(default="", metadata=field_help(
+        "Directory for recovery reports (JSON); empty = <ft-store-dir>/<ft-job-id>/reports."))
+    capacity_boost: float = field(default=0.0, metadata=field_help(
         "MoEtion §6 capacity boost: after a pec/selective recovery, every expert restored from a stale FULL "
         "entry gets this fraction more capacity (0.1 = 10 %%) until it has kept as many extra tokens as the "
         "recovery lost for it (0 = off). Needs token dropping (--moe-expert-capacity-factor)."))
 
     def __post_init__(self) -> None:
-        if self.ft_policy not in POLICY_CHOICES:
-            raise ValueError(f"--ft-policy must be one of {POLICY_CHOICES}, got {self.ft_policy!r}")
-        for name in ("ft_dense_interval", "ft_pec_k", "ft_snapshot_slots"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("ft_sparse_window", "ft_selective_local_budget", "ft_selective_remote_budget", "ft_log_interval",
-                     "ft_replicas", "ft_ranks_per_node", "ft_persist_interval"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if self.ft_policy == "pec" and self.ft_persist_interval > 1:
-            raise ValueError(f"--ft-persist-interval {self.ft_persist_interval} with --ft-policy pec: pec persists "
-                             "K_persist experts of every snapshot (MoC §5.1), so a durable point would never "
-                             "hold every expert's FULL state (the sequential expert cycle aliases with the "
-                             "interval); use --ft-persist-interval 1 (or 0 = no durable tier)")
-        if self.ft_hang_timeout < 0:
+        if self.hang_timeout < 0:
             raise ValueError("--ft-hang-timeout must be >= 0 seconds")
-        from moe_ft.faults import Fault
+        if self.capacity_boost < 0:
+            raise ValueError(f"--ft-capacity-boost must be >= 0 (a fraction, 0.1 = 10 %), got {self.capacity_boost}")
 
-        for text in self.ft_fail:
-            Fault.parse(text)  # raises ValueError naming the bad fault
-        if self.ft_snapshot_bandwidth <= 0:
-            raise ValueError("--ft-snapshot-bandwidth must be positive (bytes/s)")
-        if self.ft_capacity_boost < 0:
-            raise ValueError(f"--ft-capacity-boost must be >= 0 (a fraction, 0.1 = 10 %), got {self.ft_capacity_boost}")
-        if self.ft_capacity_boost and self.ft_policy not in ("pec", "selective"):
+    def build_watchdog(self, rank: int):
+        if not self.hang_timeout:
+            return None
+        from moe_ft.recovery.watchdog import Watchdog
+
+        return Watchdog(self.hang_timeout, rank)
+
+    def build_boost(self, state, popularity):
+        """The MoEtion §6 capacity boost attached to the routers, or ``None``."""
+        if not self.capacity_boost:
+            return None
+        from moe_ft.recovery.boost import build_capacity_boost
+
+        return build_capacity_boost(self.capacity_boost, state, popularity)
+
+
+def _nested(cls, prefix: str, title: str):
+    return field(default_factory=cls, metadata={"flag_prefix": prefix, "help": title})
+
+
+@dataclass(kw_only=True)
+class FTConfig:
+    """All fault-tolerance flags: ``--ft``, ``--ft-log-interval`` and one nested config per component."""
+
+    ft: bool = field(default=False, metadata=field_help("Enable the moe-ft runtime (per-iteration snapshots)."))
+    ft_log_interval: int = field(default=0, metadata=field_help(
+        "Iterations between FT metric lines (0 = the training --log-interval)."))
+    snapshot: SnapshotConfig = _nested(SnapshotConfig, "ft_", "snapshots")
+    replication: ReplicationConfig = _nested(ReplicationConfig, "ft_", "replication")
+    persist: DurableConfig = _nested(DurableConfig, "ft_persist_", "durable tier")
+    drill: DrillConfig = _nested(DrillConfig, "ft_", "failure drills")
+    recovery: RecoverConfig = _nested(RecoverConfig, "ft_", "recovery")
+
+    def __post_init__(self) -> None:
+        _non_negative(self, ("ft_log_interval",), "")
+        cls = self.snapshot.policy_cls
+        if cls is not None:
+            cls.check_flags(self)
+        if self.recovery.capacity_boost and not (cls is not None and cls.lossy):
+            lossy = " or ".join(name for name, (c, _) in sorted(POLICIES.items()) if c.lossy)
             raise ValueError(f"--ft-capacity-boost makes up the tokens a lossy recovery loses; --ft-policy "
-                             f"{self.ft_policy} loses none: use it with --ft-policy pec or selective")
+                             f"{self.snapshot.policy} loses none: use it with --ft-policy {lossy}")
+
+    @classmethod
+    def from_flags(cls, **flags) -> "FTConfig":
+        """The config the parser builds from these flags (dest names: ``ft_policy="pec"``,
+        ``ft_persist_interval=1``); every other flag at its default."""
+        return dataclass_from_flags(cls, **flags)
 
     def check_args(self, args) -> None:
         """Checks against the model's flags (``args``: Megatron's parsed ``Args``)."""
-        if self.ft and self.ft_capacity_boost and getattr(args.model, "moe_expert_capacity_factor", None) is None:
+        if self.ft and self.recovery.capacity_boost and getattr(args.model, "moe_expert_capacity_factor", None) is None:
             raise ValueError("--ft-capacity-boost gives stale experts more *capacity*: it needs token dropping, "
                              "set --moe-expert-capacity-factor (e.g. 1.0); without it no expert drops tokens "
                              "and there is nothing to boost")
@@ -114,26 +251,21 @@ class FTConfig:
 
         return install_router(spec)
 
-    def policy_config(self, t_iter_s: float) -> dict:
-        """The policy's config fields from the flags; ``t_iter_s``: measured iteration time."""
-        if self.ft_policy == "dense":
-            return {"interval": self.ft_dense_interval}
-        if self.ft_policy == "pec":
-            return {"k_snapshot": self.ft_pec_k, "k_persist": 1, "selection": self.ft_pec_selection}
-        if self.ft_policy == "selective":
-            local = self.ft_selective_local_budget or int(self.ft_snapshot_bandwidth * t_iter_s)
-            return {"local_budget": local, "remote_budget": self.ft_selective_remote_budget or local}
-        if self.ft_policy == "sparse":
-            if self.ft_sparse_window:
-                return {"window": self.ft_sparse_window, "order": self.ft_sparse_order}
-            return {"window": "auto", "bandwidth_bytes_per_s": self.ft_snapshot_bandwidth, "t_iter_s": t_iter_s,
-                    "order": self.ft_sparse_order}
-        return {}
-
     @property
     def needs_popularity(self) -> bool:
-        """Whether the popularity counters must be summed over all ranks: the policy reads them (sparse,
-        selective, pec load-aware), or a lossy recovery accounts the tokens lost per expert (pec,
-        selective: PLT/MLT and the capacity boost need the whole job's tokens, not one rank's), or the
-        ``--ft-trace-out`` file records them (its counts are the job's, whatever the policy)."""
-        return self.ft_policy in ("sparse", "selective", "pec") or bool(self.ft_trace_out)
+        """Whether the popularity counters must be summed over all ranks: the policy reads them, or a lossy
+        recovery accounts the tokens lost per expert (PLT/MLT and the capacity boost need the whole job's
+        tokens, not one rank's), or the ``--ft-trace-out`` file records them (its counts are the job's,
+        whatever the policy)."""
+        cls = self.snapshot.policy_cls
+        return (cls is not None and (cls.reads_popularity or cls.lossy)) or bool(self.drill.trace_out)
+
+    def report_dir(self) -> str:
+        import os
+
+        return self.recovery.report_dir or os.path.join(self.snapshot.store_dir, self.snapshot.job_id, "reports")
+
+    def job_dir(self) -> str:
+        import os
+
+        return os.path.join(self.snapshot.store_dir, self.snapshot.job_id)

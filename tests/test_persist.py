@@ -127,8 +127,8 @@ def test_config_errors():
     from moe_ft.config import FTConfig
 
     with pytest.raises(ValueError, match="--ft-persist-interval 1"):  # would never complete (aliasing)
-        FTConfig(ft=True, ft_policy="pec", ft_persist_interval=2)
-    FTConfig(ft=True, ft_policy="pec", ft_persist_interval=1)
+        FTConfig.from_flags(ft=True, ft_policy="pec", ft_persist_interval=2)
+    FTConfig.from_flags(ft=True, ft_policy="pec", ft_persist_interval=1)
 
 
 def test_inspect_validate_durable_point(tmp_path, capsys):

@@ -59,10 +59,10 @@ def test_flag_needs_a_lossy_policy_and_token_dropping():
     from moe_ft.config import FTConfig
 
     with pytest.raises(ValueError, match="use it with --ft-policy pec or selective"):
-        FTConfig(ft=True, ft_policy="sparse", ft_capacity_boost=0.1)
+        FTConfig.from_flags(ft=True, ft_policy="sparse", ft_capacity_boost=0.1)
     with pytest.raises(ValueError, match=">= 0"):
-        FTConfig(ft=True, ft_policy="pec", ft_capacity_boost=-0.1)
-    cfg = FTConfig(ft=True, ft_policy="pec", ft_capacity_boost=0.1)
+        FTConfig.from_flags(ft=True, ft_policy="pec", ft_capacity_boost=-0.1)
+    cfg = FTConfig.from_flags(ft=True, ft_policy="pec", ft_capacity_boost=0.1)
     assert cfg.needs_popularity  # the lost tokens per expert must be the whole job's
     with pytest.raises(ValueError, match="set --moe-expert-capacity-factor"):
         cfg.check_args(SimpleNamespace(model=SimpleNamespace(moe_expert_capacity_factor=None)))

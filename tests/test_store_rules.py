@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from moe_ft.state.operators import Level, OperatorId
-from moe_ft.store import (MemoryBackend, NewestFullRule, SnapshotStore, SparseWindowRule, TripleBuffer,
-                          retention_for_policy)
+from moe_ft.store import (DenseRule, KeepNewestRecoverable, MemoryBackend, NewestFullRule, SnapshotStore,
+                          SparseWindowRule, TripleBuffer)
 
 E0, E1, E2 = (OperatorId.expert_op(0, e) for e in range(3))
 D0, G0 = OperatorId.dense(0), OperatorId.gate(0)
@@ -76,7 +76,7 @@ def test_explicit_windows_after_a_resize():
 
 
 def test_sparse_retention_keeps_one_window_and_the_one_in_flight():
-    store = SnapshotStore(MemoryBackend(), retention=retention_for_policy("sparse", SPARSE_OPS, window_size=2))
+    store = SnapshotStore(MemoryBackend(), retention=KeepNewestRecoverable(rule=SparseWindowRule.aligned(SPARSE_OPS, 2)))
     kept = []
     for it in range(6):
         put_point(store, it, SPARSE[it % 2])
@@ -86,7 +86,7 @@ def test_sparse_retention_keeps_one_window_and_the_one_in_flight():
 
 def test_pec_triple_buffer_keeps_each_operators_newest_full():
     # PEC with K = 1 expert per layer, sequential: expert (it mod 3) FULL, dense FULL every iteration.
-    store = SnapshotStore(MemoryBackend(), retention=retention_for_policy("pec", [E0, E1, E2, D0]))
+    store = SnapshotStore(MemoryBackend(), retention=TripleBuffer(floor=NewestFullRule(operators=frozenset([E0, E1, E2, D0]))))
     plain = SnapshotStore(MemoryBackend(), retention=TripleBuffer())
     for it in range(5):
         for s in (store, plain):
@@ -100,7 +100,7 @@ def test_pec_triple_buffer_keeps_each_operators_newest_full():
 
 
 def test_dense_retention_and_newest_full():
-    store = SnapshotStore(MemoryBackend(), retention=retention_for_policy("dense", [E0, D0]))
+    store = SnapshotStore(MemoryBackend(), retention=KeepNewestRecoverable(rule=DenseRule(operators=frozenset([E0, D0]))))
     put_point(store, 10, {E0: Level.FULL, D0: Level.FULL})
     put_point(store, 20, {E0: Level.FULL})
     assert store.points() == [10, 20]
@@ -111,10 +111,6 @@ def test_dense_retention_and_newest_full():
 
 
 def test_invalid_configurations_say_what_to_do():
-    with pytest.raises(ValueError, match="window_size"):
-        retention_for_policy("sparse", SPARSE_OPS)
-    with pytest.raises(ValueError, match="unknown snapshot policy"):
-        retention_for_policy("lru", SPARSE_OPS)
     with pytest.raises(ValueError, match="num_buffers"):
         TripleBuffer(num_buffers=1)
     with pytest.raises(ValueError, match="window_size"):

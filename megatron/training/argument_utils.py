@@ -31,38 +31,70 @@ def _base_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+def _nested(field: dataclasses.Field, tp: Any) -> bool:
+    """A field holding another config dataclass (a component's config inside a larger one); its fields
+    become flags named ``metadata["flag_prefix"] + name``."""
+    return dataclasses.is_dataclass(tp) and "flag_prefix" in field.metadata
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, title: str, prefix: str = "") -> None:
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         if not field.init or field.metadata.get("cli") is False:
             continue
         tp, is_list = _base_type(hints[field.name])
+        if _nested(field, tp):
+            add_dataclass_arguments(parser, tp, f"{title}: {field.metadata.get('help', field.name)}",
+                                    prefix + field.metadata["flag_prefix"])
+            continue
+        dest = prefix + field.name
         help_text = field.metadata.get("help", "")
         default = field.default if field.default is not dataclasses.MISSING else None
         if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
             default = field.default_factory()  # type: ignore[misc]
-        kwargs: dict[str, Any] = {"dest": field.name, "help": f"{help_text} (default: {default})"}
+        kwargs: dict[str, Any] = {"dest": dest, "help": f"{help_text} (default: {default})"}
         if tp is bool and not is_list:
             if default:
-                group.add_argument("--no-" + field.name.replace("_", "-"), action="store_false", **kwargs)
+                group.add_argument("--no-" + dest.replace("_", "-"), action="store_false", **kwargs)
             else:
-                group.add_argument(flag_name(field.name), action="store_true", **kwargs)
+                group.add_argument(flag_name(dest), action="store_true", **kwargs)
             continue
         if "choices" in field.metadata:
             kwargs["choices"] = field.metadata["choices"]
         if is_list:
             kwargs["nargs"] = "+"
-        group.add_argument(flag_name(field.name), type=tp, default=default, **kwargs)
+        group.add_argument(flag_name(dest), type=tp, default=default, **kwargs)
 
 
-def dataclass_from_args(cls: type[T], namespace: argparse.Namespace) -> T:
+def dataclass_from_args(cls: type[T], namespace: argparse.Namespace, prefix: str = "") -> T:
+    """``cls`` from parsed flags (nested component configs from their prefixed flags)."""
     values = {}
+    hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
-        if field.init and hasattr(namespace, field.name):
-            value = getattr(namespace, field.name)
+        if not field.init:
+            continue
+        tp, _ = _base_type(hints[field.name])
+        if _nested(field, tp):
+            values[field.name] = dataclass_from_args(tp, namespace, prefix + field.metadata["flag_prefix"])
+        elif hasattr(namespace, prefix + field.name):
+            value = getattr(namespace, prefix + field.name)
             values[field.name] = list(value) if isinstance(value, tuple) else value
     return cls(**values)
+
+
+def dataclass_from_flags(cls: type[T], **flags: Any) -> T:
+    """``cls`` as the flag parser would build it with ``flags`` (flag dest names, e.g. ``ft_policy``) set
+    and every other flag at its default (tests, benchmarks)."""
+    parser = argparse.ArgumentParser()
+    add_dataclass_arguments(parser, cls, cls.__name__)
+    namespace = parser.parse_args([])
+    unknown = sorted(set(flags) - set(vars(namespace)))
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no flag(s) {unknown}")
+    for name, value in flags.items():
+        setattr(namespace, name, value)
+    return dataclass_from_args(cls, namespace)
 
 
 def field_help(help_text: str, **extra: Any) -> dict[str, Any]:

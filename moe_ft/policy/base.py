@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import abc
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Optional, Sequence
 
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo, SnapshotPlan
+from moe_ft.store.rules import DenseRule, RecoveryRule
 
 if TYPE_CHECKING:  # only for annotations: policies read counters, they never build them
+    from moe_ft.config import FTConfig
     from moe_ft.popularity import ExpertPopularity
+    from moe_ft.snapshot.config import SnapshotConfig
 
 RankKey = tuple[int, int]
 """``(pp_rank, ep_rank)``: the device whose link an operator's snapshot bytes cross."""
@@ -29,9 +32,25 @@ RankKey = tuple[int, int]
 
 class SnapshotPolicy(abc.ABC):
     """Base of every policy. Subclasses set ``name`` and implement :meth:`plan`; stateful ones override
-    :meth:`state_dict` / :meth:`load_state_dict` so a restarted job continues the same schedule."""
+    :meth:`state_dict` / :meth:`load_state_dict` so a restarted job continues the same schedule.
+
+    A policy also owns what its plans *mean* for the rest of the system, so that no other module switches
+    on policy names (``docs/architecture.md``): which stored points form a recovery point
+    (:meth:`recovery_rule`), which ones retention must keep (:meth:`retention_rule`), what goes to the
+    durable tier (:meth:`persist_plan`), whether recovery loses tokens (:attr:`lossy`) and how the loss is
+    measured (:attr:`token_loss_metric`, :meth:`token_loss_denominator`, :meth:`after_recovery`)."""
 
     name: str = ""
+    lossy: ClassVar[bool] = False
+    """Recovery restores each operator's newest FULL entry and loses the tokens routed to it since
+    (``pec``, ``selective``); exact policies reload a dense point or replay a window."""
+    token_loss_metric: ClassVar[Optional[str]] = None
+    """Name of the lost-token metric a lossy recovery reports (MoC ``PLT``, MoEtion ``MLT``)."""
+    reads_popularity: ClassVar[bool] = False
+    """Whether :meth:`plan` reads the popularity counters (then they are summed over all ranks)."""
+    dense_points: ClassVar[bool] = False
+    """Every snapshot point holds every operator FULL: the durable tier can also write it in
+    Megatron's ``dist_checkpointing`` format (plain Megatron loads it)."""
 
     def __init__(self, operators: Sequence[OperatorInfo]) -> None:
         self.operators: tuple[OperatorInfo, ...] = validate_operators(operators)
@@ -49,6 +68,48 @@ class SnapshotPolicy(abc.ABC):
     def load_state_dict(self, state: Mapping) -> None:
         if state.get("name") != self.name:
             raise ValueError(f"state of policy {state.get('name')!r} cannot be loaded into policy {self.name!r}")
+
+    # ---------------------------------------------------------------- what the plans mean elsewhere
+    @classmethod
+    def config_from_flags(cls, flags: "SnapshotConfig", t_iter_s: float) -> Any:
+        """This policy's config dataclass from the ``--ft-*`` snapshot flags; ``t_iter_s``: the measured
+        iteration time (budgets and windows derived from a bandwidth need it)."""
+        raise NotImplementedError(f"policy {cls.name!r} does not read flags")
+
+    @classmethod
+    def check_flags(cls, config: "FTConfig") -> None:
+        """Reject flag combinations this policy cannot honour (``ValueError`` naming the fix)."""
+
+    def recovery_rule(self, operators: Iterable[OperatorId], *, store=None, start_iteration: int = 0) -> RecoveryRule:
+        """Which stored points form a recovery point (SPEC §5). Default: a dense point (every operator FULL
+        at one iteration). ``store``: the store recovery reads (a policy may read what it recorded there);
+        ``start_iteration``: where this run started (no point before it was taken by this schedule)."""
+        return DenseRule(operators=frozenset(operators))
+
+    def retention_rule(self, operators: Iterable[OperatorId]) -> RecoveryRule:
+        """The completeness rule garbage collection keeps recovery points by (SPEC §4: one complete point
+        kept while the next is in flight). Called after the first :meth:`plan` (and again after a
+        recovery restored the policy's state)."""
+        return self.recovery_rule(operators)
+
+    def persist_plan(self, iteration: int, snapshot_plan: SnapshotPlan) -> Optional[SnapshotPlan]:
+        """What of the snapshot after ``iteration`` goes to the durable tier; ``None`` (default): the whole
+        recovery point the retention rule completes."""
+        return None
+
+    def token_loss_denominator(self, end: int, *, train_iters: int, tokens_per_iteration: float) -> float:
+        """Routed tokens per MoE layer the lost-token metric is a fraction of (lossy policies)."""
+        raise NotImplementedError(f"policy {self.name!r} is exact: it loses no tokens")
+
+    def after_recovery(self, iteration: int, token_loss: float) -> dict:
+        """Called after a recovery that resumed after ``iteration`` lost ``token_loss`` (the metric's value);
+        returns extra fields for the report. Default: nothing to adapt."""
+        return {}
+
+    def window_progress(self, iteration: int) -> Optional[str]:
+        """``"i/W"``: where the snapshot after ``iteration`` lies in a multi-iteration recovery point (the
+        FT log line); ``None`` when each point is one iteration."""
+        return None
 
     def plan_bytes(self, plan: SnapshotPlan) -> dict[RankKey, int]:
         """Bytes each rank key copies for ``plan`` (a helper for engines, tests and the simulator)."""

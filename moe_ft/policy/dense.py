@@ -27,6 +27,11 @@ class DensePolicy(SnapshotPolicy):
     """FULL for all operators at checkpoint iterations, NONE otherwise. Stateless."""
 
     name = "dense"
+    dense_points = True
+
+    @classmethod
+    def config_from_flags(cls, flags, t_iter_s: float) -> DenseConfig:
+        return DenseConfig(interval=flags.dense_interval)
 
     def __init__(self, config: DenseConfig, operators: Sequence[OperatorInfo]) -> None:
         super().__init__(operators)

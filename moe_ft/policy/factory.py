@@ -21,6 +21,22 @@ POLICIES: Mapping[str, tuple[type, type]] = {
 
 DEFAULT_POLICY = "sparse"
 
+NO_SNAPSHOTS = "none"
+"""``--ft-policy none``: popularity is counted and logged, nothing is snapshotted (no store, no engine)."""
+
+POLICY_CHOICES = [NO_SNAPSHOTS, *sorted(POLICIES)]
+"""Values of ``--ft-policy``."""
+
+
+def policy_class(name: str) -> Optional[type[SnapshotPolicy]]:
+    """The policy class of ``--ft-policy name`` (``None`` for ``none``); class attributes such as
+    :attr:`SnapshotPolicy.lossy` answer questions asked before any policy object exists."""
+    if name == NO_SNAPSHOTS:
+        return None
+    if name not in POLICIES:
+        raise ValueError(f"unknown snapshot policy {name!r}; expected one of {POLICY_CHOICES}")
+    return POLICIES[name][0]
+
 
 def build_policy(name: str, config: Optional[Union[Any, Mapping[str, Any]]],
                  operators: Sequence[OperatorInfo]) -> SnapshotPolicy:

@@ -35,6 +35,7 @@ from moe_ft.policy.base import (
     make_plan,
     top_by_score,
 )
+from moe_ft.store.rules import NewestFullRule
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo, SnapshotPlan
 
 SELECTIONS = ("sequential", "load_aware")
@@ -84,6 +85,34 @@ class PECPolicy(SnapshotPolicy):
     """MoC partial experts checkpointing; see the module docstring."""
 
     name = "pec"
+    lossy = True
+    token_loss_metric = "PLT"
+
+    @classmethod
+    def config_from_flags(cls, flags, t_iter_s: float) -> "PECConfig":
+        return PECConfig(k_snapshot=flags.pec_k, k_persist=1, selection=flags.pec_selection)
+
+    @classmethod
+    def check_flags(cls, config) -> None:
+        interval = config.persist.interval
+        if interval > 1:
+            raise ValueError(f"--ft-persist-interval {interval} with --ft-policy pec: pec persists K_persist "
+                             "experts of every snapshot (MoC §5.1), so a durable point would never hold every "
+                             "expert's FULL state (the sequential expert cycle aliases with the interval); use "
+                             "--ft-persist-interval 1 (or 0 = no durable tier)")
+
+    def recovery_rule(self, operators, *, store=None, start_iteration: int = 0):
+        """Each operator's newest FULL entry (MoC §3: PEC restores experts from different checkpoints)."""
+        return NewestFullRule(operators=frozenset(operators))
+
+    def token_loss_denominator(self, end: int, *, train_iters: int, tokens_per_iteration: float) -> float:
+        """MoC eq. 7: PLT is a fraction of all tokens routed over the whole training run."""
+        return float(train_iters * tokens_per_iteration)
+
+    def after_recovery(self, iteration: int, token_loss: float) -> dict:
+        """Dynamic-K (MoC §5.3) after a recovery; the report shows K before and after."""
+        k_before = self.k
+        return {"k_before": k_before, "k_after": self.on_recovery(iteration, token_loss)}
 
     def __init__(self, config: PECConfig, operators: Sequence[OperatorInfo]) -> None:
         super().__init__(operators)

@@ -29,6 +29,7 @@ from moe_ft.policy.base import (
     rank_key,
     top_by_score,
 )
+from moe_ft.store.rules import NewestFullRule
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo, SnapshotPlan
 
 
@@ -77,6 +78,23 @@ class SelectivePolicy(SnapshotPolicy):
     from ``popularity.since_full`` (the engine calls ``mark_full`` after each snapshot)."""
 
     name = "selective"
+    lossy = True
+    token_loss_metric = "MLT"
+    reads_popularity = True
+
+    @classmethod
+    def config_from_flags(cls, flags, t_iter_s: float) -> "SelectiveConfig":
+        """MoEtion §4: ``B_local = bandwidth × T_iter`` unless given; ``B_remote`` defaults to ``B_local``."""
+        local = flags.selective_local_budget or int(flags.snapshot_bandwidth * t_iter_s)
+        return SelectiveConfig(local_budget=local, remote_budget=flags.selective_remote_budget or local)
+
+    def recovery_rule(self, operators, *, store=None, start_iteration: int = 0):
+        """Each operator's newest FULL entry (MoEtion §6: stale experts are restored from older snapshots)."""
+        return NewestFullRule(operators=frozenset(operators))
+
+    def token_loss_denominator(self, end: int, *, train_iters: int, tokens_per_iteration: float) -> float:
+        """MLT (MoEtion §6) is a fraction of the tokens routed so far: iterations ``0 … end``."""
+        return float((end + 1) * tokens_per_iteration)
 
     def __init__(self, config: SelectiveConfig, operators: Sequence[OperatorInfo]) -> None:
         super().__init__(operators)

@@ -28,6 +28,26 @@ from moe_ft.policy.sparse_schedule import (
     should_reorder,
 )
 from moe_ft.state.operators import OperatorId, OperatorInfo, SnapshotPlan
+from moe_ft.store.errors import StoreError
+from moe_ft.store.rules import SparseWindowRule
+
+
+def recorded_windows(store) -> list[tuple[int, int]]:
+    """The sparse windows ``(start, end)`` as the policy recorded them in the metadata of the store's points
+    (its state after each snapshot). Recovery must use these, not windows aligned to this run's start
+    iteration: a run resumed from a ``--load`` checkpoint, or whose window length was measured again
+    (``--ft-sparse-window 0``), would otherwise look for windows that were never taken."""
+    windows: set[tuple[int, int]] = set()
+    for it in store.points():
+        try:
+            policy = store.load_meta(it).meta.get("policy") or {}
+        except StoreError:  # a damaged metadata entry: agreement skips its point with the reason anyway
+            continue
+        for key in ("current", "previous"):
+            w = policy.get(key)
+            if w:
+                windows.add((int(w["start"]), int(w["start"]) + int(w["length"]) - 1))
+    return sorted(windows)
 
 
 @dataclass(kw_only=True)
@@ -76,6 +96,30 @@ class SparsePolicy(SnapshotPolicy):
     """MoEvement sparse checkpointing; see the module docstring."""
 
     name = "sparse"
+    reads_popularity = True
+
+    @classmethod
+    def config_from_flags(cls, flags, t_iter_s: float) -> SparseConfig:
+        """A fixed ``--ft-sparse-window``, or ``FindWindowSize`` (Alg. 1) from the bandwidth and ``t_iter_s``."""
+        if flags.sparse_window:
+            return SparseConfig(window=flags.sparse_window, order=flags.sparse_order)
+        return SparseConfig(window="auto", bandwidth_bytes_per_s=flags.snapshot_bandwidth, t_iter_s=t_iter_s,
+                            order=flags.sparse_order)
+
+    def recovery_rule(self, operators, *, store=None, start_iteration: int = 0):
+        """A complete window (MoEvement §3.3): the windows recorded in the store's metadata when there are
+        any (:func:`recorded_windows`), else windows aligned to this run's start."""
+        windows = recorded_windows(store) if store is not None else []
+        if windows:
+            return SparseWindowRule.explicit(operators, windows)
+        return SparseWindowRule.aligned(operators, self.window_length, start_iteration)
+
+    def retention_rule(self, operators):
+        """Windows aligned to the current one (after a recovery: the restored, recorded window)."""
+        window = self.current
+        if window is None:
+            raise ValueError("the sparse policy has no window yet: call plan() once before retention_rule()")
+        return SparseWindowRule.aligned(operators, window.length, window.start % window.length)
 
     def __init__(self, config: SparseConfig, operators: Sequence[OperatorInfo]) -> None:
         super().__init__(operators)
@@ -157,6 +201,10 @@ class SparsePolicy(SnapshotPolicy):
         raise ValueError(f"no complete window before iteration {failed_iteration}; windows remembered: "
                          f"{[(w.start, w.end) for w in (self.previous, self.current) if w is not None]}; "
                          "fall back to the last dense (persisted) checkpoint")
+
+    def window_progress(self, iteration: int) -> str:
+        w = self.window_of(iteration)
+        return f"{iteration - w.start + 1}/{w.length}"
 
     @property
     def window_length(self) -> Optional[int]:

@@ -1,62 +1,75 @@
-"""Glue between the runtime and the recovery machine: picks the rule for the policy, builds the
-context, runs the machine, accounts token loss, and writes the report. Called by
-``FTRuntime.on_train_start`` after a restart; the runtime hands over the step function (recovery never
-imports the training loop)."""
+"""Recovery at start-up (SPEC §5): decide whether this start is a recovery, then restore the newest point
+every rank has and account for what the failure cost.
+
+:func:`recover` takes everything it acts on in one :class:`RecoveryInputs` (the runtime builds it; recovery
+never imports the training loop: the loop's step function comes in as ``step_fn``). It runs named steps:
+
+1. :func:`lost_iterations`     newest iteration any rank completed (progress records, collective)
+2. :func:`fetch_lost_points`   rebuild node-local stores of a lost node from peers (collective)
+3. :func:`restore_newest_point`  the state machine (``machine.py``) on the memory tier, else on the newest
+                               complete durable point
+4. :func:`account_token_loss`  popularity as of the point; lossy policies: PLT/MLT (MoC eq. 7, MoEtion §6)
+5. :func:`drop_abandoned_timeline`  store points after the resume point; retention by the restored policy
+6. :func:`build_report`
+
+What a policy means for recovery (its completeness rule, whether it is lossy, its metric) is asked of the
+policy object (``moe_ft/policy/base.py``), never decided here by name.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from moe_ft.recovery.lossy import gather_expert_full_at, token_loss
 from moe_ft.recovery.machine import Phase, Recovery, RecoveryConfig, RecoveryContext, RecoveryState
-from moe_ft.state.optimizer_views import ensure_optimizer_state
+from moe_ft.recovery.progress import last_completed
 from moe_ft.recovery.report import RecoveryReport
 from moe_ft.state.operators import Level
-from moe_ft.store import DenseRule, NewestFullRule, SparseWindowRule
-from moe_ft.store.errors import StoreError
 
-LOSSY = ("pec", "selective")
-
-
-def recorded_windows(store) -> list[tuple[int, int]]:
-    """The sparse windows ``(start, end)`` as the policy recorded them in the metadata of the store's points
-    (its state after each snapshot). Recovery must use these, not windows aligned to this run's start
-    iteration: a run resumed from a ``--load`` checkpoint, or whose window length was measured again
-    (``--ft-sparse-window 0``), would otherwise look for windows that were never taken."""
-    windows: set[tuple[int, int]] = set()
-    for it in store.points():
-        try:
-            policy = store.load_meta(it).meta.get("policy") or {}
-        except StoreError:  # a damaged metadata entry: agreement skips its point with the reason anyway
-            continue
-        for key in ("current", "previous"):
-            w = policy.get(key)
-            if w:
-                windows.add((int(w["start"]), int(w["start"]) + int(w["length"]) - 1))
-    return sorted(windows)
+if TYPE_CHECKING:
+    from moe_ft.config import FTConfig
+    from moe_ft.faults import FaultPlan
+    from moe_ft.popularity import ExpertPopularity
+    from moe_ft.replication.service import Replication
+    from moe_ft.snapshot.session import SnapshotSession
+    from moe_ft.state.registry import OperatorRegistry
 
 
-def rule_for(policy_name: str, policy, operators, window_offset: int, dense_interval: int = 1, store=None):
-    if policy_name == "sparse":
-        windows = recorded_windows(store) if store is not None else []
-        if windows:
-            return SparseWindowRule.explicit(operators, windows)
-        return SparseWindowRule.aligned(operators, policy.window_length, window_offset)
-    if policy_name == "dense":
-        return DenseRule(operators=frozenset(operators))
-    if policy_name in LOSSY:
-        return NewestFullRule(operators=frozenset(operators))
-    raise ValueError(f"no recovery rule for policy {policy_name!r}")
+@dataclass(kw_only=True)
+class RecoveryInputs:
+    """Everything one recovery reads or changes."""
+
+    config: "FTConfig"
+    state: Any
+    """The loop's ``TrainState`` (model chunks, optimizer with its state initialised, scheduler)."""
+    args: Any
+    """Megatron's parsed ``Args`` (batch size, sequence length, top-k, ``--save``, train iterations)."""
+    rank: int
+    world_size: int
+    start_iteration: int
+    """The ``--load`` iteration (or 0): recovery never restores a point older than it."""
+    restart_count: int
+    step_fn: Callable[[int, Any], Any]
+    """``step_fn(iteration, optimizer)`` runs one training iteration (replay)."""
+    registry: "OperatorRegistry"
+    popularity: "ExpertPopularity"
+    session: "SnapshotSession"
+    replication: Optional["Replication"] = None
+    durable_dir: Optional[Path] = None
+    """The durable tier's job directory (rank 0's progress record there outlives every node)."""
+    faults: Optional["FaultPlan"] = None
+    check_fault: Callable[[int, str], None] = lambda iteration, phase: None
 
 
-def should_recover(cfg, args) -> tuple[bool, int]:
+def should_recover(cfg: "FTConfig", args) -> tuple[bool, int]:
     """Whether this start is a recovery, and the (largest) torchrun restart count (collective).
 
     ``--ft-recover auto`` recovers when *any* rank was restarted by torchrun: a replacement node's agent is
@@ -69,46 +82,158 @@ def should_recover(cfg, args) -> tuple[bool, int]:
     restarts = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))], dtype=torch.int64)
     dist.all_reduce(restarts, op=dist.ReduceOp.MAX)
     restart_count = int(restarts.item())
-    if cfg.ft_recover == "never":
+    mode = cfg.recovery.recover
+    if mode == "never":
         return False, restart_count
-    if cfg.ft_recover == "always" or restart_count > 0:
+    if mode == "always" or restart_count > 0:
         return True, restart_count
-    persist_dir = cfg.ft_persist_dir or args.training.save
-    durable = bool(cfg.ft_persist_interval and persist_dir and
-                   DurableTier(persist_dir, cfg.ft_job_id, dist.get_world_size()).complete_points())
+    root = cfg.persist.root(args.training.save)
+    durable = bool(cfg.persist.interval and root and
+                   DurableTier(root, cfg.snapshot.job_id, dist.get_world_size()).complete_points())
     return durable, restart_count
 
 
-def progress_path(store_root: str, job_id: str, rank: int) -> Path:
-    return Path(store_root) / job_id / f"progress_rank{rank}"
+def recover(inputs: RecoveryInputs) -> RecoveryReport:
+    """Restore the newest recovery point every rank has; returns the report (the iteration training
+    resumes at is ``report.recovery_point['resume']``)."""
+    t0 = time.perf_counter()
+    since_fault = seconds_since_last_fault(inputs.faults)
+    lost_through = lost_iterations(inputs)
+    t_fetch = time.perf_counter()
+    fetched = fetch_lost_points(inputs)
+    t_fetch = time.perf_counter() - t_fetch
+    rs, source = restore_newest_point(inputs)
+    if t_fetch > 0.0005 and fetched:
+        rs.seconds["fetch"] = t_fetch
+    report_skipped(inputs, rs)
+    loss = account_token_loss(inputs, rs.point)
+    drop_abandoned_timeline(inputs, rs)
+    if rs.point is None:
+        source = "checkpoint" if inputs.start_iteration else "initial"
+    seconds = {**{k: round(v, 4) for k, v in rs.seconds.items()}, "total": round(time.perf_counter() - t0, 4),
+               **({"restart": round(since_fault, 4)} if since_fault is not None else {})}
+    return build_report(inputs, rs, source=source, lost_through=lost_through, fetched=fetched, loss=loss,
+                        seconds=seconds)
 
 
-def write_progress(path: Path, iteration: int) -> None:
-    """Record that ``iteration`` completed (atomically: a reader sees the old or the new number)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(str(iteration))
-    os.replace(tmp, path)
+# ------------------------------------------------------------------------------------------------ steps
+def lost_iterations(inputs: RecoveryInputs) -> int:
+    """The newest iteration any rank completed before the failure (collective)."""
+    snap = inputs.config.snapshot
+    return last_completed(snap.store_dir, snap.job_id, inputs.rank, inputs.durable_dir)
 
 
-def last_completed(store_root: str, job_id: str, rank: int, durable_dir: Path | None = None) -> int:
-    """The newest iteration any rank completed before the failure (collective MAX; -1 if none): from the
-    node-local progress files and, when every node was lost with them, from the one rank 0 keeps next to
-    the durable tier (``durable_dir``)."""
-    paths = [progress_path(store_root, job_id, rank)] + ([durable_dir / "progress"] if durable_dir else [])
-    mine = max((int(p.read_text()) for p in paths if p.exists()), default=-1)
-    t = torch.tensor([mine], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
-def gather_skipped(mine: list[str], rank: int) -> list[str]:
-    """Every rank's skipped-entry warnings, prefixed with the rank (collective)."""
+def fetch_lost_points(inputs: RecoveryInputs) -> dict:
+    """Node loss: rebuild node-local stores from replica holders and data-parallel peers (collective;
+    ``moe_ft/replication/fetch.py``). Returns the report's ``{"fetched": {rank: …}}`` (ranks that fetched
+    or could not), or ``{}`` without replication."""
+    if inputs.replication is None:
+        return {}
+    mine = inputs.replication.fetch_missing(inputs.session.store)
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, [f"rank {rank}: {m}" for m in mine])
-    return [m for part in gathered for m in part]
+    dist.all_gather_object(gathered, mine.to_json())
+    fetched = {str(r): f for r, f in enumerate(gathered) if f["points"] or f["skipped"]}
+    return {"fetched": fetched} if fetched else {}
 
 
+def _machine(inputs: RecoveryInputs, store, rs: RecoveryState) -> RecoveryState:
+    policy = inputs.session.policy
+    ctx = RecoveryContext(store=store, registry=inputs.registry,
+                          rule=policy.recovery_rule(list(inputs.registry), store=store,
+                                                    start_iteration=inputs.start_iteration),
+                          train_state=inputs.state, step_fn=inputs.step_fn, popularity=inputs.popularity,
+                          policy=policy, fault_check=inputs.check_fault)
+    return Recovery(RecoveryConfig(lossy=policy.lossy), ctx).run(rs)
+
+
+def restore_newest_point(inputs: RecoveryInputs) -> tuple[RecoveryState, str]:
+    """Run the state machine on the memory tier (node-local store and fetched replicas), bounded below by
+    the ``--load`` checkpoint; if no point is common to every rank there, on the newest complete durable
+    point. Returns the final state and the source (``memory`` / ``durable``)."""
+    lo = inputs.start_iteration - 1  # a point older than the --load checkpoint would only re-execute more
+    rs = _machine(inputs, BoundedStore(inputs.session.store, lo=lo),
+                  RecoveryState(fallback_iteration=inputs.start_iteration))
+    if rs.point is not None:
+        return rs, "memory"
+    durable = durable_store(inputs, newer_than=lo)
+    if durable is None:
+        return rs, "memory"
+    store, complete_end = durable  # every node's memory tier lost the point: the durable tier is the last resort
+    memory = rs
+    rs = _machine(inputs, BoundedStore(store, hi=complete_end),
+                  RecoveryState(fallback_iteration=inputs.start_iteration, skipped=list(memory.skipped)))
+    rs.proposals = memory.proposals + rs.proposals
+    rs.seconds = {k: memory.seconds.get(k, 0.0) + rs.seconds.get(k, 0.0) for k in {*memory.seconds, *rs.seconds}}
+    if rs.point is None:
+        return rs, "memory"
+    rs.message = (f"no recovery point in every rank's memory tier (node-local stores and replicas); "
+                  f"recovered from the newest complete durable point (iteration {complete_end}) in "
+                  f"{os.path.dirname(store.backend.describe())}")
+    return rs, "durable"
+
+
+def report_skipped(inputs: RecoveryInputs, rs: RecoveryState) -> None:
+    """Corrupt entries skipped while agreeing: logged by the rank that found them, listed in the report."""
+    for line in rs.skipped:
+        print(f"moe-ft recovery rank {inputs.rank}: {line}", file=sys.stderr, flush=True)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [f"rank {inputs.rank}: {m}" for m in rs.skipped])
+    skipped = [m for part in gathered for m in part]
+    if skipped:
+        rs.message = "; ".join(filter(None, [rs.message, "corrupt entries skipped: " + "; ".join(skipped)]))
+
+
+def account_token_loss(inputs: RecoveryInputs, point) -> dict:
+    """Popularity as of the point (its FULL experts marked); for a lossy policy the lost-token metric of
+    its paper per MoE layer, and the policy's reaction (e.g. Dynamic-K)."""
+    loss = {"tokens": 0.0, "metric": None, "value": 0.0}
+    if point is None:
+        return loss
+    policy, popularity = inputs.session.policy, inputs.popularity
+    plan = policy.plan(point.end, popularity)  # idempotent: the plan of `end` as it was
+    since_full = popularity.since_full.clone()  # as recorded at `end`, before mark_full(end)
+    popularity.mark_full(point.end, [op for op, lvl in plan.items() if lvl == Level.FULL])
+    if not policy.lossy:
+        return loss
+    t, m = inputs.args.training, inputs.args.model
+    tokens_per_iteration = t.global_batch_size * m.seq_length * m.moe_router_topk
+    denom = torch.full((since_full.shape[0],), policy.token_loss_denominator(
+        point.end, train_iters=t.train_iters, tokens_per_iteration=tokens_per_iteration))
+    loss = token_loss(end=point.end, expert_full_at=gather_expert_full_at(point.full_at), since_full=since_full,
+                      moe_layers=popularity.moe_layers, metric=policy.token_loss_metric, tokens_per_layer=denom)
+    loss.update(policy.after_recovery(point.end, loss["value"]))
+    return loss
+
+
+def drop_abandoned_timeline(inputs: RecoveryInputs, rs: RecoveryState) -> None:
+    """Points after the resume point belong to a timeline that will not happen again (a lossy run differs
+    from it); retention follows the restored policy's windows. Replicas and the durable tier drop theirs in
+    the runtime's components (``after_recovery``)."""
+    inputs.session.store.discard_after(rs.resume_iteration - 1)
+    if rs.point is not None:
+        inputs.session.realign_retention()
+
+
+def build_report(inputs: RecoveryInputs, rs: RecoveryState, *, source: str, lost_through: int, fetched: dict,
+                 loss: dict, seconds: dict) -> RecoveryReport:
+    from moe_ft.digest import global_digest
+
+    point, state = rs.point, inputs.state
+    assert rs.phase is Phase.DONE
+    return RecoveryReport(
+        policy=inputs.session.name, restart_count=inputs.restart_count,
+        failed={"last_completed": lost_through,
+                "faults_fired": [str(f) for f in inputs.faults.fired()] if inputs.faults else []},
+        recovery_point={"source": source, "start": point.start if point else inputs.start_iteration,
+                        "end": point.end if point else inputs.start_iteration - 1, "resume": rs.resume_iteration,
+                        "proposals": rs.proposals, **fetched},
+        replayed_iterations=list(rs.replayed),
+        reexecuted_iterations=list(range(rs.resume_iteration, lost_through + 1)),
+        seconds=seconds, bytes_loaded=rs.bytes_loaded, token_loss=loss, routing_checked=rs.routing_checked,
+        recovered_digest=global_digest(state.model, state.optimizer, state.scheduler), message=rs.message)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
 def seconds_since_last_fault(faults) -> float | None:
     """Drills: wall seconds from the newest fired fault (its marker's mtime) to now, i.e. failure
     detection + torchrun restart + process start + model build; ``None`` without fired faults."""
@@ -116,128 +241,6 @@ def seconds_since_last_fault(faults) -> float | None:
     if not fired:
         return None
     return time.time() - max((faults.marker_dir / f.marker_name).stat().st_mtime for f in fired)
-
-
-def recover(rt, state, args, start_iteration: int, step_fn, restart_count: int) -> RecoveryReport:
-    """Restore the newest recovery point every rank has; returns the report (``resume_iteration`` inside
-    ``recovery_point['resume']``)."""
-    from moe_ft.digest import global_digest
-
-    t0 = time.perf_counter()
-    since_fault = seconds_since_last_fault(rt.faults)
-    cfg = rt.config
-    ensure_optimizer_state(state.optimizer)
-    rt._build()
-    session = rt.active
-    lossy = cfg.ft_policy in LOSSY
-    lost_through = last_completed(cfg.ft_store_dir, cfg.ft_job_id, rt.rank,
-                                  rt.persistence.tier.directory if rt.persistence is not None else None)
-    t_fetch = time.perf_counter()
-    fetched = fetch_lost_points(rt, session.store)
-    t_fetch = time.perf_counter() - t_fetch
-    ops = list(rt.registry)
-    rule = rule_for(cfg.ft_policy, session.policy, ops, start_iteration, store=session.store)
-    # a point older than the --load checkpoint would only re-execute more: never go behind it
-    memory = BoundedStore(session.store, lo=start_iteration - 1)
-    ctx = RecoveryContext(store=memory, registry=rt.registry, rule=rule, train_state=state, step_fn=step_fn,
-                          popularity=rt.popularity, policy=session.policy,
-                          fault_check=lambda it, phase: rt.check_fault(it, phase))
-    rs = RecoveryState(fallback_iteration=start_iteration)
-    Recovery(RecoveryConfig(lossy=lossy), ctx).run(rs)
-    source = "memory"
-    durable = durable_store(cfg, args, rt.rank, newer_than=start_iteration - 1) if rs.point is None else None
-    if durable is not None:  # every node's memory tier lost the point: the durable tier is the last resort
-        store, complete_end = durable
-        memory = rs
-        rs = RecoveryState(fallback_iteration=start_iteration, skipped=list(memory.skipped))
-        ctx = replace(ctx, store=BoundedStore(store, hi=complete_end),
-                      rule=rule_for(cfg.ft_policy, session.policy, ops, start_iteration, store=store))
-        Recovery(RecoveryConfig(lossy=lossy), ctx).run(rs)
-        rs.proposals = memory.proposals + rs.proposals
-        rs.seconds = {k: memory.seconds.get(k, 0.0) + rs.seconds.get(k, 0.0) for k in {*memory.seconds, *rs.seconds}}
-        if rs.point is not None:
-            source = "durable"
-            rs.message = (f"no recovery point in every rank's memory tier (node-local stores and replicas); "
-                          f"recovered from the newest complete durable point (iteration {complete_end}) in "
-                          f"{os.path.dirname(store.backend.describe())}")
-    if t_fetch > 0.0005 and fetched:
-        rs.seconds["fetch"] = t_fetch
-    point = rs.point
-    for line in rs.skipped:  # the reason, in the log of the rank that found it
-        print(f"moe-ft recovery rank {rt.rank}: {line}", file=sys.stderr, flush=True)
-    skipped = gather_skipped(rs.skipped, rt.rank)
-    if skipped:
-        rs.message = "; ".join(filter(None, [rs.message, "corrupt entries skipped: " + "; ".join(skipped)]))
-    loss = {"tokens": 0.0, "metric": None, "value": 0.0}
-    if point is not None:
-        plan = session.policy.plan(point.end, rt.popularity)  # idempotent: the plan of `end` as it was
-        fulls = [op for op, lvl in plan.items() if lvl == Level.FULL]
-        since_full = rt.popularity.since_full.clone()  # as recorded at `end`, before mark_full(end)
-        rt.popularity.mark_full(point.end, fulls)
-        if lossy:
-            expert_full_at = gather_expert_full_at(point.full_at)
-            topk_tokens = args.training.global_batch_size * args.model.seq_length * args.model.moe_router_topk
-            if cfg.ft_policy == "pec":
-                denom = torch.full((since_full.shape[0],), float(args.training.train_iters * topk_tokens))
-                metric = "PLT"
-            else:
-                denom = torch.full((since_full.shape[0],), float((point.end + 1) * topk_tokens))
-                metric = "MLT"
-            loss = token_loss(end=point.end, expert_full_at=expert_full_at, since_full=since_full,
-                              moe_layers=rt.popularity.moe_layers, metric=metric, tokens_per_layer=denom)
-            if cfg.ft_policy == "pec":
-                loss["k_before"] = session.policy.k
-                session.policy.on_recovery(point.end, loss["value"])
-                loss["k_after"] = session.policy.k
-    session.store.discard_after(rs.resume_iteration - 1)
-    if point is not None and cfg.ft_policy == "sparse":
-        realign_sparse_retention(rt, session, ops)
-    if rt.replication is not None:  # replicas of the abandoned timeline must not outlive it (lossy runs differ)
-        rt.replication.discard_after(rs.resume_iteration - 1)
-    if rt.persistence is not None:
-        rt.persistence.tier.discard_after(rt.rank, rs.resume_iteration - 1)
-    digest = global_digest(state.model, state.optimizer, state.scheduler)
-    if point is None:
-        source = "checkpoint" if start_iteration else "initial"
-    report = RecoveryReport(
-        policy=cfg.ft_policy, restart_count=restart_count,
-        failed={"last_completed": lost_through, "faults_fired": [str(f) for f in rt.faults.fired()] if rt.faults else []},
-        recovery_point={"source": source, "start": point.start if point else start_iteration,
-                        "end": point.end if point else start_iteration - 1, "resume": rs.resume_iteration,
-                        "proposals": rs.proposals, **fetched},
-        replayed_iterations=list(rs.replayed),
-        reexecuted_iterations=list(range(rs.resume_iteration, lost_through + 1)),
-        seconds={**{k: round(v, 4) for k, v in rs.seconds.items()}, "total": round(time.perf_counter() - t0, 4),
-                 **({"restart": round(since_fault, 4)} if since_fault is not None else {})},
-        bytes_loaded=rs.bytes_loaded, token_loss=loss, routing_checked=rs.routing_checked,
-        recovered_digest=digest, message=rs.message)
-    assert rs.phase is Phase.DONE
-    return report
-
-
-def realign_sparse_retention(rt, session, operators) -> None:
-    """Retention and persistence built before recovery assumed windows aligned to this run's start
-    iteration; the restored policy continues the recorded windows, so align both to those."""
-    from moe_ft.recovery.retention import KeepTwoRecoverable
-
-    window = session.policy.current
-    rule = SparseWindowRule.aligned(operators, window.length, window.start % window.length)
-    session.store.retention = KeepTwoRecoverable(rule=rule)
-    if rt.persistence is not None:
-        rt.persistence.rule = rule
-
-
-def fetch_lost_points(rt, local) -> dict:
-    """Node loss: rebuild node-local stores from replica holders and data-parallel peers (collective;
-    ``moe_ft/replication/fetch.py``). Returns the report's ``{"fetched": {rank: …}}`` (ranks that fetched
-    or could not), or ``{}`` without replication."""
-    if rt.replication is None:
-        return {}
-    mine = rt.replication.fetch_missing(local)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine.to_json())
-    fetched = {str(r): f for r, f in enumerate(gathered) if f["points"] or f["skipped"]}
-    return {"fetched": fetched} if fetched else {}
 
 
 class BoundedStore:
@@ -257,19 +260,16 @@ class BoundedStore:
         return getattr(self._store, name)
 
 
-def durable_store(cfg, args, rank: int, newer_than: int):
+def durable_store(inputs: RecoveryInputs, newer_than: int):
     """``(this rank's durable store, end of the newest complete durable point)`` if that point is newer than
     ``newer_than`` (the ``--load`` checkpoint's last iteration), else ``None``. Same answer on every rank
     (the completion markers are shared)."""
     from moe_ft.persist import DurableTier
 
-    persist_dir = cfg.ft_persist_dir or args.training.save
-    if not (cfg.ft_persist_interval and persist_dir):
+    cfg = inputs.config
+    root = cfg.persist.root(inputs.args.training.save)
+    if not (cfg.persist.interval and root):
         return None
-    tier = DurableTier(persist_dir, cfg.ft_job_id, dist.get_world_size())
+    tier = DurableTier(root, cfg.snapshot.job_id, dist.get_world_size())
     ends = [e for e in tier.complete_points() if e > newer_than]
-    return (tier.store(rank), ends[-1]) if ends else None
-
-
-def report_dir(cfg) -> str:
-    return cfg.ft_report_dir or os.path.join(cfg.ft_store_dir, cfg.ft_job_id, "reports")
+    return (tier.store(inputs.rank), ends[-1]) if ends else None

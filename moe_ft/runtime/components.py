@@ -1,0 +1,218 @@
+"""The optional parts of the runtime as components with one set of hooks.
+
+The runtime (``hooks.py``) calls every built component at the same points of an iteration and never asks
+which ones exist. A component that does not care about a hook inherits the no-op. Each wraps a mechanism
+that lives elsewhere (``replication/``, ``persist/``, ``recovery/boost.py``, ``recovery/watchdog.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from moe_ft.state.operators import Level
+
+
+class Component:
+    """Hooks in call order within an iteration; all optional."""
+
+    def on_step_begin(self, iteration: int) -> None:
+        """Before the iteration's forward pass."""
+
+    def on_iteration_end(self, iteration: int, replaying: bool) -> None:
+        """After the optimizer step, once the popularity counters of ``iteration`` are final."""
+
+    def snapshot_tensors(self) -> dict:
+        """Extra metadata tensors saved with the snapshot of this iteration (restored by recovery)."""
+        return {}
+
+    def after_snapshot(self, iteration: int, plan, session, replaying: bool) -> None:
+        """After the engine took the snapshot of ``iteration`` (``plan`` empty without snapshots)."""
+
+    def after_iteration(self, iteration: int) -> None:
+        """At the very end of the iteration (progress records)."""
+
+    def after_recovery(self, report, session) -> None:
+        """After a recovery resumed at ``report.recovery_point['resume']`` (abandoned timeline dropped)."""
+
+    def metrics(self, record) -> dict:
+        """Fields of the FT log line; ``record``: the engine's newest :class:`SnapshotRecord` or ``None``."""
+        return {}
+
+    def close(self) -> None:
+        """End of training: flush and stop background threads."""
+
+
+class Replicas(Component):
+    """Peer replicas (MoEtion Alg. 2) of the session's store: enqueue after each snapshot."""
+
+    def __init__(self, replication) -> None:
+        self.replication = replication
+
+    def after_snapshot(self, iteration, plan, session, replaying) -> None:
+        self.replication.submit(iteration)  # enqueue only: the copies run on their own threads
+
+    def after_recovery(self, report, session) -> None:
+        # replicas of the abandoned timeline must not outlive it (lossy runs differ)
+        self.replication.discard_after(report.recovery_point["resume"] - 1)
+
+    def metrics(self, record) -> dict:
+        return self.replication.metrics(record.iteration) if record is not None else {}
+
+    def close(self) -> None:
+        self.replication.close()
+
+
+class Durable(Component):
+    """The durable tier (MoC §5.1 two-level): background copies of recovery points, plus Megatron-format
+    copies when every point of the policy is dense (plain Megatron loads them)."""
+
+    def __init__(self, writer, megatron_dense, rank: int) -> None:
+        self.writer, self.megatron_dense, self.rank = writer, megatron_dense, rank
+
+    @classmethod
+    def build(cls, interval: int, root: str, ctx, session) -> "Durable":
+        from moe_ft.replication.service import build_persistence
+
+        writer = build_persistence(interval=interval, persist_dir=root, store=session.store,
+                                   rule=session.retention_rule, rank=ctx.rank, world_size=ctx.world_size,
+                                   job_id=session.job_id)
+        dense = None
+        if session.policy.dense_points:
+            from moe_ft.persist.megatron_dense import MegatronDenseWriter
+
+            dense = MegatronDenseWriter(writer.config.persist_dir, ctx.state)
+        return cls(writer, dense, ctx.rank)
+
+    @property
+    def directory(self) -> Path:
+        return self.writer.tier.directory
+
+    def after_snapshot(self, iteration, plan, session, replaying) -> None:
+        due = self.writer.due(iteration)
+        self.writer.submit(iteration, session.policy.persist_plan(iteration, plan) if due else None)
+        if self.megatron_dense is not None:
+            dense = bool(plan) and all(lvl == Level.FULL for lvl in plan.values())
+            if dense and due and not replaying:
+                self.megatron_dense.save(iteration + 1)  # collective; the write runs in the background
+            self.megatron_dense.poll()
+
+    def after_iteration(self, iteration: int) -> None:
+        if self.rank == 0:  # outlives every node (one small file, rank 0)
+            from moe_ft.recovery.progress import write_progress
+
+            write_progress(self.directory / "progress", iteration)
+
+    def after_recovery(self, report, session) -> None:
+        self.writer.tier.discard_after(self.rank, report.recovery_point["resume"] - 1)
+        self.writer.rule = session.retention_rule  # the restored policy's windows
+
+    def metrics(self, record) -> dict:
+        ends = self.writer.tier.complete_points() if self.writer.records else []
+        if not ends:
+            return {}
+        p = self.writer.records[-1]  # the newest point every rank finished, not this rank's newest flush
+        return {"persist_end": ends[-1], "persist_mb_s": p.nbytes / 1e6 / max(p.seconds, 1e-9)}
+
+    def close(self) -> None:
+        self.writer.close()
+        if self.megatron_dense is not None:
+            self.megatron_dense.close()
+
+
+class Boost(Component):
+    """MoEtion §6 capacity boost after a lossy recovery (``recovery/boost.py``)."""
+
+    def __init__(self, boost, runtime) -> None:
+        self.boost, self.runtime = boost, runtime
+
+    def on_iteration_end(self, iteration: int, replaying: bool) -> None:
+        """Pay the boosted experts' extra tokens off (collective while a boost is active); note in the
+        recovery report when each expert made its lost tokens up."""
+        from moe_ft.recovery.boost import record_made_up
+
+        made_up = self.boost.end_iteration(iteration)
+        report = self.runtime.report
+        section = report.capacity_boost if report is not None else None
+        if made_up and section and record_made_up(section, made_up, iteration, self.boost.active):
+            if self.runtime.rank == 0 and section.get("ended_at") is not None:
+                print(f"moe-ft capacity boost: {len(section['experts'])} experts made up "
+                      f"{section['tokens_to_make_up']:.0f} lost tokens by iteration {iteration}", flush=True)
+            if not replaying:  # while re-executing, the final report write follows
+                self.runtime.write_report(final=False)
+
+    def snapshot_tensors(self) -> dict:
+        from moe_ft.recovery.boost import snapshot_tensors
+
+        return snapshot_tensors(self.boost)
+
+    def after_recovery(self, report, session) -> None:
+        from moe_ft.recovery.boost import start_after_recovery
+
+        report.capacity_boost = start_after_recovery(self.boost, report, session.store)
+
+    def metrics(self, record) -> dict:
+        if not self.boost.active:
+            return {}
+        return {"boost_experts": int((self.boost.deficit > 0).sum()), "boost_deficit": float(self.boost.deficit.sum())}
+
+
+class Watchdog(Component):
+    """Hang detection: a rank without progress for ``--ft-hang-timeout`` seconds exits (torchrun restarts)."""
+
+    def __init__(self, watchdog) -> None:
+        self.watchdog = watchdog
+
+    def on_step_begin(self, iteration: int) -> None:
+        self.watchdog.beat(iteration)
+
+    def close(self) -> None:
+        self.watchdog.close()
+
+
+class Trace(Component):
+    """``--ft-trace-out``: rank 0 appends the popularity counters and FULL experts of every iteration."""
+
+    def __init__(self, path: str, popularity, boost=None) -> None:
+        self.path, self.popularity, self.boost = path, popularity, boost
+
+    def after_snapshot(self, iteration, plan, session, replaying) -> None:
+        full = sorted([op.layer, op.expert] for op, lvl in plan.items() if lvl == Level.FULL and op.is_expert)
+        line = {"iteration": iteration, "replay": replaying, "counts": self.popularity.last_counts.tolist(),
+                "full_experts": full}
+        if self.boost is not None:
+            line["boost_deficit"] = self.boost.deficit.tolist()
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+class Progress(Component):
+    """This rank's newest completed iteration in its job directory (recovery reads it back to report how
+    many iterations the failure cost)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def after_iteration(self, iteration: int) -> None:
+        from moe_ft.recovery.progress import write_progress
+
+        write_progress(self.path, iteration)
+
+
+class IterationClock(Component):
+    """Wall time of every iteration (``iteration_seconds``), measured between step begins."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+        self._start: float | None = None
+
+    def on_step_begin(self, iteration: int) -> None:
+        now = time.perf_counter()
+        if self._start is not None:
+            self.seconds[iteration - 1] = now - self._start
+        self._start = now
+
+    def stop(self, iteration: int) -> None:
+        if self._start is not None:
+            self.seconds[iteration] = time.perf_counter() - self._start

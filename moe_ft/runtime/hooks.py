@@ -1,0 +1,276 @@
+"""The fault-tolerance runtime: one ``StepHooks`` subclass the training loop calls (SPEC §1 facade).
+
+Per iteration ``t`` (``docs/architecture.md``, ``docs/policies.md``)::
+
+    routers record popularity per micro-batch         (PopularityRouter, installed via the layer spec)
+    before_optimizer_step(t): engine.wait_copied()    (snapshot of t-1 off the weights: the stall)
+    optimizer.step(t)
+    on_step_end(t): popularity.end_iteration(t)       (summed over all ranks when the policy needs it)
+                    components.on_iteration_end        (capacity boost pays its deficit off)
+                    plan = policy.plan(t, popularity)
+                    engine.submit(t, plan, metadata)   (copy overlaps forward/backward of t+1)
+                    popularity.mark_full(t, FULL experts)
+                    components.after_snapshot          (replicas, durable tier, trace)
+
+The operator registry, the catalogue and the components are built once the optimizer has its state and
+the first iteration's time is measured (the policy's window and budgets derive from it, MoEvement Alg. 1,
+MoEtion §4), i.e. at the end of the first iteration — or at start, before recovering. Mechanism and policy
+stay apart: the runtime asks the policy for a plan and hands it to the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron.training.training import StepHooks
+from moe_ft.config import FTConfig
+from moe_ft.runtime import components as C
+from moe_ft.runtime.context import BuildContext
+from moe_ft.runtime.log import format_line
+from moe_ft.state.operators import Level
+
+
+class FTRuntime(StepHooks):
+    """Builds the components from :class:`FTConfig` and runs the per-iteration sequence."""
+
+    def __init__(self, config: FTConfig) -> None:
+        self.config = config
+        self.registry = None
+        self.catalogue = None
+        self.popularity = None
+        self.sessions: list = []
+        """Snapshot sessions (policy + store + engine); one, except in the overhead benchmark."""
+        self.active = None
+        self.components: list[C.Component] = []
+        self.clock = C.IterationClock()
+        self.faults = None
+        self.report = None
+        self.replication = None
+        self.durable: C.Durable | None = None
+        self._boost = None
+        self._recovered_at = None
+
+    @property
+    def iteration_seconds(self) -> dict[int, float]:
+        return self.clock.seconds
+
+    # ------------------------------------------------------------------------------------ building
+    def on_train_start(self, state, data, args, start_iteration: int) -> int:
+        from moe_ft.megatron_ext.router import attach_popularity
+        from moe_ft.popularity import ExpertPopularity, PopularityConfig
+
+        self.state, self.args = state, args
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.start_iteration = start_iteration
+        cfg = self.config
+        all_reduce = (lambda t: dist.all_reduce(t)) if cfg.needs_popularity else None
+        # every layer is an MoE layer in this model; all_reduce over the world = sum over data-parallel
+        # ranks (distinct tokens) and pipeline stages (distinct layers); TP is 1 (validated by arguments)
+        self.popularity = ExpertPopularity(PopularityConfig(moe_layers=list(range(args.model.num_layers)),
+                                                            num_experts=args.model.num_experts), all_reduce)
+        if attach_popularity(state.model, self.popularity) == 0:
+            raise RuntimeError("no PopularityRouter in the model: the layer spec was built without FTConfig "
+                               "(pass the FT flags through pretrain_gpt_moe.extra_argument_groups)")
+        job_dir = Path(cfg.job_dir())
+        job_dir.mkdir(parents=True, exist_ok=True)  # --ft-policy none builds no store that would create it
+        self.faults = cfg.drill.build(str(job_dir))
+        cfg.check_args(args)
+        self._boost = cfg.recovery.build_boost(state, self.popularity)
+        watchdog = cfg.recovery.build_watchdog(self.rank)
+        self.components = [self.clock, *([C.Watchdog(watchdog)] if watchdog else []),
+                           *([C.Boost(self._boost, self)] if self._boost else []),
+                           C.Progress(job_dir / f"progress_rank{self.rank}")]
+        if cfg.drill.trace_out and self.rank == 0:
+            self.components.append(C.Trace(cfg.drill.trace_out, self.popularity, self._boost))
+        if cfg.snapshot.enabled:
+            from moe_ft.recovery.driver import should_recover
+
+            recover, restart_count = should_recover(cfg, args)  # collective: every rank decides alike
+            if recover:
+                start_iteration = self._recover(state, data, args, start_iteration, restart_count)
+        return start_iteration
+
+    def build_context(self, t_iter_s: float) -> BuildContext:
+        return BuildContext(state=self.state, args=self.args, rank=self.rank, world_size=self.world_size,
+                            start_iteration=self.start_iteration, registry=self.registry, catalogue=self.catalogue,
+                            popularity=self.popularity, t_iter_s=t_iter_s, store_fault_hook=self._store_fault_hook)
+
+    def build(self, t_iter_s: float) -> None:
+        """Registry, catalogue, the snapshot session and the components that serve it (collective)."""
+        from moe_ft.state.catalogue import gather_catalogue
+        from moe_ft.state.registry import OperatorRegistry
+
+        self.registry = OperatorRegistry.from_megatron(self.state.model, self.state.optimizer)
+        self.catalogue = gather_catalogue(self.registry.infos(), self.registry.ep_size)
+        self._t_iter_s = t_iter_s
+        ctx = self.build_context(t_iter_s)
+        session = self.config.snapshot.build(ctx)
+        self.sessions = [session] if session is not None else []
+        self.active = session
+        replication = self.config.replication.build(ctx, session)
+        if replication is not None:
+            self.replication = replication
+            self.components.append(C.Replicas(replication))
+        durable = self.config.persist.build(ctx, session)
+        if durable is not None:
+            self.durable = durable
+            self.components.append(durable)
+
+    def build_session(self, snapshot_config, job_suffix: str = ""):
+        """Another snapshot session over the same registry (the overhead benchmark compares policies)."""
+        return snapshot_config.build(self.build_context(self._t_iter_s), job_suffix=job_suffix)
+
+    # ------------------------------------------------------------------------ faults and recovery
+    def check_fault(self, iteration: int, phase: str) -> None:
+        """Failure drill: fire the fault scheduled at (this rank, ``iteration``, ``phase``), once."""
+        if self.faults:
+            self.faults.check(self.rank, iteration, phase)
+
+    def _in_recovery(self, iteration: int) -> bool:
+        return self.report is not None and iteration <= self.report.failed["last_completed"]
+
+    def _recover(self, state, data, args, start_iteration: int, restart_count: int) -> int:
+        from moe_ft.state.optimizer_views import ensure_optimizer_state
+        from megatron.training.training import train_step
+        from moe_ft.recovery.driver import RecoveryInputs, recover
+
+        def step_fn(iteration, optimizer):
+            return train_step(replace(state, optimizer=optimizer), data, iteration, args)
+
+        ensure_optimizer_state(state.optimizer)  # the registry lists optimizer state: it must exist
+        self.build(t_iter_s=1.0)
+        self.report = recover(RecoveryInputs(
+            config=self.config, state=state, args=args, rank=self.rank, world_size=self.world_size,
+            start_iteration=start_iteration, restart_count=restart_count, step_fn=step_fn, registry=self.registry,
+            popularity=self.popularity, session=self.active, replication=self.replication,
+            durable_dir=self.durable.directory if self.durable is not None else None, faults=self.faults,
+            check_fault=self.check_fault))
+        for component in self.components:
+            component.after_recovery(self.report, self.active)
+        self._recovered_at = time.perf_counter()
+        self.write_report(final=not self.report.reexecuted_iterations)
+        return self.report.recovery_point["resume"]
+
+    def write_report(self, final: bool) -> None:
+        if self.rank != 0:
+            return
+        if final:
+            print(self.report.summary(), flush=True)
+        self.report.write(self.config.report_dir())
+
+    # ---------------------------------------------------------------------------------- iteration
+    def on_step_begin(self, iteration: int) -> None:
+        for component in self.components:
+            component.on_step_begin(iteration)
+        self.check_fault(iteration, "recovery" if self._in_recovery(iteration) else "forward")
+
+    def before_optimizer_step(self, iteration: int) -> None:
+        if not self._in_recovery(iteration):
+            self.check_fault(iteration, "backward")
+        for session in self.sessions:
+            session.engine.wait_copied()
+
+    def on_step_end(self, iteration: int, result) -> None:
+        replaying = self._in_recovery(iteration)
+        if not replaying:
+            self.check_fault(iteration, "step")
+        self.popularity.end_iteration(iteration)
+        for component in self.components:
+            component.on_iteration_end(iteration, replaying)
+        if self.registry is None:
+            self.build(t_iter_s=result.seconds)
+        session = self.select_session(iteration)
+        plan = self._snapshot(iteration, result, session, replaying) if session is not None else {}
+        for component in self.components:
+            component.after_snapshot(iteration, plan, session, replaying)
+        self._log(iteration, session)
+        for component in self.components:
+            component.after_iteration(iteration)
+        if self.report is not None and iteration == self.report.failed["last_completed"]:
+            self.report.seconds["reexecute"] = round(time.perf_counter() - self._recovered_at, 4)
+            self.write_report(final=True)
+
+    def _snapshot(self, iteration: int, result, session, replaying: bool):
+        from moe_ft.snapshot.meta import capture_step_meta
+
+        plan = session.policy.plan(iteration, self.popularity)
+        session.last_plan = plan
+        t = self.args.training
+        meta, tensors = capture_step_meta(iteration=iteration, result=result, state=self.state,
+                                          global_batch_size=t.global_batch_size, clip_grad=t.clip_grad,
+                                          policy=session.policy, popularity=self.popularity)
+        meta["policy_name"] = session.name
+        for component in self.components:
+            tensors.update(component.snapshot_tensors())
+        self.on_snapshot(iteration, plan)
+        session.engine.submit(iteration, plan, meta, tensors)
+        if not replaying:
+            self.check_fault(iteration, "snapshot")  # the copy is in flight on the engine's thread
+        self.popularity.mark_full(iteration, [op for op, lvl in plan.items() if lvl == Level.FULL])
+        return plan
+
+    def during_checkpoint_write(self, iteration: int) -> None:
+        """The ``--save`` checkpoint after ``iteration`` iterations has its shards on disk but is not
+        finalized: a ``persist`` fault of the iteration that ended there fires now (a torn checkpoint)."""
+        if not self._in_recovery(iteration - 1):
+            self.check_fault(iteration - 1, "persist")
+
+    def select_session(self, iteration: int):
+        """The session that snapshots ``iteration`` (one here; the benchmark alternates)."""
+        return self.active
+
+    def on_snapshot(self, iteration: int, plan) -> None:
+        """Called on the training thread right before the engine starts copying (tests capture here)."""
+
+    def _store_fault_hook(self, phase: str, iteration: int, name: str) -> None:
+        if phase == "before_commit" and not self._in_recovery(iteration):
+            self.check_fault(iteration, "publish")  # everything written, the rename not yet done
+        if phase == "after_commit" and self.faults and not self._in_recovery(iteration):
+            points_dir = self.active.store.backend.points_dir  # the point just renamed into place
+            self.faults.check(self.rank, iteration, "published", target=points_dir / f"{iteration:012d}")
+
+    def on_train_end(self, report) -> None:
+        self.clock.stop(report.last_iteration - 1)
+        for session in self.sessions:
+            session.close()
+        for component in self.components:
+            component.close()
+        if self.config.drill.digest_out:
+            from moe_ft.cli.digest import write_digest
+
+            write_digest(self.config.drill.digest_out, self.state, report.last_iteration)
+
+    # ------------------------------------------------------------------------------------ metrics
+    def metrics(self, session) -> dict:
+        """The FT log line's fields: the snapshot session's newest record, then every component's."""
+        records = session.engine.records if session is not None else []
+        rec = records[-1] if records else None
+        out = {"policy": session.name if session is not None else "none",
+               "tokens_at_risk": float(self.popularity.since_full.sum())}
+        if rec is not None:
+            out.update(bytes=rec.bytes, full=rec.num_full, compute=rec.num_compute,
+                       stall_ms=1e3 * (records[-2].stall_s if len(records) > 1 else 0.0))
+            window = session.policy.window_progress(rec.iteration)
+            if window is not None:
+                out["window"] = window
+        for component in self.components:
+            out.update(component.metrics(rec))
+        return out
+
+    def _log(self, iteration: int, session) -> None:
+        interval = self.config.ft_log_interval or self.args.training.log_interval
+        if self.rank != 0 or (iteration + 1) % interval:
+            return
+        print(format_line(iteration, self.metrics(session)), flush=True)
+
+
+def build_runtime(args) -> FTRuntime | None:
+    """The runtime for parsed ``args`` (``None`` when ``--ft`` is off)."""
+    config = args.extra.get("FTConfig")
+    if config is None or not config.ft:
+        return None
+    return FTRuntime(config)

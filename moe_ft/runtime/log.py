@@ -1,0 +1,21 @@
+"""The FT metric line rank 0 prints every ``--ft-log-interval`` iterations."""
+
+from __future__ import annotations
+
+
+def format_line(iteration: int, m: dict) -> str:
+    """``m``: :meth:`FTRuntime.metrics` (snapshot bytes, stall, window, replicas, durable tier, boost)."""
+    parts = [f"ft iteration {iteration + 1:6d}", f"policy {m['policy']}"]
+    if "bytes" in m:
+        parts += [f"snapshot {m['bytes'] / 1e6:.3f} MB (FULL {m['full']}, COMPUTE {m['compute']})",
+                  f"stall {m['stall_ms']:.2f} ms"]
+    if "window" in m:
+        parts.append(f"window {m['window']}")
+    if "replication_lag" in m:
+        parts.append(f"replica {m['replication_bytes'] / 1e6:.3f} MB lag {m['replication_lag']} it")
+    if "persist_end" in m:
+        parts.append(f"durable {m['persist_end'] + 1} ({m['persist_mb_s']:.1f} MB/s)")
+    if "boost_experts" in m:
+        parts.append(f"capacity boost {m['boost_experts']} experts, {m['boost_deficit']:.0f} tokens to make up")
+    parts.append(f"tokens at risk {m['tokens_at_risk']:.0f}")
+    return " | ".join(parts)

@@ -1,0 +1,58 @@
+"""One snapshot policy with its node-local store and snapshot engine (SPEC §3–§4), as the runtime uses it.
+
+The policy decides, the engine copies, the store keeps: this module only wires them. The store's
+retention keeps two recovery points common to all ranks by the policy's own completeness rule
+(:meth:`moe_ft.policy.base.SnapshotPolicy.retention_rule`, :class:`KeepTwoRecoverable`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from moe_ft.store.retention import KeepTwoRecoverable
+
+if TYPE_CHECKING:
+    from moe_ft.config import SnapshotConfig
+    from moe_ft.runtime.context import BuildContext
+
+
+class SnapshotSession:
+    """Policy + store + engine of one configuration (the benchmark runs several side by side)."""
+
+    def __init__(self, name: str, policy, engine, store, *, operators, store_root: str, job_id: str) -> None:
+        self.name, self.policy, self.engine, self.store = name, policy, engine, store
+        self.operators = list(operators)
+        self.store_root, self.job_id = store_root, job_id
+        self.last_plan: dict = {}
+
+    def realign_retention(self) -> None:
+        """Retention by the policy's current rule (after a recovery restored the policy's state, e.g. the
+        recorded sparse window rather than one aligned to this run's start)."""
+        self.store.retention = KeepTwoRecoverable(rule=self.policy.retention_rule(self.operators))
+
+    @property
+    def retention_rule(self):
+        return self.store.retention.rule
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: str = "") -> SnapshotSession:
+    """Build the policy from the flags (every rank the same), open its first window at the start
+    iteration, and the store and engine of this rank."""
+    from moe_ft.policy import build_policy
+    from moe_ft.snapshot import EngineConfig, SnapshotEngine
+    from moe_ft.store import StoreConfig
+
+    cls = config.policy_cls
+    policy = build_policy(config.policy, cls.config_from_flags(config, ctx.t_iter_s), ctx.catalogue)
+    policy.plan(ctx.start_iteration, ctx.popularity)  # opens the first window (sparse)
+    operators = list(ctx.registry)
+    retention = KeepTwoRecoverable(rule=policy.retention_rule(operators))
+    job_id = config.job_id + job_suffix
+    store = StoreConfig(root=config.store_dir, job_id=job_id, rank=ctx.rank).build(
+        retention=retention, fault_hook=ctx.store_fault_hook)
+    engine = SnapshotEngine(EngineConfig(num_slots=config.snapshot_slots), ctx.registry, store)
+    return SnapshotSession(config.policy, policy, engine, store, operators=operators,
+                           store_root=config.store_dir, job_id=job_id)
