@@ -33,15 +33,23 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Mapping, cast
 
 import torch
 
 from moe_ft.recovery.agreement import agree_on_point
+from moe_ft.recovery.context import RecoveryContext
 from moe_ft.recovery.optim import RecordedStepOptimizer, main_params_by_model_param
 from moe_ft.snapshot.meta import restore_rng
 from moe_ft.snapshot.restore import restore_meta, restore_operator
 from moe_ft.state.operators import Level
+
+if TYPE_CHECKING:
+    from moe_ft.popularity import ExpertPopularity
+    from moe_ft.state.operators import OperatorId
+    from moe_ft.store import RecoveryPoint
+
+__all__ = ["Phase", "Recovery", "RecoveryConfig", "RecoveryContext", "RecoveryState", "check_routing"]
 
 log = logging.getLogger("moe_ft.recovery")
 
@@ -78,12 +86,15 @@ class RecoveryState:
     phase: Phase = Phase.AGREE
     fallback_iteration: int = 0
     """Where training resumes if no in-memory point exists (the ``--load`` iteration, or 0)."""
-    point: object = None
-    """The agreed :class:`moe_ft.store.RecoveryPoint`."""
+    point: RecoveryPoint | None = None
+    """The agreed point (``None`` until ``AGREE``, and after it when no rank has one)."""
     proposals: list[int] = field(default_factory=list)
+    """The ``end`` iterations proposed while agreeing (``-1``: some rank had none)."""
     next_replay: int = -1
+    """The iteration the next ``REPLAY`` transition runs."""
     replayed: list[int] = field(default_factory=list)
-    active: set = field(default_factory=set)
+    active: set[OperatorId] = field(default_factory=set)
+    """Operators whose FULL state is loaded (they train during replay); the others are frozen."""
     resume_iteration: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
     bytes_loaded: int = 0
@@ -93,25 +104,7 @@ class RecoveryState:
     message: str = ""
 
 
-@dataclass(kw_only=True)
-class RecoveryContext:
-    """What the machine acts on (built by the runtime; recovery never imports the training loop)."""
-
-    store: object
-    registry: object
-    rule: Callable
-    train_state: object
-    """The loop's ``TrainState`` (model chunks, optimizer, scheduler)."""
-    step_fn: Callable[[int, object], object]
-    """``step_fn(iteration, optimizer)`` runs one training iteration with ``optimizer`` in place of the
-    real one (the loop's ``train_step``, handed over by the runtime)."""
-    popularity: object = None
-    policy: object = None
-    fault_check: Callable[[int, str], None] = lambda iteration, phase: None
-    group: object = None
-
-
-def check_routing(popularity, recorded: dict, iteration: int) -> None:
+def check_routing(popularity: ExpertPopularity, recorded: Mapping[str, torch.Tensor], iteration: int) -> None:
     """Raise ``RuntimeError`` if the routing of the replayed ``iteration`` differs from the recorded one:
     the world-summed per-expert token counts (``popularity.last_counts``) or this rank's digest of the
     routing decisions (``popularity.routing_digest``, per MoE layer; absent in snapshots taken before it
@@ -150,10 +143,14 @@ class _StoreWarnings(logging.Handler):
 
 
 class Recovery:
+    """The machine: what it was built with (``config``, ``ctx``) and a cache of metadata entries; every
+    bit of progress is on the :class:`RecoveryState` passed to :meth:`advance`, so a state left by a
+    failed transition can be advanced again, by this machine or a new one over the same context."""
+
     def __init__(self, config: RecoveryConfig, ctx: RecoveryContext) -> None:
         self.config, self.ctx = config, ctx
-        self._mains = main_params_by_model_param(ctx.train_state.optimizer)
-        self._meta_cache: dict[int, tuple] = {}
+        self._mains: dict[int, list[torch.Tensor]] = main_params_by_model_param(ctx.train_state.optimizer)
+        self._meta_cache: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
 
     def run(self, state: RecoveryState) -> RecoveryState:
         while state.phase is not Phase.DONE:
@@ -171,7 +168,8 @@ class Recovery:
         find = lambda bound: self.ctx.store.newest_recoverable(self.ctx.rule, at_or_before=bound,  # noqa: E731
                                                                verify=self.config.verify)
         with _StoreWarnings() as skipped:
-            s.point, s.proposals = agree_on_point(find, self.ctx.group)
+            point, s.proposals = agree_on_point(find, self.ctx.group)
+        s.point = cast("RecoveryPoint | None", point)  # what `find` returned (agreement is type-agnostic)
         s.skipped.extend(skipped.messages)
         s.phase = Phase.LOAD if s.point is not None else Phase.FALLBACK
 
@@ -184,7 +182,7 @@ class Recovery:
         s.phase = Phase.DONE
 
     def _load(self, s: RecoveryState) -> None:
-        p = s.point
+        p = _agreed(s)
         with torch.no_grad():
             for op in self.ctx.registry:
                 f = p.full_at[op]
@@ -197,9 +195,9 @@ class Recovery:
         s.phase = Phase.REPLAY if (p.end > p.start and not self.config.lossy) else Phase.FINALIZE
 
     def _replay(self, s: RecoveryState) -> None:
-        p, t = s.point, s.next_replay
+        p, t = _agreed(s), s.next_replay
         self.ctx.fault_check(t, "recovery")
-        frozen = []
+        frozen: list[OperatorId] = []
         with torch.no_grad():
             for op in self.ctx.registry:
                 f = p.full_at[op]
@@ -232,7 +230,7 @@ class Recovery:
             s.phase = Phase.FINALIZE
 
     def _finalize(self, s: RecoveryState) -> None:
-        p = s.point
+        p = _agreed(s)
         with torch.no_grad():
             for op in self.ctx.registry:
                 if op not in s.active:
@@ -245,12 +243,13 @@ class Recovery:
         self._meta_cache.clear()
 
     # -------------------------------------------------------------------------------------- helpers
-    def _meta(self, iteration: int):
+    def _meta(self, iteration: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         if iteration not in self._meta_cache:
             self._meta_cache[iteration] = restore_meta(self.ctx.store, iteration)
         return self._meta_cache[iteration]
 
-    def _restore_step_state(self, meta: dict, tensors: dict, *, policy: bool) -> None:
+    def _restore_step_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], *,
+                            policy: bool) -> None:
         """RNG, LR/WD schedule position and popularity counters as after the metadata's iteration."""
         restore_rng(meta, tensors)
         scheduler = self.ctx.train_state.scheduler
@@ -262,3 +261,8 @@ class Recovery:
             self.ctx.popularity.load_state_dict(pop)
         if policy and self.ctx.policy is not None and meta.get("policy") is not None:
             self.ctx.policy.load_state_dict(meta["policy"])
+
+
+def _agreed(s: RecoveryState) -> RecoveryPoint:
+    assert s.point is not None, f"phase {s.phase.name} needs the agreed point (set by AGREE)"
+    return s.point
