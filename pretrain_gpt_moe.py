@@ -6,7 +6,10 @@
         --pipeline-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 8 \\
         --train-iters 100 --lr 3e-3 --data-path data/corpus --save runs/ckpt --save-interval 50
 
-Parse -> build -> train -> clean up. Flags are Megatron-LM's; ``--help`` lists them.
+Parse -> build -> train -> clean up. Flags are Megatron-LM's; ``--help`` lists them. The training loop
+(``megatron/training``) does not import ``moe_ft``: this script activates the compatibility shims
+(``moe_ft.compat.activate_all``: CPU layer, checkpoint writer) and plugs the fault-tolerance runtime into
+the loop's hooks.
 """
 
 from __future__ import annotations
@@ -40,7 +43,13 @@ def main(argv=None) -> int:
         return 2
 
     from megatron.training.pretrain import pretrain
+    from moe_ft.compat import activate_all
 
+    try:  # the CPU layer (before process groups and the model) and the writer shim (before the first save)
+        activate_all()
+    except RuntimeError as e:  # a Megatron-Core version the shims were not written for
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     pretrain(args, hooks=step_hooks(args))
     return 0
 

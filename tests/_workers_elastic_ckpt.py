@@ -104,6 +104,9 @@ def main() -> int:
                     json.dump(record, f)
 
     os.makedirs(out, exist_ok=True)
+    from moe_ft.compat import activate_all
+
+    activate_all()  # CPU layer + checkpoint-writer shim, as pretrain_gpt_moe.py does
     pretrain(args, hooks=Record())
     return 0
 

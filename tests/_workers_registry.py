@@ -49,6 +49,9 @@ def check_layout(flags: list[str], data_path: str) -> dict:
     from moe_ft.state.registry import OperatorRegistry
 
     args = parse_args([*MODEL, *flags, "--data-path", data_path])
+    from moe_ft.compat import activate_all
+
+    activate_all()  # CPU layer + checkpoint-writer shim, as pretrain_gpt_moe.py does
     initialize_distributed(args)
     set_seeds(args.training.seed)
     state = build_train_state(args)

@@ -53,6 +53,9 @@ def main() -> int:
                 time.sleep(600)
 
     runtime = Capture(args.extra["FTConfig"])
+    from moe_ft.compat import activate_all
+
+    activate_all()  # CPU layer + checkpoint-writer shim, as pretrain_gpt_moe.py does
     pretrain(args, hooks=runtime)
 
     session = runtime.sessions[0]

@@ -16,12 +16,11 @@ import os
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from moe_ft.compat import writer_queue
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron.training.model import TrainState
-from moe_ft.state.optimizer_views import ensure_optimizer_state
+from megatron.training.optimizer_state import ensure_optimizer_state
 
 log = logging.getLogger("megatron.training")
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -118,7 +117,11 @@ def save_checkpoint(root: str, iteration: int, state: TrainState, hooks=None) ->
     and ``metadata.json``), and only after that rank 0 points the tracker file at the checkpoint.
     ``hooks.during_checkpoint_write(iteration)`` (``megatron.training.training.StepHooks``) runs between the
     shards and the finalization: a drill that kills a rank there leaves a torn checkpoint that the tracker
-    never names."""
+    never names.
+
+    megatron-core collects the write results through a multiprocessing ``Manager`` queue, a server process
+    that a SIGKILLed rank leaks; the entry script replaces it before the first save
+    (``moe_ft.compat.activate_all``, ``moe_ft/compat/writer_queue.py``)."""
     path = checkpoint_dir(root, iteration)
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
@@ -126,7 +129,6 @@ def save_checkpoint(root: str, iteration: int, state: TrainState, hooks=None) ->
     sharded = _sharded_state_dict(state, is_loading=False)
     sharded["scheduler"] = state.scheduler.state_dict()
     sharded["iteration"] = iteration
-    writer_queue.install()  # no Manager server process that would outlive a killed rank
     request = dist_checkpointing.save(sharded, path, async_sharded_save=True)
     if hooks is not None:
         request.finalize_fns.insert(0, lambda: hooks.during_checkpoint_write(iteration))

@@ -1,4 +1,10 @@
-"""Process groups, the CPU layer, seeds and determinism: everything before the model is built."""
+"""Process groups, seeds and determinism: everything before the model is built.
+
+On a CPU-only torch, Megatron-Core needs a compatibility layer ("cuda" calls answered by the CPU) that the
+entry script activates before calling :func:`initialize_distributed` (``pretrain_gpt_moe.py``:
+``moe_ft.compat.activate_all()``); this module only checks that one is active, so the training loop does
+not depend on ``moe_ft``.
+"""
 
 from __future__ import annotations
 
@@ -35,12 +41,27 @@ def _restart_safe_store(timeout_s: float) -> dict:
             "rank": int(os.environ["RANK"]), "world_size": world}
 
 
-def initialize_distributed(args: Args, timeout_s: float = 300.0) -> None:
-    """Init the default process group (NCCL on GPU, gloo on CPU), the CPU layer, and Megatron's
-    model-parallel groups. Launched by torchrun: RANK/WORLD_SIZE/MASTER_ADDR come from the environment."""
-    from moe_ft.compat import cpu as cpu_compat
+def require_cuda_or_cpu_layer() -> None:
+    """Megatron-Core asks ``torch.cuda.current_device()`` for the device of every buffer it builds; on a
+    CPU-only torch that raises unless a CPU compatibility layer answers it. Fail here, before any process
+    group exists, with the fix instead of deep inside Megatron."""
+    if torch.cuda.is_available():
+        return
+    try:
+        torch.cuda.current_device()
+    except (AssertionError, RuntimeError) as e:
+        raise RuntimeError(
+            f"no CUDA device ({e}) and no CPU compatibility layer active: Megatron-Core cannot run on this "
+            "CPU-only process. Launch through pretrain_gpt_moe.py, or call moe_ft.compat.activate_all() "
+            "before initialize_distributed()/pretrain()") from None
 
+
+def initialize_distributed(args: Args, timeout_s: float = 300.0) -> None:
+    """Init the default process group (NCCL on GPU, gloo on CPU) and Megatron's model-parallel groups.
+    Launched by torchrun: RANK/WORLD_SIZE/MASTER_ADDR come from the environment. Without CUDA the CPU
+    compatibility layer must already be active (:func:`require_cuda_or_cpu_layer`)."""
     quiet_optional_dependency_warnings()
+    require_cuda_or_cpu_layer()
     use_cuda = torch.cuda.is_available()
     if not use_cuda:
         torch.set_num_threads(args.training.num_threads)
@@ -55,7 +76,6 @@ def initialize_distributed(args: Args, timeout_s: float = 300.0) -> None:
     if dist.get_world_size() != args.world_size:
         raise RuntimeError(f"arguments were validated for world size {args.world_size} but the process group "
                            f"has {dist.get_world_size()} ranks")
-    cpu_compat.activate()
 
     from megatron.core import parallel_state as ps
 

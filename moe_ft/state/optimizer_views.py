@@ -22,6 +22,9 @@ from typing import Iterator
 
 import torch
 
+# Plain Megatron needs, defined beside the training loop's checkpoint loading (re-exported here).
+from megatron.training.optimizer_state import ensure_optimizer_state, leaf_optimizers  # noqa: F401
+
 
 @dataclass(kw_only=True)
 class MainState:
@@ -46,33 +49,6 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _tensor_state(torch_optimizer, main: torch.Tensor) -> dict[str, torch.Tensor]:
     state = torch_optimizer.state.get(main, {})
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
-def leaf_optimizers(optimizer) -> Iterator:
-    """The Megatron optimizers inside ``optimizer`` (a ``ChainedOptimizer`` or a single one)."""
-    chained = getattr(optimizer, "chained_optimizers", None)
-    if chained is None:
-        yield optimizer
-        return
-    for opt in chained:
-        yield from leaf_optimizers(opt)
-
-
-def ensure_optimizer_state(optimizer) -> None:
-    """Give an optimizer that never stepped its state tensors (Adam ``exp_avg``/``exp_avg_sq``, ``step``
-    0), so that a checkpoint or snapshot can be loaded into them; no parameter is touched.
-
-    Without Apex/TE, Megatron's ``DistributedOptimizer.state_dict()`` reads ``step`` from every param
-    state and asserts there is one value, so loading into an optimizer that never stepped fails (a
-    Megatron bug on TE-less installs); a dummy optimizer step instead would change the parameters."""
-    for opt in leaf_optimizers(optimizer):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
-        opt.init_state_fn(inner, opt.config)
-        for group in inner.param_groups:
-            for param in group["params"]:
-                inner.state[param].setdefault("step", torch.tensor(0.0))
 
 
 def _distributed(opt) -> Iterator[tuple[torch.nn.Parameter, MainState]]:
