@@ -61,24 +61,27 @@ def worker(argv: list[str]) -> int:
     block = WINDOW
 
     class Bench(FTRuntime):
-        def _build(self):
-            super()._build()  # registry, catalogue, the configured (sparse) session
+        def build(self, t_iter_s):
+            super().build(t_iter_s)  # registry, catalogue, the configured (sparse) session
             non_expert = max(sum(i.bytes_full for i in self.catalogue if not i.op.is_expert and
                                  (i.pp_rank, i.ep_rank) == key) for key in {(i.pp_rank, i.ep_rank) for i in self.catalogue})
             expert = max(i.bytes_full for i in self.catalogue if i.op.is_expert)
             variants = {
-                "none": dict(ft_policy="none"),
-                "dense(1)": dict(ft_policy="dense", ft_dense_interval=1),
-                "dense(k)": dict(ft_policy="dense", ft_dense_interval=DENSE_K),
-                "pec": dict(ft_policy="pec", ft_pec_k=1),
-                "selective": dict(ft_policy="selective", ft_selective_local_budget=non_expert + 2 * expert),
-                "sparse": dict(ft_policy="sparse", ft_sparse_window=WINDOW),
+                "none": dict(policy="none"),
+                "dense(1)": dict(policy="dense", dense_interval=1),
+                "dense(k)": dict(policy="dense", dense_interval=DENSE_K),
+                "pec": dict(policy="pec", pec_k=1),
+                "selective": dict(policy="selective", selective_local_budget=non_expert + 2 * expert),
+                "sparse": dict(policy="sparse", sparse_window=WINDOW),
             }
-            self.sessions[0].close()
-            self.sessions = [self.build_session(dataclasses.replace(base, **kw), job_suffix=f"-{i}")
-                             for i, kw in enumerate(variants.values())]
-            for name, s in zip(variants, self.sessions):
-                s.name = name
+            for s in self.sessions:
+                s.close()
+            self.by_label = {name: self.build_session(dataclasses.replace(base.snapshot, **kw), job_suffix=f"-{i}")
+                             for i, (name, kw) in enumerate(variants.items())}
+            for name, s in self.by_label.items():
+                if s is not None:
+                    s.name = name
+            self.sessions = [s for s in self.by_label.values() if s is not None]
             self.owner: dict[int, str] = {}
             self.hook_seconds: dict[int, float] = {}
             self.hook_cpu: dict[int, float] = {}
@@ -102,14 +105,17 @@ def worker(argv: list[str]) -> int:
             self.hook_cpu[iteration] = time.thread_time() - cpu
 
         def select_session(self, iteration):
-            s = self.sessions[(iteration // block) % len(self.sessions)]
-            self.owner[iteration] = s.name
-            return s
+            label = POLICIES[(iteration // block) % len(POLICIES)]
+            self.owner[iteration] = label
+            return self.by_label[label]
 
         def on_train_end(self, report):
             super().on_train_end(report)  # flushes the engines
             summarize(self, args, out)  # collectives: before pretrain() shuts the process group down
 
+    from moe_ft.compat import activate_all
+
+    activate_all()  # CPU layer + checkpoint-writer shim, as pretrain_gpt_moe.py does
     pretrain(args, hooks=Bench(base))
     return 0
 
@@ -117,27 +123,28 @@ def worker(argv: list[str]) -> int:
 def summarize(runtime, args, out: str) -> None:
     import torch.distributed as dist
 
+    from moe_ft.policy import SparsePolicy
     from moe_ft.state.operators import Level
 
     block = WINDOW
     first_measured = block * len(POLICIES)  # the first cycle is warm-up
     reg = runtime.registry
     local: dict = {}
-    for s in runtime.sessions:
-        its = [t for t, n in runtime.owner.items() if n == s.name and t >= first_measured]
+    for label, s in runtime.by_label.items():
+        its = [t for t, n in runtime.owner.items() if n == label and t >= first_measured]
         times = [runtime.iteration_seconds[t] for t in its if t in runtime.iteration_seconds]
-        recs = [r for r in (s.engine.records if s.engine else []) if r.iteration >= first_measured]
+        recs = [r for r in (s.engine.records if s is not None else []) if r.iteration >= first_measured]
         full = sum(reg[op].nbytes(Level.FULL) for op in reg)
-        if s.name == "none":
+        if s is None:  # no snapshots
             rp = 0
-        elif s.name == "sparse":
+        elif isinstance(s.policy, SparsePolicy):  # a recovery point is a window of sparse snapshots
             win = s.policy.window_of(max(r.iteration for r in recs))
             rp = sum(reg.nbytes(win.plan(t)) for t in range(win.start, win.end))
         else:
             rp = full
         hook = [runtime.hook_seconds[t] for t in its if t in runtime.hook_seconds]
         cpu = [runtime.iteration_cpu[t] for t in its if t in runtime.iteration_cpu]
-        local[s.name] = {"median_s": statistics.median(times),
+        local[label] = {"median_s": statistics.median(times),
                          "median_cpu_s": statistics.median(cpu),
                          "hook_cpu_ms": 1e3 * statistics.median(runtime.hook_cpu[t] for t in its if t in runtime.hook_cpu),
                          "hook_ms": 1e3 * statistics.median(hook) if hook else 0.0,
