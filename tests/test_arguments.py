@@ -54,6 +54,7 @@ def test_missing_data_path_message():
         parse_args([], world_size=1)
 
 
+@pytest.mark.timeout(120)  # a subprocess importing Megatron (~5 s; its own limit is 60 s)
 def test_entry_script_one_line_error_without_process_group(tmp_path):
     env = dict(os.environ, WORLD_SIZE="4", RANK="0")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt_moe.py"), "--num-experts", "6",

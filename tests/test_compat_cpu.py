@@ -8,6 +8,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.timeout(120)  # the fixture's subprocess: ~15 s on a loaded 2-core machine
 
 
 @pytest.fixture(scope="module")
