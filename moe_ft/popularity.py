@@ -66,10 +66,12 @@ class PopularityConfig:
     """Global number of experts per MoE layer."""
     ema_alpha: float = 0.9
     """Decay ``alpha`` of the time-decayed popularity (MoEvement App. B); weight of the past, in [0, 1)."""
-    device: str = "cpu"
-    """Device of the per-iteration buffer that ``record`` adds to and ``all_reduce`` receives: ``"cuda"``
-    keeps ``record`` free of host syncs and suits an NCCL group; ``"cpu"`` suits gloo. The counters the
-    policies read always live on the CPU."""
+    device: str | None = None
+    """Device of the per-iteration buffers that ``record`` adds to and ``all_reduce`` receives. ``None``
+    (default): the device of the routing tensors, taken at the first ``record`` (on GPU training the
+    counting stays on the GPU: no host sync per micro-batch, one device-to-host read per iteration in
+    ``end_iteration``; on CPU nothing changes). ``"cpu"`` / ``"cuda"`` pin it. The counters the policies
+    read always live on the CPU."""
 
     def __post_init__(self) -> None:
         layers = list(self.moe_layers)
@@ -81,6 +83,14 @@ class PopularityConfig:
             raise ValueError(f"PopularityConfig.num_experts must be >= 1, got {self.num_experts}")
         if not 0.0 <= self.ema_alpha < 1.0:
             raise ValueError(f"PopularityConfig.ema_alpha must be in [0, 1), got {self.ema_alpha}")
+
+
+def move_buffer(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``buf`` on ``device``; a host buffer holding only zeros is re-created there instead of copied, so
+    that moving an empty accumulator does not synchronise the host with the device."""
+    if buf.device.type == "cpu" and not bool(buf.any()):
+        return torch.zeros(buf.shape, dtype=buf.dtype, device=device)
+    return buf.to(device)
 
 
 def normalized_hhi(shares: torch.Tensor) -> torch.Tensor:
@@ -107,7 +117,11 @@ class ExpertPopularity:
     ``lambda t: torch.distributed.all_reduce(t, group=...)`` over the data- and expert-parallel ranks,
     and across pipeline stages so that every stage sees every layer; tensor-parallel peers that see the
     same tokens must not be summed twice). It receives one float64 tensor ``[2, num_layers, num_experts]``
-    on ``config.device`` per iteration.
+    per iteration, on the device of the routing tensors (or ``config.device`` when set): a CUDA tensor on
+    GPU, so the callable must suit that device (an NCCL group, or a helper that stages it for gloo).
+
+    On GPU nothing in ``record`` reads device memory from the host: counts and routing digests accumulate
+    on the device and ``end_iteration`` reads them back in one transfer.
     """
 
     def __init__(
@@ -117,8 +131,9 @@ class ExpertPopularity:
         self.all_reduce = all_reduce
         self._layer_pos = {layer: i for i, layer in enumerate(self.config.moe_layers)}
         shape = (len(self._layer_pos), self.config.num_experts)
+        device = config.device or "cpu"  # None: moved to the routing tensors' device by the first record
         # [hard|soft, L, E] of the open iteration
-        self._pending = torch.zeros((2, *shape), dtype=torch.float64, device=config.device)
+        self._pending = torch.zeros((2, *shape), dtype=torch.float64, device=device)
         self.hard = torch.zeros(shape, dtype=torch.float64)
         self.soft = torch.zeros(shape, dtype=torch.float64)
         self.ema = torch.zeros(shape, dtype=torch.float64)
@@ -127,8 +142,9 @@ class ExpertPopularity:
         self.last_full_iteration = torch.full(shape, -1, dtype=torch.int64)
         self.last_iteration = -1  # last iteration closed by end_iteration
         # routing digest of the open iteration per layer (rank-local) and of the last closed one
-        self._digest_pending = torch.zeros(shape[0], dtype=torch.int64, device=config.device)
+        self._digest_pending = torch.zeros(shape[0], dtype=torch.int64, device=device)
         self._microbatches = [0] * shape[0]  # record() calls per layer in the open iteration
+        self._dirty = False  # anything recorded since the last end_iteration (else the buffers are zero)
         self.routing_digest = torch.zeros(shape[0], dtype=torch.int64)
 
     # ----------------------------------------------------------------------------------- layout
@@ -160,8 +176,10 @@ class ExpertPopularity:
         """
         row = self.layer_pos(layer_idx)
         num_experts = self.config.num_experts
-        device = self._pending.device
         routing = routing.detach()
+        if self.config.device is None and routing.device != self._pending.device:
+            self._follow(routing.device)
+        device = self._pending.device
         if routing.dim() == 2 and routing.shape[1] == num_experts:
             hard = routing.to(device=device, dtype=torch.float64).sum(dim=0)
             digest = routing_digest(routing.to(device=device), self._microbatches[row])
@@ -182,6 +200,12 @@ class ExpertPopularity:
             soft = probs.detach().to(device=device, dtype=torch.float64).sum(dim=0)
         self._pending[0, row] += hard
         self._pending[1, row] += soft
+        self._dirty = True
+
+    def _follow(self, device: torch.device) -> None:
+        """Move the open iteration's buffers to ``device`` (once: the routing tensors stay on one device)."""
+        self._pending = move_buffer(self._pending, device)
+        self._digest_pending = move_buffer(self._digest_pending, device)
 
     def end_iteration(self, iteration: int) -> None:
         """Close iteration ``iteration``: aggregate across ranks and fold the counts into every counter."""
@@ -192,8 +216,12 @@ class ExpertPopularity:
             )
         pending = self._pending.clone()
         if self.all_reduce is not None:
-            self.all_reduce(pending)
-        pending = pending.cpu()
+            self.all_reduce(pending)  # on the buffers' device: the routing tensors' one by default
+        # one device-to-host read per iteration: the summed counts and this rank's routing digests (below
+        # 2**31, exact in float64) in one tensor
+        host = torch.cat([pending.reshape(-1), self._digest_pending.to(torch.float64)]).cpu()
+        num_counts = pending.numel()
+        pending = host[:num_counts].view(pending.shape)
         hard, soft = pending[0], pending[1]
         self.hard += hard
         self.soft += soft
@@ -203,9 +231,10 @@ class ExpertPopularity:
         self.last_counts = hard.clone()
         self.last_iteration = iteration
         self._pending.zero_()
-        self.routing_digest = self._digest_pending.cpu().clone()
+        self.routing_digest = host[num_counts:].to(torch.int64)
         self._digest_pending.zero_()
         self._microbatches = [0] * len(self._microbatches)
+        self._dirty = False
 
     def mark_full(self, iteration: int, experts: Iterable[OperatorId]) -> None:
         """Experts in ``experts`` (non-expert operators are ignored) got a FULL snapshot at ``iteration``:
@@ -250,12 +279,19 @@ class ExpertPopularity:
             "since_full": self.since_full.clone(),
             "last_counts": self.last_counts.clone(),
             "last_full_iteration": self.last_full_iteration.clone(),
-            "pending": self._pending.cpu().clone(),
+            "pending": self._host_copy(self._pending),
             "last_iteration": self.last_iteration,
             "routing_digest": self.routing_digest.clone(),
-            "routing_digest_pending": self._digest_pending.cpu().clone(),
+            "routing_digest_pending": self._host_copy(self._digest_pending),
             "routing_microbatches": list(self._microbatches),
         }
+
+    def _host_copy(self, buf: torch.Tensor) -> torch.Tensor:
+        """Host copy of an open-iteration buffer; zeros without a device read when nothing was recorded
+        (the usual case: the runtime snapshots right after ``end_iteration``)."""
+        if not self._dirty:
+            return torch.zeros(buf.shape, dtype=buf.dtype)
+        return buf.cpu().clone()
 
     def load_state_dict(self, state: dict) -> None:
         if list(state["moe_layers"]) != list(self.config.moe_layers) or state["num_experts"] != self.num_experts:
@@ -274,3 +310,4 @@ class ExpertPopularity:
         self._digest_pending = state.get("routing_digest_pending", torch.zeros(num_layers, dtype=torch.int64)).to(
             device=self._digest_pending.device, dtype=torch.int64).clone()
         self._microbatches = list(state.get("routing_microbatches", [0] * num_layers))
+        self._dirty = bool(state["pending"].any()) or any(self._microbatches)

@@ -177,3 +177,22 @@ def test_cuda_buffer_counts_like_the_cpu_one():
         gpu.end_iteration(it)
     assert torch.equal(cpu.hard, gpu.hard) and torch.allclose(cpu.soft, gpu.soft)
     assert gpu.hard.device.type == "cpu" and gpu.state_dict()["pending"].device.type == "cpu"
+
+
+def test_open_buffers_follow_the_routing_device_and_read_back_once():
+    """Default device: the routing tensors' (CPU here). After ``end_iteration`` the open buffers are known
+    to be zero, so ``state_dict`` returns zeros without reading them; mid-iteration it copies them."""
+    rng = torch.Generator().manual_seed(7)
+    pop = ExpertPopularity(PopularityConfig(moe_layers=[0], num_experts=4))
+    assert pop.config.device is None and pop._pending.device.type == "cpu"
+    rmap = _routing_map(rng, 8, 4, 2)
+    pop.record(0, rmap)
+    mid = pop.state_dict()
+    assert mid["pending"][0, 0].tolist() == rmap.sum(0).double().tolist() and mid["routing_digest_pending"].any()
+    pop.end_iteration(0)
+    after = pop.state_dict()
+    assert not after["pending"].any() and not after["routing_digest_pending"].any()
+    resumed = ExpertPopularity(PopularityConfig(moe_layers=[0], num_experts=4))
+    resumed.load_state_dict(mid)  # a snapshot between micro-batches: the open counts come back
+    resumed.end_iteration(0)
+    assert torch.equal(resumed.hard, pop.hard) and torch.equal(resumed.routing_digest, pop.routing_digest)

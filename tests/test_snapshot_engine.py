@@ -67,7 +67,7 @@ def test_snapshots_hold_the_state_at_submit_and_reuse_buffers(tmp_path, num_slot
     assert len(set(allocated)) == 1, f"host buffers were reallocated: {allocated}"
     assert store.points() == list(range(10))
     full = sum(registry[op].nbytes(Level.FULL) for op in OPS)
-    assert allocated[0] <= num_slots * (full + 5 * 4)
+    assert allocated[0] == num_slots * (full + 5 * 4)  # every operator FULL + the metadata tensor
     for it, ops in expected.items():
         catalog = store.verify([it])
         assert catalog.problems == ()
@@ -97,6 +97,33 @@ def test_engine_error_surfaces_on_the_training_thread(tmp_path):
         with pytest.raises(RuntimeError):
             engine.close()
     assert store.points() == []
+
+
+@pytest.mark.timeout(60)
+def test_host_buffers_are_allocated_at_build_for_the_largest_plan(tmp_path):
+    """Every operator's FULL tensors get their buffers when the engine is built (views of one arena per
+    slot); submitting any plan allocates nothing for operators. On CPU nothing is pinned and there is no
+    device stall to report."""
+    registry = make_registry()
+    store = StoreConfig(root=str(tmp_path), job_id="j", rank=0).build(retention=KeepAll())
+    engine = SnapshotEngine(EngineConfig(num_slots=2), registry, store)
+    full = sum(registry[op].nbytes(Level.FULL) for op in OPS)
+    try:
+        assert not engine.cuda and engine.buffers.allocated_bytes == 2 * full
+        assert engine.buffers.arena_bytes >= full
+        for slot in range(2):
+            for op in OPS:
+                for name, t in registry[op].tensors(Level.FULL).items():
+                    buf = engine.buffers.view(slot, f"{op}/{name}")
+                    assert buf.shape == t.shape and buf.dtype == t.dtype and buf.is_contiguous()
+                    assert buf.data_ptr() % 64 == 0 and not buf.is_pinned()
+        engine.submit(0, {op: Level.FULL for op in OPS}, {}, {})
+        engine.wait_copied()
+        engine.flush()
+        assert engine.buffers.allocated_bytes == 2 * full
+        assert engine.records[0].device_stall_s is None and engine.records[0].copy_s > 0
+    finally:
+        engine.close()
 
 
 def test_no_torch_function_is_a_null_context_when_disabled():

@@ -16,6 +16,8 @@ from typing import Callable, Iterable, Optional
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
+from moe_ft.popularity import move_buffer
+
 
 def per_expert_token_dropping(probs: torch.Tensor, routing_map: torch.Tensor, *, topk: int,
                               capacity_factors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,8 +28,10 @@ def per_expert_token_dropping(probs: torch.Tensor, routing_map: torch.Tensor, *,
     ``probs``, ``routing_map``: ``[num_tokens, num_experts]``; ``capacity_factors``: ``[num_experts]``.
     Returns the masked ``(probs, routing_map)``."""
     num_tokens, num_experts = probs.shape
+    # built on the host (factors are host floats) and sent without a sync: a pageable host-to-device copy
+    # with non_blocking is staged at once, it does not wait for the device
     capacity = torch.tensor([math.ceil(num_tokens * topk / num_experts * float(f)) for f in capacity_factors],
-                            dtype=torch.long, device=probs.device)
+                            dtype=torch.long).to(probs.device, non_blocking=True)
     # rank of every token within its expert's column by probability (0 = highest); unselected
     # (token, expert) pairs are never kept, so they are ranked after every selected one
     key = torch.where(routing_map, probs.detach(), torch.full_like(probs, -1.0, dtype=probs.dtype))
@@ -62,7 +66,9 @@ class CapacityBoost:
 
     Tensors, all ``[num_moe_layers, num_experts]``: ``deficit`` (float64, tokens still to make up),
     ``owed`` (float64, the tokens handed over by :meth:`start` so far) and ``made_up_at`` (int64, the
-    iteration in which the deficit reached zero; -1 while it is positive or was never started)."""
+    iteration in which the deficit reached zero; -1 while it is positive or was never started). The extra
+    tokens of the open iteration accumulate on the routing tensors' device (no host sync per micro-batch)
+    and are read back once in :meth:`end_iteration`."""
 
     def __init__(self, config: CapacityBoostConfig, *, moe_layers: list[int], num_experts: int,
                  all_reduce: Optional[Callable[[torch.Tensor], None]] = None) -> None:
@@ -89,7 +95,9 @@ class CapacityBoost:
         """Count the tokens each expert kept beyond its base capacity in one micro-batch."""
         num_tokens, num_experts = routing_map.shape
         base = math.ceil(num_tokens * topk / num_experts * self.config.capacity_factor)
-        kept = routing_map.sum(dim=0).to(torch.float64).cpu()
+        kept = routing_map.sum(dim=0).to(torch.float64)
+        if self._extra.device != kept.device:
+            self._extra = move_buffer(self._extra, kept.device)
         self._extra[self.moe_layers.index(layer_idx)] += (kept - base).clamp(min=0)
 
     def end_iteration(self, iteration: int = -1) -> list[tuple[int, int]]:
@@ -101,8 +109,9 @@ class CapacityBoost:
             return []
         if self.all_reduce is not None:
             self.all_reduce(self._extra)
+        extra = self._extra.cpu()
         was = self.deficit > 0
-        self.deficit = (self.deficit - self._extra).clamp(min=0)
+        self.deficit = (self.deficit - extra).clamp(min=0)
         self._extra.zero_()
         done = was & (self.deficit == 0)
         self.made_up_at[done] = iteration

@@ -7,15 +7,26 @@ Timeline of iteration ``t`` (the state after the update of ``t`` is what the sna
                         forward/backward(t+1) runs meanwhile
                         wait_copied() ← right before optimizer.step(t+1); the wait is the *stall*
 
-* **CPU**: a background thread copies the plan's tensors into host buffers and then writes them to the
-  store. Forward/backward only read the weights, so copying overlaps them; the next optimizer step waits
-  for the copy (not the write) to finish.
-* **GPU**: the copies are issued on a dedicated CUDA stream into pinned buffers (after the stream waits
-  for the compute stream) and an event is recorded; ``wait_copied`` waits for that event; the background
-  thread waits for the event too and then writes.
+* **CPU** (the registry's tensors live on the CPU): a background thread copies the plan's tensors into
+  host buffers and then writes them to the store. Forward/backward only read the weights, so copying
+  overlaps them; ``wait_copied`` blocks the training thread until the copy (not the write) is done.
+* **GPU** (any registry tensor on CUDA): ``submit`` makes a side CUDA stream wait for the compute stream
+  (the optimizer step of ``t`` is queued there), issues the slot's device-to-host copies on it in one
+  batched call (``torch._foreach_copy_``, non-blocking, into page-locked buffers) and records an event.
+  ``wait_copied`` never blocks the host: it makes the *compute stream* wait for that event
+  (``current_stream().wait_event``), so the optimizer step of ``t+1`` is queued behind the copy on the
+  device only. The background thread waits for the event and then writes. Host-resident tensors of a CUDA
+  registry (e.g. a CPU ``step`` counter) are copied on the host inside ``submit``.
 
-Buffers: ``num_slots`` host buffer sets allocated once and reused (:class:`HostBuffers`); ``submit``
-waits for a free slot when the store is slower than training (that wait is counted as stall as well).
+Stall accounting (``SnapshotRecord``): ``stall_s`` is host time the training thread lost in ``submit``
+(waiting for a free slot) and ``wait_copied`` (on GPU: the ``wait_event`` call, ~microseconds);
+``device_stall_s`` (GPU only) is how long the compute stream waited for the copy, from timing events:
+``max(0, copy_done - compute_reached_wait)``. ``copy_s`` is the device time of the copy on GPU (from events)
+and the thread's copy time on CPU.
+
+Buffers: ``num_slots`` host buffer sets allocated once, at build, for every operator at FULL
+(:class:`HostBuffers`) and reused; ``submit`` waits for a free slot when the store is slower than training
+(that wait is counted as stall as well).
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import contextlib
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -40,7 +52,7 @@ class EngineConfig:
     num_slots: int = 2
     """Host buffer sets; 2 lets the copy of ``t+1`` start while ``t`` is still being written."""
     pin_memory: bool | None = None
-    """Pin host buffers; ``None``: pin iff CUDA is available (pinning needs a device)."""
+    """Page-lock the host buffers; ``None``: iff the registry is on CUDA (pinning needs a device)."""
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -56,7 +68,13 @@ class SnapshotRecord:
     num_full: int
     num_compute: int
     stall_s: float = 0.0
+    """Host time the training thread waited (free slot in ``submit``, then ``wait_copied``)."""
+    device_stall_s: float | None = None
+    """GPU: time the compute stream waited for the copy (timing events); ``None`` on CPU or until known."""
+    issue_s: float = 0.0
+    """GPU: host time ``submit`` spent issuing the copies."""
     copy_s: float = 0.0
+    """Copy time: device time of the side-stream copies on GPU, the thread's copy time on CPU."""
     write_s: float = 0.0
     thread_cpu_s: float = 0.0
     """CPU time the background thread spent on this snapshot (copy + write + publish + GC)."""
@@ -67,7 +85,8 @@ class SnapshotRecord:
 class _Entry:
     """One (slot, operator, level): the live tensors, the slot's host buffers for them, and the mapping
     handed to the store. Built once and reused: the registry's views are fixed when it is built, and
-    re-deriving dicts, buffer keys and byte counts every iteration is pure per-iteration Python cost."""
+    re-deriving dicts, buffer keys and byte counts every iteration is pure per-iteration Python cost.
+    ``dev_*``: pairs copied on the side stream (GPU path); ``host_*``: host-resident sources."""
 
     op: OperatorId
     level: Level
@@ -75,6 +94,10 @@ class _Entry:
     bufs: list
     out: dict  # name -> host buffer, the store's input
     nbytes: int
+    dev_srcs: list
+    dev_bufs: list
+    host_srcs: list
+    host_bufs: list
 
 
 @dataclass(kw_only=True)
@@ -84,8 +107,11 @@ class _Job:
     items: list  # [_Entry]
     meta: dict
     meta_tensors: dict
+    meta_device: list = field(default_factory=list)  # [(host buffer, device clone)] copied on the stream
     copied: threading.Event = field(default_factory=threading.Event)
-    cuda_event: object = None
+    cuda_event: object = None  # side stream: copies done
+    start_event: object = None  # side stream: copies start
+    reached_event: object = None  # compute stream: reached wait_copied
 
 
 class SnapshotEngine:
@@ -95,9 +121,10 @@ class SnapshotEngine:
         self.config = config
         self.registry = registry
         self.store = store
-        self.cuda = torch.cuda.is_available()
+        layout = {f"{op}/{name}": t.detach() for op in registry for name, t in registry[op].tensors(Level.FULL).items()}
+        self.cuda = torch.cuda.is_available() and any(t.is_cuda for t in layout.values())
         pin = self.cuda if config.pin_memory is None else config.pin_memory
-        self.buffers = HostBuffers(config.num_slots, pin)
+        self.buffers = HostBuffers(config.num_slots, pin, layout)  # every operator FULL: the largest plan
         self._free = queue.Queue()
         for slot in range(config.num_slots):
             self._free.put(slot)
@@ -105,6 +132,7 @@ class SnapshotEngine:
         self._inflight: _Job | None = None
         self._error: BaseException | None = None
         self._stream = torch.cuda.Stream() if self.cuda else None
+        self._untimed: deque[_Job] = deque()  # GPU jobs whose device stall is not known yet
         self._entries: dict[tuple[int, OperatorId, Level], _Entry] = {}
         self.records: list[SnapshotRecord] = []
         self._thread = threading.Thread(target=self._run, name="moe-ft-snapshot", daemon=True)
@@ -115,7 +143,8 @@ class SnapshotEngine:
                meta_tensors: Mapping[str, torch.Tensor]) -> SnapshotRecord:
         """Start the snapshot of ``iteration``: this rank's operators of ``plan`` at their level, plus the
         metadata entry. Returns at once (after a free buffer slot is available). ``meta_tensors`` are
-        copied into the slot's host buffers before returning, so the caller may reuse them."""
+        captured before returning (host ones copied, device ones cloned on the compute stream), so the
+        caller may reuse them."""
         self._raise_if_failed()
         start = time.perf_counter()
         slot = self._free.get()
@@ -134,8 +163,8 @@ class SnapshotEngine:
                 ncomp += level == Level.COMPUTE
             record = SnapshotRecord(iteration=iteration, bytes=total, num_full=nfull, num_compute=ncomp,
                                     stall_s=waited)
-            job = _Job(record=record, slot=slot, items=items, meta=dict(meta),
-                       meta_tensors=self._stage_meta(slot, meta_tensors))
+            job = _Job(record=record, slot=slot, items=items, meta=dict(meta), meta_tensors={})
+            self._stage_meta(job, meta_tensors)
         if self.cuda:
             self._copy_on_stream(job)
         self._inflight = job
@@ -147,66 +176,114 @@ class SnapshotEngine:
         entry = self._entries.get((slot, op, level))
         if entry is None:
             tensors = {name: src.detach() for name, src in self.registry[op].tensors(level).items()}
-            out = {name: self.buffers.get(slot, f"{op}/{name}", src) for name, src in tensors.items()}
-            entry = _Entry(op=op, level=level, srcs=list(tensors.values()), bufs=list(out.values()), out=out,
-                           nbytes=sum(src.nbytes for src in tensors.values()))
+            out = {name: self.buffers.view(slot, f"{op}/{name}") for name in tensors}
+            srcs, bufs = list(tensors.values()), list(out.values())
+            dev = [self.cuda and s.is_cuda for s in srcs]
+            entry = _Entry(op=op, level=level, srcs=srcs, bufs=bufs, out=out,
+                           nbytes=sum(src.nbytes for src in srcs),
+                           dev_srcs=[s for s, d in zip(srcs, dev) if d], dev_bufs=[b for b, d in zip(bufs, dev) if d],
+                           host_srcs=[s for s, d in zip(srcs, dev) if not d],
+                           host_bufs=[b for b, d in zip(bufs, dev) if not d])
             self._entries[(slot, op, level)] = entry
         return entry
 
-    def _stage_meta(self, slot: int, meta_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copy the metadata tensors (RNG states, popularity counters: small) into the slot's buffers."""
-        srcs = [t.detach() for t in meta_tensors.values()]
-        srcs = [t if t.device.type == "cpu" else t.cpu() for t in srcs]
-        bufs = [self.buffers.get(slot, f"meta/{name}", src) for name, src in zip(meta_tensors, srcs)]
-        if bufs:
-            torch._foreach_copy_(bufs, srcs)
-        return dict(zip(meta_tensors, bufs))
+    def _stage_meta(self, job: _Job, meta_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Capture the metadata tensors (RNG states, popularity counters: small) into the slot's buffers:
+        host tensors by a host copy now; device tensors by a clone on the compute stream (no host sync),
+        copied to the host on the side stream with the operators (GPU path) or at once (CPU path)."""
+        host_bufs, host_srcs = [], []
+        for name, t in meta_tensors.items():
+            t = t.detach()
+            buf = self.buffers.get_meta(job.slot, f"meta/{name}", t)
+            job.meta_tensors[name] = buf
+            if t.is_cuda and self.cuda:
+                job.meta_device.append((buf, t.clone()))
+            else:
+                host_bufs.append(buf)
+                host_srcs.append(t if t.device.type == "cpu" else t.cpu())
+        if host_bufs:
+            torch._foreach_copy_(host_bufs, host_srcs)
 
     def wait_copied(self) -> float:
-        """Block until the in-flight snapshot no longer needs the live tensors; returns (and records) the
-        stall in seconds. Call right before the optimizer step that modifies them."""
+        """Make the next optimizer step wait until the in-flight snapshot no longer needs the live tensors;
+        call right before it. CPU: blocks until the thread's copy is done. GPU: the compute stream waits on
+        the copy event, the host does not. Returns (and records) the host stall in seconds."""
         job = self._inflight
         if job is None:
             return 0.0
         start = time.perf_counter()
         if job.cuda_event is not None:
-            job.cuda_event.synchronize()
+            job.reached_event = torch.cuda.Event(enable_timing=True)
+            job.reached_event.record()
+            torch.cuda.current_stream().wait_event(job.cuda_event)
+            self._untimed.append(job)
         else:
             while not job.copied.wait(timeout=1.0):
                 self._raise_if_failed()
         stall = time.perf_counter() - start
         job.record.stall_s += stall
         self._inflight = None
+        self._resolve_device_stalls(block=False)
         self._raise_if_failed()
         return stall
 
     def flush(self) -> None:
         """Wait until every submitted snapshot is published (or raise the engine's error)."""
         self._jobs.join()
+        self._resolve_device_stalls(block=True)
         self._raise_if_failed()
 
     def close(self) -> None:
-        """Flush, then stop the background thread."""
+        """Flush, then stop the background thread and release the page-locked buffers."""
         try:
             self.flush()
         finally:
             self._jobs.put(None)
             self._thread.join(timeout=60)
+            if self._stream is not None:
+                self._stream.synchronize()
+            self.buffers.release()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"snapshot engine failed: {self._error!r}") from self._error
 
     def _copy_on_stream(self, job: _Job) -> None:
+        """Issue the job's copies on the side stream, ordered after everything queued on the compute
+        stream so far (the optimizer step of this iteration); no host synchronisation."""
         start = time.perf_counter()
+        dev_bufs = [b for entry in job.items for b in entry.dev_bufs]
+        dev_srcs = [s for entry in job.items for s in entry.dev_srcs]
+        host_bufs = [b for entry in job.items for b in entry.host_bufs]
+        if host_bufs:  # host-resident state (e.g. a CPU step counter) is final once the step was issued
+            torch._foreach_copy_(host_bufs, [s for entry in job.items for s in entry.host_srcs])
+        for buf, clone in job.meta_device:
+            dev_bufs.append(buf)
+            dev_srcs.append(clone)
         self._stream.wait_stream(torch.cuda.current_stream())
+        job.start_event = torch.cuda.Event(enable_timing=True)
+        job.cuda_event = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._stream):
-            for entry in job.items:
-                for src, buf in zip(entry.srcs, entry.bufs):
-                    buf.copy_(src, non_blocking=True)
-            job.cuda_event = torch.cuda.Event()
+            job.start_event.record(self._stream)
+            if dev_bufs:  # one dispatch for the whole slot
+                torch._foreach_copy_(dev_bufs, dev_srcs, non_blocking=True)
             job.cuda_event.record(self._stream)
-        job.record.copy_s = time.perf_counter() - start
+        for _, clone in job.meta_device:
+            clone.record_stream(self._stream)  # the allocator must not reuse it before the copy ran
+        job.meta_device = []
+        job.record.issue_s = time.perf_counter() - start
+
+    def _resolve_device_stalls(self, block: bool) -> None:
+        """Fill ``device_stall_s`` of GPU jobs whose events completed (all of them with ``block``)."""
+        while self._untimed:
+            job = self._untimed[0]
+            if block:
+                job.reached_event.synchronize()
+                job.cuda_event.synchronize()
+            elif not (job.reached_event.query() and job.cuda_event.query()):
+                return
+            self._untimed.popleft()
+            job.record.device_stall_s = max(0.0, job.reached_event.elapsed_time(job.cuda_event)) / 1e3
 
     # ----------------------------------------------------------------------------- background thread
     def _run(self) -> None:
@@ -235,6 +312,7 @@ class SnapshotEngine:
         start = time.perf_counter()
         if job.cuda_event is not None:
             job.cuda_event.synchronize()
+            job.record.copy_s = job.start_event.elapsed_time(job.cuda_event) / 1e3
         else:
             bufs = [buf for entry in job.items for buf in entry.bufs]
             if bufs:  # one dispatch for all tensors instead of one Python call per tensor

@@ -1,0 +1,154 @@
+"""Iteration-time overhead of ``--ft-policy sparse`` against ``--ft-policy none`` on one GPU (issue 13
+item 4; goal: ratio <= 1.01), both launched by this one command, alternating.
+
+    python -m tools.bench.gpu_overhead [--iters 40] [--repeats 1] [--window 0 --snapshot-bandwidth 2e9]
+
+Each launch is ``torchrun --nproc-per-node 1`` of the real entry point (``pretrain_gpt_moe.py`` flags, an
+MoE GPT big enough to keep an H100 busy: 4 layers, hidden 1024, 8 experts top-2, seq 1024, bf16, 4
+micro-batches of 4). The worker wraps the FT runtime's hooks to time every iteration from the start of
+one to the start of the next (forward/backward, optimizer, the FT hook: plan, metadata, submit, stall);
+the loop's own host syncs (``float(loss)``, grad norm) end each iteration. The first ``--warmup``
+iterations are dropped. Prints one JSON object: per policy the median iteration seconds and the
+snapshot engine's records (bytes, host wait, device stall, copy and store-write times), and
+``overhead_ratio`` = median(sparse) / median(none) (medians over launches when ``--repeats`` > 1).
+``--window 0`` lets FindWindowSize (MoEvement Alg. 1) pick W from ``--snapshot-bandwidth``: pass the
+bandwidth the snapshot path sustains end to end on this machine (the store write, not PCIe, is the
+narrow part: ``tools/bench/gpu_snapshot.py`` reports both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--ffn-hidden-size", "4096",
+         "--seq-length", "1024", "--max-position-embeddings", "1024", "--num-experts", "8", "--moe-router-topk", "2",
+         "--moe-token-dispatcher-type", "alltoall", "--micro-batch-size", "4", "--global-batch-size", "16",
+         "--bf16", "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+         "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234", "--split", "98", "2", "0",
+         "--tokenizer-type", "ByteLevel", "--eval-interval", "0", "--no-deterministic"]
+
+
+class _Timed:
+    """The runtime's hooks plus a clock at every ``on_step_begin`` (duck-typed ``StepHooks``)."""
+
+    def __init__(self, runtime, out: str) -> None:
+        self.runtime, self.out, self.starts = runtime, out, []
+
+    def __getattr__(self, name):
+        return getattr(self.runtime, name)
+
+    def on_step_begin(self, iteration: int) -> None:
+        self.starts.append(time.perf_counter())
+        self.runtime.on_step_begin(iteration)
+
+    def on_train_end(self, report) -> None:
+        self.starts.append(time.perf_counter())
+        self.runtime.on_train_end(report)  # flushes and closes the engine: its records are final
+        session = getattr(self.runtime, "active", None)
+        engine = getattr(session, "engine", None)
+        records = [dict(vars(r)) for r in engine.records] if engine is not None else []
+        policy = getattr(session, "policy", None)
+        with open(self.out, "w") as f:
+            json.dump({"iteration_s": [b - a for a, b in zip(self.starts, self.starts[1:])], "records": records,
+                       "window": getattr(policy, "window_length", None)}, f)
+
+
+def worker(argv: list[str]) -> int:
+    sys.path.insert(0, ROOT)
+    import pretrain_gpt_moe
+    from megatron.training.arguments import parse_args
+    from megatron.training.pretrain import pretrain
+    from moe_ft.compat import activate_all
+
+    out = argv.pop(argv.index("--out") + 1)
+    argv.remove("--out")
+    args = parse_args(argv, extra_groups=pretrain_gpt_moe.extra_argument_groups())
+    activate_all()  # as pretrain_gpt_moe.main does (on CUDA the CPU layer stays off)
+    pretrain(args, hooks=_Timed(pretrain_gpt_moe.step_hooks(args), out))
+    return 0
+
+
+def _summary(run: dict, warmup: int) -> dict:
+    times = run["iteration_s"][warmup:]
+    recs = [r for r in run["records"] if r["iteration"] >= warmup]
+    out = {"median_iter_s": statistics.median(times), "iterations": len(times), "window": run["window"]}
+    if recs:
+        dev = [r["device_stall_s"] for r in recs if r.get("device_stall_s") is not None]
+        out.update(bytes_per_iter=int(statistics.mean(r["bytes"] for r in recs)),
+                   host_stall_median_ms=1e3 * statistics.median(r["stall_s"] for r in recs),
+                   host_stall_max_ms=1e3 * max(r["stall_s"] for r in recs),
+                   device_stall_median_ms=1e3 * statistics.median(dev) if dev else None,
+                   device_stall_max_ms=1e3 * max(dev) if dev else None,
+                   copy_ms=1e3 * statistics.median(r["copy_s"] for r in recs),
+                   issue_ms=1e3 * statistics.median(r.get("issue_s", 0.0) for r in recs),
+                   store_write_ms=1e3 * statistics.median(r["write_s"] for r in recs))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=1, help="launches per policy (alternating none, sparse)")
+    p.add_argument("--window", type=int, default=0, help="--ft-sparse-window (0: FindWindowSize)")
+    p.add_argument("--snapshot-bandwidth", type=float, default=25e9, help="--ft-snapshot-bandwidth (bytes/s)")
+    p.add_argument("--data-path", default=None)
+    p.add_argument("--store-root", default="/dev/shm")
+    p.add_argument("--log-dir", default=None, help="keep each launch's log here")
+    p.add_argument("--tiny", action="store_true", help="the drill's tiny model instead (a CPU check of this script)")
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="gpu_overhead_") as tmp, \
+            tempfile.TemporaryDirectory(prefix="moe_ft_gpu_overhead_", dir=a.store_root) as store:
+        data = a.data_path
+        if data is None:
+            sys.path.insert(0, ROOT)
+            from tools.make_corpus import write_corpus
+            from tools.preprocess_data import preprocess
+
+            write_corpus(os.path.join(tmp, "c.jsonl"), num_docs=2000, seed=0)
+            preprocess(os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "corpus"))
+            data = os.path.join(tmp, "corpus")
+        model = MODEL
+        if a.tiny:
+            from moe_ft.cli.drill import TINY
+
+            model = [*TINY, "--moe-token-dispatcher-type", "alltoall"]
+        runs: dict[str, list[dict]] = {"none": [], "sparse": []}
+        for rep in range(a.repeats):
+            for policy in ("none", "sparse"):
+                out = os.path.join(tmp, f"{policy}{rep}.json")
+                log = os.path.join(a.log_dir or tmp, f"gpu_overhead_{policy}{rep}.log")
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", __file__,
+                       "--worker", "--out", out, *model, "--train-iters", str(a.iters), "--log-interval", str(a.iters),
+                       "--data-path", data, "--ft", "--ft-policy", policy, "--ft-store-dir", store,
+                       "--ft-job-id", f"{policy}{rep}", "--ft-sparse-window", str(a.window),
+                       "--ft-snapshot-bandwidth", str(a.snapshot_bandwidth)]
+                env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+                with open(log, "w") as f:
+                    rc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+                if rc != 0:
+                    with open(log) as f:
+                        tail = f.read()[-4000:]
+                    print(json.dumps({"error": f"{policy} launch failed ({rc})", "log_tail": tail}))
+                    return rc
+                with open(out) as f:
+                    runs[policy].append(_summary(json.load(f), a.warmup))
+    med = {k: statistics.median(r["median_iter_s"] for r in v) for k, v in runs.items()}
+    print(json.dumps({"model": " ".join(model), "iters": a.iters, "warmup": a.warmup, "runs": runs,
+                      "overhead_ratio": med["sparse"] / med["none"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        sys.argv.remove("--worker")
+        sys.exit(worker(sys.argv[1:]))
+    sys.exit(main())

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# GPU checks and benchmarks of issue 13 on one CUDA device (docs/benchmarks.md "GPU (H100)").
+#
+#   bash tools/bench/gpu_suite.sh OUT_DIR            # every stage
+#   STAGES="units overhead" bash tools/bench/gpu_suite.sh OUT_DIR
+#
+# Stages: snapshot (tools/bench/gpu_snapshot.py), dispatch (gpu_dispatch.py), units (tests/gpu without the
+# end-to-end drill, plus the gpu-marked tests elsewhere), recovery (tests/gpu/test_gpu_recovery.py),
+# overhead (gpu_overhead.py; --ft-snapshot-bandwidth from the snapshot stage's store write rate when present).
+# Each stage writes OUT_DIR/<stage>.json or .log; the tests' numbers land in OUT_DIR/results/*.json.
+set -u
+OUT=${1:-gpu_results}
+STAGES=${STAGES:-"snapshot dispatch units recovery overhead"}
+PY=${PYTHON:-python}
+mkdir -p "$OUT/results"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export MOE_FT_GPU_RESULTS="$OUT/results"
+# the node-local store wants a tmpfs; a container's /dev/shm is often tiny (64 MiB): fall back to /tmp
+SHM_FREE_GB=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
+STORE=/tmp
+if [ "${SHM_FREE_GB:-0}" -ge 24 ]; then STORE=/dev/shm; fi
+echo "store root: $STORE (/dev/shm free: ${SHM_FREE_GB:-?} GB)" | tee "$OUT/suite.log"
+
+stage() {  # stage NAME OUTFILE CMD...
+  local name=$1 file=$2; shift 2
+  case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
+  local t0=$SECONDS
+  "$@" > "$OUT/$file" 2> "$OUT/$name.err"
+  echo "$name rc=$? $((SECONDS - t0)) s" | tee -a "$OUT/suite.log"
+}
+
+stage snapshot gpu_snapshot.json $PY -m tools.bench.gpu_snapshot --store-root "$STORE"
+stage dispatch gpu_dispatch.json $PY -m tools.bench.gpu_dispatch
+stage units units.log $PY -m pytest -q -p no:cacheprovider -rs -s --basetemp="$STORE/pt-gpu-units" \
+  -m gpu tests/gpu tests/test_popularity.py --ignore=tests/gpu/test_gpu_recovery.py
+stage recovery recovery.log $PY -m pytest -q -p no:cacheprovider -rs -s --basetemp="$STORE/pt-gpu-recovery" \
+  tests/gpu/test_gpu_recovery.py
+BW=$($PY -c "import json,sys; print(0.5e9 * json.load(open(sys.argv[1]))['store_write_gbps'])" \
+  "$OUT/gpu_snapshot.json" 2>/dev/null || echo 2e9)
+stage overhead gpu_overhead.json $PY -m tools.bench.gpu_overhead --store-root "$STORE" --log-dir "$OUT" \
+  --snapshot-bandwidth "$BW"
+exit 0
