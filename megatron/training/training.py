@@ -20,6 +20,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe import moe_utils
 
+from megatron.training import collectives
 from megatron.training.arguments import Args
 from megatron.training.data import Batch, ReplayableData
 from megatron.training.model import TrainState
@@ -44,7 +45,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     losses = output_tensor.float()
     loss = torch.sum(losses.view(-1) * loss_mask.view(-1)) / loss_mask.sum()
     reported = loss.detach().clone()
-    dist.all_reduce(reported, group=ps.get_data_parallel_group())
+    collectives.all_reduce(reported, group=ps.get_data_parallel_group())  # device path: NCCL on a GPU cluster
     reported /= ps.get_data_parallel_world_size()
     return loss, {"lm loss": reported}
 
@@ -159,11 +160,14 @@ def train_step(state: TrainState, data: ReplayableData, iteration: int, args: Ar
 
 
 def share_from_last_stage(value: float) -> float:
-    """Broadcast a scalar known on the last pipeline stage to every stage (for logging on rank 0)."""
+    """Broadcast a scalar known on the last pipeline stage to every stage (for logging on rank 0). The
+    pipeline group is NCCL on a GPU cluster: the scalar travels on the group's device (``collectives``)."""
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return value
-    t = torch.tensor([value if ps.is_pipeline_last_stage() else 0.0], dtype=torch.float64)
-    dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    group = ps.get_pipeline_model_parallel_group()
+    t = torch.tensor([value if ps.is_pipeline_last_stage() else 0.0], dtype=torch.float64,
+                     device=collectives.device_for(group))
+    collectives.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=group)
     return float(t.item())
 
 

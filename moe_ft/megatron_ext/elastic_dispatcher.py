@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import all_to_all
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from moe_ft import comm
 from moe_ft.elastic.dispatch import (
     DispatchConfig,
     DispatchPermutation,
@@ -98,7 +99,7 @@ class ElasticTokenDispatcher(MoETokenDispatcher):
         expert_idx = nonzero[:, 1].view(num_tokens, self.topk)  # ascending expert ids per token
         local_counts = torch.bincount(expert_idx.reshape(-1), minlength=routing_map.shape[1])
         gathered = local_counts.new_empty(self.ep_size * local_counts.numel())  # gloo wants a flat output
-        dist.all_gather_into_tensor(gathered, local_counts, group=self.ep_group)
+        comm.all_gather_into_tensor(gathered, local_counts, group=self.ep_group)  # device path
         tokens_per_expert = gathered.view(self.ep_size, -1).T.cpu()  # T[e, j]
         self.schedule = dispatch_schedule(tokens_per_expert, self.replicas, self.ep_rank)
         self.perm = build_permutation(expert_idx, self.schedule, self.dispatch_config)

@@ -39,6 +39,8 @@ from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
+from moe_ft import comm
+
 
 class HolderGradSum:
     """Sums replicated experts' weight gradients over their holders (one all-reduce over ``ep_group``)."""
@@ -62,7 +64,7 @@ class HolderGradSum:
         for e, grads in zip(self.held_experts, grads_per_expert):
             if e in self.row_of:
                 torch.cat([g.reshape(-1).float() for g in grads], out=buf[self.row_of[e]])
-        dist.all_reduce(buf, group=self.ep_group)
+        comm.all_reduce(buf, group=self.ep_group)  # device path: the gradients' device (NCCL on GPU)
         out = []
         for e, grads in zip(self.held_experts, grads_per_expert):
             if e not in self.row_of:
@@ -124,7 +126,7 @@ class ElasticExperts(SequentialMLP):
             else:
                 ref = next(standard.parameters())
                 flat = ref.new_empty(self.grad_sum.expert_numel)
-            dist.broadcast(flat, src=dist.get_global_rank(self.ep_group, home), group=self.ep_group)
+            comm.broadcast(flat, src=dist.get_global_rank(self.ep_group, home), group=self.ep_group)
             if e in mine:
                 params = list(mine[e].parameters())
                 for p, piece in zip(params, flat.split([p.numel() for p in params])):

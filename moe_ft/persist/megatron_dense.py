@@ -16,6 +16,8 @@ import os
 
 import torch.distributed as dist
 
+from moe_ft import comm
+
 
 class MegatronDenseWriter:
     def __init__(self, root: str, state) -> None:
@@ -36,7 +38,7 @@ class MegatronDenseWriter:
         path = checkpoint_dir(self.root, iteration)
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
-        dist.barrier()
+        comm.barrier()  # host coordination: the directory exists before any rank writes into it
         sharded = _sharded_state_dict(self.state, is_loading=False)
         sharded["scheduler"] = self.state.scheduler.state_dict()
         sharded["iteration"] = iteration

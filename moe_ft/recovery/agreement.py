@@ -14,23 +14,20 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-import torch
-import torch.distributed as dist
+from moe_ft import comm
 
 log = logging.getLogger("moe_ft.recovery")
 
 
 def _min_over_ranks(value: int, group=None) -> int:
-    t = torch.tensor([value], dtype=torch.int64)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return int(t.item())
+    return comm.min_over_ranks(value, group)  # host path: the coordination gloo group unless a host group is given
 
 
 def agree_on_point(find: Callable[[int | None], object], group=None) -> tuple[object | None, list[int]]:
     """``find(at_or_before)`` → this rank's newest acceptable ``RecoveryPoint`` (or ``None``). Returns the
     agreed point (the same ``end`` on every rank, ``None`` everywhere if some rank has none) and the
-    sequence of proposals (for the report)."""
+    sequence of proposals (for the report). ``group``: a host (gloo) group, default the coordination group
+    of all ranks (``moe_ft.comm``)."""
     bound: int | None = None
     proposals = []
     while True:

@@ -20,8 +20,8 @@ do not carry it.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from moe_ft import comm
 from moe_ft.megatron_ext.router import CapacityBoost, CapacityBoostConfig, attach_capacity_boost
 
 PREFIX = "capacity_boost."
@@ -38,7 +38,7 @@ def build_capacity_boost(boost: float, state, popularity) -> CapacityBoost | Non
         raise ValueError("--ft-capacity-boost needs token dropping: set --moe-expert-capacity-factor")
     cb = CapacityBoost(CapacityBoostConfig(capacity_factor=float(factor), boost=boost),
                        moe_layers=popularity.moe_layers, num_experts=popularity.num_experts,
-                       all_reduce=lambda t: dist.all_reduce(t))
+                       all_reduce=comm.all_reduce_world)  # host counters: the coordination gloo group
     if attach_capacity_boost(state.model, cb) == 0:
         raise RuntimeError("no PopularityRouter in the model to carry the capacity boost")
     return cb

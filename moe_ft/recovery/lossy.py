@@ -11,18 +11,16 @@ processed up to the recovery point (MoEtion's momentary loss); both average over
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from moe_ft import comm
 
 
 def gather_expert_full_at(full_at: dict, group=None) -> dict[tuple[int, int], int]:
-    """``(layer, expert) → iteration of the restored FULL entry`` over all ranks (collective)."""
+    """``(layer, expert) → iteration of the restored FULL entry`` over all ranks (collective, host path:
+    ``group`` a host group, default the coordination group)."""
     mine = {(op.layer, op.expert): int(it) for op, it in full_at.items() if op.is_expert}
-    if not dist.is_initialized():
-        return mine
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
     out: dict = {}
-    for part in gathered:
+    for part in comm.all_gather_object(mine, group):
         for key, it in part.items():
             out[key] = min(out.get(key, it), it)
     return out

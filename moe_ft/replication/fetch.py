@@ -304,15 +304,16 @@ class PeerFetch:
 def fetch_from_peers(*, local: SnapshotStore, rank: int, world_size: int,
                      topo: FetchTopology, replica_store_of: Callable[[int], SnapshotStore],
                      group_config: GlooTransportConfig | None = None) -> FetchResult:
-    """Collective over the default group: exchange inventories, plan, and (only if some rank needs
-    anything) move the entries on a dedicated gloo group. Returns this rank's :class:`FetchResult`."""
-    import torch.distributed as dist
+    """Collective over all ranks (host path, ``moe_ft.comm``): exchange inventories, plan, and (only if some
+    rank needs anything) move the entries on a dedicated gloo group. Returns this rank's :class:`FetchResult`."""
+    from moe_ft import comm
 
     holding = {owner for owner, holders in topo.holders.items() if rank in holders}
     mine = Inventory(rank=rank, local=inventory_of(local),
                      replicas={owner: inventory_of(replica_store_of(owner), replica=True) for owner in sorted(holding)})
-    everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, mine)
+    everyone = comm.all_gather_object(mine)
+    if len(everyone) != world_size:
+        raise RuntimeError(f"fetch_from_peers: world_size {world_size} but {len(everyone)} ranks answered")
     plan = plan_fetch(everyone, topo)
     if not plan.transfers:
         return FetchResult(skipped=list(plan.skipped.get(rank, [])))

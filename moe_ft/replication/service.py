@@ -33,16 +33,17 @@ class Layout:
 
     @staticmethod
     def gather(*, ranks_per_node: int, distributed_optimizer: bool) -> "Layout":
-        """Collective over the default group. ``ranks_per_node`` 0 = ``LOCAL_WORLD_SIZE``."""
+        """Collective over all ranks (host path). ``ranks_per_node`` 0 = ``LOCAL_WORLD_SIZE``."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
+
+        from moe_ft import comm
 
         world, rank = dist.get_world_size(), dist.get_rank()
         per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
         mine = (dist.get_process_group_ranks(ps.get_data_parallel_group()),
                 dist.get_process_group_ranks(ps.get_expert_data_parallel_group()))
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, mine)
+        everyone = comm.all_gather_object(mine)
         unique = lambda groups: [list(g) for g in sorted({tuple(g) for g in groups})]
         return Layout(rank=rank, node_of=nodes_from_local_world_size(world_size=world, local_world_size=per_node),
                       dp_groups=unique(e[0] for e in everyone), expert_dp_groups=unique(e[1] for e in everyone),

@@ -19,7 +19,6 @@ import json
 import queue
 import threading
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 
@@ -99,10 +98,10 @@ class GlooTransportConfig:
     """Timeout of the dedicated group; a receiver waits for the next point this long at most."""
 
     def build_group(self, ranks: list[int] | None = None):
-        """The dedicated gloo group; collective: every rank of the default group must call it."""
-        import torch.distributed as dist
+        """The dedicated gloo group (host traffic); collective: every rank of the default group must call it."""
+        from moe_ft import comm
 
-        return dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+        return comm.new_host_group(ranks, timeout_s=self.timeout_s, desc="MOE_FT_REPLICATION_GLOO")
 
 
 _DATA, _CLOSE = 1, 0

@@ -49,9 +49,8 @@ def merge_catalogue(per_rank: Iterable[Sequence[OperatorInfo]], ep_size: int) ->
 
 
 def gather_catalogue(local: Sequence[OperatorInfo], ep_size: int, group=None) -> list[OperatorInfo]:
-    """All-gather every rank's list (``torch.distributed`` object collective) and merge it."""
-    import torch.distributed as dist
+    """All-gather every rank's list (object collective on the host path, ``moe_ft.comm``: ``group`` a host
+    group, default the coordination group of all ranks) and merge it."""
+    from moe_ft import comm
 
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, list(local), group=group)
-    return merge_catalogue(gathered, ep_size)
+    return merge_catalogue(comm.all_gather_object(list(local), group), ep_size)
