@@ -14,6 +14,8 @@ import json
 import os
 from pathlib import Path
 
+from moe_ft.cli.errors import reporting, user_input
+
 
 def write_digest(path: str, state, iteration: int) -> dict:
     """Collective: every rank's state digest; rank 0 writes the JSON file."""
@@ -41,9 +43,11 @@ def write_digest(path: str, state, iteration: int) -> dict:
 def read_digest(path: str) -> dict:
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file or directory") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a digest file ({e}); write one with --ft-digest-out") from None
-    if "digest" not in data:
+    if not isinstance(data, dict) or not isinstance(data.get("digest"), str):
         raise ValueError(f"{path}: no 'digest' field; write one with --ft-digest-out")
     return data
 
@@ -51,16 +55,19 @@ def read_digest(path: str) -> dict:
 def _files(paths: list[str]) -> list[str]:
     out = []
     for p in paths:
-        out += sorted(str(q) for q in Path(p).rglob("*.json")) if os.path.isdir(p) else [p]
+        if os.path.isdir(p):
+            found = sorted(str(q) for q in Path(p).rglob("*.json"))
+            if not found:
+                raise ValueError(f"{p}: a directory without *.json digest files; write them with --ft-digest-out")
+            out += found
+        else:
+            out.append(p)
     return out
 
 
 def run(args) -> int:
-    try:
+    with user_input():
         digests = [(p, read_digest(p)) for p in _files(args.paths)]
-    except ValueError as e:
-        print(f"error: {e}")
-        return 2
     for path, d in digests:
         print(f"{d['digest']}  iteration {d.get('iteration')}  {path}")
     if len(digests) < 2:
@@ -79,4 +86,4 @@ def run(args) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser("digest", help="print or compare training-state digests (bitwise)")
     p.add_argument("paths", nargs="+", help="digest JSON files (--ft-digest-out) or directories of them")
-    p.set_defaults(func=run)
+    p.set_defaults(func=reporting("digest", run))

@@ -12,7 +12,15 @@ a replacement agent started); the same ``ITER:PHASE`` on several nodes loses the
     moe-ft drill --nodes 2 --iters 12 --window 4 --fail-node 0:9 --fail-node 1:9 --json   # durable tier
 
 The fault-free reference stays one ``torchrun --standalone`` of the same 4-rank job (same ranks, same
-layout, same flags: the digest does not depend on the launcher).
+layout, same flags: the digest does not depend on the launcher). A ``persist`` fault (during the ``--save``
+write of the durable tier, every ``--persist-interval`` iterations, default the window) works with or
+without ``--nodes``::
+
+    moe-ft drill --iters 12 --window 4 --fail 1:7:persist --json
+
+Every input is checked before anything is launched (``moe_ft/cli/drill_checks.py``): a fault that could
+never fire, a persist fault off the save interval, a bad ``--extra`` job flag or a missing ``--data`` end the
+drill with one line and exit code 2.
 
 Prints one JSON object: ``faultfree_digest``, ``recovered_digest``, ``equal``, ``token_loss`` (sum over
 recoveries), ``reports`` (the recovery reports, ``moe_ft/recovery/report.py``), the faults and the
@@ -30,9 +38,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from moe_ft.cli.errors import UsageError, reporting, user_input
 from moe_ft.drill_nodes import kill_tree  # noqa: F401  (also used by tests)
 
 ROOT = Path(__file__).resolve().parents[2]
+WORLD_SIZE = 4  # ranks of the drill's job (torchrun --nproc-per-node, or split over --nodes)
 LAYOUTS = {
     "ep2pp2": ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                "--moe-token-dispatcher-type", "alltoall"],
@@ -59,7 +69,7 @@ def job_argv(*, layout: str, policy: str, iters: int, data: str, store: str, job
 
 def torchrun(argv: list[str], *, max_restarts: int, timeout: float, log_path: str) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}",
            f"--max-restarts={max_restarts}", "--monitor-interval=1", str(ROOT / "pretrain_gpt_moe.py"), *argv]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -108,7 +118,7 @@ def run_node_job(*, job: str, workdir: str, faults: list[str], losses: list, num
     from moe_ft.drill_nodes import ClusterConfig, SimulatedCluster, read_reports, redone_iterations
     from moe_ft.faults import Fault
 
-    world = 4
+    world = WORLD_SIZE
     if world % num_nodes:
         raise ValueError(f"--nodes {num_nodes} must divide the job's {world} ranks")
     digest_out = os.path.join(workdir, f"{job}.json")
@@ -131,54 +141,95 @@ def run_node_job(*, job: str, workdir: str, faults: list[str], losses: list, num
                 log=res["logs"][0] if res["logs"] else None)
 
 
-def node_flags(*, nodes: int, losses: list, faults: list[str], work: str, window: int, replicas: int = 0,
-               persist_interval: int = -1, persist_dir: str = "") -> list[str]:
-    """The FT flags of a ``--nodes`` drill: replicas on other nodes (``replicas`` 0: ``min(2, nodes - 1)``),
-    the node layout, and the durable tier (``persist_interval`` -1: the window when a loss takes every node
-    or a ``persist`` fault is given, else off). ``persist`` faults also need ``--save`` at the same interval:
-    the runtime checks them right before that save, while the durable writer flushes the same iteration."""
-    everyone = set(range(nodes))
-    all_lost = any({l.node for l in losses if (l.iteration, l.phase) == (m.iteration, m.phase)} == everyone
-                   for m in losses)
-    persist_phase = [f for f in faults if f.split(":")[2] == "persist"] + [str(l) for l in losses
-                                                                          if l.phase == "persist"]
-    interval = persist_interval if persist_interval >= 0 else (window if all_lost or persist_phase else 0)
+def durable_flags(*, persist_faults: list[str], all_lost: bool, work: str, window: int,
+                  persist_interval: int = -1, persist_dir: str = "") -> list[str]:
+    """The durable tier of a drill (``persist_interval`` -1: the window when a loss takes every node or a
+    ``persist`` fault is given, else off). ``persist`` faults (``RANK:ITER:persist...``, ``NODE:ITER:persist``)
+    also need ``--save`` at the same interval: the runtime checks them right before that save, while the
+    durable writer flushes the same iteration."""
+    interval = persist_interval if persist_interval >= 0 else (window if all_lost or persist_faults else 0)
     if all_lost and not interval:
         raise ValueError("losing every node needs the durable tier: --persist-interval K > 0")
-    flags = ["--ft-replicas", str(replicas or min(2, nodes - 1)), "--ft-ranks-per-node", str(4 // nodes)]
+    flags = []
     if interval:
         flags += ["--ft-persist-interval", str(interval), "--ft-persist-dir",
                   persist_dir or os.path.join(work, "durable")]
-    if persist_phase:
-        bad = [f for f in persist_phase if (int(f.split(":")[1]) + 1) % (interval or 1)]
-        if not interval or bad:
-            raise ValueError(f"persist faults {bad or persist_phase} must sit at an iteration t with (t + 1) a "
-                             f"multiple of --persist-interval ({interval}): the runtime checks them there")
+    if persist_faults:
+        if not interval:
+            raise ValueError(f"persist faults {persist_faults} fire during a --save write of the durable tier: "
+                             "drop --persist-interval 0 (or give K > 0)")
+        bad = [f for f in persist_faults if (int(f.split(":")[1]) + 1) % interval]
+        if bad:
+            t = int(bad[0].split(":")[1])
+            raise ValueError(f"persist faults {bad} must sit at an iteration t with (t + 1) a multiple of "
+                             f"--persist-interval ({interval}), e.g. t = {t + (-(t + 1)) % interval}: the runtime "
+                             "checks them at that save")
         flags += ["--save", os.path.join(work, "save"), "--save-interval", str(interval)]
     return flags
 
 
-def drill(args) -> dict:
-    from moe_ft.drill_nodes import NodeLoss, check_losses
-    from moe_ft.faults import Fault
+def node_flags(*, nodes: int, losses: list, faults: list[str], work: str, window: int, replicas: int = 0,
+               persist_interval: int = -1, persist_dir: str = "") -> list[str]:
+    """The FT flags of a ``--nodes`` drill: replicas on other nodes (``replicas`` 0: ``min(2, nodes - 1)``),
+    the node layout, and the durable tier (:func:`durable_flags`; every node lost at once needs it)."""
+    everyone = set(range(nodes))
+    all_lost = any({l.node for l in losses if (l.iteration, l.phase) == (m.iteration, m.phase)} == everyone
+                   for m in losses)
+    persist_faults = [f for f in faults if f.split(":")[2] == "persist"] + [str(l) for l in losses
+                                                                           if l.phase == "persist"]
+    flags = ["--ft-replicas", str(replicas or min(2, nodes - 1)), "--ft-ranks-per-node", str(WORLD_SIZE // nodes)]
+    return flags + durable_flags(persist_faults=persist_faults, all_lost=all_lost, work=work, window=window,
+                                 persist_interval=persist_interval, persist_dir=persist_dir)
 
-    faults = [str(Fault.parse(f)) for f in args.fail]
-    losses = [NodeLoss.parse(f) for f in args.fail_node]
-    if losses and args.nodes < 2:
-        raise ValueError("--fail-node needs --nodes N (N >= 2 simulated nodes)")
-    check_losses(losses, args.nodes)
-    work = args.workdir or tempfile.mkdtemp(prefix="moe_ft_drill_")
-    os.makedirs(work, exist_ok=True)
-    data = args.data or ensure_corpus(work)
-    store = args.store_dir or os.path.join("/dev/shm", f"moe_ft_drill_{os.getpid()}")
-    common = dict(layout=args.layout, policy=args.policy, iters=args.iters, data=data, store=store,
-                  window=args.window, extra=list(args.extra or []))
+
+def drill_flags(args, faults: list[str], losses: list, work: str) -> list[str]:
+    """The FT flags the drill adds to the job (before ``--extra``, which may override them)."""
     if args.nodes > 1:
-        common["extra"] = node_flags(nodes=args.nodes, losses=losses, faults=faults, work=work, window=args.window,
-                                     replicas=args.replicas, persist_interval=args.persist_interval,
-                                     persist_dir=args.persist_dir) + common["extra"]
-    if any(f.split(":")[3] == "hang" for f in faults) and "--ft-hang-timeout" not in common["extra"]:
-        common["extra"] += ["--ft-hang-timeout", "20"]
+        flags = node_flags(nodes=args.nodes, losses=losses, faults=faults, work=work, window=args.window,
+                           replicas=args.replicas, persist_interval=args.persist_interval, persist_dir=args.persist_dir)
+    else:
+        flags = durable_flags(persist_faults=[f for f in faults if f.split(":")[2] == "persist"], all_lost=False,
+                              work=work, window=args.window, persist_interval=args.persist_interval,
+                              persist_dir=args.persist_dir)
+    if any(f.split(":")[3] == "hang" for f in faults) and "--ft-hang-timeout" not in args.extra:
+        flags += ["--ft-hang-timeout", "20"]
+    return flags
+
+
+def prepare(args) -> tuple[str, dict, list[str], list]:
+    """Check every input before anything runs (a ``UsageError`` on the first problem; a temporary
+    workdir made for the drill is removed again). Returns ``(workdir, common job keywords, faults,
+    node losses)``."""
+    from moe_ft.cli.drill_checks import check_counts, check_faults, check_job_flags
+
+    with user_input():
+        check_counts(args, world_size=WORLD_SIZE)
+        faults, losses = check_faults(args.fail, args.fail_node, nodes=args.nodes, iters=args.iters,
+                                      world_size=WORLD_SIZE)
+    work = args.workdir or tempfile.mkdtemp(prefix="moe_ft_drill_")
+    try:
+        with user_input():
+            try:
+                os.makedirs(work, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"--workdir {work}: cannot create it ({e.strerror})") from None
+            extra = drill_flags(args, faults, losses, work) + list(args.extra or [])
+        store = args.store_dir or os.path.join("/dev/shm", f"moe_ft_drill_{os.getpid()}")
+        common = dict(layout=args.layout, policy=args.policy, iters=args.iters, data=args.data or ensure_corpus(work),
+                      store=store, window=args.window, extra=extra)
+        with user_input():  # ValueError; OSError: a file a flag names (e.g. --ft-expert-loads-from)
+            check_job_flags(job_argv(job="faulty", digest_out=os.path.join(work, "faulty.json"), faults=faults,
+                                     **common), world_size=WORLD_SIZE, root=str(ROOT))
+    except UsageError:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    return work, common, faults, losses
+
+
+def drill(args) -> dict:
+    work, common, faults, losses = prepare(args)
+    store = common["store"]
     out = {"layout": args.layout, "policy": args.policy, "iters": args.iters, "faults": faults, "workdir": work}
     try:
         ref = run_job(job="faultfree", workdir=work, timeout=args.timeout, **common)
@@ -240,7 +291,7 @@ def register(subparsers) -> None:
                         "together); its store is deleted and a replacement node started")
     p.add_argument("--replicas", type=int, default=0, help="--ft-replicas with --nodes (0: min(2, nodes - 1))")
     p.add_argument("--persist-interval", type=int, default=-1,
-                   help="--ft-persist-interval with --nodes (-1: the window when every node is lost or a "
+                   help="--ft-persist-interval of the job (-1: the window when every node is lost or a "
                         "persist fault is given, else 0)")
     p.add_argument("--persist-dir", default="", help="durable tier root (default: <workdir>/durable)")
     p.add_argument("--max-restarts", type=int, default=3)
@@ -251,7 +302,7 @@ def register(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--json", action="store_true")
     p.add_argument("--extra", nargs=argparse_remainder(), default=[], help="more job flags, e.g. --extra --ft-pec-k 1")
-    p.set_defaults(func=run)
+    p.set_defaults(func=reporting("drill", run))
 
 
 def argparse_remainder():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import platform
 
+from moe_ft.cli.errors import reporting, user_input
+
 
 def collect() -> dict:
     import torch
@@ -45,11 +47,8 @@ def run(args) -> int:
     if args.activate:
         from moe_ft.compat import cpu
 
-        try:
+        with user_input(RuntimeError):  # a megatron-core version the layer was not written for
             cpu.activate()
-        except RuntimeError as e:
-            print(f"error: {e}")
-            return 1
         info["cpu_layer_active"] = cpu.state().active
         info["cpu_layer_shims"] = cpu.state().shims
     if args.json:
@@ -66,4 +65,4 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument("--activate", action="store_true",
                    help="also activate the CPU layer in this process and list its shims")
-    p.set_defaults(func=run)
+    p.set_defaults(func=reporting("env", run))

@@ -8,10 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from collections import Counter
 
-from moe_ft.store import LocalFSBackend, SnapshotStore, StoreError
+from moe_ft.cli.errors import UsageError, reporting, user_input
 
 
 def register(subparsers) -> None:
@@ -26,7 +25,7 @@ def register(subparsers) -> None:
                              "point verifies and holds every expert of every layer (needs --num-layers, --num-experts)")
     parser.add_argument("--num-layers", type=int, default=0, help="--validate: MoE layers of the model")
     parser.add_argument("--num-experts", type=int, default=0, help="--validate: experts per layer")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=reporting("inspect", run))
 
 
 def _human(n: int) -> str:
@@ -37,7 +36,7 @@ def _human(n: int) -> str:
     raise AssertionError
 
 
-def _report(store: SnapshotStore, verify: bool) -> dict:
+def _report(store, verify: bool) -> dict:
     catalog = store.verify() if verify else store.catalog()
     points = []
     for point in catalog.points():
@@ -87,27 +86,29 @@ def _validate(args: argparse.Namespace) -> int:
     from moe_ft.persist.validate import validate_durable
 
     if args.num_layers < 1 or args.num_experts < 1:
-        print("moe-ft inspect --validate needs --num-layers and --num-experts (the model's)", file=sys.stderr)
-        return 2
-    end, problems = validate_durable(args.store_dir, num_layers=args.num_layers, num_experts=args.num_experts)
+        raise UsageError("--validate needs --num-layers and --num-experts (the model's), both >= 1")
+    with user_input(OSError):
+        end, problems = validate_durable(args.store_dir, num_layers=args.num_layers, num_experts=args.num_experts)
+    if end is None:  # not a durable tier, or one without a complete point
+        raise UsageError("; ".join(problems))
     for problem in problems:
         print(f"INVALID: {problem}")
     if end is not None and not problems:
         print(f"durable point ending at iteration {end}: every entry verified, "
               f"{args.num_layers} x {args.num_experts} experts present")
-    return 2 if end is None else (1 if problems else 0)
+    return 1 if problems else 0
 
 
 def run(args: argparse.Namespace) -> int:
+    from moe_ft.store import LocalFSBackend, SnapshotStore, StoreError
+
     logging.getLogger("moe_ft.store").setLevel(logging.ERROR)  # problems are reported below, once
     if args.validate:
         return _validate(args)
-    try:
+    with user_input(StoreError, OSError, ValueError):
         store = SnapshotStore(LocalFSBackend(args.store_dir, create=False))
-    except (StoreError, OSError, ValueError) as exc:
-        print(f"moe-ft inspect: {exc}", file=sys.stderr)
-        return 2
-    report = _report(store, args.verify)
+    with user_input(OSError):  # an unreadable store directory; damaged entries are findings, not errors
+        report = _report(store, args.verify)
     if args.json:
         print(json.dumps(report, indent=1))
     else:

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import math
 
-from moe_ft.elastic.planner import STRATEGIES, PlacementConfig, plan_layer
-from moe_ft.elastic.recovery import RecoveryConfig, recovery_probabilities
-from moe_ft.elastic.search import SearchConfig
+from moe_ft.cli.errors import reporting, user_input
 
 
 def _loads(text: str) -> list[float]:
@@ -19,7 +17,13 @@ def _loads(text: str) -> list[float]:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--loads must be comma-separated numbers, got {text!r}") from None
+    if not all(math.isfinite(v) for v in values):
+        raise argparse.ArgumentTypeError(f"--loads must be finite numbers (tokens per expert), got {text!r}")
     return [int(v) if v.is_integer() else v for v in values]
+
+
+STRATEGY_HELP = ("placement strategy: optimal (default: the exact search), mro (maximum rank overlap, Lazarus "
+                 "§4.1), spread or compact (baselines)")
 
 
 def register(subparsers) -> None:
@@ -29,14 +33,19 @@ def register(subparsers) -> None:
     p.add_argument("--slots", type=int, required=True, help="expert replicas per node c")
     p.add_argument("--f", type=int, default=1, help="fault-tolerance threshold: replicas per expert at least (default 1)")
     p.add_argument("--failed", type=int, default=None, help="report only this number of failed nodes (default: all)")
-    p.add_argument("--strategy", choices=STRATEGIES, default="optimal", help="placement strategy (default optimal)")
+    # no argparse choices: they would import the planner (numpy) for every --help; PlacementConfig checks it
+    p.add_argument("--strategy", default="optimal", help=STRATEGY_HELP)
     p.add_argument("--seed", type=int, default=0, help="Monte-Carlo seed, used only when no exact method fits")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run)
+    p.set_defaults(func=reporting("placement", run))
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
+    from moe_ft.elastic.planner import PlacementConfig, plan_layer
+    from moe_ft.elastic.recovery import RecoveryConfig, recovery_probabilities
+    from moe_ft.elastic.search import SearchConfig
+
+    with user_input(ValueError):
         if args.failed is not None and not 0 <= args.failed <= args.nodes:
             raise ValueError(f"--failed must be in [0, {args.nodes}] (the number of nodes), got {args.failed}")
         config = PlacementConfig(
@@ -46,11 +55,8 @@ def run(args: argparse.Namespace) -> int:
             search=SearchConfig(target_failures=args.failed),
         )
         layer = plan_layer(args.loads, args.nodes, config)
-    except ValueError as err:
-        print(f"moe-ft placement: error: {err}", file=sys.stderr)
-        return 2
-    failed = [args.failed] if args.failed is not None else list(range(args.nodes + 1))
-    probs = recovery_probabilities(layer.plan, len(args.loads), failed, RecoveryConfig(seed=args.seed))
+        failed = [args.failed] if args.failed is not None else list(range(args.nodes + 1))
+        probs = recovery_probabilities(layer.plan, len(args.loads), failed, RecoveryConfig(seed=args.seed))
     if args.json:
         print(json.dumps({
             "allocation": list(layer.allocation),

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+
+from moe_ft.cli.errors import reporting, user_input
 
 DEFAULT_POLICIES = ["checkfreq", "gemini", "moc", "selective", "sparse"]
 
@@ -42,12 +43,12 @@ def register(subparsers) -> None:
     sim.add_argument("--analytic-only", action="store_true", help="skip the event simulation")
     sim.add_argument("--csv", metavar="FILE", help="also write one CSV row per (MTBF, policy)")
     sim.add_argument("--plot", metavar="PNG", help="also plot ETTR vs MTBF per policy (needs matplotlib)")
-    sim.set_defaults(func=run_simulate)
+    sim.set_defaults(func=reporting("simulate", run_simulate))
 
     pl = subparsers.add_parser("plan", help="rank checkpointing policies and knobs by predicted ETTR")
     _add_common(pl)
     pl.add_argument("--exact-only", action="store_true", help="only policies that lose no updates")
-    pl.set_defaults(func=run_plan)
+    pl.set_defaults(func=reporting("plan", run_plan))
 
 
 def _load(args):
@@ -76,7 +77,8 @@ def run_simulate(args) -> int:
     from moe_ft.sim.report import format_table, to_json_obj, write_csv, write_plot
     from moe_ft.sim.simulator import Simulator, num_nodes
 
-    try:
+    # bad flags, unreadable or invalid config/trace files, unwritable --csv/--plot: one line, exit 2
+    with user_input(ValueError, RuntimeError, OSError):
         loaded = _load(args)
         if loaded is None:
             return 0
@@ -84,6 +86,10 @@ def run_simulate(args) -> int:
         specs = [parse_policy(p) for item in args.policies for p in item.split(",") if p.strip()]
         if args.hours <= 0:
             raise ValueError("--hours must be > 0")
+        if args.seed < 0:
+            raise ValueError(f"--seed must be >= 0, got {args.seed}")
+        if args.spot_prob is not None and not 0 <= args.spot_prob <= 1:
+            raise ValueError(f"--spot-prob is a per-node probability per hour, in [0, 1]; got {args.spot_prob}")
         horizon = args.hours * 3600
         nodes = num_nodes(cost)
         trace = load_trace(args.trace, nodes) if args.trace else None
@@ -102,9 +108,6 @@ def run_simulate(args) -> int:
             write_csv(args.csv, rows)
         if args.plot:
             write_plot(args.plot, cost.config.name, rows)
-    except (ValueError, RuntimeError) as exc:
-        print(f"moe-ft simulate: error: {exc}", file=sys.stderr)
-        return 2
     it = cost.iteration
     meta = {"world_size": cost.config.parallel.world_size, "total_params": cost.total_params(),
             "t_iter_s": it.t_iter_s, "t_pipeline_s": it.t_pipeline_s, "horizon_s": horizon,
@@ -122,7 +125,7 @@ def run_simulate(args) -> int:
 def run_plan(args) -> int:
     from moe_ft.sim.planner import plan
 
-    try:
+    with user_input(ValueError, RuntimeError, OSError):
         loaded = _load(args)
         if loaded is None:
             return 0
@@ -130,9 +133,6 @@ def run_plan(args) -> int:
         out = {}
         for mtbf in mtbfs:
             out[mtbf] = plan(cost, mtbf, exact_only=args.exact_only)
-    except (ValueError, RuntimeError) as exc:
-        print(f"moe-ft plan: error: {exc}", file=sys.stderr)
-        return 2
     from moe_ft.sim.report import format_duration, row_dict
 
     if args.json:

@@ -1,0 +1,112 @@
+"""``moe-ft`` user errors: one line ``moe-ft <subcommand>: error: ...`` on stderr, exit 2, no traceback, for
+representative mistakes of every subcommand (bad flag values, missing or invalid files, combinations that
+cannot work). The drill's checks run before anything is launched."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from moe_ft.cli.main import main
+
+
+def _error(capsys, argv: list[str]) -> str:
+    """Run the CLI; assert exit 2 and a single ``moe-ft <sub>: error:`` line on stderr; return its message."""
+    rc = main(argv)
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert rc == 2, (rc, captured.out, captured.err)
+    assert len(lines) == 1 and lines[0].startswith(f"moe-ft {argv[0]}: error: "), captured.err
+    return lines[0].split(": error: ", 1)[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fail", "1:6:persist"], "multiple of --persist-interval (4), e.g. t = 7"),
+    (["--fail", "1:7:persist", "--persist-interval", "0"], "drop --persist-interval 0"),
+    (["--nodes", "2", "--fail-node", "1:6:persist"], "multiple of --persist-interval (4)"),
+    (["--fail", "1"], "bad fault '1': expected RANK:ITER[:PHASE[:KIND]]"),
+    (["--fail", "1:3:bogus"], "fault phase must be one of"),
+    (["--fail", "7:3"], "rank 7 does not exist (the job has ranks 0..3)"),
+    (["--fail", "1:12"], "iteration 12 is never reached"),
+    (["--fail", "1:3:forward:node"], "--fail-node NODE:ITER[:PHASE]"),
+    (["--fail-node", "1:3"], "--fail-node needs --nodes N"),
+    (["--nodes", "2", "--fail-node", "2:3"], "node 2 does not exist"),
+    (["--nodes", "2", "--fail-node", "0:9", "--fail-node", "1:9", "--persist-interval", "0"], "durable tier"),
+    (["--nodes", "3"], "--nodes 3 must divide the job's 4 ranks"),
+    (["--replicas", "1"], "needs --nodes N"),
+    (["--iters", "0"], "--iters must be >= 1"),
+    (["--layout", "nope"], "invalid choice: 'nope'"),
+])
+def test_drill_flag_errors(capsys, argv, message):
+    assert message in _error(capsys, ["drill", *argv])
+
+
+def test_drill_job_flag_errors_before_any_launch(capsys, corpus, tmp_path, monkeypatch):
+    """Flags of the job itself (``--data``, ``--extra``) are parsed and validated here as each rank would;
+    a temporary workdir the drill made is removed again."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    missing = str(tmp_path / "nodata")
+    assert f"{missing}.bin not found" in _error(capsys, ["drill", "--data", missing])
+    assert "unrecognized arguments: --ft-bogus 3" in _error(capsys, ["drill", "--data", corpus, "--extra", "--ft-bogus", "3"])
+    assert "--ft-pec-k must be >= 1" in _error(capsys, ["drill", "--data", corpus, "--extra", "--ft-pec-k", "0"])
+    assert "--pipeline-model-parallel-size" in _error(
+        capsys, ["drill", "--data", corpus, "--extra", "--pipeline-model-parallel-size", "3"])
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("moe_ft_drill_")]  # nothing left behind
+    assert "--workdir /proc/none: cannot create it" in _error(capsys, ["drill", "--workdir", "/proc/none"])
+
+
+def test_digest_errors(capsys, tmp_path):
+    assert "no such file or directory" in _error(capsys, ["digest", str(tmp_path / "none.json")])
+    (tmp_path / "other.json").write_text(json.dumps({"iteration": 3}))
+    assert "no 'digest' field" in _error(capsys, ["digest", str(tmp_path / "other.json")])
+    (tmp_path / "text.json").write_text("not json")
+    assert "not a digest file" in _error(capsys, ["digest", str(tmp_path / "text.json")])
+    (tmp_path / "empty").mkdir()
+    assert "a directory without *.json digest files" in _error(capsys, ["digest", str(tmp_path / "empty")])
+
+
+def test_digest_compare_still_works(capsys, tmp_path):
+    for name, digest in (("a", "x1"), ("b", "x1"), ("c", "x2")):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"digest": digest, "iteration": 4, "per_rank": [digest]}))
+    assert main(["digest", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "EQUAL"
+    assert main(["digest", str(tmp_path / "a.json"), str(tmp_path / "c.json")]) == 1
+
+
+def test_inspect_errors(capsys, tmp_path):
+    assert "is not a moe-ft store (no FORMAT.json)" in _error(capsys, ["inspect", str(tmp_path)])
+    assert "--validate needs --num-layers and --num-experts" in _error(capsys, ["inspect", str(tmp_path), "--validate"])
+    assert "not a durable tier" in _error(
+        capsys, ["inspect", str(tmp_path), "--validate", "--num-layers", "1", "--num-experts", "2"])
+
+
+def test_simulate_and_plan_errors(capsys, tmp_path):
+    assert "cannot read config" in _error(capsys, ["simulate", "--config", str(tmp_path / "none.json")])
+    (tmp_path / "bad.json").write_text("{")
+    assert "is not valid JSON" in _error(capsys, ["simulate", "--config", str(tmp_path / "bad.json")])
+    assert "cannot parse duration 'soon'" in _error(capsys, ["simulate", "--preset", "deepseek-moe-16b", "--mtbf", "soon"])
+    assert "--seed must be >= 0" in _error(capsys, ["simulate", "--preset", "deepseek-moe-16b", "--seed", "-1"])
+    assert "--spot-prob" in _error(capsys, ["simulate", "--preset", "deepseek-moe-16b", "--spot-prob", "2"])
+    assert "unknown policy 'nope'" in _error(capsys, ["simulate", "--preset", "deepseek-moe-16b", "--policies", "nope"])
+    assert "No such file or directory" in _error(capsys, ["simulate", "--preset", "deepseek-moe-16b", "--mtbf", "1h",
+                                                          "--analytic-only", "--csv", str(tmp_path / "no" / "o.csv")])
+    assert "give --config FILE or --preset NAME" in _error(capsys, ["plan"])
+    assert "unknown preset 'nope'" in _error(capsys, ["plan", "--preset", "nope"])
+
+
+def test_placement_errors(capsys):
+    base = ["--nodes", "2", "--slots", "2"]
+    assert "comma-separated numbers" in _error(capsys, ["placement", "--loads", "1,x", *base])
+    assert "finite numbers" in _error(capsys, ["placement", "--loads", "inf,1", *base])
+    assert "non-negative" in _error(capsys, ["placement", "--loads=-1,2", *base])
+    assert "unknown placement strategy 'nope'" in _error(capsys, ["placement", "--loads", "1,2", *base, "--strategy", "nope"])
+    assert "the following arguments are required: --loads" in _error(capsys, ["placement", *base])
+
+
+def test_env_refuses_an_unsupported_megatron_core(capsys, monkeypatch):
+    from megatron.core import package_info
+
+    monkeypatch.setattr(package_info, "__version__", "0.99.0")
+    assert "written for megatron-core 0.16.1 but 0.99.0" in _error(capsys, ["env", "--activate"])
