@@ -39,11 +39,11 @@ def step(registry: OperatorRegistry) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_slots", [1, 2])
-def test_snapshots_hold_the_state_at_submit_and_reuse_buffers(tmp_path, num_slots):
+@pytest.mark.parametrize("num_slots,write_threads", [(1, None), (2, None), (2, 3)])
+def test_snapshots_hold_the_state_at_submit_and_reuse_buffers(tmp_path, num_slots, write_threads):
     registry = make_registry()
     store = StoreConfig(root=str(tmp_path), job_id="j", rank=0).build(retention=KeepAll())
-    engine = SnapshotEngine(EngineConfig(num_slots=num_slots), registry, store)
+    engine = SnapshotEngine(EngineConfig(num_slots=num_slots, write_threads=write_threads), registry, store)
     expected, allocated = {}, []
     try:
         for it in range(10):

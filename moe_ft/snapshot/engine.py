@@ -26,13 +26,16 @@ and the thread's copy time on CPU.
 
 Buffers: ``num_slots`` host buffer sets allocated once, at build, for every operator at FULL
 (:class:`HostBuffers`) and reused; ``submit`` waits for a free slot when the store is slower than training
-(that wait is counted as stall as well).
+(that wait is counted as stall as well, and separately as ``slot_wait_s``). The background thread writes
+a snapshot's entries through ``EngineConfig.write_threads`` threads (the store's per-entry checksum and
+write are the narrow part of the pipeline on GPU, not the copy).
 """
 
 from __future__ import annotations
 
 import contextlib
 import queue
+from concurrent.futures import ThreadPoolExecutor
 import threading
 import time
 from collections import deque
@@ -53,10 +56,16 @@ class EngineConfig:
     """Host buffer sets; 2 lets the copy of ``t+1`` start while ``t`` is still being written."""
     pin_memory: bool | None = None
     """Page-lock the host buffers; ``None``: iff the registry is on CUDA (pinning needs a device)."""
+    write_threads: int | None = None
+    """Threads writing one snapshot's entries to the store in parallel (checksum + write release the GIL;
+    one thread sustains ~1.3 GB/s on an H100 host, far below the ~55 GB/s of the copy). ``None``: 1 on CPU
+    (the training processes own the cores), 4 on GPU."""
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
             raise ValueError(f"EngineConfig.num_slots must be >= 1, got {self.num_slots}")
+        if self.write_threads is not None and self.write_threads < 1:
+            raise ValueError(f"EngineConfig.write_threads must be >= 1, got {self.write_threads}")
 
 
 @dataclass(kw_only=True)
@@ -68,7 +77,9 @@ class SnapshotRecord:
     num_full: int
     num_compute: int
     stall_s: float = 0.0
-    """Host time the training thread waited (free slot in ``submit``, then ``wait_copied``)."""
+    """Host time the training thread waited: ``slot_wait_s`` plus the time spent in ``wait_copied``."""
+    slot_wait_s: float = 0.0
+    """Host time ``submit`` waited for a free buffer slot (the store writes slower than training runs)."""
     device_stall_s: float | None = None
     """GPU: time the compute stream waited for the copy (timing events); ``None`` on CPU or until known."""
     issue_s: float = 0.0
@@ -132,6 +143,8 @@ class SnapshotEngine:
         self._inflight: _Job | None = None
         self._error: BaseException | None = None
         self._stream = torch.cuda.Stream() if self.cuda else None
+        threads = config.write_threads or (4 if self.cuda else 1)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="moe-ft-snapshot-write") if threads > 1 else None
         self._untimed: deque[_Job] = deque()  # GPU jobs whose device stall is not known yet
         self._entries: dict[tuple[int, OperatorId, Level], _Entry] = {}
         self.records: list[SnapshotRecord] = []
@@ -162,7 +175,7 @@ class SnapshotEngine:
                 nfull += level == Level.FULL
                 ncomp += level == Level.COMPUTE
             record = SnapshotRecord(iteration=iteration, bytes=total, num_full=nfull, num_compute=ncomp,
-                                    stall_s=waited)
+                                    stall_s=waited, slot_wait_s=waited)
             job = _Job(record=record, slot=slot, items=items, meta=dict(meta), meta_tensors={})
             self._stage_meta(job, meta_tensors)
         if self.cuda:
@@ -240,6 +253,8 @@ class SnapshotEngine:
         finally:
             self._jobs.put(None)
             self._thread.join(timeout=60)
+            if self._pool is not None:
+                self._pool.shutdown()
             if self._stream is not None:
                 self._stream.synchronize()
             self.buffers.release()
@@ -320,14 +335,27 @@ class SnapshotEngine:
             job.record.copy_s = time.perf_counter() - start
         job.copied.set()
         start = time.perf_counter()
+        pool_cpu = 0.0
         with self.store.begin(job.record.iteration) as point:
-            for entry in job.items:
-                point.put(entry.op, entry.level, entry.out)
+            if self._pool is not None and len(job.items) > 1:
+                # largest entries first: the pool's threads finish together
+                items = sorted(job.items, key=lambda e: -e.nbytes)
+                pool_cpu = sum(self._pool.map(lambda e: _put_timed(point, e), items))
+            else:
+                for entry in job.items:
+                    point.put(entry.op, entry.level, entry.out)
             point.put_meta(job.meta, job.meta_tensors)
             point.publish()
         job.record.write_s = time.perf_counter() - start
-        job.record.thread_cpu_s = time.thread_time() - cpu0
+        job.record.thread_cpu_s = time.thread_time() - cpu0 + pool_cpu
         job.record.published = True
+
+
+def _put_timed(point, entry: _Entry) -> float:
+    """``point.put`` of one entry on a pool thread; returns the thread's CPU seconds."""
+    cpu0 = time.thread_time()
+    point.put(entry.op, entry.level, entry.out)
+    return time.thread_time() - cpu0
 
 
 def _no_torch_function(enabled: bool):
