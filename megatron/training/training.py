@@ -1,8 +1,9 @@
 """The training loop: Megatron-Core schedules, DDP, optimizer, LR schedule, evaluation, logging, saving.
 
 Fault tolerance plugs in through :class:`StepHooks` (``on_step_begin`` / ``on_step_end``), so the loop
-does not depend on ``moe_ft``; a train step is a function of (state, data, iteration) that recovery can
-replay.
+does not depend on ``moe_ft``: nothing under ``megatron/training`` imports it (``tests/test_loop_independent.py``);
+the entry script activates the CPU compatibility layer and the checkpoint-writer shim before the loop runs.
+A train step is a function of (state, data, iteration) that recovery can replay.
 """
 
 from __future__ import annotations
