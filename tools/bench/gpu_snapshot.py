@@ -17,7 +17,8 @@ operator, as torch's Adam keeps it) lives on the GPU. Prints one JSON object:
   slices: FULL for slice ``t mod W``, COMPUTE for the later slices, NONE for the earlier ones) and for FULL
   every iteration: median host wait in ``wait_copied`` (goal 0), median and max device stall (compute
   stream waiting for the copy), the wait for a free buffer slot (store slower than training), the store's
-  write time, and the iteration-time ratio against the same loop without snapshots.
+  write time, and the iteration-time ratio against the same loop without snapshots (run before and after).
+  ``store_write_gbps_by_threads``: the store's write rate with 1 and 8 writer threads.
 """
 
 from __future__ import annotations
@@ -188,16 +189,16 @@ def stall_loop(registry: OperatorRegistry, root: str, *, iters: int, compute_ms:
             times.append(time.perf_counter() - start)
         return times
 
-    base = run(None)
+    warm = max(2, window)
+    base = run(None)[warm:]
     engine = _engine(registry, root, "full" if full else "sparse", slots)
     try:
-        with_ft = run(engine)
+        with_ft = run(engine)[warm:]
         engine.flush()
-        recs = engine.records
+        recs = engine.records[warm:]
     finally:
         engine.close()
-    warm = max(2, window)
-    recs, base, with_ft = recs[warm:], base[warm:], with_ft[warm:]
+    base += run(None)[warm:]  # without, with, without: cancels a drift of the clock over the run
     return {"plan": "full" if full else f"sparse(W={window})", "iterations": len(recs),
             "compute_ms": round(1e3 * one * n_mm, 2),
             "bytes_per_iter": int(statistics.mean(r.bytes for r in recs)),
