@@ -56,6 +56,15 @@ class ModelArgs:
     fp8_recipe: str = field(
         default="delayed", metadata=field_help("FP8 scaling recipe.", choices=["delayed", "tensorwise", "mxfp8",
                                                                              "blockwise"]))
+    fp8_emulation: bool = field(default=False, metadata=field_help(
+        "Run --fp8-format without Transformer Engine (any device, CPU included): the attention and expert linear "
+        "layers compute with torch.float8 weights (E4M3 data + per-tensor scale, delayed scaling), re-quantized "
+        "from the fp32 master after every optimizer step (moe_ft/megatron_ext/fp8_linear.py). Needs "
+        "--transformer-impl local and --fp8-recipe delayed."))
+    fp8_margin: int = field(default=0, metadata=field_help("FP8 scale margin: scales are divided by 2**margin."))
+    fp8_amax_history_len: int = field(default=1, metadata=field_help("Past amax values kept per FP8 tensor."))
+    fp8_amax_compute_algo: str = field(default="most_recent", metadata=field_help(
+        "Amax the next FP8 scale is computed from.", choices=["most_recent", "max"]))
     attention_dropout: float = field(default=0.0, metadata=field_help("Attention dropout probability."))
     hidden_dropout: float = field(default=0.0, metadata=field_help("Hidden dropout probability."))
 
@@ -95,6 +104,14 @@ class TrainingArgs:
     save: str | None = field(default=None, metadata=field_help("Directory to save checkpoints to."))
     load: str | None = field(default=None, metadata=field_help("Directory to resume from."))
     save_interval: int = field(default=0, metadata=field_help("Iterations between saves (0: end only)."))
+    loss_scale: float | None = field(default=None, metadata=field_help(
+        "--fp16: static loss scale (default: dynamic loss scaling)."))
+    initial_loss_scale: float = field(default=2.0 ** 32, metadata=field_help("--fp16: initial dynamic loss scale."))
+    min_loss_scale: float = field(default=1.0, metadata=field_help("--fp16: minimum dynamic loss scale."))
+    loss_scale_window: float = field(default=1000, metadata=field_help(
+        "--fp16: iterations without overflow after which the dynamic loss scale doubles."))
+    hysteresis: int = field(default=2, metadata=field_help(
+        "--fp16: consecutive overflowing iterations before the dynamic loss scale halves."))
     num_threads: int = field(default=1, metadata=field_help("torch CPU threads per process (CPU runs)."))
     progress: bool = field(default=False, metadata=field_help("Show a progress bar on rank 0."))
     deterministic: bool = field(
@@ -171,6 +188,14 @@ def args_from_namespace(namespace: argparse.Namespace, world_size: int | None = 
                 extra.check_args(args)
         except ValueError as e:
             raise ArgumentError(str(e)) from e
+    ft = args.extra.get("FTConfig")
+    if ft is not None and getattr(ft, "ft", False):  # snapshots must restore this precision bit for bit
+        from moe_ft.precision.config import check_exact_recovery
+
+        try:
+            check_exact_recovery(args)
+        except ValueError as e:
+            raise ArgumentError(str(e)) from e
     return args
 
 
@@ -189,8 +214,31 @@ def validate_args(args: Args) -> None:
                             "(scale with --expert-model-parallel-size and --pipeline-model-parallel-size)")
     if m.bf16 and m.fp16:
         raise ArgumentError("--bf16 and --fp16 are exclusive; pass one of them")
-    if m.fp8_format and m.transformer_impl != "transformer_engine":
-        raise ArgumentError("--fp8-format needs --transformer-impl transformer_engine")
+    if m.fp8_emulation:
+        if not m.fp8_format:
+            raise ArgumentError("--fp8-emulation emulates --fp8-format: pass --fp8-format e4m3 (or hybrid)")
+        if m.transformer_impl != "local" or m.moe_grouped_gemm:
+            raise ArgumentError("--fp8-emulation replaces Megatron's local linear layers: use --transformer-impl "
+                                "local without --moe-grouped-gemm (or Transformer Engine FP8 without --fp8-emulation)")
+        if m.fp8_recipe != "delayed":
+            raise ArgumentError(f"--fp8-emulation implements delayed scaling only; got --fp8-recipe {m.fp8_recipe}")
+        if p.use_distributed_optimizer:
+            raise ArgumentError("--fp8-emulation re-quantizes each weight from its whole fp32 master after the step; "
+                                "the distributed optimizer holds master shards: drop --use-distributed-optimizer")
+        if m.moe_token_dispatcher_type == "flexible":
+            raise ArgumentError("--fp8-emulation is not wired into the flexible dispatcher's replicated experts; use "
+                                "--moe-token-dispatcher-type alltoall or allgather")
+    elif m.fp8_format and m.transformer_impl != "transformer_engine":
+        raise ArgumentError("--fp8-format needs --transformer-impl transformer_engine (or --fp8-emulation to run "
+                            "FP8 weights without Transformer Engine)")
+    if m.fp8_amax_history_len < 1 or m.fp8_margin < 0:
+        raise ArgumentError("--fp8-amax-history-len must be >= 1 and --fp8-margin >= 0")
+    if m.fp16:
+        if t.loss_scale is not None and t.loss_scale <= 0:
+            raise ArgumentError(f"--loss-scale must be positive, got {t.loss_scale}")
+        if not 0 < t.min_loss_scale <= t.initial_loss_scale or t.loss_scale_window < 1 or t.hysteresis < 1:
+            raise ArgumentError("dynamic loss scaling needs 0 < --min-loss-scale <= --initial-loss-scale, "
+                                "--loss-scale-window >= 1 and --hysteresis >= 1")
     if m.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401

@@ -54,8 +54,12 @@ def transformer_config(args: Args) -> TransformerConfig:
         hidden_dropout=m.hidden_dropout,
         use_cpu_initialization=False,  # per-rank expert seeds (CPU init gives every EP rank the same experts)
         deterministic_mode=args.training.deterministic,
-        fp8=m.fp8_format,
-        fp8_recipe=m.fp8_recipe if m.fp8_format else None,
+        # Transformer Engine's FP8 (the emulation, --fp8-emulation, is moe-ft's own layers: Megatron sees no fp8)
+        fp8=m.fp8_format if not m.fp8_emulation else None,
+        fp8_recipe=m.fp8_recipe if m.fp8_format and not m.fp8_emulation else None,
+        fp8_margin=m.fp8_margin,
+        fp8_amax_history_len=m.fp8_amax_history_len,
+        fp8_amax_compute_algo=m.fp8_amax_compute_algo,
         gradient_accumulation_fusion=False,
         variable_seq_lengths=False,
     )
@@ -72,10 +76,23 @@ def layer_spec(args: Args):
     else:
         spec = get_gpt_layer_local_spec(num_experts=args.model.num_experts,
                                         moe_grouped_gemm=args.model.moe_grouped_gemm)
+    if args.model.fp8_emulation:
+        from moe_ft.megatron_ext.fp8_linear import install_fp8_linears
+
+        spec = install_fp8_linears(spec)
     for component in args.extra.values():
         if hasattr(component, "customize_layer_spec"):
             spec = component.customize_layer_spec(spec)
     return spec
+
+
+def fp8_emulation_config(args: Args):
+    """The delayed-scaling recipe of ``--fp8-emulation`` (Megatron's ``--fp8-*`` flags)."""
+    from moe_ft.precision.fp8 import DelayedScalingConfig, weight_format
+
+    m = args.model
+    return DelayedScalingConfig(fmt=weight_format(m.fp8_format), margin=m.fp8_margin,
+                                amax_history_len=m.fp8_amax_history_len, amax_compute_algo=m.fp8_amax_compute_algo)
 
 
 def build_gpt_model(args: Args, config: TransformerConfig | None = None) -> GPTModel:
@@ -106,6 +123,13 @@ class TrainState:
 def build_train_state(args: Args) -> TrainState:
     config = transformer_config(args)
     gpt = build_gpt_model(args, config)
+    if args.model.fp16 or args.model.bf16:
+        # What Megatron-LM's Float16Module does in its constructor: every parameter and buffer in the
+        # compute dtype (the parallel layers already are; norms and the position embedding are not). Done
+        # in place rather than by wrapping, so the chunk's module stays the GPTModel (parameter names, and
+        # so operators, are unchanged); its forward casts are no-ops here (token ids in, the loss is cast
+        # to fp32 by the loss function, pipeline stages exchange ``pipeline_dtype`` tensors).
+        gpt.to(config.params_dtype)
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
@@ -127,8 +151,17 @@ def build_train_state(args: Args) -> TrainState:
         fp16=args.model.fp16,
         use_distributed_optimizer=args.parallel.use_distributed_optimizer,
         params_dtype=config.params_dtype,
+        loss_scale=t.loss_scale,
+        initial_loss_scale=t.initial_loss_scale,
+        min_loss_scale=t.min_loss_scale,
+        loss_scale_window=t.loss_scale_window,
+        hysteresis=t.hysteresis,
     )
     optimizer = get_megatron_optimizer(opt_config, [model])
+    if args.model.fp8_emulation:  # FP8 state quantized from the masters, re-quantized after every step
+        from moe_ft.megatron_ext.fp8_linear import attach_fp8_emulation
+
+        attach_fp8_emulation([model], optimizer, fp8_emulation_config(args))
     # The schedules call these (Megatron-LM's training.py sets them the same way): without
     # finalize_model_grads there is no data-parallel gradient all-reduce and replicas drift apart.
     config.finalize_model_grads_func = finalize_model_grads

@@ -30,26 +30,39 @@ from moe_ft.state.optimizer_views import leaf_optimizers
 def main_params_by_model_param(optimizer) -> dict[int, list[torch.Tensor]]:
     """``id(model parameter) → [the torch optimizer's parameters that update it]`` on this rank (the
     parameter itself for ``FP32Optimizer``, its fp32 copy for the float16 optimizer, its shard for the
-    distributed optimizer)."""
-    out: dict[int, list[torch.Tensor]] = {}
+    distributed optimizer). A weight whose compute state is FP8 (``moe_ft.precision.quantized``) is also
+    found by its FP8 data tensor — the compute weight the operator registry lists for it — so that a
+    frozen FP8 operator's masters are frozen too."""
+    from moe_ft.precision.quantized import quantized_weight
+
+    out = _by_model_param(optimizer)
+    for model_param, mains in list(out.values()):
+        q = quantized_weight(model_param)
+        if q is not None:
+            out[id(q.data)] = (q.data, mains)
+    return {key: mains for key, (_, mains) in out.items()}
+
+
+def _by_model_param(optimizer) -> dict[int, tuple[torch.Tensor, list[torch.Tensor]]]:
+    out: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
     for opt in leaf_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
             continue
         if hasattr(opt, "model_param_group_index_map"):
             for model_param, (group_idx, order) in opt.model_param_group_index_map.items():
-                out.setdefault(id(model_param), []).append(inner.param_groups[group_idx]["params"][order])
+                out.setdefault(id(model_param), (model_param, []))[1].append(inner.param_groups[group_idx]["params"][order])
         elif hasattr(opt, "float16_groups"):
             for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
                 for model_param, main in zip(model_group, main_group):
-                    out.setdefault(id(model_param), []).append(main)
+                    out.setdefault(id(model_param), (model_param, []))[1].append(main)
             for group in opt.fp32_from_fp32_groups:
                 for model_param in group:
-                    out.setdefault(id(model_param), []).append(model_param)
+                    out.setdefault(id(model_param), (model_param, []))[1].append(model_param)
         else:
             for group in inner.param_groups:
                 for param in group["params"]:
-                    out.setdefault(id(param), []).append(param)
+                    out.setdefault(id(param), (param, []))[1].append(param)
     return out
 
 

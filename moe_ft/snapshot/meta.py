@@ -4,8 +4,10 @@ metadata entry of the snapshot of ``t``.
 
 JSON part: ``iteration``, ``consumed_samples``, ``grad_norm``, ``clip_factor`` (Megatron's
 ``min(1, clip_grad / (grad_norm + 1e-6))``), ``loss_scale``, ``found_inf`` (update skipped), ``lr``,
-``scheduler`` (``OptimizerParamScheduler.state_dict()``: the LR-schedule position), ``policy`` (the
-policy's ``state_dict()``), ``popularity`` (its scalar fields), ``rng.python``.
+``scheduler`` (``OptimizerParamScheduler.state_dict()``: the LR-schedule position), ``grad_scaler`` (per
+Megatron optimizer, the fp16 dynamic loss scaler's scale / growth tracker / hysteresis tracker, or ``None``:
+``moe_ft/precision/scaler.py``), ``policy`` (the policy's ``state_dict()``), ``popularity`` (its scalar
+fields), ``rng.python``.
 Tensors: ``rng.torch_cpu``, ``rng.cuda`` (if CUDA), ``rng.tracker.<name>`` (Megatron's model-parallel RNG
 tracker), ``rng.numpy``, ``popularity.<counter>``, ``expert_bias.L<layer>`` (router expert bias).
 """
@@ -17,6 +19,8 @@ import random
 
 import numpy as np
 import torch
+
+from moe_ft.precision.scaler import grad_scaler_state, load_grad_scaler_state
 
 
 def capture_rng() -> tuple[dict, dict[str, torch.Tensor]]:
@@ -51,6 +55,23 @@ def restore_rng(meta: dict, tensors: dict[str, torch.Tensor]) -> None:
     np.random.set_state((name, tensors["rng.numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
+def restore_grad_scaler(optimizer, meta: dict) -> None:
+    """Put the fp16 loss scaler(s) of ``optimizer`` back to the state recorded in ``meta`` (the metadata of
+    iteration ``t``: the scaler iteration ``t+1`` starts from). Metadata written before the scaler was
+    recorded has no ``grad_scaler``: nothing to restore (such runs did not use ``--fp16`` exactly)."""
+    states = meta.get("grad_scaler")
+    if states is not None:
+        load_grad_scaler_state(optimizer, states)
+
+
+def restore_step_meta(meta: dict, tensors: dict[str, torch.Tensor], *, optimizer=None) -> None:
+    """The per-iteration state of the metadata that lives outside the operators: RNG states and, given
+    the optimizer, its loss scaler(s)."""
+    restore_rng(meta, tensors)
+    if optimizer is not None:
+        restore_grad_scaler(optimizer, meta)
+
+
 def capture_step_meta(*, iteration: int, result, state, global_batch_size: int, clip_grad: float,
                       policy=None, popularity=None) -> tuple[dict, dict[str, torch.Tensor]]:
     """``(meta, tensors)`` for the snapshot of ``iteration``; ``result`` is the loop's ``StepResult``."""
@@ -67,6 +88,7 @@ def capture_step_meta(*, iteration: int, result, state, global_batch_size: int, 
         "found_inf": not bool(result.update_successful),
         "lr": float(result.lr),
         "scheduler": state.scheduler.state_dict(),
+        "grad_scaler": grad_scaler_state(state.optimizer),
         "policy": policy.state_dict() if policy is not None else None,
     }
     rng_meta, tensors = capture_rng()

@@ -2,7 +2,9 @@
 
 ``restore_operator(store, registry, iteration, op, level)`` reads the verified entry and copies every
 tensor into the registry's views (compute weights; with FULL also the fp32 masters and the optimizer
-state — with aliased fp32 masters restoring the compute weight restores the master). The registry must
+state — with aliased fp32 masters restoring the compute weight restores the master). FP8 compute weights
+are copied as FP8 bytes into the live FP8 tensors (same dtype on both sides: nothing is widened or
+re-quantized), then the operator's ``after_restore`` hooks drop caches derived from them. The registry must
 describe the same model layout and optimizer as when the entry was written (same parallel sizes).
 ``restore_meta`` returns the metadata entry (grad norm, loss scale, scheduler, RNG, popularity, policy).
 """
@@ -17,7 +19,8 @@ from moe_ft.state.operators import Level, OperatorId
 @torch.no_grad()
 def restore_operator(store, registry, iteration: int, op: OperatorId, level: Level) -> int:
     """Copy entry ``(iteration, op, level)`` into the live tensors; returns the bytes restored."""
-    live = registry[op].tensors(Level(level))
+    state = registry[op]
+    live = state.tensors(Level(level))
     loaded = store.load(iteration, op, Level(level))
     if set(loaded) != set(live):
         missing, extra = sorted(set(live) - set(loaded)), sorted(set(loaded) - set(live))
@@ -30,6 +33,8 @@ def restore_operator(store, registry, iteration: int, op: OperatorId, level: Lev
             raise ValueError(f"{op}/{name}: stored {src.dtype}{tuple(src.shape)} vs live {dst.dtype}{tuple(dst.shape)}")
         dst.copy_(src)
         total += src.nbytes
+    for hook in getattr(state, "after_restore", ()):
+        hook()
     return total
 
 

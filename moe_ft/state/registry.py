@@ -19,6 +19,15 @@ bytes once, in the compute weights, and :attr:`OperatorState.aliased_masters` na
 Restoring the compute weights restores the master. Every byte size is exactly the sum of ``nbytes`` of the
 tensors :meth:`OperatorState.tensors` returns.
 
+**FP8 weights** (SPEC §8; MoEvement §5.7). A weight kept in FP8 (moe-ft's emulation, a Transformer Engine
+``Float8Tensor``: ``moe_ft.precision.quantized``) has as compute weights its FP8 state — ``<param
+name>.fp8_data`` (FP8 bytes), ``.fp8_scale_inv``, and the scaling state (``.fp8_scale``,
+``.fp8_amax_history``, or TE's quantizer scale/amax) — stored as they are, never widened. The wide weight
+the FP8 data is quantized from (the emulation's fp32/bf16 parameter; none for TE) is not read by forward:
+it is saved with FULL only (``OperatorState.wide``; for fp32 training it is the aliased master). TE modules'
+``fp8_meta`` scaling tensors are compute weights of the operator of the module's first parameter.
+Buffers of a ``torch.float8_*`` dtype are compute weights of their operator.
+
 Optimizer state is created by the first optimizer step (torch's Adam initialises lazily): build the
 registry after iteration 0, and rebuild it after anything replaces state tensors (``load_state_dict``).
 """
@@ -31,6 +40,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from moe_ft.precision.quantized import QuantizedWeight, is_float8_dtype, quantized_state
 from moe_ft.state.naming import grouped_expert_views, operator_of
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo
 from moe_ft.state.optimizer_views import MainState, main_states
@@ -47,12 +57,17 @@ class OperatorState:
     aliased_masters: list[str] = field(default_factory=list)
     shards: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Distributed optimizer: ``param name -> (start, end)`` of the flattened parameter this rank owns."""
+    wide: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Wide parameters that forward does not read because an FP8 copy of them is the compute weight (see
+    the module docstring); FULL only."""
+    after_restore: list = field(default_factory=list)
+    """Callables to run after a restore overwrote the tensors (drop caches derived from FP8 data)."""
 
     def tensors(self, level: Level) -> dict[str, torch.Tensor]:
-        """The tensors a snapshot at ``level`` holds: COMPUTE → compute weights; FULL → compute, master
-        and optimizer state; NONE → nothing."""
+        """The tensors a snapshot at ``level`` holds: COMPUTE → compute weights; FULL → compute, wide
+        weights, master and optimizer state; NONE → nothing."""
         if level == Level.FULL:
-            return {**self.compute, **self.master, **self.optim}
+            return {**self.compute, **self.wide, **self.master, **self.optim}
         if level == Level.COMPUTE:
             return dict(self.compute)
         return {}
@@ -105,19 +120,28 @@ class OperatorRegistry:
         mains = main_states(optimizer)
         ops: dict[OperatorId, OperatorState] = {}
         seen: set[int] = set()
+        state_of = lambda op: ops.setdefault(op, OperatorState(op=op))  # noqa: E731
         for chunk in model_chunks:
             gpt = getattr(chunk, "module", chunk)
+            quantized, scaling = quantized_state(gpt)
             for name, param in gpt.named_parameters():
                 seen.add(id(param))
                 main = mains.get(id(param), (param, None))[1]
                 op = operator_of(name, gpt)
                 if op is None:
+                    if name in quantized:
+                        raise ValueError(f"{name}: FP8 GroupedMLP weights are not supported; use SequentialMLP "
+                                         "(no --moe-grouped-gemm)")
                     _add_grouped(ops, gpt, name, param, main)
+                elif name in quantized:
+                    _add_quantized(state_of(op), name, param, main, quantized[name])
                 else:
-                    _add(ops.setdefault(op, OperatorState(op=op)), name, param, main)
+                    _add(state_of(op), name, param, main)
             for name, buf in gpt.named_buffers():
-                if name.endswith("mlp.router.expert_bias") and buf is not None:
-                    ops.setdefault(operator_of(name, gpt), OperatorState(op=operator_of(name, gpt))).compute[name] = buf
+                if buf is not None and (name.endswith("mlp.router.expert_bias") or is_float8_dtype(buf.dtype)):
+                    state_of(operator_of(name, gpt)).compute[name] = buf
+            for name, (owner, tensor) in scaling.items():
+                state_of(operator_of(owner, gpt)).compute[name] = tensor
         missing = [k for k in mains if k not in seen]
         if missing:
             raise RuntimeError(f"{len(missing)} optimizer parameters are not parameters of the model chunks given; "
@@ -131,6 +155,30 @@ def _add(state: OperatorState, name: str, param: torch.Tensor, main: MainState |
     if main is None:  # frozen parameter: compute weights only
         return
     if main.master is None:
+        state.aliased_masters.append(name)
+    else:
+        state.master[f"master.{name}"] = main.master
+    for key, value in main.state.items():
+        state.optim[f"{key}.{name}"] = value
+    if main.shard is not None:
+        state.shards[name] = main.shard
+
+
+def _add_quantized(state: OperatorState, name: str, param: torch.Tensor, main: MainState | None,
+                   q: QuantizedWeight) -> None:
+    """A weight whose compute state is FP8: its FP8 tensors are the compute weights, the wide parameter
+    (if any) is saved with FULL only."""
+    for suffix, tensor in q.tensors.items():
+        state.compute[f"{name}.{suffix}"] = tensor
+    state.after_restore.extend(q.after_restore)
+    if q.has_wide_copy:
+        state.wide[name] = param
+    if main is None:
+        return
+    if main.master is None:
+        if not q.has_wide_copy:
+            raise ValueError(f"{name}: an FP8 parameter updated in place by the optimizer (no fp32 master); "
+                             "FP8 parameters need a master weight")
         state.aliased_masters.append(name)
     else:
         state.master[f"master.{name}"] = main.master

@@ -15,6 +15,11 @@ File layout (little-endian), see ``docs/store.md``::
 The digest covers the header (so dtype, shape, names and the key) and all tensor bytes. Tensors are written
 from ``tensor.view(torch.uint8)`` memory views, never pickled, and the checksum is computed chunk by chunk
 just before each chunk is written, while it is still in cache.
+
+Low precision (SPEC §8): every ``torch.float8_*`` dtype is stored as its raw bytes under its own dtype name
+and read back as the same dtype — no value passes through a wider dtype. A quantized tensor *subclass*
+(Transformer Engine's ``Float8Tensor``, whose nominal dtype is bf16) is refused: its state is its FP8 data and
+scales, which ``moe_ft.precision.quantized`` decomposes into plain tensors.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ _DTYPE_NAMES = (
 )
 DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
 _DTYPE_TO_NAME = {d: n for n, d in DTYPES.items()}
+_QUANTIZED_ATTRS = ("_scale_inv", "_rowwise_scale_inv", "_columnwise_scale_inv")  # TE quantized tensor storage
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -97,6 +103,9 @@ def _check_tensor(name: str, tensor: Any) -> torch.Tensor:
         raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"entry value {name!r} is a {type(tensor).__name__}, expected a torch.Tensor")
+    if any(hasattr(tensor, a) for a in _QUANTIZED_ATTRS):  # duck-typed: Transformer Engine is never imported
+        raise ValueError(f"tensor {name!r} is a quantized {type(tensor).__name__}: writing it would dequantize it; "
+                         "store its components (moe_ft.precision.quantized.quantized_weight)")
     if tensor.device.type != "cpu":
         raise ValueError(f"tensor {name!r} is on {tensor.device}; copy it to (pinned) host memory first")
     dtype_name(tensor.dtype)
