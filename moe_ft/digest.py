@@ -1,8 +1,10 @@
 """A stable digest of the full training state, to compare two runs bitwise.
 
-Covers, per rank: model parameters (by name), the optimizer's master weights and state (``exp_avg``,
-``exp_avg_sq``, ``step``: by optimizer, group and position, which is deterministic for a given layout),
-the LR/WD scheduler state and the RNG states (torch CPU/CUDA and Megatron's tracker). The global digest
+Covers, per rank: model parameters (by name), their FP8 compute state where a weight has one (FP8 data,
+scales, amax histories: ``moe_ft.precision.quantized``), the optimizer's master weights and state
+(``exp_avg``, ``exp_avg_sq``, ``step``: by optimizer, group and position, which is deterministic for a given
+layout), the fp16 loss scaler (scale, growth and hysteresis trackers), the LR/WD scheduler state and the RNG
+states (torch CPU/CUDA and Megatron's tracker). The global digest
 hashes the per-rank digests in rank order, so it is equal for two runs exactly when every rank's state is
 bitwise equal (for the same parallel layout).
 """
@@ -13,6 +15,9 @@ import hashlib
 import json
 
 import torch
+
+from moe_ft.precision.quantized import quantized_tensors
+from moe_ft.precision.scaler import grad_scaler_tensors
 
 
 def _optimizers(optimizer):
@@ -26,6 +31,8 @@ def local_state_tensors(model_chunks, optimizer, scheduler=None, include_rng: bo
         module = getattr(chunk, "module", chunk)
         for name, param in module.named_parameters():
             out[f"model{chunk_idx}.{name}"] = param.detach()
+        for name, tensor in quantized_tensors(module).items():
+            out[f"model{chunk_idx}.{name}"] = tensor.detach()
     for opt_idx, opt in enumerate(_optimizers(optimizer)):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
@@ -42,6 +49,7 @@ def local_state_tensors(model_chunks, optimizer, scheduler=None, include_rng: bo
         scaler = getattr(opt, "grad_scaler", None)
         if scaler is not None:
             out[f"optim{opt_idx}.loss_scale"] = scaler.scale.detach().reshape(-1).cpu()
+    out.update(grad_scaler_tensors(optimizer))
     if scheduler is not None:
         sched = json.dumps(scheduler.state_dict(), sort_keys=True, default=str)
         out["scheduler"] = torch.frombuffer(bytearray(sched.encode()), dtype=torch.uint8)
