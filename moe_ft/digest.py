@@ -75,12 +75,13 @@ def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def global_digest(model_chunks, optimizer, scheduler=None, include_rng: bool = True) -> str:
-    """Collective over the default process group: digest of every rank's state, in rank order."""
+    """Collective over all ranks (host path, ``moe_ft.comm``): digest of every rank's state, in rank order."""
     import torch.distributed as dist
+
+    from moe_ft import comm
 
     local = tensor_digest(local_state_tensors(model_chunks, optimizer, scheduler, include_rng))
     if not dist.is_initialized():
         return hashlib.sha256(local.encode()).hexdigest()
-    gathered: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
+    gathered = comm.all_gather_object(local)
     return hashlib.sha256("".join(str(d) for d in gathered).encode()).hexdigest()
