@@ -183,13 +183,29 @@ class PopularityRouter(TopKRouter):
 
 
 def install_router(spec, router_cls: type = PopularityRouter):
-    """Put ``router_cls`` into a GPT layer spec (Megatron's ``MoESubmodules.router``); returns ``spec``."""
+    """Put ``router_cls`` into a GPT layer spec (Megatron's ``MoESubmodules.router``); returns ``spec``.
+
+    Also makes the router's gating runnable where Transformer Engine is absent (:func:`gating_without_te`):
+    the CPU layer does that on CPU, but a TE-less CUDA install hits the same Megatron bug."""
     mlp = getattr(spec.submodules, "mlp", None)
     submodules = getattr(mlp, "submodules", None)
     if submodules is None or not hasattr(submodules, "router"):
         raise ValueError("the layer spec has no MoE router to replace; build it with --num-experts > 0")
     submodules.router = router_cls
+    gating_without_te()
     return spec
+
+
+def gating_without_te() -> None:
+    """Megatron-Core 0.16.1 reads ``moe_utils.te_general_gemm`` in ``RouterGatingLinearFunction.forward``
+    on every router call but defines it only when Transformer Engine imports: on a TE-less install, CPU
+    or CUDA, every router forward raises ``NameError``. Define it as ``None`` (Megatron's own "no TE"
+    value, which selects the plain matmul) when it is missing; idempotent, leaves a TE install alone.
+    (``moe_ft.compat.cpu`` applies the same shim on CPU.)"""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _routers(model_chunks: Iterable) -> list["PopularityRouter"]:
