@@ -55,12 +55,12 @@ def run_job(job: str, workdir: Path, store: Path, data: str, precision: list[str
 
 
 def recover_and_compare(tmp_path: Path, data: str, precision: list[str], name: str, *, kill_at: int,
-                        start: int, end: int) -> dict:
+                        start: int, end: int, ref_flags: tuple[str, ...] = ()) -> dict:
     """Fault-free and faulty run (rank 1 SIGKILLed before iteration ``kill_at``); the faulty run must go back
     to the window ``[start, end]``, replay ``start+1 .. end`` with frozen operators, re-execute ``end+1 ..
     kill_at-1`` and finish with the fault-free run's digest. Returns both runs and the store root."""
     store = tmp_path / "store"
-    ref = run_job(f"{name}_ref", tmp_path, store, data, precision)
+    ref = run_job(f"{name}_ref", tmp_path, store, data, [*precision, *ref_flags])
     assert ref["rc"] == 0 and ref["digest"], ref["log"][-4000:]
     bad = run_job(f"{name}_faulty", tmp_path, store, data, precision, faults=[f"1:{kill_at}:forward"],
                   max_restarts=1)
@@ -74,13 +74,23 @@ def recover_and_compare(tmp_path: Path, data: str, precision: list[str], name: s
     return {"ref": ref, "bad": bad, "store": store}
 
 
-@pytest.mark.timeout(300)
-def test_fp8_emulation_sparse_recovery_is_bitwise(tmp_path, corpus):
+@pytest.mark.timeout(450)
+def test_fp8_emulation_sparse_recovery_and_resume_are_bitwise(tmp_path, corpus):
+    """Also ``--save``/``--load``: the FP8 state travels in the layers' ``_extra_state``, so a run resumed from
+    the iteration-3 checkpoint ends with the same digest (without it the resumed layers would compute with
+    the FP8 data quantized from the initial weights)."""
+    from megatron.training.checkpointing import TRACKER_FILE
     from moe_ft.state.operators import Level
     from moe_ft.store import StoreConfig
 
+    ckpt = tmp_path / "ckpt"
     # killed before iteration 4 (inside window [3, 5]): back to window [0, 2], iterations 1-2 replayed
-    res = recover_and_compare(tmp_path, corpus, FP8, "fp8", kill_at=4, start=0, end=2)
+    res = recover_and_compare(tmp_path, corpus, FP8, "fp8", kill_at=4, start=0, end=2,
+                              ref_flags=("--save", str(ckpt), "--save-interval", "3"))
+    (ckpt / TRACKER_FILE).write_text("3")  # resume from the checkpoint after 3 iterations
+    resumed = run_job("fp8_resumed", tmp_path, tmp_path / "store", corpus, [*FP8, "--load", str(ckpt)])
+    assert resumed["rc"] == 0 and "resumed from" in resumed["log"], resumed["log"][-4000:]
+    assert resumed["digest"] == res["ref"]["digest"], "the run resumed from --load is not the continuous run"
     # what the snapshots hold: an expert's COMPUTE entry is its FP8 state only (FP8 bytes, scales, amax
     # history), no wide weight; FULL adds the fp32 weight (the aliased master) and Adam's state
     store = StoreConfig(root=str(res["store"]), job_id="fp8_ref", rank=0).build()

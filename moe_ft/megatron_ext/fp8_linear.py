@@ -47,9 +47,40 @@ class _FP8Weight(torch.autograd.Function):
 
 
 class _FP8Linear:
-    """Mixin for Megatron's parallel linear layers: the GEMM reads the FP8 weight (``fp8_state``)."""
+    """Mixin for Megatron's parallel linear layers: the GEMM reads the FP8 weight (``fp8_state``).
+
+    Checkpoints (``--save``/``--load``, dist_checkpointing): the FP8 state travels as the layer's
+    ``_extra_state`` (where Transformer Engine keeps its ``fp8_meta``; Megatron saves it as a sharded
+    object, per expert for expert layers), so a resumed run continues with the same FP8 data, scales and
+    amax history. A checkpoint without it (from a run without ``--fp8-emulation``) re-quantizes the loaded
+    weight with a fresh scaling state."""
 
     fp8_state: FP8WeightState | None = None
+
+    def get_extra_state(self):
+        if self.fp8_state is None:
+            return None
+        return {name: t.detach().cpu().clone() for name, t in self.fp8_state.tensors().items()}
+
+    def set_extra_state(self, state) -> None:
+        live = self.fp8_state
+        if live is None:
+            return  # loaded before attach_fp8_emulation: attach quantizes from the loaded weight
+        if not state:  # a checkpoint of a run without FP8 emulation: start the FP8 state from this weight
+            fresh = FP8WeightState(tuple(live.data.shape), config=live.config, device=live.data.device)
+            for dst, src in zip(live.tensors().values(), fresh.tensors().values()):
+                dst.copy_(src)
+            live.quantize_from(self.weight)
+            return
+        tensors = live.tensors()
+        if set(state) != set(tensors):
+            raise ValueError(f"FP8 checkpoint state has {sorted(state)}, expected {sorted(tensors)}")
+        for name, dst in tensors.items():
+            src = state[name]
+            if src.dtype != dst.dtype or src.shape != dst.shape:
+                raise ValueError(f"FP8 checkpoint state {name}: {src.dtype}{tuple(src.shape)} vs this run's "
+                                 f"{dst.dtype}{tuple(dst.shape)} (another --fp8-format or --fp8-amax-history-len)")
+            dst.copy_(src)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if weight is self.weight:
