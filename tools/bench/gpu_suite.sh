@@ -35,8 +35,9 @@ stage units units.log $PY -m pytest -q -p no:cacheprovider -rs -s --basetemp="$S
   -m gpu tests/gpu tests/test_popularity.py --ignore=tests/gpu/test_gpu_recovery.py
 stage recovery recovery.log $PY -m pytest -q -p no:cacheprovider -rs -s --basetemp="$STORE/pt-gpu-recovery" \
   tests/gpu/test_gpu_recovery.py
-BW=$($PY -c "import json,sys; print(0.5e9 * json.load(open(sys.argv[1]))['store_write_gbps'])" \
-  "$OUT/gpu_snapshot.json" 2>/dev/null || echo 2e9)
+# half the store's measured write rate (SNAPSHOT_BW overrides; 2e9 without a snapshot stage)
+BW=${SNAPSHOT_BW:-$($PY -c "import json,sys; print(0.5e9 * json.load(open(sys.argv[1]))['store_write_gbps'])" \
+  "$OUT/gpu_snapshot.json" 2>/dev/null || echo 2e9)}
 stage overhead gpu_overhead.json $PY -m tools.bench.gpu_overhead --store-root "$STORE" --log-dir "$OUT" \
   --snapshot-bandwidth "$BW"
 exit 0
