@@ -43,6 +43,7 @@ def test_drill_flag_errors(capsys, argv, message):
     assert message in _error(capsys, ["drill", *argv])
 
 
+@pytest.mark.timeout(120)  # the corpus fixture and the job's argument groups (Megatron import): ~10 s when idle
 def test_drill_job_flag_errors_before_any_launch(capsys, corpus, tmp_path, monkeypatch):
     """Flags of the job itself (``--data``, ``--extra``) are parsed and validated here as each rank would;
     a temporary workdir the drill made is removed again."""

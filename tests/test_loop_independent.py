@@ -59,7 +59,7 @@ def test_no_module_under_megatron_training_imports_moe_ft():
     assert offenders == [], "megatron/training must not import moe_ft:\n" + "\n".join(offenders)
 
 
-def _run(*argv: str, timeout: float = 120) -> dict:
+def _run(*argv: str, timeout: float = 50) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(CHECK), *argv], capture_output=True, text=True, cwd=ROOT,
                           env=env, timeout=timeout)
@@ -73,8 +73,9 @@ def test_importing_every_training_module_loads_no_moe_ft():
     assert out["moe_ft"] == []
 
 
+@pytest.mark.timeout(120)  # two one-rank runs in a fresh process (Megatron import, save, load): ~5-20 s
 def test_loop_saves_and_loads_with_moe_ft_imports_blocked(corpus, tmp_path):
-    out = _run("train", corpus, str(tmp_path))
+    out = _run("train", corpus, str(tmp_path), timeout=110)
     assert out["attempts"] == []
     assert out["after"] == out["before"] == ["moe_ft", "moe_ft.compat", "moe_ft.compat.cpu", "moe_ft.compat.writer_queue"]
     assert out["last_iterations"] == [2, 3]  # the second run resumed from the checkpoint of iteration 2
