@@ -27,8 +27,9 @@ def write_digest(path: str, state, iteration: int) -> dict:
     local = tensor_digest(local_state_tensors(state.model, state.optimizer, state.scheduler))
     per_rank = [local]
     if dist.is_initialized():
-        per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, local)
+        from moe_ft import comm
+
+        per_rank = comm.all_gather_object(local)
     out = {"digest": hashlib.sha256("".join(per_rank).encode()).hexdigest(), "iteration": iteration,
            "per_rank": per_rank}
     if not dist.is_initialized() or dist.get_rank() == 0:

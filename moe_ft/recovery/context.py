@@ -118,4 +118,4 @@ class RecoveryContext:
     fault_check: FaultCheck = _no_fault
     """Called with ``(iteration, "recovery")`` before each replayed iteration (failure drills)."""
     group: ProcessGroup | None = None
-    """Process group agreeing on the point (``None``: the default group, or none when not distributed)."""
+    """Host group agreeing on the point (``None``: the coordination gloo group of ``moe_ft.comm``)."""

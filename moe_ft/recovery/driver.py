@@ -21,13 +21,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from moe_ft import comm
 from moe_ft.recovery.lossy import gather_expert_full_at, token_loss
 from moe_ft.recovery.machine import Phase, Recovery, RecoveryConfig, RecoveryContext, RecoveryState
 from moe_ft.recovery.progress import last_completed
@@ -79,9 +80,7 @@ def should_recover(cfg: "FTConfig", args) -> tuple[bool, int]:
     is not)."""
     from moe_ft.persist import DurableTier
 
-    restarts = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))], dtype=torch.int64)
-    dist.all_reduce(restarts, op=dist.ReduceOp.MAX)
-    restart_count = int(restarts.item())
+    restart_count = comm.max_over_ranks(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     mode = cfg.recovery.recover
     if mode == "never":
         return False, restart_count
@@ -130,8 +129,7 @@ def fetch_lost_points(inputs: RecoveryInputs) -> dict:
     if inputs.replication is None:
         return {}
     mine = inputs.replication.fetch_missing(inputs.session.store)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine.to_json())
+    gathered = comm.all_gather_object(mine.to_json())
     fetched = {str(r): f for r, f in enumerate(gathered) if f["points"] or f["skipped"]}
     return {"fetched": fetched} if fetched else {}
 
@@ -176,8 +174,7 @@ def report_skipped(inputs: RecoveryInputs, rs: RecoveryState) -> None:
     """Corrupt entries skipped while agreeing: logged by the rank that found them, listed in the report."""
     for line in rs.skipped:
         print(f"moe-ft recovery rank {inputs.rank}: {line}", file=sys.stderr, flush=True)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, [f"rank {inputs.rank}: {m}" for m in rs.skipped])
+    gathered = comm.all_gather_object([f"rank {inputs.rank}: {m}" for m in rs.skipped])
     skipped = [m for part in gathered for m in part]
     if skipped:
         rs.message = "; ".join(filter(None, [rs.message, "corrupt entries skipped: " + "; ".join(skipped)]))

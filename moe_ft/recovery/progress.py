@@ -7,8 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+from moe_ft import comm
 
 
 def progress_path(store_root: str, job_id: str, rank: int) -> Path:
@@ -29,6 +28,4 @@ def last_completed(store_root: str, job_id: str, rank: int, durable_dir: Path | 
     the durable tier (``durable_dir``)."""
     paths = [progress_path(store_root, job_id, rank)] + ([durable_dir / "progress"] if durable_dir else [])
     mine = max((int(p.read_text()) for p in paths if p.exists()), default=-1)
-    t = torch.tensor([mine], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return comm.max_over_ranks(mine)

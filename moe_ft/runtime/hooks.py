@@ -27,6 +27,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron.training.training import StepHooks
+from moe_ft import comm
 from moe_ft.config import FTConfig
 from moe_ft.runtime import components as C
 from moe_ft.runtime.context import BuildContext
@@ -67,7 +68,8 @@ class FTRuntime(StepHooks):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.start_iteration = start_iteration
         cfg = self.config
-        all_reduce = (lambda t: dist.all_reduce(t)) if cfg.needs_popularity else None
+        comm.init_coordination()  # collective, same point on every rank: the host path's gloo group
+        all_reduce = comm.all_reduce_world if cfg.needs_popularity else None
         # every layer is an MoE layer in this model; all_reduce over the world = sum over data-parallel
         # ranks (distinct tokens) and pipeline stages (distinct layers); TP is 1 (validated by arguments)
         self.popularity = ExpertPopularity(PopularityConfig(moe_layers=list(range(args.model.num_layers)),

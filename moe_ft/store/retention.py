@@ -9,7 +9,7 @@ import abc
 from dataclasses import dataclass
 
 from moe_ft.store.catalog import Catalog
-from moe_ft.store.rules import DenseRule, NewestFullRule, RecoveryRule, SparseWindowRule, newest_recoverable
+from moe_ft.store.rules import RecoveryRule, newest_recoverable
 
 
 class RetentionPolicy(abc.ABC):
