@@ -10,7 +10,7 @@ import torch
 
 from moe_ft.precision.config import PrecisionConfig, check_exact_recovery
 from moe_ft.precision.fp8 import DelayedScalingConfig, FP8WeightState, dequantize, next_scale, quantize
-from moe_ft.precision.quantized import QuantizedWeight, quantized_state, quantized_tensors, quantized_weight
+from moe_ft.precision.quantized import quantized_state, quantized_tensors, quantized_weight
 from moe_ft.snapshot.restore import restore_operator
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.state.registry import OperatorState, _add_quantized

@@ -51,7 +51,8 @@ def _by_model_param(optimizer) -> dict[int, tuple[torch.Tensor, list[torch.Tenso
             continue
         if hasattr(opt, "model_param_group_index_map"):
             for model_param, (group_idx, order) in opt.model_param_group_index_map.items():
-                out.setdefault(id(model_param), (model_param, []))[1].append(inner.param_groups[group_idx]["params"][order])
+                main = inner.param_groups[group_idx]["params"][order]
+                out.setdefault(id(model_param), (model_param, []))[1].append(main)
         elif hasattr(opt, "float16_groups"):
             for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
                 for model_param, main in zip(model_group, main_group):
