@@ -106,6 +106,11 @@ class SnapshotPolicy(abc.ABC):
         returns extra fields for the report. Default: nothing to adapt."""
         return {}
 
+    def observe_iteration_time(self, t_iter_s: float) -> None:
+        """The runtime reports the median time of recent trained iterations after each one (also after a
+        restart, from that process's own iterations). Policies that derive a window or a budget from
+        ``T_iter`` (MoEvement Alg. 1, MoEtion §4.2) use it from their next decision on. Default: unused."""
+
     def window_progress(self, iteration: int) -> Optional[str]:
         """``"i/W"``: where the snapshot after ``iteration`` lies in a multi-iteration recovery point (the
         FT log line); ``None`` when each point is one iteration."""

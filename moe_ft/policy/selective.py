@@ -42,10 +42,18 @@ class SelectiveConfig:
     remote_includes_non_expert: bool = True
     """Charge non-expert FULL bytes to the remote budget too. Set False when data parallelism already
     replicates the non-expert state (MoEtion §5.1) and replication skips it."""
+    local_bandwidth: Optional[float] = None
+    """When set (bytes/s), ``local_budget`` follows ``local_bandwidth × T_iter`` as the runtime measures
+    ``T_iter`` (:meth:`SelectivePolicy.observe_iteration_time`); ``None``: the budget is fixed."""
+    remote_bandwidth: Optional[float] = None
+    """The same for ``remote_budget``."""
 
     def __post_init__(self) -> None:
         if self.local_budget < 0 or self.remote_budget < 0:
             raise ValueError("SelectiveConfig budgets are byte counts and must be >= 0")
+        for bw in (self.local_bandwidth, self.remote_bandwidth):
+            if bw is not None and bw <= 0:
+                raise ValueError("SelectiveConfig bandwidths must be positive bytes/s (or None for fixed budgets)")
 
     @staticmethod
     def from_bandwidth(*, host_bytes_per_s: float, net_bytes_per_s: float, t_iter_s: float,
@@ -86,7 +94,20 @@ class SelectivePolicy(SnapshotPolicy):
     def config_from_flags(cls, flags, t_iter_s: float) -> "SelectiveConfig":
         """MoEtion §4: ``B_local = bandwidth × T_iter`` unless given; ``B_remote`` defaults to ``B_local``."""
         local = flags.selective_local_budget or int(flags.snapshot_bandwidth * t_iter_s)
-        return SelectiveConfig(local_budget=local, remote_budget=flags.selective_remote_budget or local)
+        derived = None if flags.selective_local_budget else flags.snapshot_bandwidth
+        remote_derived = derived if not flags.selective_remote_budget else None
+        return SelectiveConfig(local_budget=local, remote_budget=flags.selective_remote_budget or local,
+                               local_bandwidth=derived, remote_bandwidth=remote_derived)
+
+    def observe_iteration_time(self, t_iter_s: float) -> None:
+        """Budgets derived from a bandwidth follow the measured ``T_iter`` (MoEtion §4.2: ``B = BW × T_iter``),
+        never below the non-expert bytes MoEtion saves every iteration."""
+        floor = max(self._non_expert_bytes.values(), default=0)
+        if self.config.local_bandwidth is not None:
+            self.config.local_budget = max(int(self.config.local_bandwidth * t_iter_s), floor)
+        if self.config.remote_bandwidth is not None:
+            remote_floor = floor if self.config.remote_includes_non_expert else 0
+            self.config.remote_budget = max(int(self.config.remote_bandwidth * t_iter_s), remote_floor)
 
     def recovery_rule(self, operators, *, store=None, start_iteration: int = 0):
         """Each operator's newest FULL entry (MoEtion §6: stale experts are restored from older snapshots)."""

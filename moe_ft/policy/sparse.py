@@ -155,6 +155,20 @@ class SparsePolicy(SnapshotPolicy):
         self._reference = layer_shares(scores)
         return SparseWindow(start, length, tuple(order), slices)
 
+    def _auto_length(self, order) -> int:
+        """``W_sparse`` that ``FindWindowSize`` gives now (the current length with a fixed window)."""
+        if self.config.window != "auto":
+            return int(self.config.window)
+        length, _, _ = layout_window(self.operators, order, window=None,
+                                     bandwidth_bytes_per_s=self.config.bandwidth_bytes_per_s,
+                                     t_iter_s=self.config.t_iter_s)
+        return length
+
+    def observe_iteration_time(self, t_iter_s: float) -> None:
+        """With ``window="auto"`` the next window boundary runs ``FindWindowSize`` with this ``T_iter``."""
+        if self.config.window == "auto":
+            self.config.t_iter_s = t_iter_s
+
     def _advance(self, iteration: int, popularity) -> None:
         cur = self.current
         assert cur is not None
@@ -164,6 +178,8 @@ class SparsePolicy(SnapshotPolicy):
                           fraction=self.config.reorder_fraction):
             nxt = self._new_window(start, scores)
             self.num_reorders += 1
+        elif self._auto_length(cur.order) != cur.length:  # T_iter changed: FindWindowSize again (Alg. 1)
+            nxt = self._new_window(start, scores)
         else:
             nxt = SparseWindow(start, cur.length, cur.order, cur.slice_of)
         self.previous = SparseWindow(start - cur.length, cur.length, cur.order, cur.slice_of)

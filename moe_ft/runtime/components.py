@@ -201,11 +201,44 @@ class Progress(Component):
 
 
 class IterationClock(Component):
-    """Wall time of every iteration (``iteration_seconds``), measured between step begins."""
+    """Wall time of every iteration (``iteration_seconds``), measured between step begins, and ``T_iter``
+    for the policies: the median of the newest ``window`` measured iterations, agreed over the ranks (the
+    slowest rank's median: iterations are synchronous, and every rank must derive the same plan from it)
+    every ``sync_every`` trained iterations. A restarted process measures its own iterations again."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, window: int = 8, sync_every: int = 8) -> None:
         self.seconds: dict[int, float] = {}
         self._start: float | None = None
+        self.window, self.sync_every = window, sync_every
+        self.t_iter_s: float | None = None
+        """The agreed ``T_iter`` (``None`` until the first agreement)."""
+        self._since_sync = 0
+
+    def median_recent(self) -> float | None:
+        """This rank's median over the newest measured iterations (``None`` before the first)."""
+        import statistics
+
+        recent = [self.seconds[t] for t in sorted(self.seconds)[-self.window:]]
+        return statistics.median(recent) if recent else None
+
+    def agree(self, local_s: float | None) -> float | None:
+        """Collective: the slowest rank's value in microseconds (host path); ``None`` if no rank measured."""
+        from moe_ft import comm
+
+        agreed = comm.max_over_ranks(-1 if local_s is None else int(round(local_s * 1e6)))
+        return None if agreed < 0 else agreed / 1e6
+
+    def tick(self) -> float | None:
+        """After a trained iteration (collective every ``sync_every`` calls): a new agreed ``T_iter`` when
+        one was agreed now, else ``None``."""
+        self._since_sync += 1
+        if self.t_iter_s is not None and self._since_sync < self.sync_every:
+            return None
+        self._since_sync = 0
+        agreed = self.agree(self.median_recent())
+        if agreed is not None:
+            self.t_iter_s = agreed
+        return agreed
 
     def on_step_begin(self, iteration: int) -> None:
         now = time.perf_counter()

@@ -183,8 +183,12 @@ class FTRuntime(StepHooks):
         self.popularity.end_iteration(iteration)
         for component in self.components:
             component.on_iteration_end(iteration, replaying)
-        if self.registry is None:
-            self.build(t_iter_s=result.seconds)
+        if self.registry is None:  # the first iteration's time, agreed (every rank derives the same plan)
+            self.build(t_iter_s=self.clock.agree(result.seconds))
+        t_iter = self.clock.tick()  # collective every few iterations: the same iterations on every rank
+        if t_iter is not None:
+            for s in self.sessions:
+                s.policy.observe_iteration_time(t_iter)
         session = self.select_session(iteration)
         plan = self._snapshot(iteration, result, session, replaying) if session is not None else {}
         for component in self.components:
@@ -253,6 +257,8 @@ class FTRuntime(StepHooks):
         rec = records[-1] if records else None
         out = {"policy": session.name if session is not None else "none",
                "tokens_at_risk": float(self.popularity.since_full.sum())}
+        if self.clock.t_iter_s is not None:
+            out["t_iter_ms"] = 1e3 * self.clock.t_iter_s
         if rec is not None:
             out.update(bytes=rec.bytes, full=rec.num_full, compute=rec.num_compute,
                        stall_ms=1e3 * (records[-2].stall_s if len(records) > 1 else 0.0))
