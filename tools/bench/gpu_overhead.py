@@ -1,7 +1,8 @@
 """Iteration-time overhead of ``--ft-policy sparse`` against ``--ft-policy none`` on one GPU (issue 13
 item 4; goal: ratio <= 1.01), both launched by this one command, alternating.
 
-    python -m tools.bench.gpu_overhead [--iters 40] [--repeats 1] [--window 0 --snapshot-bandwidth 2e9]
+    python -m tools.bench.gpu_overhead [--iters 40] [--repeats 1] [--windows 0 --snapshot-bandwidth 2e9]
+    python -m tools.bench.gpu_overhead --windows 8 16      # none, sparse W=8, sparse W=16
 
 Each launch is ``torchrun --nproc-per-node 1`` of the real entry point (``pretrain_gpt_moe.py`` flags, an
 MoE GPT big enough to keep an H100 busy: 4 layers, hidden 1024, 8 experts top-2, seq 1024, bf16, 4
@@ -10,8 +11,8 @@ one to the start of the next (forward/backward, optimizer, the FT hook: plan, me
 the loop's own host syncs (``float(loss)``, grad norm) end each iteration. The first ``--warmup``
 iterations are dropped. Prints one JSON object: per policy the median iteration seconds and the
 snapshot engine's records (bytes, host wait, device stall, copy and store-write times), and
-``overhead_ratio`` = median(sparse) / median(none) (medians over launches when ``--repeats`` > 1).
-``--window 0`` lets FindWindowSize (MoEvement Alg. 1) pick W from ``--snapshot-bandwidth``: pass the
+``overhead_ratio`` = median(sparse) / median(none) (medians over launches when ``--repeats`` > 1), one
+per sparse window of ``--windows`` (keyed ``sparse(W=…)``). ``--windows 0`` lets FindWindowSize (MoEvement Alg. 1) pick W from ``--snapshot-bandwidth``: pass the
 bandwidth the snapshot path sustains end to end on this machine (the store write, not PCIe, is the
 narrow part: ``tools/bench/gpu_snapshot.py`` reports both).
 """
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1, help="launches per policy (alternating none, sparse)")
-    p.add_argument("--window", type=int, default=0, help="--ft-sparse-window (0: FindWindowSize)")
+    p.add_argument("--windows", type=int, nargs="+", default=[0],
+                   help="--ft-sparse-window of each sparse launch (0: FindWindowSize)")
     p.add_argument("--snapshot-bandwidth", type=float, default=25e9, help="--ft-snapshot-bandwidth (bytes/s)")
     p.add_argument("--data-path", default=None)
     p.add_argument("--store-root", default="/dev/shm")
@@ -121,15 +123,17 @@ def main(argv: list[str] | None = None) -> int:
             from moe_ft.cli.drill import TINY
 
             model = [*TINY, "--moe-token-dispatcher-type", "alltoall"]
-        runs: dict[str, list[dict]] = {"none": [], "sparse": []}
+        variants = [("none", "none", 0)] + [("sparse", f"sparse(W={w or 'auto'})", w) for w in a.windows]
+        runs: dict[str, list[dict]] = {name: [] for _, name, _ in variants}
         for rep in range(a.repeats):
-            for policy in ("none", "sparse"):
-                out = os.path.join(tmp, f"{policy}{rep}.json")
-                log = os.path.join(a.log_dir or tmp, f"gpu_overhead_{policy}{rep}.log")
+            for policy, name, window in variants:
+                tag = f"{policy}{window or ''}_{rep}"
+                out = os.path.join(tmp, f"{tag}.json")
+                log = os.path.join(a.log_dir or tmp, f"gpu_overhead_{tag}.log")
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", __file__,
                        "--worker", "--out", out, *model, "--train-iters", str(a.iters), "--log-interval", str(a.iters),
                        "--data-path", data, "--ft", "--ft-policy", policy, "--ft-store-dir", store,
-                       "--ft-job-id", f"{policy}{rep}", "--ft-sparse-window", str(a.window),
+                       "--ft-job-id", tag, "--ft-sparse-window", str(window),
                        "--ft-snapshot-bandwidth", str(a.snapshot_bandwidth)]
                 env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
                 with open(log, "w") as f:
@@ -137,13 +141,14 @@ def main(argv: list[str] | None = None) -> int:
                 if rc != 0:
                     with open(log) as f:
                         tail = f.read()[-4000:]
-                    print(json.dumps({"error": f"{policy} launch failed ({rc})", "log_tail": tail}))
+                    print(json.dumps({"error": f"{name} launch failed ({rc})", "log_tail": tail}))
                     return rc
                 with open(out) as f:
-                    runs[policy].append(_summary(json.load(f), a.warmup))
+                    runs[name].append(_summary(json.load(f), a.warmup))
     med = {k: statistics.median(r["median_iter_s"] for r in v) for k, v in runs.items()}
     print(json.dumps({"model": " ".join(model), "iters": a.iters, "warmup": a.warmup, "runs": runs,
-                      "overhead_ratio": med["sparse"] / med["none"]}))
+                      "snapshot_bandwidth": a.snapshot_bandwidth,
+                      "overhead_ratio": {k: v / med["none"] for k, v in med.items() if k != "none"}}))
     return 0
 
 
