@@ -21,8 +21,10 @@ def extra_argument_groups():
     """(title, config dataclass) of every moe-ft component that adds flags; one flag per field."""
     from moe_ft.config import FTConfig
     from moe_ft.elastic.config import ElasticConfig
+    from moe_ft.precision.emulation import FP8EmulationConfig
 
-    return [("elastic expert placement (Lazarus)", ElasticConfig), ("fault tolerance", FTConfig)]
+    return [("FP8 emulation", FP8EmulationConfig), ("elastic expert placement (Lazarus)", ElasticConfig),
+            ("fault tolerance", FTConfig)]
 
 
 def step_hooks(args):

@@ -180,6 +180,12 @@ class RecoverConfig:
         "MoEtion §6 capacity boost: after a pec/selective recovery, every expert restored from a stale FULL "
         "entry gets this fraction more capacity (0.1 = 10 %%) until it has kept as many extra tokens as the "
         "recovery lost for it (0 = off). Needs token dropping (--moe-expert-capacity-factor)."))
+    min_recovery_level: str = field(default="none", metadata=field_help(
+        "The worst correctness level a recovery may reach, else the job stops with a one-line error: 'exact' "
+        "(sparse replay, own point, peer replica), 'durable' (+ durable point or --load checkpoint), 'lossy' "
+        "(+ pec/selective, PLT/MLT), 'approximate' (+ CheckFree rebuild of a lost pipeline stage), 'none' "
+        "(+ starting over). Levels per operator are in the recovery report (moe_ft/recovery/planner.py).",
+        choices=["exact", "durable", "lossy", "approximate", "none"]))
 
     def __post_init__(self) -> None:
         if self.hang_timeout < 0:
@@ -238,6 +244,10 @@ class FTConfig:
 
     def check_args(self, args) -> None:
         """Checks against the model's flags (``args``: Megatron's parsed ``Args``)."""
+        if self.ft:  # snapshots must restore this precision bit for bit
+            from moe_ft.precision.config import check_exact_recovery
+
+            check_exact_recovery(args)
         if self.ft and self.recovery.capacity_boost and getattr(args.model, "moe_expert_capacity_factor", None) is None:
             raise ValueError("--ft-capacity-boost gives stale experts more *capacity*: it needs token dropping, "
                              "set --moe-expert-capacity-factor (e.g. 1.0); without it no expert drops tokens "

@@ -188,10 +188,13 @@ def test_fp8_state_round_trips_through_the_store_bitwise(fmt):
 
 # ------------------------------------------------------------------------------ precision configurations
 class _Args:
-    def __init__(self, **model) -> None:
-        base = dict(bf16=False, fp16=False, fp8_format=None, fp8_recipe="delayed", fp8_emulation=False)
+    def __init__(self, fp8_emulation: bool = False, **model) -> None:
+        from moe_ft.precision.emulation import FP8EmulationConfig
+
+        base = dict(bf16=False, fp16=False, fp8_format=None, fp8_recipe="delayed")
         self.model = type("M", (), {**base, **model})()
         self.training = type("T", (), {"loss_scale": None})()
+        self.extra = {"FP8EmulationConfig": FP8EmulationConfig(fp8_emulation=fp8_emulation)}
 
 
 @pytest.mark.parametrize("model,compute,problem", [
@@ -205,6 +208,8 @@ class _Args:
 ])
 def test_precision_config_and_exact_recovery(model, compute, problem):
     cfg = PrecisionConfig.from_args(_Args(**model))
+    assert cfg.fp8_source == ("emulation" if model.get("fp8_emulation") else "transformer_engine" if
+                              model.get("fp8_format") else "")
     assert cfg.compute == compute and cfg.master == "fp32"
     assert (cfg.loss_scaling == "dynamic") == bool(model.get("fp16"))
     if problem is None:
@@ -232,8 +237,11 @@ def data_prefix(tmp_path):
 def test_precision_flags_are_validated(data_prefix, flags, message):
     from megatron.training.arguments import ArgumentError, parse_args
 
+    from moe_ft.precision.emulation import FP8EmulationConfig
+
     with pytest.raises(ArgumentError, match=message.replace("-", r"\-").replace("(", r"\(")):
-        parse_args(["--data-path", data_prefix, *flags], world_size=1)
+        parse_args(["--data-path", data_prefix, *flags], world_size=1,
+                   extra_groups=[("FP8 emulation", FP8EmulationConfig)])
 
 
 def test_fp8_emulation_and_fp16_pass_with_ft(data_prefix):
@@ -241,6 +249,8 @@ def test_fp8_emulation_and_fp16_pass_with_ft(data_prefix):
     from moe_ft.config import FTConfig
 
     for flags in (["--fp8-format", "e4m3", "--fp8-emulation"], ["--fp16", "--loss-scale", "1024"]):
+        from moe_ft.precision.emulation import FP8EmulationConfig
+
         args = parse_args(["--data-path", data_prefix, *flags, "--ft"], world_size=1,
-                          extra_groups=[("fault tolerance", FTConfig)])
+                          extra_groups=[("FP8 emulation", FP8EmulationConfig), ("fault tolerance", FTConfig)])
         assert args.extra["FTConfig"].ft

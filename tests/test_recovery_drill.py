@@ -119,9 +119,10 @@ def test_dense_k_exact_and_corrupt_entry_skipped(drill_env, reference):
     assert "corrupted" in log and "moe-ft recovery rank 2: " in log and "skipping iteration 6" in log
 
 
-def expected_loss(trace_path: str, end: int, denominator: float) -> tuple[float, float, list[float]]:
+def expected_loss(trace_path: str, end: int, denominator: float, over_layers: str) -> tuple[float, float, list[float]]:
     """Tokens routed to each expert after its newest FULL at or before ``end`` (the first incarnation's
-    per-iteration counters), and their mean per-layer fraction of ``denominator``."""
+    per-iteration counters), and their per-layer fractions of ``denominator``, averaged (PLT, MoC eq. 7)
+    or summed (MLT, MoEtion eq. 6) over the layers."""
     first: dict[int, dict] = {}
     for line in Path(trace_path).read_text().splitlines():
         rec = json.loads(line)
@@ -138,7 +139,7 @@ def expected_loss(trace_path: str, end: int, denominator: float) -> tuple[float,
             lost += sum(first[t]["counts"][layer][expert] for t in range(newest + 1, end + 1))
         per_layer.append(lost / denominator)
         total += lost
-    return total, sum(per_layer) / num_layers, per_layer
+    return total, sum(per_layer) / (num_layers if over_layers == "mean" else 1), per_layer
 
 
 @pytest.mark.timeout(420)
@@ -162,7 +163,7 @@ def test_lossy_token_loss_matches_counters(drill_env, policy, layout):
     assert report["recovery_point"]["source"] == "memory", report["recovery_point"]
     assert report["replayed_iterations"] == [] and report["recovery_point"]["resume"] == end + 1
     denominator = (ITERS if policy == "pec" else end + 1) * TOPK_TOKENS
-    tokens, value, per_layer = expected_loss(trace, end, denominator)
+    tokens, value, per_layer = expected_loss(trace, end, denominator, "mean" if policy == "pec" else "sum")
     loss = report["token_loss"]
     assert loss["metric"] == ("PLT" if policy == "pec" else "MLT")
     assert tokens > 0 and loss["tokens"] == tokens

@@ -56,11 +56,6 @@ class ModelArgs:
     fp8_recipe: str = field(
         default="delayed", metadata=field_help("FP8 scaling recipe.", choices=["delayed", "tensorwise", "mxfp8",
                                                                              "blockwise"]))
-    fp8_emulation: bool = field(default=False, metadata=field_help(
-        "Run --fp8-format without Transformer Engine (any device, CPU included): the attention and expert linear "
-        "layers compute with torch.float8 weights (E4M3 data + per-tensor scale, delayed scaling), re-quantized "
-        "from the fp32 master after every optimizer step (moe_ft/megatron_ext/fp8_linear.py). Needs "
-        "--transformer-impl local and --fp8-recipe delayed."))
     fp8_margin: int = field(default=0, metadata=field_help("FP8 scale margin: scales are divided by 2**margin."))
     fp8_amax_history_len: int = field(default=1, metadata=field_help("Past amax values kept per FP8 tensor."))
     fp8_amax_compute_algo: str = field(default="most_recent", metadata=field_help(
@@ -180,20 +175,16 @@ def args_from_namespace(namespace: argparse.Namespace, world_size: int | None = 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args = Args(**{name: dataclass_from_args(cls, namespace) for name, cls, _ in GROUPS}, world_size=world_size)
-    validate_args(args)
-    for _, cls in extra_groups:
+    for _, cls in extra_groups:  # built first: validation asks them what they serve (e.g. FP8 without TE)
         try:
-            extra = args.extra[cls.__name__] = dataclass_from_args(cls, namespace)
-            if hasattr(extra, "check_args"):  # checks of a component's flags against the model's
-                extra.check_args(args)
+            args.extra[cls.__name__] = dataclass_from_args(cls, namespace)
         except ValueError as e:
             raise ArgumentError(str(e)) from e
-    ft = args.extra.get("FTConfig")
-    if ft is not None and getattr(ft, "ft", False):  # snapshots must restore this precision bit for bit
-        from moe_ft.precision.config import check_exact_recovery
-
+    validate_args(args)
+    for extra in args.extra.values():
         try:
-            check_exact_recovery(args)
+            if hasattr(extra, "check_args"):  # checks of a component's flags against the model's
+                extra.check_args(args)
         except ValueError as e:
             raise ArgumentError(str(e)) from e
     return args
@@ -214,21 +205,8 @@ def validate_args(args: Args) -> None:
                             "(scale with --expert-model-parallel-size and --pipeline-model-parallel-size)")
     if m.bf16 and m.fp16:
         raise ArgumentError("--bf16 and --fp16 are exclusive; pass one of them")
-    if m.fp8_emulation:
-        if not m.fp8_format:
-            raise ArgumentError("--fp8-emulation emulates --fp8-format: pass --fp8-format e4m3 (or hybrid)")
-        if m.transformer_impl != "local" or m.moe_grouped_gemm:
-            raise ArgumentError("--fp8-emulation replaces Megatron's local linear layers: use --transformer-impl "
-                                "local without --moe-grouped-gemm (or Transformer Engine FP8 without --fp8-emulation)")
-        if m.fp8_recipe != "delayed":
-            raise ArgumentError(f"--fp8-emulation implements delayed scaling only; got --fp8-recipe {m.fp8_recipe}")
-        if p.use_distributed_optimizer:
-            raise ArgumentError("--fp8-emulation re-quantizes each weight from its whole fp32 master after the step; "
-                                "the distributed optimizer holds master shards: drop --use-distributed-optimizer")
-        if m.moe_token_dispatcher_type == "flexible":
-            raise ArgumentError("--fp8-emulation is not wired into the flexible dispatcher's replicated experts; use "
-                                "--moe-token-dispatcher-type alltoall or allgather")
-    elif m.fp8_format and m.transformer_impl != "transformer_engine":
+    emulated = any(getattr(e, "emulates_fp8", False) for e in args.extra.values())
+    if m.fp8_format and m.transformer_impl != "transformer_engine" and not emulated:
         raise ArgumentError("--fp8-format needs --transformer-impl transformer_engine (or --fp8-emulation to run "
                             "FP8 weights without Transformer Engine)")
     if m.fp8_amax_history_len < 1 or m.fp8_margin < 0:

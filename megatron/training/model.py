@@ -54,9 +54,10 @@ def transformer_config(args: Args) -> TransformerConfig:
         hidden_dropout=m.hidden_dropout,
         use_cpu_initialization=False,  # per-rank expert seeds (CPU init gives every EP rank the same experts)
         deterministic_mode=args.training.deterministic,
-        # Transformer Engine's FP8 (the emulation, --fp8-emulation, is moe-ft's own layers: Megatron sees no fp8)
-        fp8=m.fp8_format if not m.fp8_emulation else None,
-        fp8_recipe=m.fp8_recipe if m.fp8_format and not m.fp8_emulation else None,
+        # Transformer Engine's FP8 only (an emulation component's own layers run --fp8-format with the local
+        # implementation: Megatron sees no fp8)
+        fp8=m.fp8_format if m.transformer_impl == "transformer_engine" else None,
+        fp8_recipe=m.fp8_recipe if m.fp8_format and m.transformer_impl == "transformer_engine" else None,
         fp8_margin=m.fp8_margin,
         fp8_amax_history_len=m.fp8_amax_history_len,
         fp8_amax_compute_algo=m.fp8_amax_compute_algo,
@@ -76,23 +77,10 @@ def layer_spec(args: Args):
     else:
         spec = get_gpt_layer_local_spec(num_experts=args.model.num_experts,
                                         moe_grouped_gemm=args.model.moe_grouped_gemm)
-    if args.model.fp8_emulation:
-        from moe_ft.megatron_ext.fp8_linear import install_fp8_linears
-
-        spec = install_fp8_linears(spec)
     for component in args.extra.values():
         if hasattr(component, "customize_layer_spec"):
             spec = component.customize_layer_spec(spec)
     return spec
-
-
-def fp8_emulation_config(args: Args):
-    """The delayed-scaling recipe of ``--fp8-emulation`` (Megatron's ``--fp8-*`` flags)."""
-    from moe_ft.precision.fp8 import DelayedScalingConfig, weight_format
-
-    m = args.model
-    return DelayedScalingConfig(fmt=weight_format(m.fp8_format), margin=m.fp8_margin,
-                                amax_history_len=m.fp8_amax_history_len, amax_compute_algo=m.fp8_amax_compute_algo)
 
 
 def build_gpt_model(args: Args, config: TransformerConfig | None = None) -> GPTModel:
@@ -158,10 +146,9 @@ def build_train_state(args: Args) -> TrainState:
         hysteresis=t.hysteresis,
     )
     optimizer = get_megatron_optimizer(opt_config, [model])
-    if args.model.fp8_emulation:  # FP8 state quantized from the masters, re-quantized after every step
-        from moe_ft.megatron_ext.fp8_linear import attach_fp8_emulation
-
-        attach_fp8_emulation([model], optimizer, fp8_emulation_config(args))
+    for component in args.extra.values():  # e.g. FP8 state quantized from the masters (--fp8-emulation)
+        if hasattr(component, "after_optimizer_built"):
+            component.after_optimizer_built([model], optimizer, args)
     # The schedules call these (Megatron-LM's training.py sets them the same way): without
     # finalize_model_grads there is no data-parallel gradient all-reduce and replicas drift apart.
     config.finalize_model_grads_func = finalize_model_grads

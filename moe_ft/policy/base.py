@@ -46,6 +46,8 @@ class SnapshotPolicy(abc.ABC):
     (``pec``, ``selective``); exact policies reload a dense point or replay a window."""
     token_loss_metric: ClassVar[Optional[str]] = None
     """Name of the lost-token metric a lossy recovery reports (MoC ``PLT``, MoEtion ``MLT``)."""
+    token_loss_layers: ClassVar[str] = "mean"
+    """How the metric combines the per-MoE-layer fractions: ``mean`` (MoC eq. 7) or ``sum`` (MoEtion eq. 6)."""
     reads_popularity: ClassVar[bool] = False
     """Whether :meth:`plan` reads the popularity counters (then they are summed over all ranks)."""
     dense_points: ClassVar[bool] = False

@@ -88,6 +88,7 @@ class SelectivePolicy(SnapshotPolicy):
     name = "selective"
     lossy = True
     token_loss_metric = "MLT"
+    token_loss_layers = "sum"  # MoEtion eq. 6: Σ over the MoE layers
     reads_popularity = True
 
     @classmethod

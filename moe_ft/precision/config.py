@@ -55,7 +55,8 @@ class PrecisionConfig:
         scaling = "none"
         if m.fp16:
             scaling = "static" if getattr(t, "loss_scale", None) else "dynamic"
-        source = ("emulation" if getattr(m, "fp8_emulation", False) else "transformer_engine") if fp8 else ""
+        emulated = any(getattr(e, "emulates_fp8", False) for e in getattr(args, "extra", {}).values())
+        source = ("emulation" if emulated else "transformer_engine") if fp8 else ""
         return cls(compute="fp8" if fp8 else wide, loss_scaling=scaling, fp8_source=source,
                    fp8_recipe=m.fp8_recipe if fp8 else "")
 

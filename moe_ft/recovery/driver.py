@@ -6,11 +6,13 @@ never imports the training loop: the loop's step function comes in as ``step_fn`
 
 1. :func:`lost_iterations`     newest iteration any rank completed (progress records, collective)
 2. :func:`fetch_lost_points`   rebuild node-local stores of a lost node from peers (collective)
-3. :func:`restore_newest_point`  the state machine (``machine.py``) on the memory tier, else on the newest
+3. :func:`plan_recovery`       the planner (``planner.py``) picks the source, refuses below
+                               ``--ft-min-recovery-level``; CheckFree rebuilds a lost stage (collective)
+4. :func:`restore_newest_point`  the state machine (``machine.py``) on the memory tier, else on the newest
                                complete durable point
-4. :func:`account_token_loss`  popularity as of the point; lossy policies: PLT/MLT (MoC eq. 7, MoEtion §6)
-5. :func:`drop_abandoned_timeline`  store points after the resume point; retention by the restored policy
-6. :func:`build_report`
+5. :func:`account_token_loss`  popularity as of the point; lossy policies: PLT/MLT (MoC eq. 7, MoEtion §6)
+6. :func:`drop_abandoned_timeline`  store points after the resume point; retention by the restored policy
+7. :func:`build_report`, then :func:`record_recovery_levels` (per-operator levels, audit log, lr boost)
 
 What a policy means for recovery (its completeness rule, whether it is lossy, its metric) is asked of the
 policy object (``moe_ft/policy/base.py``), never decided here by name.
@@ -101,7 +103,8 @@ def recover(inputs: RecoveryInputs) -> RecoveryReport:
     t_fetch = time.perf_counter()
     fetched = fetch_lost_points(inputs)
     t_fetch = time.perf_counter() - t_fetch
-    rs, source = restore_newest_point(inputs)
+    plan = plan_recovery(inputs, fetched)
+    rs, source = restore_newest_point(inputs, plan)
     if t_fetch > 0.0005 and fetched:
         rs.seconds["fetch"] = t_fetch
     report_skipped(inputs, rs)
@@ -111,8 +114,10 @@ def recover(inputs: RecoveryInputs) -> RecoveryReport:
         source = "checkpoint" if inputs.start_iteration else "initial"
     seconds = {**{k: round(v, 4) for k, v in rs.seconds.items()}, "total": round(time.perf_counter() - t0, 4),
                **({"restart": round(since_fault, 4)} if since_fault is not None else {})}
-    return build_report(inputs, rs, source=source, lost_through=lost_through, fetched=fetched, loss=loss,
-                        seconds=seconds)
+    report = build_report(inputs, rs, source=source, lost_through=lost_through, fetched=fetched, loss=loss,
+                          seconds=seconds)
+    record_recovery_levels(inputs, plan, rs, source, report)
+    return report
 
 
 # ------------------------------------------------------------------------------------------------ steps
@@ -134,23 +139,47 @@ def fetch_lost_points(inputs: RecoveryInputs) -> dict:
     return {"fetched": fetched} if fetched else {}
 
 
-def _machine(inputs: RecoveryInputs, store, rs: RecoveryState) -> RecoveryState:
+def plan_recovery(inputs: RecoveryInputs, fetched: dict):
+    """Where the state comes from (``planner.py``, collective): every rank's memory-tier point, the durable
+    tier, ``--load``; refuses below ``--ft-min-recovery-level``; on the CheckFree path the lost stages'
+    ranks are rebuilt from their neighbours here (``moe_ft/checkfree/recovery.py``)."""
+    from moe_ft.recovery import planner
+
+    lo = inputs.start_iteration - 1
+    store, policy = BoundedStore(inputs.session.store, lo=lo), inputs.session.policy
+    rule = policy.recovery_rule(list(inputs.registry), store=store, start_iteration=inputs.start_iteration)
+    find = lambda bound: store.newest_recoverable(rule, at_or_before=bound)  # noqa: E731 (verified later)
+    durable = durable_store(inputs, newer_than=lo)
+    ctx = planner.plan_recovery(
+        rank=inputs.rank, find=find, fetched_here=bool(fetched.get("fetched", {}).get(str(inputs.rank), {}).get("points")),
+        durable_end=durable[1] if durable else None, load_iteration=inputs.start_iteration, lossy=policy.lossy,
+        min_level=inputs.config.recovery.min_recovery_level)
+    if ctx.plan.path == "checkfree":
+        planner.prepare_checkfree(ctx, rank=inputs.rank, find=find, store=inputs.session.store,
+                                  registry=inputs.registry, lossy=policy.lossy, state=inputs.state,
+                                  min_level=inputs.config.recovery.min_recovery_level)
+    return ctx
+
+
+def _machine(inputs: RecoveryInputs, store, rs: RecoveryState, check_routing: bool = True) -> RecoveryState:
     policy = inputs.session.policy
     ctx = RecoveryContext(store=store, registry=inputs.registry,
                           rule=policy.recovery_rule(list(inputs.registry), store=store,
                                                     start_iteration=inputs.start_iteration),
                           train_state=inputs.state, step_fn=inputs.step_fn, popularity=inputs.popularity,
                           policy=policy, fault_check=inputs.check_fault)
-    return Recovery(RecoveryConfig(lossy=policy.lossy), ctx).run(rs)
+    return Recovery(RecoveryConfig(lossy=policy.lossy, check_routing=check_routing), ctx).run(rs)
 
 
-def restore_newest_point(inputs: RecoveryInputs) -> tuple[RecoveryState, str]:
-    """Run the state machine on the memory tier (node-local store and fetched replicas), bounded below by
-    the ``--load`` checkpoint; if no point is common to every rank there, on the newest complete durable
-    point. Returns the final state and the source (``memory`` / ``durable``)."""
+def restore_newest_point(inputs: RecoveryInputs, plan=None) -> tuple[RecoveryState, str]:
+    """Run the state machine on the memory tier (node-local store and fetched replicas; a rebuilt stage's
+    rank: its rebuilt layers, ``plan.store``), bounded below by the ``--load`` checkpoint; if no point is
+    common to every rank there, on the newest complete durable point. Returns the final state and the
+    source (``memory`` / ``durable``)."""
     lo = inputs.start_iteration - 1  # a point older than the --load checkpoint would only re-execute more
-    rs = _machine(inputs, BoundedStore(inputs.session.store, lo=lo),
-                  RecoveryState(fallback_iteration=inputs.start_iteration))
+    own = plan.store if plan is not None and plan.store is not None else inputs.session.store
+    rs = _machine(inputs, BoundedStore(own, lo=lo), RecoveryState(fallback_iteration=inputs.start_iteration),
+                  check_routing=plan.check_routing if plan is not None else True)
     if rs.point is not None:
         return rs, "memory"
     durable = durable_store(inputs, newer_than=lo)
@@ -197,7 +226,8 @@ def account_token_loss(inputs: RecoveryInputs, point) -> dict:
     denom = torch.full((since_full.shape[0],), policy.token_loss_denominator(
         point.end, train_iters=t.train_iters, tokens_per_iteration=tokens_per_iteration))
     loss = token_loss(end=point.end, expert_full_at=gather_expert_full_at(point.full_at), since_full=since_full,
-                      moe_layers=popularity.moe_layers, metric=policy.token_loss_metric, tokens_per_layer=denom)
+                      moe_layers=popularity.moe_layers, metric=policy.token_loss_metric, tokens_per_layer=denom,
+                      over_layers=policy.token_loss_layers)
     loss.update(policy.after_recovery(point.end, loss["value"]))
     return loss
 
@@ -228,6 +258,24 @@ def build_report(inputs: RecoveryInputs, rs: RecoveryState, *, source: str, lost
         reexecuted_iterations=list(range(rs.resume_iteration, lost_through + 1)),
         seconds=seconds, bytes_loaded=rs.bytes_loaded, token_loss=loss, routing_checked=rs.routing_checked,
         recovered_digest=global_digest(state.model, state.optimizer, state.scheduler), message=rs.message)
+
+
+def record_recovery_levels(inputs: RecoveryInputs, plan, rs: RecoveryState, source: str, report: RecoveryReport) -> None:
+    """The level each operator reached (report ``recovery_levels``, the job's audit log) and, on a rebuilt
+    stage's rank, CheckFree's learning-rate boost (collective; refuses below ``--ft-min-recovery-level``)."""
+    from moe_ft.checkfree.recovery import boost_rebuilt_stage
+    from moe_ft.recovery import planner
+
+    if plan.rebuilt is not None and rs.point is not None:
+        boost_rebuilt_stage(inputs.state, rs.resume_iteration)
+    levels = planner.record_levels(plan, rank=inputs.rank, ops=list(inputs.registry), rs=rs, source=source,
+                                   lossy=inputs.session.policy.lossy, min_level=inputs.config.recovery.min_recovery_level,
+                                   audit_path=os.path.join(inputs.config.job_dir(), "recovery_audit.jsonl"),
+                                   report=report)
+    for r in levels["rebuilt"]:
+        report.message = "; ".join(filter(None, [report.message, (
+            f"rank {r['rank']} rebuilt by CheckFree from ranks {r['from']} (weights {r['weights'][0]:.3f}/"
+            f"{r['weights'][1]:.3f}{', ' + r['note'] if r['note'] else ''}), learning rate x1.1")]))
 
 
 # ---------------------------------------------------------------------------------------------- helpers

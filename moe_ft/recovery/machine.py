@@ -40,7 +40,7 @@ import torch
 from moe_ft.recovery.agreement import agree_on_point
 from moe_ft.recovery.context import RecoveryContext
 from moe_ft.recovery.optim import RecordedStepOptimizer, main_params_by_model_param
-from moe_ft.snapshot.meta import restore_rng
+from moe_ft.snapshot.meta import restore_step_meta
 from moe_ft.snapshot.restore import restore_meta, restore_operator
 from moe_ft.state.operators import Level
 
@@ -251,7 +251,7 @@ class Recovery:
     def _restore_step_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], *,
                             policy: bool) -> None:
         """RNG, LR/WD schedule position and popularity counters as after the metadata's iteration."""
-        restore_rng(meta, tensors)
+        restore_step_meta(meta, tensors, optimizer=self.ctx.train_state.optimizer)
         scheduler = self.ctx.train_state.scheduler
         scheduler.num_steps = 0  # load_state_dict *adds* the stored step count
         scheduler.load_state_dict(meta["scheduler"])
