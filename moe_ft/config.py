@@ -192,6 +192,9 @@ class RecoverConfig:
             raise ValueError("--ft-hang-timeout must be >= 0 seconds")
         if self.capacity_boost < 0:
             raise ValueError(f"--ft-capacity-boost must be >= 0 (a fraction, 0.1 = 10 %), got {self.capacity_boost}")
+        if self.min_recovery_level not in ("exact", "durable", "lossy", "approximate", "none"):
+            raise ValueError(f"--ft-min-recovery-level must be exact, durable, lossy, approximate or none, got "
+                             f"{self.min_recovery_level!r}")
 
     def build_watchdog(self, rank: int):
         if not self.hang_timeout:

@@ -150,3 +150,18 @@ def squared_grad_norm(grads: Iterable[torch.Tensor | None]) -> float:
         if g is not None:
             total += g.detach().to(torch.float64).pow(2).sum().cpu()
     return float(total)
+
+
+def local_grad_sq(model_chunks) -> torch.Tensor:
+    """``[1]`` float32 tensor on the gradients' device: this rank's squared gradient norm (Megatron DDP's
+    ``main_grad`` buffers, else ``.grad``), computed without a host synchronisation (it is saved with the
+    snapshot, ``moe_ft/checkfree/recovery.py``). With the distributed optimizer only this rank's shard of
+    the buffer holds the data-parallel sum; the rest holds the rank's own gradient, of the same scale."""
+    def grad_of(p):
+        g = getattr(p, "main_grad", None)
+        return g if g is not None else p.grad
+
+    grads = [g for chunk in model_chunks for p in chunk.parameters() if (g := grad_of(p)) is not None]
+    if not grads:
+        return torch.zeros(1)
+    return torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2).sum().reshape(1)

@@ -32,6 +32,11 @@ class RecoveryReport:
     ``{"boost", "capacity_factor", "started_at", "tokens_to_make_up", "ended_at", "experts": [{"layer",
     "expert", "lost", "carried", "tokens", "made_up_at"}]}``; rewritten as experts make their tokens up.
     Empty without the boost."""
+    recovery_levels: dict = field(default_factory=dict)
+    """Where each operator's state came from and how exact it is (``moe_ft/recovery/planner.py``):
+    ``{"level": the worst level reached (exact | durable | lossy | approximate | start_over), "sources":
+    {source: operators}, "operators": {operator: source}, "path", "planned", "reason", "min_level",
+    "unavailable": {source: why}, "rebuilt": [{"rank", "from", "weights", "note"}] (CheckFree)}``."""
     recovered_digest: str = ""
     message: str = ""
 
@@ -47,7 +52,15 @@ class RecoveryReport:
                 f"{self.failed.get('last_completed')} | recovery point {rp.get('source')} [{rp.get('start')}, "
                 f"{rp.get('end')}] | replayed {len(self.replayed_iterations)} | re-executed "
                 f"{len(self.reexecuted_iterations)} | {secs} | token loss {loss} | digest "
-                f"{self.recovered_digest[:16]}" + self._boost_summary() + (f" | {self.message}" if self.message else ""))
+                f"{self.recovered_digest[:16]}" + self._levels_summary() + self._boost_summary()
+                + (f" | {self.message}" if self.message else ""))
+
+    def _levels_summary(self) -> str:
+        lv = self.recovery_levels
+        if not lv:
+            return ""
+        sources = ", ".join(f"{n} {s}" for s, n in lv.get("sources", {}).items())
+        return f" | level {lv.get('level')} ({sources})"
 
     def _boost_summary(self) -> str:
         cb = self.capacity_boost

@@ -249,3 +249,25 @@ class IterationClock(Component):
     def stop(self, iteration: int) -> None:
         if self._start is not None:
             self.seconds[iteration] = time.perf_counter() - self._start
+
+
+class CheckFreeNorms(Component):
+    """CheckFree's ``w`` (§4.2, Alg. 1 lines 1-2): this rank's squared gradient norm of every iteration,
+    saved with its snapshot (``checkfree.grad_sq``) so that a neighbouring stage that loses every copy of
+    its state can be rebuilt after the restart (``moe_ft/checkfree/recovery.py``)."""
+
+    def __init__(self, model_chunks) -> None:
+        self.model_chunks = model_chunks
+
+    @staticmethod
+    def wanted(args, config) -> bool:
+        """An intermediate stage exists (pipeline size >= 3) and the user accepts approximate recoveries."""
+        return (args.parallel.pipeline_model_parallel_size >= 3
+                and config.recovery.min_recovery_level in ("approximate", "none"))
+
+    def snapshot_tensors(self) -> dict:
+        from moe_ft.checkfree.average import local_grad_sq
+        from moe_ft.checkfree.recovery import GRAD_SQ
+
+        return {GRAD_SQ: local_grad_sq(self.model_chunks)}
+

@@ -20,6 +20,7 @@ stay apart: the runtime asks the policy for a plan and hands it to the engine.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -85,7 +86,8 @@ class FTRuntime(StepHooks):
         watchdog = cfg.recovery.build_watchdog(self.rank)
         self.components = [self.clock, *([C.Watchdog(watchdog)] if watchdog else []),
                            *([C.Boost(self._boost, self)] if self._boost else []),
-                           C.Progress(job_dir / f"progress_rank{self.rank}")]
+                           C.Progress(job_dir / f"progress_rank{self.rank}"),
+                           *([C.CheckFreeNorms(state.model)] if C.CheckFreeNorms.wanted(args, cfg) else [])]
         if cfg.drill.trace_out and self.rank == 0:
             self.components.append(C.Trace(cfg.drill.trace_out, self.popularity, self._boost))
         if cfg.snapshot.enabled:
@@ -139,18 +141,24 @@ class FTRuntime(StepHooks):
         from moe_ft.state.optimizer_views import ensure_optimizer_state
         from megatron.training.training import train_step
         from moe_ft.recovery.driver import RecoveryInputs, recover
+        from moe_ft.recovery.planner import RecoveryRefused
 
         def step_fn(iteration, optimizer):
             return train_step(replace(state, optimizer=optimizer), data, iteration, args)
 
         ensure_optimizer_state(state.optimizer)  # the registry lists optimizer state: it must exist
         self.build(t_iter_s=1.0)
-        self.report = recover(RecoveryInputs(
-            config=self.config, state=state, args=args, rank=self.rank, world_size=self.world_size,
-            start_iteration=start_iteration, restart_count=restart_count, step_fn=step_fn, registry=self.registry,
-            popularity=self.popularity, session=self.active, replication=self.replication,
-            durable_dir=self.durable.directory if self.durable is not None else None, faults=self.faults,
-            check_fault=self.check_fault))
+        try:
+            self.report = recover(RecoveryInputs(
+                config=self.config, state=state, args=args, rank=self.rank, world_size=self.world_size,
+                start_iteration=start_iteration, restart_count=restart_count, step_fn=step_fn,
+                registry=self.registry, popularity=self.popularity, session=self.active,
+                replication=self.replication, durable_dir=self.durable.directory if self.durable is not None else None,
+                faults=self.faults, check_fault=self.check_fault))
+        except RecoveryRefused as e:  # every rank refuses alike (--ft-min-recovery-level): one line, no traceback
+            if self.rank == 0:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(3) from None
         for component in self.components:
             component.after_recovery(self.report, self.active)
         self._recovered_at = time.perf_counter()

@@ -1,0 +1,287 @@
+"""The recovery planner: one place that decides where each operator's state comes from, and how exact
+that is (SPEC §5 "Correctness levels", issue 16 item 2).
+
+Sources, best first, with their correctness level::
+
+    window_replay   sparse window + replay from the rank's own store (MoEvement §3.3)    exact
+    local_point     a dense point of the rank's own store (no replay)                   exact
+    survivor_point  the state a surviving rank published when the job stopped           exact (not built yet)
+    peer_replica    the rank's points fetched from replica holders / DP peers           exact
+    durable_point   the newest complete point of the durable tier                       durable
+    checkpoint      the --load Megatron checkpoint                                      durable
+    lossy           newest FULL entry of a pec/selective snapshot (PLT / MLT reported)  lossy
+    checkfree       the stage rebuilt from its neighbours (CheckFree §4.2)              approximate
+    replay_beside_rebuilt  exact start, but trained during replay next to a rebuilt stage  approximate
+    start_over      the initial weights (iteration 0)                                   start over
+
+The decision (:func:`decide`, a pure function of what every rank has) is per job, so that every rank takes
+the same path: the memory tier when every rank has a point there; else the durable tier; else the
+``--load`` checkpoint; else CheckFree when the ranks without any point are intermediate pipeline stages
+whose neighbours have one; else start over. Below ``--ft-min-recovery-level`` it refuses with one line
+(:class:`RecoveryRefused`), before anything is restored; after the restore the levels actually reached per
+operator (:func:`operator_sources`) are checked again, recorded in the report (``recovery_levels``) and
+appended to the job's audit log (``<job dir>/recovery_audit.jsonl``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+LEVELS = ("start_over", "approximate", "lossy", "durable", "exact")
+"""Correctness levels, worst first."""
+
+MIN_LEVEL_CHOICES = ("exact", "durable", "lossy", "approximate", "none")
+"""``--ft-min-recovery-level``: the worst level a recovery may reach (``none``: any, even starting over)."""
+
+SOURCE_LEVEL = {"window_replay": "exact", "local_point": "exact", "survivor_point": "exact", "peer_replica": "exact",
+                "durable_point": "durable", "checkpoint": "durable", "lossy": "lossy", "checkfree": "approximate",
+                "replay_beside_rebuilt": "approximate", "start_over": "start_over"}
+SOURCE_ORDER = tuple(SOURCE_LEVEL)
+
+UNAVAILABLE = {"survivor_point": "survivor points are not built yet (a surviving rank does not publish its "
+                                 "state before it exits); its ranks recover from their stores instead"}
+
+
+class RecoveryRefused(RuntimeError):
+    """The best available recovery is below ``--ft-min-recovery-level`` (one-line message)."""
+
+
+def level_rank(level: str) -> int:
+    return LEVELS.index(level)
+
+
+def worst(levels: Iterable[str]) -> str:
+    return min(levels, key=level_rank, default="exact")
+
+
+def check_min_level(level: str, min_level: str, why: str) -> None:
+    """Raise :class:`RecoveryRefused` when ``level`` is below ``min_level``."""
+    if min_level not in MIN_LEVEL_CHOICES:
+        raise ValueError(f"--ft-min-recovery-level must be one of {MIN_LEVEL_CHOICES}, got {min_level!r}")
+    if min_level != "none" and level_rank(level) < level_rank(min_level):
+        raise RecoveryRefused(f"moe-ft recovery refused: the best available recovery is {level} ({why}) but "
+                              f"--ft-min-recovery-level is {min_level}; lower it to accept this recovery")
+
+
+@dataclass(frozen=True)
+class RankInventory:
+    """What one rank can recover from (gathered from every rank)."""
+
+    rank: int
+    pp_rank: int
+    pp_ranks: tuple[int, ...]
+    """Global ranks of this rank's pipeline group, in stage order (its neighbours hold the same data-,
+    expert- and tensor-parallel coordinates)."""
+    memory_end: int
+    """End of the newest recovery point in the rank's memory tier (own store and fetched replicas), -1: none."""
+    fetched: bool = False
+    """The rank's points came from replica holders / data-parallel peers (node loss)."""
+
+
+@dataclass
+class RecoveryPlan:
+    """What :func:`decide` chose for the job (the same on every rank)."""
+
+    path: str
+    """``memory`` | ``durable`` | ``checkpoint`` | ``checkfree`` | ``start_over``."""
+    level: str
+    """The level this path reaches at best (the report records the level actually reached per operator)."""
+    reason: str
+    lost_ranks: list[int] = field(default_factory=list)
+    rebuilt: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """CheckFree: lost rank -> (previous-stage rank, next-stage rank) it is rebuilt from."""
+    unavailable: dict[str, str] = field(default_factory=lambda: dict(UNAVAILABLE))
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "rebuilt": {str(k): list(v) for k, v in self.rebuilt.items()}}
+
+
+def checkfree_sources(inventories: Sequence[RankInventory]) -> tuple[dict[int, tuple[int, int]], str]:
+    """For the ranks without a memory point: ``{lost rank: (previous, next)}`` if CheckFree can rebuild
+    every one of them (an intermediate stage whose two pipeline neighbours have a point: §4.2; CheckFree+
+    for first/last stages needs the swap schedule with pipeline parallelism, ``docs/checkfree.md``), else
+    ``({}, why not)``."""
+    by_rank = {inv.rank: inv for inv in inventories}
+    lost = sorted(inv.rank for inv in inventories if inv.memory_end < 0)
+    out = {}
+    for r in lost:
+        inv = by_rank[r]
+        stages = len(inv.pp_ranks)
+        if not 0 < inv.pp_rank < stages - 1:
+            return {}, (f"rank {r} is pipeline stage {inv.pp_rank} of {stages}: CheckFree rebuilds intermediate "
+                        "stages only (the first/last stage has one neighbour)")
+        prev, nxt = inv.pp_ranks[inv.pp_rank - 1], inv.pp_ranks[inv.pp_rank + 1]
+        if by_rank[prev].memory_end < 0 or by_rank[nxt].memory_end < 0:
+            return {}, (f"rank {r} (stage {inv.pp_rank}) and a neighbouring stage lost their state together: "
+                        "CheckFree needs both neighbours (CheckFree §3: no two consecutive stages)")
+        out[r] = (prev, nxt)
+    return out, ""
+
+
+def decide(inventories: Sequence[RankInventory], *, durable_end: int | None, load_iteration: int,
+           lossy: bool) -> RecoveryPlan:
+    """The job's recovery path (pure; every rank computes the same from the gathered inventories)."""
+    lost = sorted(inv.rank for inv in inventories if inv.memory_end < 0)
+    if not lost:
+        return RecoveryPlan("memory", "lossy" if lossy else "exact",
+                            "every rank has a recovery point in its memory tier")
+    missing = f"ranks {lost} have no recovery point in memory (own store or replicas)"
+    if durable_end is not None:
+        return RecoveryPlan("durable", "durable", f"{missing}; the durable tier has a complete point "
+                                                  f"(iteration {durable_end})", lost_ranks=lost)
+    if load_iteration > 0:
+        return RecoveryPlan("checkpoint", "durable", f"{missing} and there is no durable point; the --load "
+                                                     f"checkpoint (iteration {load_iteration}) is older", lost_ranks=lost)
+    rebuilt, why_not = checkfree_sources(inventories)
+    if rebuilt:
+        stages = sorted({inv.pp_rank for inv in inventories if inv.rank in rebuilt})
+        return RecoveryPlan("checkfree", "approximate", f"{missing}, no durable point and no checkpoint: pipeline "
+                                                        f"stage(s) {stages} rebuilt from their neighbours (CheckFree)",
+                            lost_ranks=lost, rebuilt=rebuilt)
+    return RecoveryPlan("start_over", "start_over", f"{missing}, no durable point, no checkpoint, and {why_not}",
+                        lost_ranks=lost)
+
+
+def operator_sources(ops: Iterable, *, path: str, point, rebuilt_here: bool, fetched_here: bool, lossy: bool,
+                     resumed_from: str) -> dict[str, str]:
+    """``{operator: source}`` for this rank's operators after the restore. ``point``: the agreed
+    ``RecoveryPoint`` (``None``: no point was restored); ``resumed_from``: the driver's source
+    (``memory`` / ``durable`` / ``checkpoint`` / ``initial``)."""
+    out = {}
+    for op in ops:
+        if rebuilt_here:
+            src = "checkfree"
+        elif point is None:
+            src = "checkpoint" if resumed_from == "checkpoint" else "start_over"
+        elif lossy and point.full_at.get(op, point.end) < point.end:
+            src = "lossy"
+        elif path == "checkfree" and point.end > point.start and point.full_at.get(op, point.end) < point.end:
+            src = "replay_beside_rebuilt"  # trained during the replay with a rebuilt stage in the pipeline
+        elif resumed_from == "durable":
+            src = "durable_point"
+        elif fetched_here:
+            src = "peer_replica"
+        else:
+            src = "window_replay" if point.end > point.start else "local_point"
+        out[str(op)] = src
+    return out
+
+
+def summarize(per_rank: Sequence[Mapping[str, str]]) -> dict:
+    """Merge the ranks' ``{operator: source}`` (an operator held by several ranks keeps its worst source)."""
+    merged: dict[str, str] = {}
+    for sources in per_rank:
+        for op, src in sources.items():
+            if op not in merged or level_rank(SOURCE_LEVEL[src]) < level_rank(SOURCE_LEVEL[merged[op]]):
+                merged[op] = src
+    counts: dict[str, int] = {}
+    for src in merged.values():
+        counts[src] = counts.get(src, 0) + 1
+    return {"level": worst(SOURCE_LEVEL[s] for s in merged.values()), "sources": dict(sorted(counts.items())),
+            "operators": dict(sorted(merged.items()))}
+
+
+def append_audit(path: str, record: Mapping) -> None:
+    """Append one JSON line to the audit log (append-only: never rewritten)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **record}, sort_keys=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ------------------------------------------------------------------------------------ collective steps
+@dataclass
+class PlanContext:
+    """This rank's side of a plan (not shared): the store its recovery reads and what CheckFree did here."""
+
+    plan: RecoveryPlan
+    store: object = None
+    """``None``: the rank's own (bounded) store; else the store the machine runs on (a rebuilt stage's)."""
+    rebuilt: object = None
+    """``moe_ft.checkfree.recovery.Rebuilt`` on a rebuilt stage's rank."""
+    fetched_here: bool = False
+    inventories: list[RankInventory] = field(default_factory=list)
+
+    @property
+    def check_routing(self) -> bool:
+        return self.plan.path != "checkfree"  # a rebuilt stage routes differently by construction
+
+
+def plan_recovery(*, rank: int, find, fetched_here: bool, durable_end: int | None, load_iteration: int,
+                  lossy: bool, min_level: str) -> PlanContext:
+    """Gather every rank's inventory, decide, refuse below ``min_level`` (collective, host path).
+    ``find(at_or_before)``: this rank's newest point in its memory tier (bounded by ``--load``)."""
+    from megatron.core import parallel_state as ps
+
+    from moe_ft import comm
+
+    point = find(None)
+    pp_ranks = tuple(dist_ranks(ps.get_pipeline_model_parallel_group())) if ps.model_parallel_is_initialized() else (rank,)
+    mine = RankInventory(rank=rank, pp_rank=pp_ranks.index(rank), pp_ranks=pp_ranks,
+                         memory_end=point.end if point is not None else -1, fetched=fetched_here)
+    inventories = [RankInventory(**d) for d in comm.all_gather_object(asdict(mine))]
+    plan = decide(inventories, durable_end=durable_end, load_iteration=load_iteration, lossy=lossy)
+    check_min_level(plan.level, min_level, plan.reason)
+    return PlanContext(plan=plan, fetched_here=fetched_here, inventories=inventories)
+
+
+def dist_ranks(group) -> list[int]:
+    import torch.distributed as dist
+
+    return list(dist.get_process_group_ranks(group))
+
+
+def prepare_checkfree(ctx: PlanContext, *, rank: int, find, store, registry, lossy: bool, state,
+                      min_level: str = "none") -> None:
+    """CheckFree path (collective): the survivors agree on their point (the lost ranks accept any), the
+    lost ranks get their neighbours' layers and rebuild (``moe_ft/checkfree/recovery.py``). If the
+    survivors have no common point, the plan becomes ``start_over``."""
+    from moe_ft import comm
+    from moe_ft.checkfree.recovery import RebuiltStageStore, Wildcard, exchange_and_rebuild
+    from moe_ft.recovery.agreement import agree_on_point
+
+    plan = ctx.plan
+    lost = rank in plan.rebuilt
+    point, _ = agree_on_point(lambda bound: Wildcard(bound if bound is not None else 2 ** 62) if lost else find(bound))
+    if point is None:
+        plan.path, plan.level = "start_over", "start_over"
+        plan.reason += "; but the surviving stages have no recovery point in common"
+        check_min_level(plan.level, min_level, plan.reason)
+        return
+    pp_rank_of = {inv.rank: inv.pp_rank for inv in ctx.inventories}
+    ctx.rebuilt = exchange_and_rebuild(rank=rank, rebuilt=plan.rebuilt, pp_rank_of=pp_rank_of, store=store,
+                                       registry=registry, point=None if lost else point, lossy=lossy, state=state)
+    if ctx.rebuilt is not None:
+        ctx.store = RebuiltStageStore(registry, ctx.rebuilt)
+    comm.barrier()
+
+
+def record_levels(ctx: PlanContext, *, rank: int, ops, rs, source: str, lossy: bool, min_level: str,
+                  audit_path: str | None, report) -> dict:
+    """Per-operator sources after the restore (gathered), the report's ``recovery_levels``, the audit-log
+    line (rank 0), and the final check against ``min_level`` (collective)."""
+    from moe_ft import comm
+
+    plan = ctx.plan
+    mine = operator_sources(ops, path=plan.path, point=rs.point, rebuilt_here=ctx.rebuilt is not None,
+                            fetched_here=ctx.fetched_here, lossy=lossy, resumed_from=source)
+    rebuilt = None
+    if ctx.rebuilt is not None:
+        w = ctx.rebuilt.weights
+        rebuilt = {"rank": rank, "from": list(ctx.rebuilt.sources), "weights": [w.prev, w.next], "note": w.note}
+    gathered = comm.all_gather_object({"sources": mine, "rebuilt": rebuilt})
+    levels = summarize([g["sources"] for g in gathered])
+    levels.update(path=plan.path, planned=plan.level, reason=plan.reason, min_level=min_level,
+                  unavailable=plan.unavailable, rebuilt=[g["rebuilt"] for g in gathered if g["rebuilt"]])
+    report.recovery_levels = levels
+    if rank == 0 and audit_path:
+        append_audit(audit_path, {"restart_count": report.restart_count, "policy": report.policy,
+                                  "resume": report.recovery_point.get("resume"), **levels})
+    check_min_level(levels["level"], min_level, f"{plan.reason}; operators: {levels['sources']}")
+    return levels
