@@ -17,6 +17,8 @@ setup(
         "numpy>=1.26",
         # dist_checkpointing's writer processes need psutil; without it they die and the save hangs.
         "psutil>=5.9",
+        # store checksums: XXH3-64, ~5x zlib's crc32 on this hardware (docs/store.md "Checksum choice")
+        "xxhash==4.1.0",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "triton==3.9.0", "matplotlib>=3.8"],

@@ -31,7 +31,7 @@ import torch
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store.backend import MANIFEST, FaultHook, StagingInfo, StoreBackend
 from moe_ft.store.catalog import Catalog, Problem
-from moe_ft.store.codec import encode_meta, new_checksum, read_entry, write_entry
+from moe_ft.store.codec import DEFAULT_CHECKSUM, encode_meta, new_checksum, read_entry, write_entry
 from moe_ft.store.errors import CorruptEntryError, MissingEntryError, StoreError
 from moe_ft.store.local import LocalFSBackend
 from moe_ft.store.manifest import (META_BLOB, EntryRecord, PointRecord, TensorRecord, build_manifest,
@@ -54,8 +54,9 @@ class StoreConfig:
     """Global rank owning the directory (one writing process per directory)."""
     fsync: bool = False
     """fsync files and directories around publish. Only useful when ``root`` is a disk; tmpfs needs none."""
-    checksum: str = "crc32"
-    """Entry checksum: ``crc32`` (fast, detects torn writes and bit flips) or ``blake2b``."""
+    checksum: str = DEFAULT_CHECKSUM
+    """Entry checksum: ``xxh3_64`` (default: fastest, 64-bit), ``crc32`` (the former default, zlib) or
+    ``blake2b``. Points written with any of them stay readable (the manifest names the algorithm)."""
 
     @property
     def directory(self) -> Path:
@@ -171,7 +172,7 @@ class PendingPoint:
 
 
 class SnapshotStore:
-    def __init__(self, backend: StoreBackend, *, checksum: str = "crc32",
+    def __init__(self, backend: StoreBackend, *, checksum: str = DEFAULT_CHECKSUM,
                  retention: RetentionPolicy | None = None) -> None:
         new_checksum(checksum)  # validates the name
         self.backend = backend
