@@ -158,6 +158,10 @@ class RebuiltStageStore:
             return None
         return RecoveryPoint(start=r.start, end=r.end, full_at={op: r.start for op in self.registry}, entries=())
 
+    def points(self) -> list[int]:
+        """The iterations whose metadata the previous stage sent (the policy reads its windows there)."""
+        return sorted(self.rebuilt.metas)
+
     def load(self, iteration: int, op, level) -> dict[str, torch.Tensor]:
         return {name: t.detach().clone() for name, t in self.registry[op].tensors(Level(level)).items()}
 

@@ -153,7 +153,8 @@ def plan_recovery(inputs: RecoveryInputs, fetched: dict):
     ctx = planner.plan_recovery(
         rank=inputs.rank, find=find, fetched_here=bool(fetched.get("fetched", {}).get(str(inputs.rank), {}).get("points")),
         durable_end=durable[1] if durable else None, load_iteration=inputs.start_iteration, lossy=policy.lossy,
-        min_level=inputs.config.recovery.min_recovery_level)
+        min_level=inputs.config.recovery.min_recovery_level, audit_path=audit_path(inputs),
+        restart_count=inputs.restart_count)
     if ctx.plan.path == "checkfree":
         planner.prepare_checkfree(ctx, rank=inputs.rank, find=find, store=inputs.session.store,
                                   registry=inputs.registry, lossy=policy.lossy, state=inputs.state,
@@ -270,7 +271,7 @@ def record_recovery_levels(inputs: RecoveryInputs, plan, rs: RecoveryState, sour
         boost_rebuilt_stage(inputs.state, rs.resume_iteration)
     levels = planner.record_levels(plan, rank=inputs.rank, ops=list(inputs.registry), rs=rs, source=source,
                                    lossy=inputs.session.policy.lossy, min_level=inputs.config.recovery.min_recovery_level,
-                                   audit_path=os.path.join(inputs.config.job_dir(), "recovery_audit.jsonl"),
+                                   audit_path=audit_path(inputs),
                                    report=report)
     for r in levels["rebuilt"]:
         report.message = "; ".join(filter(None, [report.message, (
@@ -279,6 +280,11 @@ def record_recovery_levels(inputs: RecoveryInputs, plan, rs: RecoveryState, sour
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def audit_path(inputs: RecoveryInputs) -> str:
+    """The job's append-only recovery audit log (rank 0 writes it): ``<job dir>/recovery_audit.jsonl``."""
+    return os.path.join(inputs.config.job_dir(), "recovery_audit.jsonl")
+
+
 def seconds_since_last_fault(faults) -> float | None:
     """Drills: wall seconds from the newest fired fault (its marker's mtime) to now, i.e. failure
     detection + torchrun restart + process start + model build; ``None`` without fired faults."""

@@ -140,7 +140,8 @@ def decide(inventories: Sequence[RankInventory], *, durable_end: int | None, loa
     if rebuilt:
         stages = sorted({inv.pp_rank for inv in inventories if inv.rank in rebuilt})
         return RecoveryPlan("checkfree", "approximate", f"{missing}, no durable point and no checkpoint: pipeline "
-                                                        f"stage(s) {stages} rebuilt from their neighbours (CheckFree)",
+                                                        f"stage(s) {stages} can only be rebuilt from their "
+                                                        "neighbours (CheckFree)",
                             lost_ranks=lost, rebuilt=rebuilt)
     return RecoveryPlan("start_over", "start_over", f"{missing}, no durable point, no checkpoint, and {why_not}",
                         lost_ranks=lost)
@@ -166,7 +167,7 @@ def operator_sources(ops: Iterable, *, path: str, point, rebuilt_here: bool, fet
         elif fetched_here:
             src = "peer_replica"
         else:
-            src = "window_replay" if point.end > point.start else "local_point"
+            src = "window_replay" if point.end > point.start and not lossy else "local_point"  # lossy: no replay
         out[str(op)] = src
     return out
 
@@ -214,9 +215,10 @@ class PlanContext:
 
 
 def plan_recovery(*, rank: int, find, fetched_here: bool, durable_end: int | None, load_iteration: int,
-                  lossy: bool, min_level: str) -> PlanContext:
-    """Gather every rank's inventory, decide, refuse below ``min_level`` (collective, host path).
-    ``find(at_or_before)``: this rank's newest point in its memory tier (bounded by ``--load``)."""
+                  lossy: bool, min_level: str, audit_path: str | None = None, restart_count: int = 0) -> PlanContext:
+    """Gather every rank's inventory, decide, refuse below ``min_level`` (collective, host path; a refusal
+    is audited too). ``find(at_or_before)``: this rank's newest point in its memory tier (bounded by
+    ``--load``)."""
     from megatron.core import parallel_state as ps
 
     from moe_ft import comm
@@ -227,7 +229,14 @@ def plan_recovery(*, rank: int, find, fetched_here: bool, durable_end: int | Non
                          memory_end=point.end if point is not None else -1, fetched=fetched_here)
     inventories = [RankInventory(**d) for d in comm.all_gather_object(asdict(mine))]
     plan = decide(inventories, durable_end=durable_end, load_iteration=load_iteration, lossy=lossy)
-    check_min_level(plan.level, min_level, plan.reason)
+    try:
+        check_min_level(plan.level, min_level, plan.reason)
+    except RecoveryRefused as e:
+        if rank == 0 and audit_path:
+            append_audit(audit_path, {"restart_count": restart_count, "refused": str(e), "path": plan.path,
+                                      "planned": plan.level, "reason": plan.reason, "min_level": min_level,
+                                      "lost_ranks": plan.lost_ranks})
+        raise
     return PlanContext(plan=plan, fetched_here=fetched_here, inventories=inventories)
 
 

@@ -1,0 +1,91 @@
+"""Issue 16 acceptance: a whole pipeline stage is lost with every copy of its state.
+
+PP=4 on 4 ranks, run as 4 simulated nodes of one rank each (``moe_ft/drill_nodes.py``), so rank r is
+pipeline stage r. Node 1 is killed at the start of iteration 6 and its store deleted; there are no
+replicas (``--ft-replicas 0``) and no durable tier, so nothing anywhere holds stage 1's state.
+
+* accepted (``--ft-min-recovery-level approximate``): the planner takes the CheckFree path, rank 1 is
+  rebuilt from ranks 0 and 2 weighted by their recorded squared gradient norms, every rank replays the
+  survivors' window with the rebuilt stage, and training runs to the end; the report and the audit log
+  label stage 1's operators ``checkfree`` (approximate);
+* refused (``--ft-min-recovery-level exact``): the same loss stops the job with one line, before anything
+  is restored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from moe_ft.cli.drill import run_node_job
+from moe_ft.drill_nodes import NodeLoss
+
+pytestmark = pytest.mark.multiproc
+
+ITERS, WINDOW = 10, 3
+PP4 = ["--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "1", "--num-layers", "4",
+       "--ft-replicas", "0", "--ft-ranks-per-node", "1"]
+
+
+def lose_stage_1(corpus: str, work: Path, job: str, min_level: str, max_restarts: int) -> dict:
+    workdir = work / job
+    workdir.mkdir(parents=True)
+    return run_node_job(job=job, workdir=str(workdir), faults=[], losses=[NodeLoss.parse("1:6")], num_nodes=4,
+                        max_restarts=max_restarts, timeout=500, layout="ep2pp2", policy="sparse", iters=ITERS,
+                        data=corpus, store=str(work / f"{job}_store"), window=WINDOW,
+                        extra=[*PP4, "--ft-min-recovery-level", min_level])
+
+
+@pytest.mark.timeout(600)
+def test_lost_stage_rebuilt_by_checkfree(corpus, tmp_path):
+    res = lose_stage_1(corpus, tmp_path, "accepted", "approximate", max_restarts=2)
+    assert res["rc"] == 0 and res["digest"], f"the drill failed (rc {res['rc']}), see {res['logs']}"
+    (event,) = res["node_losses"]
+    assert event["nodes"] == [1] and event["survivors"] == [0, 2, 3]
+    (report,) = res["reports"]
+    levels = report["recovery_levels"]
+    assert levels["path"] == "checkfree" and levels["level"] == "approximate", levels
+    (rebuilt,) = levels["rebuilt"]
+    assert rebuilt["rank"] == 1 and rebuilt["from"] == [0, 2]
+    w_prev, w_next = rebuilt["weights"]
+    # both neighbours recorded their squared gradient norms with their snapshots: a real weighting, not
+    # the uniform fallback, and not a one-sided copy
+    assert rebuilt["note"] == "" and 0 < w_prev < 1 and math.isclose(w_prev + w_next, 1.0), rebuilt
+    ops = levels["operators"]
+    stage1 = {op for op in ops if re.fullmatch(r"(dense|gate)\.L1|expert\.L1\.E\d+", op)}
+    assert len(stage1) == 2 + 4 and all(ops[op] == "checkfree" for op in stage1), ops  # 4 experts, 1 layer
+    assert all(ops[op] != "checkfree" for op in set(ops) - stage1)
+    assert ops["embedding"] in ("window_replay", "replay_beside_rebuilt", "local_point")
+    assert "survivor_point" in levels["unavailable"]
+    rp = report["recovery_point"]
+    assert rp["source"] == "memory" and rp["resume"] <= 6 and report["routing_checked"] == 0
+    assert "rank 1 rebuilt by CheckFree from ranks [0, 2]" in report["message"]
+    # the audit log (rank 0's job directory, node 0 survived) has the same record
+    audit = Path(tmp_path / "accepted_store" / "node0" / "accepted" / "recovery_audit.jsonl").read_text().splitlines()
+    assert len(audit) == 1 and json.loads(audit[0])["level"] == "approximate"
+    assert json.loads(audit[0])["operators"] == ops
+    # training went on to the end with finite losses
+    log = "".join(Path(p).read_text() for p in res["logs"])
+    final = re.findall(rf"iteration\s+{ITERS}/{ITERS} \| loss ([0-9.naninf]+)", log)
+    assert final and all(math.isfinite(float(x)) for x in final), final
+
+
+@pytest.mark.timeout(600)
+def test_lost_stage_refused_below_min_level(corpus, tmp_path):
+    res = lose_stage_1(corpus, tmp_path, "refused", "exact", max_restarts=1)
+    assert res["rc"] not in (0, 124), f"the job should stop, not finish or hang (rc {res['rc']}), see {res['logs']}"
+    assert res["reports"] == []  # refused before anything was restored
+    log = "".join(Path(p).read_text() for p in res["logs"])
+    lines = [line for line in log.splitlines() if "moe-ft recovery refused" in line]
+    assert lines, log[-3000:]
+    assert lines[0].startswith("error: moe-ft recovery refused: the best available recovery is approximate")
+    assert "--ft-min-recovery-level is exact" in lines[0] and "RecoveryRefused" not in log
+    audit = Path(tmp_path / "refused_store" / "node0" / "refused" / "recovery_audit.jsonl")
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert records and all(r["refused"] and r["planned"] == "approximate" for r in records)
+    assert not os.path.exists(tmp_path / "refused" / "refused.json")  # no final digest: training never resumed
