@@ -40,6 +40,9 @@ class SnapshotConfig:
     job_id: str = field(default="default", metadata=field_help("Job name inside --ft-store-dir."))
     dense_interval: int = field(default=1, metadata=field_help("dense: snapshot every N iterations."))
     pec_k: int = field(default=1, metadata=field_help("pec: K_snapshot experts per layer per checkpoint."))
+    pec_k_persist: int = field(default=1, metadata=field_help(
+        "pec: K_persist experts per layer of each checkpoint also written to the durable tier (MoC §5.1 "
+        "two-level PEC); 1 <= K_persist <= --ft-pec-k."))
     pec_selection: str = field(default="sequential", metadata=field_help(
         "pec: expert selection.", choices=["sequential", "load_aware"]))
     sparse_window: int = field(default=0, metadata=field_help(
@@ -61,6 +64,9 @@ class SnapshotConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--ft-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         _non_negative(self, ("sparse_window", "selective_local_budget", "selective_remote_budget"), "ft_")
+        if not 1 <= self.pec_k_persist <= self.pec_k:
+            raise ValueError(f"--ft-pec-k-persist must be in [1, --ft-pec-k={self.pec_k}] (MoC §5.1: the durable "
+                             f"tier holds a subset of each checkpoint's experts), got {self.pec_k_persist}")
         if self.snapshot_bandwidth <= 0:
             raise ValueError("--ft-snapshot-bandwidth must be positive (bytes/s)")
 

@@ -90,7 +90,7 @@ class PECPolicy(SnapshotPolicy):
 
     @classmethod
     def config_from_flags(cls, flags, t_iter_s: float) -> "PECConfig":
-        return PECConfig(k_snapshot=flags.pec_k, k_persist=1, selection=flags.pec_selection)
+        return PECConfig(k_snapshot=flags.pec_k, k_persist=flags.pec_k_persist, selection=flags.pec_selection)
 
     @classmethod
     def check_flags(cls, config) -> None:
