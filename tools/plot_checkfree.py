@@ -103,7 +103,8 @@ def main(argv=None) -> int:
     from moe_ft.checkfree.study import STRATEGIES, StudyConfig, run_study
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="Directory for the PNG (and the JSON of the curves).")
+    p.add_argument("--out", required=True, help="Directory for the PNG.")
+    p.add_argument("--json", default="", help="Also write every curve (losses, failures) to this JSON file.")
     p.add_argument("--doc", default=os.path.join(ROOT, "docs", "checkfree.md"),
                    help="Markdown file whose checkfree-study block receives the table ('' = none).")
     p.add_argument("--iterations", type=int, default=StudyConfig.iterations)
@@ -119,8 +120,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="checkfree-study-") as tmp:
         curves = run_study(cfg, make_data(tmp, seed=0), log=lambda line: print(line, flush=True))
     seconds = time.perf_counter() - start
-    with open(os.path.join(a.out, "checkfree_curves.json"), "w") as f:
-        json.dump([c.__dict__ for c in curves], f)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([c.__dict__ for c in curves], f)
     block = (table(curves, cfg) + f"\n\n{cfg.iterations} executed iterations per strategy, a stage lost every "
              f"{cfg.fail_every}, rollback checkpoints every {cfg.checkpoint_every}; eval loss on "
              f"{cfg.eval_iters} held-out iterations; seed {cfg.seed}; {seconds:.0f} s for the whole study "
