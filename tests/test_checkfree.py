@@ -248,9 +248,7 @@ def test_copies_refresh_and_restore_bitwise(tmp_path):
     assert store.restore("embedding", 4, live) == 7 * 4 * 4 + 5 * 4 * 2
     for name, t in live.items():
         assert t.dtype == versions[4][name].dtype
-        assert torch.equal(t.view(torch.uint8) if t.dtype != torch.bfloat16 else t.view(torch.int16),
-                           versions[4][name].view(torch.uint8) if t.dtype != torch.bfloat16
-                           else versions[4][name].view(torch.int16))  # bit for bit
+        assert torch.equal(t.view(torch.uint8), versions[4][name].view(torch.uint8))  # bit for bit
     store.prune(keep_from=5)
     assert store.iterations("embedding") == [5]
     store.discard_after(4)
