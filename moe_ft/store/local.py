@@ -5,11 +5,20 @@ survive the death of the worker process (not of the node). Layout (see ``docs/st
     <dir>/points/<iteration:012d>/      published points: MANIFEST.json + one file per entry
     <dir>/staging/<iteration:012d>.<pid>.<n>/   points being written (or left by a killed writer)
     <dir>/trash/...                     points being deleted
+    <dir>/recycle/<blob name>           entry files of deleted points, overwritten by the next entry of that
+                                        name (tmpfs pages reused, not freed and allocated again)
 
 Publishing a point is one ``rename(2)`` of its staging directory into ``points/``: atomic on POSIX file
 systems, so a reader sees either the whole point or nothing. With ``fsync=True`` every file, the staging
 directory and ``points/`` are fsynced around the rename (needed only on disks: tmpfs cannot lose data
 that a process wrote, and does not survive a reboot anyway).
+
+Recycling (``recycle=True``, the default): garbage collection moves the entry files of a deleted point into
+``recycle/`` (one file per blob name, the newest) and the next entry of that name is written *over* it in
+its staging directory, then truncated to its length. On tmpfs a new file costs a page allocation and
+zeroing per 4 KiB before the copy — about as much again as the copy (measured: 38 ms against 20 ms per
+100 MB here) — and snapshots write the same entries every few iterations. The pool holds at most one file
+per entry name (at most about one FULL snapshot of the rank); publishing is unchanged (write, then rename).
 """
 
 from __future__ import annotations
@@ -57,15 +66,21 @@ def _valid_name(name: str) -> str:
 class _FileSink(BlobSink):
     def __init__(self, writer: "_LocalWriter", name: str) -> None:
         self._writer, self._name = writer, name
-        self._file = open(f"{writer.path}/{name}", "xb", buffering=0)
+        path = f"{writer.path}/{name}"
+        self._reused = writer.backend._take_recycled(name, path)
+        self._file = open(path, "r+b" if self._reused else "xb", buffering=0)
+        self._written = 0
 
     def write(self, buf: Any) -> None:
         view = memoryview(buf).cast("B")
+        self._written += len(view)
         while view:  # raw (unbuffered) writes may be short
             view = view[self._file.write(view):]
         self._writer.backend._hook("blob_write", self._writer.iteration, self._name)
 
     def close(self) -> None:
+        if self._reused:  # a recycled file may be longer than this entry
+            self._file.truncate(self._written)
         if self._writer.backend.fsync:
             os.fsync(self._file.fileno())
         self._file.close()
@@ -119,9 +134,11 @@ class LocalFSBackend(StoreBackend):
     """File backend rooted at ``directory`` (created if missing). One writing process per directory."""
 
     def __init__(self, directory: str | os.PathLike, *, fsync: bool = False,
-                 fault_hook: FaultHook | None = None, create: bool = True) -> None:
+                 fault_hook: FaultHook | None = None, create: bool = True, recycle: bool = True) -> None:
         self.directory = Path(directory)
         self.fsync = fsync
+        self.recycle = recycle
+        self._recycle_str = str(self.directory / "recycle")
         self._fault_hook = fault_hook
         self.points_dir = self.directory / "points"
         self._points_str = str(self.points_dir)
@@ -205,6 +222,16 @@ class LocalFSBackend(StoreBackend):
     def open_blob(self, iteration: int, name: str) -> BinaryIO:
         return open(f"{self._point_path(iteration)}/{_valid_name(name)}", "rb")
 
+    def _take_recycled(self, name: str, path: str) -> bool:
+        """Move the recycled file of blob ``name`` to ``path`` (a staging file); ``False`` if there is none."""
+        if not self.recycle:
+            return False
+        try:
+            os.rename(f"{self._recycle_str}/{name}", path)
+        except FileNotFoundError:
+            return False
+        return True
+
     def delete_point(self, iteration: int) -> None:
         target = self.trash_dir / f"{iteration:012d}.{os.getpid()}.{next(self._counter)}"
         self.trash_dir.mkdir(exist_ok=True)
@@ -212,6 +239,11 @@ class LocalFSBackend(StoreBackend):
             os.rename(self._point_path(iteration), target)  # invisible from here on
         except FileNotFoundError:
             return
+        if self.recycle:
+            os.makedirs(self._recycle_str, exist_ok=True)
+            for name in os.listdir(target):
+                if name != MANIFEST:  # replaces (frees) an older recycled file of that name
+                    os.rename(f"{target}/{name}", f"{self._recycle_str}/{name}")
         shutil.rmtree(target, ignore_errors=True)
 
     def sweep_staging(self) -> int:

@@ -95,7 +95,12 @@ class PointRecord:
         return sum(e.nbytes for e in self.entries.values()) + (self.meta.nbytes if self.meta else 0)
 
     def all_entries(self) -> list[EntryRecord]:
-        return sorted(self.entries.values(), key=lambda e: e.op) + ([self.meta] if self.meta else [])
+        return sorted(self.entries.values(), key=_entry_order) + ([self.meta] if self.meta else [])
+
+
+def _entry_order(entry: EntryRecord) -> tuple[str, int, int]:
+    """Entries in :class:`OperatorId` order (by its fields, without the dataclass's Python ``__lt__``)."""
+    return entry.op.kind, entry.op.layer, entry.op.expert
 
 
 def _digest(body: dict[str, Any], algo: str) -> str:
@@ -116,7 +121,7 @@ def build_manifest(iteration: int, algo: str, entries: list[EntryRecord],
     created, writer = time.time(), {"pid": os.getpid(), "host": _HOST}
     body = {
         "format": FORMAT, "iteration": iteration, "checksum_algo": algo,
-        "entries": [e.to_json() for e in sorted(entries, key=lambda e: e.op)],
+        "entries": [e.to_json() for e in sorted(entries, key=_entry_order)],
         "meta": meta.to_json() if meta else None,
         "created_unix": created, "writer": writer,
     }

@@ -48,6 +48,12 @@ class RecoveryPoint:
 RecoveryRule = Callable[[Catalog, int], "RecoveryPoint | None"]
 
 
+def op_order(op: OperatorId) -> tuple[str, int, int]:
+    """Sort key giving :class:`OperatorId`'s own order (its fields in declaration order) without the
+    dataclass's Python-level ``__lt__``: rules run after every publish (garbage collection)."""
+    return op.kind, op.layer, op.expert
+
+
 def _meta_refs(catalog: Catalog, iterations: Iterable[int], require_meta: bool) -> list[EntryRef] | None:
     refs = []
     for it in iterations:
@@ -60,8 +66,10 @@ def _meta_refs(catalog: Catalog, iterations: Iterable[int], require_meta: bool) 
 
 def dense_complete(catalog: Catalog, end: int, operators: Iterable[OperatorId],
                    require_meta: bool = True) -> RecoveryPoint | None:
-    ops = sorted(operators)
-    if catalog.point(end) is None or any(catalog.level(end, op) != Level.FULL for op in ops):
+    point = catalog.point(end)
+    ops = sorted(operators, key=op_order)
+    # cheap necessary condition first: GC asks this of every recent point, most hold few or no entries
+    if point is None or len(point.entries) < len(ops) or any(point.level(op) != Level.FULL for op in ops):
         return None
     meta = _meta_refs(catalog, [end], require_meta)
     if meta is None:
@@ -78,7 +86,7 @@ def sparse_window_complete(catalog: Catalog, start: int, end: int, operators: It
         return None  # a missing snapshot in the window breaks the replay
     full_at: dict[OperatorId, int] = {}
     refs: list[EntryRef] = []
-    for op in sorted(operators):
+    for op in sorted(operators, key=op_order):
         for it in range(start, end + 1):
             level = catalog.level(it, op)
             if level == Level.FULL:
@@ -154,7 +162,7 @@ class NewestFullRule:
     def __call__(self, catalog: Catalog, end: int) -> RecoveryPoint | None:
         if catalog.point(end) is None:
             return None
-        full_at = catalog.newest_full_map(sorted(self.operators), end)
+        full_at = catalog.newest_full_map(sorted(self.operators, key=op_order), end)
         if any(it is None for it in full_at.values()):
             return None
         meta = _meta_refs(catalog, [end], self.require_meta)

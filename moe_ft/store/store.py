@@ -383,18 +383,34 @@ class SnapshotStore:
             self.delete_point(it)
         return doomed
 
+    def _gc_catalog(self) -> Catalog:
+        """The catalogue garbage collection decides on: the remembered record of every listed point this
+        store object published (the backend keeps published points immutable, so re-reading its manifest
+        and stat-ing its entries would return what was written), the full checks of :meth:`catalog` for
+        every other point (written by another process, e.g. before a restart). GC runs after every
+        publish; this keeps its cost independent of the number of entries per point."""
+        listed = self.points()
+        with self._lock:
+            known = {it: self._written[it][1] for it in listed if it in self._written}
+        others = [it for it in listed if it not in known]
+        if not others:
+            return Catalog(known)
+        checked = self.catalog(others)
+        return Catalog({**known, **{p.iteration: p for p in checked.points()}}, checked.problems)
+
     def gc(self) -> list[int]:
         """Delete the points the retention policy does not keep (and leftovers of dead writers)."""
         if self.retention is None:
             return []
-        catalog = self.catalog()
+        catalog = self._gc_catalog()
         keep = self.retention.keep(catalog)
         with self._lock:
             pinned = {it for it, n in self._pins.items() if n > 0}
         # Unreadable points are not in the catalog: the policy cannot vouch for them, and they must not
         # pile up, so they go once older than the oldest kept point.
         oldest_kept = min(keep | pinned, default=None)
-        doomed = [it for it in self.points() if it not in keep and it not in pinned
+        listed = self.points()
+        doomed = [it for it in listed if it not in keep and it not in pinned
                   and (it in catalog.iterations or (oldest_kept is not None and it < oldest_kept))]
         for it in doomed:
             self.backend.delete_point(it)
