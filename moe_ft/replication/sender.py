@@ -5,6 +5,18 @@ entry files and send them to this rank's replica peers (``placement.py``), on a 
 the point is pinned in the store while it is read. Points that garbage collection removed before the
 sender got to them (replication slower than snapshots) are skipped and counted. ``lag(t)`` is the number
 of iterations the newest replicated point is behind ``t`` (logged in the FT line).
+
+**Remote budget** (MoEtion §4.2, ``B_remote = BW_net × T_iter``): with ``budget`` set, each submitted
+iteration adds ``budget()`` bytes of credit and the sender spends credit on what it sends (payload summed
+over the peers, the bytes leaving this rank), so after ``n`` submitted iterations at most
+``Σ B_remote`` bytes have left the rank. It replicates the *newest recovery point first*: it asks the
+store for the newest point its retention rule completes at or before the newest published iteration
+(``SnapshotStore.newest_recoverable``), adds the newer points of the recovery point in flight (the rest
+of a sparse window), and sends the ones not sent yet, newest first, while they fit the credit; points
+older than that recovery point are abandoned (``deferred``), never sent late. ``submit(t, plan)``
+restricts point ``t`` to the operators ``plan`` saves FULL (selective's ``remote_plan``; the metadata
+entry always goes). ``lag(t)`` is then ``t`` minus the end of the newest recovery point whose every point
+reached the peers.
 """
 
 from __future__ import annotations
@@ -14,12 +26,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from moe_ft.replication.transport import PointMessage, Transport
+from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import SnapshotStore
 from moe_ft.store.backend import MANIFEST
-from moe_ft.store.manifest import EntryRecord, decode_manifest
+from moe_ft.store.manifest import EntryRecord, PointRecord, decode_manifest
 
 logger = logging.getLogger("moe_ft.replication")
 
@@ -42,17 +55,28 @@ class SentRecord:
 
 class ReplicaSender:
     """Replicates this rank's published points to ``peers`` over ``transport``. ``select(entry)`` decides
-    which operator entries are sent (``needs_replication``); the metadata entry always is."""
+    which operator entries are sent (``needs_replication``); the metadata entry always is. ``budget``:
+    ``B_remote`` in bytes per iteration (called at each submit, so it may follow ``T_iter``), ``None`` for
+    no limit; see the module docstring."""
 
     def __init__(self, config: SenderConfig, store: SnapshotStore, transport: Transport, peers: Sequence[int], *,
-                 owner: int, select: Callable[[EntryRecord], bool] | None = None) -> None:
+                 owner: int, select: Callable[[EntryRecord], bool] | None = None,
+                 budget: Callable[[], Optional[int]] | None = None) -> None:
         self.config, self.store, self.transport = config, store, transport
         self.peers, self.owner = tuple(peers), owner
         self.select = select or (lambda entry: True)
+        self.budget = budget
         self.sent: list[SentRecord] = []
         self.skipped: list[tuple[int, str]] = []
+        self.deferred: list[int] = []
+        """Budgeted: points abandoned because a newer recovery point superseded them before they fit."""
         self.submitted_iteration: int | None = None
         self.replicated_iteration: int | None = None
+        self.credit = 0
+        """Budgeted: bytes the sender may still send (``Σ budget()`` over submits − bytes sent)."""
+        self._plans: dict[int, frozenset[OperatorId]] = {}
+        self._done: set[int] = set()  # budgeted: points already on every peer
+        self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._closing = threading.Event()
         self._error: BaseException | None = None
@@ -60,12 +84,19 @@ class ReplicaSender:
         self._thread.start()
 
     # -- training thread ---------------------------------------------------------------------------------
-    def submit(self, iteration: int) -> None:
-        """Replicate point ``iteration`` once it is published (returns at once)."""
+    def submit(self, iteration: int, plan: Mapping[OperatorId, Level] | None = None) -> None:
+        """Replicate point ``iteration`` once it is published (returns at once). ``plan``: send only the
+        operators it saves FULL (MoEtion's remote plan) instead of every entry of the point."""
         self._raise_if_failed()
         self.submitted_iteration = iteration
-        if self.peers:
-            self._queue.put(iteration)
+        if not self.peers:
+            return
+        with self._lock:
+            if plan is not None:
+                self._plans[iteration] = frozenset(op for op, lvl in plan.items() if lvl == Level.FULL)
+            if self.budget is not None:
+                self.credit += max(int(self.budget() or 0), 0)
+        self._queue.put(iteration)
 
     def lag(self, iteration: int) -> int:
         """Iterations between ``iteration`` and the newest point fully sent to every peer."""
@@ -100,7 +131,10 @@ class ReplicaSender:
                 if iteration is None:
                     return
                 if self._error is None:
-                    self._replicate(iteration)
+                    if self.budget is None:
+                        self._replicate(iteration)
+                    else:
+                        self._replicate_budgeted(iteration)
             except BaseException as exc:  # surfaced on the training thread by the next submit/flush
                 self._error = exc
                 logger.error("moe-ft replication rank %d: %r", self.owner, exc)
@@ -119,21 +153,78 @@ class ReplicaSender:
         self.skipped.append((iteration, why))
         logger.warning("moe-ft replication rank %d: point %d not replicated: %s", self.owner, iteration, why)
 
+    def _chosen(self, iteration: int, record: PointRecord) -> list[EntryRecord]:
+        with self._lock:
+            plan = self._plans.get(iteration)
+        return [e for e in record.all_entries()
+                if e.op is None or (self.select(e) and (plan is None or e.op in plan))]
+
+    def _read(self, iteration: int) -> PointMessage:
+        """The message for point ``iteration`` (its chosen entries); ``FileNotFoundError`` if GC took it."""
+        backend = self.store.backend
+        with self.store.pin([iteration]):
+            manifest = backend.read_blob(iteration, MANIFEST)
+            record = decode_manifest(manifest, iteration, f"{backend.describe()} iteration {iteration}")
+            blobs = {e.blob: backend.read_blob(iteration, e.blob) for e in self._chosen(iteration, record)}
+        return PointMessage(owner=self.owner, iteration=iteration, manifest=manifest, blobs=blobs)
+
+    def _send(self, message: PointMessage, start: float) -> int:
+        nbytes = sum(self.transport.send_point(peer, message) for peer in self.peers)
+        self.sent.append(SentRecord(message.iteration, nbytes, len(message.blobs), time.perf_counter() - start))
+        with self._lock:
+            self._plans.pop(message.iteration, None)
+        return nbytes
+
     def _replicate(self, iteration: int) -> None:
         if not self._wait_published(iteration):
             return self._skip(iteration, f"not published within {self.config.publish_timeout_s:.0f} s")
         start = time.perf_counter()
-        backend = self.store.backend
         try:
-            with self.store.pin([iteration]):
-                manifest = backend.read_blob(iteration, MANIFEST)
-                record = decode_manifest(manifest, iteration, f"{backend.describe()} iteration {iteration}")
-                chosen = [e for e in record.all_entries() if e.op is None or self.select(e)]
-                blobs = {e.blob: backend.read_blob(iteration, e.blob) for e in chosen}
+            message = self._read(iteration)
         except FileNotFoundError:
             return self._skip(iteration, "deleted by garbage collection before it was read "
                                          "(replication slower than snapshots)")
-        message = PointMessage(owner=self.owner, iteration=iteration, manifest=manifest, blobs=blobs)
-        nbytes = sum(self.transport.send_point(peer, message) for peer in self.peers)
-        self.sent.append(SentRecord(iteration, nbytes, len(chosen), time.perf_counter() - start))
+        self._send(message, start)
         self.replicated_iteration = iteration
+
+    def _wanted(self, newest: int) -> tuple[list[int], Optional[int]]:
+        """Points of the newest recovery point at or before ``newest`` and of the one in flight after it
+        (newest first), and that recovery point's end (``None``: no complete one yet: every point)."""
+        rule = getattr(self.store.retention, "rule", None)
+        published = [it for it in self.store.points() if it <= newest]
+        point = self.store.newest_recoverable(rule, at_or_before=newest) if rule is not None else None
+        if rule is None:  # no completeness rule: each point stands alone
+            return [newest] if newest in published else [], newest
+        if point is None:
+            return sorted(published, reverse=True), None
+        wanted = set(point.iterations) | {it for it in published if it > point.end}
+        return sorted(wanted, reverse=True), point.end
+
+    def _replicate_budgeted(self, iteration: int) -> None:
+        if not self._wait_published(iteration):
+            return self._skip(iteration, f"not published within {self.config.publish_timeout_s:.0f} s")
+        if not self._queue.empty():  # behind: a newer point is queued, plan from the newest one
+            return
+        wanted, end = self._wanted(iteration)
+        abandoned = [it for it in self.store.points() if it < min(wanted, default=iteration + 1)
+                     and it not in self._done and it not in self.deferred]
+        self.deferred.extend(abandoned)
+        for it in (w for w in wanted if w not in self._done):
+            start = time.perf_counter()
+            try:
+                message = self._read(it)
+            except FileNotFoundError:
+                self._skip(it, "deleted by garbage collection before it was read")
+                continue
+            cost = message.nbytes * len(self.peers)
+            with self._lock:
+                if cost > self.credit:
+                    break  # keep the credit: the next iteration adds to it
+                self.credit -= cost
+            self._send(message, start)
+            self._done.add(it)
+        complete = [e for e in ([end] if end is not None else [])
+                    if all(w in self._done for w in wanted if w <= e)]
+        if complete:
+            self.replicated_iteration = complete[0]
+        self._done = {it for it in self._done if it >= min(wanted, default=0)}

@@ -71,9 +71,12 @@ class Replication:
                                 topo=topo, replica_store_of=self.receiver.store)
 
     @staticmethod
-    def build(*, num_replicas: int, layout: Layout, store, store_root: str, job_id: str) -> "Replication | None":
+    def build(*, num_replicas: int, layout: Layout, store, store_root: str, job_id: str,
+              remote_budget=None) -> "Replication | None":
         """Collective (the dedicated group). ``None`` when there is nothing to replicate to: ``r = 0``, or a
-        single-node job (no other failure domain; logged)."""
+        single-node job (no other failure domain; logged). ``remote_budget``: a callable returning
+        ``B_remote`` (bytes per iteration this rank may send, MoEtion §4.2; read at every submit so it may
+        follow ``T_iter``), or ``None`` for no limit (``sender.py``)."""
         if num_replicas == 0:
             return None
         if len(set(layout.node_of)) == 1:
@@ -100,11 +103,13 @@ class Replication:
                                    lambda owner: replica_store_config(root=store_root, job_id=job_id,
                                                                       owner=owner).build())
         sender = ReplicaSender(SenderConfig(), store, transport, plan.peers[layout.rank], owner=layout.rank,
-                               select=select)
+                               select=select, budget=remote_budget)
         return Replication(sender, receiver, plan, layout)
 
-    def submit(self, iteration: int) -> None:
-        self.sender.submit(iteration)
+    def submit(self, iteration: int, plan=None) -> None:
+        """Replicate point ``iteration`` (only the operators ``plan`` saves FULL, if given: a policy's
+        remote plan, e.g. ``SelectivePolicy.remote_plan``)."""
+        self.sender.submit(iteration, plan)
 
     def discard_after(self, iteration: int) -> None:
         """Drop the replicas this rank holds of points newer than ``iteration`` (after a rollback)."""
@@ -115,6 +120,7 @@ class Replication:
         sent = self.sender.sent
         return {"replication_lag": self.sender.lag(iteration),
                 "replication_bytes": sent[-1].nbytes if sent else 0,
+                "replication_deferred": len(self.sender.deferred),
                 "replica_rejections": len(self.receiver.rejections)}
 
     def close(self) -> None:

@@ -1,0 +1,118 @@
+"""The remote budget of replication (MoEtion §4.2, ``B_remote = BW_net × T_iter``; issue 14 item 3): the
+bytes a rank sends to its peers stay within ``B_remote`` per submitted iteration (a running total), the
+newest recovery point goes first, superseded points are abandoned and the lag says how far behind the
+newest replicated recovery point is. One process: in-process transport, in-memory stores."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_ft.replication import InProcessHub, ReceiverConfig, ReplicaReceiver, ReplicaSender, SenderConfig
+from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store import (DenseRule, KeepTwoRecoverable, MemoryBackend, NewestFullRule, SnapshotStore,
+                          SparseWindowRule)
+
+E0, E1, D0 = OperatorId.expert_op(0, 0), OperatorId.expert_op(0, 1), OperatorId.dense(0)
+OPS = frozenset([E0, E1, D0])
+NUMEL = 1000  # 4 kB per entry
+
+
+def _publish(store: SnapshotStore, t: int, levels: dict) -> None:
+    with store.begin(t) as point:
+        for op, level in levels.items():
+            point.put(op, level, {"w": torch.full((NUMEL,), float(t))})
+        point.put_meta({"iteration": t})
+        point.publish()
+
+
+def _pair(rule, budget):
+    hub = InProcessHub()
+    local = SnapshotStore(MemoryBackend(name="rank0"), retention=KeepTwoRecoverable(rule=rule))
+    replica = SnapshotStore(MemoryBackend(name="replica"))
+    receiver = ReplicaReceiver(ReceiverConfig(keep_points=16), hub.endpoint(1), [0], lambda owner: replica)
+    sender = ReplicaSender(SenderConfig(), local, hub.endpoint(0), [1], owner=0, budget=budget)
+    return local, replica, sender, receiver
+
+
+def _point_bytes(levels) -> int:
+    """Payload of one replicated point of this test: measured on a throwaway store."""
+    store = SnapshotStore(MemoryBackend())
+    _publish(store, 0, levels)
+    return sum(len(store.backend.read_blob(0, b)) for b in store.backend.blob_names(0))
+
+
+def test_dense_points_within_budget_newest_first_with_lag():
+    full = {op: Level.FULL for op in OPS}
+    budget = _point_bytes(full) // 2 + 1  # half a point per iteration: every second point fits
+    local, replica, sender, receiver = _pair(DenseRule(operators=OPS), lambda: budget)
+    lags = []
+    for t in range(10):
+        _publish(local, t, full)
+        sender.submit(t)
+        sender.flush()
+        assert sum(s.nbytes for s in sender.sent) <= budget * (t + 1)  # running total within B_remote
+        lags.append(sender.lag(t))
+    sent = [s.iteration for s in sender.sent]
+    assert sent == [1, 3, 5, 7, 9]  # the newest point whenever the credit covers one
+    assert sender.deferred == [0, 2, 4, 6, 8]  # superseded before they fit: never sent late
+    assert lags == [1, 0, 1, 0, 1, 0, 1, 0, 1, 0]
+    sender.close()
+    receiver.join(timeout=10)
+    assert replica.points() == sent and not replica.verify().problems
+
+
+def test_unlimited_budget_sends_every_point():
+    full = {op: Level.FULL for op in OPS}
+    local, replica, sender, receiver = _pair(DenseRule(operators=OPS), lambda: 10**12)
+    for t in range(4):
+        _publish(local, t, full)
+        sender.submit(t)
+        sender.flush()
+    assert [s.iteration for s in sender.sent] == [0, 1, 2, 3] and sender.lag(3) == 0 and not sender.deferred
+    sender.close()
+    receiver.join(timeout=10)
+
+
+def test_sparse_window_is_replicated_whole_before_it_counts():
+    """MoEvement windows of 3 (slice i FULL at w0 + i, COMPUTE before, NONE after): the lag counts from
+    the newest window whose three points all reached the peer."""
+    windows = [{E0: Level.FULL, E1: Level.COMPUTE, D0: Level.COMPUTE}, {E1: Level.FULL, D0: Level.COMPUTE},
+               {D0: Level.FULL}]
+    per_iteration = max(_point_bytes(w) for w in windows) + 64
+    local, replica, sender, receiver = _pair(SparseWindowRule.aligned(OPS, window_size=3),
+                                             lambda: per_iteration)
+    ends = []
+    for t in range(9):
+        _publish(local, t, windows[t % 3])
+        sender.submit(t)
+        sender.flush()
+        assert sum(s.nbytes for s in sender.sent) <= per_iteration * (t + 1)
+        ends.append(sender.replicated_iteration)
+    assert ends[2] == 2 and ends[5] == 5 and ends[8] == 8  # each window counts once its last point arrived
+    assert ends[3] == 2 and ends[4] == 2  # while the next window is in flight
+    sender.close()
+    receiver.join(timeout=10)
+    rp = replica.newest_recoverable(SparseWindowRule.aligned(OPS, window_size=3), verify=True)
+    assert (rp.start, rp.end) == (6, 8)
+
+
+def test_plan_restricts_what_is_sent_and_budget_follows_its_callable():
+    """``submit(t, plan)``: only the plan's FULL operators (selective's remote plan) and the metadata go;
+    the budget callable is read at every submit (B_remote follows the measured T_iter)."""
+    full = {op: Level.FULL for op in OPS}
+    budget = [10**9]
+    local, replica, sender, receiver = _pair(NewestFullRule(operators=OPS), lambda: budget[0])
+    _publish(local, 0, full)
+    sender.submit(0, {E0: Level.FULL, E1: Level.NONE, D0: Level.FULL})
+    sender.flush()
+    assert sender.sent[0].num_entries == 3  # E0, D0, metadata
+    credit = sender.credit
+    budget[0] = 5
+    _publish(local, 1, full)
+    sender.submit(1)
+    sender.flush()
+    assert [s.iteration for s in sender.sent] == [0, 1] and sender.credit == credit + 5 - sender.sent[1].nbytes
+    sender.close()
+    receiver.join(timeout=10)
+    point = replica.catalog().point(0)
+    assert set(point.entries) == {E0, D0} and point.meta is not None
