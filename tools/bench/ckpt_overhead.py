@@ -1,6 +1,10 @@
-"""Checkpoint overhead of the snapshot policies on the tiny CPU model (issue 3), side by side in one run.
+"""Checkpoint overhead of the snapshot policies on a CPU model (issues 3 and 14), side by side in one run.
 
-    python tools/bench/ckpt_overhead.py [--quick] [--json] [--nproc {2,4}] [--data-path PREFIX]
+    python tools/bench/ckpt_overhead.py [--model {tiny,medium}] [--quick] [--json] [--nproc {2,4}] [--data-path PREFIX]
+
+Models: ``tiny`` (2 layers, hidden 64, 4 experts top-2, seq 64; ~50 ms of CPU per iteration: fixed
+per-iteration costs dominate) and ``medium`` (4 layers, hidden 256, 8 experts top-2, seq 128; >= 1 s per
+iteration on 2 cores: the bytes dominate, as on real models). ``--model medium --json`` takes ~6-8 min on 2 cores.
 
 Launches ``torchrun`` (4 ranks, EP=2 x PP=2, 1 thread each; ``--nproc 2``: EP=2, one stage) on this file. The FT runtime holds one
 session (policy + engine + store) per policy — ``none``, ``dense(1)``, ``dense(k)``, ``pec``,
@@ -16,7 +20,11 @@ cycling, so every policy sees the same machine noise; the first cycle is warm-up
   all-reduce, plan, metadata capture, submit; ``none`` pays the all-reduce only); ``hook_cpu_ms``: its CPU;
 * ``thread_cpu_ms``: median CPU time of the background snapshot thread per snapshot (copy, encode,
   checksum, write, publish, garbage collection) — CPU the 2 shared cores lose to the training processes;
+* ``meta_cpu_ms``: median CPU time of the metadata capture (``capture_step_meta``) on the training thread;
 * ``bytes_per_iter``: mean bytes snapshotted per iteration per rank (max over ranks);
+* ``floor_ms``: the physical floor of that policy: the time to copy (``memcpy``) and checksum (the store's
+  hash) ``bytes_per_iter`` at this machine's bandwidths, measured by this run before training (``_setup``:
+  ``memcpy_gbps``, ``hash_gbps``); ``floor_ratio`` = 1 + floor / median CPU time of a ``none`` iteration;
 * ``bytes_per_recovery_point``: bytes one recovery point keeps per rank (max over ranks): dense one
   snapshot; sparse the ``W`` snapshots of a window (MoEvement §3.3); pec/selective each operator's newest
   FULL (MoC/MoEtion lossy recovery), i.e. all FULL bytes.
@@ -36,9 +44,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 WINDOW = 5
 DENSE_K = 5
 POLICIES = ["none", "dense(1)", f"dense(k)", "pec", "selective", "sparse"]
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
-         "--micro-batch-size", "2", "--global-batch-size", "8"]
+MODELS = {  # flags, measured cycles (default, --quick)
+    "tiny": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+              "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+              "--micro-batch-size", "2", "--global-batch-size", "8"], 10, 3),
+    "medium": (["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
+                "--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+                "--micro-batch-size", "4", "--global-batch-size", "32"], 3, 1),
+}
 PP = {4: 2, 2: 1}  # ranks -> pipeline stages (EP = 2 always): 4 ranks = EP2 x PP2, 2 ranks = EP2
 
 
@@ -54,8 +67,21 @@ def worker(argv: list[str]) -> int:
     from moe_ft.runtime import FTRuntime
     from moe_ft.state.operators import Level
 
+    import moe_ft.snapshot.meta as meta_module
+
     out = argv.pop(argv.index("--out") + 1)
     argv.remove("--out")
+    meta_cpu: list[float] = []
+    capture = meta_module.capture_step_meta
+
+    def timed_capture(**kwargs):  # the runtime imports it at each call: this wrapper is what it runs
+        cpu = time.thread_time()
+        try:
+            return capture(**kwargs)
+        finally:
+            meta_cpu.append(time.thread_time() - cpu)
+
+    meta_module.capture_step_meta = timed_capture
     args = parse_args(argv, extra_groups=pretrain_gpt_moe.extra_argument_groups())
     base = args.extra["FTConfig"]
     block = WINDOW
@@ -63,8 +89,11 @@ def worker(argv: list[str]) -> int:
     class Bench(FTRuntime):
         def build(self, t_iter_s):
             super().build(t_iter_s)  # registry, catalogue, the configured (sparse) session
-            non_expert = max(sum(i.bytes_full for i in self.catalogue if not i.op.is_expert and
-                                 (i.pp_rank, i.ep_rank) == key) for key in {(i.pp_rank, i.ep_rank) for i in self.catalogue})
+            from moe_ft.state.catalogue import copied_bytes
+
+            # bytes a rank copies when every non-expert is FULL (each EP rank copies its stage's non-experts)
+            non_expert = max(copied_bytes({i.op: Level.FULL for i in self.catalogue if not i.op.is_expert},
+                                          self.catalogue).values())
             expert = max(i.bytes_full for i in self.catalogue if i.op.is_expert)
             variants = {
                 "none": dict(policy="none"),
@@ -85,6 +114,7 @@ def worker(argv: list[str]) -> int:
             self.owner: dict[int, str] = {}
             self.hook_seconds: dict[int, float] = {}
             self.hook_cpu: dict[int, float] = {}
+            self.meta_cpu: dict[int, float] = {}
 
         def __init__(self, config):
             super().__init__(config)
@@ -99,10 +129,12 @@ def worker(argv: list[str]) -> int:
             super().on_step_begin(iteration)
 
         def on_step_end(self, iteration, result):
-            start, cpu = time.perf_counter(), time.thread_time()
+            start, cpu, captures = time.perf_counter(), time.thread_time(), len(meta_cpu)
             super().on_step_end(iteration, result)
             self.hook_seconds[iteration] = time.perf_counter() - start
             self.hook_cpu[iteration] = time.thread_time() - cpu
+            if len(meta_cpu) > captures:
+                self.meta_cpu[iteration] = meta_cpu[-1]
 
         def select_session(self, iteration):
             label = POLICIES[(iteration // block) % len(POLICIES)]
@@ -144,7 +176,9 @@ def summarize(runtime, args, out: str) -> None:
             rp = full
         hook = [runtime.hook_seconds[t] for t in its if t in runtime.hook_seconds]
         cpu = [runtime.iteration_cpu[t] for t in its if t in runtime.iteration_cpu]
+        meta = [runtime.meta_cpu[t] for t in its if t in runtime.meta_cpu]
         local[label] = {"median_s": statistics.median(times),
+                         "meta_cpu_ms": 1e3 * statistics.median(meta) if meta else 0.0,
                          "median_cpu_s": statistics.median(cpu),
                          "hook_cpu_ms": 1e3 * statistics.median(runtime.hook_cpu[t] for t in its if t in runtime.hook_cpu),
                          "hook_ms": 1e3 * statistics.median(hook) if hook else 0.0,
@@ -167,42 +201,90 @@ def summarize(runtime, args, out: str) -> None:
                             "hook_cpu_ms": round(statistics.median(g[name]["hook_cpu_ms"] for g in gathered), 3),
                             "stall_ms": round(max(g[name]["stall_ms"] for g in gathered), 4),
                             "hook_ms": round(statistics.median(g[name]["hook_ms"] for g in gathered), 3),
+                            "meta_cpu_ms": round(statistics.median(g[name]["meta_cpu_ms"] for g in gathered), 3),
                             "thread_cpu_ms": round(statistics.median(g[name]["thread_cpu_ms"] for g in gathered), 3),
                             "bytes_per_iter": int(max(g[name]["bytes_per_iter"] for g in gathered)),
                             "bytes_per_recovery_point": int(max(g[name]["bytes_per_recovery_point"] for g in gathered))}
         report["_setup"] = {"window": WINDOW, "dense_k": DENSE_K, "iterations": args.training.train_iters,
+                            "ranks": dist.get_world_size(),
                             "median_iter_s_none": round(base_t, 4), "median_iter_cpu_s_none": round(base_cpu, 4)}
         with open(out, "w") as f:
             json.dump(report, f)
 
 
+def measure_bandwidth(nbytes: int = 128 << 20, repeats: int = 5) -> dict:
+    """Bytes/s of a host ``memcpy`` (``torch`` copy, one thread) and of the store's checksum on a buffer
+    larger than the caches (state-sized), best of ``repeats``: the physical floor's two terms."""
+    import torch
+
+    from moe_ft.store.codec import DEFAULT_CHECKSUM, new_checksum, raw_bytes
+
+    torch.set_num_threads(1)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    view = raw_bytes(src)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return nbytes / min(times)
+
+    def digest() -> None:
+        h = new_checksum(DEFAULT_CHECKSUM)
+        for start in range(0, nbytes, 8 << 20):  # the store's chunking (codec.CHUNK)
+            h.update(view[start:start + (8 << 20)])
+        h.digest()
+
+    return {"memcpy": best(lambda: dst.copy_(src)), "hash": best(digest), "hash_algo": DEFAULT_CHECKSUM}
+
+
+def add_floor(report: dict, bandwidth: dict) -> None:
+    """``floor_ms`` per policy: copy + checksum its bytes per iteration at the measured bandwidths, and
+    ``floor_ratio``: the CPU ratio a policy would have if it cost exactly that."""
+    base_cpu_s = report["_setup"]["median_iter_cpu_s_none"]
+    for name in POLICIES:
+        nbytes = report[name]["bytes_per_iter"]
+        floor_s = nbytes / bandwidth["memcpy"] + nbytes / bandwidth["hash"]
+        report[name]["floor_ms"] = round(1e3 * floor_s, 3)
+        report[name]["floor_ratio"] = round(1 + floor_s / base_cpu_s, 4) if base_cpu_s > 0 else None
+
+
 def main() -> int:
     import argparse
 
+    sys.path.insert(0, ROOT)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="3 measured cycles instead of 10 (< 3 min on 2 cores)")
-    p.add_argument("--json", action="store_true", help="print one JSON object keyed by policy")
+    p.add_argument("--model", default="tiny", choices=sorted(MODELS),
+                   help="tiny (fixed costs dominate) or medium (>= 1 s/iteration on 2 cores; bytes dominate)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer measured cycles (tiny: 3 instead of 10, < 3 min; medium: 1 instead of 3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object keyed by policy (and _setup)")
     p.add_argument("--data-path", default=None, help="indexed dataset prefix (default: a generated corpus)")
     p.add_argument("--nproc", type=int, default=4, choices=sorted(PP),
                    help="training processes: 4 (EP=2 x PP=2, default) or 2 (EP=2, one stage: one process per core)")
     a = p.parse_args()
+    flags, cycles_default, cycles_quick = MODELS[a.model]
+    started, load_before = time.perf_counter(), os.getloadavg()
+    bandwidth = measure_bandwidth()
     with tempfile.TemporaryDirectory(prefix="ckpt_overhead_") as tmp, \
             tempfile.TemporaryDirectory(prefix="moe_ft_bench_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as shm:
         data = a.data_path
         if data is None:
-            sys.path.insert(0, ROOT)
             from tools.make_corpus import write_corpus
             from tools.preprocess_data import preprocess
 
             write_corpus(os.path.join(tmp, "c.jsonl"), num_docs=300, seed=0)
             preprocess(os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "corpus"))
             data = os.path.join(tmp, "corpus")
-        cycles = 1 + (3 if a.quick else 10)
+        cycles = 1 + (cycles_quick if a.quick else cycles_default)
         iters = cycles * WINDOW * len(POLICIES)
         out = os.path.join(tmp, "report.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}", __file__,
-               "--worker", "--out", out, *MODEL, "--pipeline-model-parallel-size", str(PP[a.nproc]),
+               "--worker", "--out", out, *flags, "--pipeline-model-parallel-size", str(PP[a.nproc]),
                "--train-iters", str(iters), "--log-interval", str(iters),
                "--data-path", data, "--ft", "--ft-store-dir", shm, "--ft-sparse-window", str(WINDOW)]
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
@@ -210,17 +292,25 @@ def main() -> int:
             print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
             return proc.returncode
         report = json.load(open(out))
+    add_floor(report, bandwidth)
+    report["_setup"].update(model=a.model, nproc=a.nproc, memcpy_gbps=round(bandwidth["memcpy"] / 1e9, 2),
+                            hash_gbps=round(bandwidth["hash"] / 1e9, 2), hash_algo=bandwidth["hash_algo"],
+                            loadavg_before=[round(x, 2) for x in load_before],
+                            loadavg_after=[round(x, 2) for x in os.getloadavg()],
+                            seconds=round(time.perf_counter() - started, 1))
     if a.json:
-        print(json.dumps({k: v for k, v in report.items() if not k.startswith("_")}))
+        print(json.dumps(report))
     else:
-        print(f"{'policy':10s} {'overhead':>9s} {'cpu ratio':>9s} {'stall ms':>9s} {'hook ms':>8s} {'hook cpu':>8s} "
-              f"{'thread ms':>10s} {'bytes/iter':>12s} {'bytes/recovery pt':>18s}")
+        print(f"{'policy':10s} {'overhead':>9s} {'cpu ratio':>9s} {'floor ratio':>11s} {'stall ms':>9s} {'hook ms':>8s} "
+              f"{'hook cpu':>8s} {'meta cpu':>8s} {'thread ms':>10s} {'floor ms':>9s} {'bytes/iter':>12s} "
+              f"{'bytes/recovery pt':>18s}")
         for name in POLICIES:
             r = report[name]
-            print(f"{name:10s} {r['overhead_ratio']:9.3f} {r['cpu_ratio']:9.3f} {r['stall_ms']:9.3f} {r['hook_ms']:8.2f} "
-                  f"{r['hook_cpu_ms']:8.2f} {r['thread_cpu_ms']:10.2f} {r['bytes_per_iter']:12d} "
+            print(f"{name:10s} {r['overhead_ratio']:9.3f} {r['cpu_ratio']:9.3f} {r['floor_ratio']:11.4f} "
+                  f"{r['stall_ms']:9.3f} {r['hook_ms']:8.2f} {r['hook_cpu_ms']:8.2f} {r['meta_cpu_ms']:8.2f} "
+                  f"{r['thread_cpu_ms']:10.2f} {r['floor_ms']:9.3f} {r['bytes_per_iter']:12d} "
                   f"{r['bytes_per_recovery_point']:18d}")
-        print(json.dumps(dict(report["_setup"], nproc=a.nproc)))
+        print(json.dumps(report["_setup"]))
     return 0
 
 
