@@ -74,7 +74,18 @@ def restore_step_meta(meta: dict, tensors: dict[str, torch.Tensor], *, optimizer
 
 def capture_step_meta(*, iteration: int, result, state, global_batch_size: int, clip_grad: float,
                       policy=None, popularity=None) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``(meta, tensors)`` for the snapshot of ``iteration``; ``result`` is the loop's ``StepResult``."""
+    """``(meta, tensors)`` for the snapshot of ``iteration``; ``result`` is the loop's ``StepResult``.
+
+    Runs on the training thread every iteration, so it is kept to host bookkeeping: torch-function handling
+    is off while it runs (the CPU compatibility layer's device mode would put each of its ~30 tensor calls
+    through Python, ~10 us each; nothing here needs the mode: it creates no CUDA tensors, and ``.cpu()``
+    of a device tensor is unaffected), and the routers' expert biases are read from the layers directly
+    rather than by walking every module's buffers."""
+    with torch._C.DisableTorchFunction():
+        return _capture_step_meta(iteration, result, state, global_batch_size, clip_grad, policy, popularity)
+
+
+def _capture_step_meta(iteration, result, state, global_batch_size, clip_grad, policy, popularity):
     grad_norm = float(result.grad_norm)
     clip = 1.0
     if clip_grad > 0 and math.isfinite(grad_norm):
@@ -97,9 +108,20 @@ def capture_step_meta(*, iteration: int, result, state, global_batch_size: int, 
         pop = popularity.state_dict()
         meta["popularity"] = {k: v for k, v in pop.items() if not isinstance(v, torch.Tensor)}
         tensors.update({f"popularity.{k}": v for k, v in pop.items() if isinstance(v, torch.Tensor)})
-    for chunk in state.model:
-        for name, buf in getattr(chunk, "module", chunk).named_buffers():
-            if name.endswith("mlp.router.expert_bias") and buf is not None:
-                layer = getattr(chunk, "module", chunk).decoder.layers[int(name.split(".")[2])].layer_number - 1
-                tensors[f"expert_bias.L{layer}"] = buf.detach().cpu().clone()
+    tensors.update(expert_biases(state.model))
     return meta, tensors
+
+
+def expert_biases(model_chunks) -> dict[str, torch.Tensor]:
+    """``expert_bias.L<layer>`` → a copy of each MoE router's ``expert_bias`` buffer (aux-loss-free load
+    balancing state), for the layers of ``model_chunks`` (``GPTModel`` or DDP-wrapped). ``layer`` is the
+    global layer (``layer_number - 1``). The buffer lives at ``decoder.layers.<i>.mlp.router.expert_bias``."""
+    out = {}
+    for chunk in model_chunks:
+        gpt = getattr(chunk, "module", chunk)
+        for layer_module in getattr(getattr(gpt, "decoder", None), "layers", ()):
+            router = getattr(getattr(layer_module, "mlp", None), "router", None)
+            buf = getattr(router, "expert_bias", None)
+            if isinstance(buf, torch.Tensor):
+                out[f"expert_bias.L{layer_module.layer_number - 1}"] = buf.detach().cpu().clone()
+    return out
