@@ -68,3 +68,10 @@ def test_recycling_off_frees_the_files(tmp_path):
         _put(store, t, 100)
     assert not (tmp_path / "rank0" / "recycle").exists()
     assert store.points() == [2] and not store.verify().problems
+
+
+def test_store_config_switch(tmp_path):
+    from moe_ft.store import StoreConfig
+
+    assert StoreConfig().recycle is False and StoreConfig(root=str(tmp_path)).build().backend.recycle is False
+    assert StoreConfig(root=str(tmp_path), job_id="r", recycle=True).build().backend.recycle is True

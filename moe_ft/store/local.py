@@ -13,7 +13,7 @@ systems, so a reader sees either the whole point or nothing. With ``fsync=True``
 directory and ``points/`` are fsynced around the rename (needed only on disks: tmpfs cannot lose data
 that a process wrote, and does not survive a reboot anyway).
 
-Recycling (``recycle=True``, the default): garbage collection moves the entry files of a deleted point into
+Recycling (``recycle=True``; off by default, see ``docs/store.md``): garbage collection moves the entry files of a deleted point into
 ``recycle/`` (one file per blob name, the newest) and the next entry of that name is written *over* it in
 its staging directory, then truncated to its length. On tmpfs a new file costs a page allocation and
 zeroing per 4 KiB before the copy — about as much again as the copy (measured: 38 ms against 20 ms per
@@ -134,7 +134,7 @@ class LocalFSBackend(StoreBackend):
     """File backend rooted at ``directory`` (created if missing). One writing process per directory."""
 
     def __init__(self, directory: str | os.PathLike, *, fsync: bool = False,
-                 fault_hook: FaultHook | None = None, create: bool = True, recycle: bool = True) -> None:
+                 fault_hook: FaultHook | None = None, create: bool = True, recycle: bool = False) -> None:
         self.directory = Path(directory)
         self.fsync = fsync
         self.recycle = recycle
