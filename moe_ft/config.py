@@ -57,13 +57,17 @@ class SnapshotConfig:
     selective_remote_budget: int = field(default=0, metadata=field_help(
         "selective: B_remote bytes per iteration per rank; 0 = same as the local budget."))
     snapshot_slots: int = field(default=2, metadata=field_help("Host buffer sets of the snapshot engine."))
+    snapshot_write_threads: int = field(default=0, metadata=field_help(
+        "Threads writing one snapshot's entries into the store (0 = 1 on CPU, 4 on CUDA: one thread writes "
+        "~1.3 GB/s on an H100 host, far below the device-to-host copy)."))
 
     def __post_init__(self) -> None:
         policy_class(self.policy)  # raises ValueError naming the choices
         for name in ("dense_interval", "pec_k", "snapshot_slots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--ft-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        _non_negative(self, ("sparse_window", "selective_local_budget", "selective_remote_budget"), "ft_")
+        _non_negative(self, ("sparse_window", "selective_local_budget", "selective_remote_budget",
+                             "snapshot_write_threads"), "ft_")
         if not 1 <= self.pec_k_persist <= self.pec_k:
             raise ValueError(f"--ft-pec-k-persist must be in [1, --ft-pec-k={self.pec_k}] (MoC §5.1: the durable "
                              f"tier holds a subset of each checkpoint's experts), got {self.pec_k_persist}")

@@ -17,7 +17,10 @@ def activate_all():
     1. The CPU layer (:func:`moe_ft.compat.cpu.activate`, a no-op when CUDA is available): before Megatron
        builds process groups, RNG trackers or models. Its device mode is pushed on the calling thread,
        so call this from the thread that trains (the main thread).
-    2. The checkpoint writer's results queue (:func:`moe_ft.compat.writer_queue.install`): before the
+    2. ``moe_utils.te_general_gemm`` defined (as ``None``) when Transformer Engine is absent, on any device:
+       Megatron-Core 0.16.1's router gating reads it unconditionally (a TE-less GPU run died with
+       ``NameError`` at the first router call; found on the H100).
+    3. The checkpoint writer's results queue (:func:`moe_ft.compat.writer_queue.install`): before the
        first ``dist_checkpointing.save`` (``--save``, durable Megatron checkpoints).
 
     Returns the CPU layer's state (:class:`moe_ft.compat.cpu.CpuLayerState`). Raises ``RuntimeError``
@@ -25,5 +28,6 @@ def activate_all():
     from moe_ft.compat import cpu, writer_queue
 
     state = cpu.activate()
+    cpu.define_te_general_gemm()
     writer_queue.install()
     return state

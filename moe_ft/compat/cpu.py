@@ -250,13 +250,21 @@ def _install_rng_tracker() -> str:
 
 # ----------------------------------------------------------------------------------------------
 # Shims 4 and 5: MoE utilities.
+def define_te_general_gemm() -> bool:
+    """Define ``moe_utils.te_general_gemm = None`` when Transformer Engine did not (any device: the router's
+    gating reads the name even when it does not use TE). Returns whether it was missing."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return False
+    moe_utils.te_general_gemm = None
+    return True
+
+
 def _patch_moe_utils() -> list[str]:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    done = []
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-        done.append("moe_utils.te_general_gemm=None")
+    done = ["moe_utils.te_general_gemm=None"] if define_te_general_gemm() else []
 
     original = moe_utils.maybe_move_tensor_to_cpu
 

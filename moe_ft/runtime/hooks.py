@@ -268,8 +268,12 @@ class FTRuntime(StepHooks):
         if self.clock.t_iter_s is not None:
             out["t_iter_ms"] = 1e3 * self.clock.t_iter_s
         if rec is not None:
+            prev = records[-2] if len(records) > 1 else None  # its copy overlapped this iteration
             out.update(bytes=rec.bytes, full=rec.num_full, compute=rec.num_compute,
-                       stall_ms=1e3 * (records[-2].stall_s if len(records) > 1 else 0.0))
+                       stall_ms=1e3 * (prev.stall_s if prev else 0.0),
+                       slot_wait_ms=1e3 * (prev.slot_wait_s if prev else 0.0))
+            if prev is not None and prev.device_stall_s is not None:  # CUDA: the compute stream's wait
+                out["device_stall_ms"] = 1e3 * prev.device_stall_s
             window = session.policy.window_progress(rec.iteration)
             if window is not None:
                 out["window"] = window

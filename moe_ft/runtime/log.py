@@ -9,6 +9,10 @@ def format_line(iteration: int, m: dict) -> str:
     if "bytes" in m:
         parts += [f"snapshot {m['bytes'] / 1e6:.3f} MB (FULL {m['full']}, COMPUTE {m['compute']})",
                   f"stall {m['stall_ms']:.2f} ms"]
+        if m.get("slot_wait_ms"):
+            parts.append(f"slot wait {m['slot_wait_ms']:.2f} ms")
+        if "device_stall_ms" in m:
+            parts.append(f"device stall {m['device_stall_ms']:.2f} ms")
     if "window" in m:
         parts.append(f"window {m['window']}")
     if "replication_lag" in m:

@@ -53,6 +53,7 @@ def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: 
     job_id = config.job_id + job_suffix
     store = StoreConfig(root=config.store_dir, job_id=job_id, rank=ctx.rank).build(
         retention=retention, fault_hook=ctx.store_fault_hook)
-    engine = SnapshotEngine(EngineConfig(num_slots=config.snapshot_slots), ctx.registry, store)
+    engine = SnapshotEngine(EngineConfig(num_slots=config.snapshot_slots,
+                                         write_threads=config.snapshot_write_threads or None), ctx.registry, store)
     return SnapshotSession(config.policy, policy, engine, store, operators=operators,
                            store_root=config.store_dir, job_id=job_id)
