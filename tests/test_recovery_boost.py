@@ -63,10 +63,15 @@ def test_flag_needs_a_lossy_policy_and_token_dropping():
     with pytest.raises(ValueError, match=">= 0"):
         FTConfig.from_flags(ft=True, ft_policy="pec", ft_capacity_boost=-0.1)
     cfg = FTConfig.from_flags(ft=True, ft_policy="pec", ft_capacity_boost=0.1)
+
+    def _args(factor):  # the model flags check_args reads (capacity factor, precision)
+        model = SimpleNamespace(moe_expert_capacity_factor=factor, bf16=False, fp16=False, fp8_format=None,
+                                fp8_recipe="delayed")
+        return SimpleNamespace(model=model, training=SimpleNamespace(loss_scale=None), extra={})
     assert cfg.needs_popularity  # the lost tokens per expert must be the whole job's
     with pytest.raises(ValueError, match="set --moe-expert-capacity-factor"):
-        cfg.check_args(SimpleNamespace(model=SimpleNamespace(moe_expert_capacity_factor=None)))
-    cfg.check_args(SimpleNamespace(model=SimpleNamespace(moe_expert_capacity_factor=1.0)))
+        cfg.check_args(_args(None))
+    cfg.check_args(_args(1.0))
 
 
 @pytest.mark.multiproc
