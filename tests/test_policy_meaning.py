@@ -31,7 +31,7 @@ def test_rules_and_loss_belong_to_the_policy():
     # PLT over the whole run (MoC eq. 7), MLT over the tokens so far (MoEtion eq. 6)
     assert pec.token_loss_denominator(9, train_iters=100, tokens_per_iteration=5.0) == 500.0
     assert sel.token_loss_denominator(9, train_iters=100, tokens_per_iteration=5.0) == 50.0
-    with pytest.raises(NotImplementedError, match="exact"):
+    with pytest.raises(ValueError, match="exact"):
         sparse.token_loss_denominator(9, train_iters=100, tokens_per_iteration=5.0)
     before = pec.k
     assert pec.after_recovery(9, 0.5) == {"k_before": before, "k_after": pec.k} and pec.k == 2 * before

@@ -76,7 +76,8 @@ class SnapshotPolicy(abc.ABC):
     def config_from_flags(cls, flags: "SnapshotConfig", t_iter_s: float) -> Any:
         """This policy's config dataclass from the ``--ft-*`` snapshot flags; ``t_iter_s``: the measured
         iteration time (budgets and windows derived from a bandwidth need it)."""
-        raise NotImplementedError(f"policy {cls.name!r} does not read flags")
+        raise ValueError(f"policy {cls.name!r} cannot be built from --ft-* flags: give it a config_from_flags "
+                         "classmethod, or build it with build_policy(name, config, operators)")
 
     @classmethod
     def check_flags(cls, config: "FTConfig") -> None:
@@ -101,7 +102,7 @@ class SnapshotPolicy(abc.ABC):
 
     def token_loss_denominator(self, end: int, *, train_iters: int, tokens_per_iteration: float) -> float:
         """Routed tokens per MoE layer the lost-token metric is a fraction of (lossy policies)."""
-        raise NotImplementedError(f"policy {self.name!r} is exact: it loses no tokens")
+        raise ValueError(f"policy {self.name!r} is exact: it loses no tokens, so it has no token-loss denominator")
 
     def after_recovery(self, iteration: int, token_loss: float) -> dict:
         """Called after a recovery that resumed after ``iteration`` lost ``token_loss`` (the metric's value);
