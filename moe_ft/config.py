@@ -196,8 +196,17 @@ class RecoverConfig:
         "(+ pec/selective, PLT/MLT), 'approximate' (+ CheckFree rebuild of a lost pipeline stage), 'none' "
         "(+ starting over). Levels per operator are in the recovery report (moe_ft/recovery/planner.py).",
         choices=["exact", "durable", "lossy", "approximate", "none"]))
+    recovery_scope: str = field(default="localized", metadata=field_help(
+        "Which ranks roll back after a failure: 'localized' = only the failed ranks' pipeline-stage "
+        "data-parallel groups replay, fed by their neighbours' upstream logs, while the survivors load the "
+        "state they published when the job stopped (MoEvement §3.4, App. A); it falls back to 'global' "
+        "(every rank restores and replays) when a survivor point or a log is missing or corrupt, with the "
+        "reason in the recovery report (moe_ft/localized/scope.py). Upstream logging runs only with "
+        "'localized' and pipeline parallelism.", choices=["global", "localized"]))
 
     def __post_init__(self) -> None:
+        if self.recovery_scope not in ("global", "localized"):
+            raise ValueError(f"--ft-recovery-scope must be global or localized, got {self.recovery_scope!r}")
         if self.hang_timeout < 0:
             raise ValueError("--ft-hang-timeout must be >= 0 seconds")
         if self.capacity_boost < 0:
