@@ -96,6 +96,12 @@ class StepHooks:
         previous iteration's state must be off the weights by now (the wait is the snapshot stall)."""
         return None
 
+    def after_optimizer_step(self, iteration: int) -> None:
+        """Right after the optimizer and LR-scheduler steps of ``iteration``: weights, optimizer state and
+        schedule are those after ``iteration``. Between ``before_optimizer_step`` and this call the state is
+        being updated (a rank stopping now must not publish it as either iteration's state)."""
+        return None
+
     def during_checkpoint_write(self, iteration: int) -> None:
         """Inside ``save_checkpoint`` of the ``--save`` checkpoint after ``iteration`` iterations: every
         rank's shards are on disk, the checkpoint is not finalized and the tracker file does not name it
@@ -144,6 +150,8 @@ def train_step(state: TrainState, data: ReplayableData, iteration: int, args: Ar
         update_successful, grad_norm, num_zeros = state.optimizer.step()
         if update_successful:
             state.scheduler.step(increment=args.training.global_batch_size)
+        if hooks is not None:
+            hooks.after_optimizer_step(iteration)
     aux = _aux_losses(args.model.num_layers, len(batches)) if not forward_only else {}
     loss = float("nan")
     if ps.is_pipeline_last_stage() and losses:
