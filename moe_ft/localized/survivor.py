@@ -1,0 +1,271 @@
+"""Survivor points: a rank that did not fail publishes its exact state before it exits (issue 12; SPEC §5
+"Survivors keep their state"; MoEvement §3.4: only the failed stage rolls back).
+
+When a peer dies, the healthy ranks learn it one of two ways: a collective raises (gloo closes the
+connection to the dead peer), or torchrun's agent sends SIGTERM and waits ``shutdown_timeout`` (30 s)
+before SIGKILL (``/work/shared/notes/recovery-facts.md``). Either way the rank holds, in memory, the state
+after its last *completed* iteration ``t``. It writes that state into its node-local store as one dense,
+checksummed point (every operator FULL plus the metadata of ``t``: RNG, LR schedule, loss scaler,
+popularity, policy — exactly what a snapshot's metadata holds, ``moe_ft/snapshot/meta.py``), published by
+one rename at the end, then exits non-zero. After the restart it loads that point and does not replay
+(``moe_ft/recovery/driver.py``, localized scope).
+
+What "completed" means, and why it is exact:
+
+* iteration ``t`` is completed once its optimizer and scheduler steps are done *and* the runtime has
+  captured its metadata (``on_step_end``: RNG, scheduler, popularity as of the end of ``t``).
+  :meth:`SurvivorGuard.completed` records that capture;
+* from :meth:`SurvivorGuard.begin_update` (``before_optimizer_step`` of ``t+1``) to that capture of ``t+1``
+  the weights, optimizer state, schedule and counters are being moved from ``t`` to ``t+1``: the
+  *critical section*. A SIGTERM arriving inside it is deferred to its end (then the state is ``t+1``'s);
+  an exception raised inside it (a collective of the optimizer step failed) leaves a state that belongs
+  to neither iteration: the rank publishes nothing and is treated as failed;
+* outside the critical section the forward/backward of ``t+1`` has only touched gradients, activations,
+  the RNG and the open popularity counters, none of which the point takes from the live state: RNG and
+  counters come from the captured metadata of ``t``, and so do the routers' expert biases (Megatron moves
+  them in ``finalize_model_grads``, before the optimizer step).
+
+A rank that cannot finish the dump before SIGKILL leaves only an unpublished staging directory, which no
+reader ever sees (``moe_ft/store``: atomic rename), so it counts as failed. So does one whose dump is
+older than the job's newest completed iteration (``moe_ft/localized/scope.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+
+from moe_ft.state.operators import Level, OperatorId
+
+log = logging.getLogger("moe_ft.localized")
+
+SURVIVOR_SUBDIR = "survivor"
+"""Survivor points live in ``<store_dir>/<job_id>/survivor/rank<r>`` (next to the snapshot store)."""
+
+
+class SurvivorStop(BaseException):
+    """Raised on the training thread when the job is being stopped (SIGTERM) outside a critical section.
+    A ``BaseException`` so that ``except Exception`` blocks in libraries do not swallow it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@dataclass
+class Completed:
+    """The newest completed iteration and the metadata the runtime captured at its end."""
+
+    iteration: int
+    meta: dict
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class PublishResult:
+    """What :meth:`SurvivorGuard.publish` did: ``iteration`` published (``None``: nothing) and why."""
+
+    iteration: int | None
+    reason: str
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+def survivor_store(store_root: str, job_id: str, rank: int):
+    """This rank's survivor-point store (a :class:`moe_ft.store.SnapshotStore` without retention: it holds
+    at most one point, replaced by each dump)."""
+    from moe_ft.store import StoreConfig
+
+    return StoreConfig(root=store_root, job_id=os.path.join(job_id, SURVIVOR_SUBDIR), rank=rank).build()
+
+
+def survivor_rule(operators):
+    """Completeness of a survivor point: every operator of the rank FULL, plus the metadata entry."""
+    from moe_ft.store.rules import DenseRule
+
+    return DenseRule(operators=frozenset(operators))
+
+
+def newest_survivor_point(store, operators) -> tuple[int, str]:
+    """``(iteration, "")`` of this rank's verified survivor point (every entry checksummed), or
+    ``(-1, why not)``."""
+    points = store.points()
+    if not points:
+        torn = store.staging()
+        return -1, ("its dump did not finish (an unpublished staging directory remains)" if torn
+                    else "it published no survivor point")
+    point = store.newest_recoverable(survivor_rule(operators), verify=True)
+    if point is None:
+        return -1, f"its survivor point {points[-1]} is incomplete or corrupt (a checksum failed)"
+    return point.end, ""
+
+
+def _expert_bias_override(op: OperatorId, name: str, meta_tensors: Mapping[str, torch.Tensor]):
+    """A router's expert bias as of the completed iteration (the live buffer may already be moved by
+    ``finalize_model_grads`` of the next one)."""
+    if op.kind == "gate" and name.endswith("expert_bias"):
+        return meta_tensors.get(f"expert_bias.L{op.layer}")
+    return None
+
+
+class SurvivorGuard:
+    """This rank's survivor bookkeeping (state on the object, nothing module-global but the installed
+    signal handler). The runtime calls :meth:`begin_update` / :meth:`completed` every iteration; the entry
+    script runs training under :func:`run_guarded`, which publishes on a stop."""
+
+    def __init__(self, *, store_root: str, job_id: str, rank: int, registry_fn: Callable[[], object],
+                 fault_check: Callable[[int, str], None] | None = None, deadline_s: float = 25.0) -> None:
+        self.store_root, self.job_id, self.rank = store_root, job_id, rank
+        self.registry_fn = registry_fn
+        """Returns the operator registry (``None`` before the runtime built it: nothing to publish)."""
+        self.fault_check = fault_check
+        """Drills: called as ``(iteration, "survivor")`` after half of the entries are written."""
+        self.deadline_s = deadline_s
+        """Seconds after the stop beyond which the dump gives up unpublished (torchrun: SIGKILL at 30 s)."""
+        self.last: Completed | None = None
+        self.updating: int | None = None
+        """The iteration whose optimizer step is in progress (the critical section), else ``None``."""
+        self.pending_signal: int | None = None
+        self.stopped_at: float | None = None
+
+    # ------------------------------------------------------------------------ per-iteration bookkeeping
+    def begin_update(self, iteration: int) -> None:
+        """Right before the optimizer step of ``iteration``: the critical section starts."""
+        self.updating = iteration
+
+    def completed(self, iteration: int, meta: dict, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The metadata of ``iteration`` is captured: ``iteration`` is completed, the critical section ends.
+        A SIGTERM deferred during it takes effect now."""
+        self.last = Completed(iteration, meta, dict(tensors))
+        self.updating = None
+        if self.pending_signal is not None:
+            signum, self.pending_signal = self.pending_signal, None
+            raise SurvivorStop(signum)
+
+    def forget(self) -> None:
+        """The live state no longer matches :attr:`last` (a recovery is rewriting it)."""
+        self.last = None
+
+    # ------------------------------------------------------------------------------------- stopping
+    def on_signal(self, signum: int, frame=None) -> None:
+        """SIGTERM handler (main thread): stop now, or at the end of the critical section."""
+        if self.stopped_at is None:
+            self.stopped_at = time.monotonic()
+        if self.updating is not None:
+            self.pending_signal = signum
+            return
+        raise SurvivorStop(signum)
+
+    def publish(self, why: str) -> PublishResult:
+        """Dump the state of the newest completed iteration as this rank's survivor point (dense, every
+        entry checksummed, one rename at the end). Publishes nothing inside the critical section, before
+        the first completed iteration, or past the deadline."""
+        start = time.monotonic()
+        if self.stopped_at is None:
+            self.stopped_at = start
+        if self.updating is not None:
+            return PublishResult(None, f"stopped inside the optimizer step of iteration {self.updating} "
+                                       f"({why}): the state is torn between two iterations")
+        registry = self.registry_fn()
+        if self.last is None or registry is None:
+            return PublishResult(None, f"no completed iteration since this process (re)started ({why})")
+        done = self.last
+        store = survivor_store(self.store_root, self.job_id, self.rank)
+        for old in store.points():  # one point per rank: the newest stop's
+            store.delete_point(old)
+        ops = sorted(registry, key=str)
+        nbytes = 0
+        with torch.no_grad(), store.begin(done.iteration) as point:
+            for i, op in enumerate(ops):
+                if i == len(ops) // 2 and self.fault_check is not None:
+                    self.fault_check(done.iteration, "survivor")
+                tensors = {}
+                for name, live in registry[op].tensors(Level.FULL).items():
+                    src = _expert_bias_override(op, name, done.tensors)
+                    tensors[name] = (live if src is None else src).detach().cpu().contiguous()
+                nbytes += point.put(op, Level.FULL, tensors).nbytes
+                if time.monotonic() - self.stopped_at > self.deadline_s:
+                    return PublishResult(None, f"the dump did not finish within {self.deadline_s:.0f} s of the "
+                                               "stop (nothing published)")
+            meta = dict(done.meta, survivor={"rank": self.rank, "iteration": done.iteration, "why": why,
+                                             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
+            point.put_meta(meta, {k: v.detach().cpu().contiguous() for k, v in done.tensors.items()})
+            point.publish()
+        return PublishResult(done.iteration, why, nbytes, time.monotonic() - start)
+
+
+def load_survivor_point(store, registry, iteration: int) -> int:
+    """Restore every operator FULL from the survivor point of ``iteration``; returns the bytes read. The
+    step state (RNG, schedule, popularity, policy) is in its metadata (``restore_meta``)."""
+    from moe_ft.snapshot.restore import restore_operator
+
+    return sum(restore_operator(store, registry, iteration, op, Level.FULL) for op in registry)
+
+
+def discard_survivor_points(store) -> None:
+    """After a recovery: the points describe a state the job has left."""
+    for it in store.points():
+        store.delete_point(it)
+
+
+def run_guarded(train: Callable[[], object], guard_of: Callable[[], SurvivorGuard | None]) -> int:
+    """Run ``train()`` with SIGTERM handled by the guard ``guard_of()`` returns (main thread; the runtime
+    builds it once the process group exists); on a stop or an exception publish the survivor point and
+    return exit code 1 (torchrun restarts the job); 0 when training finished. Without a guard yet, a
+    SIGTERM stops the rank at once and nothing is published."""
+
+    def on_signal(signum, frame):
+        guard = guard_of()
+        if guard is None:
+            raise SurvivorStop(signum)
+        guard.on_signal(signum, frame)
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        train()
+        return 0
+    except (Exception, SurvivorStop) as exc:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not tear the dump
+        guard = guard_of()
+        why = str(exc) if isinstance(exc, SurvivorStop) else f"{type(exc).__name__}: {exc}"[:300]
+        try:
+            result = guard.publish(why) if guard is not None else PublishResult(None, "no survivor guard")
+        except Exception as dump_exc:  # the rank counts as failed; say why
+            result = PublishResult(None, f"the dump failed: {type(dump_exc).__name__}: {dump_exc}")
+        rank = guard.rank if guard is not None else os.environ.get("RANK", "?")
+        if result.iteration is not None:
+            msg = (f"moe-ft survivor: rank {rank} published its state at iteration {result.iteration} "
+                   f"({result.nbytes / 1e6:.1f} MB in {result.seconds:.2f} s) after: {why}")
+        else:
+            msg = f"moe-ft survivor: rank {rank} published nothing: {result.reason}"
+        print(msg, file=sys.stderr, flush=True)
+        if not isinstance(exc, SurvivorStop):
+            import traceback
+
+            traceback.print_exception(exc, file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@dataclass
+class SurvivorInventory:
+    """One rank's survivor point as the scope decision sees it (gathered from every rank)."""
+
+    rank: int
+    iteration: int
+    """The published point's iteration (``-1``: none usable)."""
+    why_not: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def store_path(store_root: str, job_id: str) -> Path:
+    return Path(store_root) / job_id / SURVIVOR_SUBDIR
