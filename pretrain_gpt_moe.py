@@ -52,8 +52,14 @@ def main(argv=None) -> int:
     except RuntimeError as e:  # a Megatron-Core version the shims were not written for
         print(f"error: {e}", file=sys.stderr)
         return 2
-    pretrain(args, hooks=step_hooks(args))
-    return 0
+    hooks = step_hooks(args)
+    if hooks is None:
+        pretrain(args)
+        return 0
+    from moe_ft.localized.survivor import run_guarded
+
+    # a stopped or failing rank publishes its state (survivor point) before it exits non-zero
+    return run_guarded(lambda: pretrain(args, hooks=hooks), lambda: hooks.survivor)
 
 
 if __name__ == "__main__":  # required: Megatron's checkpoint writer re-imports the main module

@@ -48,6 +48,9 @@ LAYOUTS = {
                "--moe-token-dispatcher-type", "alltoall"],
     "dp2ep2": ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                "--moe-token-dispatcher-type", "allgather"],
+    # four pipeline stages of one layer each, 1F1B (localized recovery: one stage replays, issue 12)
+    "pp4": ["--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "1", "--num-layers", "4",
+            "--moe-token-dispatcher-type", "alltoall"],
 }
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
         "--seq-length", "32", "--max-position-embeddings", "32", "--num-experts", "4", "--moe-router-topk", "2",

@@ -55,6 +55,8 @@ class FTRuntime(StepHooks):
         self.durable: C.Durable | None = None
         self._boost = None
         self._recovered_at = None
+        self.survivor = None
+        """The survivor guard (``moe_ft/localized/survivor.py``; localized scope with snapshots), else ``None``."""
 
     @property
     def iteration_seconds(self) -> dict[int, float]:
@@ -90,6 +92,12 @@ class FTRuntime(StepHooks):
                            *([C.CheckFreeNorms(state.model)] if C.CheckFreeNorms.wanted(args, cfg) else [])]
         if cfg.drill.trace_out and self.rank == 0:
             self.components.append(C.Trace(cfg.drill.trace_out, self.popularity, self._boost))
+        if cfg.snapshot.enabled and cfg.recovery.recovery_scope == "localized":
+            from moe_ft.localized.survivor import SurvivorGuard
+
+            self.survivor = SurvivorGuard(store_root=cfg.snapshot.store_dir, job_id=cfg.snapshot.job_id,
+                                          rank=self.rank, registry_fn=lambda: self.registry,
+                                          fault_check=self.check_fault)
         if cfg.snapshot.enabled:
             from moe_ft.recovery.driver import should_recover
 
@@ -179,6 +187,8 @@ class FTRuntime(StepHooks):
         self.check_fault(iteration, "recovery" if self._in_recovery(iteration) else "forward")
 
     def before_optimizer_step(self, iteration: int) -> None:
+        if self.survivor is not None:
+            self.survivor.begin_update(iteration)
         if not self._in_recovery(iteration):
             self.check_fault(iteration, "backward")
         for session in self.sessions:
@@ -220,6 +230,8 @@ class FTRuntime(StepHooks):
         meta["policy_name"] = session.name
         for component in self.components:
             tensors.update(component.snapshot_tensors())
+        if self.survivor is not None:  # iteration completed: a stop from now on publishes this state
+            self.survivor.completed(iteration, meta, tensors)
         self.on_snapshot(iteration, plan)
         session.engine.submit(iteration, plan, meta, tensors)
         if not replaying:
