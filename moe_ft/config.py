@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from megatron.training.argument_utils import dataclass_from_flags, field_help
+from moe_ft.checkfree.config import CheckFreeConfig
 from moe_ft.policy.factory import NO_SNAPSHOTS, POLICIES, POLICY_CHOICES, policy_class
 
 if TYPE_CHECKING:
@@ -247,9 +248,11 @@ class FTConfig:
     persist: DurableConfig = _nested(DurableConfig, "ft_persist_", "durable tier")
     drill: DrillConfig = _nested(DrillConfig, "ft_", "failure drills")
     recovery: RecoverConfig = _nested(RecoverConfig, "ft_", "recovery")
+    checkfree: CheckFreeConfig = _nested(CheckFreeConfig, "ft_checkfree_", "CheckFree+ (moe_ft/checkfree/config.py)")
 
     def __post_init__(self) -> None:
         _non_negative(self, ("ft_log_interval",), "")
+        self.checkfree.check(self.ft)
         cls = self.snapshot.policy_cls
         if cls is not None:
             cls.check_flags(self)
@@ -266,6 +269,7 @@ class FTConfig:
 
     def check_args(self, args) -> None:
         """Checks against the model's flags (``args``: Megatron's parsed ``Args``)."""
+        self.checkfree.check_args(args)
         if self.ft:  # snapshots must restore this precision bit for bit
             from moe_ft.precision.config import check_exact_recovery
 
@@ -281,7 +285,7 @@ class FTConfig:
             return spec
         from moe_ft.megatron_ext.router import install_router
 
-        return install_router(spec)
+        return self.checkfree.customize_layer_spec(install_router(spec))
 
     @property
     def needs_popularity(self) -> bool:

@@ -55,6 +55,20 @@ def copies_owned_by(stage: int, num_stages: int) -> list[str]:
     return [kind for kind, (owner, _) in copy_holders(num_stages).items() if owner == stage]
 
 
+def copied_tensors(gpt, kind: str) -> dict[str, torch.Tensor]:
+    """The live tensors of operator ``kind`` (``embedding`` or ``output``) of one stage's ``GPTModel``
+    (unwrapped or DDP-wrapped), by parameter name; empty on a stage that does not hold it."""
+    from moe_ft.state.naming import operator_of
+
+    if kind not in COPIED:
+        raise ValueError(f"only {COPIED} are copied to neighbouring stages, not {kind!r}")
+    gpt = getattr(gpt, "module", gpt)
+    prefixes = ("embedding.",) if kind == "embedding" else ("output_layer.", "decoder.final_layernorm.")
+    out = {name: p for name, p in gpt.named_parameters() if name.startswith(prefixes)}
+    assert all(operator_of(name, gpt).kind == kind for name in out), "naming.py and copied_tensors disagree"
+    return out
+
+
 class CopyStore:
     """A holder's versioned copies of another stage's embedding/output tensors."""
 

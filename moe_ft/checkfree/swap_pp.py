@@ -52,6 +52,7 @@ class SwapLayerMixin:
         if swap is None or not swap.active or self._checkfree_inside or microbatch is None or not is_swapped(microbatch):
             return super().forward(*args, **kwargs)
         self._checkfree_inside = True  # functional_call calls this forward again: run the layer itself then
+        swap.ran.add(microbatch)
         try:
             return torch.func.functional_call(self, swap.borrowed[self.checkfree_position], args, kwargs, strict=False)
         finally:
@@ -82,6 +83,10 @@ class PartnerSwap:
         self.layers = stage_layers(self.gpt)
         self.borrowed: list[dict[str, torch.Tensor]] = []
         self.active = False
+        self.ran: set[int] = set()
+        """Micro-batches of the running schedule whose layers ran with the partner's weights."""
+        self.last_swapped: list[int] = []
+        """Those of the last training schedule (observable: logs, tests)."""
 
     # ------------------------------------------------------------------------------------------ wiring
     def attach(self, config) -> "PartnerSwap":
@@ -146,3 +151,4 @@ class PartnerSwap:
                     else:
                         param.grad.add_(g.to(param.device, param.dtype))
         self.borrowed, self.active = [], False
+        self.last_swapped, self.ran = sorted(self.ran), set()

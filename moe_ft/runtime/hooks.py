@@ -89,7 +89,8 @@ class FTRuntime(StepHooks):
         self.components = [self.clock, *([C.Watchdog(watchdog)] if watchdog else []),
                            *([C.Boost(self._boost, self)] if self._boost else []),
                            C.Progress(job_dir / f"progress_rank{self.rank}"),
-                           *([C.CheckFreeNorms(state.model)] if C.CheckFreeNorms.wanted(args, cfg) else [])]
+                           *([C.CheckFreeNorms(state.model)] if C.CheckFreeNorms.wanted(args, cfg) else []),
+                           *cfg.checkfree.build_components(state, rank=self.rank, job_dir=str(job_dir))]
         if cfg.drill.trace_out and self.rank == 0:
             self.components.append(C.Trace(cfg.drill.trace_out, self.popularity, self._boost))
         if cfg.snapshot.enabled and cfg.recovery.recovery_scope == "localized":
