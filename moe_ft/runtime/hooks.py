@@ -117,8 +117,12 @@ class FTRuntime(StepHooks):
         from moe_ft.state.catalogue import gather_catalogue
         from moe_ft.state.registry import OperatorRegistry
 
+        from moe_ft.elastic.holders import catalogue_infos
+
         self.registry = OperatorRegistry.from_megatron(self.state.model, self.state.optimizer)
-        self.catalogue = gather_catalogue(self.registry.infos(), self.registry.ep_size)
+        # replicated experts (flexible dispatcher) are listed under their first holder's EP rank
+        self.catalogue = gather_catalogue(catalogue_infos(self.registry.infos(), self.state.model),
+                                          self.registry.ep_size)
         self._t_iter_s = t_iter_s
         ctx = self.build_context(t_iter_s)
         session = self.config.snapshot.build(ctx)

@@ -4,7 +4,8 @@
 inside ``decoder.layers.<i>`` (``i`` local to the pipeline stage, mapped to the global layer through the
 layer's ``layer_number``): ``mlp.router.*`` → ``gate(layer)``; ``mlp.experts.local_experts.<j>.*``
 (``SequentialMLP``) and ``mlp.experts.linear_fc{1,2}.weight<j>`` (``TEGroupedMLP``, one weight per local
-expert) → ``expert(layer, local_expert_indices[j])``; everything else of the layer (attention, norms,
+expert) → ``expert(layer, global_expert_indices(mlp)[j])`` (standard EP's ``local_expert_indices``, or the
+elastic layer's ``held_experts``: replicated experts sit on several ranks); everything else of the layer (attention, norms,
 shared experts, which see every token) → ``dense(layer)``.
 
 ``GroupedMLP`` keeps all local experts in one ``weight1``/``weight2``: :func:`grouped_expert_views` cuts
@@ -43,10 +44,23 @@ def operator_of(name: str, gpt) -> OperatorId | None:
         return OperatorId.gate(layer)
     local = _SEQUENTIAL.match(rest) or _TE_GROUPED.match(rest)
     if local is not None:
-        return OperatorId.expert_op(layer, int(layer_module.mlp.local_expert_indices[int(local.group(1))]))
+        return OperatorId.expert_op(layer, global_expert_indices(layer_module.mlp)[int(local.group(1))])
     if _GROUPED.match(rest):
         return None
     return OperatorId.dense(layer)
+
+
+def global_expert_indices(moe_layer) -> list[int]:
+    """Global expert index of each local expert module of ``moe_layer``, in ``local_experts`` order.
+
+    Standard EP: ``MoELayer.local_expert_indices`` (a contiguous block per EP rank). The elastic layer
+    (``ElasticMoELayer``, Lazarus §4.1) holds an arbitrary set of replicated experts: its experts module's
+    ``held_experts`` (ascending), which need not be contiguous and may differ in number from ``E / EP``.
+    """
+    held = getattr(getattr(moe_layer, "experts", None), "held_experts", None)
+    if held is not None:
+        return [int(e) for e in held]
+    return [int(e) for e in moe_layer.local_expert_indices]
 
 
 def grouped_expert_views(name: str, weight: torch.Tensor, num_local_experts: int) -> list[torch.Tensor]:
