@@ -1,0 +1,98 @@
+"""Re-planning on a world change (``moe_ft/elastic/reshape.py``, Lazarus §4.3): EP size re-derived for the
+new world, new eq.-1 plans from the loads, greedy mapping onto the EP ranks with the fewest fetches, a
+source for every fetch, and the experts that lost every copy named (the fallback's reason)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from moe_ft.elastic.allocation import allocate_replicas
+from moe_ft.elastic.planner import PlacementConfig
+from moe_ft.elastic.reshape import (Fetch, held_after_restart, rederive_expert_parallel, replan,
+                                    replica_rows)
+
+# previous incarnation: EP=4 over 2 nodes (EP ranks 0,1 on node 0; 2,3 on node 1), c=2, f=2
+PREV = {0: [[1, 0, 1, 0], [1, 0, 0, 1], [0, 1, 1, 0], [0, 1, 0, 1]],
+        1: [[1, 0, 1, 0], [0, 1, 0, 1], [1, 0, 0, 1], [0, 1, 1, 0]]}
+OLD_NODE = [0, 0, 1, 1]
+
+
+def test_rederive_keeps_or_shrinks_expert_parallel_and_says_why():
+    same = rederive_expert_parallel(8, tp=1, pp=1, ep=4, num_experts=8, slots=2, min_replicas=1)
+    assert (same.ep_size, same.min_replicas, same.notes) == (4, 1, ())
+    shrunk = rederive_expert_parallel(2, tp=1, pp=1, ep=4, num_experts=4, slots=2, min_replicas=2)
+    assert (shrunk.ep_size, shrunk.min_replicas) == (2, 1)
+    assert "expert-model-parallel-size 4 -> 2" in shrunk.notes[0] and "fault threshold f 2 -> 1" in shrunk.notes[1]
+    six = rederive_expert_parallel(6, tp=1, pp=1, ep=4, num_experts=4, slots=2, min_replicas=2)
+    assert (six.ep_size, six.min_replicas) == (3, 1)  # largest divisor of 6 below 4 holding 4 experts
+    with pytest.raises(ValueError, match="pipeline stages are not re-derived"):
+        rederive_expert_parallel(3, tp=1, pp=2, ep=2, num_experts=4, slots=2)
+    with pytest.raises(ValueError, match="raise --ft-expert-slots"):
+        rederive_expert_parallel(2, tp=1, pp=1, ep=4, num_experts=8, slots=2)
+
+
+def test_shrink_keeps_every_expert_from_the_surviving_node_without_fetches():
+    held = held_after_restart(PREV, OLD_NODE, new_node_of_ep=[0, 0], surviving_nodes=[0])
+    assert held == {0: {0: {0, 1, 2, 3}, 1: {0, 1, 2, 3}}, 1: {0: {0, 1, 2, 3}, 1: {0, 1, 2, 3}}}
+    loads = {0: [10, 20, 30, 40], 1: [40, 30, 20, 10]}
+    change = rederive_expert_parallel(2, tp=1, pp=1, ep=4, num_experts=4, slots=2, min_replicas=2)
+    out = replan(held, loads, ep_size=change.ep_size,
+                 config=PlacementConfig(slots_per_node=2, min_replicas=change.min_replicas))
+    assert out.fetches == [] and out.lost == {} and out.reason == ""
+    for layer, rows in out.replicas.items():
+        assert [sum(col) for col in zip(*rows)] == [2, 2]  # every slot filled
+        assert all(sum(row) >= 1 for row in rows)  # every expert present
+
+
+def test_grow_moves_replicas_onto_the_joining_node():
+    held = held_after_restart({0: [[1, 0], [1, 0], [0, 1], [0, 1]]}, [0, 0], new_node_of_ep=[0, 0, 1, 1],
+                              surviving_nodes=[0])
+    assert held[0][2] == held[0][3] == set()
+    out = replan(held, {0: [10, 20, 30, 40]}, ep_size=4, config=PlacementConfig(slots_per_node=2, min_replicas=2))
+    rows = out.replicas[0]
+    assert [sum(row) for row in rows] == allocate_replicas([10, 20, 30, 40], num_nodes=4, slots_per_node=2,
+                                                           min_replicas=2)
+    fetched = {(f.dst, f.expert_idx) for f in out.fetches}
+    expected = {(j, e) for j in (2, 3) for e in range(4) if rows[e][j]}
+    assert fetched == expected, "exactly the joining ranks' experts are fetched"
+    assert all(f.src in (0, 1) for f in out.fetches)
+    srcs = [f.src for f in out.fetches if f.expert_idx == out.fetches[0].expert_idx]
+    assert len(set(srcs)) == min(len(srcs), 2), "one expert's fetches are spread over its holders"
+
+
+def test_rebalance_moves_only_what_the_new_plan_needs():
+    rng = random.Random(0)
+    for _ in range(30):
+        ep, slots, num_experts = rng.randint(2, 5), rng.randint(2, 4), rng.randint(2, 6)
+        if ep * slots < num_experts:
+            continue
+        config = PlacementConfig(slots_per_node=slots, strategy="mro")
+        old_loads = {0: [rng.random() for _ in range(num_experts)]}
+        old = replan({0: {j: set() for j in range(ep)}}, old_loads, ep_size=ep, config=config)
+        held = {0: {j: {e for e in range(num_experts) if old.replicas[0][e][j]} for j in range(ep)}}
+        assert replan(held, old_loads, ep_size=ep, config=config).fetches == [], "unchanged loads: nothing moves"
+        out = replan(held, {0: [rng.random() * 10 for _ in range(num_experts)]}, ep_size=ep, config=config)
+        for f in out.fetches:
+            assert f.expert_idx not in held[0][f.dst], "a rank never fetches an expert it holds"
+            assert f.src is not None and f.expert_idx in held[0][f.src]
+            assert out.replicas[0][f.expert_idx][f.dst] > 0
+        needed = {(j, e) for j in range(ep) for e in range(num_experts)
+                  if out.replicas[0][e][j] and e not in held[0][j]}
+        assert {(f.dst, f.expert_idx) for f in out.fetches} == needed
+
+
+def test_an_expert_with_no_surviving_copy_is_named_for_the_fallback():
+    prev = {0: [[1, 0], [0, 1], [1, 0], [0, 1]]}  # f = 1: experts 1 and 3 only on node 1
+    held = held_after_restart(prev, [0, 1], new_node_of_ep=[0], surviving_nodes=[0])
+    out = replan(held, {0: [1, 1, 1, 1]}, ep_size=1, config=PlacementConfig(slots_per_node=4))
+    assert out.lost == {0: [1, 3]}
+    assert "no surviving copy of layer 0 experts [1, 3]" in out.reason
+    assert Fetch(0, 1, 0, None) in out.fetches and Fetch(0, 3, 0, None) in out.fetches
+
+
+def test_replica_rows_and_errors():
+    assert replica_rows(((0, 0), (1, 2)), 3) == [[2, 0], [0, 1], [0, 1]]
+    with pytest.raises(ValueError, match="layers of held experts"):
+        replan({0: {}}, {1: [1.0]}, ep_size=1, config=PlacementConfig(slots_per_node=1))
