@@ -150,10 +150,12 @@ def rank_key(info: OperatorInfo) -> RankKey:
 
 
 def bytes_per_rank(plan: SnapshotPlan, info: Mapping[OperatorId, OperatorInfo]) -> dict[RankKey, int]:
-    totals: dict[RankKey, int] = {rank_key(i): 0 for i in info.values()}
-    for op, level in plan.items():
-        totals[rank_key(info[op])] += info[op].nbytes(level)
-    return totals
+    """Bytes each rank key copies for ``plan``, charged where they are copied: an operator every rank of a
+    stage holds (non-experts, or their shards with the distributed optimizer) is charged on each holder
+    (``moe_ft.state.catalogue.copied_bytes``); a hand-built catalogue charges its one rank key."""
+    from moe_ft.state.catalogue import copied_bytes
+
+    return copied_bytes(plan, info)
 
 
 def experts_by_layer(operators: Iterable[OperatorInfo]) -> dict[int, list[OperatorInfo]]:

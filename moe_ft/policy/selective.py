@@ -23,6 +23,7 @@ from typing import Mapping, Optional, Sequence
 from moe_ft.policy.base import (
     RankKey,
     SnapshotPolicy,
+    bytes_per_rank,
     experts_by_layer,
     expert_scores,
     make_plan,
@@ -90,6 +91,7 @@ class SelectivePolicy(SnapshotPolicy):
     token_loss_metric = "MLT"
     token_loss_layers = "sum"  # MoEtion eq. 6: Σ over the MoE layers
     reads_popularity = True
+    recomputes_optimizer_on_peer = True  # --ft-optimizer-recompute: MoEtion §5.2 stable periods
 
     @classmethod
     def config_from_flags(cls, flags, t_iter_s: float) -> "SelectiveConfig":
@@ -121,13 +123,10 @@ class SelectivePolicy(SnapshotPolicy):
     def __init__(self, config: SelectiveConfig, operators: Sequence[OperatorInfo]) -> None:
         super().__init__(operators)
         self.config = config
-        self._non_expert_bytes: dict[RankKey, int] = {}
+        non_experts = make_plan(self.operators, {i.op: Level.FULL for i in self.operators if not i.op.is_expert})
+        # charged where copied: every rank holding a non-expert copies it (or its shard)
+        self._non_expert_bytes: dict[RankKey, int] = dict(bytes_per_rank(non_experts, self.info))
         self._experts: dict[RankKey, dict[int, list[OperatorInfo]]] = {}
-        for info in self.operators:
-            key = rank_key(info)
-            self._non_expert_bytes.setdefault(key, 0)
-            if not info.op.is_expert:
-                self._non_expert_bytes[key] += info.bytes_full
         for key in self._non_expert_bytes:
             self._experts[key] = experts_by_layer(i for i in self.operators if rank_key(i) == key)
         for key, nbytes in sorted(self._non_expert_bytes.items()):

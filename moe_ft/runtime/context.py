@@ -26,5 +26,7 @@ class BuildContext:
     """The job's :class:`moe_ft.popularity.ExpertPopularity` counters."""
     t_iter_s: float
     """Measured iteration time (policies derive windows and budgets from it)."""
+    clock: Any = None
+    """The runtime's :class:`IterationClock` (``t_iter_s``: the agreed, continuously measured ``T_iter``)."""
     store_fault_hook: Callable[[str, int, str], None] | None = None
     """Drills: called by the store around each publish (``before_commit`` / ``after_commit``)."""

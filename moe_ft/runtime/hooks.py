@@ -110,7 +110,8 @@ class FTRuntime(StepHooks):
     def build_context(self, t_iter_s: float) -> BuildContext:
         return BuildContext(state=self.state, args=self.args, rank=self.rank, world_size=self.world_size,
                             start_iteration=self.start_iteration, registry=self.registry, catalogue=self.catalogue,
-                            popularity=self.popularity, t_iter_s=t_iter_s, store_fault_hook=self._store_fault_hook)
+                            popularity=self.popularity, t_iter_s=t_iter_s, clock=self.clock,
+                            store_fault_hook=self._store_fault_hook)
 
     def build(self, t_iter_s: float) -> None:
         """Registry, catalogue, the snapshot session and the components that serve it (collective)."""
