@@ -103,9 +103,12 @@ class ReplicationConfig:
         "node has no other failure domain and does not replicate."))
     ranks_per_node: int = field(default=0, metadata=field_help(
         "Ranks per node for replica placement (0 = LOCAL_WORLD_SIZE); smaller values simulate nodes."))
+    replication_bandwidth: float = field(default=0.0, metadata=field_help(
+        "Network bytes/s one rank may spend on replicas: B_remote = this x the measured iteration time "
+        "(MoEtion §4.2); the newest recovery point goes first, older ones are skipped (0 = unlimited)."))
 
     def __post_init__(self) -> None:
-        _non_negative(self, ("replicas", "ranks_per_node"), "ft_")
+        _non_negative(self, ("replicas", "ranks_per_node", "replication_bandwidth"), "ft_")
 
     def build(self, ctx: "BuildContext", session):
         """The replication service of ``session``'s store (collective), or ``None`` (no store, r = 0, or a
@@ -117,7 +120,22 @@ class ReplicationConfig:
         layout = Layout.gather(ranks_per_node=self.ranks_per_node,
                                distributed_optimizer=ctx.args.parallel.use_distributed_optimizer)
         return Replication.build(num_replicas=self.replicas, layout=layout, store=session.store,
-                                 store_root=session.store_root, job_id=session.job_id)
+                                 store_root=session.store_root, job_id=session.job_id,
+                                 remote_budget=self.remote_budget(ctx))
+
+    def remote_budget(self, ctx: "BuildContext"):
+        """``B_remote`` as a callable the sender asks before each point: ``--ft-replication-bandwidth`` x the
+        iteration time agreed now (the runtime's clock, else the build-time measurement), MoEtion §4.2;
+        ``None`` (unlimited) without the flag."""
+        if not self.replication_bandwidth:
+            return None
+        clock = ctx.clock
+
+        def budget() -> int:
+            t_iter_s = (clock.t_iter_s if clock is not None else None) or ctx.t_iter_s
+            return int(self.replication_bandwidth * t_iter_s)
+
+        return budget
 
 
 @dataclass(kw_only=True)

@@ -81,3 +81,40 @@ def test_charged_bytes_equal_what_each_rank_copies(tmp_path, corpus):
             under_counted += any(c["home_bytes"] < c["engine_bytes"] for c in case)
         # charging each non-expert to one "home" EP rank (the old accounting) misses what the others copy
         assert under_counted > 0, layout
+
+
+def test_policies_charge_non_experts_on_every_holder():
+    """``bytes_per_rank`` (every policy's plan accounting) and the selective policy's non-expert floor use
+    the bytes each rank key really copies: a non-expert held on both EP ranks is charged to both."""
+    from moe_ft.policy.base import bytes_per_rank
+    from moe_ft.policy.selective import SelectiveConfig, SelectivePolicy
+
+    emb, d0 = OperatorId.embedding(), OperatorId.dense(0)
+    e0, e1 = OperatorId.expert_op(0, 0), OperatorId.expert_op(0, 1)
+    info = lambda op, c, f, ep: OperatorInfo(op=op, bytes_compute=c, bytes_full=f, pp_rank=0, ep_rank=ep)  # noqa: E731
+    merged = merge_catalogue([[info(emb, 10, 30, 0), info(d0, 5, 9, 0), info(e0, 4, 8, 0)],
+                              [info(emb, 10, 20, 1), info(d0, 5, 12, 1), info(e1, 4, 8, 1)]], ep_size=2)
+    plan = {emb: Level.FULL, d0: Level.FULL, e0: Level.NONE, e1: Level.FULL}
+    assert bytes_per_rank(plan, {i.op: i for i in merged}) == {(0, 0): 39, (0, 1): 40}
+    policy = SelectivePolicy(SelectiveConfig(local_budget=100, remote_budget=100), merged)
+    assert policy._non_expert_bytes == {(0, 0): 39, (0, 1): 32}
+    with pytest.raises(ValueError, match=r"below the 39 bytes of non-expert FULL state on rank \(pp=0, ep=0\)"):
+        SelectivePolicy(SelectiveConfig(local_budget=35, remote_budget=100), merged)
+
+
+def test_replication_bandwidth_sets_b_remote_from_the_agreed_iteration_time():
+    """``--ft-replication-bandwidth``: ``B_remote = BW x T_iter`` with ``T_iter`` read when asked (the
+    clock's newest agreement), the build-time measurement before the first one; no flag: unlimited."""
+    from types import SimpleNamespace
+
+    from moe_ft.config import FTConfig
+
+    clock = SimpleNamespace(t_iter_s=None)
+    ctx = SimpleNamespace(clock=clock, t_iter_s=0.5)
+    assert FTConfig.from_flags(ft=True).replication.remote_budget(ctx) is None
+    budget = FTConfig.from_flags(ft=True, ft_replication_bandwidth=1e6).replication.remote_budget(ctx)
+    assert budget() == 500_000
+    clock.t_iter_s = 0.25
+    assert budget() == 250_000
+    with pytest.raises(ValueError, match="--ft-replication-bandwidth must be >= 0"):
+        FTConfig.from_flags(ft=True, ft_replication_bandwidth=-1.0)
