@@ -106,9 +106,25 @@ class ReplicationConfig:
     replication_bandwidth: float = field(default=0.0, metadata=field_help(
         "Network bytes/s one rank may spend on replicas: B_remote = this x the measured iteration time "
         "(MoEtion §4.2); the newest recovery point goes first, older ones are skipped (0 = unlimited)."))
+    optimizer_recompute: bool = field(default=False, metadata=field_help(
+        "Asynchronous optimizer recomputation (MoEtion §5.2, Alg. 3): an expert FULL in consecutive points is "
+        "sent to the peers as the gradients of its step, and each peer replays the optimizer update to keep "
+        "its FULL state (fp32/bf16 torch Adam, no distributed optimizer); needs --ft-replicas and "
+        "--ft-policy selective."))
 
     def __post_init__(self) -> None:
         _non_negative(self, ("replicas", "ranks_per_node", "replication_bandwidth"), "ft_")
+        if self.optimizer_recompute and not self.replicas:
+            raise ValueError("--ft-optimizer-recompute recomputes optimizer steps on replica peers; it needs "
+                             "--ft-replicas >= 1")
+
+    def check_policy(self, policy_cls) -> None:
+        """Cross-check with the snapshot policy (``FTConfig.__post_init__``)."""
+        if self.optimizer_recompute and not getattr(policy_cls, "recomputes_optimizer_on_peer", False):
+            name = getattr(policy_cls, "name", "none") or "none"
+            raise ValueError(f"--ft-optimizer-recompute exploits the stable periods of selective expert "
+                             f"checkpointing (MoEtion §5.2); --ft-policy {name} has none: use --ft-policy "
+                             "selective or drop --ft-optimizer-recompute")
 
     def build(self, ctx: "BuildContext", session):
         """The replication service of ``session``'s store (collective), or ``None`` (no store, r = 0, or a
@@ -121,7 +137,16 @@ class ReplicationConfig:
                                distributed_optimizer=ctx.args.parallel.use_distributed_optimizer)
         return Replication.build(num_replicas=self.replicas, layout=layout, store=session.store,
                                  store_root=session.store_root, job_id=session.job_id,
-                                 remote_budget=self.remote_budget(ctx))
+                                 remote_budget=self.remote_budget(ctx), recompute=self.recompute(ctx))
+
+    def recompute(self, ctx: "BuildContext"):
+        """The gradient capture of ``--ft-optimizer-recompute`` as a factory (built only when replicating),
+        or ``None``."""
+        if not self.optimizer_recompute:
+            return None
+        from moe_ft.replication.optim_recompute import GradCapture
+
+        return lambda: GradCapture.from_megatron(ctx.registry, ctx.state.optimizer)
 
     def remote_budget(self, ctx: "BuildContext"):
         """``B_remote`` as a callable the sender asks before each point: ``--ft-replication-bandwidth`` x the
@@ -274,6 +299,7 @@ class FTConfig:
         cls = self.snapshot.policy_cls
         if cls is not None:
             cls.check_flags(self)
+        self.replication.check_policy(cls)
         if self.recovery.capacity_boost and not (cls is not None and cls.lossy):
             lossy = " or ".join(name for name, (c, _) in sorted(POLICIES.items()) if c.lossy)
             raise ValueError(f"--ft-capacity-boost makes up the tokens a lossy recovery loses; --ft-policy "

@@ -17,6 +17,7 @@ from moe_ft.replication.placement import (PlacementConfig, ReplicaPlan, has_copy
 from moe_ft.replication.receiver import ReceiverConfig, ReplicaReceiver, replica_store_config
 from moe_ft.replication.sender import ReplicaSender, SenderConfig
 from moe_ft.replication.transport import GlooTransport, GlooTransportConfig
+from moe_ft.state.operators import Level
 
 logger = logging.getLogger("moe_ft.replication")
 
@@ -72,11 +73,13 @@ class Replication:
 
     @staticmethod
     def build(*, num_replicas: int, layout: Layout, store, store_root: str, job_id: str,
-              remote_budget=None) -> "Replication | None":
+              remote_budget=None, recompute=None) -> "Replication | None":
         """Collective (the dedicated group). ``None`` when there is nothing to replicate to: ``r = 0``, or a
         single-node job (no other failure domain; logged). ``remote_budget``: a callable returning
         ``B_remote`` (bytes per iteration this rank may send, MoEtion §4.2; read at every submit so it may
-        follow ``T_iter``), or ``None`` for no limit (``sender.py``)."""
+        follow ``T_iter``), or ``None`` for no limit (``sender.py``). ``recompute``: a callable returning the
+        :class:`~moe_ft.replication.optim_recompute.GradCapture` of this rank, to send continuing experts as
+        gradients and recompute their optimizer step on the peers (MoEtion §5.2, ``recompute_stream.py``)."""
         if num_replicas == 0:
             return None
         if len(set(layout.node_of)) == 1:
@@ -99,12 +102,33 @@ class Replication:
         edp_off = has_copy_off_node(layout.rank, layout.group_of(layout.expert_dp_groups), layout.node_of)
         select = lambda e: needs_replication(e.op, e.level, dp_copy_off_node=dp_off, expert_dp_copy_off_node=edp_off,
                                              distributed_optimizer=layout.distributed_optimizer)
-        receiver = ReplicaReceiver(ReceiverConfig(), transport, plan.sources[layout.rank],
-                                   lambda owner: replica_store_config(root=store_root, job_id=job_id,
-                                                                      owner=owner).build())
-        sender = ReplicaSender(SenderConfig(), store, transport, plan.peers[layout.rank], owner=layout.rank,
-                               select=select, budget=remote_budget)
+        receiver_cls, sender_cls, sender_extra = ReplicaReceiver, ReplicaSender, {}
+        if recompute is not None:
+            from moe_ft.replication.recompute_stream import RecomputeReceiver, RecomputeSender
+
+            receiver_cls, sender_cls, sender_extra = RecomputeReceiver, RecomputeSender, {"capture": recompute()}
+        receiver = receiver_cls(ReceiverConfig(), transport, plan.sources[layout.rank],
+                                lambda owner: replica_store_config(root=store_root, job_id=job_id,
+                                                                   owner=owner).build())
+        sender = sender_cls(SenderConfig(), store, transport, plan.peers[layout.rank], owner=layout.rank,
+                            select=select, budget=remote_budget, **sender_extra)
         return Replication(sender, receiver, plan, layout)
+
+    @property
+    def capture(self):
+        """The gradient capture of optimizer recomputation (``None`` when off)."""
+        return getattr(self.sender, "capture", None)
+
+    def begin_iteration(self, iteration: int) -> None:
+        """Before the iteration's optimizer step (optimizer recomputation labels its captures)."""
+        if self.capture is not None:
+            self.capture.begin(iteration)
+
+    def track(self, plan) -> None:
+        """After the snapshot of an iteration: the experts it saved FULL are the ones whose next gradients
+        optimizer recomputation may send instead of their FULL state (MoEtion Alg. 3)."""
+        if self.capture is not None:
+            self.capture.track(op for op, lvl in plan.items() if op.is_expert and lvl == Level.FULL)
 
     def submit(self, iteration: int, plan=None) -> None:
         """Replicate point ``iteration`` (only the operators ``plan`` saves FULL, if given: a policy's
@@ -115,18 +139,32 @@ class Replication:
         """Drop the replicas this rank holds of points newer than ``iteration`` (after a rollback)."""
         for owner in self.plan.sources[self.layout.rank]:
             self.receiver.store(owner).discard_after(iteration)
+        if hasattr(self.receiver, "reset"):  # recomputed optimizer states of the abandoned timeline
+            self.receiver.reset()
 
     def metrics(self, iteration: int) -> dict:
         sent = self.sender.sent
-        return {"replication_lag": self.sender.lag(iteration),
-                "replication_bytes": sent[-1].nbytes if sent else 0,
-                "replication_deferred": len(self.sender.deferred),
-                "replica_rejections": len(self.receiver.rejections)}
+        out = {"replication_lag": self.sender.lag(iteration),
+               "replication_bytes": sent[-1].nbytes if sent else 0,
+               "replication_deferred": len(self.sender.deferred),
+               "replica_rejections": len(self.receiver.rejections)}
+        if self.capture is not None:  # experts sent as gradients / recomputed here / failed recomputations
+            records = self.sender.records
+            out.update(recompute_sent=records[-1].num_gradients if records else 0,
+                       recomputed=len(self.receiver.recomputed), recompute_failures=len(self.receiver.failures))
+        return out
 
     def close(self) -> None:
         """Collective in effect: every rank's receiver waits for its sources to close their streams."""
         self.sender.close()
         self.receiver.join(timeout=600)
+        if self.capture is not None:  # one line per rank: what MoEtion Alg. 3 saved on the wire
+            records = self.sender.records
+            grads, full = sum(r.gradient_bytes for r in records), sum(r.replaced_bytes for r in records)
+            print(f"moe-ft optimizer recomputation rank {self.layout.rank}: sent "
+                  f"{sum(r.num_gradients for r in records)} experts as gradients ({grads / 1e6:.3f} MB for "
+                  f"{full / 1e6:.3f} MB of FULL state) and {sum(r.num_full for r in records)} as FULL; recomputed "
+                  f"{len(self.receiver.recomputed)} for its sources, {len(self.receiver.failures)} failed", flush=True)
 
 
 def build_persistence(*, interval: int, persist_dir: str, store, rule, rank: int, world_size: int,

@@ -50,7 +50,11 @@ class Replicas(Component):
     def __init__(self, replication) -> None:
         self.replication = replication
 
+    def on_step_begin(self, iteration: int) -> None:
+        self.replication.begin_iteration(iteration)  # optimizer recomputation labels the step's gradients
+
     def after_snapshot(self, iteration, plan, session, replaying) -> None:
+        self.replication.track(plan)  # optimizer recomputation: whose gradients the next step captures
         self.replication.submit(iteration)  # enqueue only: the copies run on their own threads
 
     def after_recovery(self, report, session) -> None:

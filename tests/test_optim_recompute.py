@@ -1,0 +1,267 @@
+"""Asynchronous optimizer recomputation on the replica peer (MoEtion §5.2, Algorithm 3;
+``moe_ft/replication/optim_recompute.py``, ``recompute_stream.py``).
+
+* Algorithm 3's decision as a pure function;
+* the real Megatron optimizer (tiny MoE GPT, one rank, gradient clipping active): a peer's shadow fed the
+  captured gradients equals the owner's state bitwise (param, ``exp_avg``, ``exp_avg_sq``, ``step`` and the
+  encoded FULL entry) over several iterations, through a selection change that retransmits the state;
+* the replication stream (in-process transport, in-memory stores): continuing experts travel as gradients,
+  the peer's replica holds the owner's FULL entries byte for byte, a gap restarts the stable period, a
+  wrong gradient is caught by the owner's checksum;
+* flag validation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_ft.replication import InProcessHub, ReceiverConfig, SenderConfig
+from moe_ft.replication.optim_recompute import (GRADIENTS, OPTIMIZER_MODEL, GradCapture, MainParam, ShadowExpert,
+                                                transfer_types)
+from moe_ft.replication.recompute_stream import (RecomputeReceiver, RecomputeSender, decode_gradients,
+                                                 encode_gradients)
+from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store import MemoryBackend, SnapshotStore
+from moe_ft.store.codec import DEFAULT_CHECKSUM, write_entry
+from moe_ft.store.manifest import entry_key
+
+E = [OperatorId.expert_op(0, e) for e in range(4)]
+
+
+def test_algorithm3_gradients_only_for_experts_checkpointed_just_before():
+    assert transfer_types([E[0], E[1]], [E[1], E[2]]) == {E[1]: GRADIENTS, E[2]: OPTIMIZER_MODEL}
+    assert transfer_types([], [E[0]]) == {E[0]: OPTIMIZER_MODEL}
+    # f_ckpt > 1: the peer is several steps behind, everything goes as Optimizer+Model (lines 1-6)
+    assert transfer_types([E[1]], [E[1]], checkpoint_interval=2) == {E[1]: OPTIMIZER_MODEL}
+    with pytest.raises(ValueError, match="checkpoint_interval"):
+        transfer_types([], [], checkpoint_interval=0)
+
+
+def _encode(iteration: int, op: OperatorId, tensors: dict) -> tuple[bytes, str]:
+    parts: list[bytes] = []
+    written = write_entry(lambda b: parts.append(bytes(b)), entry_key(iteration, op, Level.FULL), tensors,
+                          DEFAULT_CHECKSUM)
+    return b"".join(parts), written.checksum
+
+
+def _wire(iteration: int, grads: dict, classes: dict) -> dict:
+    """What the peer decodes: the gradients through their wire format."""
+    return decode_gradients(iteration, encode_gradients(iteration, grads, classes, DEFAULT_CHECKSUM))
+
+
+# ------------------------------------------------------------------- the real Megatron optimizer, one rank
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--num-experts", "4", "--moe-router-topk", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
+         "--train-iters", "8", "--lr-warmup-iters", "2", "--clip-grad", "0.05", "--weight-decay", "0.1"]
+# experts FULL after each iteration: layer 0 expert 1 leaves at 3 and comes back at 5 (retransmission)
+SELECTION = [{(0, 0), (0, 1)}, {(0, 0), (0, 1)}, {(0, 0), (0, 1), (1, 2)}, {(0, 0), (1, 2)},
+             {(0, 0), (1, 2)}, {(0, 1), (1, 2)}, {(0, 1), (1, 3)}, {(0, 1), (1, 3)}]
+
+
+class _RouterSpec:
+    def customize_layer_spec(self, spec):
+        from moe_ft.megatron_ext.router import install_router
+
+        return install_router(spec)
+
+
+@pytest.mark.timeout(90)
+def test_shadow_equals_megatron_optimizer_bitwise(corpus):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron.training.arguments import parse_args
+    from megatron.training.initialize import quiet_optional_dependency_warnings, set_seeds
+    from megatron.training.model import build_train_state
+    from megatron.training.pretrain import build_data
+    from megatron.training.training import train_step
+    from moe_ft.compat import cpu as cpu_compat
+    from moe_ft.state.optimizer_views import ensure_optimizer_state
+    from moe_ft.state.registry import OperatorRegistry
+
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    quiet_optional_dependency_warnings()
+    cpu_compat.activate()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ps.initialize_model_parallel()
+    capture = None
+    try:
+        args = parse_args([*MODEL, "--data-path", corpus], world_size=1)
+        args.extra["router"] = _RouterSpec()
+        set_seeds(args.training.seed)
+        state = build_train_state(args)
+        data = build_data(args)
+        ensure_optimizer_state(state.optimizer)
+        registry = OperatorRegistry.from_megatron(state.model, state.optimizer)
+        capture = GradCapture.from_megatron(registry, state.optimizer)
+        assert set(capture.params) == {op for op in registry if op.is_expert}
+        classes = {op: type(next(iter(p.values())).inner).__name__ for op, p in capture.params.items()}
+        assert set(classes.values()) == {"AdamW"}  # what Megatron-Core builds without TE/Apex
+        shadows: dict[OperatorId, ShadowExpert] = {}
+        applied = retransmitted = 0
+        previous: set[OperatorId] = set()
+        seen: set[OperatorId] = set()
+        for t, chosen in enumerate(SELECTION):
+            capture.begin(t)
+            result = train_step(state, data, t, args)
+            assert result.grad_norm > args.training.clip_grad  # clipping scaled the gradients of this step
+            current = {OperatorId.expert_op(*le) for le in chosen}
+            kinds = transfer_types(previous, current)
+            grads = capture.take(t, [op for op, k in kinds.items() if k == GRADIENTS])
+            assert set(grads) == {op for op, k in kinds.items() if k == GRADIENTS}
+            for op, (cls, params) in _wire(t, grads, classes).items():
+                shadows[op].apply(t, params, cls)
+                applied += 1
+            for op in current:
+                live = {name: t_.detach().clone() for name, t_ in registry[op].tensors(Level.FULL).items()}
+                data_, checksum = _encode(t, op, live)
+                if kinds[op] == OPTIMIZER_MODEL:  # entering (or re-entering) the selection: the whole state
+                    retransmitted += op in seen
+                    shadows[op] = ShadowExpert.from_entry(op, t, data_, checksum=checksum, algo=DEFAULT_CHECKSUM)
+                    continue
+                peer = shadows[op].tensors
+                assert list(peer) == list(live)
+                assert any(n.startswith("exp_avg_sq.") for n in peer) and any(n.startswith("step.") for n in peer)
+                for name, want in live.items():
+                    assert torch.equal(peer[name], want), (t, op, name)
+                assert shadows[op].encode(DEFAULT_CHECKSUM) == data_  # the owner's FULL entry, byte for byte
+            shadows = {op: s for op, s in shadows.items() if op in current}
+            capture.track(current)
+            previous, seen = current, seen | current
+        assert applied == 12 and retransmitted == 1  # expert (0, 1) re-entered at iteration 5
+    finally:
+        if capture is not None:
+            capture.close()
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+# ------------------------------------------------------------------ the replication stream, in process
+D0 = OperatorId.dense(0)
+
+
+class _Owner:
+    """A rank's experts under torch AdamW (two parameter groups, clipping), publishing FULL entries of the
+    selected experts (+ a dense operator and metadata) after every step, as the snapshot engine does."""
+
+    def __init__(self, store: SnapshotStore) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.store, self.gen = store, g
+        self.params = {op: {f"experts.{op.expert}.fc{i}.weight": torch.randn(8, 4, generator=g) for i in (1, 2)}
+                       for op in E}
+        flat = [(op, n, p) for op, ps in self.params.items() for n, p in ps.items()]
+        self.opt = torch.optim.AdamW([{"params": [p for _, n, p in flat if n.endswith("fc1.weight")]},
+                                      {"params": [p for _, n, p in flat if n.endswith("fc2.weight")],
+                                       "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1)
+        index = {id(p): (gi, p) for gi, grp in enumerate(self.opt.param_groups) for p in grp["params"]}
+        self.capture = GradCapture({op: {n: MainParam(self.opt, index[id(p)][0], p) for n, p in ps.items()}
+                                    for op, ps in self.params.items()})
+
+    def step(self, t: int) -> None:
+        self.capture.begin(t)
+        params = [p for ps in self.params.values() for p in ps.values()]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=self.gen)
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        self.opt.param_groups[0]["lr"] = 1e-2 / (t + 1)  # the scheduler moves lr between steps
+        self.opt.step()
+
+    def full(self, op: OperatorId) -> dict:
+        out = dict(self.params[op])
+        for n, p in self.params[op].items():
+            out.update({f"{k}.{n}": v for k, v in self.opt.state[p].items()})
+        return out
+
+    def publish(self, t: int, selected) -> None:
+        with self.store.begin(t) as point:
+            point.put(D0, Level.FULL, {"w": torch.full((16,), float(t))})
+            for op in selected:
+                point.put(op, Level.FULL, self.full(op))
+            point.put_meta({"iteration": t})
+            point.publish()
+        self.capture.track(selected)
+
+
+def _stream():
+    hub = InProcessHub()
+    owner = _Owner(SnapshotStore(MemoryBackend(name="rank0")))
+    replica = SnapshotStore(MemoryBackend(name="replica of rank 0"))
+    receiver = RecomputeReceiver(ReceiverConfig(keep_points=16), hub.endpoint(1), [0], lambda o: replica)
+    sender = RecomputeSender(SenderConfig(), owner.store, hub.endpoint(0), [1], owner=0, capture=owner.capture)
+    return owner, replica, sender, receiver
+
+
+def test_stream_sends_gradients_and_the_replica_holds_the_owners_entries():
+    owner, replica, sender, receiver = _stream()
+    selection = [{0, 1}, {0, 1}, {0, 1, 2}, {0, 2}, {0, 2}, {0, 2}, {1, 2}, {1, 2}]
+    not_sent = {4}  # a point that never went out (e.g. deferred by the budget): continuity breaks
+    for t, chosen in enumerate(selection):
+        owner.step(t)
+        owner.publish(t, [E[e] for e in chosen])
+        if t not in not_sent:
+            sender.submit(t)
+            sender.flush()
+    sender.close()
+    receiver.join(timeout=10)
+    got = {r.iteration: (r.num_full, r.num_gradients) for r in sender.records}
+    # FULL when entering (0: both; 2: expert 2; 6: expert 1) or after the gap (5: all), gradients otherwise
+    assert got == {0: (2, 0), 1: (0, 2), 2: (1, 2), 3: (0, 2), 5: (2, 0), 6: (1, 1), 7: (0, 2)}
+    assert len(receiver.recomputed) == 9 and not receiver.failures and not receiver.rejections
+    assert replica.points() == [t for t in range(8) if t not in not_sent]
+    assert not replica.verify().problems
+    for t in replica.points():
+        for blob in owner.store.backend.blob_names(t):
+            if blob.endswith(".ent"):  # every entry, the recomputed FULL ones too, is the owner's file
+                assert replica.backend.read_blob(t, blob) == owner.store.backend.read_blob(t, blob), (t, blob)
+    saved = sum(r.replaced_bytes - r.gradient_bytes for r in sender.records)
+    assert saved > 0 and all(r.gradient_bytes < r.replaced_bytes for r in sender.records if r.num_gradients)
+
+
+def test_wrong_gradients_are_caught_by_the_owners_checksum():
+    owner, replica, sender, receiver = _stream()
+    take = owner.capture.take
+
+    def tampered(iteration, ops):  # one bit of state goes wrong on the way at iteration 2
+        grads = take(iteration, ops)
+        if iteration == 2 and E[0] in grads:
+            name = next(iter(grads[E[0]]))
+            grads[E[0]][name].grad = grads[E[0]][name].grad * 1.5
+        return grads
+
+    owner.capture.take = tampered
+    for t in range(4):
+        owner.step(t)
+        owner.publish(t, [E[0], E[1]])
+        sender.submit(t)
+        sender.flush()
+    sender.close()
+    receiver.join(timeout=10)
+    reasons = [(it, op, why) for _, it, op, why in receiver.failures]
+    assert reasons[0] == (2, E[0], "the recomputed entry differs from the owner's (checksum)")
+    assert [(it, op) for it, op, _ in reasons[1:]] == [(3, E[0])]  # no state left to apply the next step to
+    assert E[0] not in replica.catalog([2]).point(2).entries and E[1] in replica.catalog([3]).point(3).entries
+    assert not replica.verify().problems  # nothing wrong was published
+
+
+def test_flags_need_replicas_and_the_selective_policy():
+    from moe_ft.config import FTConfig
+
+    FTConfig.from_flags(ft=True, ft_policy="selective", ft_optimizer_recompute=True)
+    with pytest.raises(ValueError, match="--ft-policy selective"):
+        FTConfig.from_flags(ft=True, ft_policy="sparse", ft_optimizer_recompute=True)
+    with pytest.raises(ValueError, match="--ft-replicas >= 1"):
+        FTConfig.from_flags(ft=True, ft_policy="selective", ft_replicas=0, ft_optimizer_recompute=True)
+
+
+def test_refuses_optimizers_the_peer_cannot_reproduce():
+    from moe_ft.replication.optim_recompute import _supported_inner
+
+    p = torch.zeros(2)
+    _supported_inner(torch.optim.Adam([p]))
+    with pytest.raises(ValueError, match="run without --ft-optimizer-recompute"):
+        _supported_inner(torch.optim.SGD([p], lr=0.1))
