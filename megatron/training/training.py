@@ -150,8 +150,9 @@ def train_step(state: TrainState, data: ReplayableData, iteration: int, args: Ar
         update_successful, grad_norm, num_zeros = state.optimizer.step()
         if update_successful:
             state.scheduler.step(increment=args.training.global_batch_size)
-        if hooks is not None:
-            hooks.after_optimizer_step(iteration)
+        after = getattr(hooks, "after_optimizer_step", None)  # train_step's hooks may be a partial object
+        if after is not None:
+            after(iteration)
     aux = _aux_losses(args.model.num_layers, len(batches)) if not forward_only else {}
     loss = float("nan")
     if ps.is_pipeline_last_stage() and losses:

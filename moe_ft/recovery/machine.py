@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from moe_ft.state.operators import OperatorId
     from moe_ft.store import RecoveryPoint
 
-__all__ = ["Phase", "Recovery", "RecoveryConfig", "RecoveryContext", "RecoveryState", "check_routing"]
+__all__ = ["Phase", "Recovery", "RecoveryConfig", "RecoveryContext", "RecoveryState", "check_routing",
+           "restore_step_state"]
 
 log = logging.getLogger("moe_ft.recovery")
 
@@ -251,16 +252,25 @@ class Recovery:
     def _restore_step_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], *,
                             policy: bool) -> None:
         """RNG, LR/WD schedule position and popularity counters as after the metadata's iteration."""
-        restore_step_meta(meta, tensors, optimizer=self.ctx.train_state.optimizer)
-        scheduler = self.ctx.train_state.scheduler
-        scheduler.num_steps = 0  # load_state_dict *adds* the stored step count
-        scheduler.load_state_dict(meta["scheduler"])
-        if self.ctx.popularity is not None and "popularity" in meta:
-            pop = dict(meta["popularity"])
-            pop.update({k[len("popularity."):]: v for k, v in tensors.items() if k.startswith("popularity.")})
-            self.ctx.popularity.load_state_dict(pop)
-        if policy and self.ctx.policy is not None and meta.get("policy") is not None:
-            self.ctx.policy.load_state_dict(meta["policy"])
+        restore_step_state(meta, tensors, train_state=self.ctx.train_state, popularity=self.ctx.popularity,
+                           policy=self.ctx.policy if policy else None)
+
+
+def restore_step_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor], *, train_state, popularity=None,
+                       policy=None) -> None:
+    """The state outside the operators as after the metadata's iteration: RNG, loss scaler, LR/WD schedule
+    position, popularity counters (``popularity``: ``None`` leaves them) and the policy's state (``policy``:
+    ``None`` leaves it). Used by the machine and by survivors loading their point (``recovery/localized.py``)."""
+    restore_step_meta(meta, tensors, optimizer=train_state.optimizer)
+    scheduler = train_state.scheduler
+    scheduler.num_steps = 0  # load_state_dict *adds* the stored step count
+    scheduler.load_state_dict(meta["scheduler"])
+    if popularity is not None and "popularity" in meta:
+        pop = dict(meta["popularity"])
+        pop.update({k[len("popularity."):]: v for k, v in tensors.items() if k.startswith("popularity.")})
+        popularity.load_state_dict(pop)
+    if policy is not None and meta.get("policy") is not None:
+        policy.load_state_dict(meta["policy"])
 
 
 def _agreed(s: RecoveryState) -> RecoveryPoint:
