@@ -1,0 +1,145 @@
+"""Upstream logging at the p2p seam of Megatron-Core's pipeline schedules (MoEvement §3.4).
+
+Megatron-Core 0.16.1's schedules (``forward_backward_pipelining_without_interleaving`` and
+``..._with_interleaving``) build their ``P2PCommunicator(pp_group=..., config=...)`` from the name
+``P2PCommunicator`` in ``megatron.core.pipeline_parallel.schedules`` when the caller passes none (our
+training loop passes none), and every send or receive of every public method (``send_forward``,
+``send_forward_recv_backward``, ``send_forward_backward_recv_forward_backward``, ...) goes through
+``P2PCommunicator._communicate``. :class:`P2PSeam` installs a subclass there (a factory bound to the seam)
+whose ``_communicate`` hands every call to the seam:
+
+* with a :class:`LogRecorder` attached, the tensors this stage *sends* are copied to host memory, keyed
+  (iteration, direction, peer, send order) with the virtual stage of the sending chunk, and published to the
+  rank's :class:`~moe_ft.localized.log_store.LogDir` at the end of the iteration;
+* with a replay handler attached (:class:`moe_ft.localized.log_replay.LogReplay`), receives from ranks that
+  do not replay are filled from their logs and sends to them are dropped.
+
+The seam is explicit state owned by whoever installed it (the runtime component, a test); nothing here is a
+module global. Megatron's code is not copied: the subclass only routes the call.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+from moe_ft.localized.log_store import BWD, FWD, CollectiveResult, IterationLog, LogDir
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``tensor`` (pinned and asynchronous on CUDA; the recorder synchronises at the end of
+    the iteration, before publishing)."""
+    t = tensor.detach()
+    if t.device.type == "cpu":
+        return t.clone(memory_format=torch.contiguous_format)
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+class LogRecorder:
+    """Collects one iteration's sends and stage-spanning collective results and publishes them.
+
+    Only calls made on the thread that began the iteration are recorded (background threads of the
+    replication or persistence tiers have their own groups and must not shift the call order)."""
+
+    def __init__(self, log_dir: LogDir) -> None:
+        self.log_dir = log_dir
+        self.current: IterationLog | None = None
+        self._thread: int | None = None
+        self._cuda = False
+        self.bytes_per_iteration: dict[int, int] = {}
+        """Tensor bytes logged per published iteration (the FT log line reports the newest)."""
+
+    @property
+    def active(self) -> bool:
+        return self.current is not None and threading.get_ident() == self._thread
+
+    def begin(self, iteration: int) -> None:
+        self.current = IterationLog(iteration)
+        self._thread = threading.get_ident()
+        self._cuda = False
+
+    def record_send(self, direction: str, peer: int, vstage: int, tensor: torch.Tensor) -> None:
+        self._cuda |= tensor.is_cuda
+        self.current.sends.setdefault((direction, peer), []).append((vstage, _host_copy(tensor)))
+
+    def record_collective(self, ranks: tuple[int, ...], fn: str, outputs: list[torch.Tensor]) -> None:
+        self._cuda |= any(t.is_cuda for t in outputs)
+        self.current.collectives.setdefault(ranks, []).append(CollectiveResult(fn, [_host_copy(t) for t in outputs]))
+
+    def end(self) -> int:
+        """Publish the current iteration (tensor bytes logged; 0 when nothing was begun)."""
+        log, self.current = self.current, None
+        if log is None:
+            return 0
+        if self._cuda:
+            torch.cuda.synchronize()  # the pinned copies were asynchronous
+        self.log_dir.write(log)
+        self.bytes_per_iteration[log.iteration] = log.nbytes()
+        return self.bytes_per_iteration[log.iteration]
+
+    def abandon(self) -> None:
+        """Drop the current iteration unpublished (a failed step)."""
+        self.current = None
+
+
+class SeamP2PCommunicator(P2PCommunicator):
+    """Megatron's ``P2PCommunicator`` whose ``_communicate`` is routed through a :class:`P2PSeam`."""
+
+    def __init__(self, pp_group, config, *, seam: "P2PSeam") -> None:
+        super().__init__(pp_group, config)
+        self.seam = seam
+
+    def _communicate(self, **kwargs):
+        return self.seam.communicate(self, super()._communicate, **kwargs)
+
+
+class P2PSeam:
+    """Routes every p2p call of Megatron's schedules through the attached recorder and replay handler."""
+
+    def __init__(self) -> None:
+        self.recorder: LogRecorder | None = None
+        self.replay = None
+        """A handler with ``communicate(comm, real, **kwargs)`` (``LogReplay``), or ``None``."""
+        self._schedules = None
+        self._original = None
+
+    def install(self) -> "P2PSeam":
+        from megatron.core.pipeline_parallel import schedules
+
+        current = schedules.P2PCommunicator
+        if isinstance(current, functools.partial) and current.func is SeamP2PCommunicator:
+            raise RuntimeError("a P2PSeam is already installed in megatron.core.pipeline_parallel.schedules; "
+                               "uninstall it first (one upstream-logging component per process)")
+        self._schedules, self._original = schedules, current
+        schedules.P2PCommunicator = functools.partial(SeamP2PCommunicator, seam=self)
+        return self
+
+    def uninstall(self) -> None:
+        if self._schedules is not None:
+            self._schedules.P2PCommunicator = self._original
+            self._schedules = self._original = None
+
+    @staticmethod
+    def vstage(comm: P2PCommunicator) -> int:
+        """Virtual stage of the chunk that sends: ``chunk * pp_size + pp_rank`` (Megatron's numbering). With
+        one chunk per rank it is the pipeline rank; with virtual pipeline stages the chunk is not visible at
+        this seam and ``-1`` is recorded (entries stay keyed by send order, which the replay matches)."""
+        vp = comm.virtual_pipeline_model_parallel_size
+        return comm.pp_group.rank() if vp in (None, 1) else -1
+
+    def communicate(self, comm: P2PCommunicator, real, **kwargs):
+        result = self.replay.communicate(comm, real, **kwargs) if self.replay is not None else real(**kwargs)
+        rec = self.recorder
+        if rec is not None and rec.active:
+            vstage = self.vstage(comm)
+            if kwargs.get("tensor_send_next") is not None:
+                rec.record_send(FWD, comm.next_rank, vstage, kwargs["tensor_send_next"])
+            if kwargs.get("tensor_send_prev") is not None:
+                rec.record_send(BWD, comm.prev_rank, vstage, kwargs["tensor_send_prev"])
+        return result
