@@ -44,6 +44,7 @@ from typing import Mapping
 
 import torch
 
+from moe_ft.snapshot.bubbles import BubbleSchedule  # noqa: F401  (EngineConfig.bubbles)
 from moe_ft.snapshot.buffers import HostBuffers
 from moe_ft.state.operators import Level, OperatorId
 
@@ -56,6 +57,9 @@ class EngineConfig:
     """Host buffer sets; 2 lets the copy of ``t+1`` start while ``t`` is still being written."""
     pin_memory: bool | None = None
     """Page-lock the host buffers; ``None``: iff the registry is on CUDA (pinning needs a device)."""
+    bubbles: "BubbleSchedule | None" = None
+    """Bubble-aware scheduling (MoEtion Alg. 4, ``moe_ft/snapshot/bubbles.py``; CPU path): part of each copy
+    waits for the pipeline bubbles its gate reports. ``None``: the whole copy starts at once."""
     write_threads: int | None = None
     """Threads writing one snapshot's entries to the store in parallel (checksum + write release the GIL;
     one thread sustains ~1.3 GB/s on an H100 host, far below the ~55 GB/s of the copy). ``None``: 1 on CPU
@@ -120,6 +124,7 @@ class _Job:
     meta_tensors: dict
     meta_device: list = field(default_factory=list)  # [(host buffer, device clone)] copied on the stream
     copied: threading.Event = field(default_factory=threading.Event)
+    deadline: threading.Event = field(default_factory=threading.Event)  # wait_copied: copy what is left now
     cuda_event: object = None  # side stream: copies done
     start_event: object = None  # side stream: copies start
     reached_event: object = None  # compute stream: reached wait_copied
@@ -159,6 +164,8 @@ class SnapshotEngine:
         captured before returning (host ones copied, device ones cloned on the compute stream), so the
         caller may reuse them."""
         self._raise_if_failed()
+        if self.config.bubbles is not None:  # the bubbles of the iteration that ended: the next one's estimate
+            self.config.bubbles.end_iteration()
         start = time.perf_counter()
         slot = self._free.get()
         waited = time.perf_counter() - start
@@ -231,6 +238,9 @@ class SnapshotEngine:
             torch.cuda.current_stream().wait_event(job.cuda_event)
             self._untimed.append(job)
         else:
+            job.deadline.set()
+            if self.config.bubbles is not None:
+                self.config.bubbles.gate.poke()
             while not job.copied.wait(timeout=1.0):
                 self._raise_if_failed()
         stall = time.perf_counter() - start
@@ -328,10 +338,10 @@ class SnapshotEngine:
         if job.cuda_event is not None:
             job.cuda_event.synchronize()
             job.record.copy_s = job.start_event.elapsed_time(job.cuda_event) / 1e3
+        elif self.config.bubbles is not None:
+            job.record.copy_s = self._copy_in_bubbles(job, self.config.bubbles)
         else:
-            bufs = [buf for entry in job.items for buf in entry.bufs]
-            if bufs:  # one dispatch for all tensors instead of one Python call per tensor
-                torch._foreach_copy_(bufs, [src for entry in job.items for src in entry.srcs])
+            _copy_entries(job.items)
             job.record.copy_s = time.perf_counter() - start
         job.copied.set()
         start = time.perf_counter()
@@ -349,6 +359,38 @@ class SnapshotEngine:
         job.record.write_s = time.perf_counter() - start
         job.record.thread_cpu_s = time.thread_time() - cpu0 + pool_cpu
         job.record.published = True
+
+    def _copy_in_bubbles(self, job: _Job, schedule) -> float:
+        """MoEtion Alg. 4 on the CPU path: ``W*`` at once (overlapping computation), then each entry of
+        ``W_bubble`` when the stage is idle in a pipeline exchange, or at the deadline (``wait_copied``).
+        Returns the seconds spent copying (waits excluded)."""
+        items = sorted(job.items, key=lambda e: -e.nbytes)  # big entries first: fewer, longer bubble pieces
+        n_bubble = schedule.split([e.nbytes for e in items])
+        bubble, star = items[:n_bubble], items[n_bubble:]
+        it = job.record.iteration
+        start = time.perf_counter()
+        _copy_entries(star)
+        copy_s = time.perf_counter() - start
+        for entry in star:
+            schedule.record(iteration=it, op=str(entry.op), kind="compute", start=start, end=start + copy_s,
+                            bytes=entry.nbytes)
+        for entry in bubble:
+            in_bubble = schedule.gate.wait_open(job.deadline)
+            t0 = time.perf_counter()
+            _copy_entries([entry])
+            t1 = time.perf_counter()
+            copy_s += t1 - t0
+            schedule.record(iteration=it, op=str(entry.op), kind="bubble" if in_bubble else "forced",
+                            start=t0, end=t1, bytes=entry.nbytes)
+        schedule.observe_copy(sum(e.nbytes for e in items), copy_s)
+        return copy_s
+
+
+def _copy_entries(entries) -> None:
+    """Copy the entries' live tensors into their host buffers: one dispatch for all of them."""
+    bufs = [buf for entry in entries for buf in entry.bufs]
+    if bufs:
+        torch._foreach_copy_(bufs, [src for entry in entries for src in entry.srcs])
 
 
 def _put_timed(point, entry: _Entry) -> float:
