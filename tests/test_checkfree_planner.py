@@ -34,7 +34,7 @@ def test_decide_prefers_exact_then_durable_then_checkpoint_then_checkfree():
     assert (plan.path, plan.level) == ("checkpoint", "durable")
     plan = decide(pipelines(4, lost=[1]), durable_end=None, load_iteration=0, lossy=False)
     assert (plan.path, plan.level, plan.rebuilt) == ("checkfree", "approximate", {1: (0, 2)})
-    assert "stage(s) [1]" in plan.reason and "survivor_point" in plan.unavailable
+    assert "stage(s) [1]" in plan.reason
 
 
 def test_checkfree_only_for_intermediate_non_consecutive_stages():
@@ -47,6 +47,22 @@ def test_checkfree_only_for_intermediate_non_consecutive_stages():
     assert rebuilt == {2: (0, 4), 3: (1, 5)} and why == ""
     rebuilt, _ = checkfree_sources(pipelines(5, lost=[1, 3]))  # non-consecutive: both
     assert rebuilt == {1: (0, 2), 3: (2, 4)}
+
+
+def test_checkfree_plus_rebuilds_first_and_last_stage_from_the_swap_partner():
+    plan = decide(pipelines(4, lost=[0]), durable_end=None, load_iteration=0, lossy=False, checkfree_plus=True)
+    assert (plan.path, plan.level, plan.rebuilt) == ("checkfree", "approximate", {0: (1,)})
+    rebuilt, why = checkfree_sources(pipelines(4, lost=[3]), plus=True)
+    assert rebuilt == {3: (2,)} and why == ""
+    # the swapped intermediate stages copy their partner too; a stage between the pairs is averaged
+    rebuilt, _ = checkfree_sources(pipelines(6, lost=[1, 3]), plus=True)
+    assert rebuilt == {1: (0,), 3: (2, 4)}
+    rebuilt, _ = checkfree_sources(pipelines(4, num_pipelines=2, lost=[0, 7]), plus=True)  # DP 2: own pipeline
+    assert rebuilt == {0: (2,), 7: (5,)}
+    plan = decide(pipelines(4, lost=[0, 1]), durable_end=None, load_iteration=0, lossy=False, checkfree_plus=True)
+    assert plan.path == "start_over" and "swap partner (stage 1) lost their state together" in plan.reason
+    plan = decide(pipelines(4, lost=[0]), durable_end=None, load_iteration=0, lossy=False)  # without the flag
+    assert plan.path == "start_over" and "--ft-checkfree-plus" in plan.reason
 
 
 def test_min_level_refuses_with_one_line():

@@ -72,6 +72,15 @@ class CheckFreeConfig:
         """Where rank ``rank`` keeps the copies it holds: beside (not inside) its snapshot store."""
         return os.path.join(job_dir, COPIES_DIRNAME, f"rank{rank}")
 
+    def copy_store(self, job_dir: str, rank: int):
+        """This rank's :class:`moe_ft.checkfree.copies.CopyStore` (recovery reads the copies it holds), or
+        ``None`` without CheckFree+."""
+        if not self.plus:
+            return None
+        from moe_ft.checkfree.copies import CopyStore
+
+        return CopyStore(self.copies_dir(job_dir, rank))
+
     def build_components(self, state, *, rank: int, job_dir: str) -> list:
         """The runtime components (``moe_ft/runtime/hooks.py``): partner swap and copies, or ``[]``."""
         if not self.plus:

@@ -69,6 +69,23 @@ def copied_tensors(gpt, kind: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def restore_tensors(what: str, stored: Mapping[str, torch.Tensor], into: Mapping[str, torch.Tensor]) -> int:
+    """Copy ``stored`` into the live tensors ``into`` (bitwise); names, shapes and dtypes must match exactly
+    (``ValueError`` naming the tensor). Returns the bytes copied."""
+    if set(stored) != set(into):
+        raise ValueError(f"{what} holds {sorted(stored)}, the stage expects {sorted(into)}")
+    nbytes = 0
+    with torch.no_grad():
+        for name, live in into.items():
+            src = stored[name]
+            if src.shape != live.shape or src.dtype != live.dtype:
+                raise ValueError(f"{what}, tensor {name!r}: stored {tuple(src.shape)} {src.dtype}, live "
+                                 f"{tuple(live.shape)} {live.dtype}")
+            live.copy_(src)
+            nbytes += src.numel() * src.element_size()
+    return nbytes
+
+
 class CopyStore:
     """A holder's versioned copies of another stage's embedding/output tensors."""
 
@@ -123,19 +140,7 @@ class CopyStore:
     def restore(self, kind: str, iteration: int, into: Mapping[str, torch.Tensor]) -> int:
         """Copy the stored ``kind`` copy of ``iteration`` into the live tensors ``into`` (bitwise); returns
         the bytes restored. Names, shapes and dtypes must match exactly."""
-        stored = self.load(kind, iteration)
-        if set(stored) != set(into):
-            raise ValueError(f"the {kind} copy holds {sorted(stored)}, the stage expects {sorted(into)}")
-        nbytes = 0
-        with torch.no_grad():
-            for name, live in into.items():
-                src = stored[name]
-                if src.shape != live.shape or src.dtype != live.dtype:
-                    raise ValueError(f"{kind} copy, tensor {name!r}: stored {tuple(src.shape)} {src.dtype}, live "
-                                     f"{tuple(live.shape)} {live.dtype}")
-                live.copy_(src)
-                nbytes += src.numel() * src.element_size()
-        return nbytes
+        return restore_tensors(f"the {kind} copy", self.load(kind, iteration), into)
 
     def prune(self, keep_from: int) -> None:
         """Drop copies of iterations before ``keep_from`` (older than any point recovery could agree on),

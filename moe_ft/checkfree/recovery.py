@@ -21,6 +21,15 @@ Called by the recovery planner (``moe_ft/recovery/planner.py``) when every copy 
    whose entries are the live rebuilt tensors; routing is not compared with the recorded one (the rebuilt
    stage routes differently, by construction);
 5. afterwards the lost rank's learning rate is raised 1.1x (``lr_boost.py``) for the rest of training.
+
+CheckFree+ (``--ft-checkfree-plus``, §4.3): a lost stage that has a swap partner (stages 0, 1, L-2, L-1) is
+rebuilt as a copy of that partner's layers (the partner trained on standing in for it; the authors' code
+does the same, ``docs/checkfree.md``), so the first and the last stage can be rebuilt too. The partner is
+also the holder of the lost stage's embedding (stage 0) or final norm + output layer (stage L-1) copies
+(``copies.py``): it sends the copy of the iteration the lost stage is rebuilt at (``start``; a lossy
+policy's ``end``), restored bitwise. A missing or corrupt copy is found before anything is overwritten:
+every rank learns it (one gather) and the plan falls to start over with the reason
+(:class:`RebuildImpossible`).
 """
 
 from __future__ import annotations
@@ -33,13 +42,51 @@ import torch
 import torch.distributed as dist
 
 from moe_ft import comm
-from moe_ft.checkfree.average import Weights, rebuild_layers, stage_layers
+from moe_ft.checkfree.average import Weights, align_layers, rebuild_layers, stage_layers
+from moe_ft.checkfree.copies import copied_tensors, copies_owned_by, restore_tensors
 from moe_ft.state.operators import Level
 
 GRAD_SQ = "checkfree.grad_sq"
 """Snapshot metadata tensor: this rank's squared gradient norm of the iteration (CheckFree's ``w``)."""
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+class RebuildImpossible(RuntimeError):
+    """Raised on every rank by :func:`exchange_and_rebuild` when a lost stage cannot be rebuilt after all
+    (a copy of its embedding / output layer is missing or corrupt); nothing was overwritten."""
+
+
+def rebuild_sources(inventories, *, plus: bool) -> tuple[dict[int, tuple[int, ...]], str]:
+    """For the ranks without a memory point (``RankInventory.memory_end < 0``): ``{lost rank: sources}``
+    if every one of them can be rebuilt, else ``({}, why not)``. ``sources``: ``(previous, next)`` for the
+    weighted average of an intermediate stage (§4.2), ``(partner,)`` for a copy of the swap partner under
+    CheckFree+ (``plus``, §4.3; the partner also holds the embedding / output copy)."""
+    from moe_ft.checkfree.swap import swap_partner
+
+    by_rank = {inv.rank: inv for inv in inventories}
+    out: dict[int, tuple[int, ...]] = {}
+    for r in sorted(inv.rank for inv in inventories if inv.memory_end < 0):
+        inv = by_rank[r]
+        stages, stage = len(inv.pp_ranks), inv.pp_rank
+        partner = swap_partner(stage, stages) if plus and stages >= 4 else None
+        if partner is not None:
+            src = inv.pp_ranks[partner]
+            if by_rank[src].memory_end < 0:
+                return {}, (f"rank {r} (stage {stage}) and its CheckFree+ swap partner (stage {partner}) lost their "
+                            "state together (CheckFree §3: no two consecutive stages)")
+            out[r] = (src,)
+            continue
+        if not 0 < stage < stages - 1:
+            return {}, (f"rank {r} is pipeline stage {stage} of {stages}: CheckFree rebuilds intermediate stages "
+                        "only (the first/last stage has one neighbour; CheckFree+ rebuilds it from its swap partner "
+                        "and the embedding/output copies: --ft-checkfree-plus)")
+        prev, nxt = inv.pp_ranks[stage - 1], inv.pp_ranks[stage + 1]
+        if by_rank[prev].memory_end < 0 or by_rank[nxt].memory_end < 0:
+            return {}, (f"rank {r} (stage {stage}) and a neighbouring stage lost their state together: "
+                        "CheckFree needs both neighbours (CheckFree §3: no two consecutive stages)")
+        out[r] = (prev, nxt)
+    return out, ""
 
 
 @dataclass
@@ -98,48 +145,113 @@ class Rebuilt:
     end: int
     metas: dict
     weights: Weights
-    sources: tuple[int, int]
+    sources: tuple[int, ...]
 
 
-def exchange_and_rebuild(*, rank: int, rebuilt: dict[int, tuple[int, int]], pp_rank_of: dict[int, int],
-                         store, registry, point, lossy: bool, state) -> Rebuilt | None:
-    """Collective over the ranks named in ``rebuilt`` (lost rank -> (previous, next)): neighbours send,
-    lost ranks receive and rebuild their layers. ``point``: this rank's agreed point (``None`` on a lost
-    rank). Returns what a lost rank did, ``None`` elsewhere."""
-    mine = None
+def read_copies(copies, *, lost_stage: int, num_stages: int, iteration: int, rank: int) -> dict:
+    """The lost stage's embedding / output copies of ``iteration`` from this holder's ``copies``
+    (:class:`CopyStore`): ``{"copies": {kind: tensors}}``, or ``{"missing": why}``."""
+    kinds = copies_owned_by(lost_stage, num_stages)
+    if not kinds:
+        return {"copies": {}}
+    if copies is None:
+        return {"missing": f"rank {rank} keeps no copies of the {'/'.join(kinds)} (run with --ft-checkfree-plus)"}
+    out = {}
+    for kind in kinds:
+        try:
+            out[kind] = copies.load(kind, iteration)
+        except (KeyError, RuntimeError, ValueError) as e:  # missing (KeyError), corrupt (CorruptEntryError)
+            why = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+            return {"missing": f"the {kind} copy of iteration {iteration} on rank {rank} is unusable: {why}"}
+    return {"copies": out}
+
+
+def exchange_and_rebuild(*, rank: int, rebuilt: dict[int, tuple[int, ...]], pp_rank_of: dict[int, int],
+                         store, registry, point, lossy: bool, state, copies=None) -> Rebuilt | None:
+    """Collective over every rank (the lost ranks in ``rebuilt``: lost rank -> its sources): sources send,
+    lost ranks receive; then every rank learns whether a needed copy is missing (:class:`RebuildImpossible`
+    on every rank, nothing overwritten), else the lost ranks rebuild. ``point``: this rank's agreed point
+    (``None`` on a lost rank); ``copies``: this rank's :class:`CopyStore` (CheckFree+ holders). Returns what
+    a lost rank did, ``None`` elsewhere."""
+    from moe_ft import comm
+
+    received = None
     for lost in sorted(rebuilt, key=lambda r: (pp_rank_of[r], r)):
-        prev, nxt = rebuilt[lost]
-        if rank in (prev, nxt):
+        sources = tuple(rebuilt[lost])
+        if rank in sources:
             it = point.end if lossy else point.start
             payload = {"layers": layers_as_loaded(store, registry, point, lossy=lossy),
                        "grad_sq": recorded_grad_sq(store, it)}
-            if rank == prev:
-                payload.update(start=point.start, end=point.end,
+            if rank == sources[0]:
+                payload.update(start=point.start, end=point.end, iteration=it,
                                metas={t: store.load_meta(t) for t in range(point.start, point.end + 1)
                                       if not lossy or t == point.end})
+            if len(sources) == 1:  # the swap partner holds the lost stage's embedding / output copies
+                num_stages = 1 + max(pp_rank_of.values())
+                payload.update(read_copies(copies, lost_stage=pp_rank_of[lost], num_stages=num_stages,
+                                           iteration=it, rank=rank))
             _send(payload, lost)
         if rank == lost:
-            before, after = _recv(prev), _recv(nxt)
-            weights = rebuild_own_layers(state, before["layers"], after["layers"], before["grad_sq"], after["grad_sq"])
-            mine = Rebuilt(before["start"], before["end"], before["metas"], weights, (prev, nxt))
-    return mine
+            received = [_recv(src) for src in sources]
+    missing = [m for m in comm.all_gather_object(received[0].get("missing") if received else None) if m]
+    if missing:
+        raise RebuildImpossible("; ".join(missing))
+    if received is None:
+        return None
+    first = received[0]
+    if len(received) == 1:
+        weights = copy_partner_stage(state, first["layers"], first["copies"], partner_stage=pp_rank_of[rebuilt[rank][0]],
+                                     iteration=first["iteration"])
+    else:
+        before, after = received
+        weights = rebuild_own_layers(state, before["layers"], after["layers"], before["grad_sq"], after["grad_sq"])
+    return Rebuilt(first["start"], first["end"], first["metas"], weights, tuple(rebuilt[rank]))
+
+
+def copy_partner_stage(state, partner_layers, copies: dict, *, partner_stage: int, iteration: int) -> Weights:
+    """CheckFree+ (§4.3) into this rank's live stage: its layers become its swap partner's, the embedding /
+    output layer are restored bitwise from the partner's copies of ``iteration``; fresh Adam state for all
+    of them; masters reloaded. Returns the weights for the report (1 / 0: a copy)."""
+    if len(state.model) != 1:
+        raise ValueError("CheckFree+ rebuilds one model chunk per rank; virtual pipeline stages are not supported")
+    target = stage_layers(state.model[0])
+    if len(partner_layers) != len(target):
+        raise ValueError(f"CheckFree+: the swap partner holds {len(partner_layers)} layers, the lost stage "
+                         f"{len(target)}; swapped stages must hold the same layers")
+    rebuilt = [t for layer in target for t in layer.values()]
+    with torch.no_grad():
+        for k, (live, src) in enumerate(zip(target, (partner_layers[j] for j in align_layers(len(target), len(partner_layers))))):
+            restore_tensors(f"layer {k} of the swap partner", src, live)
+    for kind, stored in copies.items():
+        live = copied_tensors(state.model[0], kind)
+        restore_tensors(f"{kind} copy of iteration {iteration}", stored, live)
+        rebuilt += list(live.values())
+    fresh_optimizer_state(state, rebuilt)
+    restored = f"; {' and '.join(sorted(copies))} restored from the copy of iteration {iteration}" if copies else ""
+    return Weights(1.0, 0.0, f"copy of swap partner stage {partner_stage} (CheckFree+){restored}")
+
+
+def fresh_optimizer_state(state, tensors) -> None:
+    """Zero the Adam state of ``tensors`` (a rebuilt stage starts a fresh optimizer, as the authors' code)
+    and reload the optimizer's fp32 masters from the (rebuilt) model weights."""
+    from moe_ft.state.optimizer_views import main_states
+
+    ids = {id(t) for t in tensors}
+    with torch.no_grad():
+        for param_id, (_, main) in main_states(state.optimizer).items():
+            if param_id in ids:
+                for value in main.state.values():
+                    value.zero_()
+    state.optimizer.reload_model_params()
 
 
 def rebuild_own_layers(state, prev_layers, next_layers, grad_sq_prev: float, grad_sq_next: float) -> Weights:
     """Alg. 1 line 3 into this rank's live layers; fresh Adam state for them; masters reloaded."""
-    from moe_ft.state.optimizer_views import main_states
-
     if len(state.model) != 1:
         raise ValueError("CheckFree rebuilds one model chunk per rank; virtual pipeline stages are not supported")
     target = stage_layers(state.model[0])
     weights = rebuild_layers(target, prev_layers, next_layers, grad_sq_prev=grad_sq_prev, grad_sq_next=grad_sq_next)
-    rebuilt = {id(t) for layer in target for t in layer.values()}
-    with torch.no_grad():
-        for param_id, (_, main) in main_states(state.optimizer).items():
-            if param_id in rebuilt:
-                for value in main.state.values():
-                    value.zero_()
-    state.optimizer.reload_model_params()
+    fresh_optimizer_state(state, [t for layer in target for t in layer.values()])
     return weights
 
 

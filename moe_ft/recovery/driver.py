@@ -154,11 +154,12 @@ def plan_recovery(inputs: RecoveryInputs, fetched: dict):
         rank=inputs.rank, find=find, fetched_here=bool(fetched.get("fetched", {}).get(str(inputs.rank), {}).get("points")),
         durable_end=durable[1] if durable else None, load_iteration=inputs.start_iteration, lossy=policy.lossy,
         min_level=inputs.config.recovery.min_recovery_level, audit_path=audit_path(inputs),
-        restart_count=inputs.restart_count)
+        restart_count=inputs.restart_count, checkfree_plus=inputs.config.checkfree.plus)
     if ctx.plan.path == "checkfree":
         planner.prepare_checkfree(ctx, rank=inputs.rank, find=find, store=inputs.session.store,
                                   registry=inputs.registry, lossy=policy.lossy, state=inputs.state,
-                                  min_level=inputs.config.recovery.min_recovery_level)
+                                  min_level=inputs.config.recovery.min_recovery_level,
+                                  copies=inputs.config.checkfree.copy_store(inputs.config.job_dir(), inputs.rank))
     return ctx
 
 

@@ -93,37 +93,26 @@ class RecoveryPlan:
     reason: str
     lost_ranks: list[int] = field(default_factory=list)
     rebuilt: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """CheckFree: lost rank -> (previous-stage rank, next-stage rank) it is rebuilt from."""
+    """CheckFree: lost rank -> (previous-stage rank, next-stage rank) it is rebuilt from, or (swap partner,)
+    under CheckFree+."""
     unavailable: dict[str, str] = field(default_factory=lambda: dict(UNAVAILABLE))
 
     def to_json(self) -> dict:
         return {**asdict(self), "rebuilt": {str(k): list(v) for k, v in self.rebuilt.items()}}
 
 
-def checkfree_sources(inventories: Sequence[RankInventory]) -> tuple[dict[int, tuple[int, int]], str]:
+def checkfree_sources(inventories: Sequence[RankInventory], plus: bool = False) -> tuple[dict[int, tuple[int, ...]], str]:
     """For the ranks without a memory point: ``{lost rank: (previous, next)}`` if CheckFree can rebuild
-    every one of them (an intermediate stage whose two pipeline neighbours have a point: §4.2; CheckFree+
-    for first/last stages needs the swap schedule with pipeline parallelism, ``docs/checkfree.md``), else
-    ``({}, why not)``."""
-    by_rank = {inv.rank: inv for inv in inventories}
-    lost = sorted(inv.rank for inv in inventories if inv.memory_end < 0)
-    out = {}
-    for r in lost:
-        inv = by_rank[r]
-        stages = len(inv.pp_ranks)
-        if not 0 < inv.pp_rank < stages - 1:
-            return {}, (f"rank {r} is pipeline stage {inv.pp_rank} of {stages}: CheckFree rebuilds intermediate "
-                        "stages only (the first/last stage has one neighbour)")
-        prev, nxt = inv.pp_ranks[inv.pp_rank - 1], inv.pp_ranks[inv.pp_rank + 1]
-        if by_rank[prev].memory_end < 0 or by_rank[nxt].memory_end < 0:
-            return {}, (f"rank {r} (stage {inv.pp_rank}) and a neighbouring stage lost their state together: "
-                        "CheckFree needs both neighbours (CheckFree §3: no two consecutive stages)")
-        out[r] = (prev, nxt)
-    return out, ""
+    every one of them (an intermediate stage whose two pipeline neighbours have a point: §4.2), with
+    ``plus`` (CheckFree+, §4.3) ``{lost rank: (swap partner,)}`` for a stage that has a swap partner (the
+    first and last stage included), else ``({}, why not)``."""
+    from moe_ft.checkfree.recovery import rebuild_sources  # CheckFree+ (plus): first/last stage from its swap partner
+
+    return rebuild_sources(inventories, plus=plus)
 
 
 def decide(inventories: Sequence[RankInventory], *, durable_end: int | None, load_iteration: int,
-           lossy: bool) -> RecoveryPlan:
+           lossy: bool, checkfree_plus: bool = False) -> RecoveryPlan:
     """The job's recovery path (pure; every rank computes the same from the gathered inventories)."""
     lost = sorted(inv.rank for inv in inventories if inv.memory_end < 0)
     if not lost:
@@ -136,7 +125,7 @@ def decide(inventories: Sequence[RankInventory], *, durable_end: int | None, loa
     if load_iteration > 0:
         return RecoveryPlan("checkpoint", "durable", f"{missing} and there is no durable point; the --load "
                                                      f"checkpoint (iteration {load_iteration}) is older", lost_ranks=lost)
-    rebuilt, why_not = checkfree_sources(inventories)
+    rebuilt, why_not = checkfree_sources(inventories, plus=checkfree_plus)
     if rebuilt:
         stages = sorted({inv.pp_rank for inv in inventories if inv.rank in rebuilt})
         return RecoveryPlan("checkfree", "approximate", f"{missing}, no durable point and no checkpoint: pipeline "
@@ -215,7 +204,8 @@ class PlanContext:
 
 
 def plan_recovery(*, rank: int, find, fetched_here: bool, durable_end: int | None, load_iteration: int,
-                  lossy: bool, min_level: str, audit_path: str | None = None, restart_count: int = 0) -> PlanContext:
+                  lossy: bool, min_level: str, audit_path: str | None = None, restart_count: int = 0,
+                  checkfree_plus: bool = False) -> PlanContext:
     """Gather every rank's inventory, decide, refuse below ``min_level`` (collective, host path; a refusal
     is audited too). ``find(at_or_before)``: this rank's newest point in its memory tier (bounded by
     ``--load``)."""
@@ -228,7 +218,8 @@ def plan_recovery(*, rank: int, find, fetched_here: bool, durable_end: int | Non
     mine = RankInventory(rank=rank, pp_rank=pp_ranks.index(rank), pp_ranks=pp_ranks,
                          memory_end=point.end if point is not None else -1, fetched=fetched_here)
     inventories = [RankInventory(**d) for d in comm.all_gather_object(asdict(mine))]
-    plan = decide(inventories, durable_end=durable_end, load_iteration=load_iteration, lossy=lossy)
+    plan = decide(inventories, durable_end=durable_end, load_iteration=load_iteration, lossy=lossy,
+                  checkfree_plus=checkfree_plus)
     try:
         check_min_level(plan.level, min_level, plan.reason)
     except RecoveryRefused as e:
@@ -247,12 +238,12 @@ def dist_ranks(group) -> list[int]:
 
 
 def prepare_checkfree(ctx: PlanContext, *, rank: int, find, store, registry, lossy: bool, state,
-                      min_level: str = "none") -> None:
+                      min_level: str = "none", copies=None) -> None:
     """CheckFree path (collective): the survivors agree on their point (the lost ranks accept any), the
     lost ranks get their neighbours' layers and rebuild (``moe_ft/checkfree/recovery.py``). If the
     survivors have no common point, the plan becomes ``start_over``."""
     from moe_ft import comm
-    from moe_ft.checkfree.recovery import RebuiltStageStore, Wildcard, exchange_and_rebuild
+    from moe_ft.checkfree.recovery import RebuildImpossible, RebuiltStageStore, Wildcard, exchange_and_rebuild
     from moe_ft.recovery.agreement import agree_on_point
 
     plan = ctx.plan
@@ -264,8 +255,15 @@ def prepare_checkfree(ctx: PlanContext, *, rank: int, find, store, registry, los
         check_min_level(plan.level, min_level, plan.reason)
         return
     pp_rank_of = {inv.rank: inv.pp_rank for inv in ctx.inventories}
-    ctx.rebuilt = exchange_and_rebuild(rank=rank, rebuilt=plan.rebuilt, pp_rank_of=pp_rank_of, store=store,
-                                       registry=registry, point=None if lost else point, lossy=lossy, state=state)
+    try:
+        ctx.rebuilt = exchange_and_rebuild(rank=rank, rebuilt=plan.rebuilt, pp_rank_of=pp_rank_of, store=store,
+                                           registry=registry, point=None if lost else point, lossy=lossy, state=state,
+                                           copies=copies)
+    except RebuildImpossible as e:  # every rank raises it (a copy is missing or corrupt); nothing overwritten
+        plan.path, plan.level = "start_over", "start_over"
+        plan.reason += f"; but {e}"
+        check_min_level(plan.level, min_level, plan.reason)
+        return
     if ctx.rebuilt is not None:
         ctx.store = RebuiltStageStore(registry, ctx.rebuilt)
     comm.barrier()
