@@ -150,6 +150,12 @@ class SurvivorGuard:
             signum, self.pending_signal = self.pending_signal, None
             raise SurvivorStop(signum)
 
+    def adopt(self, iteration: int, meta: dict, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The live state was just loaded from a survivor point of ``iteration``: it is that iteration's
+        completed state again (a stop during the rest of the recovery publishes it once more)."""
+        self.last = Completed(iteration, dict(meta), dict(tensors))
+        self.updating = None
+
     def forget(self) -> None:
         """The live state no longer matches :attr:`last` (a recovery is rewriting it)."""
         self.last = None

@@ -6,6 +6,9 @@ never imports the training loop: the loop's step function comes in as ``step_fn`
 
 1. :func:`lost_iterations`     newest iteration any rank completed (progress records, collective)
 2. :func:`fetch_lost_points`   rebuild node-local stores of a lost node from peers (collective)
+   :func:`try_localized`       survivors load the state they published, only the failed stages replay from
+                               their neighbours' logs (``localized.py``, issue 12); on success recovery ends
+                               here, else the steps below run with the reason in the report
 3. :func:`plan_recovery`       the planner (``planner.py``) picks the source, refuses below
                                ``--ft-min-recovery-level``; CheckFree rebuilds a lost stage (collective)
 4. :func:`restore_newest_point`  the state machine (``machine.py``) on the memory tier, else on the newest
@@ -70,6 +73,16 @@ class RecoveryInputs:
     """The durable tier's job directory (rank 0's progress record there outlives every node)."""
     faults: Optional["FaultPlan"] = None
     check_fault: Callable[[int, str], None] = lambda iteration, phase: None
+    survivor: Any = None
+    """This rank's :class:`moe_ft.localized.survivor.SurvivorGuard` (``None``: localized scope off)."""
+    survivor_store: Any = None
+    """This rank's survivor-point store (``moe_ft.localized.survivor.survivor_store``), or ``None``."""
+    upstream: Any = None
+    """The runtime's upstream-logging component (``moe_ft/localized/component.py``; ``None``: no logs)."""
+
+    @property
+    def log_dir(self):
+        return self.upstream.log_dir if self.upstream is not None else None
 
 
 def should_recover(cfg: "FTConfig", args) -> tuple[bool, int]:
@@ -103,7 +116,11 @@ def recover(inputs: RecoveryInputs) -> RecoveryReport:
     t_fetch = time.perf_counter()
     fetched = fetch_lost_points(inputs)
     t_fetch = time.perf_counter() - t_fetch
+    scope, report = try_localized(inputs, lost_through=lost_through, since_fault=since_fault, t0=t0)
+    if report is not None:
+        return report
     plan = plan_recovery(inputs, fetched)
+    plan.plan.unavailable["survivor_point"] = f"not used: {scope.reason}"
     rs, source = restore_newest_point(inputs, plan)
     if t_fetch > 0.0005 and fetched:
         rs.seconds["fetch"] = t_fetch
@@ -116,8 +133,78 @@ def recover(inputs: RecoveryInputs) -> RecoveryReport:
                **({"restart": round(since_fault, 4)} if since_fault is not None else {})}
     report = build_report(inputs, rs, source=source, lost_through=lost_through, fetched=fetched, loss=loss,
                           seconds=seconds)
+    report.scope = {"mode": "global", "reason": scope.reason, "target": scope.target, "failed": scope.failed}
     record_recovery_levels(inputs, plan, rs, source, report)
+    discard_survivor_points(inputs)
     return report
+
+
+# ------------------------------------------------------------------------------------- localized scope
+def try_localized(inputs: RecoveryInputs, *, lost_through: int, since_fault: float | None, t0: float):
+    """Localized recovery (``localized.py``, collective): ``(scope, report)`` when it recovered the job,
+    ``(scope, None)`` when the global path must run (``scope.reason`` says why)."""
+    from moe_ft.recovery import localized
+
+    if inputs.survivor is not None:
+        inputs.survivor.forget()  # the live state is about to be rewritten
+    scope = localized.decide(inputs)
+    if not scope.localized:
+        return scope, None
+    mine = localized.run(inputs, scope)
+    if mine is None:
+        return scope, None
+    outcomes = mine.pop("outcomes")
+    inputs.session.store.discard_after(scope.target)
+    inputs.session.realign_retention()
+    return scope, build_localized_report(inputs, scope, mine, outcomes, lost_through=lost_through,
+                                         since_fault=since_fault, t0=t0)
+
+
+def build_localized_report(inputs: RecoveryInputs, scope, mine: dict, outcomes: list[dict], *, lost_through: int,
+                           since_fault: float | None, t0: float) -> RecoveryReport:
+    from moe_ft.digest import global_digest
+    from moe_ft.recovery import planner
+
+    state = inputs.state
+    source = "survivor_point" if mine["role"] == "load" else "window_replay"
+    levels = planner.summarize(comm.all_gather_object({str(op): source for op in inputs.registry}))
+    levels.update(path="localized", planned="exact", reason=scope.reason,
+                  min_level=inputs.config.recovery.min_recovery_level, unavailable={}, rebuilt=[])
+    seconds = {**mine["seconds"], "total": round(time.perf_counter() - t0, 4),
+               **({"restart": round(since_fault, 4)} if since_fault is not None else {})}
+    window = mine.get("window") or [scope.target, scope.target]
+    report = RecoveryReport(
+        policy=inputs.session.name, restart_count=inputs.restart_count,
+        failed={"last_completed": lost_through,
+                "faults_fired": [str(f) for f in inputs.faults.fired()] if inputs.faults else []},
+        recovery_point={"source": "survivor" if mine["role"] == "load" else "memory", "start": window[0],
+                        "end": scope.target, "resume": scope.target + 1, "proposals": []},
+        replayed_iterations=list(mine["replayed"]),
+        reexecuted_iterations=list(range(scope.target + 1, lost_through + 1)),
+        seconds=seconds, bytes_loaded=mine["bytes_loaded"],
+        token_loss={"tokens": 0.0, "metric": None, "value": 0.0},
+        recovered_digest=global_digest(state.model, state.optimizer, state.scheduler), message=scope.reason,
+        recovery_levels=levels,
+        scope={**scope.to_json(),
+               "replayed": {str(o["rank"]): o["replayed"] for o in outcomes if o["role"] == "replay"},
+               "loaded": [o["rank"] for o in outcomes if o["role"] == "load"],
+               "log_bytes_read": {str(o["rank"]): o["log_bytes"] for o in outcomes if o["role"] == "replay"},
+               "bytes_loaded": {str(o["rank"]): o["bytes_loaded"] for o in outcomes},
+               "seconds": {str(o["rank"]): o["seconds"] for o in outcomes},
+               "stage_iterations_replayed": sum(len(o["replayed"]) for o in outcomes if o["role"] == "replay")})
+    if inputs.rank == 0:
+        planner.append_audit(audit_path(inputs), {"restart_count": report.restart_count, "policy": report.policy,
+                                                  "resume": scope.target + 1, **levels})
+    discard_survivor_points(inputs)
+    return report
+
+
+def discard_survivor_points(inputs: RecoveryInputs) -> None:
+    """The survivor points describe a state the job has left once it recovered (every path)."""
+    if inputs.survivor_store is not None:
+        from moe_ft.localized.survivor import discard_survivor_points as discard
+
+        discard(inputs.survivor_store)
 
 
 # ------------------------------------------------------------------------------------------------ steps

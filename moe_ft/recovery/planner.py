@@ -5,7 +5,7 @@ Sources, best first, with their correctness level::
 
     window_replay   sparse window + replay from the rank's own store (MoEvement §3.3)    exact
     local_point     a dense point of the rank's own store (no replay)                   exact
-    survivor_point  the state a surviving rank published when the job stopped           exact (not built yet)
+    survivor_point  the state a surviving rank published when the job stopped           exact (localized scope)
     peer_replica    the rank's points fetched from replica holders / DP peers           exact
     durable_point   the newest complete point of the durable tier                       durable
     checkpoint      the --load Megatron checkpoint                                      durable
@@ -42,8 +42,9 @@ SOURCE_LEVEL = {"window_replay": "exact", "local_point": "exact", "survivor_poin
                 "replay_beside_rebuilt": "approximate", "start_over": "start_over"}
 SOURCE_ORDER = tuple(SOURCE_LEVEL)
 
-UNAVAILABLE = {"survivor_point": "survivor points are not built yet (a surviving rank does not publish its "
-                                 "state before it exits); its ranks recover from their stores instead"}
+UNAVAILABLE: dict[str, str] = {}
+"""Sources a plan could not use, with the reason (the driver adds ``survivor_point`` when the localized
+scope fell back to this global path, ``moe_ft/localized/scope.py``)."""
 
 
 class RecoveryRefused(RuntimeError):

@@ -37,6 +37,12 @@ class RecoveryReport:
     ``{"level": the worst level reached (exact | durable | lossy | approximate | start_over), "sources":
     {source: operators}, "operators": {operator: source}, "path", "planned", "reason", "min_level",
     "unavailable": {source: why}, "rebuilt": [{"rank", "from", "weights", "note"}] (CheckFree)}``."""
+    scope: dict = field(default_factory=dict)
+    """Which ranks rolled back (``moe_ft/localized/scope.py``, ``moe_ft/recovery/localized.py``): ``{"mode":
+    "localized"|"global", "reason", "target", "failed", "replaying", "loading", "failed_stages", "components",
+    "replay_from", "why_failed", "replayed": {rank: iterations}, "loaded": [ranks that only loaded their
+    survivor point], "log_bytes_read": {rank: bytes}, "bytes_loaded": {rank: bytes}, "seconds": {rank:
+    {phase: s}}, "stage_iterations_replayed"}``; a global recovery has mode, reason, target and failed."""
     recovered_digest: str = ""
     message: str = ""
 
@@ -52,8 +58,19 @@ class RecoveryReport:
                 f"{self.failed.get('last_completed')} | recovery point {rp.get('source')} [{rp.get('start')}, "
                 f"{rp.get('end')}] | replayed {len(self.replayed_iterations)} | re-executed "
                 f"{len(self.reexecuted_iterations)} | {secs} | token loss {loss} | digest "
-                f"{self.recovered_digest[:16]}" + self._levels_summary() + self._boost_summary()
+                f"{self.recovered_digest[:16]}" + self._scope_summary() + self._levels_summary() + self._boost_summary()
                 + (f" | {self.message}" if self.message else ""))
+
+    def _scope_summary(self) -> str:
+        sc = self.scope
+        if not sc:
+            return ""
+        if sc.get("mode") != "localized":
+            return f" | scope global ({sc.get('reason')})"
+        replayed = ", ".join(f"rank {r} {its[0]}-{its[-1]}" if its else f"rank {r} none"
+                             for r, its in sc.get("replayed", {}).items())
+        return (f" | scope localized: replayed {replayed or 'nothing'}; loaded survivor points {sc.get('loaded')}; "
+                f"log bytes read {sum(sc.get('log_bytes_read', {}).values())}")
 
     def _levels_summary(self) -> str:
         lv = self.recovery_levels

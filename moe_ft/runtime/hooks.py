@@ -57,6 +57,8 @@ class FTRuntime(StepHooks):
         self._recovered_at = None
         self.survivor = None
         """The survivor guard (``moe_ft/localized/survivor.py``; localized scope with snapshots), else ``None``."""
+        self.upstream = None
+        """Upstream logging (``moe_ft/localized/component.py``; pipeline parallelism, localized scope)."""
 
     @property
     def iteration_seconds(self) -> dict[int, float]:
@@ -99,6 +101,11 @@ class FTRuntime(StepHooks):
             self.survivor = SurvivorGuard(store_root=cfg.snapshot.store_dir, job_id=cfg.snapshot.job_id,
                                           rank=self.rank, registry_fn=lambda: self.registry,
                                           fault_check=self.check_fault)
+            from moe_ft.localized.component import UpstreamLogging
+
+            if UpstreamLogging.wanted(args, cfg):  # collective: every rank decides alike
+                self.upstream = UpstreamLogging.build(job_dir, self.rank)
+                self.components.append(self.upstream)
         if cfg.snapshot.enabled:
             from moe_ft.recovery.driver import should_recover
 
@@ -168,7 +175,8 @@ class FTRuntime(StepHooks):
                 start_iteration=start_iteration, restart_count=restart_count, step_fn=step_fn,
                 registry=self.registry, popularity=self.popularity, session=self.active,
                 replication=self.replication, durable_dir=self.durable.directory if self.durable is not None else None,
-                faults=self.faults, check_fault=self.check_fault))
+                faults=self.faults, check_fault=self.check_fault, survivor=self.survivor, upstream=self.upstream,
+                survivor_store=self._survivor_store()))
         except RecoveryRefused as e:  # every rank refuses alike (--ft-min-recovery-level): one line, no traceback
             if self.rank == 0:
                 print(f"error: {e}", file=sys.stderr, flush=True)
@@ -178,6 +186,13 @@ class FTRuntime(StepHooks):
         self._recovered_at = time.perf_counter()
         self.write_report(final=not self.report.reexecuted_iterations)
         return self.report.recovery_point["resume"]
+
+    def _survivor_store(self):
+        if self.survivor is None:
+            return None
+        from moe_ft.localized.survivor import survivor_store
+
+        return survivor_store(self.survivor.store_root, self.survivor.job_id, self.rank)
 
     def write_report(self, final: bool) -> None:
         if self.rank != 0:
