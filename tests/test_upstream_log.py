@@ -199,3 +199,94 @@ def test_pp2_ep2_stage_group_replays_together_bitwise(corpus, tmp_path):
     results = _run(tmp_path, corpus, ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
                    replay_sets)
     _check(results, replay_sets, 2, 5)
+
+
+def test_collective_seam_records_and_serves_bitwise_and_composes_with_the_checker():
+    """One gloo rank; the group is declared stage-spanning. Recording keeps the results in call order per
+    group; under replay the same calls are served from the log without running (the inputs differ, the
+    outputs equal the logged ones); the checker installed first still sees the real calls; uninstall
+    restores torch.distributed."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from moe_ft.localized.upstream_log import LogRecorder
+    from moe_ft.testing.collective_checker import CollectiveChecker
+
+    originals = (dist.all_reduce, dist.all_gather_into_tensor)
+    chk = CollectiveChecker().install()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+    seam = CollectiveSeam({0: 0}).install()
+    seam.spans_stages = lambda ranks: True
+    try:
+        rec = LogRecorder(LogDir("/nonexistent"))
+        seam.recorder = rec
+        rec.begin(4)
+        a, g = torch.tensor([1.5, 2.5]), torch.empty(3)
+        dist.all_reduce(a)
+        dist.all_gather_into_tensor(g, torch.tensor([7.0, 8.0, 9.0]))
+        work = dist.all_reduce(torch.tensor([0.25]), async_op=True)
+        work.wait()
+        calls = rec.current.collectives[(0,)]
+        assert [c.fn for c in calls] == ["all_reduce", "all_gather_into_tensor", "all_reduce"]
+        assert torch.equal(calls[1].outputs[0], torch.tensor([7.0, 8.0, 9.0]))
+        rec.abandon()
+        seam.recorder = None
+        real_calls = len(chk.records)
+        feed = LogFeed(collectives={(4, (0,)): calls})
+        seams = LogSeams(P2PSeam(), seam)
+        with LogReplay(seams, feed, replaying=[1, 2], rank=1) as replay, replay.iteration(4):
+            b, h = torch.tensor([-1.0, -1.0]), torch.zeros(3)
+            assert dist.all_reduce(b) is None
+            dist.all_gather_into_tensor(h, torch.tensor([0.0, 0.0, 0.0]))
+            assert dist.all_reduce(torch.tensor([9.0]), async_op=True).wait()
+        assert torch.equal(b, a) and torch.equal(h, g)
+        assert len(chk.records) == real_calls  # served: nothing reached torch.distributed
+    finally:
+        seam.uninstall()
+        dist.destroy_process_group()
+        chk.uninstall()
+    assert (dist.all_reduce, dist.all_gather_into_tensor) == originals
+
+
+def test_p2p_seam_installs_once_records_sends_and_opens_idle_gates(tmp_path):
+    from megatron.core.pipeline_parallel import schedules
+
+    from moe_ft.localized.upstream_log import LogRecorder
+
+    original = schedules.P2PCommunicator
+    seam = P2PSeam().install()
+    try:
+        assert P2PSeam.current() is seam and schedules.P2PCommunicator is not original
+        with pytest.raises(RuntimeError, match="already installed"):
+            P2PSeam().install()
+
+        class Gate:
+            open = False
+
+            def enter(self):
+                self.open = True
+
+            def leave(self):
+                self.open = False
+
+        gate = Gate()
+        seam.idle_gates.append(gate)
+        seam.recorder = LogRecorder(LogDir(tmp_path / "rank1"))
+        seam.recorder.begin(0)
+        act, grad = torch.randn(4, 2), torch.randn(4, 2)
+        sent = act.clone()
+        seen = []
+        seam.communicate(_comm(0, 2, 1), lambda **kw: seen.append(gate.open) or (None, None, None),
+                         tensor_send_next=act, tensor_send_prev=grad, recv_prev=False, recv_next=False,
+                         tensor_shape=None)
+        assert seen == [True] and not gate.open
+        act.add_(1.0)  # Megatron may free or reuse the sent tensor: the log holds a copy
+        assert seam.recorder.end() == 2 * act.numel() * 4
+        logged = LogDir(tmp_path / "rank1")
+        assert torch.equal(logged.read(0, "send.fwd.to2")[0][1], sent)
+        (vstage, logged_grad), = logged.read(0, "send.bwd.to0")
+        assert vstage == 1 and torch.equal(logged_grad, grad)
+    finally:
+        seam.uninstall()
+    assert P2PSeam.current() is None and schedules.P2PCommunicator is original

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from moe_ft import comm
 from moe_ft.localized.log_store import LogUnavailable
 
 OUTPUTS = {  # function → the arguments holding its result (same on every member of the group)
@@ -70,7 +71,8 @@ class CollectiveSeam:
         self.stage_of = dict(stage_of)
         self.recorder = None
         self.replay = None
-        """A handler with ``collective(ranks, fn, outputs, call)`` (``LogReplay``), or ``None``."""
+        """A handler with ``active`` and ``collective(ranks, fn, outputs, call, spans)`` (``LogReplay``), or
+        ``None``."""
         self._originals: dict[str, tuple] = {}
         self._ranks: dict[int, tuple] = {}
         self._local = threading.local()
@@ -79,8 +81,6 @@ class CollectiveSeam:
     def gather_stages(cls) -> "CollectiveSeam":
         """Collective over every rank (host path): learn every rank's pipeline stage."""
         from megatron.core import parallel_state as ps
-
-        from moe_ft import comm
 
         stages = comm.all_gather_object(ps.get_pipeline_model_parallel_rank())
         return cls({rank: stage for rank, stage in enumerate(stages)})
@@ -120,9 +120,8 @@ class CollectiveSeam:
     def spans_stages(self, ranks: tuple[int, ...]) -> bool:
         return len({self.stage_of[r] for r in ranks}) > 1
 
-    def _excluded(self, group) -> bool:
-        from moe_ft import comm
-
+    @staticmethod
+    def _excluded(group) -> bool:
         return group is not None and group is comm.initialized_coordination_group()  # moe-ft's own host path
 
     def _wrap(self, name: str, orig):
@@ -130,6 +129,7 @@ class CollectiveSeam:
 
         def collective(*args, **kwargs):
             rec, replay = self.recorder, self.replay
+            replay = replay if replay is not None and replay.active else None
             if getattr(self._local, "depth", 0) or (replay is None and (rec is None or not rec.active)):
                 return orig(*args, **kwargs)
             bound = sig.bind(*args, **kwargs)

@@ -34,8 +34,8 @@ def oldest_needed(store) -> int | None:
 class UpstreamLogging(Component):
     """Logs sends and stage-spanning collective results of every trained iteration (``docs/localized.md``)."""
 
-    def __init__(self, log_dir: LogDir, seams: LogSeams) -> None:
-        self.log_dir, self.seams = log_dir, seams
+    def __init__(self, log_dir: LogDir, seams: LogSeams, *, owns_p2p_seam: bool = True) -> None:
+        self.log_dir, self.seams, self.owns_p2p_seam = log_dir, seams, owns_p2p_seam
         self.recorder = LogRecorder(log_dir)
         seams.p2p.recorder = seams.collectives.recorder = self.recorder
         self.dropped: list[int] = []
@@ -49,8 +49,9 @@ class UpstreamLogging(Component):
     @classmethod
     def build(cls, job_dir: str | Path, rank: int) -> "UpstreamLogging":
         """Collective (every rank at the same point: the stage map is gathered on the host path)."""
-        seams = LogSeams(p2p=P2PSeam().install(), collectives=CollectiveSeam.gather_stages().install())
-        return cls(LogDir(log_root(job_dir, rank)), seams)
+        shared = P2PSeam.current()  # bubble-aware snapshots may have installed it already
+        seams = LogSeams(p2p=shared or P2PSeam().install(), collectives=CollectiveSeam.gather_stages().install())
+        return cls(LogDir(log_root(job_dir, rank)), seams, owns_p2p_seam=shared is None)
 
     def on_step_begin(self, iteration: int) -> None:
         self.recorder.begin(iteration)
@@ -73,5 +74,7 @@ class UpstreamLogging(Component):
         return {"upstream_log_bytes": logged[max(logged)]} if logged else {}
 
     def close(self) -> None:
-        self.seams.p2p.uninstall()
+        self.seams.p2p.recorder = self.seams.collectives.recorder = None
+        if self.owns_p2p_seam:
+            self.seams.p2p.uninstall()
         self.seams.collectives.uninstall()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -82,10 +83,17 @@ class LogReplay:
                              "ranks enter LogReplay (the others serve logs through exchange_logs)")
         self.current: int | None = None
         self._taken: dict = {}
+        self._thread: int | None = None
+
+    @property
+    def active(self) -> bool:
+        """Calls on the thread that entered the replay are replayed; other threads' pass through."""
+        return threading.get_ident() == self._thread
 
     def __enter__(self) -> "LogReplay":
         if self.seams.p2p.replay is not None or self.seams.collectives.replay is not None:
             raise RuntimeError("another LogReplay is active on these seams")
+        self._thread = threading.get_ident()
         self.seams.p2p.replay = self
         self.seams.collectives.replay = self
         self._saved_recorder = (self.seams.p2p.recorder, self.seams.collectives.recorder)

@@ -47,13 +47,17 @@ class LogRecorder:
     Only calls made on the thread that began the iteration are recorded (background threads of the
     replication or persistence tiers have their own groups and must not shift the call order)."""
 
+    KEEP_BYTES = 64
+    """Iterations whose logged byte counts are remembered (metrics)."""
+
     def __init__(self, log_dir: LogDir) -> None:
         self.log_dir = log_dir
         self.current: IterationLog | None = None
         self._thread: int | None = None
         self._cuda = False
         self.bytes_per_iteration: dict[int, int] = {}
-        """Tensor bytes logged per published iteration (the FT log line reports the newest)."""
+        """Tensor bytes logged per published iteration, the newest ``KEEP_BYTES`` (the FT log line reports the
+        newest)."""
 
     @property
     def active(self) -> bool:
@@ -81,6 +85,8 @@ class LogRecorder:
             torch.cuda.synchronize()  # the pinned copies were asynchronous
         self.log_dir.write(log)
         self.bytes_per_iteration[log.iteration] = log.nbytes()
+        for old in sorted(self.bytes_per_iteration)[:-self.KEEP_BYTES]:
+            del self.bytes_per_iteration[old]
         return self.bytes_per_iteration[log.iteration]
 
     def abandon(self) -> None:
@@ -105,18 +111,30 @@ class P2PSeam:
     def __init__(self) -> None:
         self.recorder: LogRecorder | None = None
         self.replay = None
-        """A handler with ``communicate(comm, real, **kwargs)`` (``LogReplay``), or ``None``."""
+        """A handler with ``active`` and ``communicate(comm, real, **kwargs)`` (``LogReplay``), or ``None``."""
+        self.idle_gates: list = []
+        """Objects with ``enter()``/``leave()`` called around each exchange with a neighbour (the stage
+        waits: bubble-aware snapshots, ``moe_ft/snapshot/bubbles.py``)."""
         self._schedules = None
         self._original = None
+
+    @staticmethod
+    def current() -> "P2PSeam | None":
+        """The seam installed in Megatron's schedules, if any (one per process; components share it)."""
+        from megatron.core.pipeline_parallel import schedules
+
+        factory = schedules.P2PCommunicator
+        if isinstance(factory, functools.partial) and factory.func is SeamP2PCommunicator:
+            return factory.keywords["seam"]
+        return None
 
     def install(self) -> "P2PSeam":
         from megatron.core.pipeline_parallel import schedules
 
-        current = schedules.P2PCommunicator
-        if isinstance(current, functools.partial) and current.func is SeamP2PCommunicator:
+        if self.current() is not None:
             raise RuntimeError("a P2PSeam is already installed in megatron.core.pipeline_parallel.schedules; "
-                               "uninstall it first (one upstream-logging component per process)")
-        self._schedules, self._original = schedules, current
+                               "share it (P2PSeam.current()) instead of installing a second one")
+        self._schedules, self._original = schedules, schedules.P2PCommunicator
         schedules.P2PCommunicator = functools.partial(SeamP2PCommunicator, seam=self)
         return self
 
@@ -133,8 +151,26 @@ class P2PSeam:
         vp = comm.virtual_pipeline_model_parallel_size
         return comm.pp_group.rank() if vp in (None, 1) else -1
 
+    def _exchange(self, real):
+        """``real`` with the idle gates open while it runs (the stage waits for its neighbour)."""
+        gates = list(self.idle_gates)
+        if not gates:
+            return real
+
+        def exchange(**kwargs):
+            for gate in gates:
+                gate.enter()
+            try:
+                return real(**kwargs)
+            finally:
+                for gate in gates:
+                    gate.leave()
+
+        return exchange
+
     def communicate(self, comm: P2PCommunicator, real, **kwargs):
-        result = self.replay.communicate(comm, real, **kwargs) if self.replay is not None else real(**kwargs)
+        real, replay = self._exchange(real), self.replay
+        result = replay.communicate(comm, real, **kwargs) if replay is not None and replay.active else real(**kwargs)
         rec = self.recorder
         if rec is not None and rec.active:
             vstage = self.vstage(comm)
