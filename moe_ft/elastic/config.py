@@ -61,8 +61,19 @@ class ElasticConfig:
         "Permutation implementation: torch (reference) or triton (explicit opt-in).", choices=list(BACKENDS)))
     """``DispatchConfig.backend`` of the flexible dispatcher."""
 
+    ft_elastic: bool = field(default=False, metadata=field_help(
+        "Keep training on the world torchrun gives after a restart (--nnodes MIN:MAX): a lost node need not "
+        "be replaced; every MoE layer is re-planned for the new world from the current loads and each "
+        "expert's state moves from its surviving holders (Lazarus §4.3; docs/elastic.md). Needs --ft, "
+        "the flexible dispatcher and snapshots."))
+    """Re-plan replicas when the world size changes between restarts (``moe_ft/elastic/restart.py``)."""
+
     measured: MeasuredLoads | None = field(default=None, init=False, repr=False)
     """Per-layer loads read from ``ft_expert_loads_from`` (not a flag)."""
+    restart: object = field(default=None, init=False, repr=False)
+    """``--ft-elastic``: the ``RestartDecision`` agreed at model build (``None`` before; not a flag)."""
+    _ft: object = field(default=None, init=False, repr=False)
+    _num_layers: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self):
         r = self.ft_expert_replicas
@@ -95,11 +106,23 @@ class ElasticConfig:
             raise ValueError(f"--ft-expert-replicas needs --moe-token-dispatcher-type {FLEXIBLE}")
         if self.measured is not None:
             self.measured.check_model(args.model.num_layers, args.model.num_experts)
+        if self.ft_elastic:
+            ft = args.extra.get("FTConfig")
+            if ft is None or not ft.ft or not ft.snapshot.enabled:
+                raise ValueError("--ft-elastic restores expert state from snapshots: add --ft (and a snapshot "
+                                 "policy other than none)")
+            if args.model.moe_token_dispatcher_type != FLEXIBLE:
+                raise ValueError(f"--ft-elastic re-plans expert replicas: add --moe-token-dispatcher-type {FLEXIBLE}")
+            if args.parallel.pipeline_model_parallel_size != 1 or args.parallel.use_distributed_optimizer:
+                raise ValueError("--ft-elastic supports pipeline parallel size 1 and the plain optimizer (the "
+                                 "distributed optimizer's shards change with the data-parallel size); drop "
+                                 "--pipeline-model-parallel-size / --use-distributed-optimizer")
+            self._ft, self._num_layers = ft, args.model.num_layers
 
     @property
     def per_layer(self) -> bool:
-        """Whether every MoE layer has its own plan (loads measured per layer)."""
-        return self.measured is not None
+        """Whether every MoE layer has its own plan (loads measured per layer, or re-planned elastically)."""
+        return self.measured is not None or self.ft_elastic
 
     @property
     def enabled(self) -> bool:
@@ -125,6 +148,14 @@ class ElasticConfig:
         """``R[e, j]``: replicas of expert ``e`` on EP rank ``j``, int64 ``[num_experts, ep_size]``, for MoE
         layer ``layer_idx`` (0-based global index; only needed when ``per_layer``)."""
         slots = self.ft_expert_slots if self.ft_expert_slots is not None else num_experts // ep_size
+        if self.ft_elastic:
+            if self.restart is None:  # first layer built: agree on this start's plans (collective)
+                self.restart = self._decide(num_experts, ep_size, slots)
+            plans = self.restart.plans
+            if plans:
+                if layer_idx is None or layer_idx not in plans:
+                    raise RuntimeError(f"no re-planned replica map for MoE layer {layer_idx}")
+                return torch.tensor(plans[layer_idx], dtype=torch.int64)
         if self.ft_expert_replicas is None:
             if self.ft_expert_slots not in (None, num_experts // ep_size) or num_experts % ep_size:
                 raise ValueError("without --ft-expert-replicas the plan is standard EP (num_experts / EP size "
@@ -154,6 +185,23 @@ class ElasticConfig:
                                  f"--ft-expert-slots {slots} = {ep_size * slots} slots; make them agree")
             plan = place(counts, ep_size, PlacementConfig(slots_per_node=slots, strategy=self.ft_placement))
         return replica_map_from_plan(plan, num_experts)
+
+
+    def _decide(self, num_experts: int, ep_size: int, slots: int):
+        from moe_ft.elastic.restart import decide
+
+        ft = self._ft
+        if ft is None:
+            raise RuntimeError("--ft-elastic needs ElasticConfig.check_args(args) before the model is built")
+        decision = decide(store_dir=ft.snapshot.store_dir, job_id=ft.snapshot.job_id, num_layers=self._num_layers,
+                          num_experts=num_experts, ep_size=ep_size, slots=slots,
+                          min_replicas=self.ft_fault_threshold, strategy=self.ft_placement)
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0 and decision.kind in ("reshape", "fallback"):
+            for line in decision.notes + ([decision.reason] if decision.reason else []):
+                print(f"moe-ft elastic: {line}", flush=True)
+        return decision
 
 
 def replica_map_from_plan(plan, num_experts: int) -> torch.Tensor:

@@ -106,7 +106,15 @@ class FTRuntime(StepHooks):
             if UpstreamLogging.wanted(args, cfg):  # collective: every rank decides alike
                 self.upstream = UpstreamLogging.build(job_dir, self.rank)
                 self.components.append(self.upstream)
-        if cfg.snapshot.enabled:
+        from moe_ft.elastic.component import elastic_component
+
+        elastic = elastic_component(args, self)  # --ft-elastic: layout records; a changed world is re-planned
+        if elastic is not None:
+            self.components.append(elastic)
+            elastic.report_fallback()  # a world change live copies cannot serve: the reason, then the usual path
+        if elastic is not None and elastic.reshaping:
+            start_iteration = elastic.restore()  # every operator at the agreed point, onto the new plan
+        elif cfg.snapshot.enabled:
             from moe_ft.recovery.driver import should_recover
 
             recover, restart_count = should_recover(cfg, args)  # collective: every rank decides alike

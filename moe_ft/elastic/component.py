@@ -1,0 +1,67 @@
+"""``--ft-elastic`` in the runtime: layout records after every iteration, the reshape restore at start.
+
+The plan decision is taken at model build (``ElasticConfig.replica_map`` -> ``restart.decide``); this
+component carries it into the running job: :meth:`ElasticRecorder.restore` restores a reshaped start
+(``restore.py``) and writes the report, :meth:`after_iteration` keeps this rank's layout record current
+(``inventory.py``) so that the next restart knows the plan and the loads.
+"""
+
+from __future__ import annotations
+
+from moe_ft.elastic.holders import layer_replica_maps
+from moe_ft.elastic.inventory import LayoutRecord, write_record
+from moe_ft.runtime.components import Component
+
+
+def elastic_component(args, runtime) -> "ElasticRecorder | None":
+    """The component for ``--ft-elastic`` (``None`` without it)."""
+    elastic = args.extra.get("ElasticConfig")
+    if elastic is None or not elastic.ft_elastic:
+        return None
+    if elastic.restart is None:
+        raise RuntimeError("--ft-elastic: the model was built without an elastic MoE layer (no plan decided)")
+    return ElasticRecorder(elastic.restart, runtime)
+
+
+class ElasticRecorder(Component):
+    def __init__(self, decision, runtime) -> None:
+        self.decision, self.runtime = decision, runtime
+        cfg = runtime.config
+        self.store_dir, self.job_id = cfg.snapshot.store_dir, cfg.snapshot.job_id
+        self.maps = {layer: r.tolist() for layer, r in layer_replica_maps(runtime.state.model).items()}
+        self.ep_size = len(next(iter(self.maps.values()))[0]) if self.maps else 1
+
+    @property
+    def reshaping(self) -> bool:
+        return self.decision.kind == "reshape"
+
+    def restore(self) -> int:
+        """Collective: restore the reshaped start; returns the iteration training resumes at."""
+        from moe_ft.elastic.restore import restore_reshaped, write_report
+        from moe_ft.recovery.progress import last_completed
+
+        rt = self.runtime
+        done = last_completed(self.store_dir, self.job_id, rt.rank)
+        section = restore_reshaped(self.decision, rt)
+        if rt.rank == 0:
+            write_report(self.decision, rt.config.report_dir(), section, last_completed=done)
+            print(f"moe-ft elastic: generation {self.decision.generation}: world {self.decision.previous.world_size}"
+                  f" -> {self.decision.world_size}, restored iteration {self.decision.iteration} "
+                  f"({section['operators_local']} operators node-local, {section['operators_peer']} from peers), "
+                  f"resuming at {self.decision.iteration + 1}", flush=True)
+        return self.decision.iteration + 1
+
+    def report_fallback(self) -> None:
+        """A world change that live copies could not serve: the reason goes into the report (rank 0)."""
+        from moe_ft.elastic.restore import write_report
+
+        if self.decision.kind == "fallback" and self.runtime.rank == 0:
+            write_report(self.decision, self.runtime.config.report_dir(), {}, last_completed=-1)
+
+    def after_iteration(self, iteration: int) -> None:
+        popularity = self.runtime.popularity
+        loads = {layer: popularity.hard[i].tolist() for i, layer in enumerate(popularity.config.moe_layers)
+                 if layer in self.maps}
+        write_record(self.store_dir, self.job_id, self.runtime.rank, LayoutRecord(
+            generation=self.decision.generation, world_size=self.runtime.world_size, ep_size=self.ep_size,
+            iteration=iteration, plans=self.maps, loads=loads))

@@ -1,0 +1,134 @@
+"""Keep training on the world torchrun gives after a restart (``--ft-elastic``; Lazarus §4.3, §5).
+
+Under ``torchrun --nnodes MIN:MAX`` a lost node need not be replaced: the rendezvous closes with the nodes
+that are left (shrink), and a node that comes back or joins later makes the agents restart the workers on
+the larger world (grow). The restarted job decides, at model build (collective over the coordination group,
+:func:`decide`), which replica plan every elastic MoE layer gets:
+
+* ``fresh``   no layout record anywhere (first start): the plan of the flags (``ElasticConfig``);
+* ``same``    the newest record has this world and EP size: that record's plans (a rank or a node was
+              replaced; the stores match them; the usual recovery runs);
+* ``reshape`` the world or EP size changed: the newest iteration ``T`` at which every operator has a FULL
+              copy on some surviving node with the metadata (``Inventory``: survivor points -- the survivors'
+              exact state at their last completed iteration -- or dense snapshots) is agreed; each new EP rank
+              *has* the experts its node's stores hold at ``T``; eq. 1 re-allocates from the cumulative loads
+              of the newest record and :func:`moe_ft.elastic.reshape.replan` places and maps with the fewest
+              fetches. ``restore.py`` then loads every operator at ``T`` (node-local, else from a peer) and
+              training resumes at ``T + 1``.
+* ``fallback`` the world changed but no such ``T`` exists (an expert lost every copy, or only sparse points
+              without a survivor point): the reason is kept for the report and recovery falls back to the
+              newest complete recovery point the usual way (durable tier, ``--load``), never silently.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+from moe_ft.elastic.inventory import LayoutRecord, newest_record, node_inventory, read_records
+from moe_ft.elastic.planner import PlacementConfig
+from moe_ft.elastic.reshape import Replan, rederive_expert_parallel, replan
+from moe_ft.state.operators import OperatorId
+
+
+@dataclass
+class RestartDecision:
+    """What :func:`decide` agreed on; the same on every rank."""
+
+    kind: str
+    """``fresh``, ``same``, ``reshape`` or ``fallback`` (module docstring)."""
+    generation: int
+    previous: LayoutRecord | None = None
+    plans: dict[int, list[list[int]]] = field(default_factory=dict)
+    """``{layer_idx: R[e][j]}`` to build (empty: the flags' plan)."""
+    iteration: int = -1
+    """``T``: the point every operator is restored from (``reshape``)."""
+    notes: list[str] = field(default_factory=list)
+    replan: Replan | None = None
+    reason: str = ""
+    """Why live copies cannot serve the change (``fallback``)."""
+    world_size: int = 0
+    ep_size: int = 0
+    ranks: list[dict] = field(default_factory=list)
+    """Every rank's ``rank``, ``node``, ``ep_rank`` and node inventory summary (from the all-gather)."""
+
+
+def required_operators(num_layers: int, num_experts: int) -> set[OperatorId]:
+    """Every operator of the model (PP=1: every rank holds every non-expert operator)."""
+    ops = {OperatorId.embedding(), OperatorId.output()}
+    for layer in range(num_layers):
+        ops |= {OperatorId.dense(layer), OperatorId.gate(layer)}
+        ops |= {OperatorId.expert_op(layer, e) for e in range(num_experts)}
+    return ops
+
+
+def newest_complete_point(inventories: dict[int, dict[int, list[str]]], required: set[OperatorId]) -> tuple[int, str]:
+    """``(T, '')``: the newest iteration at which the nodes together hold every required operator at FULL
+    (and some node its metadata), or ``(-1, reason)`` naming what is missing at the newest point."""
+    names = {str(op) for op in required}
+    iterations = sorted({it for inv in inventories.values() for it in inv}, reverse=True)
+    for it in iterations:
+        have = set().union(*(set(inv.get(it, ())) for inv in inventories.values()))
+        if names <= have:
+            return it, ""
+    if not iterations:
+        return -1, "no node kept a point with metadata (stores lost, or nothing was published yet)"
+    newest = iterations[0]
+    have = set().union(*(set(inv.get(newest, ())) for inv in inventories.values()))
+    missing = sorted(names - have)
+    return -1, (f"no point has every operator at FULL on the surviving nodes (newest point {newest} lacks "
+                f"{len(missing)}: {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}); a sparse point "
+                f"needs a survivor point or a window replay on the old world, and an expert whose every holder "
+                f"was lost needs the durable tier")
+
+
+def decide(*, store_dir: str, job_id: str, num_layers: int, num_experts: int, ep_size: int, slots: int,
+           min_replicas: int, strategy: str, pipeline_size: int = 1) -> RestartDecision:
+    """Collective: the plan of this start (see the module docstring)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from moe_ft import comm
+
+    comm.init_coordination()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    mine = newest_record(read_records(store_dir, job_id))
+    inventory = node_inventory(store_dir, job_id, prefer_rank=rank).summary() if mine is not None else {}
+    entry = {"rank": rank, "node": rank // local_world, "ep_rank": ps.get_expert_model_parallel_rank(),
+             "record": asdict(mine) if mine is not None else None, "inventory": inventory}
+    gathered = comm.all_gather_object(entry)
+    records = [LayoutRecord.from_dict(g["record"]) for g in gathered if g["record"]]
+    previous = newest_record(records)
+    ranks = [{k: g[k] for k in ("rank", "node", "ep_rank")} for g in gathered]
+    if previous is None:
+        return RestartDecision("fresh", 0, world_size=world, ep_size=ep_size, ranks=ranks)
+    if (previous.world_size, previous.ep_size) == (world, ep_size):
+        return RestartDecision("same", previous.generation, previous, dict(previous.plans), world_size=world,
+                               ep_size=ep_size, ranks=ranks)
+    if pipeline_size != 1:
+        raise ValueError("--ft-elastic re-plans expert replicas with pipeline parallel size 1 only (a stage's "
+                         "layers would have to move); drop --pipeline-model-parallel-size or --ft-elastic")
+    generation = previous.generation + 1
+    notes = [f"world {previous.world_size} -> {world} ranks (EP {previous.ep_size} -> {ep_size})"]
+    inventories = {g["node"]: {int(k): v for k, v in g["inventory"].items()} for g in gathered}
+    point, reason = newest_complete_point(inventories, required_operators(num_layers, num_experts))
+    if point < 0:
+        return RestartDecision("fallback", generation, previous, notes=notes, reason=reason, world_size=world,
+                               ep_size=ep_size, ranks=ranks)
+    change = rederive_expert_parallel(world, tp=1, pp=pipeline_size, ep=ep_size, num_experts=num_experts,
+                                      slots=slots, min_replicas=min_replicas)
+    notes += list(change.notes)
+    held: dict[int, dict[int, set[int]]] = {}
+    for layer in previous.plans:
+        per_ep: dict[int, set[int]] = {}
+        for g in ranks:
+            on_node = {int(name.split(".E")[1]) for name in inventories[g["node"]].get(point, ())
+                       if name.startswith(f"expert.L{layer}.E")}
+            per_ep[g["ep_rank"]] = per_ep.get(g["ep_rank"], on_node) & on_node
+        held[layer] = per_ep
+    loads = {layer: [float(x) for x in previous.loads.get(layer, [1.0] * num_experts)] for layer in previous.plans}
+    out = replan(held, loads, ep_size=ep_size,
+                 config=PlacementConfig(slots_per_node=slots, min_replicas=change.min_replicas, strategy=strategy))
+    return RestartDecision("reshape", generation, previous, out.replicas, point, notes, out, world_size=world,
+                           ep_size=ep_size, ranks=ranks)

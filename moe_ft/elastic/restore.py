@@ -1,0 +1,177 @@
+"""Restore every operator after a reshape (``restart.py`` decided the new plans and the point ``T``).
+
+Lazarus §4.3 moves expert state from surviving holders to the ranks that need it, spread over all
+holders; non-expert state comes from data-parallel peers. Here every rank of the new world, with its
+operator registry built for the new plan (``FTRuntime.build``):
+
+1. loads, from its own node's stores, every operator that some point ``T`` there holds at FULL (weights,
+   fp32 master, Adam moments, step; ``moe_ft/elastic/inventory.py``: survivor points or dense snapshots of
+   any old rank of the node) -- node-local, nothing crosses the network;
+2. receives the rest from a peer whose node has them: the fetches are dealt over every rank that can serve
+   an operator, least-loaded first, and run in one global order (each pair of ranks meets its transfers in
+   the same order, so the blocking sends and receives of the coordination group cannot deadlock);
+3. restores the step state of ``T`` (RNG, LR schedule, loss scaler, popularity) from its node's metadata or
+   a peer's, then, after a barrier, empties the old generation's store directories on its node (their
+   points hold the old plan's operators) so that the new generation's snapshots start clean.
+
+Training resumes at ``T + 1`` with the same global batch (``ReplayableData``: ``GBS / (MBS x DP)``
+micro-batches per rank on the new data-parallel size). The math equals the fault-free run up to float
+summation order (gradients of the same global batch are summed over other ranks and micro-batches), so the
+result is close, not bitwise (``docs/elastic.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from moe_ft.elastic.inventory import node_inventory, store_dirs
+from moe_ft.snapshot.restore import restore_meta
+from moe_ft.state.operators import Level, OperatorId
+
+META = "__meta__"
+
+
+def assign_sources(needs: list[list[str]], haves: list[set[str]]) -> list[tuple[int, int, str]]:
+    """``(src, dst, name)`` for every name rank ``dst`` needs, from the least-loaded rank that has it
+    (ties: lowest rank); raises ``RuntimeError`` for a name nobody has. Pure; the order is global."""
+    load: dict[int, int] = defaultdict(int)
+    out = []
+    for dst, names in enumerate(needs):
+        for name in names:
+            candidates = [r for r, have in enumerate(haves) if name in have and r != dst]
+            if not candidates:
+                raise RuntimeError(f"rank {dst} needs {name} at the agreed point but no rank's node has it")
+            src = min(candidates, key=lambda r: (load[r], r))
+            load[src] += 1
+            out.append((src, dst, name))
+    return out
+
+
+_LOCAL_EXPERT = re.compile(r"(mlp\.experts\.local_experts\.)\d+\.")
+
+
+def plan_free_name(name: str) -> str:
+    """A tensor name of an operator entry without the local expert index (``...local_experts.3.w`` ->
+    ``...local_experts.*.w``): the index of an expert among a rank's held experts depends on the plan, the
+    expert (one operator) does not."""
+    return _LOCAL_EXPERT.sub(r"\1*.", name)
+
+
+@torch.no_grad()
+def copy_into(registry, op: OperatorId, tensors: dict[str, torch.Tensor]) -> int:
+    """Copy an entry written under any plan into this rank's live tensors of ``op`` (FULL); returns bytes."""
+    live = {plan_free_name(n): t for n, t in registry[op].tensors(Level.FULL).items()}
+    stored = {plan_free_name(n): t for n, t in tensors.items()}
+    if set(live) != set(stored):
+        missing, extra = sorted(set(live) - set(stored)), sorted(set(stored) - set(live))
+        raise ValueError(f"{op}: the stored entry does not match this model's operator (missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}); the model flags must be those of the run that wrote it")
+    total = 0
+    for name, dst in live.items():
+        src = stored[name]
+        if src.shape != dst.shape or src.dtype != dst.dtype:
+            raise ValueError(f"{op}/{name}: stored {src.dtype}{tuple(src.shape)} vs live {dst.dtype}{tuple(dst.shape)}")
+        dst.copy_(src)
+        total += dst.nbytes
+    for hook in getattr(registry[op], "after_restore", ()):
+        hook()
+    return total
+
+
+def restore_reshaped(decision, runtime) -> dict:
+    """Collective: restore this rank at ``decision.iteration`` (see the module docstring); returns the
+    report section (bytes and operators local / from peers, seconds)."""
+    import torch.distributed as dist
+
+    from moe_ft import comm
+    from moe_ft.recovery.machine import restore_step_state
+    from moe_ft.state.optimizer_views import ensure_optimizer_state
+
+    t0 = time.perf_counter()
+    cfg, rank, point = runtime.config, runtime.rank, decision.iteration
+    store_dir, job = cfg.snapshot.store_dir, cfg.snapshot.job_id
+    ensure_optimizer_state(runtime.state.optimizer)
+    runtime.build(t_iter_s=1.0)
+    registry = runtime.registry
+    inventory = node_inventory(store_dir, job, prefer_rank=rank)
+    local = inventory.full.get(point, {})
+    have = {str(op) for op in local} | ({META} if point in inventory.meta else set())
+    need = [str(op) for op in registry if op not in local] + ([] if META in have else [META])
+    gathered = comm.all_gather_object({"need": need, "have": sorted(have)})
+    transfers = assign_sources([g["need"] for g in gathered], [set(g["have"]) for g in gathered])
+    opened: dict = {}
+
+    def store_of(d):
+        if d not in opened:
+            opened[d] = d.open()
+        return opened[d]
+
+    stats = {"operators_local": 0, "bytes_local": 0, "operators_peer": 0, "bytes_peer": 0, "bytes_sent": 0}
+    for op in registry:
+        if op in local:
+            stats["bytes_local"] += copy_into(registry, op, store_of(local[op]).load(point, op, Level.FULL))
+            stats["operators_local"] += 1
+    meta = restore_meta(store_of(inventory.meta[point][0]), point) if META in have else None
+    group = comm.coordination_group()
+    for src, dst, name in transfers:
+        if rank == src:
+            if name == META:
+                payload = meta
+            else:
+                op = OperatorId.parse(name)
+                payload = store_of(local[op]).load(point, op, Level.FULL)
+                stats["bytes_sent"] += sum(t.nbytes for t in payload.values())
+            dist.send_object_list([payload], dst=dst, group=group)
+        elif rank == dst:
+            box = [None]
+            dist.recv_object_list(box, src=src, group=group)
+            if name == META:
+                meta = box[0]
+            else:
+                stats["bytes_peer"] += copy_into(registry, OperatorId.parse(name), box[0])
+                stats["operators_peer"] += 1
+    restore_step_state(meta[0], meta[1], train_state=runtime.state, popularity=runtime.popularity)
+    opened.clear()
+    comm.barrier()  # every rank of the node has read the old generation's points
+    discard_old_generation(runtime, store_dir, job)
+    stats["seconds"] = round(time.perf_counter() - t0, 4)
+    return stats
+
+
+def discard_old_generation(runtime, store_dir: str, job_id: str) -> None:
+    """Empty this rank's snapshot store and survivor points (old plan), drop the replicas it holds, and on
+    each node's first rank remove the directories of old ranks that the new world does not have."""
+    import os
+
+    runtime.active.store.discard_after(-1)
+    if runtime.replication is not None:
+        runtime.replication.discard_after(-1)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    for d in store_dirs(store_dir, job_id):
+        if d.kind == "survivor" and d.rank == runtime.rank:
+            d.open().discard_after(-1)
+        elif local_rank == 0 and d.rank >= runtime.world_size:
+            shutil.rmtree(Path(d.root) / d.job_id / f"rank{d.rank}", ignore_errors=True)
+
+
+def write_report(decision, report_dir: str, section: dict, *, last_completed: int) -> None:
+    """``<report_dir>/elastic_<generation>.json``: what changed, the point, the fetches, the cost."""
+    out = {"kind": decision.kind, "generation": decision.generation, "notes": decision.notes,
+           "reason": decision.reason, "world_size": decision.world_size, "ep_size": decision.ep_size,
+           "previous_world_size": decision.previous.world_size if decision.previous else None,
+           "point": decision.iteration, "resume": decision.iteration + 1 if decision.iteration >= 0 else None,
+           "last_completed": last_completed,
+           "lost_iterations": list(range(decision.iteration + 1, last_completed + 1)) if decision.iteration >= 0 else [],
+           "plans": {str(k): v for k, v in decision.plans.items()},
+           "expert_fetches": [[f.layer, f.expert_idx, f.dst, f.src] for f in decision.replan.fetches]
+           if decision.replan else [], **section}
+    path = Path(report_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"elastic_{decision.generation}.json").write_text(json.dumps(out, indent=1))
