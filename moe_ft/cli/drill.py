@@ -61,10 +61,12 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 
 def job_argv(*, layout: str, policy: str, iters: int, data: str, store: str, job: str, window: int,
-             digest_out: str, faults: list[str], extra: list[str]) -> list[str]:
+             digest_out: str, faults: list[str], extra: list[str], scope: str = "global") -> list[str]:
+    """The job's flags. ``scope``: ``--ft-recovery-scope`` (``global`` here, so that callers written for the
+    global replay keep it; ``moe-ft drill --recovery-scope`` defaults to the job's default, ``localized``)."""
     argv = [*TINY, *LAYOUTS[layout], "--train-iters", str(iters), "--data-path", data,
             "--ft", "--ft-policy", policy, "--ft-store-dir", store, "--ft-job-id", job,
-            "--ft-sparse-window", str(window), "--ft-digest-out", digest_out, *extra]
+            "--ft-sparse-window", str(window), "--ft-digest-out", digest_out, "--ft-recovery-scope", scope, *extra]
     if faults:
         argv += ["--ft-fail", *faults]
     return argv
@@ -219,7 +221,7 @@ def prepare(args) -> tuple[str, dict, list[str], list]:
             extra = drill_flags(args, faults, losses, work) + list(args.extra or [])
         store = args.store_dir or os.path.join("/dev/shm", f"moe_ft_drill_{os.getpid()}")
         common = dict(layout=args.layout, policy=args.policy, iters=args.iters, data=args.data or ensure_corpus(work),
-                      store=store, window=args.window, extra=extra)
+                      store=store, window=args.window, extra=extra, scope=args.recovery_scope)
         with user_input():  # ValueError; OSError: a file a flag names (e.g. --ft-expert-loads-from)
             check_job_flags(job_argv(job="faulty", digest_out=os.path.join(work, "faulty.json"), faults=faults,
                                      **common), world_size=WORLD_SIZE, root=str(ROOT))
@@ -286,6 +288,9 @@ def register(subparsers) -> None:
     p.add_argument("--policy", choices=["sparse", "dense", "pec", "selective"], default="sparse")
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--window", type=int, default=4, help="--ft-sparse-window of the job")
+    p.add_argument("--recovery-scope", choices=["global", "localized"], default="localized",
+                   help="--ft-recovery-scope of the job: localized = only the failed pipeline stages replay "
+                        "(survivors load the state they published), global = every rank replays")
     p.add_argument("--fail", action="append", default=[], metavar="RANK:ITER[:PHASE[:KIND]]",
                    help="a fault (repeatable); PHASE forward|backward|step|snapshot|publish|persist|recovery, "
                         "or RANK:ITER:published:corrupt (damage the just-published point, then die)")

@@ -42,6 +42,11 @@ class PolicySpec:
     store: str = "memory"  # dense: "memory" (peer CPU memory, Gemini) or "storage" (durable, CheckFreq)
     k: str = "fit"  # pec: experts per layer per snapshot, an integer, "fit" or "dynamic" (MoC Dynamic-K)
     localized: bool = True  # sparse: upstream logging confines recovery to the failed stage (MoEvement §3.4)
+    localized_model: str = "runtime"
+    """sparse with ``localized``: ``runtime`` = what moe-ft does (torchrun restarts every rank: the global
+    ``restart_s``; the survivors dump their state before they exit and load it back, only the failed
+    stage replays; ``moe_ft/recovery/localized.py``), ``paper`` = MoEvement §3.4's model (only the failed
+    data-parallel group restarts, ``localized_restart_s``, the others pause)."""
     plt_budget: float = 0.0375  # pec: MoC's PLT threshold (§3, Dynamic-K)
     k0: int = 0  # pec k=dynamic: K the simulated run starts from (0: the largest K that fits, MoC §5.3)
 
@@ -54,11 +59,14 @@ class PolicySpec:
             raise ValueError(f"interval must be a positive integer, 'oracle', 'daly' or 'cap', got {self.interval!r}")
         if self.k not in ("fit", "dynamic") and not (self.k.isdigit() and int(self.k) > 0):
             raise ValueError(f"pec k must be a positive integer, 'fit' or 'dynamic', got {self.k!r}")
+        if self.localized_model not in ("runtime", "paper"):
+            raise ValueError(f"localized must be 0, 1, 'runtime' or 'paper', got {self.localized_model!r}")
 
 
 def parse_policy(text: str) -> PolicySpec:
     """``dense``, ``dense:interval=57``, ``dense:store=storage:interval=cap``, ``pec:k=2``,
-    ``sparse:localized=0`` or an alias (``gemini``, ``checkfreq``, ``dense-daly``, ``moc``, ``moetion``)."""
+    ``sparse:localized=0`` (global replay), ``sparse:localized=paper`` (MoEvement's restart model; the
+    default ``sparse`` = ``sparse:localized=runtime`` models what the runtime does) or an alias (``gemini``, ``checkfreq``, ``dense-daly``, ``moc``, ``moetion``)."""
     label = text.strip()
     expanded = ALIASES.get(label, label)
     kind, *pairs = expanded.split(":")
@@ -72,7 +80,13 @@ def parse_policy(text: str) -> PolicySpec:
         elif key == "k0":
             kwargs[key] = int(value)
         elif key == "localized":
-            kwargs[key] = value.lower() in ("1", "true", "yes")
+            mode = value.lower()
+            if mode in ("runtime", "paper"):
+                kwargs["localized"], kwargs["localized_model"] = True, mode
+            elif mode in ("1", "true", "yes", "0", "false", "no"):
+                kwargs["localized"] = mode in ("1", "true", "yes")
+            else:
+                raise ValueError(f"localized must be 0, 1, 'runtime' or 'paper' in {text!r}, got {value!r}")
         elif key in ("interval", "store", "k"):
             kwargs[key] = value
         else:
@@ -117,7 +131,9 @@ class PolicyModel:
         return self.spec.kind == "sparse" and self.spec.localized
 
     def restart_load_s(self) -> float:
-        """Restart (global or localized) plus loading the replacement node's state."""
+        """Restart (global, or MoEvement's localized one for ``localized=paper``) plus loading the replacement
+        node's state; the runtime's localized recovery (``localized=runtime``) restarts every rank and adds
+        the survivors' dump and load of their state (device to host and back, ``d2h_bandwidth``)."""
         cfg = self.cost.config
         hw = cfg.hardware
         held = self.cost.max_held_bytes
@@ -126,8 +142,10 @@ class PolicyModel:
             load = held * node / min(hw.storage_bandwidth, hw.network_bandwidth * node)
         else:  # the replacement node pulls its state from a peer replica
             load = held / hw.network_bandwidth
-        restart = cfg.recovery.localized_restart_s if self.localized else cfg.recovery.restart_s
-        return restart + load
+        if self.localized and self.spec.localized_model == "paper":
+            return cfg.recovery.localized_restart_s + load
+        survivors = 2.0 * held / hw.d2h_bandwidth if self.localized else 0.0
+        return cfg.recovery.restart_s + survivors + load
 
     def recovery_s(self, phase: float, stage_idx: int, segment: int = 1) -> float:
         """Wall time from a failure to being back where the job was. ``phase`` in ``[0, period_iters)``
