@@ -67,7 +67,10 @@ class _RouterSpec:
 
 
 @pytest.mark.timeout(90)
-def test_shadow_equals_megatron_optimizer_bitwise(corpus):
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_shadow_equals_megatron_optimizer_bitwise(corpus, precision):
+    """fp32: ``FP32Optimizer`` (the weight is the master); bf16: ``Float16OptimizerWithFloat16Params`` (fp32
+    master + bf16 model weight, copied from the master after the step)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -89,7 +92,7 @@ def test_shadow_equals_megatron_optimizer_bitwise(corpus):
     ps.initialize_model_parallel()
     capture = None
     try:
-        args = parse_args([*MODEL, "--data-path", corpus], world_size=1)
+        args = parse_args([*MODEL, *precision, "--data-path", corpus], world_size=1)
         args.extra["router"] = _RouterSpec()
         set_seeds(args.training.seed)
         state = build_train_state(args)
@@ -100,6 +103,8 @@ def test_shadow_equals_megatron_optimizer_bitwise(corpus):
         assert set(capture.params) == {op for op in registry if op.is_expert}
         classes = {op: type(next(iter(p.values())).inner).__name__ for op, p in capture.params.items()}
         assert set(classes.values()) == {"AdamW"}  # what Megatron-Core builds without TE/Apex
+        masters = {n for op in capture.params for n in registry[op].master}
+        assert bool(masters) == bool(precision)  # bf16: separate fp32 masters in the FULL entry
         shadows: dict[OperatorId, ShadowExpert] = {}
         applied = retransmitted = 0
         previous: set[OperatorId] = set()
@@ -292,8 +297,9 @@ def test_peer_state_equals_owner_state_in_a_real_run(tmp_path, corpus):
     proc = torchrun("pretrain_gpt_moe.py", ["--data-path", corpus, *RUN, "--ft-selective-local-budget", BUDGET,
                                             "--ft-store-dir", str(store), "--ft-job-id", "job",
                                             "--ft-optimizer-recompute"], timeout=200)
-    lines = re.findall(r"optimizer recomputation rank (\d): sent (\d+) experts as gradients .* and (\d+) as FULL; "
-                       r"recomputed (\d+) for its sources, (\d+) failed", proc.stdout)
+    lines = re.findall(r"optimizer recomputation rank (\d): \d+ points sent (\d+) experts as gradients .* and (\d+) as FULL "
+                       r"\([\d.]+ MB\), capture [\d.]+ s; "
+                       r"recomputed (\d+) for its sources in [\d.]+ s, (\d+) failed", proc.stdout)
     assert sorted(int(r) for r, *_ in lines) == [0, 1, 2, 3], proc.stdout[-3000:]
     for rank, grads, full, recomputed, failed in lines:  # every stable period starts with a FULL transfer
         assert int(grads) > 0 and int(full) > 4 and failed == "0", lines

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -150,6 +151,8 @@ class GradCapture:
         self._iteration: int | None = None
         self._captured: dict[int, dict[OperatorId, dict[str, ParamGrad]]] = {}
         self._lock = threading.Lock()
+        self.seconds = 0.0
+        """Time the hook spent on the training thread (gradient clones)."""
         inners: dict[int, torch.optim.Optimizer] = {}
         for p in self.params.values():
             for mp in p.values():
@@ -176,6 +179,7 @@ class GradCapture:
         t = self._iteration
         if t is None or not self._tracked:
             return
+        start = time.perf_counter()
         got: dict[OperatorId, dict[str, ParamGrad]] = {}
         for op in self._tracked:
             for name, mp in self.params[op].items():
@@ -191,6 +195,7 @@ class GradCapture:
             mine = self._captured.setdefault(t, {})
             for op, grads in got.items():
                 mine.setdefault(op, {}).update(grads)
+        self.seconds += time.perf_counter() - start
 
     def take(self, iteration: int, ops: Iterable[OperatorId]) -> dict[OperatorId, dict[str, ParamGrad]]:
         """The complete captures (every parameter of the expert) of ``iteration`` for ``ops``."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -168,6 +169,9 @@ class RecomputeReceiver(ReplicaReceiver):
         self.shadows: dict[int, dict[OperatorId, ShadowExpert]] = {}
         self.recomputed: list[tuple[int, int, OperatorId]] = []  # (owner, iteration, op)
         self.failures: list[tuple[int, int, OperatorId, str]] = []
+        self.seconds = 0.0
+        """Time spent replaying optimizer steps and encoding the rebuilt entries (this rank's CPU, off the
+        training thread)."""
         super().__init__(*args, **kwargs)  # starts the receiving threads
 
     def reset(self) -> None:
@@ -198,6 +202,7 @@ class RecomputeReceiver(ReplicaReceiver):
             if shadow is None or entry is None or entry.level != Level.FULL or shadow.iteration != it - 1:
                 self._fail(owner, it, op, "no state at the previous iteration to apply the gradients to")
                 continue
+            start = time.perf_counter()
             try:
                 shadow.apply(it, params, cls)
             except (ValueError, RuntimeError) as exc:
@@ -205,6 +210,8 @@ class RecomputeReceiver(ReplicaReceiver):
                 continue
             blobs[entry.blob] = shadow.encode(record.checksum_algo)
             produced[op] = shadow
+            with self._lock:
+                self.seconds += time.perf_counter() - start
         before = len(self.rejections)
         super()._accept(store, replace(message, blobs=blobs))
         rejected = {r.entry for r in self.rejections[before:] if r.owner == owner and r.iteration == it}
