@@ -290,3 +290,39 @@ def test_p2p_seam_installs_once_records_sends_and_opens_idle_gates(tmp_path):
     finally:
         seam.uninstall()
     assert P2PSeam.current() is None and schedules.P2PCommunicator is original
+
+
+def test_transfer_plan_serves_each_replayer_once_and_names_what_is_missing():
+    """PP=4 on ranks 0..3, stage 2 replays: rank 1 sends it activations, rank 3 gradients; the collective
+    log of the all-rank group comes from the lowest member that has it (rank 0, then rank 1 for the
+    iteration rank 0 lost); a send dropped by retention and corrupt entries are reported."""
+    from moe_ft.localized.log_replay import plan_transfers
+
+    rec = (100, "ab", "xxh3_64")
+    pp = [0, 1, 2, 3]
+
+    def inv(offers, problems=()):
+        return {"offers": {k: rec for k in offers}, "problems": list(problems), "pipeline_ranks": pp}
+
+    its = [4, 5]
+    coll = "coll.0-1-2-3"
+    inventories = [inv([(4, coll)]),
+                   inv([(4, "send.fwd.to2"), (5, "send.fwd.to2"), (4, coll), (5, coll)]),
+                   inv([]),
+                   inv([(4, "send.bwd.to2"), (5, "send.bwd.to2"), (4, coll), (5, coll)])]
+    transfers, missing, problems = plan_transfers(inventories, frozenset([2]), its)
+    assert missing == [] and problems == []
+    assert [(s, d, t, n) for s, d, t, n, *_ in transfers] == [
+        (0, 2, 4, coll), (1, 2, 4, "send.fwd.to2"), (1, 2, 5, coll), (1, 2, 5, "send.fwd.to2"),
+        (3, 2, 4, "send.bwd.to2"), (3, 2, 5, "send.bwd.to2")]
+    inventories[3] = inv([(4, "send.bwd.to2")], problems=["rank 3: corrupt upstream log entry ..."])
+    inventories[1]["offers"].pop((5, coll))
+    _, missing, problems = plan_transfers(inventories, frozenset([2]), its)
+    assert missing == ["no surviving member of group 0-1-2-3 has its collective log of iteration 5",
+                       "rank 3 has no upstream log entry send.bwd.to2 of iteration 5"]
+    assert problems == ["rank 3: corrupt upstream log entry ..."]
+    # stages 1 and 2 replay together: their boundary is live, only ranks 0 and 3 serve
+    transfers, missing, _ = plan_transfers([inv([(4, "send.fwd.to1"), (4, coll)]), inv([]), inv([]),
+                                            inv([(4, "send.bwd.to2"), (4, coll)])], frozenset([1, 2]), [4])
+    assert missing == [] and {(s, d, n) for s, d, _, n, *_ in transfers} == {
+        (0, 1, "send.fwd.to1"), (3, 2, "send.bwd.to2"), (0, 1, coll), (0, 2, coll)}

@@ -226,8 +226,12 @@ def _inventory(log_dir: LogDir, replaying: frozenset, iterations: list[int], ran
     return offers, blobs, problems
 
 
-def _plan(inventories: list, replaying: frozenset, iterations: list[int]):
-    """Transfers (src, dst, t, name, size, checksum, algo) in one global order, and what is missing."""
+def plan_transfers(inventories: list, replaying: frozenset, iterations: list[int]):
+    """The transfer plan every rank computes from the gathered inventories (pure: no communication).
+
+    ``inventories[rank]``: ``{"offers": {(t, name): (size, checksum, algo)}, "problems": [str],
+    "pipeline_ranks": [global ranks in stage order]}``. Returns the transfers ``(src, dst, t, name, size,
+    checksum, algo)`` sorted in one global order, the missing entries and the verification problems."""
     transfers, missing, problems = [], [], []
     for inv in inventories:
         problems += inv["problems"]
@@ -245,6 +249,9 @@ def _plan(inventories: list, replaying: frozenset, iterations: list[int]):
         members = [int(r) for r in _COLL.match(name).group(1).split("-")]
         transfers += [(src, dst, t, name, *rec) for dst in members if dst in replaying]
     have = {(src, t, name) for src, _, t, name, *_ in transfers}
+    groups = {name for _, name in servers}  # a stage-spanning group logged in one iteration is in all of them
+    missing += [f"no surviving member of group {name[5:]} has its collective log of iteration {t}"
+                for name in sorted(groups) for t in iterations if (t, name) not in servers]
     for dst in sorted(replaying):
         pp = inventories[dst]["pipeline_ranks"]
         stage = pp.index(dst)
@@ -266,12 +273,17 @@ def exchange_logs(log_dir: LogDir, *, replaying: Iterable[int], iterations: Iter
     ``pipeline_ranks``: this rank's pipeline-parallel group in stage order (default: Megatron's). Returns the
     fetched entries on a replaying rank, an empty :class:`LogFeed` elsewhere. Raises
     :class:`MissingLogEntry` / :class:`CorruptLogEntry` on every rank alike when a needed entry is missing or
-    fails its checksum (the message names the holder, the entry and the iteration)."""
+    any offered entry fails its checksum (the message names the holder, the entry and the iteration).
+
+    A :class:`LogReplay` error raised later (the replay diverged, a collective nobody logged) is raised on
+    the replaying ranks only: the caller agrees on the outcome over all ranks before falling back."""
     from moe_ft import comm
 
     group = group if group is not None else comm.coordination_group()
     rank = dist.get_rank()
     replaying, its = frozenset(replaying), sorted(iterations)
+    if not its or not replaying:  # the same arguments on every rank: every rank returns here alike
+        return LogFeed()
     if pipeline_ranks is None:
         from megatron.core import parallel_state as ps
 
@@ -279,7 +291,7 @@ def exchange_logs(log_dir: LogDir, *, replaying: Iterable[int], iterations: Iter
     offers, blobs, problems = ({}, {}, []) if rank in replaying else _inventory(log_dir, replaying, its, rank)
     inventories = comm.all_gather_object({"offers": offers, "problems": problems,
                                           "pipeline_ranks": list(pipeline_ranks)}, group=group)
-    transfers, missing, problems = _plan(inventories, replaying, its)
+    transfers, missing, problems = plan_transfers(inventories, replaying, its)
     if problems:
         raise CorruptLogEntry(f"{len(problems)} upstream log entries failed verification, first: {problems[0]}")
     if missing:
