@@ -58,6 +58,9 @@ class SnapshotConfig:
     selective_remote_budget: int = field(default=0, metadata=field_help(
         "selective: B_remote bytes per iteration per rank; 0 = same as the local budget."))
     snapshot_slots: int = field(default=2, metadata=field_help("Host buffer sets of the snapshot engine."))
+    snapshot_bubble_aware: bool = field(default=False, metadata=field_help(
+        "Bubble-aware snapshots (MoEtion §5.3, Alg. 4; CPU engine, pipeline parallelism): the part of each "
+        "copy that fits the profiled pipeline bubbles waits for the stage to idle in a p2p exchange."))
     snapshot_write_threads: int = field(default=0, metadata=field_help(
         "Threads writing one snapshot's entries into the store (0 = 1 on CPU, 4 on CUDA: one thread writes "
         "~1.3 GB/s on an H100 host, far below the device-to-host copy)."))

@@ -144,6 +144,12 @@ class FTRuntime(StepHooks):
         session = self.config.snapshot.build(ctx)
         self.sessions = [session] if session is not None else []
         self.active = session
+        if session is not None and self.config.snapshot.snapshot_bubble_aware:
+            from moe_ft.snapshot.bubble_component import BubbleScheduling
+
+            self.components.append(BubbleScheduling.build(
+                session, pipeline_size=self.args.parallel.pipeline_model_parallel_size,
+                trace_out=self.config.drill.trace_out, rank=self.rank))
         replication = self.config.replication.build(ctx, session)
         if replication is not None:
             self.replication = replication

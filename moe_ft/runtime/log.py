@@ -21,6 +21,10 @@ def format_line(iteration: int, m: dict) -> str:
         parts.append(f"durable {m['persist_end'] + 1} ({m['persist_mb_s']:.1f} MB/s)")
     if "boost_experts" in m:
         parts.append(f"capacity boost {m['boost_experts']} experts, {m['boost_deficit']:.0f} tokens to make up")
+    if "bubble_ms" in m:
+        parts.append(f"bubbles {m['bubble_ms']:.1f} ms ({100 * m['bubble_copied']:.0f}% of copy)")
+    if "upstream_log_bytes" in m:
+        parts.append(f"upstream log {m['upstream_log_bytes'] / 1e6:.3f} MB")
     if "t_iter_ms" in m:
         parts.append(f"T_iter {m['t_iter_ms']:.1f} ms")
     parts.append(f"tokens at risk {m['tokens_at_risk']:.0f}")

@@ -53,7 +53,13 @@ def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: 
     job_id = config.job_id + job_suffix
     store = StoreConfig(root=config.store_dir, job_id=job_id, rank=ctx.rank).build(
         retention=retention, fault_hook=ctx.store_fault_hook)
-    engine = SnapshotEngine(EngineConfig(num_slots=config.snapshot_slots,
+    bubbles = None
+    if config.snapshot_bubble_aware:
+        from moe_ft.snapshot.bubbles import BubbleGate, BubbleSchedule
+
+        # the runtime's BubbleScheduling component drains the trace and intervals every iteration
+        bubbles = BubbleSchedule(BubbleGate(keep_intervals=True), trace=[])
+    engine = SnapshotEngine(EngineConfig(num_slots=config.snapshot_slots, bubbles=bubbles,
                                          write_threads=config.snapshot_write_threads or None), ctx.registry, store)
     return SnapshotSession(config.policy, policy, engine, store, operators=operators,
                            store_root=config.store_dir, job_id=job_id)
