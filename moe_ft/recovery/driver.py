@@ -133,7 +133,8 @@ def recover(inputs: RecoveryInputs) -> RecoveryReport:
                **({"restart": round(since_fault, 4)} if since_fault is not None else {})}
     report = build_report(inputs, rs, source=source, lost_through=lost_through, fetched=fetched, loss=loss,
                           seconds=seconds)
-    report.scope = {"mode": "global", "reason": scope.reason, "target": scope.target, "failed": scope.failed}
+    report.scope = {"mode": "global", "reason": scope.reason, "target": scope.target, "failed": scope.failed,
+                    "bytes_loaded": {str(r): b for r, b in enumerate(comm.all_gather_object(rs.bytes_loaded))}}
     record_recovery_levels(inputs, plan, rs, source, report)
     discard_survivor_points(inputs)
     return report
