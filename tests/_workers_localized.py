@@ -15,7 +15,6 @@ gloo timeout.
 from __future__ import annotations
 
 import json
-import os
 from datetime import timedelta
 
 import torch
