@@ -78,3 +78,11 @@ def test_logs_must_cover_the_replay_at_both_boundaries():
 def test_components_of():
     assert components_of([]) == []
     assert components_of([3, 1, 2, 5]) == [[1, 2, 3], [5]]
+
+
+def test_logged_range_is_the_gap_free_tail():
+    from moe_ft.recovery.localized import _contiguous_tail
+
+    assert _contiguous_tail([]) is None
+    assert _contiguous_tail([5, 3, 4]) == (3, 5)
+    assert _contiguous_tail([1, 2, 4, 5, 6]) == (4, 6)  # a gap: only the newest run can feed a replay to the end

@@ -76,6 +76,9 @@ def decide(inputs: "RecoveryInputs") -> Scope:
         return Scope("global", "--ft-recovery-scope global")
     if inputs.survivor_store is None:
         return Scope("global", "no survivor store (snapshots off)")
+    if inputs.session.policy.lossy:  # its recovery restores stale FULL entries and never replays
+        return Scope("global", f"--ft-policy {inputs.session.name} is lossy: every rank restores its newest FULL "
+                               "entries (a replay from logs needs an exact policy)")
     return decide_scope(survey(inputs), requested=inputs.config.recovery.recovery_scope)
 
 
