@@ -175,6 +175,31 @@ def test_lr_boost_follows_the_decay_and_survives_a_schedule_rewind():
         LrBoostConfig(factor=0.0)
 
 
+def test_boost_outlives_a_restart_through_the_group_lr_record():
+    from moe_ft.checkfree.lr_boost import GROUP_LR, capture_group_lr, restore_group_lr
+
+    opt, sched = _optimizer_and_scheduler("cosine")
+    for _ in range(4):
+        sched.step(1)
+    LrBoost(opt, sched).start(first_iteration=4)
+    recorded = {GROUP_LR: capture_group_lr(opt)}  # with the snapshot of iteration 3
+    state = sched.state_dict()
+    # the restarted process: parameter groups from the flags (1x), schedule rewound by recovery
+    new_opt, new_sched = _optimizer_and_scheduler("cosine")
+    new_sched.num_steps = 0
+    new_sched.load_state_dict(state)
+    assert new_opt.param_groups[0]["lr"] != opt.param_groups[0]["lr"]  # without the record: the boost is lost
+    assert restore_group_lr(recorded, new_opt, new_sched)
+    for new, old in zip(new_opt.param_groups, opt.param_groups):
+        assert (new["max_lr"], new["min_lr"], new["lr"]) == (old["max_lr"], old["min_lr"], old["lr"])  # bitwise
+    for _ in range(3):  # and the schedule goes on identically
+        sched.step(1)
+        new_sched.step(1)
+        assert [g["lr"] for g in new_opt.param_groups] == [g["lr"] for g in opt.param_groups]
+    assert not restore_group_lr({}, new_opt, new_sched)  # metadata without a record: nothing changes
+    assert not restore_group_lr({GROUP_LR: recorded[GROUP_LR][:1]}, new_opt, new_sched)  # another layout
+
+
 # ----------------------------------------------------------------------------------- swap schedule
 def test_swap_schedule_half_the_microbatches_deterministic():
     assert swapped_microbatches(8) == [1, 3, 5, 7]

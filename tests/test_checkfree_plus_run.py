@@ -15,7 +15,12 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
+from moe_ft.checkfree.copies import CopyStore
 from moe_ft.cli.drill import run_job
+from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store import StoreConfig
 
 pytestmark = pytest.mark.multiproc
 
@@ -30,7 +35,7 @@ def _run(corpus: str, work: Path, job: str, extra: list[str]) -> dict:
     return res
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_checkfree_plus_run_swaps_and_copies(corpus, tmp_path):
     first = _run(corpus, tmp_path, "plus_a", ["--ft-checkfree-plus"])
     again = _run(corpus, tmp_path, "plus_b", ["--ft-checkfree-plus"])
@@ -51,3 +56,19 @@ def test_checkfree_plus_run_swaps_and_copies(corpus, tmp_path):
     assert set(held) == {"rank1", "rank2"}  # the embedding's and the output layer's holders only
     assert all(n.startswith("embedding.") for n in held["rank1"]) and all(n.startswith("output.") for n in held["rank2"])
     assert held["rank1"][-1] == f"embedding.{ITERS - 1:012d}" and held["rank2"][-1] == f"output.{ITERS - 1:012d}"
+    # each copy is the owner's weights after that iteration's step, bit for bit: the owner's own snapshot
+    # of the same iteration (FULL or COMPUTE entry of the sparse window) holds the same compute weights
+    for kind, owner, holder in (("embedding", 0, 1), ("output", 3, 2)):
+        snapshots = StoreConfig(root=str(tmp_path / "store"), job_id="plus_a", rank=owner).build()
+        copies_of = CopyStore(copies / f"rank{holder}")
+        compared = 0
+        for it in snapshots.points():
+            op = getattr(OperatorId, kind)()
+            level = snapshots.catalog([it]).level(it, op)
+            assert level in (Level.FULL, Level.COMPUTE), (kind, it, level)
+            entry = snapshots.load(it, op, level)
+            copy = copies_of.load(kind, it)
+            assert set(copy) <= set(entry)
+            assert all(torch.equal(copy[n].view(torch.uint8), entry[n].view(torch.uint8)) for n in copy), (kind, it)
+            compared += 1
+        assert compared >= 2, (kind, snapshots.points())

@@ -97,3 +97,18 @@ class CopiesComponent(Component):
     def after_recovery(self, report, session) -> None:
         if self.store is not None:  # copies of the abandoned timeline must not be taken for the new one
             self.store.discard_after(report.recovery_point["resume"] - 1)
+
+
+class GroupLrRecord(Component):
+    """Saves every parameter group's own ``max_lr`` / ``min_lr`` with each snapshot (``checkfree.group_lr``),
+    so that the 1.1x boost of a rebuilt stage (CheckFree Alg. 1 line 4) survives a later restart: recovery
+    puts them back where it restores the LR schedule (``lr_boost.restore_group_lr``), before it replays, so
+    the replayed iterations run at the learning rates they first ran at."""
+
+    def __init__(self, optimizer) -> None:
+        self.optimizer = optimizer
+
+    def snapshot_tensors(self) -> dict:
+        from moe_ft.checkfree.lr_boost import GROUP_LR, capture_group_lr
+
+        return {GROUP_LR: capture_group_lr(self.optimizer)}

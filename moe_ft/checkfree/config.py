@@ -82,9 +82,14 @@ class CheckFreeConfig:
         return CopyStore(self.copies_dir(job_dir, rank))
 
     def build_components(self, state, *, rank: int, job_dir: str) -> list:
-        """The runtime components (``moe_ft/runtime/hooks.py``): partner swap and copies, or ``[]``."""
-        if not self.plus:
-            return []
-        from moe_ft.checkfree.component import CopiesComponent, PartnerSwapComponent
+        """The runtime components (``moe_ft/runtime/hooks.py``): with >= 3 pipeline stages (a stage can be
+        rebuilt) the record of each parameter group's learning rates (a boost survives later restarts);
+        with ``--ft-checkfree-plus`` also the partner swap and the copies."""
+        from megatron.core import parallel_state as ps
 
-        return [PartnerSwapComponent(state), CopiesComponent(state.model, self.copies_dir(job_dir, rank))]
+        from moe_ft.checkfree.component import CopiesComponent, GroupLrRecord, PartnerSwapComponent
+
+        out = [GroupLrRecord(state.optimizer)] if ps.get_pipeline_model_parallel_world_size() >= 3 else []
+        if self.plus:
+            out += [PartnerSwapComponent(state), CopiesComponent(state.model, self.copies_dir(job_dir, rank))]
+        return out

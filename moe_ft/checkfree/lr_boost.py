@@ -23,8 +23,15 @@ the rebuilt stage with ``1.1 x`` the base learning rate, i.e. the boost lasts un
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
+
+import torch
+
+GROUP_LR = "checkfree.group_lr"
+"""Snapshot metadata tensor ``[num_groups, 2]`` float64: every parameter group's own ``(max_lr, min_lr)``,
+so that a boost outlives a later restart (:func:`restore_group_lr`)."""
 
 
 @dataclass(kw_only=True)
@@ -108,3 +115,33 @@ class LrBoost:
 
     def lr_of(self, group: int) -> float:
         return self._groups()[group]["lr"]
+
+
+# ------------------------------------------------------------------------ persistence across restarts
+def capture_group_lr(optimizer) -> torch.Tensor:
+    """``[num_groups, 2]`` float64 (exact for Python floats): each group's ``max_lr`` / ``min_lr`` (NaN where
+    the group has no own value). Saved with every snapshot (``component.GroupLrRecord``)."""
+    nan = float("nan")
+    return torch.tensor([[g.get("max_lr", nan), g.get("min_lr", nan)] for g in optimizer.param_groups],
+                        dtype=torch.float64).reshape(-1, 2)
+
+
+def restore_group_lr(tensors: Mapping[str, torch.Tensor], optimizer, scheduler) -> bool:
+    """Put the recorded per-group ``max_lr`` / ``min_lr`` back (a boosted stage stays boosted after a later
+    restart rebuilt its parameter groups from the flags) and set each group's next ``lr`` from the scheduler.
+    Called where recovery restores the LR schedule (``recovery/machine.py`` ``restore_step_state``, after the
+    scheduler's ``load_state_dict``). Returns whether the metadata held a record."""
+    recorded = tensors.get(GROUP_LR)
+    if recorded is None:
+        return False
+    groups = list(optimizer.param_groups)
+    if tuple(recorded.shape) != (len(groups), 2):  # another layout (elastic re-placement): not this optimizer's
+        logging.getLogger("moe_ft.checkfree").warning(
+            "%s: the snapshot records %s learning rates, this rank's optimizer has %d parameter groups; the "
+            "groups keep the learning rates of the flags", GROUP_LR, tuple(recorded.shape), len(groups))
+        return False
+    for group, (peak, floor) in zip(groups, recorded.tolist()):
+        if peak == peak:  # not NaN: the group had its own value when it was recorded
+            group["max_lr"], group["min_lr"] = peak, floor
+        group["lr"] = scheduler.get_lr(group)
+    return True

@@ -278,8 +278,15 @@ class RebuiltStageStore:
         return {name: t.detach().clone() for name, t in self.registry[op].tensors(Level(level)).items()}
 
     def load_meta(self, iteration: int):
+        """The previous stage's metadata of ``iteration`` without its parameter groups' learning rates (the
+        rebuilt stage keeps its own groups; the boost comes after the replay)."""
+        from moe_ft.checkfree.lr_boost import GROUP_LR
+
         try:
-            return self.rebuilt.metas[iteration]
+            meta = self.rebuilt.metas[iteration]
+            if GROUP_LR in meta.tensors:
+                meta = type(meta)(meta.meta, {k: v for k, v in meta.tensors.items() if k != GROUP_LR})
+            return meta
         except KeyError:
             raise KeyError(f"CheckFree: no metadata of iteration {iteration} from the previous stage (it sent "
                            f"{sorted(self.rebuilt.metas)})") from None

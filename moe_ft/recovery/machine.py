@@ -265,6 +265,9 @@ def restore_step_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor], *
     scheduler = train_state.scheduler
     scheduler.num_steps = 0  # load_state_dict *adds* the stored step count
     scheduler.load_state_dict(meta["scheduler"])
+    from moe_ft.checkfree.lr_boost import restore_group_lr  # per-group lr (a CheckFree boost) outlives restarts
+
+    restore_group_lr(tensors, train_state.optimizer, scheduler)
     if popularity is not None and "popularity" in meta:
         pop = dict(meta["popularity"])
         pop.update({k[len("popularity."):]: v for k, v in tensors.items() if k.startswith("popularity.")})
