@@ -54,7 +54,7 @@ def summarize(report: dict, scope: str) -> dict:
         bytes_read = sum(sc["bytes_loaded"].values()) + sum(sc["log_bytes_read"].values())
     return {"mode": sc["mode"], "reason": sc["reason"], "stage_iterations": stage_iterations,
             "recovery_s": round(recovery_s, 3), "restart_s": round(secs.get("restart", float("nan")), 2),
-            "bytes_read": bytes_read, "seconds": secs,
+            "bytes_read": bytes_read, "seconds": secs, "seconds_per_rank": sc.get("seconds", {}),
             "replayed": sc.get("replayed") or {"every rank": report["replayed_iterations"]},
             "reexecuted": report["reexecuted_iterations"]}
 
