@@ -26,6 +26,12 @@ workers have exited (their gloo peers vanished; their agents restart them and co
 starts replacement agents with the same ``--node-rank``. If no node survived, the replacements join a new
 rendezvous (``<job>.g<n>``): the job is relaunched and can only recover from the durable tier.
 
+**Elastic mode** (``ClusterConfig.elastic``; ``moe-ft drill --elastic``): the agents run with ``--nnodes
+1:N``; a lost node is *not* replaced -- its store is deleted and the survivors' agents restart their workers
+on the smaller world (the job's ``--ft-elastic`` re-plans, ``moe_ft/elastic/restart.py``). ``joins``
+(``NODE:ITER``) starts an agent for a node once the job completed ``ITER`` (progress records of the live
+nodes): the running agents see a waiting node, stop their workers and re-rendezvous on the larger world.
+
 Faults whose once-only marker was deleted with a node's store are not scheduled again on its replacement
 (they fired). Each agent launch writes its recovery reports to a directory of its own (``reports/node<K>.<n>``,
 shared storage: they survive the node).
@@ -76,6 +82,28 @@ class NodeLoss:
         return f"{self.node}:{self.iteration}:{self.phase}"
 
 
+@dataclass(frozen=True, order=True)
+class NodeJoin:
+    """Node ``node`` starts (joins the job) once iteration ``iteration`` completed (``NODE:ITER``)."""
+
+    node: int
+    iteration: int
+
+    @classmethod
+    def parse(cls, text: str) -> "NodeJoin":
+        parts = text.split(":")
+        try:
+            node, iteration = (int(p) for p in parts)
+        except ValueError:
+            raise ValueError(f"bad node join {text!r}: expected NODE:ITER with integers, e.g. 1:9") from None
+        if node < 0 or iteration < 0:
+            raise ValueError(f"node join {text!r}: NODE and ITER must be >= 0")
+        return cls(node, iteration)
+
+    def __str__(self) -> str:
+        return f"{self.node}:{self.iteration}"
+
+
 @dataclass(kw_only=True)
 class ClusterConfig:
     """Shape and timing of the simulated cluster."""
@@ -92,12 +120,23 @@ class ClusterConfig:
     """Rendezvous heartbeat seconds; a dead node leaves the rendezvous after 3 missed beats."""
     survivor_exit_timeout: float = 120.0
     """Seconds to wait for the survivors' workers to exit after a loss before the replacement starts."""
+    elastic: bool = False
+    """Lost nodes are not replaced (``--nnodes 1:N``): training goes on with the survivors."""
+    joins: tuple["NodeJoin", ...] = ()
+    """Elastic mode: nodes (re)started once the job has completed an iteration."""
+    last_call_timeout: int = 3
+    """Elastic mode: seconds the rendezvous waits for more nodes once the minimum (1) has joined."""
 
     def __post_init__(self) -> None:
         if self.num_nodes < 2:
             raise ValueError(f"a node-loss drill needs at least 2 nodes, got {self.num_nodes}")
         if self.ranks_per_node < 1:
             raise ValueError(f"ranks per node must be >= 1, got {self.ranks_per_node}")
+        if self.joins and not self.elastic:
+            raise ValueError("node joins need the elastic mode (a lost node is otherwise replaced at once)")
+        for join in self.joins:
+            if not 0 <= join.node < self.num_nodes:
+                raise ValueError(f"node join {join}: node {join.node} does not exist (--nodes {self.num_nodes})")
 
 
 def node_faults(losses: list[NodeLoss], ranks_per_node: int) -> list[Fault]:
@@ -184,19 +223,30 @@ class SimulatedCluster:
         self.logs: list[str] = []
         self.events: list[dict] = []
         self.fired: set[Fault] = set()
+        self.dropped: set[int] = set()  # elastic mode: lost nodes not (yet) started again
+        self.waiting: dict[int, str] = {}  # elastic mode: pre-started agents -> the trigger file they wait for
+        self.root_tmp = os.path.dirname(log_prefix)
+        self.joined: list[dict] = []
 
     # ----------------------------------------------------------------------------------------- launch
     def _rdzv_id(self) -> str:
         return self.run_id if self.generation == 0 else f"{self.run_id}.g{self.generation}"
 
-    def _launch(self, node: int, faults: list[Fault], port: int) -> None:
+    def _launch(self, node: int, faults: list[Fault], port: int, trigger: str | None = None) -> None:
+        """Start node ``node``'s agent; with ``trigger`` it imports torch, then waits for that file before
+        it joins the rendezvous (``moe_ft.drill_join``)."""
         c = self.config
         launch_idx = self.launches.get(node, 0)
         self.launches[node] = launch_idx + 1
         pending = [str(f) for f in faults if f not in self.fired]
         rdzv_conf = f"is_host=false,keep_alive_interval={c.keep_alive_interval},keep_alive_max_attempt=3," \
                     f"join_timeout={int(c.timeout)}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={c.num_nodes}", f"--node-rank={node}",
+        nnodes = str(c.num_nodes)
+        if c.elastic:
+            rdzv_conf += f",last_call_timeout={c.last_call_timeout}"
+            nnodes = f"1:{c.num_nodes}"
+        launcher = ["-m", "torch.distributed.run"] if trigger is None else ["-m", "moe_ft.drill_join", trigger]
+        cmd = [sys.executable, *launcher, f"--nnodes={nnodes}", f"--node-rank={node}",
                f"--nproc-per-node={c.ranks_per_node}", f"--max-restarts={c.max_restarts}", "--monitor-interval=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={self._rdzv_id()}",
                f"--rdzv-conf={rdzv_conf}", f"--local-addr=127.0.0.{node + 1}",
@@ -224,6 +274,8 @@ class SimulatedCluster:
         rdzv = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
         deadline = time.monotonic() + c.timeout
         done: set[int] = set()
+        joins = sorted(c.joins, key=lambda j: (j.iteration, j.node))
+        finished_at = None  # when the first agent exited 0 (the job ended)
         rc = 0
         try:
             for node in range(c.num_nodes):
@@ -237,6 +289,25 @@ class SimulatedCluster:
                 for node, code in exited.items():
                     if code == 0:
                         done.add(node)
+                        finished_at = finished_at or time.monotonic()
+                if finished_at and time.monotonic() - finished_at > c.last_call_timeout + 10:
+                    for node, agent in self.agents.items():  # joined after the job ended: nothing to join
+                        if node not in done and agent.poll() is None:
+                            kill_tree(agent.pid)
+                            agent.wait()
+                            done.add(node)
+                            self.joined = [dict(j, missed=True) if j["node"] == node else j for j in self.joined]
+                for join in joins:  # pre-start the agent of a lost node that will come back (imports)
+                    if join.node in self.dropped and join.node not in self.waiting:
+                        self.waiting[join.node] = os.path.join(self.root_tmp, f"join{join.node}.{len(self.joined)}")
+                        self._launch(join.node, faults, rdzv.port, trigger=self.waiting[join.node])
+                while joins and joins[0].node in self.waiting and self._completed() >= joins[0].iteration:
+                    join = joins.pop(0)  # the node comes back: its agent joins, the world grows
+                    Path(self.waiting.pop(join.node)).touch()
+                    self.dropped.discard(join.node)
+                    done.discard(join.node)
+                    self.joined.append({"node": join.node, "after_iteration": join.iteration,
+                                        "last_completed": self._completed()})
                 if not any(code != 0 for code in exited.values()):
                     continue
                 lost = self._lost_event(exited, events)
@@ -244,14 +315,18 @@ class SimulatedCluster:
                     rc = next(code for code in exited.values() if code != 0)
                     break
                 (iteration, phase), nodes = lost
-                self._replace(nodes, iteration, phase, faults, rdzv.port)
+                if c.elastic:
+                    self._drop(nodes, iteration, phase)
+                    done.update(nodes)  # gone for good (until a join starts it again)
+                else:
+                    self._replace(nodes, iteration, phase, faults, rdzv.port)
         finally:
             for agent in self.agents.values():
                 if agent.poll() is None:
                     kill_tree(agent.pid)
                 agent.wait()
             del rdzv
-        return {"rc": rc, "node_losses": self.events, "logs": self.logs,
+        return {"rc": rc, "node_losses": self.events, "node_joins": self.joined, "logs": self.logs,
                 "launches": {str(n): k for n, k in sorted(self.launches.items())}}
 
     def _lost_event(self, exited: dict[int, int], events: dict) -> tuple[tuple[int, str], list[int]] | None:
@@ -264,6 +339,28 @@ class SimulatedCluster:
                 if fault.kind == "node" and fault not in self.fired and key in events:
                     return key, events[key]
         return None
+
+    def _completed(self) -> int:
+        """The newest iteration a live node's ranks completed (their progress records)."""
+        live = [n for n, a in self.agents.items() if a.poll() is None]
+        return last_completed([Path(self.store_of(n)) for n in live])
+
+    def _drop(self, nodes: list[int], iteration: int, phase: str) -> None:
+        """Elastic mode: the lost nodes go down with their stores and are not replaced."""
+        for node in nodes:
+            kill_tree(self.agents[node].pid)
+            self.agents[node].wait()
+        survivors = [n for n, a in self.agents.items() if n not in nodes and a.poll() is None]
+        completed = last_completed([Path(self.store_of(n)) for n in self.agents])
+        for node in nodes:
+            store = Path(self.store_of(node))
+            self.fired.update(fired_markers(store))
+            shutil.rmtree(store, ignore_errors=True)
+        self.dropped.update(nodes)
+        self.events.append({"nodes": nodes, "iteration": iteration, "phase": phase, "survivors": survivors,
+                            "last_completed": completed, "replaced": False})
+        print(f"moe-ft node drill: lost node(s) {nodes} at iteration {iteration} ({phase}); stores deleted; "
+              f"not replaced (elastic): the job goes on with nodes {survivors}", file=sys.stderr, flush=True)
 
     def _replace(self, nodes: list[int], iteration: int, phase: str, faults: list[Fault], port: int) -> None:
         t0 = time.monotonic()

@@ -51,6 +51,8 @@ LAYOUTS = {
     # four pipeline stages of one layer each, 1F1B (localized recovery: one stage replays, issue 12)
     "pp4": ["--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "1", "--num-layers", "4",
             "--moe-token-dispatcher-type", "alltoall"],
+    # Lazarus's flexible dispatcher and plain optimizer (the elastic drill re-plans replicas, issue 15)
+    "dp2ep2-flexible": ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flexible"],
 }
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
         "--seq-length", "32", "--max-position-embeddings", "32", "--num-experts", "4", "--moe-router-topk", "2",
@@ -116,7 +118,7 @@ def run_job(*, job: str, workdir: str, faults: list[str] | None = None, max_rest
 
 
 def run_node_job(*, job: str, workdir: str, faults: list[str], losses: list, num_nodes: int,
-                 max_restarts: int, timeout: float, **common) -> dict:
+                 max_restarts: int, timeout: float, elastic: bool = False, joins: tuple = (), **common) -> dict:
     """The job on ``num_nodes`` simulated nodes (``common``: as :func:`run_job`; ``common['store']`` is the
     root of the node stores ``<store>/node<k>``); returns what :func:`run_job` does plus ``node_losses``,
     ``launches`` (agents started per node) and ``logs`` (one per agent launch)."""
@@ -135,14 +137,15 @@ def run_node_job(*, job: str, workdir: str, faults: list[str], losses: list, num
         return argv + ["--ft-report-dir", report_dir(node, launch_idx)]
 
     cluster = SimulatedCluster(ClusterConfig(num_nodes=num_nodes, ranks_per_node=world // num_nodes,
-                                             max_restarts=max_restarts, timeout=timeout),
+                                             max_restarts=max_restarts, timeout=timeout, elastic=elastic,
+                                             joins=tuple(joins)),
                                script=str(ROOT / "pretrain_gpt_moe.py"), root=str(ROOT), store_of=store_of,
                                argv_for=argv_for, log_prefix=os.path.join(workdir, job), run_id=job)
     res = cluster.run([Fault.parse(f) for f in faults], list(losses))
     dirs = [report_dir(int(n), i) for n, k in res["launches"].items() for i in range(k)]
     reports = read_reports(dirs)
     redone_iterations(res["node_losses"], reports)
-    return dict(res, digest=read_digest(digest_out), reports=reports,
+    return dict(res, digest=read_digest(digest_out), reports=reports, report_dirs=dirs,
                 log=res["logs"][0] if res["logs"] else None)
 
 
@@ -196,6 +199,17 @@ def drill_flags(args, faults: list[str], losses: list, work: str) -> list[str]:
         flags = durable_flags(persist_faults=[f for f in faults if f.split(":")[2] == "persist"], all_lost=False,
                               work=work, window=args.window, persist_interval=args.persist_interval,
                               persist_dir=args.persist_dir)
+    if getattr(args, "elastic", False):  # lost nodes are not replaced: the job re-plans (issue 15)
+        from moe_ft.drill_nodes import NodeJoin
+
+        if args.nodes < 2:
+            raise ValueError("--elastic loses nodes without replacing them: add --nodes N (N >= 2)")
+        for join in getattr(args, "join_node", []):
+            if not 0 <= NodeJoin.parse(join).node < args.nodes:
+                raise ValueError(f"--join-node {join}: node does not exist (--nodes {args.nodes})")
+        flags += ["--ft-elastic", "--log-interval", "1"]  # every loss: the curves are compared
+    elif getattr(args, "join_node", None):
+        raise ValueError("--join-node starts a lost node again: it needs --elastic")
     if any(f.split(":")[3] == "hang" for f in faults) and "--ft-hang-timeout" not in args.extra:
         flags += ["--ft-hang-timeout", "20"]
     return flags
@@ -239,8 +253,13 @@ def drill(args) -> dict:
     try:
         ref = run_job(job="faultfree", workdir=work, timeout=args.timeout, **common)
         if args.nodes > 1:
+            from moe_ft.drill_nodes import NodeJoin
+
+            joins = [NodeJoin.parse(j) for j in getattr(args, "join_node", [])]
             bad = run_node_job(job="faulty", workdir=work, faults=faults, losses=losses, num_nodes=args.nodes,
-                               max_restarts=args.max_restarts, timeout=args.timeout, **common)
+                               max_restarts=args.max_restarts, timeout=args.timeout,
+                               elastic=getattr(args, "elastic", False),
+                               joins=joins, **common)
             out["nodes"] = args.nodes
             out["fail_node"] = [str(l) for l in losses]
             out["node_losses"] = bad["node_losses"]
@@ -255,6 +274,14 @@ def drill(args) -> dict:
         out["equal"] = ref["digest"] is not None and ref["digest"] == bad["digest"]
         out["reports"] = bad["reports"]
         out["token_loss"] = sum(r["token_loss"].get("tokens", 0.0) for r in out["reports"])
+        if getattr(args, "elastic", False):  # not bitwise after a world change: loss curves and parameter deviation instead
+            from moe_ft.elastic.drill_report import summary
+
+            out["node_joins"] = bad.get("node_joins", [])
+            out["elastic"] = summary(reference_log=ref["log"], faulty_logs=bad["logs"],
+                                     reference_dump=os.path.join(work, "faultfree.json"),
+                                     faulty_dump=os.path.join(work, "faulty.json"),
+                                     report_dirs=bad["report_dirs"])
     finally:
         if not args.keep_store:
             shutil.rmtree(store, ignore_errors=True)
@@ -284,7 +311,7 @@ def run(args) -> int:
     from moe_ft.policy.factory import policy_class
 
     exact = not policy_class(args.policy).lossy
-    return 0 if (result["equal"] or not exact) and result.get("faulty_rc") == 0 else 1
+    return 0 if (result["equal"] or not exact or getattr(args, "elastic", False)) and result.get("faulty_rc") == 0 else 1
 
 
 def register(subparsers) -> None:
@@ -305,6 +332,11 @@ def register(subparsers) -> None:
                    help="lose a whole node there (repeatable; the same ITER:PHASE on several nodes loses them "
                         "together); its store is deleted and a replacement node started")
     p.add_argument("--replicas", type=int, default=0, help="--ft-replicas with --nodes (0: min(2, nodes - 1))")
+    p.add_argument("--elastic", action="store_true",
+                   help="with --nodes: a lost node is not replaced (torchrun --nnodes 1:N); the job re-plans its "
+                        "expert replicas and goes on with the survivors (--ft-elastic; needs a flexible layout)")
+    p.add_argument("--join-node", action="append", default=[], metavar="NODE:ITER",
+                   help="--elastic: start NODE again once the job completed ITER (the world grows)")
     p.add_argument("--persist-interval", type=int, default=-1,
                    help="--ft-persist-interval of the job (-1: the window when every node is lost or a "
                         "persist fault is given, else 0)")

@@ -52,11 +52,19 @@ class ElasticRecorder(Component):
         return self.decision.iteration + 1
 
     def report_fallback(self) -> None:
-        """A world change that live copies could not serve: the reason goes into the report (rank 0)."""
-        from moe_ft.elastic.restore import write_report
+        """A world change that live copies cannot serve: the reason goes into the report (rank 0), and this
+        node's points of the old generation are dropped -- their operators belong to the old plan and the
+        old world, so only a point every rank can load remains: the durable tier or ``--load`` (the usual
+        recovery path then takes the newest complete one and says so)."""
+        from moe_ft.elastic.restore import discard_node_points, write_report
 
-        if self.decision.kind == "fallback" and self.runtime.rank == 0:
+        if self.decision.kind != "fallback":
+            return
+        if self.runtime.rank == 0:
             write_report(self.decision, self.runtime.config.report_dir(), {}, last_completed=-1)
+            print(f"moe-ft elastic: falling back to the newest complete recovery point: {self.decision.reason}",
+                  flush=True)
+        discard_node_points(self.store_dir, self.job_id, self.runtime.rank, self.runtime.world_size)
 
     def after_iteration(self, iteration: int) -> None:
         popularity = self.runtime.popularity
@@ -65,3 +73,12 @@ class ElasticRecorder(Component):
         write_record(self.store_dir, self.job_id, self.runtime.rank, LayoutRecord(
             generation=self.decision.generation, world_size=self.runtime.world_size, ep_size=self.ep_size,
             iteration=iteration, plans=self.maps, loads=loads))
+
+    def close(self) -> None:
+        """Drills (``--ft-digest-out``): the final parameters beside the digest, experts by global id, so that
+        an elastic run's deviation from the fault-free run can be measured (``drill_report.py``)."""
+        digest_out = self.runtime.config.drill.digest_out
+        if digest_out:
+            from moe_ft.elastic.drill_report import dump_parameters
+
+            dump_parameters(f"{digest_out}.params_rank{self.runtime.rank}.pt", self.runtime.state.model)

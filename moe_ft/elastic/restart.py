@@ -11,7 +11,8 @@ the larger world (grow). The restarted job decides, at model build (collective o
 * ``reshape`` the world or EP size changed: the newest iteration ``T`` at which every operator has a FULL
               copy on some surviving node with the metadata (``Inventory``: survivor points -- the survivors'
               exact state at their last completed iteration -- or dense snapshots) is agreed; each new EP rank
-              *has* the experts its node's stores hold at ``T``; eq. 1 re-allocates from the cumulative loads
+              *has* the experts the nodes of its data-parallel copies hold at ``T`` (a copy on another node
+              serves the others over the network); eq. 1 re-allocates from the cumulative loads
               of the newest record and :func:`moe_ft.elastic.reshape.replan` places and maps with the fewest
               fetches. ``restore.py`` then loads every operator at ``T`` (node-local, else from a peer) and
               training resumes at ``T + 1``.
@@ -125,7 +126,7 @@ def decide(*, store_dir: str, job_id: str, num_layers: int, num_experts: int, ep
         for g in ranks:
             on_node = {int(name.split(".E")[1]) for name in inventories[g["node"]].get(point, ())
                        if name.startswith(f"expert.L{layer}.E")}
-            per_ep[g["ep_rank"]] = per_ep.get(g["ep_rank"], on_node) & on_node
+            per_ep[g["ep_rank"]] = per_ep.get(g["ep_rank"], set()) | on_node
         held[layer] = per_ep
     loads = {layer: [float(x) for x in previous.loads.get(layer, [1.0] * num_experts)] for layer in previous.plans}
     out = replan(held, loads, ep_size=ep_size,

@@ -139,25 +139,34 @@ def restore_reshaped(decision, runtime) -> dict:
                 stats["operators_peer"] += 1
     restore_step_state(meta[0], meta[1], train_state=runtime.state, popularity=runtime.popularity)
     opened.clear()
-    comm.barrier()  # every rank of the node has read the old generation's points
-    discard_old_generation(runtime, store_dir, job)
     stats["seconds"] = round(time.perf_counter() - t0, 4)
-    return stats
+    per_rank = comm.all_gather_object(stats)  # also the barrier: every rank has read the old points
+    discard_old_generation(runtime, store_dir, job)
+    totals = {k: sum(r[k] for r in per_rank) for k in stats if k != "seconds"}
+    return {**totals, "seconds": max(r["seconds"] for r in per_rank), "per_rank": per_rank,
+            "transfers": [[src, dst, name] for src, dst, name in transfers]}
 
 
 def discard_old_generation(runtime, store_dir: str, job_id: str) -> None:
-    """Empty this rank's snapshot store and survivor points (old plan), drop the replicas it holds, and on
-    each node's first rank remove the directories of old ranks that the new world does not have."""
-    import os
-
+    """After a reshape restore: empty this rank's snapshot store (old plan) and drop the replicas it holds,
+    then :func:`discard_node_points` for the rest."""
     runtime.active.store.discard_after(-1)
     if runtime.replication is not None:
         runtime.replication.discard_after(-1)
+    discard_node_points(store_dir, job_id, runtime.rank, runtime.world_size)
+
+
+def discard_node_points(store_dir: str, job_id: str, rank: int, world_size: int) -> None:
+    """This rank's snapshot and survivor points, and (each node's first rank) the directories of old ranks
+    that the new world does not have. Every rank read its node's inventory before this (the decision's
+    all-gather), so nothing still needs them."""
+    import os
+
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     for d in store_dirs(store_dir, job_id):
-        if d.kind == "survivor" and d.rank == runtime.rank:
+        if d.rank == rank:
             d.open().discard_after(-1)
-        elif local_rank == 0 and d.rank >= runtime.world_size:
+        elif local_rank == 0 and d.rank >= world_size:
             shutil.rmtree(Path(d.root) / d.job_id / f"rank{d.rank}", ignore_errors=True)
 
 
@@ -170,7 +179,7 @@ def write_report(decision, report_dir: str, section: dict, *, last_completed: in
            "last_completed": last_completed,
            "lost_iterations": list(range(decision.iteration + 1, last_completed + 1)) if decision.iteration >= 0 else [],
            "plans": {str(k): v for k, v in decision.plans.items()},
-           "expert_fetches": [[f.layer, f.expert_idx, f.dst, f.src] for f in decision.replan.fetches]
+           "planned_expert_fetches": [[f.layer, f.expert_idx, f.dst, f.src] for f in decision.replan.fetches]
            if decision.replan else [], **section}
     path = Path(report_dir)
     path.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,33 @@
+"""A torchrun agent that joins the job only when told (elastic drills, ``moe_ft/drill_nodes.py``).
+
+    python -m moe_ft.drill_join TRIGGER <torchrun arguments>
+
+Importing torch costs seconds of CPU; a node that "comes back at iteration ITER" would otherwise join the
+rendezvous seconds after the driver saw ITER completed, and a short job can end before that. This launcher
+pays the imports first, waits until the driver creates ``TRIGGER``, then runs torchrun's ``main`` with the
+given arguments: the agent joins the running rendezvous within a poll interval, the running agents see a
+waiting node and restart their workers on the larger world.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print("usage: python -m moe_ft.drill_join TRIGGER <torchrun arguments>", file=sys.stderr)
+        return 2
+    trigger, torchrun_args = argv[0], argv[1:]
+    from torch.distributed import run  # the expensive part, before the trigger
+
+    while not os.path.exists(trigger):
+        time.sleep(0.05)
+    run.main(torchrun_args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,75 @@
+"""Issue 15 acceptance: keep training on fewer nodes, then grow back (Lazarus §4.3, §5).
+
+``moe-ft drill --nodes 2 --elastic``: 2 simulated nodes x 2 ranks (torchrun ``--nnodes 1:2``), flexible
+dispatcher with replicas 3 1 2 2 on 4 slots per EP rank, sparse snapshots (window 3). Node 1 is killed at
+iteration 5 with its store and NOT replaced: node 0's ranks publish survivor points, the job re-plans and
+continues on 2 ranks; once iteration 10 completed node 1 comes back, the agents restart the workers and the
+job re-plans for 4 ranks, node 1's ranks fetching their operators from node 0.
+
+Asserted: no iteration lost beyond the in-flight one at each change (the restored point is the last
+completed iteration); every expert present with every slot filled after each change; node 1's ranks got
+their state from peers; the loss curve stays within 0.05 of the fault-free run at every iteration (float
+round-off of a different reduction order, carried forward by Adam: the measured maximum is printed); the
+final parameters' deviation is reported, finite and small, and not asserted bitwise (it cannot be).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from moe_ft.elastic.restart import newest_complete_point, required_operators
+
+LOSS_TOLERANCE = 0.05
+"""Absolute loss difference allowed at any iteration (losses ~6 -> ~4; observed: see the printed value)."""
+PARAM_BOUND = 0.05
+"""Largest |parameter difference| allowed after 24 iterations at lr <= 3e-3 (observed: printed)."""
+
+
+def test_a_point_missing_an_expert_everywhere_is_refused_with_the_reason():
+    required = required_operators(1, 2)
+    full = sorted(str(op) for op in required)
+    partial = [name for name in full if name != "expert.L0.E1"]
+    assert newest_complete_point({0: {7: full, 9: partial}, 1: {9: ["expert.L0.E0"]}}, required) == (7, "")
+    point, reason = newest_complete_point({0: {9: partial}}, required)
+    assert point == -1 and "newest point 9 lacks 1: expert.L0.E1" in reason and "durable tier" in reason
+    point, reason = newest_complete_point({}, required)
+    assert point == -1 and "no node kept a point" in reason
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_shrink_then_grow_keeps_training(corpus, tmp_path):
+    from moe_ft.cli.drill import drill
+
+    args = SimpleNamespace(
+        layout="dp2ep2-flexible", policy="sparse", iters=24, window=3, recovery_scope="localized", fail=[],
+        nodes=2, fail_node=["1:5"], join_node=["1:10"], elastic=True, replicas=0, persist_interval=-1,
+        persist_dir="", max_restarts=3, data=corpus, workdir=str(tmp_path / "work"), store_dir=str(tmp_path / "store"),
+        keep_store=False, timeout=500, json=True,
+        extra=["--ft-expert-replicas", "3", "1", "2", "2", "--ft-expert-slots", "4"])
+    out = drill(args)
+    assert out["faultfree_rc"] == 0 and out["faulty_rc"] == 0, out.get("faulty_logs")
+    (loss,) = out["node_losses"]
+    assert loss["nodes"] == [1] and loss["replaced"] is False and loss["survivors"] == [0]
+    (join,) = out["node_joins"]
+    assert join["node"] == 1 and not join.get("missed"), "node 1 must join while the job still runs"
+    shrink, grow = out["elastic"]["reports"]
+    assert (shrink["kind"], shrink["previous_world_size"], shrink["world_size"]) == ("reshape", 4, 2)
+    assert (grow["kind"], grow["previous_world_size"], grow["world_size"]) == ("reshape", 2, 4)
+    for report in (shrink, grow):
+        assert report["lost_iterations"] == [], f"only the in-flight iteration may be lost: {report}"
+        assert report["point"] == report["last_completed"]
+        for layer, rows in report["plans"].items():
+            assert all(sum(row) >= 1 for row in rows), f"layer {layer}: an expert has no replica {rows}"
+            assert [sum(col) for col in zip(*rows)] == [4, 4], f"layer {layer}: slots not all filled {rows}"
+    assert shrink["operators_peer"] == 0, "node 0 held every operator: nothing crosses the network"
+    assert grow["operators_peer"] > 0, "node 1's ranks fetch their state from node 0"
+    e = out["elastic"]
+    assert e["iterations_compared"] == 24
+    print(f"elastic drill: max |loss diff| {e['max_abs_loss_diff']:.4g}, max |param diff| "
+          f"{e['max_abs_param_diff']:.3g} ({e['worst_param']}, max |param| {e['max_abs_param']:.3g})")
+    assert e["max_abs_loss_diff"] <= LOSS_TOLERANCE
+    assert math.isfinite(e["max_abs_param_diff"]) and e["max_abs_param_diff"] <= PARAM_BOUND
