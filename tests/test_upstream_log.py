@@ -186,7 +186,9 @@ def _check(results, replay_sets, k, num_iters):
 @pytest.mark.multiproc
 @pytest.mark.timeout(480)
 def test_pp4_stage_replays_alone_from_logs_bitwise(corpus, tmp_path):
-    replay_sets = [[1], [2]]
+    # stage 1 alone, stage 2 alone, then stages 1 and 2 together (App. A: adjacent failed stages recover
+    # jointly, their boundary runs for real, stages 0 and 3 serve the logs)
+    replay_sets = [[1], [2], [1, 2]]
     results = _run(tmp_path, corpus, ["--pipeline-model-parallel-size", "4"], replay_sets)
     _check(results, replay_sets, 2, 5)
     bytes_per_it = {r["rank"]: sorted(set(r["log_bytes"].values())) for r in results}
