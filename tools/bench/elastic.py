@@ -26,31 +26,32 @@ import json
 import random
 
 
-def failure_sequence(nodes: int, hours: float, mtbf_hours: float, repair_hours: float, seed: int) -> list[tuple]:
-    """``[(time_h, 'fail'|'repair', node)]``: each live node fails at rate 1/MTBF; repaired after a delay."""
+def failure_sequence(nodes: int, hours: float, mtbf_hours: float, spare_delay_h: float, seed: int) -> list[tuple]:
+    """``[(time_h, 'fail'|'join', node)]``: each live node fails at rate 1/MTBF; its replacement joins
+    ``spare_delay_h`` later."""
     rng = random.Random(seed)
     events, t, up, down = [], 0.0, set(range(nodes)), {}
     while True:
         rate = len(up) / mtbf_hours if up else 0.0
         next_fail = t + (rng.expovariate(rate) if rate else float("inf"))
-        next_repair = min(down.values(), default=float("inf"))
-        t = min(next_fail, next_repair)
+        next_join = min(down.values(), default=float("inf"))
+        t = min(next_fail, next_join)
         if t >= hours:
             return events
-        if t == next_repair:
+        if t == next_join:
             node = min(n for n, when in down.items() if when == t)
             del down[node]
             up.add(node)
-            events.append((t, "repair", node))
+            events.append((t, "join", node))
         else:
             node = rng.choice(sorted(up))
             up.discard(node)
-            down[node] = t + repair_hours
+            down[node] = t + spare_delay_h
             events.append((t, "fail", node))
 
 
 def simulate(policy: str, events: list[tuple], *, nodes: int, hours: float, iter_time_s: float, samples_per_iter: int,
-             restart_s: float, reshape_s: float, spare_delay_min: float) -> list[float]:
+             restart_s: float, reshape_s: float) -> list[float]:
     """Samples trained in each hour by ``policy`` (``elastic`` or ``spare``)."""
     per_hour = [0.0] * int(hours + 0.999)
     rate_at = lambda n: samples_per_iter / (iter_time_s * nodes / n) if n else 0.0  # noqa: E731 (samples/s)
@@ -69,16 +70,15 @@ def simulate(policy: str, events: list[tuple], *, nodes: int, hours: float, iter
             if kind == "end":
                 break
             live += -1 if kind == "fail" else 1
-            t = min(hours, when + reshape_s / 3600)  # the job restarts on the new world
+            t = min(hours, max(t, when + reshape_s / 3600))  # the job restarts on the new world
         else:
-            if kind != "fail":  # a repair does not matter: spares replace failed nodes
-                train(t, when, nodes) if when > t else None
-                t = max(t, when)
-                if kind == "end":
-                    break
-                continue
-            train(t, when, nodes) if when > t else None
-            t = min(hours, max(t, when) + spare_delay_min / 60 + restart_s / 3600)  # wait, then restart
+            train(t, when, live) if live == nodes else None
+            if kind == "end":
+                break
+            live += -1 if kind == "fail" else 1
+            t = max(t, when)
+            if live == nodes:  # the last missing replacement arrived: restart on every node
+                t = min(hours, when + restart_s / 3600)
     return per_hour
 
 
@@ -87,7 +87,6 @@ def main(argv=None) -> int:
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--hours", type=float, default=24.0)
     p.add_argument("--mtbf-hours", type=float, default=6.0, help="mean time between failures of one node")
-    p.add_argument("--repair-hours", type=float, default=4.0, help="a failed node rejoins after this")
     p.add_argument("--spare-delay-min", type=float, default=30.0, help="minutes until a spare node arrives")
     p.add_argument("--restart-s", type=float, default=30.0, help="restart after a spare arrived")
     p.add_argument("--reshape-s", type=float, default=30.0, help="restart + re-plan + restore on a new world")
@@ -98,9 +97,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.nodes < 2 or a.hours <= 0 or a.mtbf_hours <= 0 or a.iter_time_s <= 0:
         p.error("need --nodes >= 2 and positive --hours, --mtbf-hours, --iter-time-s")
-    events = failure_sequence(a.nodes, a.hours, a.mtbf_hours, a.repair_hours, a.seed)
+    events = failure_sequence(a.nodes, a.hours, a.mtbf_hours, a.spare_delay_min / 60, a.seed)
     kw = dict(nodes=a.nodes, hours=a.hours, iter_time_s=a.iter_time_s, samples_per_iter=a.samples_per_iter,
-              restart_s=a.restart_s, reshape_s=a.reshape_s, spare_delay_min=a.spare_delay_min)
+              restart_s=a.restart_s, reshape_s=a.reshape_s)
     out = {"failures": [[round(t, 3), kind, node] for t, kind, node in events],
            "elastic": simulate("elastic", events, **kw), "spare": simulate("spare", events, **kw)}
     out["total"] = {k: sum(out[k]) for k in ("elastic", "spare")}
@@ -111,7 +110,7 @@ def main(argv=None) -> int:
         print(json.dumps(out))
         return 0
     print(f"{sum(e[1] == 'fail' for e in events)} failures in {a.hours:g} h on {a.nodes} nodes "
-          f"(MTBF {a.mtbf_hours:g} h/node, repair {a.repair_hours:g} h, spare after {a.spare_delay_min:g} min)")
+          f"(MTBF {a.mtbf_hours:g} h/node, replacement after {a.spare_delay_min:g} min)")
     print("hour  elastic samples/h   spare samples/h")
     for h, (e, s) in enumerate(zip(out["elastic"], out["spare"])):
         print(f"{h:4d}  {e:17.0f}  {s:16.0f}")
