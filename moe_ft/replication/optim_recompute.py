@@ -84,8 +84,8 @@ class ParamGrad:
 def _supported_inner(inner) -> None:
     if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
         raise ValueError(f"--ft-optimizer-recompute replays the update with torch's Adam/AdamW on the peer; this "
-                         f"job's optimizer is {type(inner).__module__}.{type(inner).__name__} (Transformer "
-                         "Engine / Apex FusedAdam), whose kernel the peer cannot reproduce bitwise; run "
+                         f"job's optimizer is {type(inner).__module__}.{type(inner).__name__} (e.g. Transformer "
+                         "Engine's or Apex's FusedAdam), whose update the peer cannot reproduce bitwise; run "
                          "without --ft-optimizer-recompute")
 
 

@@ -96,7 +96,8 @@ def decode_gradients(iteration: int, blobs: dict[str, bytes]) -> dict[OperatorId
             params[name] = ParamGrad(decoded.tensors[name] if m["grad"] else None, hyper, tuple(m["state_keys"]))
             classes.add(m["optimizer"])
         if len(classes) != 1 or next(iter(classes)) not in OPTIMIZERS:
-            raise CorruptEntryError(rec["blob"], f"optimizer classes {sorted(classes)}; expected one of {sorted(OPTIMIZERS)}")
+            raise CorruptEntryError(rec["blob"], f"optimizer classes {sorted(classes)}; expected one of "
+                                                 f"{sorted(OPTIMIZERS)}")
         out[op] = (OPTIMIZERS[classes.pop()], params)
     return out
 

@@ -90,8 +90,9 @@ def main() -> int:
     if proc.returncode != 0:
         print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
         return proc.returncode
+    ranks = {f"rank{r}": v for r, v in sorted(parse(proc.stdout).items())}
     report = {"_setup": {"model": a.model, "experts": a.experts, "iters": a.iters,
-                         "budget": BUDGETS[(a.model, a.experts)]}, **{f"rank{r}": v for r, v in sorted(parse(proc.stdout).items())}}
+                         "budget": BUDGETS[(a.model, a.experts)]}, **ranks}
     if a.json:
         print(json.dumps(report, indent=1))
         return 0
