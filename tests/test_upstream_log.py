@@ -55,6 +55,9 @@ def test_log_dir_round_trip_bitwise(tmp_path):
     assert torch.equal(calls[0].outputs[0], log.collectives[(0, 1, 2, 3)][0].outputs[0])
     d.write(_log(7))  # a replay logs the iteration again: replaced atomically
     assert d.iterations() == [7] and not list((tmp_path / "rank1" / ".staging").iterdir())
+    (tmp_path / "rank1" / ".staging" / "it000000000008.999999999").mkdir()  # a killed writer's leftover
+    assert d.drop_before(7) == [] and d.iterations() == [7]
+    assert not list((tmp_path / "rank1" / ".staging").iterdir())
 
 
 def test_corrupt_and_missing_entries_name_the_entry_and_the_fix(tmp_path):

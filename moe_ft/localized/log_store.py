@@ -212,10 +212,17 @@ class LogDir:
         return sum(r["size"] for r in self.manifest(iteration)["entries"].values())
 
     def drop_before(self, iteration: int) -> list[int]:
-        """Delete every logged iteration older than ``iteration`` (retention); returns them."""
+        """Delete every logged iteration older than ``iteration`` (retention) and what killed writers left in
+        ``.staging``; returns the iterations deleted."""
         doomed = [it for it in self.iterations() if it < iteration]
         for it in doomed:
             shutil.rmtree(self._it_dir(it), ignore_errors=True)
+        staging = self.root / ".staging"
+        if staging.is_dir():
+            mine = f".{os.getpid()}"
+            for leftover in staging.iterdir():
+                if not leftover.name.endswith(mine):  # one writing process per rank directory
+                    shutil.rmtree(leftover, ignore_errors=True)
         return doomed
 
     def drop_after(self, iteration: int) -> list[int]:
