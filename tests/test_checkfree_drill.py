@@ -8,6 +8,10 @@ replicas (``--ft-replicas 0``) and no durable tier, so nothing anywhere holds st
   rebuilt from ranks 0 and 2 weighted by their recorded squared gradient norms, every rank replays the
   survivors' window with the rebuilt stage, and training runs to the end; the report and the audit log
   label stage 1's operators ``checkfree`` (approximate);
+* the rebuilt rank 1 fails once more at iteration 9 (its process only: its new store holds the window
+  [6, 8]); that exact recovery keeps its 1.1x learning rate (the per-group learning rates recorded with
+  its snapshots are put back before the replay): its snapshots after both recoveries record the boosted
+  ``max_lr`` / ``min_lr``;
 * refused (``--ft-min-recovery-level exact``): the same loss stops the job with one line, before anything
   is restored.
 """
@@ -22,7 +26,11 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
+from moe_ft.checkfree.lr_boost import GROUP_LR
 from moe_ft.cli.drill import run_node_job
+from moe_ft.store import StoreConfig
 from moe_ft.drill_nodes import NodeLoss
 
 pytestmark = pytest.mark.multiproc
@@ -32,23 +40,26 @@ PP4 = ["--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "1
        "--ft-replicas", "0", "--ft-ranks-per-node", "1"]
 
 
-def lose_stage_1(corpus: str, work: Path, job: str, min_level: str, max_restarts: int) -> dict:
+def lose_stage_1(corpus: str, work: Path, job: str, min_level: str, max_restarts: int, faults=()) -> dict:
     workdir = work / job
     workdir.mkdir(parents=True)
-    return run_node_job(job=job, workdir=str(workdir), faults=[], losses=[NodeLoss.parse("1:6")], num_nodes=4,
+    return run_node_job(job=job, workdir=str(workdir), faults=list(faults), losses=[NodeLoss.parse("1:6")], num_nodes=4,
                         max_restarts=max_restarts, timeout=500, layout="ep2pp2", policy="sparse", iters=ITERS,
                         data=corpus, store=str(work / f"{job}_store"), window=WINDOW,
-                        extra=[*PP4, "--ft-min-recovery-level", min_level])
+                        extra=[*PP4, "--ft-min-recovery-level", min_level, "--ft-recovery-scope", "global"])
 
 
 @pytest.mark.timeout(600)
 def test_lost_stage_rebuilt_by_checkfree(corpus, tmp_path):
-    res = lose_stage_1(corpus, tmp_path, "accepted", "approximate", max_restarts=2)
+    res = lose_stage_1(corpus, tmp_path, "accepted", "approximate", max_restarts=3, faults=["1:9"])
     assert res["rc"] == 0 and res["digest"], f"the drill failed (rc {res['rc']}), see {res['logs']}"
     (event,) = res["node_losses"]
     assert event["nodes"] == [1] and event["survivors"] == [0, 2, 3]
-    (report,) = res["reports"]
-    levels = report["recovery_levels"]
+    # the audit log (rank 0's job directory, node 0 survived) has both recoveries; the report file of the
+    # first is overwritten by the second's (both were written at torchrun restart count 1)
+    audit = Path(tmp_path / "accepted_store" / "node0" / "accepted" / "recovery_audit.jsonl").read_text().splitlines()
+    levels, later_levels = (json.loads(line) for line in audit)
+    (later,) = res["reports"]
     assert levels["path"] == "checkfree" and levels["level"] == "approximate", levels
     (rebuilt,) = levels["rebuilt"]
     assert rebuilt["rank"] == 1 and rebuilt["from"] == [0, 2]
@@ -61,15 +72,19 @@ def test_lost_stage_rebuilt_by_checkfree(corpus, tmp_path):
     assert len(stage1) == 2 + 4 and all(ops[op] == "checkfree" for op in stage1), ops  # 4 experts, 1 layer
     assert all(ops[op] != "checkfree" for op in set(ops) - stage1)
     assert ops["embedding"] in ("window_replay", "replay_beside_rebuilt", "local_point")
-    rp = report["recovery_point"]
-    assert rp["source"] == "memory" and rp["resume"] <= 6 and report["routing_checked"] == 0
-    assert "rank 1 rebuilt by CheckFree from ranks [0, 2]" in report["message"]
-    # the audit log (rank 0's job directory, node 0 survived) has the same record
-    audit = Path(tmp_path / "accepted_store" / "node0" / "accepted" / "recovery_audit.jsonl").read_text().splitlines()
-    assert len(audit) == 1 and json.loads(audit[0])["level"] == "approximate"
-    assert json.loads(audit[0])["operators"] == ops
-    # training went on to the end with finite losses
+    assert levels["resume"] <= 6
     log = "".join(Path(p).read_text() for p in res["logs"])
+    assert "rank 1 rebuilt by CheckFree from ranks [0, 2]" in log and "level approximate" in log
+    # the later failure of rank 1 is recovered exactly from its own window, and its boost stays
+    assert later_levels["level"] == "exact" and later["recovery_levels"]["level"] == "exact"
+    assert later["recovery_point"]["start"] >= 6 and later["routing_checked"] > 0, later["recovery_point"]
+    store = StoreConfig(root=str(tmp_path / "accepted_store" / "node1"), job_id="accepted", rank=1).build()
+    after = [t for t in store.points() if t >= later["recovery_point"]["resume"]]
+    assert after, store.points()
+    for t in after:
+        lrs = store.load_meta(t).tensors[GROUP_LR]
+        assert torch.equal(lrs, torch.tensor([[3e-3 * 1.1, 3e-4 * 1.1]] * lrs.shape[0], dtype=torch.float64)), (t, lrs)
+    # training went on to the end with finite losses
     final = re.findall(rf"iteration\s+{ITERS}/{ITERS} \| loss ([0-9.naninf]+)", log)
     assert final and all(math.isfinite(float(x)) for x in final), final
 
