@@ -8,7 +8,8 @@ iteration on 2 cores: the bytes dominate, as on real models). ``--model medium -
 
 Launches ``torchrun`` (4 ranks, EP=2 x PP=2, 1 thread each; ``--nproc 2``: EP=2, one stage) on this file. The FT runtime holds one
 session (policy + engine + store) per policy — ``none``, ``dense(1)``, ``dense(k)``, ``pec``,
-``selective``, ``sparse`` — and hands iterations to them in blocks of ``W`` (the sparse window),
+``selective``, ``sparse`` and, with pipeline parallelism, ``sparse(bubbles)`` (bubble-aware copies, MoEtion
+Alg. 4) — and hands iterations to them in blocks of ``W`` (the sparse window),
 cycling, so every policy sees the same machine noise; the first cycle is warm-up. Reported per policy:
 
 * ``overhead_ratio``: median wall time of its iterations / median of ``none`` (begin of ``t`` to begin of
@@ -44,6 +45,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 WINDOW = 5
 DENSE_K = 5
 POLICIES = ["none", "dense(1)", f"dense(k)", "pec", "selective", "sparse"]
+BUBBLES = "sparse(bubbles)"  # sparse with bubble-aware copies (MoEtion Alg. 4): pipeline parallelism only
+
+
+def labels(pp: int) -> list[str]:
+    """The sessions compared, in cycling order."""
+    return POLICIES + ([BUBBLES] if pp > 1 else [])
 MODELS = {  # flags, measured cycles (default, --quick)
     "tiny": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
               "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
@@ -85,6 +92,8 @@ def worker(argv: list[str]) -> int:
     args = parse_args(argv, extra_groups=pretrain_gpt_moe.extra_argument_groups())
     base = args.extra["FTConfig"]
     block = WINDOW
+    pp = args.parallel.pipeline_model_parallel_size
+    cycle = labels(pp)
 
     class Bench(FTRuntime):
         def build(self, t_iter_s):
@@ -103,6 +112,8 @@ def worker(argv: list[str]) -> int:
                 "selective": dict(policy="selective", selective_local_budget=non_expert + 2 * expert),
                 "sparse": dict(policy="sparse", sparse_window=WINDOW),
             }
+            if pp > 1:
+                variants[BUBBLES] = dict(policy="sparse", sparse_window=WINDOW, snapshot_bubble_aware=True)
             for s in self.sessions:
                 s.close()
             self.by_label = {name: self.build_session(dataclasses.replace(base.snapshot, **kw), job_suffix=f"-{i}")
@@ -111,6 +122,11 @@ def worker(argv: list[str]) -> int:
                 if s is not None:
                     s.name = name
             self.sessions = [s for s in self.by_label.values() if s is not None]
+            if pp > 1:
+                from moe_ft.snapshot.bubble_component import BubbleScheduling
+
+                self.components.append(BubbleScheduling.build(self.by_label[BUBBLES], pipeline_size=pp,
+                                                              rank=self.rank))
             self.owner: dict[int, str] = {}
             self.hook_seconds: dict[int, float] = {}
             self.hook_cpu: dict[int, float] = {}
@@ -137,7 +153,7 @@ def worker(argv: list[str]) -> int:
                 self.meta_cpu[iteration] = meta_cpu[-1]
 
         def select_session(self, iteration):
-            label = POLICIES[(iteration // block) % len(POLICIES)]
+            label = cycle[(iteration // block) % len(cycle)]
             self.owner[iteration] = label
             return self.by_label[label]
 
@@ -159,7 +175,8 @@ def summarize(runtime, args, out: str) -> None:
     from moe_ft.state.operators import Level
 
     block = WINDOW
-    first_measured = block * len(POLICIES)  # the first cycle is warm-up
+    names = labels(args.parallel.pipeline_model_parallel_size)
+    first_measured = block * len(names)  # the first cycle is warm-up
     reg = runtime.registry
     local: dict = {}
     for label, s in runtime.by_label.items():
@@ -193,7 +210,7 @@ def summarize(runtime, args, out: str) -> None:
         base_t = statistics.median([g["none"]["median_s"] for g in gathered])
         base_cpu = statistics.median([g["none"]["median_cpu_s"] for g in gathered])
         report = {}
-        for name in POLICIES:
+        for name in names:
             med = statistics.median([g[name]["median_s"] for g in gathered])
             cpu = statistics.median([g[name]["median_cpu_s"] for g in gathered])
             report[name] = {"overhead_ratio": round(med / base_t, 4),
@@ -245,7 +262,7 @@ def add_floor(report: dict, bandwidth: dict) -> None:
     """``floor_ms`` per policy: copy + checksum its bytes per iteration at the measured bandwidths, and
     ``floor_ratio``: the CPU ratio a policy would have if it cost exactly that."""
     base_cpu_s = report["_setup"]["median_iter_cpu_s_none"]
-    for name in POLICIES:
+    for name in [n for n in report if not n.startswith("_")]:
         nbytes = report[name]["bytes_per_iter"]
         floor_s = nbytes / bandwidth["memcpy"] + nbytes / bandwidth["hash"]
         report[name]["floor_ms"] = round(1e3 * floor_s, 3)
@@ -280,7 +297,8 @@ def main() -> int:
             preprocess(os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "corpus"))
             data = os.path.join(tmp, "corpus")
         cycles = 1 + (cycles_quick if a.quick else cycles_default)
-        iters = cycles * WINDOW * len(POLICIES)
+        names = labels(PP[a.nproc])
+        iters = cycles * WINDOW * len(names)
         out = os.path.join(tmp, "report.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}", __file__,
@@ -301,12 +319,12 @@ def main() -> int:
     if a.json:
         print(json.dumps(report))
     else:
-        print(f"{'policy':10s} {'overhead':>9s} {'cpu ratio':>9s} {'floor ratio':>11s} {'stall ms':>9s} {'hook ms':>8s} "
+        print(f"{'policy':15s} {'overhead':>9s} {'cpu ratio':>9s} {'floor ratio':>11s} {'stall ms':>9s} {'hook ms':>8s} "
               f"{'hook cpu':>8s} {'meta cpu':>8s} {'thread ms':>10s} {'floor ms':>9s} {'bytes/iter':>12s} "
               f"{'bytes/recovery pt':>18s}")
-        for name in POLICIES:
+        for name in names:
             r = report[name]
-            print(f"{name:10s} {r['overhead_ratio']:9.3f} {r['cpu_ratio']:9.3f} {r['floor_ratio']:11.4f} "
+            print(f"{name:15s} {r['overhead_ratio']:9.3f} {r['cpu_ratio']:9.3f} {r['floor_ratio']:11.4f} "
                   f"{r['stall_ms']:9.3f} {r['hook_ms']:8.2f} {r['hook_cpu_ms']:8.2f} {r['meta_cpu_ms']:8.2f} "
                   f"{r['thread_cpu_ms']:10.2f} {r['floor_ms']:9.3f} {r['bytes_per_iter']:12d} "
                   f"{r['bytes_per_recovery_point']:18d}")
