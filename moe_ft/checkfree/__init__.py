@@ -8,6 +8,11 @@ rebuilding a pipeline stage that lost every copy of its state from its neighbour
 * ``swap.py``     CheckFree+ out-of-order micro-batches (§4.3): which micro-batches swap, the stage orders,
                   and the ``forward_step_func`` seam
 * ``copies.py``   copies of the embedding/output layers on the neighbouring stages (§4.3)
+* ``swap_pp.py``  CheckFree+ with pipeline parallelism: swap partners trade layer weights
+* ``config.py``   ``--ft-checkfree-plus`` (``FTConfig.checkfree``); ``component.py`` its runtime components
+                  (partner swap, copies sent to the holder, per-group learning rates with each snapshot)
+* ``recovery.py`` the rebuild inside a recovery: weighted average (intermediate stage), copy of the swap
+                  partner + embedding/output copy (CheckFree+, first/last stage)
 
 ``docs/checkfree.md`` says where the paper is vague or differs from the authors' code, and what we built.
 """
