@@ -25,8 +25,9 @@ def test_rederive_keeps_or_shrinks_expert_parallel_and_says_why():
     shrunk = rederive_expert_parallel(2, tp=1, pp=1, ep=4, num_experts=4, slots=2, min_replicas=2)
     assert (shrunk.ep_size, shrunk.min_replicas) == (2, 1)
     assert "expert-model-parallel-size 4 -> 2" in shrunk.notes[0] and "fault threshold f 2 -> 1" in shrunk.notes[1]
-    six = rederive_expert_parallel(6, tp=1, pp=1, ep=4, num_experts=4, slots=2, min_replicas=2)
-    assert (six.ep_size, six.min_replicas) == (3, 1)  # largest divisor of 6 below 4 holding 4 experts
+    six = rederive_expert_parallel(6, tp=1, pp=1, ep=4, num_experts=6, slots=2, min_replicas=2)
+    assert (six.ep_size, six.min_replicas) == (3, 1)  # largest divisor of 6 and of E below 4 holding 6 experts
+    assert rederive_expert_parallel(6, tp=1, pp=1, ep=4, num_experts=4, slots=2).ep_size == 2  # 3 does not divide 4
     with pytest.raises(ValueError, match="pipeline stages are not re-derived"):
         rederive_expert_parallel(3, tp=1, pp=2, ep=2, num_experts=4, slots=2)
     with pytest.raises(ValueError, match="raise --ft-expert-slots"):
@@ -96,3 +97,26 @@ def test_replica_rows_and_errors():
     assert replica_rows(((0, 0), (1, 2)), 3) == [[2, 0], [0, 1], [0, 1]]
     with pytest.raises(ValueError, match="layers of held experts"):
         replan({0: {}}, {1: [1.0]}, ep_size=1, config=PlacementConfig(slots_per_node=1))
+
+
+def test_elastic_config_adjusts_the_expert_parallel_size_for_the_new_world():
+    from types import SimpleNamespace
+
+    from moe_ft.elastic.config import ElasticConfig
+
+    def args(world):
+        return SimpleNamespace(world_size=world, model=SimpleNamespace(num_experts=4),
+                               parallel=SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                                        expert_model_parallel_size=4))
+
+    cfg = ElasticConfig(ft_elastic=True, ft_expert_slots=2)
+    same = args(4)
+    assert cfg.adjust_parallel(same) == [] and same.parallel.expert_model_parallel_size == 4
+    shrunk = args(2)
+    notes = cfg.adjust_parallel(shrunk)
+    assert shrunk.parallel.expert_model_parallel_size == 2 and cfg.ft_expert_slots == 2
+    assert notes and "expert-model-parallel-size 4 -> 2" in notes[0]
+    with pytest.raises(ValueError, match="raise --ft-expert-slots to 2"):  # E / EP = 1 slot cannot hold 4 on 2
+        ElasticConfig(ft_elastic=True).adjust_parallel(args(2))
+    off = args(2)
+    assert ElasticConfig().adjust_parallel(off) == [] and off.parallel.expert_model_parallel_size == 4

@@ -100,6 +100,26 @@ class ElasticConfig:
         elif self.ft_expert_loads_window:
             raise ValueError("--ft-expert-loads-window needs --ft-expert-loads-from")
 
+    def adjust_parallel(self, args) -> list[str]:
+        """``--ft-elastic``: the EP size for the world torchrun gave this start (``reshape.rederive_expert_parallel``;
+        a shrunken world may no longer be divisible by the flag's EP size). Meant to run before Megatron's
+        argument validation; returns the log lines of what changed (none when nothing did)."""
+        if not self.ft_elastic:
+            return []
+        from moe_ft.elastic.reshape import rederive_expert_parallel
+
+        p, m = args.parallel, args.model
+        ep = p.expert_model_parallel_size
+        slots = self.ft_expert_slots if self.ft_expert_slots is not None else m.num_experts // ep
+        change = rederive_expert_parallel(args.world_size, tp=p.tensor_model_parallel_size,
+                                          pp=p.pipeline_model_parallel_size, ep=ep, num_experts=m.num_experts,
+                                          slots=slots, min_replicas=self.ft_fault_threshold)
+        if change.ep_size != ep:
+            p.expert_model_parallel_size = change.ep_size
+            if self.ft_expert_slots is None:
+                self.ft_expert_slots = slots  # c is memory: it stays what it was on the original world
+        return list(change.notes)
+
     def check_args(self, args) -> None:
         """Parse-time checks against the model flags (``megatron/training/arguments.py`` calls this)."""
         if self.enabled and args.model.moe_token_dispatcher_type != FLEXIBLE:

@@ -5,8 +5,8 @@ takes new nodes in restarts with another world size. This module is the arithmet
 the periodic rebalance, with no process group (every rank computes the same result from the same inputs):
 
 1. :func:`rederive_expert_parallel` -- the EP size of the new world: kept when it still divides the ranks
-   of a pipeline stage, else the largest divisor of them that is not larger and still gives every expert a
-   slot (``EP x c >= E``); the fault threshold ``f`` is lowered when ``EP x c < E x f``. Each change comes
+   of a pipeline stage, else the largest divisor of them that is not larger, divides the number of experts
+   (Megatron builds ``E / EP`` standard experts first) and still gives every expert a slot (``EP x c >= E``); the fault threshold ``f`` is lowered when ``EP x c < E x f``. Each change comes
    back as a line for the log; an impossible world raises ``ValueError`` naming the fix.
 2. :func:`held_after_restart` -- what each new EP rank already has *on its node* (the node-local stores of
    the previous incarnation's ranks on that node; a joining node has nothing).
@@ -54,7 +54,9 @@ def rederive_expert_parallel(world_size: int, *, tp: int, pp: int, ep: int, num_
     notes = []
     new_ep = ep
     if stage_ranks % ep:
-        fits = [d for d in range(min(ep, stage_ranks), 0, -1) if stage_ranks % d == 0 and d * slots >= num_experts]
+        # E % d: Megatron builds the standard experts (E / EP per rank) before the elastic layer replaces them
+        fits = [d for d in range(min(ep, stage_ranks), 0, -1)
+                if stage_ranks % d == 0 and num_experts % d == 0 and d * slots >= num_experts]
         if not fits:
             raise ValueError(f"no expert-parallel size <= {ep} divides the {stage_ranks} ranks of a stage and holds "
                              f"{num_experts} experts in {slots} slots per rank; raise --ft-expert-slots to "
