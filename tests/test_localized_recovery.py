@@ -103,3 +103,18 @@ def test_global_scope_on_the_same_failure(env, reference):
     assert report["scope"]["mode"] == "global" and report["scope"]["reason"] == "--ft-recovery-scope global"
     assert report["recovery_levels"]["unavailable"]["survivor_point"] == "not used: --ft-recovery-scope global"
     assert report["replayed_iterations"]  # rank 0 replayed too
+
+
+@pytest.mark.timeout(420)
+def test_lost_in_backward_is_localized_lost_in_step_falls_back(env, reference):
+    """Stage 2 SIGKILLed right before its optimizer step of iteration 5: the survivors are waiting in the
+    grad-norm all-reduce, before any of their state changed, and publish iteration 4 (localized). Later
+    stage 1 is SIGKILLed after its optimizer step of iteration 6, while the others all-reduce the popularity
+    counters after theirs: every survivor is inside its update, nobody publishes, the recovery is global."""
+    res = launch(env, "phases", faults=["2:5:backward", "1:6:step"], max_restarts=3)
+    assert res["rc"] == 0 and res["digest"] == reference, f"see {res['log']}"
+    first, second = res["reports"]
+    check_localized(first, replaying=[2], stages=[2], replayed_through=4)
+    assert second["scope"]["mode"] == "global"
+    assert "no rank published a survivor point" in second["scope"]["reason"]
+    assert "inside the optimizer step" in Path(res["log"]).read_text()

@@ -194,3 +194,33 @@ def test_stop_exception_is_not_swallowed_by_except_exception():
             raise SurvivorStop(signal.SIGTERM)
         except Exception:  # noqa: BLE001 - what library code does
             pytest.fail("SurvivorStop must pass through `except Exception`")
+
+
+class _MegatronLikeOptimizer:
+    """The shape of Megatron's ``step()`` (every optimizer class): gradients only until it calls
+    ``self.step_with_ready_grads()``, where weights and moments change."""
+
+    def __init__(self, reg, guard):
+        self.reg, self.guard, self.seen = reg, guard, []
+
+    def step(self):
+        self.seen.append(("grad-norm all-reduce", self.guard.updating))
+        return self.step_with_ready_grads()
+
+    def step_with_ready_grads(self):
+        self.seen.append(("update", self.guard.updating))
+        step(self.reg, 1.0)
+        return True
+
+
+def test_critical_section_starts_where_the_optimizer_updates(tmp_path):
+    reg = make_registry(0)
+    guard = guard_for(tmp_path, reg)
+    opt = _MegatronLikeOptimizer(reg, guard)
+    guard.watch_optimizer(opt)
+    guard.completed(6, META, {})
+    assert opt.step() is True
+    assert opt.seen == [("grad-norm all-reduce", None), ("update", 7)]
+    assert guard.publish("x").iteration is None  # between the update and the capture of 7
+    guard.completed(7, META, {})
+    assert guard.updating is None and guard.publish("x").iteration == 7

@@ -96,12 +96,6 @@ class StepHooks:
         previous iteration's state must be off the weights by now (the wait is the snapshot stall)."""
         return None
 
-    def after_optimizer_step(self, iteration: int) -> None:
-        """Right after the optimizer and LR-scheduler steps of ``iteration``: weights, optimizer state and
-        schedule are those after ``iteration``. Between ``before_optimizer_step`` and this call the state is
-        being updated (a rank stopping now must not publish it as either iteration's state)."""
-        return None
-
     def during_checkpoint_write(self, iteration: int) -> None:
         """Inside ``save_checkpoint`` of the ``--save`` checkpoint after ``iteration`` iterations: every
         rank's shards are on disk, the checkpoint is not finalized and the tracker file does not name it
@@ -135,7 +129,9 @@ def train_step(state: TrainState, data: ReplayableData, iteration: int, args: Ar
     mask = causal_mask(args.model.seq_length)
     losses = get_forward_backward_func()(
         forward_step_func=partial(forward_step, mask=mask),
-        data_iterator=iter(batches),
+        # the interleaved schedule (virtual pipeline stages) takes one iterator per model chunk; each chunk
+        # draws every micro-batch from its own (the first chunk reads tokens, the last one labels)
+        data_iterator=[iter(batches) for _ in model] if len(model) > 1 else iter(batches),
         model=model,
         num_microbatches=len(batches),
         seq_length=args.model.seq_length,
@@ -150,9 +146,6 @@ def train_step(state: TrainState, data: ReplayableData, iteration: int, args: Ar
         update_successful, grad_norm, num_zeros = state.optimizer.step()
         if update_successful:
             state.scheduler.step(increment=args.training.global_batch_size)
-        after = getattr(hooks, "after_optimizer_step", None)  # train_step's hooks may be a partial object
-        if after is not None:
-            after(iteration)
     aux = _aux_losses(args.model.num_layers, len(batches)) if not forward_only else {}
     loss = float("nan")
     if ps.is_pipeline_last_stage() and losses:

@@ -15,11 +15,15 @@ What "completed" means, and why it is exact:
 * iteration ``t`` is completed once its optimizer and scheduler steps are done *and* the runtime has
   captured its metadata (``on_step_end``: RNG, scheduler, popularity as of the end of ``t``).
   :meth:`SurvivorGuard.completed` records that capture;
-* from :meth:`SurvivorGuard.begin_update` (``before_optimizer_step`` of ``t+1``) to that capture of ``t+1``
-  the weights, optimizer state, schedule and counters are being moved from ``t`` to ``t+1``: the
-  *critical section*. A SIGTERM arriving inside it is deferred to its end (then the state is ``t+1``'s);
-  an exception raised inside it (a collective of the optimizer step failed) leaves a state that belongs
-  to neither iteration: the rank publishes nothing and is treated as failed;
+* from the moment the optimizer of ``t+1`` starts to update (:meth:`SurvivorGuard.begin_update`, called
+  by :meth:`SurvivorGuard.watch_optimizer`'s seam on the optimizer's ``step_with_ready_grads``: Megatron's
+  ``step()`` first unscales, all-reduces the grad norm and clips — gradients only — then calls it, and
+  every weight, master and moment changes inside it) to that capture of ``t+1`` the state is being moved
+  from ``t`` to ``t+1``: the *critical section*. A SIGTERM arriving inside it is deferred to its end (then
+  the state is ``t+1``'s); an exception raised inside it (a collective of the update, or of the end of the
+  iteration, failed) leaves a state that belongs to neither iteration: the rank publishes nothing and is
+  treated as failed. A peer lost while the survivors wait in the grad-norm all-reduce leaves them outside
+  it, with the state of ``t``;
 * outside the critical section the forward/backward of ``t+1`` has only touched gradients, activations,
   the RNG and the open popularity counters, none of which the point takes from the live state: RNG and
   counters come from the captured metadata of ``t``, and so do the routers' expert biases (Megatron moves
@@ -137,9 +141,22 @@ class SurvivorGuard:
         self.stopped_at: float | None = None
 
     # ------------------------------------------------------------------------ per-iteration bookkeeping
-    def begin_update(self, iteration: int) -> None:
-        """Right before the optimizer step of ``iteration``: the critical section starts."""
-        self.updating = iteration
+    def begin_update(self, iteration: int | None = None) -> None:
+        """The live state starts to change (the optimizer's update): the critical section starts.
+        ``iteration``: the one being updated (default: the one after the newest completed)."""
+        self.updating = iteration if iteration is not None else (self.last.iteration + 1 if self.last else -1)
+
+    def watch_optimizer(self, optimizer) -> None:
+        """Start the critical section where ``optimizer`` starts to update: a seam on this instance's
+        ``step_with_ready_grads`` (Megatron's ``step()`` of every optimizer class, chained ones included,
+        calls it once after the grad-norm all-reduce and the clipping, and changes no state before)."""
+        inner = optimizer.step_with_ready_grads
+
+        def step_with_ready_grads(*args, **kwargs):
+            self.begin_update()
+            return inner(*args, **kwargs)
+
+        optimizer.step_with_ready_grads = step_with_ready_grads
 
     def completed(self, iteration: int, meta: dict, tensors: Mapping[str, torch.Tensor]) -> None:
         """The metadata of ``iteration`` is captured: ``iteration`` is completed, the critical section ends.

@@ -101,6 +101,7 @@ class FTRuntime(StepHooks):
             self.survivor = SurvivorGuard(store_root=cfg.snapshot.store_dir, job_id=cfg.snapshot.job_id,
                                           rank=self.rank, registry_fn=lambda: self.registry,
                                           fault_check=self.check_fault)
+            self.survivor.watch_optimizer(state.optimizer)  # the critical section starts with the update
             from moe_ft.localized.component import UpstreamLogging
 
             if UpstreamLogging.wanted(args, cfg):  # collective: every rank decides alike
@@ -222,8 +223,6 @@ class FTRuntime(StepHooks):
         self.check_fault(iteration, "recovery" if self._in_recovery(iteration) else "forward")
 
     def before_optimizer_step(self, iteration: int) -> None:
-        if self.survivor is not None:
-            self.survivor.begin_update(iteration)
         if not self._in_recovery(iteration):
             self.check_fault(iteration, "backward")
         for session in self.sessions:
