@@ -17,6 +17,9 @@ def format_line(iteration: int, m: dict) -> str:
         parts.append(f"window {m['window']}")
     if "replication_lag" in m:
         parts.append(f"replica {m['replication_bytes'] / 1e6:.3f} MB lag {m['replication_lag']} it")
+    if "recompute_sent" in m:
+        parts.append(f"recompute {m['recompute_sent']} grads, {m['recomputed']} rebuilt, "
+                     f"{m['recompute_failures']} failed")
     if "persist_end" in m:
         parts.append(f"durable {m['persist_end'] + 1} ({m['persist_mb_s']:.1f} MB/s)")
     if "boost_experts" in m:
