@@ -290,7 +290,7 @@ class SimulatedCluster:
                     if code == 0:
                         done.add(node)
                         finished_at = finished_at or time.monotonic()
-                if finished_at and time.monotonic() - finished_at > c.last_call_timeout + 10:
+                if c.elastic and finished_at and time.monotonic() - finished_at > c.last_call_timeout + 10:
                     for node, agent in self.agents.items():  # joined after the job ended: nothing to join
                         if node not in done and agent.poll() is None:
                             kill_tree(agent.pid)
