@@ -6,8 +6,9 @@ the periodic rebalance, with no process group (every rank computes the same resu
 
 1. :func:`rederive_expert_parallel` -- the EP size of the new world: kept when it still divides the ranks
    of a pipeline stage, else the largest divisor of them that is not larger, divides the number of experts
-   (Megatron builds ``E / EP`` standard experts first) and still gives every expert a slot (``EP x c >= E``); the fault threshold ``f`` is lowered when ``EP x c < E x f``. Each change comes
-   back as a line for the log; an impossible world raises ``ValueError`` naming the fix.
+   (Megatron builds ``E / EP`` standard experts first) and still gives every expert a slot (``EP x c >= E``);
+   the fault threshold ``f`` is lowered when ``EP x c < E x f``. Each change comes back as a line for the
+   log; an impossible world raises ``ValueError`` naming the fix.
 2. :func:`held_after_restart` -- what each new EP rank already has *on its node* (the node-local stores of
    the previous incarnation's ranks on that node; a joining node has nothing).
 3. :func:`replan` -- a new eq.-1 allocation and placement per MoE layer from the current popularity

@@ -177,7 +177,8 @@ def write_report(decision, report_dir: str, section: dict, *, last_completed: in
            "previous_world_size": decision.previous.world_size if decision.previous else None,
            "point": decision.iteration, "resume": decision.iteration + 1 if decision.iteration >= 0 else None,
            "last_completed": last_completed,
-           "lost_iterations": list(range(decision.iteration + 1, last_completed + 1)) if decision.iteration >= 0 else [],
+           "lost_iterations": (list(range(decision.iteration + 1, last_completed + 1))
+                               if decision.iteration >= 0 else []),
            "plans": {str(k): v for k, v in decision.plans.items()},
            "planned_expert_fetches": [[f.layer, f.expert_idx, f.dst, f.src] for f in decision.replan.fetches]
            if decision.replan else [], **section}
