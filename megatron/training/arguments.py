@@ -72,6 +72,12 @@ class ParallelArgs:
     use_distributed_optimizer: bool = field(
         default=False, metadata=field_help("Shard optimizer state over data-parallel ranks.")
     )
+    num_layers_per_virtual_pipeline_stage: int | None = field(default=None, metadata=field_help(
+        "Layers per virtual pipeline stage: each rank holds num-layers / (PP x this) model chunks and trains "
+        "with Megatron's interleaved 1F1B schedule (default: one chunk per rank, plain 1F1B)."))
+    virtual_pipeline_model_parallel_size: int | None = field(default=None, metadata=field_help(
+        "Model chunks (virtual pipeline stages) per pipeline rank; an alternative to "
+        "--num-layers-per-virtual-pipeline-stage (give one, or both agreeing)."))
 
 
 @dataclass(kw_only=True)
@@ -245,6 +251,7 @@ def validate_args(args: Args) -> None:
     if m.num_layers % p.pipeline_model_parallel_size:
         raise ArgumentError(f"--num-layers {m.num_layers} must be divisible by "
                             f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}")
+    _validate_virtual_pipeline(args)
     if m.ffn_hidden_size is None:
         m.ffn_hidden_size = 4 * m.hidden_size
     if m.max_position_embeddings is None:
@@ -261,6 +268,15 @@ def validate_args(args: Args) -> None:
         raise ArgumentError(f"pipeline parallelism needs at least {p.pipeline_model_parallel_size} "
                             f"micro-batches per iteration; raise --global-batch-size to "
                             f"{t.micro_batch_size * dp * p.pipeline_model_parallel_size}")
+    vp = p.virtual_pipeline_model_parallel_size
+    if vp is not None and args.num_microbatches % p.pipeline_model_parallel_size:
+        # Megatron's interleaved schedule runs micro-batches in groups of PP per model chunk; a last group
+        # smaller than PP is refused by the schedule (dependency bubbles)
+        raise ArgumentError(
+            f"the interleaved schedule ({vp} virtual stages) needs the micro-batches per iteration "
+            f"({args.num_microbatches}) to be a multiple of --pipeline-model-parallel-size "
+            f"{p.pipeline_model_parallel_size}; set --global-batch-size to a multiple of "
+            f"{t.micro_batch_size * dp * p.pipeline_model_parallel_size}")
     if t.train_iters <= 0:
         raise ArgumentError(f"--train-iters must be positive, got {t.train_iters}")
     if t.lr_decay_iters is None:
@@ -289,3 +305,41 @@ def validate_args(args: Args) -> None:
         raise ArgumentError(f"--split needs three non-negative weights with train > 0, got {d.split}")
     if t.load and not os.path.isdir(t.load):
         raise ArgumentError(f"--load {t.load}: no such directory")
+
+
+def _validate_virtual_pipeline(args: Args) -> None:
+    """Resolve ``--num-layers-per-virtual-pipeline-stage`` / ``--virtual-pipeline-model-parallel-size``
+    into both fields (``None`` for the plain schedule, as Megatron-LM does for one chunk per rank)."""
+    m, p = args.model, args.parallel
+    per_stage, vp = p.num_layers_per_virtual_pipeline_stage, p.virtual_pipeline_model_parallel_size
+    if per_stage is None and vp is None:
+        return
+    for name, value in (("num_layers_per_virtual_pipeline_stage", per_stage),
+                        ("virtual_pipeline_model_parallel_size", vp)):
+        if value is not None and value <= 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    pp = p.pipeline_model_parallel_size
+    if pp < 2:
+        raise ArgumentError("virtual pipeline stages need --pipeline-model-parallel-size >= 2 (the interleaved "
+                            "schedule splits each pipeline rank's layers into chunks); drop "
+                            "--num-layers-per-virtual-pipeline-stage/--virtual-pipeline-model-parallel-size")
+    layers_per_rank = m.num_layers // pp
+    if per_stage is not None:
+        if layers_per_rank % per_stage:
+            raise ArgumentError(f"--num-layers {m.num_layers} / --pipeline-model-parallel-size {pp} = "
+                                f"{layers_per_rank} layers per rank is not divisible by "
+                                f"--num-layers-per-virtual-pipeline-stage {per_stage}")
+        derived = layers_per_rank // per_stage
+        if vp is not None and vp != derived:
+            raise ArgumentError(f"--virtual-pipeline-model-parallel-size {vp} disagrees with "
+                                f"--num-layers-per-virtual-pipeline-stage {per_stage} ({derived} chunks of "
+                                f"{per_stage} layers per rank); give only one of them")
+        vp = derived
+    elif layers_per_rank % vp:
+        raise ArgumentError(f"{layers_per_rank} layers per pipeline rank (--num-layers {m.num_layers} / PP {pp}) "
+                            f"cannot be split into --virtual-pipeline-model-parallel-size {vp} chunks")
+    if vp == 1:  # one chunk per rank: the plain 1F1B schedule
+        p.virtual_pipeline_model_parallel_size = p.num_layers_per_virtual_pipeline_stage = None
+        return
+    p.virtual_pipeline_model_parallel_size = vp
+    p.num_layers_per_virtual_pipeline_stage = layers_per_rank // vp

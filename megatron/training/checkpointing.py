@@ -75,16 +75,23 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _model_keys(state: TrainState) -> list[str]:
+    """Megatron-LM's keys of the model chunks: ``model``, or ``model0``, ``model1``, ... with virtual
+    pipeline stages (each chunk's sharded tensors carry global layer numbers, so the keys only group them)."""
+    if len(state.model) == 1:
+        return ["model"]
+    return [f"model{i}" for i in range(len(state.model))]
+
+
 def _sharded_state_dict(state: TrainState, is_loading: bool) -> dict:
-    module = state.model[0].module
-    model_sd = module.sharded_state_dict()
+    model_sd = {key: chunk.module.sharded_state_dict() for key, chunk in zip(_model_keys(state), state.model)}
     rank, world = dist.get_rank(), dist.get_world_size()
     return {
-        "model": model_sd,
+        **model_sd,
         # Megatron-LM's default layout for the distributed optimizer ('fully_sharded_model_space' needs
         # flattened ShardedTensors, which the torch_dist strategy of megatron-core 0.16 rejects).
         "optimizer": state.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}),
+            model_sd.get("model", model_sd), is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}),
         "rng_state": ShardedObject("rng_state", rng_state(), (world,), (rank,), replica_id=0),
     }
 
@@ -179,7 +186,8 @@ def load_checkpoint(root: str, state: TrainState) -> int:
     except Exception as e:  # dist_checkpointing raises many types; name the checkpoint in the error
         raise CheckpointError(f"cannot load {path}: {e}") from e
     with torch.no_grad():  # fp32 + distributed optimizer: main params are views of leaf parameters
-        state.model[0].module.load_state_dict(loaded["model"])
+        for key, chunk in zip(_model_keys(state), state.model):
+            chunk.module.load_state_dict(loaded[key])
         state.optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(state.optimizer)
     state.scheduler.load_state_dict(common["scheduler"])

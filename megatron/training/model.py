@@ -44,6 +44,7 @@ def transformer_config(args: Args) -> TransformerConfig:
         moe_grouped_gemm=m.moe_grouped_gemm,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
         pipeline_dtype=dtype,
         params_dtype=dtype,
@@ -83,18 +84,34 @@ def layer_spec(args: Args):
     return spec
 
 
-def build_gpt_model(args: Args, config: TransformerConfig | None = None) -> GPTModel:
-    """This rank's pipeline stage of the GPT model (plain Megatron-Core module, not yet wrapped)."""
+def num_model_chunks(args: Args) -> int:
+    """Model chunks per rank: the virtual pipeline stages (``--num-layers-per-virtual-pipeline-stage``), else 1."""
+    return args.parallel.virtual_pipeline_model_parallel_size or 1
+
+
+def build_gpt_model(args: Args, config: TransformerConfig | None = None, vp_stage: int | None = None) -> GPTModel:
+    """This rank's pipeline stage of the GPT model (plain Megatron-Core module, not yet wrapped); with virtual
+    pipeline stages, chunk ``vp_stage`` of it: Megatron-Core places the chunk's layers at their global
+    positions (virtual stage ``v`` of pipeline rank ``r`` holds layers ``(v*PP + r)*L .. +L``, ``L`` layers
+    per virtual stage), the embedding on the first chunk of the first rank, the output layer on the last
+    chunk of the last rank."""
     config = config or transformer_config(args)
+    vp = args.parallel.virtual_pipeline_model_parallel_size
+    if (vp is None) != (vp_stage is None):
+        raise ValueError(f"vp_stage={vp_stage} with virtual_pipeline_model_parallel_size={vp}: pass a chunk "
+                         "index exactly when the model has virtual pipeline stages")
+    first_chunk = vp_stage is None or vp_stage == 0
+    last_chunk = vp_stage is None or vp_stage == vp - 1
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(args),
         vocab_size=vocab_size_for(args),
         max_sequence_length=args.model.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        pre_process=ps.is_pipeline_first_stage() and first_chunk,
+        post_process=ps.is_pipeline_last_stage() and last_chunk,
         share_embeddings_and_output_weights=False,
         position_embedding_type="learned_absolute",
+        vp_stage=vp_stage,
     )
 
 
@@ -110,7 +127,24 @@ class TrainState:
 
 def build_train_state(args: Args) -> TrainState:
     config = transformer_config(args)
-    gpt = build_gpt_model(args, config)
+    vp = args.parallel.virtual_pipeline_model_parallel_size
+    # Megatron-Core's schedule picker (get_forward_backward_func) and layout helpers read the virtual size
+    # from parallel_state; initialize_model_parallel leaves it unset, so set it (None: plain 1F1B)
+    ps.set_virtual_pipeline_model_parallel_world_size(vp)
+    chunks = [_build_chunk(args, config, vp_stage) for vp_stage in ([None] if vp is None else range(vp))]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=args.parallel.use_distributed_optimizer,
+    )
+    # one DDP per chunk; as Megatron-LM, only the first chunk's buffers are bucketed (no overlap here anyway)
+    model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt,
+                                     disable_bucketing=idx > 0) for idx, gpt in enumerate(chunks)]
+    return _finish_train_state(args, config, model)
+
+
+def _build_chunk(args: Args, config: TransformerConfig, vp_stage: int | None) -> GPTModel:
+    gpt = build_gpt_model(args, config, vp_stage)
     if args.model.fp16 or args.model.bf16:
         # What Megatron-LM's Float16Module does in its constructor: every parameter and buffer in the
         # compute dtype (the parallel layers already are; norms and the position embedding are not). Done
@@ -120,12 +154,11 @@ def build_train_state(args: Args) -> TrainState:
         gpt.to(config.params_dtype)
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=args.parallel.use_distributed_optimizer,
-    )
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
+    return gpt
+
+
+def _finish_train_state(args: Args, config: TransformerConfig, model: list) -> TrainState:
+    """One optimizer over every chunk, the schedule's callbacks and the LR/WD scheduler."""
     t = args.training
     opt_config = OptimizerConfig(
         optimizer="adam",
@@ -145,15 +178,16 @@ def build_train_state(args: Args) -> TrainState:
         loss_scale_window=t.loss_scale_window,
         hysteresis=t.hysteresis,
     )
-    optimizer = get_megatron_optimizer(opt_config, [model])
+    optimizer = get_megatron_optimizer(opt_config, model)
     for component in args.extra.values():  # e.g. FP8 state quantized from the masters (--fp8-emulation)
         if hasattr(component, "after_optimizer_built"):
-            component.after_optimizer_built([model], optimizer, args)
+            component.after_optimizer_built(model, optimizer, args)
     # The schedules call these (Megatron-LM's training.py sets them the same way): without
     # finalize_model_grads there is no data-parallel gradient all-reduce and replicas drift apart.
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = model.no_sync
+    # the interleaved schedule takes one no_sync per chunk; the plain one a single callable
+    config.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync
     gbs = t.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -168,4 +202,4 @@ def build_train_state(args: Args) -> TrainState:
         wd_incr_steps=t.train_iters * gbs,
         wd_incr_style="constant",
     )
-    return TrainState(model=[model], optimizer=optimizer, scheduler=scheduler, config=config)
+    return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, config=config)
