@@ -51,6 +51,9 @@ LAYOUTS = {
     # four pipeline stages of one layer each, 1F1B (localized recovery: one stage replays, issue 12)
     "pp4": ["--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "1", "--num-layers", "4",
             "--moe-token-dispatcher-type", "alltoall"],
+    # two pipeline ranks x two virtual stages of one layer each (interleaved 1F1B), EP=2 inside each stage
+    "pp2vp2": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--num-layers", "4",
+               "--num-layers-per-virtual-pipeline-stage", "1", "--moe-token-dispatcher-type", "alltoall"],
     # Lazarus's flexible dispatcher and plain optimizer (the elastic drill re-plans replicas, issue 15)
     "dp2ep2-flexible": ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flexible"],
 }
