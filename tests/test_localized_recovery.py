@@ -5,8 +5,9 @@ logs, the survivors load, and the final training-state digest equals the fault-f
 
 One fault-free reference serves every faulty launch; each launch carries a cascade of faults so that few
 launches cover: one stage lost mid-window and killed again during its replay; two adjacent stages lost at
-once and a survivor lost while they replay (it loads its kept point again); the global scope on the same
-fault (the fallback path, also bitwise)."""
+once and a survivor lost while they replay (it loads its kept point again); a loss before the optimizer
+step (localized) and one after it (every survivor inside its update: global); the global scope on the same
+fault (the fallback path, also bitwise); and EP2 x PP2, where a stage is two ranks that replay together."""
 
 from __future__ import annotations
 
@@ -118,3 +119,22 @@ def test_lost_in_backward_is_localized_lost_in_step_falls_back(env, reference):
     assert second["scope"]["mode"] == "global"
     assert "no rank published a survivor point" in second["scope"]["reason"]
     assert "inside the optimizer step" in Path(res["log"]).read_text()
+
+
+@pytest.mark.timeout(420)
+def test_expert_parallel_stage_replays_as_a_group(env):
+    """EP2 x PP2 (ranks 2 and 3 form stage 1): rank 3 SIGKILLed; its EP peer, a survivor, replays with it
+    (their all-to-alls run for real), stage 0 loads; bitwise equal to the fault-free EP2 x PP2 run."""
+    def run(job, faults, max_restarts):
+        return run_job(job=job, workdir=env["work"], faults=faults, max_restarts=max_restarts, timeout=400,
+                       layout="ep2pp2", policy="sparse", iters=ITERS, data=env["data"], store=env["store"],
+                       window=WINDOW, extra=[], scope="localized")
+
+    ref = run("ep_ref", [], 0)
+    assert ref["rc"] == 0 and ref["digest"], f"see {ref['log']}"
+    res = run("ep_bad", ["3:5"], 2)
+    report = only_report(res)
+    assert res["digest"] == ref["digest"]
+    sc = report["scope"]
+    assert sc["mode"] == "localized" and sc["failed"] == [3] and sc["replaying"] == [2, 3]
+    assert sc["loaded"] == [0, 1] and sc["replayed"]["2"] == sc["replayed"]["3"] == [1, 2, 3, 4]
