@@ -73,3 +73,20 @@ def test_fp8_needs_transformer_engine(data_prefix):
     except ImportError:
         with pytest.raises(ArgumentError, match="needs Transformer Engine"):
             parse_args(["--transformer-impl", "transformer_engine", "--data-path", data_prefix], world_size=1)
+
+
+def test_elastic_restart_rederives_expert_parallel_before_validation(data_prefix, capsys):
+    """``--ft-elastic`` on a world smaller than the flag's EP size: the extra group's ``adjust_parallel`` runs
+    before Megatron's validation (which would refuse EP 4 on 2 ranks) and says what it changed."""
+    import pretrain_gpt_moe
+
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-experts", "4",
+             "--moe-router-topk", "2", "--micro-batch-size", "1", "--global-batch-size", "8",
+             "--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "flexible", "--ft",
+             "--ft-elastic", "--ft-expert-slots", "2", "--data-path", data_prefix]
+    args = parse_args(flags, world_size=2, extra_groups=pretrain_gpt_moe.extra_argument_groups())
+    assert args.parallel.expert_model_parallel_size == 2
+    assert "expert-model-parallel-size 4 -> 2" in capsys.readouterr().out
+    with pytest.raises(ArgumentError, match="expert"):  # without --ft-elastic the flag's EP size stands
+        parse_args([f for f in flags if f not in ("--ft-elastic",)], world_size=2,
+                   extra_groups=pretrain_gpt_moe.extra_argument_groups())

@@ -186,6 +186,15 @@ def args_from_namespace(namespace: argparse.Namespace, world_size: int | None = 
             args.extra[cls.__name__] = dataclass_from_args(cls, namespace)
         except ValueError as e:
             raise ArgumentError(str(e)) from e
+    for extra in args.extra.values():  # a component may re-derive parallel sizes for this world (elastic restart)
+        if hasattr(extra, "adjust_parallel"):
+            try:
+                notes = extra.adjust_parallel(args)
+            except ValueError as e:
+                raise ArgumentError(str(e)) from e
+            if int(os.environ.get("RANK", "0")) == 0:
+                for note in notes:
+                    print(f"{type(extra).__name__}: {note}", flush=True)
     validate_args(args)
     for extra in args.extra.values():
         try:
