@@ -136,6 +136,7 @@ def save_checkpoint(root: str, iteration: int, state: TrainState, hooks=None) ->
     sharded = _sharded_state_dict(state, is_loading=False)
     sharded["scheduler"] = state.scheduler.state_dict()
     sharded["iteration"] = iteration
+    sharded["world_size"] = dist.get_world_size()  # the RNG state is one shard per rank of this world
     request = dist_checkpointing.save(sharded, path, async_sharded_save=True)
     if hooks is not None:
         request.finalize_fns.insert(0, lambda: hooks.during_checkpoint_write(iteration))
@@ -181,6 +182,12 @@ def load_checkpoint(root: str, state: TrainState) -> int:
     ensure_optimizer_state(state.optimizer)  # a fresh optimizer has no state to load into
     sharded = _sharded_state_dict(state, is_loading=True)
     common = dist_checkpointing.load_common_state_dict(path)
+    saved_world = common.get("world_size", dist.get_world_size())
+    if saved_world != dist.get_world_size():  # per-rank RNG streams do not map onto another world size
+        del sharded["rng_state"]
+        if dist.get_rank() == 0:
+            log.warning("%s was saved by %d ranks, loading on %d: the RNG state is not restored (as Megatron-LM "
+                        "with a changed world size); everything else is", path, saved_world, dist.get_world_size())
     try:
         loaded = dist_checkpointing.load(sharded, path)
     except Exception as e:  # dist_checkpointing raises many types; name the checkpoint in the error
@@ -191,7 +198,8 @@ def load_checkpoint(root: str, state: TrainState) -> int:
         state.optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_steps(state.optimizer)
     state.scheduler.load_state_dict(common["scheduler"])
-    set_rng_state(loaded["rng_state"])
+    if "rng_state" in loaded:
+        set_rng_state(loaded["rng_state"])
     if int(common["iteration"]) != iteration:
         raise CheckpointError(f"{path} holds iteration {common['iteration']}, tracker says {iteration}")
     log.info("loaded checkpoint %s (iteration %d)", path, iteration)
