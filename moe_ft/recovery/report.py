@@ -88,7 +88,20 @@ class RecoveryReport:
 
     def write(self, directory: str) -> str:
         os.makedirs(directory, exist_ok=True)
+        # the restart count names the file; a second recovery under the same count (a node's agent restarted
+        # with a fresh count, or the count stayed on one node) gets a sequence number instead of overwriting
+        path = getattr(self, "_written_to", None)  # a report written again (final) replaces its own file
+        if path is not None and os.path.dirname(path) == directory:
+            return self._write_json(path)
         path = os.path.join(directory, f"recovery_{self.restart_count:03d}.json")
+        seq = 0
+        while os.path.exists(path):
+            seq += 1
+            path = os.path.join(directory, f"recovery_{self.restart_count:03d}_{seq}.json")
+        self._written_to = path
+        return self._write_json(path)
+
+    def _write_json(self, path: str) -> str:
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(self.to_json(), f, indent=1, sort_keys=True)
