@@ -38,6 +38,7 @@ from moe_ft.localized.collective_log import CollectiveSeam, serve
 from moe_ft.localized.log_store import (BWD, FWD, CorruptLogEntry, LogDir, LogUnavailable, MissingLogEntry,
                                         decode_blob, decode_entry)
 from moe_ft.localized.upstream_log import P2PSeam
+from moe_ft.localized.vstages import comm_layout, sending_vstage
 
 _SEND = re.compile(r"^send\.(fwd|bwd)\.to(\d+)$")
 _COLL = re.compile(r"^coll\.([\d-]+)$")
@@ -83,6 +84,8 @@ class LogReplay:
                              "ranks enter LogReplay (the others serve logs through exchange_logs)")
         self.current: int | None = None
         self._taken: dict = {}
+        self._layout: tuple[int, int, int, int] | None = None
+        """(pp_size, chunks, group size, pp rank) of the communicator being served (virtual stages only)."""
         self._thread: int | None = None
 
     @property
@@ -142,7 +145,24 @@ class LogReplay:
                                   f"{sender} (entry send.{direction}.to{self.rank} of rank {sender}'s upstream log); "
                                   "replay globally (--ft-recovery-scope global)")
         self._taken[("p2p", sender, direction)] = idx + 1
+        self._check_vstage(sender, direction, idx, seq[idx][0])
         return seq[idx][1]
+
+    def _check_vstage(self, sender: int, direction: str, idx: int, logged: int) -> None:
+        """With virtual pipeline stages, the ``idx``-th logged send must come from the chunk the schedule runs
+        there (``moe_ft/localized/vstages.py``): capture and replay agree on the key, not only on the order."""
+        layout = self._layout
+        if layout is None or logged < 0:
+            return
+        pp_size, num_chunks, group, pp_rank = layout
+        sender_pp = (pp_rank - 1) % pp_size if direction == FWD else (pp_rank + 1) % pp_size
+        expected = sending_vstage(pp_rank=sender_pp, pp_size=pp_size, num_chunks=num_chunks, group_size=group,
+                                  direction=direction, send_idx=idx)
+        if logged != expected:
+            raise LogUnavailable(f"rank {self.rank} iteration {self.current}: logged {direction} send #{idx} from rank "
+                                 f"{sender} came from virtual stage {logged}, the replayed schedule expects virtual "
+                                 f"stage {expected} (different virtual pipeline layout or micro-batch count?); "
+                                 "replay globally (--ft-recovery-scope global)")
 
     @staticmethod
     def _received(logged: torch.Tensor, shape, dtype) -> torch.Tensor:
@@ -172,6 +192,8 @@ class LogReplay:
             got_prev = got_next = None
             reqs = None if wait_on_reqs else ([] if cfg.use_ring_exchange_p2p or cfg.batch_p2p_comm else {})
         dtype = comm.config.pipeline_dtype
+        layout = comm_layout(comm)
+        self._layout = None if layout is None else (*layout, comm.pp_group.rank())
         if recv_prev and not live_prev:
             got_prev = self._received(self._take(comm.prev_rank, FWD), tensor_shape, dtype)
         if recv_next and not live_next:

@@ -28,6 +28,7 @@ import torch
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from moe_ft.localized.log_store import BWD, FWD, CollectiveResult, IterationLog, LogDir
+from moe_ft.localized.vstages import comm_layout, sending_vstage
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -100,6 +101,9 @@ class SeamP2PCommunicator(P2PCommunicator):
     def __init__(self, pp_group, config, *, seam: "P2PSeam") -> None:
         super().__init__(pp_group, config)
         self.seam = seam
+        self.num_sends = {FWD: 0, BWD: 0}
+        """Non-empty sends per direction so far; the schedules build one communicator per call, so these count
+        within one iteration's schedule (the sending chunk follows from them: ``moe_ft/localized/vstages.py``)."""
 
     def _communicate(self, **kwargs):
         return self.seam.communicate(self, super()._communicate, **kwargs)
@@ -144,12 +148,20 @@ class P2PSeam:
             self._schedules = self._original = None
 
     @staticmethod
-    def vstage(comm: P2PCommunicator) -> int:
+    def vstage(comm: P2PCommunicator, direction: str | None = None) -> int:
         """Virtual stage of the chunk that sends: ``chunk * pp_size + pp_rank`` (Megatron's numbering). With
-        one chunk per rank it is the pipeline rank; with virtual pipeline stages the chunk is not visible at
-        this seam and ``-1`` is recorded (entries stay keyed by send order, which the replay matches)."""
-        vp = comm.virtual_pipeline_model_parallel_size
-        return comm.pp_group.rank() if vp in (None, 1) else -1
+        one chunk per rank it is the pipeline rank. With virtual pipeline stages the chunk is not visible at
+        this seam; it follows from the count of ``direction`` sends this schedule call made so far
+        (:func:`moe_ft.localized.vstages.sending_vstage`; ``-1`` for a communicator without that count)."""
+        layout = comm_layout(comm)
+        if layout is None:
+            return comm.pp_group.rank()
+        sent = getattr(comm, "num_sends", None)
+        if sent is None or direction is None:
+            return -1
+        pp_size, num_chunks, group = layout
+        return sending_vstage(pp_rank=comm.pp_group.rank(), pp_size=pp_size, num_chunks=num_chunks,
+                              group_size=group, direction=direction, send_idx=sent[direction])
 
     def _exchange(self, real):
         """``real`` with the idle gates open while it runs (the stage waits for its neighbour)."""
@@ -172,10 +184,12 @@ class P2PSeam:
         real, replay = self._exchange(real), self.replay
         result = replay.communicate(comm, real, **kwargs) if replay is not None and replay.active else real(**kwargs)
         rec = self.recorder
-        if rec is not None and rec.active:
-            vstage = self.vstage(comm)
-            if kwargs.get("tensor_send_next") is not None:
-                rec.record_send(FWD, comm.next_rank, vstage, kwargs["tensor_send_next"])
-            if kwargs.get("tensor_send_prev") is not None:
-                rec.record_send(BWD, comm.prev_rank, vstage, kwargs["tensor_send_prev"])
+        for direction, key, peer in ((FWD, "tensor_send_next", comm.next_rank),
+                                     (BWD, "tensor_send_prev", comm.prev_rank)):
+            if kwargs.get(key) is None:
+                continue
+            if rec is not None and rec.active:
+                rec.record_send(direction, peer, self.vstage(comm, direction), kwargs[key])
+            if hasattr(comm, "num_sends"):
+                comm.num_sends[direction] += 1
         return result

@@ -1,0 +1,55 @@
+"""Issue 12 acceptance with virtual pipeline stages: PP=2 with 2 virtual stages per rank (x EP=2, Megatron-Core's
+interleaved 1F1B schedule, layout ``pp2vp2``). A rank of pipeline stage 1 is SIGKILLed mid-window; the survivors
+publish their state, torchrun restarts the job, only stage 1's ranks replay from their neighbours' upstream logs,
+and the final training-state digest equals the fault-free run's bitwise. The logs carry the real virtual stage
+of every send (``moe_ft/localized/vstages.py``), which the replay checks entry by entry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moe_ft.cli.drill import run_job
+from moe_ft.localized.component import log_root
+from moe_ft.localized.log_store import LogDir
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
+
+ITERS, WINDOW = 8, 3
+
+
+def launch(env, job, faults=(), max_restarts=0):
+    return run_job(job=job, workdir=env["work"], faults=list(faults), max_restarts=max_restarts, timeout=400,
+                   layout="pp2vp2", policy="sparse", iters=ITERS, data=env["data"], store=env["store"],
+                   window=WINDOW, extra=[], scope="localized")
+
+
+def test_stage_of_virtual_pipeline_replays_alone_bitwise(corpus, tmp_path):
+    env = {"data": corpus, "work": str(tmp_path / "work"), "store": str(tmp_path / "store")}
+    Path(env["work"]).mkdir()
+    ref = launch(env, "ref")
+    assert ref["rc"] == 0 and ref["digest"], f"fault-free run failed, see {ref['log']}"
+    res = launch(env, "kill", faults=["2:5"], max_restarts=1)
+    assert res["rc"] == 0 and res["digest"], f"faulty run failed (rc {res['rc']}), see {res['log']}"
+    assert res["digest"] == ref["digest"]
+    (report,) = res["reports"]
+    sc = report["scope"]
+    assert sc["mode"] == "localized", sc["reason"]
+    assert sc["failed_stages"] == [1] and sc["replaying"] == [2, 3]  # stage 1 = ranks 2 and 3 (EP=2)
+    assert sorted(sc["loaded"]) == [0, 1] and sorted(sc["replayed"]) == ["2", "3"]
+    for r in ("2", "3"):
+        its = sc["replayed"][r]
+        assert its == list(range(its[0], sc["target"] + 1)) and its[-1] == 4 and sc["log_bytes_read"][r] > 0
+
+    # the logs name the virtual stage of each send: chunk c of pipeline rank p is c*2 + p; 2 micro-batches in
+    # groups of PP=2: rank 0 sends activations of chunk 0 twice then chunk 1 twice, gradients of chunk 1 only
+    # (chunk 0 of rank 0 is the model's first); rank 2 sends activations of chunk 0 only (its chunk 1 ends the
+    # model), gradients of chunk 1 then chunk 0
+    expected = {0: {"send.fwd.to2": [0, 0, 2, 2], "send.bwd.to2": [2, 2]},
+                2: {"send.fwd.to0": [1, 1], "send.bwd.to0": [3, 3, 1, 1]}}
+    for rank, entries in expected.items():
+        logs = LogDir(log_root(Path(env["store"]) / "kill", rank))
+        iteration = logs.iterations()[-1]
+        for name, vstages in entries.items():
+            assert [v for v, _ in logs.read(iteration, name)] == vstages, (rank, name, iteration)
