@@ -20,6 +20,8 @@ Phases (where :class:`moe_ft.runtime.FTRuntime` calls ``check``):
                ``--ft-persist-interval`` equal to ``--save-interval`` the durable writer is flushing
                the same iteration in the background then
 ``recovery``   a recovery is replaying or re-executing the iteration (cascading failure)
+``survivor``   a stopped rank is writing its survivor point of the iteration (after half of its operators;
+               ``moe_ft/localized/survivor.py``): a survivor that dies during its dump is a failed rank
 =============  ================================================================================
 
 Kinds: ``exit`` (SIGKILL of the process itself: no cleanup, like a crashed worker), ``exception`` (an
@@ -44,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-PHASES = ("forward", "backward", "step", "snapshot", "publish", "published", "persist", "recovery")
+PHASES = ("forward", "backward", "step", "snapshot", "publish", "published", "persist", "recovery", "survivor")
 KINDS = ("exit", "exception", "hang", "corrupt", "node")
 
 

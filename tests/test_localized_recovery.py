@@ -5,7 +5,8 @@ logs, the survivors load, and the final training-state digest equals the fault-f
 
 One fault-free reference serves every faulty launch; each launch carries a cascade of faults so that few
 launches cover: one stage lost mid-window and killed again during its replay; two adjacent stages lost at
-once and a survivor lost while they replay (it loads its kept point again); a loss before the optimizer
+once and a survivor lost while they replay (it loads its kept point again); a survivor killed during its
+dump (a failed rank: its stage replays too); a loss before the optimizer
 step (localized) and one after it (every survivor inside its update: global); the global scope on the same
 fault (the fallback path, also bitwise); and EP2 x PP2, where a stage is two ranks that replay together."""
 
@@ -92,6 +93,18 @@ def test_adjacent_stages_lost_together_and_a_survivor_lost_during_their_replay(e
     check_localized(report, replaying=[1, 2], stages=[1, 2], replayed_through=4)
     assert report["scope"]["components"] == [[1, 2]]
     assert report["scope"]["log_bytes_read"].keys() == {"1", "2"}
+
+
+@pytest.mark.timeout(420)
+def test_a_survivor_killed_during_its_dump_is_a_failed_rank(env, reference):
+    """Stage 2 SIGKILLed at the start of iteration 5; stage 1, stopped by the failure, is SIGKILLed half-way
+    through writing its survivor point of iteration 4. Nothing of that dump is visible (atomic publish), so
+    stage 1 counts as failed: stages 1 and 2 replay jointly, stages 0 and 3 load; bitwise."""
+    res = launch(env, "torn_dump", faults=["2:5", "1:4:survivor"], max_restarts=2)
+    report = only_report(res)
+    assert res["digest"] == reference
+    assert len(report["failed"]["faults_fired"]) == 2
+    check_localized(report, replaying=[1, 2], stages=[1, 2], replayed_through=4)
 
 
 @pytest.mark.timeout(420)
