@@ -129,9 +129,10 @@ def decide(inventories: Sequence[RankInventory], *, durable_end: int | None, loa
     rebuilt, why_not = checkfree_sources(inventories, plus=checkfree_plus)
     if rebuilt:
         stages = sorted({inv.pp_rank for inv in inventories if inv.rank in rebuilt})
+        how = ("neighbours (CheckFree) or, for a first/last stage, their swap partner and the embedding/output "
+               "copies (CheckFree+)") if checkfree_plus else "neighbours (CheckFree)"
         return RecoveryPlan("checkfree", "approximate", f"{missing}, no durable point and no checkpoint: pipeline "
-                                                        f"stage(s) {stages} can only be rebuilt from their "
-                                                        "neighbours (CheckFree)",
+                                                        f"stage(s) {stages} can only be rebuilt from their {how}",
                             lost_ranks=lost, rebuilt=rebuilt)
     return RecoveryPlan("start_over", "start_over", f"{missing}, no durable point, no checkpoint, and {why_not}",
                         lost_ranks=lost)
