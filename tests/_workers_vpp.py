@@ -3,7 +3,7 @@ the training loop, on 4 gloo ranks (PP=2 x EP=2, two model chunks per rank).
 
 Builds the real state with ``--num-layers-per-virtual-pipeline-stage 1`` (4 layers), records where every
 layer, the embedding and the output layer sit, decomposes the chunks with the operator registry, trains 2
-iterations, saves a ``dist_checkpointing`` checkpoint, trains 2 more and digests this rank's whole state; then
+iterations, evaluates (forward only), saves a ``dist_checkpointing`` checkpoint, trains 2 more and digests this rank's whole state; then
 loads the checkpoint back, trains the same 2 iterations again and digests again. Writes
 ``result_rank<r>.json`` into ``--out``.
 
@@ -36,7 +36,7 @@ def main() -> int:
     from megatron.training.initialize import initialize_distributed, set_seeds, shutdown
     from megatron.training.model import build_train_state
     from megatron.training.pretrain import build_data
-    from megatron.training.training import train_step
+    from megatron.training.training import evaluate, train_step
     from moe_ft.compat import activate_all
     from moe_ft.digest import local_state_tensors, tensor_digest
     from moe_ft.state.catalogue import gather_catalogue
@@ -56,6 +56,7 @@ def main() -> int:
                "pre_process": chunk.module.pre_process, "post_process": chunk.module.post_process}
               for chunk in state.model]
     losses = [train_step(state, data, it, args).loss for it in range(2)]
+    eval_loss = evaluate(state, data, args)  # forward-only interleaved schedule, broadcast from the last stage
     registry = OperatorRegistry.from_megatron(state.model, state.optimizer)  # Adam state exists now
     catalogue = gather_catalogue(registry.infos(), registry.ep_size)
     save_checkpoint(save, 2, state)
@@ -73,7 +74,7 @@ def main() -> int:
               "operators": sorted(str(op) for op in registry), "catalogue": sorted(str(i.op) for i in catalogue),
               "losses": [x for x in losses + later if not math.isnan(x)],
               "losses_resumed": [x for x in later_again if not math.isnan(x)],
-              "straight": straight, "resumed": resumed, "resumed_from": resumed_from}
+              "eval_loss": eval_loss, "straight": straight, "resumed": resumed, "resumed_from": resumed_from}
     with open(os.path.join(out, f"result_rank{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f)
     shutdown()

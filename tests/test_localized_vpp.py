@@ -2,7 +2,8 @@
 interleaved 1F1B schedule, layout ``pp2vp2``). A rank of pipeline stage 1 is SIGKILLed mid-window; the survivors
 publish their state, torchrun restarts the job, only stage 1's ranks replay from their neighbours' upstream logs,
 and the final training-state digest equals the fault-free run's bitwise. The logs carry the real virtual stage
-of every send (``moe_ft/localized/vstages.py``), which the replay checks entry by entry."""
+of every send (``moe_ft/localized/vstages.py``), which the replay checks entry by entry. The global scope on the
+same fault (every rank replays its sparse window) is bitwise equal too."""
 
 from __future__ import annotations
 
@@ -46,6 +47,14 @@ def test_stage_of_virtual_pipeline_replays_alone_bitwise(corpus, tmp_path):
     # groups of PP=2: rank 0 sends activations of chunk 0 twice then chunk 1 twice, gradients of chunk 1 only
     # (chunk 0 of rank 0 is the model's first); rank 2 sends activations of chunk 0 only (its chunk 1 ends the
     # model), gradients of chunk 1 then chunk 0
+    # the global scope on the same fault: every rank replays the window, also bitwise
+    glob = run_job(job="global", workdir=env["work"], faults=["2:5"], max_restarts=1, timeout=400, layout="pp2vp2",
+                   policy="sparse", iters=ITERS, data=env["data"], store=env["store"], window=WINDOW, extra=[],
+                   scope="global")
+    assert glob["rc"] == 0 and glob["digest"] == ref["digest"], f"see {glob['log']}"
+    (greport,) = glob["reports"]
+    assert greport["scope"]["mode"] == "global"
+
     expected = {0: {"send.fwd.to2": [0, 0, 2, 2], "send.bwd.to2": [2, 2]},
                 2: {"send.fwd.to0": [1, 1], "send.bwd.to0": [3, 3, 1, 1]}}
     for rank, entries in expected.items():

@@ -78,6 +78,7 @@ def test_interleaved_schedule_chunks_registry_and_checkpoint(tmp_path):
         assert res["operators"] == expected, rank
         assert res["catalogue"] == every_op, rank
         assert res["resumed_from"] == 2 and res["resumed"] == res["straight"], rank
+        assert 0 < res["eval_loss"] < 10 and res["eval_loss"] == ranks[0]["eval_loss"], rank
     last = [r for r in ranks if r["pp_rank"] == 1]
     for res in last:
         assert len(res["losses"]) == 4 and all(0 < x < 10 for x in res["losses"])
