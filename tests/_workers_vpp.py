@@ -3,8 +3,9 @@ the training loop, on 4 gloo ranks (PP=2 x EP=2, two model chunks per rank).
 
 Builds the real state with ``--num-layers-per-virtual-pipeline-stage 1`` (4 layers), records where every
 layer, the embedding and the output layer sit, decomposes the chunks with the operator registry, trains 2
-iterations, evaluates (forward only), saves a ``dist_checkpointing`` checkpoint, trains 2 more and digests this rank's whole state; then
-loads the checkpoint back, trains the same 2 iterations again and digests again. Writes
+iterations, evaluates (forward only), saves a ``dist_checkpointing`` checkpoint, trains 2 more and digests
+this rank's whole state; then loads the checkpoint back, trains the same 2 iterations again and digests
+again. Writes
 ``result_rank<r>.json`` into ``--out``.
 
     torchrun --nproc-per-node 4 tests/_workers_vpp.py --out DIR --data-path P

@@ -4,8 +4,9 @@ Layout (as Megatron-LM): ``<save>/iter_0000010/`` holds the sharded model, optim
 per-rank RNG state; ``<save>/latest_checkpointed_iteration.txt`` names the newest complete one and is
 written (atomically, by rank 0) only after every rank finished saving and the checkpoint's metadata is
 written, so a crash mid-save never makes a torn checkpoint "latest" (loading warns about and ignores any
-newer, unfinished ``iter_*`` directory). The model part is the plain ``GPTModel.sharded_state_dict()``, so a Megatron-Core
-model built from the same config loads it directly.
+newer, unfinished ``iter_*`` directory). The model part is the plain ``GPTModel.sharded_state_dict()``
+(under ``model``, or ``model0``, ``model1``, ... per chunk with virtual pipeline stages, as Megatron-LM
+keys them), so a Megatron-Core model built from the same config loads it directly.
 """
 
 from __future__ import annotations
@@ -84,14 +85,16 @@ def _model_keys(state: TrainState) -> list[str]:
 
 
 def _sharded_state_dict(state: TrainState, is_loading: bool) -> dict:
-    model_sd = {key: chunk.module.sharded_state_dict() for key, chunk in zip(_model_keys(state), state.model)}
+    model_sd = {key: chunk.module.sharded_state_dict()
+                for key, chunk in zip(_model_keys(state), state.model)}
     rank, world = dist.get_rank(), dist.get_world_size()
     return {
         **model_sd,
         # Megatron-LM's default layout for the distributed optimizer ('fully_sharded_model_space' needs
         # flattened ShardedTensors, which the torch_dist strategy of megatron-core 0.16 rejects).
         "optimizer": state.optimizer.sharded_state_dict(
-            model_sd.get("model", model_sd), is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}),
+            model_sd.get("model", model_sd), is_loading=is_loading,
+            metadata={"distrib_optim_sharding_type": "dp_reshardable"}),
         "rng_state": ShardedObject("rng_state", rng_state(), (world,), (rank,), replica_id=0),
     }
 
