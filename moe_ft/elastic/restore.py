@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from moe_ft.elastic.inventory import node_inventory, store_dirs
-from moe_ft.snapshot.restore import restore_meta
+from moe_ft.snapshot.restore import copy_checked, restore_meta
 from moe_ft.state.operators import Level, OperatorId
 
 META = "__meta__"
@@ -69,20 +69,8 @@ def copy_into(registry, op: OperatorId, tensors: dict[str, torch.Tensor]) -> int
     """Copy an entry written under any plan into this rank's live tensors of ``op`` (FULL); returns bytes."""
     live = {plan_free_name(n): t for n, t in registry[op].tensors(Level.FULL).items()}
     stored = {plan_free_name(n): t for n, t in tensors.items()}
-    if set(live) != set(stored):
-        missing, extra = sorted(set(live) - set(stored)), sorted(set(stored) - set(live))
-        raise ValueError(f"{op}: the stored entry does not match this model's operator (missing {missing[:3]}, "
-                         f"unexpected {extra[:3]}); the model flags must be those of the run that wrote it")
-    total = 0
-    for name, dst in live.items():
-        src = stored[name]
-        if src.shape != dst.shape or src.dtype != dst.dtype:
-            raise ValueError(f"{op}/{name}: stored {src.dtype}{tuple(src.shape)} vs live {dst.dtype}{tuple(dst.shape)}")
-        dst.copy_(src)
-        total += dst.nbytes
-    for hook in getattr(registry[op], "after_restore", ()):
-        hook()
-    return total
+    return copy_checked(registry[op], live, stored, what=f"{op}: the stored entry",
+                        fix="the model flags must be those of the run that wrote it")
 
 
 def restore_reshaped(decision, runtime) -> dict:

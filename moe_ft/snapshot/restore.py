@@ -20,19 +20,25 @@ from moe_ft.state.operators import Level, OperatorId
 def restore_operator(store, registry, iteration: int, op: OperatorId, level: Level) -> int:
     """Copy entry ``(iteration, op, level)`` into the live tensors; returns the bytes restored."""
     state = registry[op]
-    live = state.tensors(Level(level))
-    loaded = store.load(iteration, op, Level(level))
-    if set(loaded) != set(live):
-        missing, extra = sorted(set(live) - set(loaded)), sorted(set(loaded) - set(live))
-        raise ValueError(f"entry {op} {Level(level).name} @ {iteration} does not match this model's operator "
-                         f"(missing {missing[:3]}, unexpected {extra[:3]}); restore into the same layout")
+    return copy_checked(state, state.tensors(Level(level)), store.load(iteration, op, Level(level)),
+                        what=f"entry {op} {Level(level).name} @ {iteration}", fix="restore into the same layout")
+
+
+def copy_checked(state, live: dict, stored: dict, *, what: str, fix: str) -> int:
+    """Copy ``stored`` into the operator's ``live`` tensors (same names, shapes and dtypes, else a
+    ``ValueError`` naming ``what`` and the ``fix``), then run the operator's ``after_restore`` hooks;
+    returns the bytes copied."""
+    if set(stored) != set(live):
+        missing, extra = sorted(set(live) - set(stored)), sorted(set(stored) - set(live))
+        raise ValueError(f"{what} does not match this model's operator (missing {missing[:3]}, unexpected "
+                         f"{extra[:3]}); {fix}")
     total = 0
     for name, dst in live.items():
-        src = loaded[name]
+        src = stored[name]
         if src.shape != dst.shape or src.dtype != dst.dtype:
-            raise ValueError(f"{op}/{name}: stored {src.dtype}{tuple(src.shape)} vs live {dst.dtype}{tuple(dst.shape)}")
+            raise ValueError(f"{state.op}/{name}: stored {src.dtype}{tuple(src.shape)} vs live {dst.dtype}{tuple(dst.shape)}")
         dst.copy_(src)
-        total += src.nbytes
+        total += dst.nbytes
     for hook in getattr(state, "after_restore", ()):
         hook()
     return total
