@@ -252,6 +252,10 @@ class SnapshotEngine:
 
     def flush(self) -> None:
         """Wait until every submitted snapshot is published (or raise the engine's error)."""
+        job = self._inflight
+        if job is not None and self.config.bubbles is not None:  # no later bubble will come: copy it now
+            job.deadline.set()
+            self.config.bubbles.gate.poke()
         self._jobs.join()
         self._resolve_device_stalls(block=True)
         self._raise_if_failed()
