@@ -45,6 +45,8 @@ def test_bad_inputs_name_the_problem():
         plan_rebalance(CURRENT, {1: [1.0] * 4}, config=CONFIG)
     with pytest.raises(ValueError, match="4 experts"):
         plan_rebalance(CURRENT, {0: [1.0] * 3}, config=CONFIG)
+    with pytest.raises(ValueError, match="slots"):
+        plan_rebalance({0: [[2, 1], [1, 1], [1, 0], [0, 1]]}, {0: [1.0] * 4}, config=CONFIG)
     with pytest.raises(ValueError, match="without a replica"):
         plan_rebalance({0: [[2, 1], [0, 0], [1, 1], [0, 1]]}, {0: [1.0] * 4}, config=CONFIG)
 
@@ -86,3 +88,25 @@ def test_live_two_rank_swap_keeps_state_bitwise(tmp_path):
     received = sum(r["stats"]["bytes_received"] for r in results)
     one_expert = sum(t.nbytes for t in _state(0, 0).values())
     assert sent == received == one_expert  # one expert moved, nothing else
+
+
+def test_random_drifts_on_four_ranks_fetch_exactly_the_gains():
+    import random
+
+    rng = random.Random(15)
+    config = PlacementConfig(slots_per_node=3, min_replicas=1)
+    start = [[1, 0, 1, 0], [0, 1, 0, 1], [1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 1, 1]]  # 6 experts, 4 x 3 slots
+    replicas = {0: start, 1: start}
+    for _ in range(5):  # successive rebalances as loads drift
+        loads = {layer: [rng.choice([1.0, 5.0, 50.0]) for _ in range(6)] for layer in (0, 1)}
+        plan = plan_rebalance(replicas, loads, config=config)
+        for layer, rows in plan.new.items():
+            assert all(sum(row) >= 1 for row in rows), "every expert present after the rebalance"
+            assert [sum(col) for col in zip(*rows)] == [3] * 4, "every slot filled"
+            assert [sum(row) for row in rows] == allocate_replicas(loads[layer], num_nodes=4, slots_per_node=3,
+                                                                   min_replicas=1)
+        for j in range(4):
+            assert {(f.layer, f.expert_idx) for f in plan.fetches if f.dst == j} == plan.gains(j)
+        assert all(plan.old[f.layer][f.expert_idx][f.src] > 0 for f in plan.fetches)
+        assert plan_rebalance(replicas, loads, config=config) == plan, "deterministic"
+        replicas = plan.new

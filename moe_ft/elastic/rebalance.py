@@ -93,6 +93,10 @@ def plan_rebalance(replicas: Mapping[int, Sequence[Sequence[int]]], loads: Mappi
     for layer, rows in replicas.items():
         if len(loads[layer]) != len(rows):
             raise ValueError(f"layer {layer}: {len(loads[layer])} loads for {len(rows)} experts")
+        per_rank = [sum(col) for col in zip(*rows)]
+        if any(n != config.slots_per_node for n in per_rank):
+            raise ValueError(f"layer {layer}: the current plan fills {per_rank} slots per EP rank but the placement "
+                             f"has {config.slots_per_node}; pass the --ft-expert-slots the plan was made with")
         if any(sum(row) == 0 for row in rows):
             raise ValueError(f"layer {layer}: the current plan {rows} leaves an expert without a replica")
     ep_size = sizes.pop()
