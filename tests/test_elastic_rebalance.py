@@ -95,7 +95,8 @@ def test_random_drifts_on_four_ranks_fetch_exactly_the_gains():
 
     rng = random.Random(15)
     config = PlacementConfig(slots_per_node=3, min_replicas=1)
-    start = [[1, 0, 1, 0], [0, 1, 0, 1], [1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 1, 1]]  # 6 experts, 4 x 3 slots
+    # 6 experts in 4 EP ranks x 3 slots
+    start = [[1, 0, 1, 0], [0, 1, 0, 1], [1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 1, 1]]
     replicas = {0: start, 1: start}
     for _ in range(5):  # successive rebalances as loads drift
         loads = {layer: [rng.choice([1.0, 5.0, 50.0]) for _ in range(6)] for layer in (0, 1)}

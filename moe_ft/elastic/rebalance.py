@@ -113,8 +113,12 @@ def plan_rebalance(replicas: Mapping[int, Sequence[Sequence[int]]], loads: Mappi
     return RebalancePlan(old=old, new=new, fetches=list(out.fetches))
 
 
-def move_expert_states(plan: RebalancePlan, states: dict[ExpertKey, dict[str, torch.Tensor]], *, ep_rank: int,
-                       group, global_rank_of_ep: Sequence[int]) -> tuple[dict[ExpertKey, dict[str, torch.Tensor]], dict]:
+ExpertStates = dict[ExpertKey, dict[str, torch.Tensor]]
+"""State tensors by name (weights, master, Adam moments, step) per held expert."""
+
+
+def move_expert_states(plan: RebalancePlan, states: ExpertStates, *, ep_rank: int, group,
+                       global_rank_of_ep: Sequence[int]) -> tuple[ExpertStates, dict]:
     """Run ``plan.fetches`` for EP rank ``ep_rank``.
 
     ``states``: this rank's state per held expert before the rebalance (keys must equal
@@ -129,7 +133,7 @@ def move_expert_states(plan: RebalancePlan, states: dict[ExpertKey, dict[str, to
                          f"the current plan; pass exactly the experts it holds")
     t0 = time.perf_counter()
     stats = {"bytes_sent": 0, "bytes_received": 0, "experts_received": 0}
-    received: dict[ExpertKey, dict[str, torch.Tensor]] = {}
+    received: ExpertStates = {}
     for f in sorted(plan.fetches, key=lambda f: (f.layer, f.expert_idx, f.dst, f.src)):
         key = (f.layer, f.expert_idx)
         if f.src == ep_rank:
