@@ -55,11 +55,12 @@ def test_lost_stage_rebuilt_by_checkfree(corpus, tmp_path):
     assert res["rc"] == 0 and res["digest"], f"the drill failed (rc {res['rc']}), see {res['logs']}"
     (event,) = res["node_losses"]
     assert event["nodes"] == [1] and event["survivors"] == [0, 2, 3]
-    # the audit log (rank 0's job directory, node 0 survived) has both recoveries; the report file of the
-    # first is overwritten by the second's (both were written at torchrun restart count 1)
+    # the audit log (rank 0's job directory, node 0 survived) has both recoveries, and so do the report
+    # files (both recoveries ran at torchrun restart count 1: recovery_001.json, recovery_001_1.json)
     audit = Path(tmp_path / "accepted_store" / "node0" / "accepted" / "recovery_audit.jsonl").read_text().splitlines()
     levels, later_levels = (json.loads(line) for line in audit)
-    (later,) = res["reports"]
+    first, later = res["reports"]
+    assert first["recovery_levels"]["level"] == "approximate"
     assert levels["path"] == "checkfree" and levels["level"] == "approximate", levels
     (rebuilt,) = levels["rebuilt"]
     assert rebuilt["rank"] == 1 and rebuilt["from"] == [0, 2]
