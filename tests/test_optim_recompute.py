@@ -284,7 +284,7 @@ def _summaries(stdout: str) -> list[tuple[str, ...]]:
     """Each rank's end-of-run line: (rank, experts sent as gradients, as FULL, recomputed for sources, failed)."""
     import re
 
-    return re.findall(r"optimizer recomputation rank (\d): \d+ points sent (\d+) experts as gradients .* and (\d+) "
+    return re.findall(r"optimizer recomputation rank (\d): \d+ points sent (\d+) experts as gradients .*? and (\d+) "
                       r"as FULL \([\d.]+ MB\), capture [\d.]+ s; recomputed (\d+) for its sources in [\d.]+ s, "
                       r"(\d+) failed", stdout)
 

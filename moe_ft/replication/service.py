@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 from moe_ft.persist import DurableTier, PersistConfig, PersistWriter
@@ -161,13 +162,15 @@ class Replication:
         if self.capture is not None:  # one line per rank: what MoEtion Alg. 3 saved on the wire
             records = self.sender.records
             grads, full = sum(r.gradient_bytes for r in records), sum(r.replaced_bytes for r in records)
-            print(f"moe-ft optimizer recomputation rank {self.layout.rank}: {len(records)} points sent "
+            # one write per line: ranks share the job's stdout, and print() writes the newline separately
+            sys.stdout.write(f"moe-ft optimizer recomputation rank {self.layout.rank}: {len(records)} points sent "
                   f"{sum(r.num_gradients for r in records)} experts as gradients ({grads / 1e6:.3f} MB for "
                   f"{full / 1e6:.3f} MB of FULL state) and {sum(r.num_full for r in records)} as FULL "
                   f"({sum(r.full_bytes for r in records) / 1e6:.3f} MB), capture {self.capture.seconds:.3f} s; "
                   "recomputed "
                   f"{len(self.receiver.recomputed)} for its sources in {self.receiver.seconds:.3f} s, "
-                  f"{len(self.receiver.failures)} failed", flush=True)
+                  f"{len(self.receiver.failures)} failed\n")
+            sys.stdout.flush()
 
 
 def build_persistence(*, interval: int, persist_dir: str, store, rule, rank: int, world_size: int,
