@@ -43,11 +43,11 @@ class LogUnavailable(RuntimeError):
 
 
 class MissingLogEntry(LogUnavailable):
-    pass
+    """The entry is not in the holder's log (never written, or dropped by retention)."""
 
 
 class CorruptLogEntry(LogUnavailable):
-    pass
+    """The entry exists but fails its checksum or cannot be decoded."""
 
 
 def send_name(direction: str, peer: int) -> str:
