@@ -31,6 +31,8 @@ rendezvous (``<job>.g<n>``): the job is relaunched and can only recover from the
 on the smaller world (the job's ``--ft-elastic`` re-plans, ``moe_ft/elastic/restart.py``). ``joins``
 (``NODE:ITER``) starts an agent for a node once the job completed ``ITER`` (progress records of the live
 nodes): the running agents see a waiting node, stop their workers and re-rendezvous on the larger world.
+The running workers are paused (SIGSTOP) from the join until their agent's SIGTERM is pending, so the world
+changes right after ``ITER`` whatever the machine's load (the join event records ``paused_s``).
 
 Faults whose once-only marker was deleted with a node's store are not scheduled again on its replacement
 (they fired). Each agent launch writes its recovery reports to a directory of its own (``reports/node<K>.<n>``,
@@ -126,6 +128,9 @@ class ClusterConfig:
     """Elastic mode: nodes (re)started once the job has completed an iteration."""
     last_call_timeout: int = 3
     """Elastic mode: seconds the rendezvous waits for more nodes once the minimum (1) has joined."""
+    join_pause_timeout: float = 25.0
+    """Elastic mode: longest pause of the running workers while a joining node's agent enters the
+    rendezvous (``SimulatedCluster._join``)."""
 
     def __post_init__(self) -> None:
         if self.num_nodes < 2:
@@ -186,6 +191,19 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def sigterm_pending(pid: int) -> bool:
+    """Whether SIGTERM waits for delivery to ``pid`` (a stopped process keeps it pending; Linux
+    ``/proc/<pid>/status`` ``SigPnd``/``ShdPnd`` masks, signal n is bit n-1)."""
+    import signal
+
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return False
+    bit = 1 << (signal.SIGTERM - 1)
+    return any(int(line.split()[1], 16) & bit for line in lines if line.startswith(("SigPnd:", "ShdPnd:")))
 
 
 def last_completed(stores: list[Path]) -> int:
@@ -303,11 +321,8 @@ class SimulatedCluster:
                         self._launch(join.node, faults, rdzv.port, trigger=self.waiting[join.node])
                 while joins and joins[0].node in self.waiting and self._completed() >= joins[0].iteration:
                     join = joins.pop(0)  # the node comes back: its agent joins, the world grows
-                    Path(self.waiting.pop(join.node)).touch()
-                    self.dropped.discard(join.node)
+                    self.joined.append(self._join(join))
                     done.discard(join.node)
-                    self.joined.append({"node": join.node, "after_iteration": join.iteration,
-                                        "last_completed": self._completed()})
                 if not any(code != 0 for code in exited.values()):
                     continue
                 lost = self._lost_event(exited, events)
@@ -328,6 +343,34 @@ class SimulatedCluster:
             del rdzv
         return {"rc": rc, "node_losses": self.events, "node_joins": self.joined, "logs": self.logs,
                 "launches": {str(n): k for n, k in sorted(self.launches.items())}}
+
+    def _join(self, join: "NodeJoin") -> dict:
+        """Node ``join.node`` comes back now: release its pre-started agent. The running workers are paused
+        (SIGSTOP) from here until their agent has asked them to stop (SIGTERM pending) -- the agent polls
+        the rendezvous every ``--monitor-interval`` and a loaded machine runs many short iterations in that
+        time; paused, the world changes right after the iteration the drill names, on any machine. Capped
+        at ``join_pause_timeout`` seconds (the agent SIGKILLs 30 s after its SIGTERM: they resume long
+        before)."""
+        import signal
+
+        running = [pid for n, a in self.agents.items() if n != join.node and a.poll() is None
+                   for pid in children(a.pid)]
+        for pid in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        completed = self._completed()
+        Path(self.waiting.pop(join.node)).touch()
+        self.dropped.discard(join.node)
+        t0 = time.monotonic()
+        while (time.monotonic() - t0 < self.config.join_pause_timeout
+               and not any(sigterm_pending(pid) or not alive(pid) for pid in running)):
+            time.sleep(0.05)
+        paused = time.monotonic() - t0
+        for pid in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        return {"node": join.node, "after_iteration": join.iteration, "last_completed": completed,
+                "paused_s": round(paused, 2)}
 
     def _lost_event(self, exited: dict[int, int], events: dict) -> tuple[tuple[int, str], list[int]] | None:
         """The scheduled loss that killed an exited agent (its ``node`` marker), or None."""

@@ -57,8 +57,8 @@ def test_shrink_then_grow_keeps_training(corpus, tmp_path):
     (join,) = out["node_joins"]
     assert join["node"] == 1 and not join.get("missed"), "node 1 must join while the job still runs"
     shrink, grow = out["elastic"]["reports"]
-    assert (shrink["kind"], shrink["previous_world_size"], shrink["world_size"]) == ("reshape", 4, 2)
-    assert (grow["kind"], grow["previous_world_size"], grow["world_size"]) == ("reshape", 2, 4)
+    assert (shrink["kind"], shrink["previous_world_size"], shrink["world_size"]) == ("reshape", 4, 2), shrink
+    assert (grow["kind"], grow["previous_world_size"], grow["world_size"]) == ("reshape", 2, 4), grow
     for report in (shrink, grow):
         assert report["lost_iterations"] == [], f"only the in-flight iteration may be lost: {report}"
         assert report["point"] == report["last_completed"]

@@ -159,3 +159,26 @@ def test_driver_reads_progress_and_markers_before_deleting_a_store(tmp_path):
     unpaired = [{"last_completed": 8}, {"last_completed": 9}]
     redone_iterations(unpaired, [report])  # a cascading failure left fewer reports: nothing is guessed
     assert "iterations_redone" not in unpaired[0]
+
+
+def test_sigterm_stays_pending_on_a_paused_worker_until_it_resumes():
+    """The elastic join pauses the running workers until their agent's SIGTERM is pending (drill_nodes)."""
+    import signal
+
+    from moe_ft.drill_nodes import alive, sigterm_pending
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert not sigterm_pending(proc.pid)
+        os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not sigterm_pending(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sigterm_pending(proc.pid) and alive(proc.pid), "a stopped process keeps SIGTERM pending"
+        os.kill(proc.pid, signal.SIGCONT)
+        assert proc.wait(timeout=10) == -signal.SIGTERM
+        assert not sigterm_pending(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
