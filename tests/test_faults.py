@@ -167,8 +167,10 @@ def test_sigterm_stays_pending_on_a_paused_worker_until_it_resumes():
 
     from moe_ft.drill_nodes import alive, sigterm_pending
 
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
     try:
+        assert proc.stdout.readline().strip() == "up"
         os.kill(proc.pid, signal.SIGSTOP)
         assert not sigterm_pending(proc.pid)
         os.kill(proc.pid, signal.SIGTERM)
