@@ -170,6 +170,19 @@ def broadcast_object(obj, src: int = 0, group=None):
     return box[0]
 
 
+def send_object(obj, dst: int, group=None) -> None:
+    """Send ``obj`` (pickled; tensors go as host bytes, bit-exact) to global rank ``dst`` (host path, blocking:
+    the receiver must call :func:`recv_object` with this rank in the same order)."""
+    dist.send_object_list([obj], dst=dst, group=_host(group))
+
+
+def recv_object(src: int, group=None):
+    """The object global rank ``src`` sends with :func:`send_object` (host path, blocking)."""
+    box = [None]
+    dist.recv_object_list(box, src=src, group=_host(group))
+    return box[0]
+
+
 def barrier(group=None) -> None:
     """Wait for every rank of ``group`` (default: the coordination group)."""
     if dist.is_initialized():

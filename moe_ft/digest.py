@@ -25,20 +25,35 @@ def _optimizers(optimizer):
 
 
 def local_state_tensors(model_chunks, optimizer, scheduler=None, include_rng: bool = True) -> dict[str, torch.Tensor]:
-    """Name → tensor for everything that makes up this rank's training state."""
+    """Name → tensor for everything that makes up this rank's training state. The spare expert slots of an
+    elastic layer (``--ft-rebalance-interval``: MLPs serving no expert) hold no training state: left out,
+    with their optimizer entries."""
+    from moe_ft.state.naming import is_spare_expert
+
     out: dict[str, torch.Tensor] = {}
+    spare: set[int] = set()
     for chunk_idx, chunk in enumerate(model_chunks):
         module = getattr(chunk, "module", chunk)
         for name, param in module.named_parameters():
+            if is_spare_expert(name, module):
+                spare.add(id(param))
+                continue
             out[f"model{chunk_idx}.{name}"] = param.detach()
         for name, tensor in quantized_tensors(module).items():
             out[f"model{chunk_idx}.{name}"] = tensor.detach()
+    if spare:
+        from moe_ft.state.optimizer_views import main_states
+
+        spare |= {id(main.master) for pid, (_, main) in main_states(optimizer).items()
+                  if pid in spare and main.master is not None}
     for opt_idx, opt in enumerate(_optimizers(optimizer)):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
             continue
         for group_idx, group in enumerate(inner.param_groups):
             for param_idx, param in enumerate(group["params"]):
+                if id(param) in spare:
+                    continue
                 prefix = f"optim{opt_idx}.g{group_idx}.p{param_idx}"
                 out[f"{prefix}.master"] = param.detach()
                 for key, value in inner.state.get(param, {}).items():

@@ -80,16 +80,13 @@ class CopiesComponent(Component):
         self.bytes_sent = 0
 
     def after_snapshot(self, iteration, plan, session, replaying) -> None:
-        group = comm.coordination_group()
         for kind in COPIED:  # one order on every rank: no cycle of blocking sends
             if kind in self.owned:
                 payload = {name: t.detach().cpu() for name, t in self.tensors[kind].items()}
-                dist.send_object_list([payload], dst=self.owned[kind], group=group)
+                comm.send_object(payload, self.owned[kind])
                 self.bytes_sent += sum(t.numel() * t.element_size() for t in payload.values())
             if kind in self.held:
-                box = [None]
-                dist.recv_object_list(box, src=self.held[kind], group=group)
-                self.store.refresh(kind, iteration, box[0])
+                self.store.refresh(kind, iteration, comm.recv_object(self.held[kind]))
         if self.store is not None:
             points = session.store.points() if session is not None else []
             self.store.prune(keep_from=min(points) if points else iteration)

@@ -39,7 +39,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from moe_ft import comm
 from moe_ft.checkfree.average import Weights, align_layers, rebuild_layers, stage_layers
@@ -128,13 +127,11 @@ def recorded_grad_sq(store, iteration: int) -> float:
 
 
 def _send(payload, dst: int) -> None:
-    dist.send_object_list([payload], dst=dst, group=comm.coordination_group())
+    comm.send_object(payload, dst)
 
 
 def _recv(src: int):
-    box = [None]
-    dist.recv_object_list(box, src=src, group=comm.coordination_group())
-    return box[0]
+    return comm.recv_object(src)
 
 
 @dataclass

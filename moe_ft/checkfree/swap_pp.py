@@ -116,14 +116,12 @@ class PartnerSwap:
     # -------------------------------------------------------------------------------------- exchange
     def _trade(self, payload):
         """Send ``payload`` to the partner and receive its (lower rank sends first: no cycle)."""
-        group, box = comm.coordination_group(), [None]
         if dist.get_rank() < self.partner:
-            dist.send_object_list([payload], dst=self.partner, group=group)
-            dist.recv_object_list(box, src=self.partner, group=group)
-        else:
-            dist.recv_object_list(box, src=self.partner, group=group)
-            dist.send_object_list([payload], dst=self.partner, group=group)
-        return box[0]
+            comm.send_object(payload, self.partner)
+            return comm.recv_object(self.partner)
+        received = comm.recv_object(self.partner)
+        comm.send_object(payload, self.partner)
+        return received
 
     def borrow(self) -> None:
         """Trade layer weights with the partner; keep the partner's as leaf tensors on this rank's device."""

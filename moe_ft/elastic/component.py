@@ -30,6 +30,8 @@ class ElasticRecorder(Component):
         self.store_dir, self.job_id = cfg.snapshot.store_dir, cfg.snapshot.job_id
         self.maps = {layer: r.tolist() for layer, r in layer_replica_maps(runtime.state.model).items()}
         self.ep_size = len(next(iter(self.maps.values()))[0]) if self.maps else 1
+        self.generation = decision.generation
+        """Of the plans in :attr:`maps`: bumped by every world change and every in-run rebalance."""
 
     @property
     def reshaping(self) -> bool:
@@ -66,12 +68,18 @@ class ElasticRecorder(Component):
                   flush=True)
         discard_node_points(self.store_dir, self.job_id, self.runtime.rank, self.runtime.world_size)
 
+    def adopt_plans(self, plans: dict[int, list[list[int]]]) -> None:
+        """An in-run rebalance's plans are recoverable on every rank (``rebalance_component.py``): the next
+        record carries them under the next generation."""
+        self.maps = {layer: [list(row) for row in rows] for layer, rows in sorted(plans.items())}
+        self.generation += 1
+
     def after_iteration(self, iteration: int) -> None:
         popularity = self.runtime.popularity
         loads = {layer: popularity.hard[i].tolist() for i, layer in enumerate(popularity.config.moe_layers)
                  if layer in self.maps}
         write_record(self.store_dir, self.job_id, self.runtime.rank, LayoutRecord(
-            generation=self.decision.generation, world_size=self.runtime.world_size, ep_size=self.ep_size,
+            generation=self.generation, world_size=self.runtime.world_size, ep_size=self.ep_size,
             iteration=iteration, plans=self.maps, loads=loads))
 
     def close(self) -> None:

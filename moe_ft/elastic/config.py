@@ -68,6 +68,13 @@ class ElasticConfig:
         "the flexible dispatcher and snapshots."))
     """Re-plan replicas when the world size changes between restarts (``moe_ft/elastic/restart.py``)."""
 
+    ft_rebalance_interval: int = field(default=0, metadata=field_help(
+        "Every N iterations re-allocate and re-place every MoE layer's expert replicas from the recent loads "
+        "(Lazarus §4.3/§5: eq. 1, fewest moves) inside the running job, moving only the experts a rank gains "
+        "(weights, fp32 master, Adam moments); 0 = never. Each EP rank keeps --ft-expert-slots MLPs. Needs "
+        "--ft-elastic (docs/elastic.md)."))
+    """Iterations between in-run rebalances (``moe_ft/elastic/rebalance_component.py``)."""
+
     measured: MeasuredLoads | None = field(default=None, init=False, repr=False)
     """Per-layer loads read from ``ft_expert_loads_from`` (not a flag)."""
     restart: object = field(default=None, init=False, repr=False)
@@ -90,6 +97,11 @@ class ElasticConfig:
             raise ValueError(f"--ft-fault-threshold must be >= 1, got {self.ft_fault_threshold}")
         if self.ft_expert_loads is not None and r != ["auto"]:
             raise ValueError("--ft-expert-loads is only used with --ft-expert-replicas auto; drop one of them")
+        if self.ft_rebalance_interval < 0:
+            raise ValueError(f"--ft-rebalance-interval must be >= 0, got {self.ft_rebalance_interval}")
+        if self.ft_rebalance_interval and not self.ft_elastic:
+            raise ValueError("--ft-rebalance-interval re-plans the replicas of a running job and records the plans "
+                             "the way --ft-elastic does (restarts must know the plan in force); add --ft-elastic")
         if self.ft_expert_loads_from:
             if r != ["auto"]:
                 raise ValueError("--ft-expert-loads-from is only used with --ft-expert-replicas auto; add it or "
@@ -138,6 +150,15 @@ class ElasticConfig:
                                  "distributed optimizer's shards change with the data-parallel size); drop "
                                  "--pipeline-model-parallel-size / --use-distributed-optimizer")
             self._ft, self._num_layers = ft, args.model.num_layers
+        if self.ft_rebalance_interval:
+            ft = args.extra.get("FTConfig")
+            if ft.snapshot.policy not in ("sparse", "dense"):
+                raise ValueError(f"--ft-rebalance-interval: a rebalance starts the new plan with a dense point, which "
+                                 f"the sparse and dense policies record; --ft-policy {ft.snapshot.policy} does not "
+                                 f"(use sparse or dense)")
+            if ft.replication.optimizer_recompute:
+                raise ValueError("--ft-rebalance-interval with --ft-optimizer-recompute: the peer's recomputed "
+                                 "optimizer state is keyed by the plan at start; drop one of them")
 
     @property
     def per_layer(self) -> bool:

@@ -35,7 +35,10 @@ def dump_parameters(path: str, model_chunks) -> None:
             m = _EXPERT.match(name)
             if m is not None:
                 layer = gpt.decoder.layers[int(name.split(".")[2])]
-                name = f"{m.group(1)}E{global_expert_indices(layer.mlp)[int(m.group(2))]}.{m.group(3)}"
+                expert = global_expert_indices(layer.mlp)[int(m.group(2))]
+                if expert < 0:  # a spare slot (in-run rebalancing): no expert's parameters
+                    continue
+                name = f"{m.group(1)}E{expert}.{m.group(3)}"
             out[name] = param.detach().float().cpu().clone()
     torch.save(out, path)
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
+from moe_ft import comm
 from moe_ft.elastic.allocation import allocate_replicas
 from moe_ft.elastic.planner import PlacementConfig
 from moe_ft.elastic.reshape import Fetch, replan
@@ -139,12 +139,10 @@ def move_expert_states(plan: RebalancePlan, states: ExpertStates, *, ep_rank: in
         if f.src == ep_rank:
             payload = {name: t.detach().cpu() for name, t in states[key].items()}
             stats["bytes_sent"] += sum(t.nbytes for t in payload.values())
-            dist.send_object_list([payload], dst=global_rank_of_ep[f.dst], group=group)
+            comm.send_object(payload, global_rank_of_ep[f.dst], group)
         elif f.dst == ep_rank:
-            box = [None]
-            dist.recv_object_list(box, src=global_rank_of_ep[f.src], group=group)
-            received[key] = box[0]
-            stats["bytes_received"] += sum(t.nbytes for t in box[0].values())
+            received[key] = comm.recv_object(global_rank_of_ep[f.src], group)
+            stats["bytes_received"] += sum(t.nbytes for t in received[key].values())
             stats["experts_received"] += 1
     after = plan.held(ep_rank, after=True)
     out = {key: states[key] for key in sorted(after & have)}

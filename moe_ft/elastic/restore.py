@@ -23,7 +23,6 @@ result is close, not bitwise (``docs/elastic.md``).
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import time
 from collections import defaultdict
@@ -54,30 +53,16 @@ def assign_sources(needs: list[list[str]], haves: list[set[str]]) -> list[tuple[
     return out
 
 
-_LOCAL_EXPERT = re.compile(r"(mlp\.experts\.local_experts\.)\d+\.")
-
-
-def plan_free_name(name: str) -> str:
-    """A tensor name of an operator entry without the local expert index (``...local_experts.3.w`` ->
-    ``...local_experts.*.w``): the index of an expert among a rank's held experts depends on the plan, the
-    expert (one operator) does not."""
-    return _LOCAL_EXPERT.sub(r"\1*.", name)
-
-
 @torch.no_grad()
 def copy_into(registry, op: OperatorId, tensors: dict[str, torch.Tensor]) -> int:
     """Copy an entry written under any plan into this rank's live tensors of ``op`` (FULL); returns bytes."""
-    live = {plan_free_name(n): t for n, t in registry[op].tensors(Level.FULL).items()}
-    stored = {plan_free_name(n): t for n, t in tensors.items()}
-    return copy_checked(registry[op], live, stored, what=f"{op}: the stored entry",
+    return copy_checked(registry[op], registry[op].tensors(Level.FULL), tensors, what=f"{op}: the stored entry",
                         fix="the model flags must be those of the run that wrote it")
 
 
 def restore_reshaped(decision, runtime) -> dict:
     """Collective: restore this rank at ``decision.iteration`` (see the module docstring); returns the
     report section (bytes and operators local / from peers, seconds)."""
-    import torch.distributed as dist
-
     from moe_ft import comm
     from moe_ft.recovery.machine import restore_step_state
     from moe_ft.state.optimizer_views import ensure_optimizer_state
@@ -116,14 +101,13 @@ def restore_reshaped(decision, runtime) -> dict:
                 op = OperatorId.parse(name)
                 payload = store_of(local[op]).load(point, op, Level.FULL)
                 stats["bytes_sent"] += sum(t.nbytes for t in payload.values())
-            dist.send_object_list([payload], dst=dst, group=group)
+            comm.send_object(payload, dst, group)
         elif rank == dst:
-            box = [None]
-            dist.recv_object_list(box, src=src, group=group)
+            received = comm.recv_object(src, group)
             if name == META:
-                meta = box[0]
+                meta = received
             else:
-                stats["bytes_peer"] += copy_into(registry, OperatorId.parse(name), box[0])
+                stats["bytes_peer"] += copy_into(registry, OperatorId.parse(name), received)
                 stats["operators_peer"] += 1
     restore_step_state(meta[0], meta[1], train_state=runtime.state, popularity=runtime.popularity)
     opened.clear()

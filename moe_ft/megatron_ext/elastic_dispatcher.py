@@ -80,11 +80,19 @@ class ElasticTokenDispatcher(MoETokenDispatcher):
         if tuple(replicas.shape) != (num_experts, self.ep_size):
             raise ValueError(f"replica map must be [num_experts={num_experts}, EP size={self.ep_size}], "
                              f"got {tuple(replicas.shape)}")
-        self.replicas = replicas.to(torch.int64).cpu()
         self.ep_rank = dist.get_rank(self.ep_group)
-        self.held_experts = (self.replicas[:, self.ep_rank] > 0).nonzero().flatten().tolist()
+        self.set_replicas(replicas)
         self.topk = config.moe_router_topk
         self.dispatch_config = dispatch_config
+
+    def set_replicas(self, replicas: torch.Tensor) -> None:
+        """Dispatch by plan ``replicas`` from the next forward on (an in-run rebalance swaps it between
+        iterations, ``moe_ft/elastic/live.py``)."""
+        if tuple(replicas.shape) != (self.config.num_moe_experts, self.ep_size):
+            raise ValueError(f"replica map must be [num_experts={self.config.num_moe_experts}, EP size="
+                             f"{self.ep_size}], got {tuple(replicas.shape)}")
+        self.replicas = replicas.to(torch.int64).cpu()
+        self.held_experts = (self.replicas[:, self.ep_rank] > 0).nonzero().flatten().tolist()
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """``hidden_states: [S, B, H]``, ``routing_map, probs: [S*B, E]`` -> send buffer ``[S*B*k, H]`` and

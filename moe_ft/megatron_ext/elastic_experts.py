@@ -96,36 +96,69 @@ class ElasticExperts(SequentialMLP):
     by held expert in ascending id, as ``ElasticTokenDispatcher.dispatch_postprocess`` returns them.
     """
 
-    def __init__(self, config, submodules, pg_collection, *, replicas: torch.Tensor):
+    def __init__(self, config, submodules, pg_collection, *, replicas: torch.Tensor, num_slots: int | None = None):
         if config.fp8 or config.fp4:
             raise ValueError("the elastic experts do not support fp8/fp4; run in bf16 or fp32")
         ep_rank = dist.get_rank(pg_collection.ep)
         held_experts = (replicas[:, ep_rank] > 0).nonzero().flatten().tolist()
         if not held_experts:
             raise ValueError(f"EP rank {ep_rank} holds no expert replica; every rank needs >= 1 slot")
-        super().__init__(len(held_experts), config, submodules, pg_collection=pg_collection)
-        self.held_experts = held_experts
+        num_mlps = len(held_experts) if num_slots is None else num_slots
+        if num_mlps < len(held_experts):
+            raise ValueError(f"EP rank {ep_rank} holds {len(held_experts)} distinct experts but has {num_slots} slots")
+        super().__init__(num_mlps, config, submodules, pg_collection=pg_collection)
+        self.expert_numel = sum(p.numel() for p in self.local_experts[0].parameters())
+        self.set_plan(replicas, {e: i for i, e in enumerate(held_experts)})
+
+    # ------------------------------------------------------------------------------------- the plan
+    def set_plan(self, replicas: torch.Tensor, mlp_of: dict[int, int]) -> None:
+        """Serve plan ``replicas`` (``R[e, j]``) with MLP ``mlp_of[e]`` for each expert this EP rank holds
+        (the in-run rebalance, ``moe_ft/elastic/live.py``, moves the state first). MLPs holding no expert
+        are *spare slots*: in no forward, no gradient, not written by checkpoints (their state is
+        overwritten before they serve)."""
+        ep_rank = dist.get_rank(self.ep_group)
+        held = (replicas[:, ep_rank] > 0).nonzero().flatten().tolist()
+        if sorted(mlp_of) != held:
+            raise ValueError(f"EP rank {ep_rank}: MLPs given for experts {sorted(mlp_of)} but plan holds {held}")
+        if len(set(mlp_of.values())) != len(mlp_of) or not all(0 <= i < len(self.local_experts) for i in mlp_of.values()):
+            raise ValueError(f"EP rank {ep_rank}: MLP indices {mlp_of} must be distinct and < {len(self.local_experts)}")
         self.replicas = replicas
-        numel = sum(p.numel() for p in self.local_experts[0].parameters())
-        self.grad_sum = HolderGradSum(replicas, self.held_experts, numel, self.ep_group)
-        for e, mlp in zip(self.held_experts, self.local_experts):
-            if int((replicas[e] > 0).nonzero()[0]) != ep_rank:  # not the first holder: a duplicate
-                for p in mlp.parameters():
-                    p.shared = True  # Megatron's grad norm / zero count skip it: each expert counted once
+        self.held_experts = held
+        self.mlp_index = [mlp_of[e] for e in held]
+        """``local_experts`` index of each of ``held_experts``."""
+        self.grad_sum = HolderGradSum(replicas, self.held_experts, self.expert_numel, self.ep_group)
+        duplicates = {mlp_of[e] for e in held if int((replicas[e] > 0).nonzero()[0]) != ep_rank}
+        for i, mlp in enumerate(self.local_experts):
+            spare_or_duplicate = i in duplicates or i not in self.mlp_index
+            for p in mlp.parameters():
+                p.shared = spare_or_duplicate  # Megatron's grad norm / zero count skip it: each expert counted once
+
+    @property
+    def held_mlps(self) -> list:
+        """The MLP of each of ``held_experts`` (same order)."""
+        return [self.local_experts[i] for i in self.mlp_index]
+
+    @property
+    def expert_of_mlp(self) -> list[int]:
+        """Global expert index served by each ``local_experts`` MLP, ``-1`` for a spare slot."""
+        out = [-1] * len(self.local_experts)
+        for e, i in zip(self.held_experts, self.mlp_index):
+            out[i] = e
+        return out
 
     @torch.no_grad()
     def copy_from_standard(self, standard: SequentialMLP) -> None:
         """Broadcast every expert from its standard-EP home rank (``e // num_local``) to its holders."""
         num_local = standard.num_local_experts
         ep_rank = dist.get_rank(self.ep_group)
-        mine = {e: mlp for e, mlp in zip(self.held_experts, self.local_experts)}
+        mine = dict(zip(self.held_experts, self.held_mlps))
         for e in range(self.replicas.shape[0]):
             home = e // num_local
             if home == ep_rank:
                 flat = torch.cat([p.reshape(-1) for p in standard.local_experts[e % num_local].parameters()])
             else:
                 ref = next(standard.parameters())
-                flat = ref.new_empty(self.grad_sum.expert_numel)
+                flat = ref.new_empty(self.expert_numel)
             comm.broadcast(flat, src=dist.get_global_rank(self.ep_group, home), group=self.ep_group)
             if e in mine:
                 params = list(mine[e].parameters())
@@ -135,15 +168,16 @@ class ElasticExperts(SequentialMLP):
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         if self.config.moe_apply_probs_on_input:
             raise ValueError("moe_apply_probs_on_input is not supported by the elastic experts")
-        names = [[n for n, _ in mlp.named_parameters()] for mlp in self.local_experts]
-        weights = [p for mlp in self.local_experts for p in mlp.parameters()]
+        mlps = self.held_mlps
+        names = [[n for n, _ in mlp.named_parameters()] for mlp in mlps]
+        weights = [p for mlp in mlps for p in mlp.parameters()]
         if self.grad_sum.active and torch.is_grad_enabled():
             weights = _HolderGradSumFn.apply(self.grad_sum, len(names[0]), *weights)
         n = len(names[0])
         rows = tokens_per_expert.tolist()
         outputs = []
         for i, (mlp, tokens, probs) in enumerate(zip(
-            self.local_experts, permuted_local_hidden_states.split(rows), permuted_probs.split(rows)
+            mlps, permuted_local_hidden_states.split(rows), permuted_probs.split(rows)
         )):
             params = dict(zip(names[i], weights[i * n : (i + 1) * n]))
             out, bias = torch.func.functional_call(mlp, params, (tokens, probs))
@@ -166,7 +200,12 @@ class ElasticExperts(SequentialMLP):
         singleton_local_shards = (metadata or {}).get("singleton_local_shards", False)
         ep_rank, dp_rank, dp_size = dist.get_rank(self.ep_group), self.dp_group.rank(), self.dp_group.size()
         sharded = {}
-        for local_idx, (e, expert) in enumerate(zip(self.held_experts, self.local_experts)):
+        expert_of = self.expert_of_mlp
+        for local_idx, expert in enumerate(self.local_experts):
+            e = expert_of[local_idx]
+            spare = e < 0
+            if spare:  # written by nobody: declared a further copy of this rank's first expert (loads its state)
+                e = self.held_experts[0]
             local_prefix = f"{prefix}local_experts.{local_idx}."
             if singleton_local_shards:
                 sharded_prefix, offsets = f"{prefix}experts.{e}.", sharded_offsets
@@ -177,6 +216,8 @@ class ElasticExperts(SequentialMLP):
             replace_prefix_for_sharding(expert_sd, local_prefix, sharded_prefix)
             holders = (self.replicas[e] > 0).nonzero().flatten().tolist()
             holder_idx = holders.index(ep_rank)  # 0 on the first holder
+            if spare:  # after every holder of every rank: never the main replica
+                holder_idx = self.replicas.shape[1] + local_idx + 1
             for key, sh_ten in expert_sd.items():
                 replica_id = sh_ten.replica_id
                 assert len(replica_id) == 3, f"expected a (PP, TP, DP) replica id for {key}, got {replica_id}"

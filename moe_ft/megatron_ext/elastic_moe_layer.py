@@ -69,9 +69,20 @@ class ElasticMoELayer(MoELayer):
             replicas, config, pg_collection, DispatchConfig(backend=elastic.ft_dispatch_backend))
         no_init = copy.copy(config)
         no_init.perform_initialization = False  # weights come from the standard experts, not new RNG draws
-        experts = ElasticExperts(no_init, self._experts_spec.submodules, pg_collection, replicas=replicas)
+        # in-run rebalancing (--ft-rebalance-interval): one MLP per slot, so a plan with more distinct experts
+        # on this rank fits without new parameters (the optimizer and DDP stay as built)
+        num_slots = int(replicas.sum(0)[0]) if elastic.ft_rebalance_interval > 0 else None
+        experts = ElasticExperts(no_init, self._experts_spec.submodules, pg_collection, replicas=replicas,
+                                 num_slots=num_slots)
         experts.copy_from_standard(self.experts)
         self.experts = experts
+        self.replicas = replicas
+
+    def set_plan(self, replicas, mlp_of: dict[int, int]) -> None:
+        """Serve ``replicas`` from the next forward on, expert ``e`` by MLP ``mlp_of[e]`` (state already moved:
+        ``moe_ft/elastic/live.py``)."""
+        self.experts.set_plan(replicas, mlp_of)
+        self.token_dispatcher.set_replicas(replicas)
         self.replicas = replicas
 
     def forward(self, *args, **kwargs):

@@ -54,6 +54,10 @@ class SnapshotPolicy(abc.ABC):
     """Every snapshot point holds every operator FULL: the durable tier can also write it in
     Megatron's ``dist_checkpointing`` format (plain Megatron loads it)."""
 
+    starts_dense: ClassVar[bool] = False
+    """:meth:`start_dense` is implemented: the policy can make one iteration's snapshot a recovery point on
+    its own (every operator FULL), which the in-run rebalance needs (the new plan is recoverable at once)."""
+
     def __init__(self, operators: Sequence[OperatorInfo]) -> None:
         self.operators: tuple[OperatorInfo, ...] = validate_operators(operators)
         self.info: Mapping[OperatorId, OperatorInfo] = MappingProxyType({i.op: i for i in self.operators})
@@ -66,6 +70,12 @@ class SnapshotPolicy(abc.ABC):
 
     def state_dict(self) -> dict:
         return {"name": self.name}
+
+    def start_dense(self, iteration: int) -> None:
+        """The snapshot after ``iteration`` (not yet planned) must hold every operator FULL and be a
+        recovery point by itself, and no recovery may replay across it (the operators' holders changed
+        there: ``moe_ft/elastic/rebalance_component.py``). Policies with :attr:`starts_dense` implement it."""
+        raise NotImplementedError(f"the {self.name} policy cannot start a dense point")
 
     def load_state_dict(self, state: Mapping) -> None:
         if state.get("name") != self.name:

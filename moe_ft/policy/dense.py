@@ -28,6 +28,7 @@ class DensePolicy(SnapshotPolicy):
 
     name = "dense"
     dense_points = True
+    starts_dense = True
 
     @classmethod
     def config_from_flags(cls, flags, t_iter_s: float) -> DenseConfig:
@@ -36,9 +37,15 @@ class DensePolicy(SnapshotPolicy):
     def __init__(self, config: DenseConfig, operators: Sequence[OperatorInfo]) -> None:
         super().__init__(operators)
         self.config = config
+        self.forced: set[int] = set()
+        """Iterations snapshotted FULL outside the interval (:meth:`start_dense`); any FULL point is a
+        recovery point (``DenseRule``), so nothing else needs to remember them."""
 
     def is_checkpoint(self, iteration: int) -> bool:
-        return iteration % self.config.interval == self.config.offset
+        return iteration % self.config.interval == self.config.offset or iteration in self.forced
+
+    def start_dense(self, iteration: int) -> None:
+        self.forced = {it for it in self.forced if it >= iteration} | {iteration}
 
     def plan(self, iteration: int, popularity: Optional[object] = None) -> SnapshotPlan:
         level = Level.FULL if self.is_checkpoint(iteration) else Level.NONE

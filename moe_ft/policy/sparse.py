@@ -47,7 +47,14 @@ def recorded_windows(store) -> list[tuple[int, int]]:
             w = policy.get(key)
             if w:
                 windows.add((int(w["start"]), int(w["start"]) + int(w["length"]) - 1))
-    return sorted(windows)
+    return without_abandoned(windows)
+
+
+def without_abandoned(windows) -> list[tuple[int, int]]:
+    """Drop every window inside which a later window starts: it was abandoned there (a dense window opened by
+    :meth:`SparsePolicy.start_dense`), and a replay across that iteration would miss what happened at it."""
+    starts = sorted({start for start, _ in windows})
+    return sorted((s, e) for s, e in windows if not any(s < other <= e for other in starts))
 
 
 @dataclass(kw_only=True)
@@ -115,11 +122,27 @@ class SparsePolicy(SnapshotPolicy):
         return SparseWindowRule.aligned(operators, self.window_length, start_iteration)
 
     def retention_rule(self, operators):
-        """Windows aligned to the current one (after a recovery: the restored, recorded window)."""
-        window = self.current
-        if window is None:
+        """The remembered windows (current, previous), else windows aligned to the current one (after a
+        recovery: the restored, recorded window), read from the policy's state each time the store collects
+        garbage: after :meth:`start_dense` the one-iteration dense window counts until a window of the
+        configured length is complete behind it."""
+        if self.current is None:
             raise ValueError("the sparse policy has no window yet: call plan() once before retention_rule()")
-        return SparseWindowRule.aligned(operators, window.length, window.start % window.length)
+
+        def window_of(end: int) -> tuple[int, int] | None:
+            remembered = [w for w in (self.current, self.previous) if w is not None]
+            for w in remembered:
+                if w.end - 1 == end:
+                    return w.start, end
+            cur = remembered[0]
+            start = end - cur.length + 1
+            offset = cur.start % cur.length
+            if start < offset or (start - offset) % cur.length or any(w.start < end < w.end - 1 or start < w.start <= end
+                                                                      for w in remembered):
+                return None  # not a window boundary, or across a remembered window's start
+            return start, end
+
+        return SparseWindowRule(operators=frozenset(operators), window_of=window_of)
 
     def __init__(self, config: SparseConfig, operators: Sequence[OperatorInfo]) -> None:
         super().__init__(operators)
@@ -184,6 +207,18 @@ class SparsePolicy(SnapshotPolicy):
             nxt = SparseWindow(start, cur.length, cur.order, cur.slice_of)
         self.previous = SparseWindow(start - cur.length, cur.length, cur.order, cur.slice_of)
         self.current = nxt
+
+    starts_dense = True
+
+    def start_dense(self, iteration: int) -> None:
+        """A one-iteration window at ``iteration`` with every operator FULL: a recovery point by itself. The
+        window in progress is abandoned (recovery never replays across ``iteration``: :func:`without_abandoned`);
+        the next :meth:`plan` call past it opens a window of the configured length at ``iteration + 1``."""
+        cur = self.current
+        if cur is None:
+            raise ValueError("the sparse policy has no window yet: call plan() once before start_dense()")
+        self.previous = cur if cur.end <= iteration else None  # a complete window stays remembered
+        self.current = SparseWindow(iteration, 1, cur.order, {op: 0 for op in cur.slice_of})
 
     # ----------------------------------------------------------------------------------- plans
     def plan(self, iteration: int, popularity=None) -> SnapshotPlan:

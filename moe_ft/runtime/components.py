@@ -36,6 +36,10 @@ class Component:
     def after_recovery(self, report, session) -> None:
         """After a recovery resumed at ``report.recovery_point['resume']`` (abandoned timeline dropped)."""
 
+    def after_reconfigure(self, session) -> None:
+        """The rank's operators changed inside the run (an in-run rebalance moved experts; the runtime's
+        registry and ``session`` follow it already)."""
+
     def metrics(self, record) -> dict:
         """Fields of the FT log line; ``record``: the engine's newest :class:`SnapshotRecord` or ``None``."""
         return {}
@@ -111,6 +115,9 @@ class Durable(Component):
     def after_recovery(self, report, session) -> None:
         self.writer.tier.discard_after(self.rank, report.recovery_point["resume"] - 1)
         self.writer.rule = session.retention_rule  # the restored policy's windows
+
+    def after_reconfigure(self, session) -> None:
+        self.writer.rule = session.retention_rule  # the operators this rank holds now
 
     def metrics(self, record) -> dict:
         ends = self.writer.tier.complete_points() if self.writer.records else []

@@ -112,6 +112,11 @@ class FTRuntime(StepHooks):
         elastic = elastic_component(args, self)  # --ft-elastic: layout records; a changed world is re-planned
         if elastic is not None:
             self.components.append(elastic)
+            from moe_ft.elastic.rebalance_component import rebalance_component
+
+            rebalance = rebalance_component(args, self, elastic)  # --ft-rebalance-interval: re-plan in the run
+            if rebalance is not None:
+                self.components.append(rebalance)
             elastic.report_fallback()  # a world change live copies cannot serve: the reason, then the usual path
         if elastic is not None and elastic.reshaping:
             start_iteration = elastic.restore()  # every operator at the agreed point, onto the new plan
@@ -159,6 +164,23 @@ class FTRuntime(StepHooks):
         if durable is not None:
             self.durable = durable
             self.components.append(durable)
+
+    def reconfigure(self, iteration: int, change):
+        """Collective, after ``iteration``'s optimizer step: ``change(registry)`` moves operators between
+        ranks in place (an in-run rebalance, ``moe_ft/elastic/rebalance_component.py``) and returns ``(new
+        registry, result)``; the catalogue, the snapshot sessions (the snapshot of ``iteration`` becomes a
+        dense recovery point) and the components follow. Returns ``result``."""
+        from moe_ft.elastic.holders import catalogue_infos
+        from moe_ft.state.catalogue import gather_catalogue
+
+        registry, result = change(self.registry)
+        self.registry = registry
+        self.catalogue = gather_catalogue(catalogue_infos(registry.infos(), self.state.model), registry.ep_size)
+        for session in self.sessions:
+            session.reconfigure(registry, iteration)
+        for component in self.components:
+            component.after_reconfigure(self.active)
+        return result
 
     def build_session(self, snapshot_config, job_suffix: str = ""):
         """Another snapshot session over the same registry (the overhead benchmark compares policies)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_ft.state.naming import plan_free_name
 from moe_ft.state.operators import Level, OperatorId
 
 
@@ -27,7 +28,11 @@ def restore_operator(store, registry, iteration: int, op: OperatorId, level: Lev
 def copy_checked(state, live: dict, stored: dict, *, what: str, fix: str) -> int:
     """Copy ``stored`` into the operator's ``live`` tensors (same names, shapes and dtypes, else a
     ``ValueError`` naming ``what`` and the ``fix``), then run the operator's ``after_restore`` hooks;
-    returns the bytes copied."""
+    returns the bytes copied. Names are compared without the local expert index (``plan_free_name``): an
+    expert of the elastic layer may sit in another MLP slot than when it was written (a rebuilt model, an
+    in-run rebalance), and an operator holds one expert, so the names stay unique."""
+    live = {plan_free_name(n): t for n, t in live.items()}
+    stored = {plan_free_name(n): t for n, t in stored.items()}
     if set(stored) != set(live):
         missing, extra = sorted(set(live) - set(stored)), sorted(set(stored) - set(live))
         raise ValueError(f"{what} does not match this model's operator (missing {missing[:3]}, unexpected "

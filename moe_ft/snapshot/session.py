@@ -30,6 +30,20 @@ class SnapshotSession:
         recorded sparse window rather than one aligned to this run's start)."""
         self.store.retention = KeepTwoRecoverable(rule=self.policy.retention_rule(self.operators))
 
+    def reconfigure(self, registry, iteration: int) -> None:
+        """This rank's operators changed after ``iteration`` (an in-run rebalance moved experts): finish the
+        copies in flight, copy from ``registry``'s tensors from now on (new host buffers for the new
+        operators), make the snapshot of ``iteration`` a dense recovery point (the policy's
+        :meth:`~moe_ft.policy.base.SnapshotPolicy.start_dense`) and keep retention on the new operators."""
+        from moe_ft.snapshot import SnapshotEngine
+
+        config = self.engine.config
+        self.engine.close()
+        self.engine = SnapshotEngine(config, registry, self.store)
+        self.operators = list(registry)
+        self.policy.start_dense(iteration)
+        self.realign_retention()
+
     @property
     def retention_rule(self):
         return self.store.retention.rule

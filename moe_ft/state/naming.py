@@ -44,7 +44,10 @@ def operator_of(name: str, gpt) -> OperatorId | None:
         return OperatorId.gate(layer)
     local = _SEQUENTIAL.match(rest) or _TE_GROUPED.match(rest)
     if local is not None:
-        return OperatorId.expert_op(layer, global_expert_indices(layer_module.mlp)[int(local.group(1))])
+        expert = global_expert_indices(layer_module.mlp)[int(local.group(1))]
+        if expert < 0:
+            raise ValueError(f"{name} is a spare expert slot (no expert, no operator); skip it with is_spare_expert()")
+        return OperatorId.expert_op(layer, expert)
     if _GROUPED.match(rest):
         return None
     return OperatorId.dense(layer)
@@ -55,12 +58,35 @@ def global_expert_indices(moe_layer) -> list[int]:
 
     Standard EP: ``MoELayer.local_expert_indices`` (a contiguous block per EP rank). The elastic layer
     (``ElasticMoELayer``, Lazarus §4.1) holds an arbitrary set of replicated experts: its experts module's
-    ``held_experts`` (ascending), which need not be contiguous and may differ in number from ``E / EP``.
+    ``expert_of_mlp`` (``held_experts`` in MLP order; ``-1`` marks a spare slot kept for in-run rebalancing),
+    which need not be contiguous and may differ in number from ``E / EP``.
     """
-    held = getattr(getattr(moe_layer, "experts", None), "held_experts", None)
-    if held is not None:
-        return [int(e) for e in held]
+    experts = getattr(moe_layer, "experts", None)
+    if getattr(experts, "held_experts", None) is not None:
+        return [int(e) for e in experts.expert_of_mlp]
     return [int(e) for e in moe_layer.local_expert_indices]
+
+
+_LOCAL_EXPERT = re.compile(r"(mlp\.experts\.local_experts\.)\d+\.")
+
+
+def plan_free_name(name: str) -> str:
+    """A tensor name of an operator entry without the local expert index (``...local_experts.3.w`` ->
+    ``...local_experts.*.w``): which MLP of a rank serves an expert depends on the replica plan and on the
+    rebalances since the model was built; the expert (one operator) does not."""
+    return _LOCAL_EXPERT.sub(r"\1*.", name)
+
+
+def is_spare_expert(name: str, gpt) -> bool:
+    """Whether parameter ``name`` of ``gpt`` belongs to a spare expert slot of an elastic MoE layer (an MLP
+    that serves no expert until a rebalance moves one into it): part of no operator."""
+    m = _LAYER.match(name)
+    if m is None:
+        return False
+    local = _SEQUENTIAL.match(m.group(2))
+    if local is None:
+        return False
+    return global_expert_indices(gpt.decoder.layers[int(m.group(1))].mlp)[int(local.group(1))] < 0
 
 
 def grouped_expert_views(name: str, weight: torch.Tensor, num_local_experts: int) -> list[torch.Tensor]:

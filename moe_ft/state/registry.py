@@ -41,7 +41,7 @@ from typing import Iterable, Mapping
 import torch
 
 from moe_ft.precision.quantized import QuantizedWeight, is_float8_dtype, quantized_state
-from moe_ft.state.naming import grouped_expert_views, operator_of
+from moe_ft.state.naming import grouped_expert_views, is_spare_expert, operator_of
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo
 from moe_ft.state.optimizer_views import MainState, main_states
 
@@ -126,6 +126,8 @@ class OperatorRegistry:
             quantized, scaling = quantized_state(gpt)
             for name, param in gpt.named_parameters():
                 seen.add(id(param))
+                if is_spare_expert(name, gpt):  # an empty slot of the elastic layer: no operator's state
+                    continue
                 main = mains.get(id(param), (param, None))[1]
                 op = operator_of(name, gpt)
                 if op is None:
