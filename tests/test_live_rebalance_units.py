@@ -80,3 +80,20 @@ def test_rebalance_flags_are_checked():
     with pytest.raises(ValueError, match=">= 0"):
         ElasticConfig(ft_rebalance_interval=-1, ft_elastic=True)
     assert ElasticConfig(ft_rebalance_interval=4, ft_elastic=True).ft_rebalance_interval == 4
+
+
+@pytest.mark.parametrize("policy, recompute", [("pec", False), ("selective", True)])
+def test_rebalance_refuses_policies_without_a_dense_point(policy, recompute):
+    """Lossy policies (and so --ft-optimizer-recompute, which needs selective) cannot follow a rebalance."""
+    from types import SimpleNamespace
+
+    from moe_ft.config import FTConfig, ReplicationConfig, SnapshotConfig
+
+    ft = FTConfig(ft=True, snapshot=SnapshotConfig(policy=policy),
+                  replication=ReplicationConfig(replicas=1 if recompute else 0, optimizer_recompute=recompute))
+    args = SimpleNamespace(extra={"FTConfig": ft},
+                           model=SimpleNamespace(moe_token_dispatcher_type="flexible", num_layers=2, num_experts=4),
+                           parallel=SimpleNamespace(pipeline_model_parallel_size=1, use_distributed_optimizer=False))
+    cfg = ElasticConfig(ft_elastic=True, ft_rebalance_interval=4, ft_expert_replicas=["1", "1", "1", "1"])
+    with pytest.raises(ValueError, match=f"--ft-policy {policy} cannot take"):
+        cfg.check_args(args)

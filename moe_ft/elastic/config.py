@@ -152,13 +152,9 @@ class ElasticConfig:
             self._ft, self._num_layers = ft, args.model.num_layers
         if self.ft_rebalance_interval:
             ft = args.extra.get("FTConfig")
-            if ft.snapshot.policy not in ("sparse", "dense"):
-                raise ValueError(f"--ft-rebalance-interval: a rebalance starts the new plan with a dense point, which "
-                                 f"the sparse and dense policies record; --ft-policy {ft.snapshot.policy} does not "
-                                 f"(use sparse or dense)")
-            if ft.replication.optimizer_recompute:
-                raise ValueError("--ft-rebalance-interval with --ft-optimizer-recompute: the peer's recomputed "
-                                 "optimizer state is keyed by the plan at start; drop one of them")
+            if not getattr(ft.snapshot.policy_cls, "starts_dense", False):
+                raise ValueError(f"--ft-rebalance-interval: a rebalance starts the new plan with a dense recovery "
+                                 f"point, which --ft-policy {ft.snapshot.policy} cannot take (use sparse or dense)")
 
     @property
     def per_layer(self) -> bool:

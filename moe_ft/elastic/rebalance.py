@@ -1,4 +1,4 @@
-"""Rebalancing expert replicas inside a running job: the plan and the state moves (Lazarus §4.3, §5).
+"""Rebalancing expert replicas inside a running job: the plan (Lazarus §4.3, §5).
 
 Loads drift during training; Lazarus re-allocates replicas (eq. 1) from the loads measured since the last
 plan and re-places them, moving as little state as possible ("periodic rebalancing as loads drift", SPEC §6).
@@ -8,17 +8,10 @@ every replica a rank already has; only an expert that a rank gains is fetched, f
 fetches spread over the holders, §4.3). A layer whose eq.-1 replica counts did not change keeps its plan
 as it is (nothing moves).
 
-Two pieces, no training loop here:
-
-* :func:`plan_rebalance` -- arithmetic only (no process group): new ``R[e][j]`` per layer, the fetches, and
-  per EP rank the experts it keeps, gains and drops. Every rank computes the same result from the same
-  (all-reduced) loads.
-* :func:`move_expert_states` -- executes the fetches on one EP rank's per-expert state (compute weights,
-  fp32 master, Adam ``exp_avg``/``exp_avg_sq``/``step``; any dict of tensors per expert): blocking
-  sends/receives in one global order over a host (gloo) group, so each pair of ranks meets its transfers in
-  the same order and cannot deadlock (the ordering of ``restore.restore_reshaped``). The bytes go through
-  pickled tensors on the host path (``docs/communication.md``): bit-exact, no device collective involved.
-  A moved expert arrives with exactly the state it had on its source, so a rebalance changes no value.
+Arithmetic only (no process group): :func:`plan_rebalance` gives the new ``R[e][j]`` per layer, the
+fetches, and per EP rank the experts it keeps, gains and drops; every rank computes the same result from
+the same (all-reduced) loads. ``live.py`` executes a plan on the running model (the state moves) and
+``rebalance_component.py`` decides when.
 
 Exactness: all replicas of an expert hold identical state (``ElasticExperts``: broadcast at build, gradients
 summed over the holders before the optimizer step), so it does not matter which holder sends. What a
@@ -27,13 +20,9 @@ rebalance does change is which replica serves which tokens; see docs/elastic.md 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-import torch
-
-from moe_ft import comm
 from moe_ft.elastic.allocation import allocate_replicas
 from moe_ft.elastic.planner import PlacementConfig
 from moe_ft.elastic.reshape import Fetch, replan
@@ -111,43 +100,3 @@ def plan_rebalance(replicas: Mapping[int, Sequence[Sequence[int]]], loads: Mappi
     assert not out.lost, "a live plan holds every expert somewhere"
     new = {layer: out.replicas.get(layer, old[layer]) for layer in sorted(replicas)}
     return RebalancePlan(old=old, new=new, fetches=list(out.fetches))
-
-
-ExpertStates = dict[ExpertKey, dict[str, torch.Tensor]]
-"""State tensors by name (weights, master, Adam moments, step) per held expert."""
-
-
-def move_expert_states(plan: RebalancePlan, states: ExpertStates, *, ep_rank: int, group,
-                       global_rank_of_ep: Sequence[int]) -> tuple[ExpertStates, dict]:
-    """Run ``plan.fetches`` for EP rank ``ep_rank``.
-
-    ``states``: this rank's state per held expert before the rebalance (keys must equal
-    ``plan.held(ep_rank, after=False)``); ``group``: a host (gloo) group containing the ranks of
-    ``global_rank_of_ep`` (global rank of every EP rank). Returns the state per held expert after the
-    rebalance (kept entries are the same tensors, received ones are new; dropped ones are gone) and the
-    stats ``{"bytes_sent", "bytes_received", "experts_received", "seconds"}``.
-    """
-    have = plan.held(ep_rank, after=False)
-    if set(states) != have:
-        raise ValueError(f"EP rank {ep_rank} passed state for {sorted(states)} but holds {sorted(have)} under "
-                         f"the current plan; pass exactly the experts it holds")
-    t0 = time.perf_counter()
-    stats = {"bytes_sent": 0, "bytes_received": 0, "experts_received": 0}
-    received: ExpertStates = {}
-    for f in sorted(plan.fetches, key=lambda f: (f.layer, f.expert_idx, f.dst, f.src)):
-        key = (f.layer, f.expert_idx)
-        if f.src == ep_rank:
-            payload = {name: t.detach().cpu() for name, t in states[key].items()}
-            stats["bytes_sent"] += sum(t.nbytes for t in payload.values())
-            comm.send_object(payload, global_rank_of_ep[f.dst], group)
-        elif f.dst == ep_rank:
-            received[key] = comm.recv_object(global_rank_of_ep[f.src], group)
-            stats["bytes_received"] += sum(t.nbytes for t in received[key].values())
-            stats["experts_received"] += 1
-    after = plan.held(ep_rank, after=True)
-    out = {key: states[key] for key in sorted(after & have)}
-    out.update(received)
-    missing = after - set(out)
-    assert not missing, f"EP rank {ep_rank} ends without state for {sorted(missing)}"
-    stats["seconds"] = round(time.perf_counter() - t0, 6)
-    return dict(sorted(out.items())), stats
