@@ -11,7 +11,9 @@ from the recent loads and only the experts a rank gains move.
   killed at iteration 9 (recovers from the dense point of the new plan at 7), rank 2 at 14 (the dense point
   at 11, two iterations re-executed), and rank 1 once more inside the snapshot of iteration 19 -- right
   after the rebalance at 19 moved states, before the layout record names the new plans: the restart builds
-  the old plans, recovers from their window and rebalances again the same way.
+  the old plans, recovers from their window and rebalances again the same way;
+* the final ``--save`` checkpoint (spare slots under optional keys) loads into a new job that starts from
+  the flags' plan, and training goes on.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import glob
 import json
 import math
-import os
 
 import pytest
 
@@ -31,11 +32,11 @@ PARAM_BOUND = 1e-4
 """Largest |parameter difference| with vs without rebalancing after 22 iterations (observed: printed)."""
 
 
-def _run(corpus, tmp_path, job, extra, faults=()):
+def _run(corpus, tmp_path, job, extra, faults=(), iters=ITERS):
     from moe_ft.cli.drill import run_job
 
     return run_job(job=job, workdir=str(tmp_path), timeout=400, store=str(tmp_path / f"{job}_store"),
-                   layout="dp2ep2-flexible", policy="sparse", iters=ITERS, data=corpus, window=WINDOW,
+                   layout="dp2ep2-flexible", policy="sparse", iters=iters, data=corpus, window=WINDOW,
                    faults=list(faults), max_restarts=len(faults), extra=[*FLEXIBLE, *extra])
 
 
@@ -46,7 +47,8 @@ def test_rebalance_in_the_run_moves_state_exactly_and_recovers_bitwise(corpus, t
     plain = _run(corpus, tmp_path, "plain", [])
     assert plain["rc"] == 0, f"see {plain['log']}"
     every = ["--ft-rebalance-interval", str(INTERVAL)]
-    ref = _run(corpus, tmp_path, "ref", every)
+    ckpt = str(tmp_path / "ckpt")
+    ref = _run(corpus, tmp_path, "ref", [*every, "--save", ckpt])
     assert ref["rc"] == 0 and ref["digest"], f"see {ref['log']}"
     (history_file,) = glob.glob(str(tmp_path / "ref_store" / "ref" / "reports" / "rebalance_rank0_*.json"))
     history = json.loads(open(history_file).read())
@@ -70,4 +72,10 @@ def test_rebalance_in_the_run_moves_state_exactly_and_recovers_bitwise(corpus, t
     points = [r["recovery_point"] for r in faulty["reports"]]
     assert [(p["start"], p["end"]) for p in points[:2]] == [(7, 7), (11, 11)], points  # the dense points
     assert points[2]["end"] < 19, "the new plans were not recorded yet: the old plans' point serves"
-    assert os.path.exists(faulty["log"])
+
+    # the checkpoint written under a rebalanced plan (spare slots included) loads into a job that starts
+    # from the flags' plan: the spare slots the checkpoint lacks keep their values, training goes on
+    resumed = _run(corpus, tmp_path, "resumed", [*every, "--load", ckpt], iters=ITERS + 2)
+    assert resumed["rc"] == 0, f"see {resumed['log']}"
+    log = open(resumed["log"]).read()
+    assert "Missing key" not in log and f"iteration     {ITERS + 2}/{ITERS + 2} | loss" in log, log[-2000:]

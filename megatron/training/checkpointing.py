@@ -99,6 +99,34 @@ def _sharded_state_dict(state: TrainState, is_loading: bool) -> dict:
     }
 
 
+OPTIONAL = ".optional."
+"""A sharded tensor whose key has this component may be absent from a checkpoint: then it keeps its current
+value (moe-ft's spare expert slots, which exist only under some replica plans)."""
+
+
+def _keep_absent_optional(sharded: dict, path: str) -> None:
+    """Replace the optional sharded tensors (:data:`OPTIONAL`) that the checkpoint at ``path`` lacks, model
+    and optimizer state alike, by their current values (loaded as they are); optional sharded objects (e.g.
+    a module's ``_extra_state``) keep theirs always."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
+
+    present = None
+
+    def keep(x):
+        nonlocal present
+        if isinstance(x, ShardedObject) and OPTIONAL in x.key:
+            return LocalNonpersistentObject(x.data)
+        if isinstance(x, ShardedTensor) and OPTIONAL in x.key:
+            if present is None:
+                present = set(dist_checkpointing.load_tensors_metadata(path))
+            if x.key not in present:
+                return LocalNonpersistentObject(x.data)
+        return x
+
+    dict_list_map_inplace(keep, sharded)
+
+
 def _restore_adam_steps(optimizer) -> None:
     """After loading, give every param state the step its param group carries.
 
@@ -191,6 +219,7 @@ def load_checkpoint(root: str, state: TrainState) -> int:
         if dist.get_rank() == 0:
             log.warning("%s was saved by %d ranks, loading on %d: the RNG state is not restored (as Megatron-LM "
                         "with a changed world size); everything else is", path, saved_world, dist.get_world_size())
+    _keep_absent_optional(sharded, path)
     try:
         loaded = dist_checkpointing.load(sharded, path)
     except Exception as e:  # dist_checkpointing raises many types; name the checkpoint in the error

@@ -203,10 +203,10 @@ class ElasticExperts(SequentialMLP):
         expert_of = self.expert_of_mlp
         for local_idx, expert in enumerate(self.local_experts):
             e = expert_of[local_idx]
-            spare = e < 0
-            if spare:  # written by nobody: declared a further copy of this rank's first expert (loads its state)
-                e = self.held_experts[0]
             local_prefix = f"{prefix}local_experts.{local_idx}."
+            if e < 0:
+                sharded.update(self._spare_sharded(expert, local_prefix, prefix, local_idx, sharded_offsets, metadata))
+                continue
             if singleton_local_shards:
                 sharded_prefix, offsets = f"{prefix}experts.{e}.", sharded_offsets
             else:
@@ -216,11 +216,24 @@ class ElasticExperts(SequentialMLP):
             replace_prefix_for_sharding(expert_sd, local_prefix, sharded_prefix)
             holders = (self.replicas[e] > 0).nonzero().flatten().tolist()
             holder_idx = holders.index(ep_rank)  # 0 on the first holder
-            if spare:  # after every holder of every rank: never the main replica
-                holder_idx = self.replicas.shape[1] + local_idx + 1
             for key, sh_ten in expert_sd.items():
                 replica_id = sh_ten.replica_id
                 assert len(replica_id) == 3, f"expected a (PP, TP, DP) replica id for {key}, got {replica_id}"
                 sh_ten.replica_id = (*replica_id[:2], dp_rank + holder_idx * dp_size)  # unique per copy
             sharded.update(expert_sd)
         return sharded
+
+    def _spare_sharded(self, expert, local_prefix, prefix, local_idx, sharded_offsets, metadata):
+        """A spare slot's tensors under keys of their own (``<prefix>optional.spare_slots.L<layer>.ep<j>.mlp<k>.``,
+        one per layer, EP rank and MLP; the expert-DP copies are replicas): written, so that the optimizer's
+        sharded state has a key for every parameter, and *optional* on load
+        (``megatron/training/checkpointing.py``: absent under another replica plan, they keep their values --
+        a spare slot holds no training state). A plain ``GPTModel`` never asks for them."""
+        layer = sharded_offsets[0][1] if sharded_offsets else 0  # Megatron's layer axis: (axis, layer, num_layers)
+        ep_rank = dist.get_rank(self.ep_group)
+        expert_sd = expert.sharded_state_dict(local_prefix, (), metadata)
+        replace_prefix_for_sharding(expert_sd, local_prefix,
+                                    f"{prefix}optional.spare_slots.L{layer}.ep{ep_rank}.mlp{local_idx}.")
+        for sh_ten in expert_sd.values():
+            sh_ten.replica_id = (*sh_ten.replica_id[:2], self.dp_group.rank())
+        return expert_sd
