@@ -224,3 +224,21 @@ def test_critical_section_starts_where_the_optimizer_updates(tmp_path):
     assert guard.publish("x").iteration is None  # between the update and the capture of 7
     guard.completed(7, META, {})
     assert guard.updating is None and guard.publish("x").iteration == 7
+
+
+def test_a_held_stop_waits_for_the_log_line(tmp_path):
+    """The runtime holds a SIGTERM after the step until the loop printed the iteration (``after_log``)."""
+    reg = make_registry(0)
+    guard = guard_for(tmp_path, reg)
+    logged = []
+
+    def train():
+        guard.completed(4, dict(META, iteration=4), {}, hold=True)
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives before the loss line of iteration 4 is printed
+        logged.append(4)
+        guard.release()  # StepHooks.after_log
+        raise AssertionError("not reached: the held stop takes effect at the release")
+
+    assert run_guarded(train, lambda: guard) == 1
+    assert logged == [4]
+    assert survivor_store(str(tmp_path), "job", 3).points() == [4]

@@ -91,6 +91,10 @@ class StepHooks:
     def on_step_end(self, iteration: int, result: StepResult) -> None:
         return None
 
+    def after_log(self, iteration: int) -> None:
+        """After ``iteration``'s log line (if any) is printed: the end of the iteration in the loop."""
+        return None
+
     def before_optimizer_step(self, iteration: int) -> None:
         """After forward/backward, right before the optimizer updates the weights: a snapshot of the
         previous iteration's state must be off the weights by now (the wait is the snapshot stall)."""
@@ -243,6 +247,7 @@ def train(state: TrainState, data: ReplayableData, args: Args, start_iteration: 
                     log.warning("loss is not finite at iteration %d", done)
         elif t.progress and rank0:
             _progress(done, t.train_iters, report.losses[-1] if report.losses else float("nan"))
+        hooks.after_log(iteration)
         if t.eval_interval and done % t.eval_interval == 0:
             eval_loss = evaluate(state, data, args)
             report.eval_losses.append((done, eval_loss))

@@ -24,6 +24,9 @@ What "completed" means, and why it is exact:
   iteration, failed) leaves a state that belongs to neither iteration: the rank publishes nothing and is
   treated as failed. A peer lost while the survivors wait in the grad-norm all-reduce leaves them outside
   it, with the state of ``t``;
+* the runtime holds a deferred SIGTERM a little longer, until the training loop printed the iteration's
+  log line (``completed(hold=True)``, released by ``StepHooks.after_log``): a completed iteration never
+  loses its loss line (the elastic drill compares loss curves line by line);
 * outside the critical section the forward/backward of ``t+1`` has only touched gradients, activations,
   the RNG and the open popularity counters, none of which the point takes from the live state: RNG and
   counters come from the captured metadata of ``t``, and so do the routers' expert biases (Megatron moves
@@ -139,6 +142,9 @@ class SurvivorGuard:
         """The iteration whose optimizer step is in progress (the critical section), else ``None``."""
         self.pending_signal: int | None = None
         self.stopped_at: float | None = None
+        self.holding = False
+        """After :meth:`completed` with ``hold=True``: a SIGTERM still waits for :meth:`release` (the
+        iteration's log line is printed first, so a completed iteration never loses it)."""
 
     # ------------------------------------------------------------------------ per-iteration bookkeeping
     def begin_update(self, iteration: int | None = None) -> None:
@@ -158,11 +164,20 @@ class SurvivorGuard:
 
         optimizer.step_with_ready_grads = step_with_ready_grads
 
-    def completed(self, iteration: int, meta: dict, tensors: Mapping[str, torch.Tensor]) -> None:
+    def completed(self, iteration: int, meta: dict, tensors: Mapping[str, torch.Tensor], *,
+                  hold: bool = False) -> None:
         """The metadata of ``iteration`` is captured: ``iteration`` is completed, the critical section ends.
-        A SIGTERM deferred during it takes effect now."""
+        A SIGTERM deferred during it takes effect now, or with ``hold`` at :meth:`release` (the training loop
+        calls it once the iteration is logged)."""
         self.last = Completed(iteration, meta, dict(tensors))
         self.updating = None
+        self.holding = hold
+        if not hold:
+            self.release()
+
+    def release(self) -> None:
+        """End a hold (:meth:`completed`): a deferred SIGTERM takes effect now."""
+        self.holding = False
         if self.pending_signal is not None:
             signum, self.pending_signal = self.pending_signal, None
             raise SurvivorStop(signum)
@@ -172,6 +187,7 @@ class SurvivorGuard:
         completed state again (a stop during the rest of the recovery publishes it once more)."""
         self.last = Completed(iteration, dict(meta), dict(tensors))
         self.updating = None
+        self.holding = False
 
     def forget(self) -> None:
         """The live state no longer matches :attr:`last` (a recovery is rewriting it)."""
@@ -182,7 +198,7 @@ class SurvivorGuard:
         """SIGTERM handler (main thread): stop now, or at the end of the critical section."""
         if self.stopped_at is None:
             self.stopped_at = time.monotonic()
-        if self.updating is not None:
+        if self.updating is not None or self.holding:
             self.pending_signal = signum
             return
         raise SurvivorStop(signum)

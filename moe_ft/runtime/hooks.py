@@ -240,9 +240,15 @@ class FTRuntime(StepHooks):
 
     # ---------------------------------------------------------------------------------- iteration
     def on_step_begin(self, iteration: int) -> None:
+        if self.survivor is not None:
+            self.survivor.release()  # a hold not ended by after_log (e.g. the first iteration after a recovery)
         for component in self.components:
             component.on_step_begin(iteration)
         self.check_fault(iteration, "recovery" if self._in_recovery(iteration) else "forward")
+
+    def after_log(self, iteration: int) -> None:
+        if self.survivor is not None:
+            self.survivor.release()  # a stop deferred since the step takes effect once the line is out
 
     def before_optimizer_step(self, iteration: int) -> None:
         if not self._in_recovery(iteration):
@@ -287,7 +293,7 @@ class FTRuntime(StepHooks):
         for component in self.components:
             tensors.update(component.snapshot_tensors())
         if self.survivor is not None:  # iteration completed: a stop from now on publishes this state
-            self.survivor.completed(iteration, meta, tensors)
+            self.survivor.completed(iteration, meta, tensors, hold=True)  # until the loop logged it
         self.on_snapshot(iteration, plan)
         session.engine.submit(iteration, plan, meta, tensors)
         if not replaying:
