@@ -120,8 +120,9 @@ class ElasticExperts(SequentialMLP):
         held = (replicas[:, ep_rank] > 0).nonzero().flatten().tolist()
         if sorted(mlp_of) != held:
             raise ValueError(f"EP rank {ep_rank}: MLPs given for experts {sorted(mlp_of)} but plan holds {held}")
-        if len(set(mlp_of.values())) != len(mlp_of) or not all(0 <= i < len(self.local_experts) for i in mlp_of.values()):
-            raise ValueError(f"EP rank {ep_rank}: MLP indices {mlp_of} must be distinct and < {len(self.local_experts)}")
+        num_mlps = len(self.local_experts)
+        if len(set(mlp_of.values())) != len(mlp_of) or not all(0 <= i < num_mlps for i in mlp_of.values()):
+            raise ValueError(f"EP rank {ep_rank}: MLP indices {mlp_of} must be distinct and < {num_mlps}")
         self.replicas = replicas
         self.held_experts = held
         self.mlp_index = [mlp_of[e] for e in held]

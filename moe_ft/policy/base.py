@@ -75,7 +75,8 @@ class SnapshotPolicy(abc.ABC):
         """The snapshot after ``iteration`` (not yet planned) must hold every operator FULL and be a
         recovery point by itself, and no recovery may replay across it (the operators' holders changed
         there: ``moe_ft/elastic/rebalance_component.py``). Policies with :attr:`starts_dense` implement it."""
-        raise NotImplementedError(f"the {self.name} policy cannot start a dense point")
+        raise ValueError(f"the {self.name} policy cannot make a snapshot a dense recovery point (an in-run "
+                         f"rebalance needs one); use --ft-policy sparse or dense")
 
     def load_state_dict(self, state: Mapping) -> None:
         if state.get("name") != self.name:

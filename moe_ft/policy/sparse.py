@@ -103,6 +103,7 @@ class SparsePolicy(SnapshotPolicy):
     """MoEvement sparse checkpointing; see the module docstring."""
 
     name = "sparse"
+    starts_dense = True
     reads_popularity = True
 
     @classmethod
@@ -137,8 +138,8 @@ class SparsePolicy(SnapshotPolicy):
             cur = remembered[0]
             start = end - cur.length + 1
             offset = cur.start % cur.length
-            if start < offset or (start - offset) % cur.length or any(w.start < end < w.end - 1 or start < w.start <= end
-                                                                      for w in remembered):
+            inside = any(w.start < end < w.end - 1 or start < w.start <= end for w in remembered)
+            if start < offset or (start - offset) % cur.length or inside:
                 return None  # not a window boundary, or across a remembered window's start
             return start, end
 
@@ -207,8 +208,6 @@ class SparsePolicy(SnapshotPolicy):
             nxt = SparseWindow(start, cur.length, cur.order, cur.slice_of)
         self.previous = SparseWindow(start - cur.length, cur.length, cur.order, cur.slice_of)
         self.current = nxt
-
-    starts_dense = True
 
     def start_dense(self, iteration: int) -> None:
         """A one-iteration window at ``iteration`` with every operator FULL: a recovery point by itself. The

@@ -164,12 +164,12 @@ class Replication:
             grads, full = sum(r.gradient_bytes for r in records), sum(r.replaced_bytes for r in records)
             # one write per line: ranks share the job's stdout, and print() writes the newline separately
             sys.stdout.write(f"moe-ft optimizer recomputation rank {self.layout.rank}: {len(records)} points sent "
-                  f"{sum(r.num_gradients for r in records)} experts as gradients ({grads / 1e6:.3f} MB for "
-                  f"{full / 1e6:.3f} MB of FULL state) and {sum(r.num_full for r in records)} as FULL "
-                  f"({sum(r.full_bytes for r in records) / 1e6:.3f} MB), capture {self.capture.seconds:.3f} s; "
-                  "recomputed "
-                  f"{len(self.receiver.recomputed)} for its sources in {self.receiver.seconds:.3f} s, "
-                  f"{len(self.receiver.failures)} failed\n")
+                             f"{sum(r.num_gradients for r in records)} experts as gradients ({grads / 1e6:.3f} MB for "
+                             f"{full / 1e6:.3f} MB of FULL state) and {sum(r.num_full for r in records)} as FULL "
+                             f"({sum(r.full_bytes for r in records) / 1e6:.3f} MB), capture {self.capture.seconds:.3f} s; "
+                             "recomputed "
+                             f"{len(self.receiver.recomputed)} for its sources in {self.receiver.seconds:.3f} s, "
+                             f"{len(self.receiver.failures)} failed\n")
             sys.stdout.flush()
 
 
