@@ -61,6 +61,13 @@ class SnapshotConfig:
     snapshot_bubble_aware: bool = field(default=False, metadata=field_help(
         "Bubble-aware snapshots (MoEtion §5.3, Alg. 4; CPU engine, pipeline parallelism): the part of each "
         "copy that fits the profiled pipeline bubbles waits for the stage to idle in a p2p exchange."))
+    snapshot_direct_write: bool = field(default=True, metadata=field_help(
+        "CPU engine: write the live tensors straight into the store's entry files (one copy; the next "
+        "optimizer step waits until they are written) instead of copying them into slot buffers first. "
+        "Bubble-aware snapshots and the GPU path always copy into buffers."))
+    store_recycle: bool = field(default=True, metadata=field_help(
+        "Write new entries over the files of deleted points of the same size (tmpfs pages reused instead "
+        "of freed and allocated again; the pool holds at most one round of deleted points)."))
     snapshot_write_threads: int = field(default=0, metadata=field_help(
         "Threads writing one snapshot's entries into the store (0 = 1 on CPU, 4 on CUDA: one thread writes "
         "~1.3 GB/s on an H100 host, far below the device-to-host copy)."))

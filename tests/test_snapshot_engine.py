@@ -39,11 +39,16 @@ def step(registry: OperatorRegistry) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("num_slots,write_threads", [(1, None), (2, None), (2, 3)])
-def test_snapshots_hold_the_state_at_submit_and_reuse_buffers(tmp_path, num_slots, write_threads):
+@pytest.mark.parametrize("num_slots,write_threads,direct", [(1, None, False), (2, None, False), (2, 3, False),
+                                                            (1, None, True), (2, None, True), (2, 3, True)])
+def test_snapshots_hold_the_state_at_submit_and_reuse_buffers(tmp_path, num_slots, write_threads, direct):
+    """Both CPU paths: slot buffers (copy, then write) and direct writes of the live tensors (the
+    optimizer step may only run once they are written: ``wait_copied``)."""
     registry = make_registry()
     store = StoreConfig(root=str(tmp_path), job_id="j", rank=0).build(retention=KeepAll())
-    engine = SnapshotEngine(EngineConfig(num_slots=num_slots, write_threads=write_threads), registry, store)
+    engine = SnapshotEngine(EngineConfig(num_slots=num_slots, write_threads=write_threads, direct_write=direct),
+                            registry, store)
+    assert engine.direct is direct
     expected, allocated = {}, []
     try:
         for it in range(10):
@@ -67,7 +72,8 @@ def test_snapshots_hold_the_state_at_submit_and_reuse_buffers(tmp_path, num_slot
     assert len(set(allocated)) == 1, f"host buffers were reallocated: {allocated}"
     assert store.points() == list(range(10))
     full = sum(registry[op].nbytes(Level.FULL) for op in OPS)
-    assert allocated[0] == num_slots * (full + 5 * 4)  # every operator FULL + the metadata tensor
+    # every operator FULL (slot buffers only) + the metadata tensor
+    assert allocated[0] == num_slots * ((0 if direct else full) + 5 * 4)
     for it, ops in expected.items():
         catalog = store.verify([it])
         assert catalog.problems == ()
@@ -106,7 +112,7 @@ def test_host_buffers_are_allocated_at_build_for_the_largest_plan(tmp_path):
     device stall to report."""
     registry = make_registry()
     store = StoreConfig(root=str(tmp_path), job_id="j", rank=0).build(retention=KeepAll())
-    engine = SnapshotEngine(EngineConfig(num_slots=2), registry, store)
+    engine = SnapshotEngine(EngineConfig(num_slots=2, direct_write=False), registry, store)
     full = sum(registry[op].nbytes(Level.FULL) for op in OPS)
     try:
         assert not engine.cuda and engine.buffers.allocated_bytes == 2 * full
@@ -124,6 +130,27 @@ def test_host_buffers_are_allocated_at_build_for_the_largest_plan(tmp_path):
         assert engine.records[0].device_stall_s is None and engine.records[0].copy_s > 0
     finally:
         engine.close()
+
+
+def test_direct_writes_are_the_cpu_default_and_refused_where_they_cannot_work(tmp_path):
+    """On CPU the engine writes live tensors by default (no operator buffers at all); a bubble schedule
+    needs slot buffers, so asking for both is an error naming the fix."""
+    from moe_ft.snapshot.bubbles import BubbleGate, BubbleSchedule
+
+    registry = make_registry()
+    store = StoreConfig(root=str(tmp_path), job_id="j", rank=0).build(retention=KeepAll())
+    engine = SnapshotEngine(EngineConfig(), registry, store)
+    try:
+        assert engine.direct and engine.buffers.arena_bytes == 0 and engine.buffers.allocated_bytes == 0
+        engine.submit(0, {op: Level.FULL for op in OPS}, {}, {})
+        assert engine.wait_copied() >= 0 and engine.records[0].copy_s > 0
+        engine.flush()
+        assert store.verify([0]).problems == ()
+    finally:
+        engine.close()
+    bubbles = BubbleSchedule(gate=BubbleGate())
+    with pytest.raises(ValueError, match="direct_write needs .* no bubble schedule"):
+        SnapshotEngine(EngineConfig(bubbles=bubbles, direct_write=True), registry, store)
 
 
 def test_no_torch_function_is_a_null_context_when_disabled():

@@ -7,9 +7,12 @@ Timeline of iteration ``t`` (the state after the update of ``t`` is what the sna
                         forward/backward(t+1) runs meanwhile
                         wait_copied() ← right before optimizer.step(t+1); the wait is the *stall*
 
-* **CPU** (the registry's tensors live on the CPU): a background thread copies the plan's tensors into
-  host buffers and then writes them to the store. Forward/backward only read the weights, so copying
-  overlaps them; ``wait_copied`` blocks the training thread until the copy (not the write) is done.
+* **CPU** (the registry's tensors live on the CPU): a background thread writes the plan's live tensors
+  straight into the store's entry files (checksum + ``write``: one copy; ``EngineConfig.direct_write``),
+  then the metadata entry and the manifest. Forward/backward only read the weights, so the writes overlap
+  them; ``wait_copied`` blocks the training thread until the operators' entries are written (not until
+  the point is published). With a bubble schedule (or ``direct_write=False``) the thread first copies the
+  tensors into host buffers (a slot) and ``wait_copied`` waits for that copy only.
 * **GPU** (any registry tensor on CUDA): ``submit`` makes a side CUDA stream wait for the compute stream
   (the optimizer step of ``t`` is queued there), issues the slot's device-to-host copies on it in one
   batched call (``torch._foreach_copy_``, non-blocking, into page-locked buffers) and records an event.
@@ -64,6 +67,12 @@ class EngineConfig:
     """Threads writing one snapshot's entries to the store in parallel (checksum + write release the GIL;
     one thread sustains ~1.3 GB/s on an H100 host, far below the ~55 GB/s of the copy). ``None``: 1 on CPU
     (the training processes own the cores), 4 on GPU."""
+
+    direct_write: bool | None = None
+    """One copy instead of two (CPU path): the background thread checksums and writes the live tensors
+    straight into the store's entry files, and ``wait_copied`` returns once they are written; no slot
+    buffers are allocated for operators. ``None``: on for a CPU registry without a bubble schedule (whose
+    tensors are all contiguous), off otherwise. The GPU path always copies into pinned buffers first."""
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -139,8 +148,10 @@ class SnapshotEngine:
         self.store = store
         layout = {f"{op}/{name}": t.detach() for op in registry for name, t in registry[op].tensors(Level.FULL).items()}
         self.cuda = torch.cuda.is_available() and any(t.is_cuda for t in layout.values())
+        self.direct = _direct_write(config, self.cuda, layout)
         pin = self.cuda if config.pin_memory is None else config.pin_memory
-        self.buffers = HostBuffers(config.num_slots, pin, layout)  # every operator FULL: the largest plan
+        # every operator FULL (the largest plan); direct writes need buffers for the metadata only
+        self.buffers = HostBuffers(config.num_slots, pin, None if self.direct else layout)
         self._free = queue.Queue()
         for slot in range(config.num_slots):
             self._free.put(slot)
@@ -196,11 +207,14 @@ class SnapshotEngine:
         entry = self._entries.get((slot, op, level))
         if entry is None:
             tensors = {name: src.detach() for name, src in self.registry[op].tensors(level).items()}
-            out = {name: self.buffers.view(slot, f"{op}/{name}") for name in tensors}
-            srcs, bufs = list(tensors.values()), list(out.values())
+            if self.direct:  # the store writes the live tensors; nothing to copy first
+                out, srcs, bufs = tensors, [], []
+            else:
+                out = {name: self.buffers.view(slot, f"{op}/{name}") for name in tensors}
+                srcs, bufs = list(tensors.values()), list(out.values())
             dev = [self.cuda and s.is_cuda for s in srcs]
             entry = _Entry(op=op, level=level, srcs=srcs, bufs=bufs, out=out,
-                           nbytes=sum(src.nbytes for src in srcs),
+                           nbytes=sum(t.nbytes for t in out.values()),
                            dev_srcs=[s for s, d in zip(srcs, dev) if d], dev_bufs=[b for b, d in zip(bufs, dev) if d],
                            host_srcs=[s for s, d in zip(srcs, dev) if not d],
                            host_bufs=[b for b, d in zip(bufs, dev) if not d])
@@ -344,10 +358,11 @@ class SnapshotEngine:
             job.record.copy_s = job.start_event.elapsed_time(job.cuda_event) / 1e3
         elif self.config.bubbles is not None:
             job.record.copy_s = self._copy_in_bubbles(job, self.config.bubbles)
-        else:
+        elif not self.direct:
             _copy_entries(job.items)
             job.record.copy_s = time.perf_counter() - start
-        job.copied.set()
+        if not self.direct:
+            job.copied.set()
         start = time.perf_counter()
         pool_cpu = 0.0
         with self.store.begin(job.record.iteration) as point:
@@ -358,6 +373,9 @@ class SnapshotEngine:
             else:
                 for entry in job.items:
                     point.put(entry.op, entry.level, entry.out)
+            if self.direct:  # the live tensors are written: the next optimizer step may change them
+                job.record.copy_s = time.perf_counter() - start
+                job.copied.set()
             point.put_meta(job.meta, job.meta_tensors)
             point.publish()
         job.record.write_s = time.perf_counter() - start
@@ -388,6 +406,18 @@ class SnapshotEngine:
                             start=t0, end=t1, bytes=entry.nbytes)
         schedule.observe_copy(sum(e.nbytes for e in items), copy_s)
         return copy_s
+
+
+def _direct_write(config: EngineConfig, cuda: bool, layout: Mapping[str, torch.Tensor]) -> bool:
+    """Whether the engine writes live tensors directly (``EngineConfig.direct_write``)."""
+    possible = not cuda and config.bubbles is None and all(t.is_contiguous() for t in layout.values())
+    if config.direct_write is None:
+        return possible
+    if config.direct_write and not possible:
+        raise ValueError("EngineConfig.direct_write needs a CPU registry of contiguous tensors and no bubble "
+                         "schedule (the GPU path copies into pinned buffers, bubble-aware copies into slot "
+                         "buffers); leave it None to choose automatically")
+    return config.direct_write
 
 
 def _copy_entries(entries) -> None:

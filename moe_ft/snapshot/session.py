@@ -65,7 +65,7 @@ def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: 
     operators = list(ctx.registry)
     retention = KeepTwoRecoverable(rule=policy.retention_rule(operators))
     job_id = config.job_id + job_suffix
-    store = StoreConfig(root=config.store_dir, job_id=job_id, rank=ctx.rank).build(
+    store = StoreConfig(root=config.store_dir, job_id=job_id, rank=ctx.rank, recycle=config.store_recycle).build(
         retention=retention, fault_hook=ctx.store_fault_hook)
     bubbles = None
     if config.snapshot_bubble_aware:
@@ -74,6 +74,8 @@ def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: 
         # the runtime's BubbleScheduling component drains the trace and intervals every iteration
         bubbles = BubbleSchedule(BubbleGate(keep_intervals=True), trace=[])
     engine = SnapshotEngine(EngineConfig(num_slots=config.snapshot_slots, bubbles=bubbles,
-                                         write_threads=config.snapshot_write_threads or None), ctx.registry, store)
+                                         write_threads=config.snapshot_write_threads or None,
+                                         direct_write=None if config.snapshot_direct_write else False),
+                            ctx.registry, store)
     return SnapshotSession(config.policy, policy, engine, store, operators=operators,
                            store_root=config.store_dir, job_id=job_id)

@@ -133,9 +133,12 @@ class WrittenEntry:
 def write_entry(
     write: Callable[[Any], Any], key: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
     algo: str, meta: Mapping[str, Any] | None = None, *, meta_json: str | None = None,
+    expect: Callable[[int], Any] | None = None,
 ) -> WrittenEntry:
     """Stream one entry through ``write`` (called with byte buffers, in order) and return its record.
-    ``meta_json``: ``meta`` already encoded with :func:`encode_meta` (instead of ``meta``)."""
+    ``meta_json``: ``meta`` already encoded with :func:`encode_meta` (instead of ``meta``). ``expect``: called
+    once with the entry's exact size in bytes before the first ``write`` (a sink can take a recycled file of
+    that size, :class:`moe_ft.store.local.LocalFSBackend`)."""
     checked = [(name, _check_tensor(name, t)) for name, t in tensors.items()]
     sizes = [(dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size()) for _, t in checked]
     if meta is not None:
@@ -160,6 +163,10 @@ def write_entry(
         reserve = len(header_bytes) + 64
     header_bytes = header_bytes.ljust(reserve, b" ")  # JSON tolerates trailing spaces
     digest = new_checksum(algo)
+    body = table[-1]["offset"] + table[-1]["nbytes"] if table else _PREFIX.size + len(header_bytes)
+    size = body + digest.digest_size + _TAIL.size
+    if expect is not None:
+        expect(size)
     pos = 0
     # Small pieces (prefix, header, padding, small tensors) are gathered into one buffer and checksummed
     # and written together: one write call per ~COALESCE bytes instead of two per tensor.
@@ -195,7 +202,8 @@ def write_entry(
     flush()
     final = digest.digest()
     write(final + _TAIL.pack(pos, END_MAGIC))
-    return WrittenEntry(pos + len(final) + _TAIL.size, final.hex(), tuple(dict(r) for r in table))
+    assert pos == body, (pos, body)  # the layout above is what was written
+    return WrittenEntry(size, final.hex(), tuple(dict(r) for r in table))
 
 
 def _dumps(obj: Any) -> str:

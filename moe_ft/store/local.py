@@ -5,24 +5,31 @@ survive the death of the worker process (not of the node). Layout (see ``docs/st
     <dir>/points/<iteration:012d>/      published points: MANIFEST.json + one file per entry
     <dir>/staging/<iteration:012d>.<pid>.<n>/   points being written (or left by a killed writer)
     <dir>/trash/...                     points being deleted
-    <dir>/recycle/<blob name>           entry files of deleted points, overwritten by the next entry of that
-                                        name (tmpfs pages reused, not freed and allocated again)
+    <dir>/recycle/<size>.<n>            entry files of deleted points, by exact size; the next entry of
+                                        that size is written over one (tmpfs pages reused, not freed and
+                                        allocated again)
 
 Publishing a point is one ``rename(2)`` of its staging directory into ``points/``: atomic on POSIX file
 systems, so a reader sees either the whole point or nothing. With ``fsync=True`` every file, the staging
 directory and ``points/`` are fsynced around the rename (needed only on disks: tmpfs cannot lose data
 that a process wrote, and does not survive a reboot anyway).
 
-Recycling (``recycle=True``; off by default, see ``docs/store.md``): garbage collection moves the entry files of a deleted point into
-``recycle/`` (one file per blob name, the newest) and the next entry of that name is written *over* it in
-its staging directory, then truncated to its length. On tmpfs a new file costs a page allocation and
-zeroing per 4 KiB before the copy — about as much again as the copy (measured: 38 ms against 20 ms per
-100 MB here) — and snapshots write the same entries every few iterations. The pool holds at most one file
-per entry name (at most about one FULL snapshot of the rank); publishing is unchanged (write, then rename).
+Recycling (``recycle=True``, see ``docs/store.md``): deleting a point moves its entry files into
+``recycle/``, named by their size; an entry whose size equals a pooled file's (the store passes each
+entry's exact size before writing it, :meth:`BlobSink.expect`) is written *over* that file in its staging
+directory. On tmpfs a new file costs a page allocation and zeroing per 4 KiB before the copy, about as much
+again as the copy (measured: 38 ms against 20 ms per 100 MB here); snapshots write entries of the same few
+sizes every iteration (an operator's FULL and COMPUTE entries never change size; the experts of a layer
+share theirs). The pool is bounded by the most bytes that were deleted between two consecutive points
+(one round of garbage collection), oldest files freed first, so it holds at most what the next round of
+points needs and tmpfs use exceeds that of a store without recycling by at most one such round. Files
+found in ``recycle/`` when the backend opens (a previous process's pool) are freed. Publishing is
+unchanged (write, then one rename).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import json
@@ -63,15 +70,94 @@ def _valid_name(name: str) -> str:
     return name
 
 
+class _RecyclePool:
+    """Entry files of deleted points in ``directory``, by exact size, oldest first (see the module
+    docstring). Thread-safe: a point's entries may be written from several threads."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        shutil.rmtree(directory, ignore_errors=True)  # a previous process's pool: its bound is unknown
+        os.makedirs(directory, exist_ok=True)
+        self._lock = threading.Lock()
+        self._files: dict[str, int] = {}  # pooled file name -> size, in insertion order (oldest first)
+        self._by_size: dict[int, list[str]] = {}
+        self._counter = itertools.count()
+        self.bytes = 0
+        """Bytes in the pool now."""
+        self.limit = 0
+        """The most bytes deleted between two consecutive points so far: the pool's bound."""
+        self._freed = 0
+        self.reused = 0
+        """Entries written over a pooled file (for tests and benchmarks)."""
+
+    def new_point(self) -> None:
+        with self._lock:
+            self._freed = 0
+
+    def add(self, path: str, size: int) -> None:
+        """Move ``path`` (a file of a point being deleted, ``size`` bytes) into the pool."""
+        name = f"{size}.{next(self._counter)}"
+        os.rename(path, f"{self.directory}/{name}")
+        with self._lock:
+            self._files[name] = size
+            self._by_size.setdefault(size, []).append(name)
+            self.bytes += size
+            self._freed += size
+            self.limit = max(self.limit, self._freed)
+            doomed = []
+            while self.bytes > self.limit:
+                old = next(iter(self._files))
+                self._drop(old)
+                doomed.append(old)
+        for old in doomed:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{self.directory}/{old}")
+
+    def take(self, size: int, path: str) -> bool:
+        """Move a pooled file of exactly ``size`` bytes to ``path``; ``False`` if the pool has none."""
+        with self._lock:
+            names = self._by_size.get(size)
+            if not names:
+                return False
+            name = names[-1]  # the newest: most likely still in cache
+            self._drop(name)
+        try:
+            os.rename(f"{self.directory}/{name}", path)
+        except FileNotFoundError:  # removed behind our back (another process opened this store): a new file
+            return False
+        with self._lock:
+            self.reused += 1
+        return True
+
+    def _drop(self, name: str) -> None:
+        size = self._files.pop(name)
+        names = self._by_size[size]
+        names.remove(name)
+        if not names:
+            del self._by_size[size]
+        self.bytes -= size
+
+
 class _FileSink(BlobSink):
+    """Writes one entry file; opened at the size hint (a pooled file of that size is written over) or at
+    the first write."""
+
     def __init__(self, writer: "_LocalWriter", name: str) -> None:
         self._writer, self._name = writer, name
-        path = f"{writer.path}/{name}"
-        self._reused = writer.backend._take_recycled(name, path)
-        self._file = open(path, "r+b" if self._reused else "xb", buffering=0)
+        self._path = f"{writer.path}/{name}"
+        self._file = None
+        self._reused = False
         self._written = 0
 
+    def expect(self, nbytes: int | None) -> None:
+        if self._file is None:
+            pool = self._writer.backend._pool
+            self._reused = pool is not None and nbytes is not None and pool.take(nbytes, self._path)
+            self._file = open(self._path, "r+b" if self._reused else "xb", buffering=0)
+
     def write(self, buf: Any) -> None:
+        if self._file is None:
+            self.expect(None)
         view = memoryview(buf).cast("B")
         self._written += len(view)
         while view:  # raw (unbuffered) writes may be short
@@ -79,7 +165,9 @@ class _FileSink(BlobSink):
         self._writer.backend._hook("blob_write", self._writer.iteration, self._name)
 
     def close(self) -> None:
-        if self._reused:  # a recycled file may be longer than this entry
+        if self._file is None:
+            self.expect(None)
+        if self._reused:  # the hint is a promise of the caller's: never leave stale bytes past the end
             self._file.truncate(self._written)
         if self._writer.backend.fsync:
             os.fsync(self._file.fileno())
@@ -138,7 +226,6 @@ class LocalFSBackend(StoreBackend):
         self.directory = Path(directory)
         self.fsync = fsync
         self.recycle = recycle
-        self._recycle_str = str(self.directory / "recycle")
         self._fault_hook = fault_hook
         self.points_dir = self.directory / "points"
         self._points_str = str(self.points_dir)
@@ -160,6 +247,7 @@ class LocalFSBackend(StoreBackend):
         found = json.loads(fmt.read_text())
         if found.get("format") != FORMAT["format"] or found.get("version") != FORMAT["version"]:
             raise StoreError(f"{fmt}: unsupported store format {found}; this moe-ft reads {FORMAT}")
+        self._pool = _RecyclePool(str(self.directory / "recycle")) if recycle else None
 
     def _hook(self, phase: str, iteration: int, name: str) -> None:
         if self._fault_hook is not None:
@@ -177,6 +265,8 @@ class LocalFSBackend(StoreBackend):
             raise ValueError(f"iteration must be >= 0, got {iteration}")
         path = self.staging_dir / f"{iteration:012d}.{os.getpid()}.{next(self._counter)}"
         path.mkdir(parents=True)
+        if self._pool is not None:
+            self._pool.new_point()
         with self._lock:
             self._open.add(path)
         return _LocalWriter(self, iteration, path)
@@ -222,16 +312,6 @@ class LocalFSBackend(StoreBackend):
     def open_blob(self, iteration: int, name: str) -> BinaryIO:
         return open(f"{self._point_path(iteration)}/{_valid_name(name)}", "rb")
 
-    def _take_recycled(self, name: str, path: str) -> bool:
-        """Move the recycled file of blob ``name`` to ``path`` (a staging file); ``False`` if there is none."""
-        if not self.recycle:
-            return False
-        try:
-            os.rename(f"{self._recycle_str}/{name}", path)
-        except FileNotFoundError:
-            return False
-        return True
-
     def delete_point(self, iteration: int) -> None:
         target = self.trash_dir / f"{iteration:012d}.{os.getpid()}.{next(self._counter)}"
         self.trash_dir.mkdir(exist_ok=True)
@@ -239,11 +319,11 @@ class LocalFSBackend(StoreBackend):
             os.rename(self._point_path(iteration), target)  # invisible from here on
         except FileNotFoundError:
             return
-        if self.recycle:
-            os.makedirs(self._recycle_str, exist_ok=True)
-            for name in os.listdir(target):
-                if name != MANIFEST:  # replaces (frees) an older recycled file of that name
-                    os.rename(f"{target}/{name}", f"{self._recycle_str}/{name}")
+        if self._pool is not None:
+            with os.scandir(target) as entries:
+                files = [(e.path, e.stat().st_size) for e in entries if e.name != MANIFEST and e.is_file()]
+            for path, size in files:
+                self._pool.add(path, size)
         shutil.rmtree(target, ignore_errors=True)
 
     def sweep_staging(self) -> int:

@@ -55,10 +55,8 @@ class StoreConfig:
     fsync: bool = False
     """fsync files and directories around publish. Only useful when ``root`` is a disk; tmpfs needs none."""
     recycle: bool = False
-    """Reuse the entry files of deleted points for new entries of the same name (tmpfs pages overwritten
-    instead of freed and allocated again; ``docs/store.md`` "Recycled entry files"). Off by default: it
-    cut a single store's write CPU 1.6-2.8x, but in the interleaved overhead benchmark it slowed the
-    partial-plan policies down, unexplained so far."""
+    """Write new entries over the files of deleted points of the same size (tmpfs pages overwritten
+    instead of freed and allocated again; ``docs/store.md`` "Recycled entry files")."""
     checksum: str = DEFAULT_CHECKSUM
     """Entry checksum: ``xxh3_64`` (default: fastest, 64-bit), ``crc32`` (the former default, zlib) or
     ``blake2b``. Points written with any of them stay readable (the manifest names the algorithm)."""
@@ -113,7 +111,8 @@ class PendingPoint:
     def _write(self, blob: str, key: dict, tensors: Mapping[str, torch.Tensor], meta_json=None):
         sink = self._writer.open_blob(blob)
         try:
-            written = write_entry(sink.write, key, tensors, self._store.checksum, meta_json=meta_json)
+            written = write_entry(sink.write, key, tensors, self._store.checksum, meta_json=meta_json,
+                                  expect=sink.expect)
         finally:
             sink.close()
         return written

@@ -1,6 +1,6 @@
 """Checkpoint overhead of the snapshot policies on a CPU model (issues 3 and 14), side by side in one run.
 
-    python tools/bench/ckpt_overhead.py [--model {tiny,medium}] [--quick] [--json] [--nproc {2,4}] [--data-path PREFIX]
+    python tools/bench/ckpt_overhead.py [--model {tiny,medium}] [--quick] [--json] [--nproc {2,4}] [--two-copies] [--data-path PREFIX]
 
 Models: ``tiny`` (2 layers, hidden 64, 4 experts top-2, seq 64; ~50 ms of CPU per iteration: fixed
 per-iteration costs dominate) and ``medium`` (4 layers, hidden 256, 8 experts top-2, seq 128; >= 1 s per
@@ -14,8 +14,12 @@ cycling, so every policy sees the same machine noise; the first cycle is warm-up
 
 * ``overhead_ratio``: median wall time of its iterations / median of ``none`` (begin of ``t`` to begin of
   ``t+1``: includes the plan, metadata capture, submit and the stall);
-* ``cpu_ratio``: the same with CPU time (all threads of the rank) instead of wall time: what the snapshots
-  cost in CPU, much less sensitive than wall time to other load on a shared machine;
+* ``cpu_ratio``: the same with the job's CPU time per iteration (all threads of all ranks, summed over the
+  ranks) instead of wall time: what the snapshots cost in CPU, much less sensitive than wall time to other
+  load on a shared machine. Summing over the ranks cancels the data noise of a single rank: with
+  expert parallelism an iteration's routing decides how many tokens each rank's experts get, but not the
+  total (every token goes to ``topk`` experts somewhere); ``cpu_ratio_per_rank`` is the median over ranks
+  of each rank's own ratio of medians (the definition before issue 14's second round; it carries that noise);
 * ``stall_ms``: median wait of the optimizer step for the snapshot copy;
 * ``hook_ms``: median time of the FT hook after the optimizer step on the training thread (popularity
   all-reduce, plan, metadata capture, submit; ``none`` pays the all-reduce only); ``hook_cpu_ms``: its CPU;
@@ -46,11 +50,12 @@ WINDOW = 5
 DENSE_K = 5
 POLICIES = ["none", "dense(1)", f"dense(k)", "pec", "selective", "sparse"]
 BUBBLES = "sparse(bubbles)"  # sparse with bubble-aware copies (MoEtion Alg. 4): pipeline parallelism only
+TWO_COPIES = "sparse(2 copies)"  # --two-copies: sparse through slot buffers into new files (the path before)
 
 
-def labels(pp: int) -> list[str]:
+def labels(pp: int, two_copies: bool = False) -> list[str]:
     """The sessions compared, in cycling order."""
-    return POLICIES + ([BUBBLES] if pp > 1 else [])
+    return POLICIES + ([BUBBLES] if pp > 1 else []) + ([TWO_COPIES] if two_copies else [])
 MODELS = {  # flags, measured cycles (default, --quick)
     "tiny": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
               "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
@@ -78,6 +83,9 @@ def worker(argv: list[str]) -> int:
 
     out = argv.pop(argv.index("--out") + 1)
     argv.remove("--out")
+    two_copies = "--two-copies" in argv
+    if two_copies:
+        argv.remove("--two-copies")
     meta_cpu: list[float] = []
     capture = meta_module.capture_step_meta
 
@@ -93,7 +101,7 @@ def worker(argv: list[str]) -> int:
     base = args.extra["FTConfig"]
     block = WINDOW
     pp = args.parallel.pipeline_model_parallel_size
-    cycle = labels(pp)
+    cycle = labels(pp, two_copies)
 
     class Bench(FTRuntime):
         def build(self, t_iter_s):
@@ -114,6 +122,9 @@ def worker(argv: list[str]) -> int:
             }
             if pp > 1:
                 variants[BUBBLES] = dict(policy="sparse", sparse_window=WINDOW, snapshot_bubble_aware=True)
+            if two_copies:
+                variants[TWO_COPIES] = dict(policy="sparse", sparse_window=WINDOW, snapshot_direct_write=False,
+                                            store_recycle=False)
             for s in self.sessions:
                 s.close()
             self.by_label = {name: self.build_session(dataclasses.replace(base.snapshot, **kw), job_suffix=f"-{i}")
@@ -159,7 +170,7 @@ def worker(argv: list[str]) -> int:
 
         def on_train_end(self, report):
             super().on_train_end(report)  # flushes the engines
-            summarize(self, args, out)  # collectives: before pretrain() shuts the process group down
+            summarize(self, args, out, two_copies)  # collectives: before pretrain() shuts the process group down
 
     from moe_ft.compat import activate_all
 
@@ -168,14 +179,14 @@ def worker(argv: list[str]) -> int:
     return 0
 
 
-def summarize(runtime, args, out: str) -> None:
+def summarize(runtime, args, out: str, two_copies: bool = False) -> None:
     import torch.distributed as dist
 
     from moe_ft.policy import SparsePolicy
     from moe_ft.state.operators import Level
 
     block = WINDOW
-    names = labels(args.parallel.pipeline_model_parallel_size)
+    names = labels(args.parallel.pipeline_model_parallel_size, two_copies)
     first_measured = block * len(names)  # the first cycle is warm-up
     reg = runtime.registry
     local: dict = {}
@@ -197,6 +208,7 @@ def summarize(runtime, args, out: str) -> None:
         local[label] = {"median_s": statistics.median(times),
                          "meta_cpu_ms": 1e3 * statistics.median(meta) if meta else 0.0,
                          "median_cpu_s": statistics.median(cpu),
+                         "cpu_by_iter": {t: runtime.iteration_cpu[t] for t in its if t in runtime.iteration_cpu},
                          "hook_cpu_ms": 1e3 * statistics.median(runtime.hook_cpu[t] for t in its if t in runtime.hook_cpu),
                          "hook_ms": 1e3 * statistics.median(hook) if hook else 0.0,
                          "thread_cpu_ms": 1e3 * statistics.median([getattr(r, "thread_cpu_s", 0.0) for r in recs])
@@ -207,14 +219,21 @@ def summarize(runtime, args, out: str) -> None:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     if dist.get_rank() == 0:
+        def job_cpu(name: str) -> float:
+            """Median over the policy's iterations of the CPU seconds of all ranks together."""
+            its = set.intersection(*(set(g[name]["cpu_by_iter"]) for g in gathered))
+            return statistics.median(sum(g[name]["cpu_by_iter"][t] for g in gathered) for t in its)
+
         base_t = statistics.median([g["none"]["median_s"] for g in gathered])
         base_cpu = statistics.median([g["none"]["median_cpu_s"] for g in gathered])
+        base_job = job_cpu("none")
         report = {}
         for name in names:
             med = statistics.median([g[name]["median_s"] for g in gathered])
             cpu = statistics.median([g[name]["median_cpu_s"] for g in gathered])
             report[name] = {"overhead_ratio": round(med / base_t, 4),
-                            "cpu_ratio": round(cpu / base_cpu, 4),
+                            "cpu_ratio": round(job_cpu(name) / base_job, 4),
+                            "cpu_ratio_per_rank": round(cpu / base_cpu, 4),
                             "hook_cpu_ms": round(statistics.median(g[name]["hook_cpu_ms"] for g in gathered), 3),
                             "stall_ms": round(max(g[name]["stall_ms"] for g in gathered), 4),
                             "hook_ms": round(statistics.median(g[name]["hook_ms"] for g in gathered), 3),
@@ -224,7 +243,8 @@ def summarize(runtime, args, out: str) -> None:
                             "bytes_per_recovery_point": int(max(g[name]["bytes_per_recovery_point"] for g in gathered))}
         report["_setup"] = {"window": WINDOW, "dense_k": DENSE_K, "iterations": args.training.train_iters,
                             "ranks": dist.get_world_size(),
-                            "median_iter_s_none": round(base_t, 4), "median_iter_cpu_s_none": round(base_cpu, 4)}
+                            "median_iter_s_none": round(base_t, 4), "median_iter_cpu_s_none": round(base_cpu, 4),
+                            "median_job_cpu_s_none": round(base_job, 4)}
         with open(out, "w") as f:
             json.dump(report, f)
 
@@ -280,6 +300,9 @@ def main() -> int:
                    help="fewer measured cycles (tiny: 3 instead of 10, < 3 min; medium: 1 instead of 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by policy (and _setup)")
     p.add_argument("--data-path", default=None, help="indexed dataset prefix (default: a generated corpus)")
+    p.add_argument("--two-copies", action="store_true",
+                   help=f"add the session {TWO_COPIES!r}: sparse through slot buffers into new files (the data path "
+                        "before direct writes and recycled files), side by side with 'sparse'")
     p.add_argument("--nproc", type=int, default=4, choices=sorted(PP),
                    help="training processes: 4 (EP=2 x PP=2, default) or 2 (EP=2, one stage: one process per core)")
     a = p.parse_args()
@@ -297,14 +320,15 @@ def main() -> int:
             preprocess(os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "corpus"))
             data = os.path.join(tmp, "corpus")
         cycles = 1 + (cycles_quick if a.quick else cycles_default)
-        names = labels(PP[a.nproc])
+        names = labels(PP[a.nproc], a.two_copies)
         iters = cycles * WINDOW * len(names)
         out = os.path.join(tmp, "report.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}", __file__,
                "--worker", "--out", out, *flags, "--pipeline-model-parallel-size", str(PP[a.nproc]),
                "--train-iters", str(iters), "--log-interval", str(iters),
-               "--data-path", data, "--ft", "--ft-store-dir", shm, "--ft-sparse-window", str(WINDOW)]
+               "--data-path", data, "--ft", "--ft-store-dir", shm, "--ft-sparse-window", str(WINDOW),
+               *(["--two-copies"] if a.two_copies else [])]
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
@@ -319,12 +343,12 @@ def main() -> int:
     if a.json:
         print(json.dumps(report))
     else:
-        print(f"{'policy':15s} {'overhead':>9s} {'cpu ratio':>9s} {'floor ratio':>11s} {'stall ms':>9s} {'hook ms':>8s} "
+        print(f"{'policy':17s} {'overhead':>9s} {'cpu ratio':>9s} {'floor ratio':>11s} {'stall ms':>9s} {'hook ms':>8s} "
               f"{'hook cpu':>8s} {'meta cpu':>8s} {'thread ms':>10s} {'floor ms':>9s} {'bytes/iter':>12s} "
               f"{'bytes/recovery pt':>18s}")
         for name in names:
             r = report[name]
-            print(f"{name:15s} {r['overhead_ratio']:9.3f} {r['cpu_ratio']:9.3f} {r['floor_ratio']:11.4f} "
+            print(f"{name:17s} {r['overhead_ratio']:9.3f} {r['cpu_ratio']:9.3f} {r['floor_ratio']:11.4f} "
                   f"{r['stall_ms']:9.3f} {r['hook_ms']:8.2f} {r['hook_cpu_ms']:8.2f} {r['meta_cpu_ms']:8.2f} "
                   f"{r['thread_cpu_ms']:10.2f} {r['floor_ms']:9.3f} {r['bytes_per_iter']:12d} "
                   f"{r['bytes_per_recovery_point']:18d}")
