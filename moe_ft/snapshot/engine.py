@@ -102,6 +102,9 @@ class SnapshotRecord:
     write_s: float = 0.0
     thread_cpu_s: float = 0.0
     """CPU time the background thread spent on this snapshot (copy + write + publish + GC)."""
+    entries_cpu_s: float = 0.0
+    """The part of ``thread_cpu_s`` spent until the operators' entries were written (the rest: metadata
+    entry, manifest, publish, garbage collection)."""
     published: bool = False
 
 
@@ -373,6 +376,7 @@ class SnapshotEngine:
             else:
                 for entry in job.items:
                     point.put(entry.op, entry.level, entry.out)
+            job.record.entries_cpu_s = time.thread_time() - cpu0 + pool_cpu
             if self.direct:  # the live tensors are written: the next optimizer step may change them
                 job.record.copy_s = time.perf_counter() - start
                 job.copied.set()

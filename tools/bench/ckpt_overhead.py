@@ -1,6 +1,6 @@
 """Checkpoint overhead of the snapshot policies on a CPU model (issues 3 and 14), side by side in one run.
 
-    python tools/bench/ckpt_overhead.py [--model {tiny,medium}] [--quick] [--json] [--nproc {2,4}] [--two-copies] [--data-path PREFIX]
+    python tools/bench/ckpt_overhead.py [--model {tiny,medium}] [--quick] [--json] [--nproc {2,4}] [--two-copies] [--warmup-cycles N] [--data-path PREFIX]
 
 Models: ``tiny`` (2 layers, hidden 64, 4 experts top-2, seq 64; ~50 ms of CPU per iteration: fixed
 per-iteration costs dominate) and ``medium`` (4 layers, hidden 256, 8 experts top-2, seq 128; >= 1 s per
@@ -10,7 +10,7 @@ Launches ``torchrun`` (4 ranks, EP=2 x PP=2, 1 thread each; ``--nproc 2``: EP=2,
 session (policy + engine + store) per policy — ``none``, ``dense(1)``, ``dense(k)``, ``pec``,
 ``selective``, ``sparse`` and, with pipeline parallelism, ``sparse(bubbles)`` (bubble-aware copies, MoEtion
 Alg. 4) — and hands iterations to them in blocks of ``W`` (the sparse window),
-cycling, so every policy sees the same machine noise; the first cycle is warm-up. Reported per policy:
+cycling, so every policy sees the same machine noise; the first cycle (``--warmup-cycles``) is warm-up. Reported per policy:
 
 * ``overhead_ratio``: median wall time of its iterations / median of ``none`` (begin of ``t`` to begin of
   ``t+1``: includes the plan, metadata capture, submit and the stall);
@@ -20,11 +20,15 @@ cycling, so every policy sees the same machine noise; the first cycle is warm-up
   expert parallelism an iteration's routing decides how many tokens each rank's experts get, but not the
   total (every token goes to ``topk`` experts somewhere); ``cpu_ratio_per_rank`` is the median over ranks
   of each rank's own ratio of medians (the definition before issue 14's second round; it carries that noise);
+  ``main_cpu_ratio``: ``cpu_ratio`` of the training threads alone (what the policy costs the training
+  thread itself: hook, capture, and any slowdown the snapshot thread causes it);
 * ``stall_ms``: median wait of the optimizer step for the snapshot copy;
 * ``hook_ms``: median time of the FT hook after the optimizer step on the training thread (popularity
   all-reduce, plan, metadata capture, submit; ``none`` pays the all-reduce only); ``hook_cpu_ms``: its CPU;
 * ``thread_cpu_ms``: median CPU time of the background snapshot thread per snapshot (copy, encode,
   checksum, write, publish, garbage collection) — CPU the 2 shared cores lose to the training processes;
+* ``entries_cpu_ms``: the part of ``thread_cpu_ms`` spent until the operators' entries were written (the
+  rest: metadata entry, manifest, publish, garbage collection);
 * ``meta_cpu_ms``: median CPU time of the metadata capture (``capture_step_meta``) on the training thread;
 * ``bytes_per_iter``: mean bytes snapshotted per iteration per rank (max over ranks);
 * ``floor_ms``: the physical floor of that policy: the time to copy (``memcpy``) and checksum (the store's
@@ -86,6 +90,8 @@ def worker(argv: list[str]) -> int:
     two_copies = "--two-copies" in argv
     if two_copies:
         argv.remove("--two-copies")
+    warmup = int(argv.pop(argv.index("--warmup-cycles") + 1))
+    argv.remove("--warmup-cycles")
     meta_cpu: list[float] = []
     capture = meta_module.capture_step_meta
 
@@ -146,13 +152,16 @@ def worker(argv: list[str]) -> int:
         def __init__(self, config):
             super().__init__(config)
             self.iteration_cpu: dict[int, float] = {}
-            self._cpu_start = None
+            self.iteration_main_cpu: dict[int, float] = {}
+            self._cpu_start = self._main_start = None
 
         def on_step_begin(self, iteration):
             now = time.process_time()  # CPU of every thread of this rank: robust to other load on the box
+            main = time.thread_time()  # the training thread alone
             if self._cpu_start is not None:
                 self.iteration_cpu[iteration - 1] = now - self._cpu_start
-            self._cpu_start = now
+                self.iteration_main_cpu[iteration - 1] = main - self._main_start
+            self._cpu_start, self._main_start = now, main
             super().on_step_begin(iteration)
 
         def on_step_end(self, iteration, result):
@@ -170,7 +179,7 @@ def worker(argv: list[str]) -> int:
 
         def on_train_end(self, report):
             super().on_train_end(report)  # flushes the engines
-            summarize(self, args, out, two_copies)  # collectives: before pretrain() shuts the process group down
+            summarize(self, args, out, two_copies, warmup)  # collectives: before pretrain() shuts the process group down
 
     from moe_ft.compat import activate_all
 
@@ -179,7 +188,7 @@ def worker(argv: list[str]) -> int:
     return 0
 
 
-def summarize(runtime, args, out: str, two_copies: bool = False) -> None:
+def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1) -> None:
     import torch.distributed as dist
 
     from moe_ft.policy import SparsePolicy
@@ -187,7 +196,7 @@ def summarize(runtime, args, out: str, two_copies: bool = False) -> None:
 
     block = WINDOW
     names = labels(args.parallel.pipeline_model_parallel_size, two_copies)
-    first_measured = block * len(names)  # the first cycle is warm-up
+    first_measured = warmup * block * len(names)  # the first cycles are warm-up
     reg = runtime.registry
     local: dict = {}
     for label, s in runtime.by_label.items():
@@ -209,24 +218,28 @@ def summarize(runtime, args, out: str, two_copies: bool = False) -> None:
                          "meta_cpu_ms": 1e3 * statistics.median(meta) if meta else 0.0,
                          "median_cpu_s": statistics.median(cpu),
                          "cpu_by_iter": {t: runtime.iteration_cpu[t] for t in its if t in runtime.iteration_cpu},
+                         "main_cpu_by_iter": {t: runtime.iteration_main_cpu[t] for t in its
+                                              if t in runtime.iteration_main_cpu},
                          "hook_cpu_ms": 1e3 * statistics.median(runtime.hook_cpu[t] for t in its if t in runtime.hook_cpu),
                          "hook_ms": 1e3 * statistics.median(hook) if hook else 0.0,
                          "thread_cpu_ms": 1e3 * statistics.median([getattr(r, "thread_cpu_s", 0.0) for r in recs])
                          if recs else 0.0,
                          "stall_ms": 1e3 * statistics.median([r.stall_s for r in recs]) if recs else 0.0,
+                         "entries_cpu_ms": 1e3 * statistics.median([r.entries_cpu_s for r in recs]) if recs else 0.0,
                          "bytes_per_iter": sum(r.bytes for r in recs) / max(len(its), 1),
-                         "bytes_per_recovery_point": rp}
+                         "bytes_per_recovery_point": rp,
+                         "pool": _pool_stats(s)}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     if dist.get_rank() == 0:
-        def job_cpu(name: str) -> float:
+        def job_cpu(name: str, key: str = "cpu_by_iter") -> float:
             """Median over the policy's iterations of the CPU seconds of all ranks together."""
-            its = set.intersection(*(set(g[name]["cpu_by_iter"]) for g in gathered))
-            return statistics.median(sum(g[name]["cpu_by_iter"][t] for g in gathered) for t in its)
+            its = set.intersection(*(set(g[name][key]) for g in gathered))
+            return statistics.median(sum(g[name][key][t] for g in gathered) for t in its)
 
         base_t = statistics.median([g["none"]["median_s"] for g in gathered])
         base_cpu = statistics.median([g["none"]["median_cpu_s"] for g in gathered])
-        base_job = job_cpu("none")
+        base_job, base_main = job_cpu("none"), job_cpu("none", "main_cpu_by_iter")
         report = {}
         for name in names:
             med = statistics.median([g[name]["median_s"] for g in gathered])
@@ -234,19 +247,31 @@ def summarize(runtime, args, out: str, two_copies: bool = False) -> None:
             report[name] = {"overhead_ratio": round(med / base_t, 4),
                             "cpu_ratio": round(job_cpu(name) / base_job, 4),
                             "cpu_ratio_per_rank": round(cpu / base_cpu, 4),
+                            "main_cpu_ratio": round(job_cpu(name, "main_cpu_by_iter") / base_main, 4),
                             "hook_cpu_ms": round(statistics.median(g[name]["hook_cpu_ms"] for g in gathered), 3),
                             "stall_ms": round(max(g[name]["stall_ms"] for g in gathered), 4),
                             "hook_ms": round(statistics.median(g[name]["hook_ms"] for g in gathered), 3),
                             "meta_cpu_ms": round(statistics.median(g[name]["meta_cpu_ms"] for g in gathered), 3),
                             "thread_cpu_ms": round(statistics.median(g[name]["thread_cpu_ms"] for g in gathered), 3),
+                            "entries_cpu_ms": round(statistics.median(g[name]["entries_cpu_ms"] for g in gathered), 3),
                             "bytes_per_iter": int(max(g[name]["bytes_per_iter"] for g in gathered)),
-                            "bytes_per_recovery_point": int(max(g[name]["bytes_per_recovery_point"] for g in gathered))}
-        report["_setup"] = {"window": WINDOW, "dense_k": DENSE_K, "iterations": args.training.train_iters,
+                            "bytes_per_recovery_point": int(max(g[name]["bytes_per_recovery_point"] for g in gathered)),
+                            "recycled_files": gathered[0][name]["pool"]}
+        report["_setup"] = {"window": WINDOW, "warmup_cycles": warmup, "dense_k": DENSE_K, "iterations": args.training.train_iters,
                             "ranks": dist.get_world_size(),
                             "median_iter_s_none": round(base_t, 4), "median_iter_cpu_s_none": round(base_cpu, 4),
                             "median_job_cpu_s_none": round(base_job, 4)}
         with open(out, "w") as f:
             json.dump(report, f)
+
+
+def _pool_stats(session) -> dict | None:
+    """Rank's recycled-file pool of a session: entries written over pooled files of all entries written."""
+    pool = getattr(session.store.backend, "_pool", None) if session is not None else None
+    if pool is None:
+        return None
+    entries = sum(r.num_full + r.num_compute + 1 for r in session.engine.records if r.published)
+    return {"reused": pool.reused, "entries": entries, "pool_mb": round(pool.bytes / 1e6, 1), "limit_mb": round(pool.limit / 1e6, 1)}
 
 
 def measure_bandwidth(nbytes: int = 128 << 20, repeats: int = 5) -> dict:
@@ -300,6 +325,10 @@ def main() -> int:
                    help="fewer measured cycles (tiny: 3 instead of 10, < 3 min; medium: 1 instead of 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by policy (and _setup)")
     p.add_argument("--data-path", default=None, help="indexed dataset prefix (default: a generated corpus)")
+    p.add_argument("--warmup-cycles", type=int, default=1,
+                   help="cycles left out of the measurement (default 1). A store reuses files only after its "
+                        "retention deleted points: sparse keeps two complete windows, so with blocks of one "
+                        "window per cycle its pool is empty until the fourth cycle; use 3 to measure it warm")
     p.add_argument("--two-copies", action="store_true",
                    help=f"add the session {TWO_COPIES!r}: sparse through slot buffers into new files (the data path "
                         "before direct writes and recycled files), side by side with 'sparse'")
@@ -319,7 +348,9 @@ def main() -> int:
             write_corpus(os.path.join(tmp, "c.jsonl"), num_docs=300, seed=0)
             preprocess(os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "corpus"))
             data = os.path.join(tmp, "corpus")
-        cycles = 1 + (cycles_quick if a.quick else cycles_default)
+        if a.warmup_cycles < 1:
+            p.error("--warmup-cycles must be >= 1")
+        cycles = a.warmup_cycles + (cycles_quick if a.quick else cycles_default)
         names = labels(PP[a.nproc], a.two_copies)
         iters = cycles * WINDOW * len(names)
         out = os.path.join(tmp, "report.json")
@@ -328,7 +359,7 @@ def main() -> int:
                "--worker", "--out", out, *flags, "--pipeline-model-parallel-size", str(PP[a.nproc]),
                "--train-iters", str(iters), "--log-interval", str(iters),
                "--data-path", data, "--ft", "--ft-store-dir", shm, "--ft-sparse-window", str(WINDOW),
-               *(["--two-copies"] if a.two_copies else [])]
+               "--warmup-cycles", str(a.warmup_cycles), *(["--two-copies"] if a.two_copies else [])]
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
