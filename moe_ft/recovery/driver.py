@@ -223,7 +223,7 @@ def fetch_lost_points(inputs: RecoveryInputs) -> dict:
         return {}
     mine = inputs.replication.fetch_missing(inputs.session.store)
     gathered = comm.all_gather_object(mine.to_json())
-    fetched = {str(r): f for r, f in enumerate(gathered) if f["points"] or f["skipped"]}
+    fetched = {str(r): f for r, f in enumerate(gathered) if f["points"] or f["skipped"] or f.get("completed")}
     return {"fetched": fetched} if fetched else {}
 
 

@@ -52,6 +52,9 @@ class PointInventory:
 
     entries: dict[str, tuple[str, str, int]] = field(default_factory=dict)
     owner: dict[str, tuple[str, str, int]] | None = None
+    missing: dict[str, tuple[str, str, int]] = field(default_factory=dict)
+    """Remote FULL entries the point lists but does not hold (``--ft-optimizer-recompute-local compute``:
+    the replica peers rebuilt them); recovery fetches them into the point (:func:`plan_fetch`)."""
 
 
 @dataclass(kw_only=True)
@@ -75,7 +78,9 @@ def inventory_of(store: SnapshotStore, *, replica: bool = False) -> dict[int, Po
     manifest or entry is left out with the store's warning, so the plan takes another source). With
     ``replica``, also the owner's manifest kept with each replica point (``None`` if missing or damaged)."""
     out: dict[int, PointInventory] = {}
-    for point in store.verify().points():
+    catalog = store.verify()
+    holes = catalog.holes
+    for point in catalog.points():
         it = point.iteration
         owner = None
         if replica:
@@ -85,7 +90,10 @@ def inventory_of(store: SnapshotStore, *, replica: bool = False) -> dict[int, Po
             except (FileNotFoundError, CorruptEntryError) as exc:
                 logger.warning("moe-ft replica %s iteration %d: owner manifest unusable (%s)",
                                store.backend.describe(), it, getattr(exc, "reason", exc))
-        out[it] = PointInventory(entries=_entries(point.all_entries()), owner=owner)
+        catalog_holes = {op for t, op in holes if t == it}
+        out[it] = PointInventory(entries=_entries(e for e in point.all_entries() if e.op not in catalog_holes),
+                                 owner=owner,
+                                 missing=_entries(e for e in point.all_entries() if e.op in catalog_holes))
     return out
 
 
@@ -108,6 +116,9 @@ class FetchPlan:
     transfers: list[Transfer]
     points: dict[int, list[int]]
     """``points[r]``: iterations rank ``r`` will receive (every entry sourced)."""
+    completed: dict[int, list[int]] = field(default_factory=dict)
+    """``completed[r]``: points of ``r``'s own store that receive their remote entries (some may have
+    no source: then ``skipped`` says which)."""
     skipped: dict[int, list[str]]
     """``skipped[r]``: why an iteration offered by ``r``'s holders cannot be rebuilt."""
 
@@ -142,6 +153,7 @@ def plan_fetch(inventories: Sequence[Inventory], topo: FetchTopology) -> FetchPl
     sent_bytes: dict[int, int] = defaultdict(int)
     blobs: dict[tuple[int, int, int, str], list[tuple[str, int]]] = defaultdict(list)
     points: dict[int, list[int]] = {}
+    completed: dict[int, list[int]] = {}
     skipped: dict[int, list[str]] = {}
     for inv in sorted(inventories, key=lambda i: i.rank):
         r = inv.rank
@@ -156,10 +168,40 @@ def plan_fetch(inventories: Sequence[Inventory], topo: FetchTopology) -> FetchPl
                 sent_bytes[src] += nbytes
                 blobs[(src, r, t, kind)].append((blob, nbytes))
             points.setdefault(r, []).append(t)
+        for t, pinv in sorted(inv.local.items()):  # own points whose remote entries the peers hold
+            sourced = False
+            for key, (level, blob, nbytes) in sorted(pinv.missing.items()):
+                src = _remote_source(inv, t, key, level, holders, by_rank, topo, sent_bytes)
+                if src is None:
+                    skipped.setdefault(r, []).append(f"iteration {t}: {key}@{level} (held by the replica peers) "
+                                                     "is on none of them")
+                    continue
+                sent_bytes[src[0]] += nbytes
+                blobs[(src[0], r, t, src[1])].append((blob, nbytes))
+                sourced = True
+            if sourced:
+                completed.setdefault(r, []).append(t)
     transfers = [Transfer(src=src, dst=dst, iteration=t, kind=kind, blobs=tuple(b for b, _ in items),
                           nbytes=sum(n for _, n in items))
                  for (src, dst, t, kind), items in sorted(blobs.items())]
-    return FetchPlan(transfers=transfers, points=points, skipped=skipped)
+    return FetchPlan(transfers=transfers, points=points, skipped=skipped, completed=completed)
+
+
+def _remote_source(inv: Inventory, t: int, key: str, level: str, holders: list[int], by_rank: Mapping[int, Inventory],
+                   topo: FetchTopology, sent_bytes: Mapping[int, int]) -> tuple[int, str] | None:
+    """``(src, kind)`` for remote entry ``key`` of rank ``inv.rank``'s own point ``t``: the least-loaded
+    holder whose replica point has it, else an expert-data-parallel peer holding the same FULL entry
+    (not with the distributed optimizer); ``None`` if nobody has it."""
+    r = inv.rank
+    candidates = [(h, REPLICA) for h in holders
+                  if by_rank[h].replicas.get(r, {}).get(t, PointInventory()).entries.get(key, ("",))[0] == level]
+    if not candidates and not topo.distributed_optimizer:
+        group = (topo.expert_dp_group if OperatorId.parse(key).is_expert else topo.dp_group).get(r, ())
+        candidates = [(q, PEER) for q in group if q != r and q in by_rank
+                      and by_rank[q].local.get(t, PointInventory()).entries.get(key, ("",))[0] == level]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda c: (sent_bytes.get(c[0], 0), c[0]))
 
 
 def _source_point(inv: Inventory, t: int, holders: list[int], by_rank: Mapping[int, Inventory],
@@ -201,10 +243,15 @@ class FetchResult:
     nbytes: int = 0
     seconds: float = 0.0
     skipped: list[str] = field(default_factory=list)
+    completed: list[int] = field(default_factory=list)
+    """Points of this rank's own store that received remote entries (optimizer recomputation)."""
 
     def to_json(self) -> dict:
-        return {"points": self.points, "sources": self.sources, "bytes": self.nbytes,
-                "seconds": round(self.seconds, 4), "skipped": self.skipped}
+        out = {"points": self.points, "sources": self.sources, "bytes": self.nbytes,
+               "seconds": round(self.seconds, 4), "skipped": self.skipped}
+        if self.completed:
+            out["completed"] = self.completed
+        return out
 
 
 class PeerFetch:
@@ -251,12 +298,13 @@ class PeerFetch:
         if errors:
             raise RuntimeError(f"peer fetch on rank {self.rank} failed: {errors[0]!r}") from errors[0]
         result = FetchResult(sources=sorted(by_src), skipped=list(plan.skipped.get(self.rank, [])))
+        completing = set(plan.completed.get(self.rank, ()))
         for it in sorted(received):
-            why = self._publish(it, received[it])
+            why = (self._complete if it in completing else self._publish)(it, received[it])
             if why:
                 result.skipped.append(f"iteration {it}: {why}")
             else:
-                result.points.append(it)
+                (result.completed if it in completing else result.points).append(it)
                 result.nbytes += sum(m.nbytes for _, m in received[it])
         result.seconds = time.perf_counter() - start
         return result
@@ -269,6 +317,26 @@ class PeerFetch:
             blobs = {name: backend.read_blob(transfer.iteration, name) for name in transfer.blobs}
         owner = self.rank if transfer.kind == PEER else transfer.dst
         return PointMessage(owner=owner, iteration=transfer.iteration, manifest=manifest, blobs=blobs)
+
+    def _complete(self, iteration: int, parts: list[tuple[Transfer, PointMessage]]) -> str:
+        """Add the fetched remote entries to this rank's own point (each checked against the checksum in
+        its manifest, ``SnapshotStore.add_blob``); the reasons of those that failed."""
+        record = self.local.catalog([iteration]).point(iteration)
+        if record is None:
+            return "the point is no longer in the node-local store"
+        by_blob = {e.blob: e for e in record.entries.values() if e.remote}
+        why = []
+        for transfer, message in parts:
+            for name, data in message.blobs.items():
+                entry = by_blob.get(name)
+                if entry is None:
+                    why.append(f"{name} from rank {transfer.src}: not a remote entry of the point")
+                    continue
+                try:
+                    self.local.add_blob(iteration, entry, data)
+                except (CorruptEntryError, ValueError, FileExistsError) as exc:
+                    why.append(f"{entry.name} from rank {transfer.src}: {getattr(exc, 'reason', exc)}")
+        return "; ".join(why)
 
     def _publish(self, iteration: int, parts: list[tuple[Transfer, PointMessage]]) -> str:
         """Verify every entry against the *owner's* checksums (its manifest, kept by the holder) and publish
@@ -323,6 +391,9 @@ def fetch_from_peers(*, local: SnapshotStore, rank: int, world_size: int,
     if result.points:
         logger.warning("moe-ft recovery rank %d: node-local store rebuilt from peers %s: iterations %s (%.1f MB)",
                        rank, result.sources, result.points, result.nbytes / 1e6)
+    if result.completed:
+        logger.warning("moe-ft recovery rank %d: FULL entries the peers rebuilt fetched into iterations %s",
+                       rank, result.completed)
     for line in result.skipped:
         logger.warning("moe-ft recovery rank %d: not fetched: %s", rank, line)
     return result

@@ -203,6 +203,12 @@ class GradCapture:
             mine = self._captured.get(iteration, {})
             return {op: dict(mine[op]) for op in ops if op in mine and mine[op].keys() == self.params[op].keys()}
 
+    def complete(self, iteration: int, ops: Iterable[OperatorId]) -> frozenset[OperatorId]:
+        """Those of ``ops`` whose every parameter's update of ``iteration`` was captured."""
+        with self._lock:
+            mine = self._captured.get(iteration, {})
+            return frozenset(op for op in ops if op in mine and mine[op].keys() == self.params[op].keys())
+
     def release(self, up_to: int) -> None:
         """Drop the captures of iterations ``<= up_to`` (sent, or superseded)."""
         with self._lock:

@@ -126,7 +126,19 @@ class RecomputeSender(ReplicaSender):
         self._last: tuple[int, frozenset[OperatorId]] | None = None  # newest message: (point, its experts)
         self._composition: dict[int, tuple[frozenset[OperatorId], RecomputeRecord]] = {}
         self._classes = {op: type(next(iter(p.values())).inner).__name__ for op, p in capture.params.items()}
+        self.lost: list[tuple[int, OperatorId]] = []
+        """(iteration, expert) whose FULL state was left to the peers but could not be sent."""
         super().__init__(*args, **kwargs)  # starts the sender thread
+
+    @property
+    def last_sent(self) -> tuple[int, frozenset[OperatorId]] | None:
+        """The newest point sent and the experts it carried (as FULL entries or gradients)."""
+        return self._last
+
+    def reset(self) -> None:
+        """Forget what was sent (after a rollback the peers dropped their shadows: every expert's next
+        point goes FULL again)."""
+        self._last = None
 
     def _read(self, iteration: int) -> PointMessage:
         backend = self.store.backend
@@ -134,12 +146,23 @@ class RecomputeSender(ReplicaSender):
             manifest = backend.read_blob(iteration, MANIFEST)
             record = decode_manifest(manifest, iteration, f"{backend.describe()} iteration {iteration}")
             chosen = self._chosen(iteration, record)
+            # FULL entries held by the peers only always go (as gradients), whatever the deduplication says
+            chosen += [e for e in record.entries.values() if e.remote and e not in chosen]
             experts = {e.op: e for e in chosen if e.op is not None and e.op.is_expert and e.level == Level.FULL}
             last = self._last
             previous = last[1] if last is not None and last[0] == iteration - 1 else frozenset()
             kinds = transfer_types(previous, experts)
             grads = self.capture.take(iteration, [op for op, k in kinds.items() if k == GRADIENTS])
-            blobs = {e.blob: backend.read_blob(iteration, e.blob) for e in chosen if e.op not in grads}
+            for op in [op for op, e in experts.items() if e.remote and op not in grads]:
+                # The owner wrote only the compute weights, counting on this message (the rule in
+                # Replication.remote_full); without the gradients this FULL state exists nowhere now.
+                del experts[op]
+                self.lost.append((iteration, op))
+                logger.error("moe-ft optimizer recomputation rank %d: %s of iteration %d could not be sent as "
+                             "gradients and the owner holds only its compute weights; a recovery needs an "
+                             "older FULL entry of it", self.owner, op, iteration)
+            blobs = {e.blob: backend.read_blob(iteration, e.blob) for e in chosen
+                     if e.op not in grads and (e.op is None or e.op in experts or not e.remote)}
         extra = encode_gradients(iteration, grads, self._classes, record.checksum_algo)
         blobs.update(extra)
         full = [op for op in experts if op not in grads]

@@ -58,8 +58,13 @@ class Layout:
 class Replication:
     """Sender + receiver of one rank over a dedicated gloo group (build with :meth:`build`)."""
 
-    def __init__(self, sender: ReplicaSender, receiver: ReplicaReceiver, plan: ReplicaPlan, layout: Layout) -> None:
+    def __init__(self, sender: ReplicaSender, receiver: ReplicaReceiver, plan: ReplicaPlan, layout: Layout, *,
+                 compute_only: bool = False) -> None:
         self.sender, self.receiver, self.plan, self.layout = sender, receiver, plan, layout
+        self.compute_only = compute_only
+        """``--ft-optimizer-recompute-local compute``: see :meth:`remote_full`."""
+        self.remote_chosen = 0
+        """Expert snapshots whose FULL state was left to the peers so far."""
 
     def fetch_missing(self, local) -> FetchResult:
         """Rebuild this rank's node-local store from its replica holders and data-parallel peers when it
@@ -74,7 +79,7 @@ class Replication:
 
     @staticmethod
     def build(*, num_replicas: int, layout: Layout, store, store_root: str, job_id: str,
-              remote_budget=None, recompute=None) -> "Replication | None":
+              remote_budget=None, recompute=None, compute_only: bool = False) -> "Replication | None":
         """Collective (the dedicated group). ``None`` when there is nothing to replicate to: ``r = 0``, or a
         single-node job (no other failure domain; logged). ``remote_budget``: a callable returning
         ``B_remote`` (bytes per iteration this rank may send, MoEtion §4.2; read at every submit so it may
@@ -113,7 +118,7 @@ class Replication:
                                                                    owner=owner).build())
         sender = sender_cls(SenderConfig(), store, transport, plan.peers[layout.rank], owner=layout.rank,
                             select=select, budget=remote_budget, **sender_extra)
-        return Replication(sender, receiver, plan, layout)
+        return Replication(sender, receiver, plan, layout, compute_only=compute_only and recompute is not None)
 
     @property
     def capture(self):
@@ -124,6 +129,23 @@ class Replication:
         """Before the iteration's optimizer step (optimizer recomputation labels its captures)."""
         if self.capture is not None:
             self.capture.begin(iteration)
+
+    def remote_full(self, iteration: int, plan) -> frozenset:
+        """The experts whose FULL state at ``iteration`` is left to the peers (MoEtion §5.2: the owner
+        snapshots only their compute weights), with ``--ft-optimizer-recompute-local compute``: those FULL in
+        ``plan`` that the newest message already sent carried at ``iteration - 1`` and whose gradients of
+        ``iteration`` were captured. The sender sends points in order and only this rule's way (no budget),
+        so its next message is this point and carries them as gradients; any other expert is written FULL
+        here as usual. Training thread, before the engine takes the snapshot."""
+        if not self.compute_only:
+            return frozenset()
+        last = self.sender.last_sent
+        if last is None or last[0] != iteration - 1:
+            return frozenset()
+        wanted = [op for op, lvl in plan.items() if op.is_expert and lvl == Level.FULL and op in last[1]]
+        chosen = self.capture.complete(iteration, wanted)
+        self.remote_chosen += len(chosen)
+        return chosen
 
     def track(self, plan) -> None:
         """After the snapshot of an iteration: the experts it saved FULL are the ones whose next gradients
@@ -142,6 +164,7 @@ class Replication:
             self.receiver.store(owner).discard_after(iteration)
         if hasattr(self.receiver, "reset"):  # recomputed optimizer states of the abandoned timeline
             self.receiver.reset()
+            self.sender.reset()  # the peers dropped them: the next point of every expert goes FULL
 
     def metrics(self, iteration: int) -> dict:
         sent = self.sender.sent
@@ -153,6 +176,8 @@ class Replication:
             records = self.sender.records
             out.update(recompute_sent=records[-1].num_gradients if records else 0,
                        recomputed=len(self.receiver.recomputed), recompute_failures=len(self.receiver.failures))
+            if self.compute_only:
+                out["recompute_lost"] = len(self.sender.lost)
         return out
 
     def close(self) -> None:
@@ -169,7 +194,9 @@ class Replication:
                              f"({sum(r.full_bytes for r in records) / 1e6:.3f} MB), capture {self.capture.seconds:.3f} s; "
                              "recomputed "
                              f"{len(self.receiver.recomputed)} for its sources in {self.receiver.seconds:.3f} s, "
-                             f"{len(self.receiver.failures)} failed\n")
+                             f"{len(self.receiver.failures)} failed"
+                             + (f"; compute weights only for {self.remote_chosen} expert snapshots, "
+                                f"{len(self.sender.lost)} lost" if self.compute_only else "") + "\n")
             sys.stdout.flush()
 
 

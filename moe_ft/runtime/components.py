@@ -27,6 +27,11 @@ class Component:
         """Extra metadata tensors saved with the snapshot of this iteration (restored by recovery)."""
         return {}
 
+    def remote_full(self, iteration: int, plan) -> frozenset:
+        """Operators FULL in ``plan`` whose FULL state other ranks rebuild, so this rank's snapshot holds
+        only their compute weights and a checksum (optimizer recomputation, ``Replicas``)."""
+        return frozenset()
+
     def after_snapshot(self, iteration: int, plan, session, replaying: bool) -> None:
         """After the engine took the snapshot of ``iteration`` (``plan`` empty without snapshots)."""
 
@@ -56,6 +61,9 @@ class Replicas(Component):
 
     def on_step_begin(self, iteration: int) -> None:
         self.replication.begin_iteration(iteration)  # optimizer recomputation labels the step's gradients
+
+    def remote_full(self, iteration: int, plan) -> frozenset:
+        return self.replication.remote_full(iteration, plan)  # --ft-optimizer-recompute-local compute
 
     def after_snapshot(self, iteration, plan, session, replaying) -> None:
         self.replication.track(plan)  # optimizer recomputation: whose gradients the next step captures

@@ -295,7 +295,8 @@ class FTRuntime(StepHooks):
         if self.survivor is not None:  # iteration completed: a stop from now on publishes this state
             self.survivor.completed(iteration, meta, tensors, hold=True)  # until the loop logged it
         self.on_snapshot(iteration, plan)
-        session.engine.submit(iteration, plan, meta, tensors)
+        remote = frozenset().union(*(component.remote_full(iteration, plan) for component in self.components))
+        session.engine.submit(iteration, plan, meta, tensors, remote)
         if not replaying:
             self.check_fault(iteration, "snapshot")  # the copy is in flight on the engine's thread
         self.popularity.mark_full(iteration, [op for op, lvl in plan.items() if lvl == Level.FULL])

@@ -106,6 +106,9 @@ class SnapshotRecord:
     """The part of ``thread_cpu_s`` spent until the operators' entries were written (the rest: metadata
     entry, manifest, publish, garbage collection)."""
     published: bool = False
+    remote_bytes: int = 0
+    """FULL bytes hashed but not written (left to the replica peers; ``bytes`` counts what was written)."""
+    num_remote: int = 0
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ class _Job:
     items: list  # [_Entry]
     meta: dict
     meta_tensors: dict
+    remote: frozenset = frozenset()  # operators whose FULL entry is only hashed (put_remote)
     meta_device: list = field(default_factory=list)  # [(host buffer, device clone)] copied on the stream
     copied: threading.Event = field(default_factory=threading.Event)
     deadline: threading.Event = field(default_factory=threading.Event)  # wait_copied: copy what is left now
@@ -172,11 +176,13 @@ class SnapshotEngine:
 
     # ------------------------------------------------------------------------------- training thread
     def submit(self, iteration: int, plan: Mapping[OperatorId, Level], meta: dict,
-               meta_tensors: Mapping[str, torch.Tensor]) -> SnapshotRecord:
+               meta_tensors: Mapping[str, torch.Tensor], remote: frozenset[OperatorId] = frozenset()) -> SnapshotRecord:
         """Start the snapshot of ``iteration``: this rank's operators of ``plan`` at their level, plus the
         metadata entry. Returns at once (after a free buffer slot is available). ``meta_tensors`` are
         captured before returning (host ones copied, device ones cloned on the compute stream), so the
-        caller may reuse them."""
+        caller may reuse them. ``remote``: operators FULL in ``plan`` whose FULL state the replica peers
+        rebuild (MoEtion §5.2, ``--ft-optimizer-recompute-local compute``): their COMPUTE entry is written
+        and their FULL entry only hashed (``PendingPoint.put_remote``)."""
         self._raise_if_failed()
         if self.config.bubbles is not None:  # the bubbles of the iteration that ended: the next one's estimate
             self.config.bubbles.end_iteration()
@@ -186,18 +192,29 @@ class SnapshotEngine:
         # Only host-side bookkeeping happens here, on CPU tensors: leave any torch-function mode of the
         # training thread (the CPU compatibility layer's) out of it, it costs ~10 us per tensor access.
         with _no_torch_function(not self.cuda):
-            items, total, nfull, ncomp = [], 0, 0, 0
+            items, total, nfull, ncomp, hashed = [], 0, 0, 0, 0
             for op, level in sorted(plan.items()):
                 if level == Level.NONE or op not in self.registry:
                     continue
-                entry = self._entry(slot, op, Level(level))
+                if op in remote:
+                    if level != Level.FULL:
+                        raise ValueError(f"{op}: only a FULL entry can be left to the replica peers (plan: "
+                                         f"{Level(level).name})")
+                    entry = self._entry(slot, op, Level.FULL)
+                    items.append(self._entry(slot, op, Level.COMPUTE))
+                    total += items[-1].nbytes
+                    hashed += entry.nbytes
+                else:
+                    entry = self._entry(slot, op, Level(level))
+                    total += entry.nbytes
                 items.append(entry)
-                total += entry.nbytes
                 nfull += level == Level.FULL
                 ncomp += level == Level.COMPUTE
             record = SnapshotRecord(iteration=iteration, bytes=total, num_full=nfull, num_compute=ncomp,
-                                    stall_s=waited, slot_wait_s=waited)
-            job = _Job(record=record, slot=slot, items=items, meta=dict(meta), meta_tensors={})
+                                    stall_s=waited, slot_wait_s=waited, remote_bytes=hashed,
+                                    num_remote=len(remote))
+            job = _Job(record=record, slot=slot, items=items, meta=dict(meta), meta_tensors={},
+                       remote=frozenset(remote))
             self._stage_meta(job, meta_tensors)
         if self.cuda:
             self._copy_on_stream(job)
@@ -372,10 +389,10 @@ class SnapshotEngine:
             if self._pool is not None and len(job.items) > 1:
                 # largest entries first: the pool's threads finish together
                 items = sorted(job.items, key=lambda e: -e.nbytes)
-                pool_cpu = sum(self._pool.map(lambda e: _put_timed(point, e), items))
+                pool_cpu = sum(self._pool.map(lambda e: _put_timed(point, e, job.remote), items))
             else:
                 for entry in job.items:
-                    point.put(entry.op, entry.level, entry.out)
+                    _put(point, entry, job.remote)
             job.record.entries_cpu_s = time.thread_time() - cpu0 + pool_cpu
             if self.direct:  # the live tensors are written: the next optimizer step may change them
                 job.record.copy_s = time.perf_counter() - start
@@ -431,10 +448,18 @@ def _copy_entries(entries) -> None:
         torch._foreach_copy_(bufs, [src for entry in entries for src in entry.srcs])
 
 
-def _put_timed(point, entry: _Entry) -> float:
-    """``point.put`` of one entry on a pool thread; returns the thread's CPU seconds."""
+def _put(point, entry: _Entry, remote: frozenset) -> None:
+    """Write one entry, or only hash it (a FULL entry the replica peers rebuild)."""
+    if entry.level == Level.FULL and entry.op in remote:
+        point.put_remote(entry.op, entry.out)
+    else:
+        point.put(entry.op, entry.level, entry.out)
+
+
+def _put_timed(point, entry: _Entry, remote: frozenset) -> float:
+    """:func:`_put` on a pool thread; returns the thread's CPU seconds."""
     cpu0 = time.thread_time()
-    point.put(entry.op, entry.level, entry.out)
+    _put(point, entry, remote)
     return time.thread_time() - cpu0
 
 

@@ -106,6 +106,13 @@ class StoreBackend(abc.ABC):
             return stream.read()
 
     @abc.abstractmethod
+    def add_blob(self, iteration: int, name: str, data: bytes) -> None:
+        """Add blob ``name`` to published point ``iteration`` atomically (it appears whole or not at all);
+        for entries the manifest already lists but the point does not hold yet (remote entries fetched
+        from replica peers). Raises ``FileNotFoundError`` if the point is gone, ``FileExistsError`` if the
+        blob exists."""
+
+    @abc.abstractmethod
     def delete_point(self, iteration: int) -> None:
         """Make a published point invisible (atomically), then reclaim it. Missing points are ignored."""
 

@@ -3,7 +3,7 @@ recovery needs. Entries that failed a check are absent from the view and listed 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Mapping
 
 from moe_ft.state.operators import Level, OperatorId
@@ -24,9 +24,15 @@ class Problem:
 
 
 class Catalog:
-    def __init__(self, points: Mapping[int, PointRecord], problems: Iterable[Problem] = ()) -> None:
+    def __init__(self, points: Mapping[int, PointRecord], problems: Iterable[Problem] = (),
+                 holes: Iterable[tuple[int, OperatorId]] = ()) -> None:
         self._points = dict(sorted(points.items()))
         self.problems: tuple[Problem, ...] = tuple(problems)
+        self.holes: frozenset[tuple[int, OperatorId]] = frozenset(holes)
+        """``(iteration, op)`` of remote FULL entries (:attr:`EntryRecord.remote`) whose file is not here
+        (not fetched from the replica peers, or found damaged). They stay listed: the operator's state at
+        that iteration exists, this store just cannot restore it, so a recovery rule must not fall back
+        to an older FULL entry of the operator as if it were the newest (``NewestFullRule``)."""
 
     @property
     def iterations(self) -> list[int]:
@@ -60,14 +66,31 @@ class Catalog:
     def newest_full_map(self, ops: Iterable[OperatorId], at_or_before: int | None = None) -> dict[OperatorId, int | None]:
         return {op: self.newest_full(op, at_or_before) for op in ops}
 
+    def unavailable(self, iteration: int, op: OperatorId, *, local_only: bool = False) -> bool:
+        """Whether ``op``'s entry at ``iteration`` cannot be restored from this store: a hole, or (with
+        ``local_only``) any remote entry, fetched or not."""
+        if (iteration, op) in self.holes:
+            return True
+        if not local_only:
+            return False
+        entry = self._points[iteration].entries.get(op) if iteration in self._points else None
+        return entry is not None and entry.remote
+
+    @property
+    def has_remote(self) -> bool:
+        return any(e.remote for p in self._points.values() for e in p.entries.values())
+
     def without(self, iteration: int, entry: EntryRecord, reason: str) -> "Catalog":
-        """A copy with one entry dropped (found corrupt) and the problem recorded."""
+        """A copy with one entry dropped (found corrupt) and the problem recorded; a remote entry becomes a
+        hole instead (see :attr:`holes`)."""
         points = dict(self._points)
         old = points[iteration]
+        problems = self.problems + (Problem(iteration, entry.name, reason),)
+        if entry.remote:
+            return Catalog(points, problems, self.holes | {(iteration, entry.op)})
         if entry.op is None:
-            new = PointRecord(old.iteration, old.checksum_algo, old.entries, None, old.created_unix, old.writer)
+            new = replace(old, meta=None)
         else:
-            entries = {op: e for op, e in old.entries.items() if op != entry.op}
-            new = PointRecord(old.iteration, old.checksum_algo, entries, old.meta, old.created_unix, old.writer)
+            new = replace(old, entries={op: e for op, e in old.entries.items() if op != entry.op})
         points[iteration] = new
-        return Catalog(points, self.problems + (Problem(iteration, entry.name, reason),))
+        return Catalog(points, problems, self.holes)

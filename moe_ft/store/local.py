@@ -312,6 +312,25 @@ class LocalFSBackend(StoreBackend):
     def open_blob(self, iteration: int, name: str) -> BinaryIO:
         return open(f"{self._point_path(iteration)}/{_valid_name(name)}", "rb")
 
+    def add_blob(self, iteration: int, name: str, data: bytes) -> None:
+        point = self._point_path(iteration)
+        final = f"{point}/{_valid_name(name)}"
+        if name == MANIFEST:
+            raise ValueError(f"blob name {MANIFEST!r} is reserved for the manifest")
+        if os.path.exists(final):
+            raise FileExistsError(f"{final} exists")
+        tmp = f"{point}/.{name}.{os.getpid()}.{next(self._counter)}"  # not listed: blob names never start with "."
+        with open(tmp, "xb") as f:  # FileNotFoundError if the point is gone
+            f.write(data)
+            if self.fsync:
+                os.fsync(f.fileno())
+        try:
+            os.link(tmp, final)  # atomic, and fails if the name exists (unlike rename)
+        finally:
+            os.unlink(tmp)
+        if self.fsync:
+            _fsync_dir(Path(point))
+
     def delete_point(self, iteration: int) -> None:
         target = self.trash_dir / f"{iteration:012d}.{os.getpid()}.{next(self._counter)}"
         self.trash_dir.mkdir(exist_ok=True)

@@ -8,7 +8,7 @@ import json
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from moe_ft.state.operators import Level, OperatorId
@@ -49,6 +49,11 @@ class EntryRecord:
     nbytes: int  # file size, header and trailer included
     checksum: str  # hex digest, algorithm in PointRecord.checksum_algo
     tensors: tuple[TensorRecord, ...]
+    remote: bool = False
+    """Held by the replica peers only (MoEtion §5.2 with ``--ft-optimizer-recompute-local compute``): the
+    owner hashed this FULL entry without writing it, wrote the operator's COMPUTE entry instead, and its
+    peers rebuild the FULL entry from the step's gradients; the file is present here only once fetched
+    (:meth:`SnapshotStore.add_blob`). Serialised in the manifest's ``remote`` list."""
 
     @property
     def key(self) -> dict[str, Any]:
@@ -85,6 +90,10 @@ class PointRecord:
     meta: EntryRecord | None
     created_unix: float = 0.0
     writer: dict[str, Any] = field(default_factory=dict)
+    shadowed: dict[OperatorId, EntryRecord] = field(default_factory=dict)
+    """The local COMPUTE entries of the operators whose FULL entry is remote (in :attr:`entries`, which
+    holds the newest state of every operator the point has: the remote FULL one wins). Nothing restores
+    from them; they are the owner's own copy of the compute weights."""
 
     def level(self, op: OperatorId) -> Level:
         entry = self.entries.get(op)
@@ -113,11 +122,24 @@ def encode_manifest(iteration: int, algo: str, entries: list[EntryRecord], meta:
     return build_manifest(iteration, algo, entries, meta)[0]
 
 
-def build_manifest(iteration: int, algo: str, entries: list[EntryRecord],
-                   meta: EntryRecord | None) -> tuple[bytes, PointRecord]:
+def _overlay(entries: list[EntryRecord], remote: list[EntryRecord]) -> tuple[dict, dict]:
+    """``(entries by operator with the remote FULL ones winning, the local entries they shadow)``."""
+    by_op = {e.op: e for e in entries}
+    shadowed = {e.op: by_op[e.op] for e in remote if e.op in by_op}
+    by_op.update({e.op: e for e in remote})
+    return by_op, shadowed
+
+
+def build_manifest(iteration: int, algo: str, entries: list[EntryRecord], meta: EntryRecord | None,
+                   remote: list[EntryRecord] = ()) -> tuple[bytes, PointRecord]:
     """The manifest bytes of a point and the :class:`PointRecord` that decoding them gives (without the
     round trip). Compact JSON (one line; ``python -m json.tool`` pretty-prints it): an indented dump takes
-    the pure-Python encoder, several times slower than the C one, on every publish."""
+    the pure-Python encoder, several times slower than the C one, on every publish. ``remote``: FULL
+    entries held by the replica peers only (:attr:`EntryRecord.remote`); the key is written only when
+    there are some, so every other manifest is what it always was."""
+    remote = [e if e.remote else replace(e, remote=True) for e in remote]
+    if any(e.op is None or e.level != Level.FULL for e in remote):
+        raise ValueError("only operator FULL entries can be held by replica peers alone")
     created, writer = time.time(), {"pid": os.getpid(), "host": _HOST}
     body = {
         "format": FORMAT, "iteration": iteration, "checksum_algo": algo,
@@ -125,9 +147,12 @@ def build_manifest(iteration: int, algo: str, entries: list[EntryRecord],
         "meta": meta.to_json() if meta else None,
         "created_unix": created, "writer": writer,
     }
+    if remote:
+        body["remote"] = [e.to_json() for e in sorted(remote, key=_entry_order)]
     body["manifest_checksum"] = _digest(body, algo)
     data = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return data, PointRecord(iteration, algo, {e.op: e for e in entries}, meta, created, dict(writer))
+    by_op, shadowed = _overlay(entries, remote)
+    return data, PointRecord(iteration, algo, by_op, meta, created, dict(writer), shadowed)
 
 
 _HOST = socket.gethostname()
@@ -146,9 +171,13 @@ def decode_manifest(data: bytes, iteration: int, where: str) -> PointRecord:
         if body["iteration"] != iteration:
             raise CorruptEntryError(where, f"manifest is for iteration {body['iteration']}")
         entries = [EntryRecord.from_json(iteration, e) for e in body["entries"]]
+        remote = [replace(EntryRecord.from_json(iteration, e), remote=True) for e in body.get("remote", ())]
+        if any(e.op is None or e.level != Level.FULL for e in remote):
+            raise CorruptEntryError(where, "a remote entry that is not an operator's FULL entry")
         meta = EntryRecord.from_json(iteration, body["meta"]) if body["meta"] else None
-        return PointRecord(iteration, algo, {e.op: e for e in entries}, meta,
-                           float(body["created_unix"]), dict(body["writer"]))
+        by_op, shadowed = _overlay(entries, remote)
+        return PointRecord(iteration, algo, by_op, meta, float(body["created_unix"]), dict(body["writer"]),
+                           shadowed)
     except CorruptEntryError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -112,6 +112,15 @@ class MemoryBackend(StoreBackend):
             raise FileNotFoundError(f"no blob {name!r} in point {iteration} of {self.describe()}")
         return io.BytesIO(blob)
 
+    def add_blob(self, iteration: int, name: str, data: bytes) -> None:
+        with self._lock:
+            point = self._points.get(iteration)
+            if point is None:
+                raise FileNotFoundError(f"no published point {iteration} in {self.describe()}")
+            if name in point:
+                raise FileExistsError(f"blob {name!r} exists in point {iteration} of {self.describe()}")
+            point[name] = bytes(data)
+
     def delete_point(self, iteration: int) -> None:
         with self._lock:
             self._points.pop(iteration, None)

@@ -6,7 +6,7 @@ deletes anything while no complete point exists yet."""
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moe_ft.store.catalog import Catalog
 from moe_ft.store.rules import RecoveryRule, newest_recoverable
@@ -94,4 +94,13 @@ class KeepTwoRecoverable(RetentionPolicy):
         previous = newest_recoverable(catalog, self.rule, newest.end - 1)
         if previous is None:  # keep everything older until a second point exists
             return set(catalog.iterations)
-        return set(newest.iterations) | set(previous.iterations) | {it for it in catalog.iterations if it > newest.end}
+        keep = set(newest.iterations) | set(previous.iterations) | {it for it in catalog.iterations if it > newest.end}
+        local = getattr(self.rule, "local_only", None)
+        if local is False and catalog.has_remote:
+            # Some FULL states are held by the replica peers only (--ft-optimizer-recompute-local compute):
+            # also keep the newest point this store restores without them, the fallback when no peer answers.
+            fallback = newest_recoverable(catalog, replace(self.rule, local_only=True))
+            if fallback is None:
+                return set(catalog.iterations)
+            keep |= set(fallback.iterations)
+        return keep

@@ -158,12 +158,18 @@ class NewestFullRule:
     """Operators this rank must restore."""
     require_meta: bool = True
     """Require the metadata entry at ``end``."""
+    local_only: bool = False
+    """Treat every remote entry (held by the replica peers, :attr:`EntryRecord.remote`) as unavailable:
+    the newest point this store restores without any peer (retention keeps it as the fallback)."""
 
     def __call__(self, catalog: Catalog, end: int) -> RecoveryPoint | None:
         if catalog.point(end) is None:
             return None
         full_at = catalog.newest_full_map(sorted(self.operators, key=op_order), end)
-        if any(it is None for it in full_at.values()):
+        # An operator whose newest FULL state (as the snapshot of ``end`` recorded it: the popularity
+        # counters were reset there) cannot be restored makes ``end`` unusable; restoring an older FULL
+        # entry instead would lose tokens the recorded counters do not count.
+        if any(it is None or catalog.unavailable(it, op, local_only=self.local_only) for op, it in full_at.items()):
             return None
         meta = _meta_refs(catalog, [end], self.require_meta)
         if meta is None:

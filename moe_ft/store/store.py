@@ -17,12 +17,13 @@ Reader side (recovery, ``moe-ft inspect``)::
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
 import threading
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -84,6 +85,10 @@ def _records(iteration: int, op: OperatorId | None, level: Level | None, blob: s
     return EntryRecord(iteration, op, level, blob, written.nbytes, written.checksum, tensors)
 
 
+def _discard(buf) -> None:
+    """A sink that keeps nothing (``put_remote`` hashes an entry without storing it)."""
+
+
 class PendingPoint:
     """A point being written. ``put``/``put_meta`` may be called from several threads at once (one entry
     each); tensors are written straight from their memory (e.g. pinned host buffers) and may be reused as
@@ -96,6 +101,7 @@ class PendingPoint:
         self._lock = threading.Lock()
         self._entries: dict[OperatorId, EntryRecord] = {}
         self._meta: EntryRecord | None = None
+        self._remote: dict[OperatorId, EntryRecord] = {}
         self._reserved: set[str] = set()
         self._state = "open"
 
@@ -132,6 +138,21 @@ class PendingPoint:
             self._entries[op] = record
         return record
 
+    def put_remote(self, op: OperatorId, tensors: Mapping[str, torch.Tensor]) -> EntryRecord:
+        """Record ``op``'s FULL entry without writing it: its size and checksum (the bytes are hashed, not
+        stored), listed in the manifest as held by the replica peers (:attr:`EntryRecord.remote`), which
+        rebuild it from the step's gradients (MoEtion §5.2). Goes with a :meth:`put` of the operator's
+        COMPUTE entry (the owner's own copy of the compute weights)."""
+        if not isinstance(op, OperatorId):
+            raise TypeError(f"op must be an OperatorId, got {type(op).__name__}")
+        self._reserve(f"remote {op}")
+        blob = entry_blob(op, Level.FULL)
+        written = write_entry(_discard, entry_key(self.iteration, op, Level.FULL), tensors, self._store.checksum)
+        record = replace(_records(self.iteration, op, Level.FULL, blob, written), remote=True)
+        with self._lock:
+            self._remote[op] = record
+        return record
+
     def put_meta(self, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None) -> EntryRecord:
         """Write the iteration's metadata entry: a JSON-able dict (floats round-trip exactly) + tensors."""
         try:
@@ -153,7 +174,7 @@ class PendingPoint:
             self._state = "publishing"
         try:
             manifest, record = build_manifest(self.iteration, self._store.checksum, list(self._entries.values()),
-                                              self._meta)
+                                              self._meta, list(self._remote.values()))
             self._writer.commit(manifest)
         except BaseException:
             self.abort()
@@ -236,6 +257,7 @@ class SnapshotStore:
         bytes are verified by :meth:`load` / :meth:`verify`, not here."""
         points: dict[int, PointRecord] = {}
         problems: list[Problem] = []
+        holes: list[tuple[int, OperatorId]] = []
         for it in self.points() if iterations is None else iterations:
             try:
                 record = self._decode(it, self.backend.read_blob(it, MANIFEST))
@@ -246,19 +268,27 @@ class SnapshotStore:
             except CorruptEntryError as exc:
                 problems.append(Problem(it, "point", exc.reason))
                 continue
-            bad = []
+            bad, fetched = [], []
             for entry in record.all_entries():
                 size = self.backend.blob_size(it, entry.blob)
-                if size != entry.nbytes:
-                    reason = "file missing" if size is None else f"size {size} != {entry.nbytes} in manifest"
-                    problems.append(Problem(it, entry.name, reason))
-                    bad.append(entry)
-            entries = {op: e for op, e in record.entries.items() if e not in bad}
+                if size == entry.nbytes:
+                    if entry.remote:  # fetched from a replica peer: held here now
+                        fetched.append(entry)
+                    continue
+                if entry.remote:  # held by the replica peers only: a hole, not a problem
+                    holes.append((it, entry.op))
+                    if size is None:
+                        continue
+                reason = "file missing" if size is None else f"size {size} != {entry.nbytes} in manifest"
+                problems.append(Problem(it, entry.name, reason))
+                bad.append(entry)
+            entries = {op: e for op, e in record.entries.items() if e.remote or e not in bad}
+            entries.update({e.op: replace(e, remote=False) for e in fetched})
             meta = None if record.meta in bad else record.meta
-            points[it] = PointRecord(it, record.checksum_algo, entries, meta, record.created_unix, record.writer)
+            points[it] = replace(record, entries=entries, meta=meta)
         for problem in problems:
             logger.warning("moe-ft store %s: skipping %s", self.backend.describe(), problem)
-        return Catalog(points, problems)
+        return Catalog(points, problems, holes)
 
     # -- reading ---------------------------------------------------------------------------------------
     def _manifest(self, iteration: int) -> PointRecord | None:
@@ -273,6 +303,8 @@ class SnapshotStore:
         # surface as CorruptEntryError from _read, not as "missing".
         point = self._manifest(ref.iteration) if catalog is None else catalog.point(ref.iteration)
         entry = None if point is None else (point.meta if ref.op is None else point.entries.get(ref.op))
+        if entry is not None and ref.op is not None and entry.level != ref.level:
+            entry = point.shadowed.get(ref.op, entry)  # the owner's COMPUTE entry beside a remote FULL one
         if entry is None or (ref.op is not None and entry.level != ref.level):
             what = "metadata" if ref.op is None else f"{ref.op} at level {Level(ref.level).name}"
             raise MissingEntryError(f"no valid {what} in point {ref.iteration} of {self.backend.describe()} "
@@ -282,6 +314,10 @@ class SnapshotStore:
     def _read(self, entry: EntryRecord, algo: str, out) -> Any:
         where = self._where(entry.iteration, entry.blob)
         size = self.backend.blob_size(entry.iteration, entry.blob)
+        if size is None and entry.remote:
+            raise MissingEntryError(f"{entry.name} of iteration {entry.iteration} in {self.backend.describe()} is "
+                                    "held by the replica peers only (--ft-optimizer-recompute-local compute) and "
+                                    "was not fetched from them; recovery fetches it before loading")
         if size != entry.nbytes:
             raise CorruptEntryError(where, "file missing" if size is None
                                     else f"file is {size} bytes, manifest says {entry.nbytes} (torn write?)")
@@ -311,13 +347,32 @@ class SnapshotStore:
             self._read(entry, algo, None)
         except CorruptEntryError as exc:
             return exc.reason
+        except MissingEntryError:
+            return "held by the replica peers, not fetched"
         return None
+
+    def add_blob(self, iteration: int, entry: EntryRecord, data: bytes) -> None:
+        """Put the file of remote entry ``entry`` (fetched from a replica peer) into published point
+        ``iteration``, after checking ``data`` against the manifest's size and checksum; the manifest does
+        not change. Raises ``CorruptEntryError`` (nothing is written then)."""
+        record = self._manifest(iteration)
+        listed = None if record is None else record.entries.get(entry.op)
+        if listed is None or not listed.remote or listed != entry:
+            raise ValueError(f"{entry.name} is not a remote entry of point {iteration} in {self.backend.describe()}")
+        where = self._where(iteration, entry.blob)
+        if len(data) != entry.nbytes:
+            raise CorruptEntryError(where, f"{len(data)} bytes fetched, manifest says {entry.nbytes}")
+        read_entry(io.BytesIO(data), size=entry.nbytes, checksum=entry.checksum, algo=record.checksum_algo,
+                   key=entry.key, where=where)
+        self.backend.add_blob(iteration, entry.blob, data)
 
     def verify(self, iterations: Iterable[int] | None = None) -> Catalog:
         """Checksum every entry; the returned catalog holds only verified entries, with all problems."""
         catalog = self.catalog(iterations)
         for point in catalog.points():
             for entry in point.all_entries():
+                if entry.remote and (entry.iteration, entry.op) in catalog.holes:
+                    continue
                 reason = self.verify_entry(entry, point.checksum_algo)
                 if reason is not None:
                     logger.warning("moe-ft store %s: skipping iteration %d %s: %s", self.backend.describe(),
@@ -400,7 +455,7 @@ class SnapshotStore:
         if not others:
             return Catalog(known)
         checked = self.catalog(others)
-        return Catalog({**known, **{p.iteration: p for p in checked.points()}}, checked.problems)
+        return Catalog({**known, **{p.iteration: p for p in checked.points()}}, checked.problems, checked.holes)
 
     def gc(self) -> list[int]:
         """Delete the points the retention policy does not keep (and leftovers of dead writers)."""
