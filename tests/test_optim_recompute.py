@@ -324,9 +324,27 @@ def test_peer_state_equals_owner_state_in_a_real_run(tmp_path, corpus):
     assert compared
 
 
+def _flags(corpus) -> list[str]:
+    """Every expert FULL every iteration (one stable period)."""
+    return ["--data-path", corpus, *RUN, "--ft-selective-local-budget", str(10**12), "--ft-job-id", "job",
+            "--ft-optimizer-recompute", "--seed", "7"]
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory, corpus):
+    """The digest of the fault-free run of :func:`_flags` (optimizer recomputation does not change
+    training, whatever the owner keeps locally)."""
+    from tests._ft_helpers import torchrun
+
+    tmp = tmp_path_factory.mktemp("recompute-ref")
+    torchrun("pretrain_gpt_moe.py", [*_flags(corpus), "--ft-store-dir", str(tmp / "ref"),
+                                     "--ft-digest-out", str(tmp / "ref.json")], timeout=150)
+    return (tmp / "ref.json").read_text()
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(400)
-def test_lost_node_recovers_from_the_peers_recomputed_state(tmp_path, corpus):
+def test_lost_node_recovers_from_the_peers_recomputed_state(tmp_path, corpus, fault_free):
     """Every expert FULL every iteration (one stable period), so after iteration 0 every replicated expert
     entry was rebuilt by the peer from gradients. Rank 2 is killed in iteration 6 and node 1 is lost whole
     (ranks 2 and 3's stores, the replicas node 1 held, its progress files): the relaunch rebuilds node 1's
@@ -338,10 +356,7 @@ def test_lost_node_recovers_from_the_peers_recomputed_state(tmp_path, corpus):
 
     from tests._ft_helpers import torchrun
 
-    flags = ["--data-path", corpus, *RUN, "--ft-selective-local-budget", str(10**12), "--ft-job-id", "job",
-             "--ft-optimizer-recompute", "--seed", "7"]
-    torchrun("pretrain_gpt_moe.py", [*flags, "--ft-store-dir", str(tmp_path / "ref"),
-                                     "--ft-digest-out", str(tmp_path / "ref.json")], timeout=150)
+    flags = _flags(corpus)
     store = tmp_path / "store"
     killed = torchrun("pretrain_gpt_moe.py", [*flags, "--ft-store-dir", str(store), "--ft-fail", "2:6"],
                       timeout=150, check=False)
@@ -365,9 +380,50 @@ def test_lost_node_recovers_from_the_peers_recomputed_state(tmp_path, corpus):
     stage1 = {op: how for op, how in levels["operators"].items() if op.endswith("L1") or ".L1." in op}
     assert stage1 and len(set(stage1.values())) == 1, levels
     assert set(stage1.values()) <= {"peer_replica", "window_replay"}, levels
-    assert json.loads((tmp_path / "recovered.json").read_text()) == json.loads((tmp_path / "ref.json").read_text())
+    assert json.loads((tmp_path / "recovered.json").read_text()) == json.loads(fault_free)
     lines = _summaries(proc.stdout)  # after the recovery, recomputation went on against the restored state
     assert len(lines) == 4 and all(int(g) > 0 and f == "0" for _, g, _, _, f in lines), proc.stdout[-3000:]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+def test_owner_keeping_compute_weights_recovers_from_the_peers_full_state(tmp_path, corpus, fault_free):
+    """``--ft-optimizer-recompute-local compute``: after iteration 0 each rank writes only the compute
+    weights of its experts (and a checksum of their FULL state); the peers rebuild the FULL entries. Rank 2
+    is killed in iteration 6 (a process, not the node: every store survives, with the FULL expert entries
+    missing from the owners' points). The relaunch fetches them from the peers into the owners' points,
+    recovers from them, and ends bitwise equal to the fault-free run."""
+    import json
+    import re
+
+    from moe_ft.store import StoreConfig
+    from tests._ft_helpers import torchrun
+
+    flags = [*_flags(corpus), "--ft-optimizer-recompute-local", "compute"]
+    store = tmp_path / "store"
+    killed = torchrun("pretrain_gpt_moe.py", [*flags, "--ft-store-dir", str(store), "--ft-fail", "2:6"],
+                      timeout=150, check=False)
+    assert killed.returncode != 0
+    for rank in range(4):  # the owners' points lack the FULL entries they left to the peers
+        own = StoreConfig(root=str(store), job_id="job", rank=rank).build()
+        catalog = own.catalog()
+        assert catalog.holes and not catalog.problems, rank
+        assert {op for _, op in catalog.holes} == {op for op in catalog.operators() if op.is_expert}, rank
+    reports = tmp_path / "reports"
+    proc = torchrun("pretrain_gpt_moe.py", [*flags, "--ft-store-dir", str(store), "--ft-fail", "2:6",
+                                            "--ft-recover", "always", "--ft-report-dir", str(reports),
+                                            "--ft-digest-out", str(tmp_path / "recovered.json")], timeout=150)
+    report = json.loads((reports / "recovery_000.json").read_text())
+    fetched = report["recovery_point"]["fetched"]
+    assert sorted(fetched) == ["0", "1", "2", "3"] and all(f["completed"] for f in fetched.values()), fetched
+    # a newest point is used (5, or 4 when rank 2 died before sending 5); its experts' FULL states all came
+    # from the peers, and with every expert FULL at every point nothing is lost
+    end = report["recovery_point"]["end"]
+    assert end in (4, 5) and report["token_loss"]["tokens"] == 0.0, report
+    assert all(end in f["completed"] for f in fetched.values()), fetched
+    assert json.loads((tmp_path / "recovered.json").read_text()) == json.loads(fault_free)
+    ends = [int(n) for n in re.findall(r"compute weights only for (\d+) expert snapshots, 0 lost", proc.stdout)]
+    assert len(ends) == 4 and all(n > 0 for n in ends), proc.stdout[-3000:]
 
 
 def test_remote_budget_skips_points_and_gradients_stay_consistent():
