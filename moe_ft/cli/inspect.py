@@ -46,6 +46,8 @@ def _report(store, verify: bool) -> dict:
             "checksum": point.checksum_algo,
             "levels": dict(Counter(e.level.name for e in point.entries.values())),
             "meta": point.meta is not None,
+            # FULL entries the owner only hashed, held by its replica peers (not fetched back here)
+            "held_by_peers": sorted(str(op) for it, op in catalog.holes if it == point.iteration),
             "entries": [{"operator": str(e.op), "level": e.level.name, "bytes": e.nbytes, "checksum": e.checksum,
                          "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in e.tensors]}
                         for e in point.all_entries() if e.op is not None],
@@ -68,6 +70,9 @@ def _print_text(report: dict, entries: bool) -> None:
     for p in report["points"]:
         print(f"{p['iteration']:>10} {p['levels'].get('FULL', 0):>6} {p['levels'].get('COMPUTE', 0):>8} "
               f"{'yes' if p['meta'] else 'no':>5} {_human(p['bytes']):>11}")
+        if p["held_by_peers"]:
+            print(f"{'':>12}FULL state of {len(p['held_by_peers'])} operator(s) held by the replica peers "
+                  f"(--ft-optimizer-recompute-local compute): {', '.join(p['held_by_peers'])}")
         if entries:
             for e in p["entries"]:
                 shapes = ", ".join(f"{t['name']}:{t['dtype']}{t['shape']}" for t in e["tensors"])

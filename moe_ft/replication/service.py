@@ -180,8 +180,9 @@ class Replication:
                 out["recompute_lost"] = len(self.sender.lost)
         return out
 
-    def close(self) -> None:
-        """Collective in effect: every rank's receiver waits for its sources to close their streams."""
+    def close(self, snapshots=()) -> None:
+        """Collective in effect: every rank's receiver waits for its sources to close their streams.
+        ``snapshots``: the engine's :class:`SnapshotRecord` list, summarised on the recomputation line."""
         self.sender.close()
         self.receiver.join(timeout=600)
         if self.capture is not None:  # one line per rank: what MoEtion Alg. 3 saved on the wire
@@ -196,7 +197,12 @@ class Replication:
                              f"{len(self.receiver.recomputed)} for its sources in {self.receiver.seconds:.3f} s, "
                              f"{len(self.receiver.failures)} failed"
                              + (f"; compute weights only for {self.remote_chosen} expert snapshots, "
-                                f"{len(self.sender.lost)} lost" if self.compute_only else "") + "\n")
+                                f"{len(self.sender.lost)} lost" if self.compute_only else "")
+                             + (f"; snapshots wrote {sum(r.bytes for r in snapshots) / 1e6:.3f} MB, hashed "
+                                f"{sum(r.remote_bytes for r in snapshots) / 1e6:.3f} MB for the peers, engine "
+                                f"thread {sum(r.thread_cpu_s for r in snapshots):.3f} s CPU "
+                                f"({sum(r.entries_cpu_s for r in snapshots):.3f} s on entries)" if snapshots else "")
+                             + "\n")
             sys.stdout.flush()
 
 

@@ -58,6 +58,7 @@ class Replicas(Component):
 
     def __init__(self, replication) -> None:
         self.replication = replication
+        self._engine = None
 
     def on_step_begin(self, iteration: int) -> None:
         self.replication.begin_iteration(iteration)  # optimizer recomputation labels the step's gradients
@@ -66,6 +67,7 @@ class Replicas(Component):
         return self.replication.remote_full(iteration, plan)  # --ft-optimizer-recompute-local compute
 
     def after_snapshot(self, iteration, plan, session, replaying) -> None:
+        self._engine = session.engine if session is not None else None
         self.replication.track(plan)  # optimizer recomputation: whose gradients the next step captures
         self.replication.submit(iteration)  # enqueue only: the copies run on their own threads
 
@@ -77,7 +79,7 @@ class Replicas(Component):
         return self.replication.metrics(record.iteration) if record is not None else {}
 
     def close(self) -> None:
-        self.replication.close()
+        self.replication.close(self._engine.records if self._engine is not None else ())
 
 
 class Durable(Component):

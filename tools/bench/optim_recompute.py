@@ -1,7 +1,8 @@
 """Bytes on the wire for the selected experts with and without asynchronous optimizer recomputation
 (MoEtion §5.2, Algorithm 3; ``--ft-optimizer-recompute``), on a CPU model.
 
-    python tools/bench/optim_recompute.py [--model {tiny,medium}] [--experts {all,part}] [--iters N] [--json]
+    python tools/bench/optim_recompute.py [--model {tiny,medium}] [--experts {all,part}] [--iters N]
+                                          [--local {full,compute,both}] [--json]
 
 Runs ``pretrain_gpt_moe.py`` once with ``torchrun`` (4 ranks, EP=2 x PP=2, two simulated nodes of 2 ranks,
 one replica per rank on the other node, ``--ft-policy selective``, 1 thread each). One run gives both
@@ -15,6 +16,11 @@ snapshot (MoEtion §4.3), so experts enter and leave the selection (tiny has 2 e
 alternates and never continues a period). Reported per rank: points, experts sent as gradients / as FULL,
 expert bytes per point without and with Algorithm 3, their ratio, and the seconds the rank spent replaying
 its sources' optimizer steps (on its receiver thread).
+
+``--local`` (default ``both``: two runs, side by side): what the owner snapshots of an expert it sends as
+gradients, ``full`` (its FULL state, as well) or ``compute`` (only its compute weights and a checksum of
+the FULL state; the peer holds the FULL state). Per rank and point: MB the owner's snapshots wrote, MB they
+only hashed for the peers, and the snapshot engine thread's CPU time.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ LINE = re.compile(r"optimizer recomputation rank (\d+): (\d+) points sent (\d+) 
                   r"for ([\d.]+) MB of FULL state\) and (\d+) as FULL \(([\d.]+) MB\), capture ([\d.]+) s; "
                   r"recomputed (\d+) for its "
                   r"sources in ([\d.]+) s, (\d+) failed")
+OWNER = re.compile(r"optimizer recomputation rank (\d+): .*?(?:compute weights only for (\d+) expert snapshots, (\d+) "
+                   r"lost; )?snapshots wrote ([\d.]+) MB, hashed ([\d.]+) MB for the peers, engine thread ([\d.]+) s CPU "
+                   r"\(([\d.]+) s on entries\)")
 
 
 def parse(stdout: str) -> dict:
@@ -57,7 +66,32 @@ def parse(stdout: str) -> dict:
                           "owner_capture_s": float(capture),
                           "recomputed_for_sources": int(recomputed), "peer_recompute_s": float(seconds),
                           "failed": int(failed)}
+    for m in OWNER.finditer(stdout):
+        rank, remote, lost, wrote, hashed, cpu, entries_cpu = m.groups()
+        points = out[int(rank)]["points"]
+        out[int(rank)].update(owner_left_to_peers=int(remote or 0), owner_lost=int(lost or 0),
+                              owner_written_mb_per_point=round(float(wrote) / max(points, 1), 3),
+                              owner_hashed_mb_per_point=round(float(hashed) / max(points, 1), 3),
+                              owner_engine_cpu_ms_per_point=round(1e3 * float(cpu) / max(points, 1), 2),
+                              owner_entries_cpu_ms_per_point=round(1e3 * float(entries_cpu) / max(points, 1), 2))
     return out
+
+
+def run(a, local: str, tmp: str) -> dict:
+    """One ``torchrun`` with ``--ft-optimizer-recompute-local local``; the parsed per-rank lines."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           os.path.join(ROOT, "pretrain_gpt_moe.py"), *MODELS[a.model][0], "--pipeline-model-parallel-size", "2",
+           "--train-iters", str(a.iters), "--log-interval", str(a.iters), "--data-path",
+           os.path.join(tmp, "corpus"), "--ft", "--ft-policy", "selective", "--ft-selective-local-budget",
+           str(BUDGETS[(a.model, a.experts)]), "--ft-store-dir", os.path.join(tmp, f"store-{local}"),
+           "--ft-ranks-per-node", "2", "--ft-replicas", "1", "--ft-optimizer-recompute",
+           "--ft-optimizer-recompute-local", local]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
+        raise SystemExit(proc.returncode)
+    return {f"rank{r}": v for r, v in sorted(parse(proc.stdout).items())}
 
 
 def main() -> int:
@@ -67,42 +101,36 @@ def main() -> int:
     p.add_argument("--model", default="tiny", choices=sorted(MODELS))
     p.add_argument("--experts", default="all", choices=["all", "part"])
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--local", default="both", choices=["full", "compute", "both"],
+                   help="--ft-optimizer-recompute-local of the run(s); both: one run each, side by side")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     if (a.model, a.experts) not in BUDGETS:
         p.error(f"--experts {a.experts} is not defined for --model {a.model}; use one of "
                 f"{sorted(e for m, e in BUDGETS if m == a.model)}")
-    flags = MODELS[a.model][0]
+    locals_ = ["full", "compute"] if a.local == "both" else [a.local]
     with tempfile.TemporaryDirectory(prefix="optim_recompute_") as tmp:
         from tools.make_corpus import write_corpus
         from tools.preprocess_data import preprocess
 
         write_corpus(os.path.join(tmp, "c.jsonl"), num_docs=300, seed=0)
         preprocess(os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "corpus"))
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-               os.path.join(ROOT, "pretrain_gpt_moe.py"), *flags, "--pipeline-model-parallel-size", "2",
-               "--train-iters", str(a.iters), "--log-interval", str(a.iters), "--data-path",
-               os.path.join(tmp, "corpus"), "--ft", "--ft-policy", "selective", "--ft-selective-local-budget",
-               str(BUDGETS[(a.model, a.experts)]), "--ft-store-dir", os.path.join(tmp, "store"),
-               "--ft-ranks-per-node", "2", "--ft-replicas", "1", "--ft-optimizer-recompute"]
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
-        return proc.returncode
-    ranks = {f"rank{r}": v for r, v in sorted(parse(proc.stdout).items())}
+        runs = {local: run(a, local, tmp) for local in locals_}
     report = {"_setup": {"model": a.model, "experts": a.experts, "iters": a.iters,
-                         "budget": BUDGETS[(a.model, a.experts)]}, **ranks}
+                         "budget": BUDGETS[(a.model, a.experts)]}, **runs}
     if a.json:
         print(json.dumps(report, indent=1))
         return 0
-    print(f"{'rank':>6} {'points':>6} {'grad':>5} {'full':>5} {'MB/pt without':>14} {'MB/pt with':>11} {'ratio':>6} "
-          f"{'capture s':>9} {'peer s':>7}")
-    for key, r in report.items():
-        if key.startswith("rank"):
+    for local in locals_:
+        print(f"--ft-optimizer-recompute-local {local}")
+        print(f"{'rank':>6} {'points':>6} {'grad':>5} {'full':>5} {'MB/pt without':>14} {'MB/pt with':>11} {'ratio':>6} "
+              f"{'capture s':>9} {'peer s':>7} {'own MB/pt':>9} {'hashed':>7} {'eng ms/pt':>9}")
+        for key, r in report[local].items():
             print(f"{key[4:]:>6} {r['points']:>6} {r['experts_as_gradients']:>5} {r['experts_as_full']:>5} "
                   f"{r['expert_mb_per_point_without']:>14.3f} {r['expert_mb_per_point_with']:>11.3f} "
-                  f"{r['reduction']:>6} {r['owner_capture_s']:>9.3f} {r['peer_recompute_s']:>7.3f}")
+                  f"{r['reduction']:>6} {r['owner_capture_s']:>9.3f} {r['peer_recompute_s']:>7.3f} "
+                  f"{r['owner_written_mb_per_point']:>9.3f} {r['owner_hashed_mb_per_point']:>7.3f} "
+                  f"{r['owner_engine_cpu_ms_per_point']:>9.2f}")
     return 0
 
 
