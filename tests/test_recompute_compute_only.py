@@ -127,6 +127,12 @@ def test_recovery_rule_never_falls_back_past_a_hole_and_retention_keeps_the_loca
     for it in range(1, 7):
         _point(gc, it, remote=True)
     assert gc.points() == [0, 5, 6]
+    # no point restorable without the peers (E0 was never written FULL here): nothing extra is kept, the
+    # store stays bounded
+    bounded = SnapshotStore(MemoryBackend(name="gc"), checksum="xxh3_64", retention=KeepTwoRecoverable(rule=rule))
+    for it in range(7):
+        _point(bounded, it, remote=True)
+    assert bounded.points() == [5, 6]
     plain = SnapshotStore(MemoryBackend(name="plain"), checksum="xxh3_64", retention=KeepTwoRecoverable(rule=rule))
     for it in range(7):
         _point(plain, it, remote=False)

@@ -99,8 +99,10 @@ class KeepTwoRecoverable(RetentionPolicy):
         if local is False and catalog.has_remote:
             # Some FULL states are held by the replica peers only (--ft-optimizer-recompute-local compute):
             # also keep the newest point this store restores without them, the fallback when no peer answers.
+            # None when no such point exists (with churn some expert's newest FULL state is usually the
+            # peers'); the newest points then depend on the peers, and nothing extra is kept: keeping every
+            # point until one appears would grow without bound.
             fallback = newest_recoverable(catalog, replace(self.rule, local_only=True))
-            if fallback is None:
-                return set(catalog.iterations)
-            keep |= set(fallback.iterations)
+            if fallback is not None:
+                keep |= set(fallback.iterations)
         return keep
