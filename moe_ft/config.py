@@ -328,6 +328,10 @@ class FTConfig:
         if cls is not None:
             cls.check_flags(self)
         self.replication.check_policy(cls)
+        if self.replication.optimizer_recompute_local == "compute" and self.persist.interval:
+            raise ValueError("--ft-optimizer-recompute-local compute leaves experts' FULL states to the replica "
+                             "peers, and the durable tier copies this node's store (--ft-persist-interval): "
+                             "use --ft-optimizer-recompute-local full with the durable tier")
         if self.recovery.capacity_boost and not (cls is not None and cls.lossy):
             lossy = " or ".join(name for name, (c, _) in sorted(POLICIES.items()) if c.lossy)
             raise ValueError(f"--ft-capacity-boost makes up the tokens a lossy recovery loses; --ft-policy "

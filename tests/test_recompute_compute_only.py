@@ -279,6 +279,9 @@ def test_flag_checks():
     with pytest.raises(ValueError, match="--ft-replication-bandwidth"):
         FTConfig.from_flags(ft=True, ft_policy="selective", ft_optimizer_recompute=True,
                             ft_optimizer_recompute_local="compute", ft_replication_bandwidth=1e9)
+    with pytest.raises(ValueError, match="durable tier"):
+        FTConfig.from_flags(ft=True, ft_policy="selective", ft_optimizer_recompute=True,
+                            ft_optimizer_recompute_local="compute", ft_persist_interval=2)
     with pytest.raises(ValueError, match="'full' or 'compute'"):
         FTConfig.from_flags(ft=True, ft_policy="selective", ft_optimizer_recompute=True,
                             ft_optimizer_recompute_local="weights")

@@ -49,9 +49,10 @@ class BlobSink(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
-    def expect(self, nbytes: int) -> None:
+    def expect(self, nbytes: int | None) -> None:
         """Size hint: the blob will be exactly ``nbytes`` long (called before the first ``write``, if at
-        all). Backends that preallocate or reuse storage use it; the base class needs nothing."""
+        all; ``None``: unknown). Backends that preallocate or reuse storage use it; the base class needs
+        nothing."""
 
 
 class PointWriter(abc.ABC):

@@ -249,6 +249,11 @@ class LocalFSBackend(StoreBackend):
             raise StoreError(f"{fmt}: unsupported store format {found}; this moe-ft reads {FORMAT}")
         self._pool = _RecyclePool(str(self.directory / "recycle")) if recycle else None
 
+    @property
+    def pool(self) -> "_RecyclePool | None":
+        """The pool of recycled entry files (``recycle=True``), for its statistics; ``None`` otherwise."""
+        return self._pool
+
     def _hook(self, phase: str, iteration: int, name: str) -> None:
         if self._fault_hook is not None:
             self._fault_hook(phase, iteration, name)

@@ -267,7 +267,7 @@ def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1
 
 def _pool_stats(session) -> dict | None:
     """Rank's recycled-file pool of a session: entries written over pooled files of all entries written."""
-    pool = getattr(session.store.backend, "_pool", None) if session is not None else None
+    pool = getattr(session.store.backend, "pool", None) if session is not None else None
     if pool is None:
         return None
     entries = sum(r.num_full + r.num_compute + 1 for r in session.engine.records if r.published)

@@ -88,7 +88,7 @@ def run(shape: str, points: int, root: str) -> dict:
     result = {}
     for name, engine in engines.items():
         recs = engine.records[WARMUP:]
-        pool = engine.store.backend._pool
+        pool = engine.store.backend.pool
         result[name] = {"mb_per_point": round(recs[0].bytes / 1e6, 1),
                         "thread_cpu_ms": round(1e3 * statistics.median(r.thread_cpu_s for r in recs), 2),
                         "copy_ms": round(1e3 * statistics.median(r.copy_s for r in recs), 2),
