@@ -18,6 +18,11 @@ them has a source; otherwise it is left out with the reason. Transfers run on a 
 on the calling thread, so no pair can deadlock); every entry is verified against the *owner's* checksum (a data-parallel
 peer's copy must be the very bytes the owner had) before the point is published, atomically and under the
 owner's own manifest, into the rank's node-local store. Recovery then proceeds exactly as after a worker crash (``moe_ft/recovery``).
+
+The same step **completes** a rank's own points (``--ft-optimizer-recompute-local compute``, MoEtion §5.2):
+FULL entries the owner only hashed, which its peers rebuilt from gradients, are holes in its store; each is
+fetched from the least-loaded holder whose replica point has it (or an expert-data-parallel peer's own
+store), verified against the owner's checksum and added to the point (``SnapshotStore.add_blob``).
 """
 
 from __future__ import annotations
