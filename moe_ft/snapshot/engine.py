@@ -108,7 +108,6 @@ class SnapshotRecord:
     published: bool = False
     remote_bytes: int = 0
     """FULL bytes hashed but not written (left to the replica peers; ``bytes`` counts what was written)."""
-    num_remote: int = 0
 
 
 @dataclass(frozen=True)
@@ -211,8 +210,7 @@ class SnapshotEngine:
                 nfull += level == Level.FULL
                 ncomp += level == Level.COMPUTE
             record = SnapshotRecord(iteration=iteration, bytes=total, num_full=nfull, num_compute=ncomp,
-                                    stall_s=waited, slot_wait_s=waited, remote_bytes=hashed,
-                                    num_remote=len(remote))
+                                    stall_s=waited, slot_wait_s=waited, remote_bytes=hashed)
             job = _Job(record=record, slot=slot, items=items, meta=dict(meta), meta_tensors={},
                        remote=frozenset(remote))
             self._stage_meta(job, meta_tensors)
