@@ -218,12 +218,12 @@ class DurableConfig:
 
 @dataclass(kw_only=True)
 class DrillConfig:
-    """Failure drills: injected faults and the files drills compare (``moe_ft/faults.py``, ``moe-ft drill``)."""
+    """Failure drills: injected faults and the files drills compare (``moe_ft/drills/faults.py``, ``moe-ft drill``)."""
 
     fail: list[str] = field(default_factory=list, metadata=field_help(
         "Failure drill: inject faults RANK:ITER[:PHASE[:KIND]] (PHASE forward|backward|step|snapshot|publish|"
         "persist|recovery|published, KIND exit|exception|hang|corrupt|node); each fires once across restarts "
-        "(moe_ft/faults.py)."))
+        "(moe_ft/drills/faults.py)."))
     digest_out: str = field(default="", metadata=field_help(
         "Write the final training-state digest (moe-ft digest) as JSON to this file at the end of training."))
     trace_out: str = field(default="", metadata=field_help(
@@ -231,7 +231,7 @@ class DrillConfig:
         "per-expert token counts and the experts the plan saved FULL (drills recompute PLT/MLT from it)."))
 
     def __post_init__(self) -> None:
-        from moe_ft.faults import Fault
+        from moe_ft.drills.faults import Fault
 
         for text in self.fail:
             Fault.parse(text)  # raises ValueError naming the bad fault
@@ -240,7 +240,7 @@ class DrillConfig:
         """The fault plan (fired markers under ``job_dir/faults``: each fault fires once across restarts)."""
         import os
 
-        from moe_ft.faults import FaultPlan, FaultPlanConfig
+        from moe_ft.drills.faults import FaultPlan, FaultPlanConfig
 
         return FaultPlan.from_config(FaultPlanConfig(faults=list(self.fail), marker_dir=os.path.join(job_dir, "faults")))
 

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from moe_ft.replication import (PlacementConfig, ReceiverConfig, ReplicaReceiver, ReplicaSender, SenderConfig,
+from moe_ft.replication import (ReplicaPlacementConfig, ReceiverConfig, ReplicaReceiver, ReplicaSender, SenderConfig,
                                 has_copy_off_node, needs_replication, place_replicas, replica_store_config)
 from moe_ft.replication.transport import PointMessage, Transport
 from moe_ft.state.operators import Level, OperatorId
@@ -107,7 +107,7 @@ def replicate_nodes(transport: Transport, root: str, world: int, rank: int) -> d
 
     node_of = [r // 2 for r in range(world)]
     groups = [[0, 2], [1, 3]]
-    plan = place_replicas(PlacementConfig(num_replicas=1), node_of=node_of, dp_groups=groups)
+    plan = place_replicas(ReplicaPlacementConfig(num_replicas=1), node_of=node_of, dp_groups=groups)
     node_root = os.path.join(root, f"node{node_of[rank]}")
     store = StoreConfig(root=node_root, job_id="job", rank=rank).build()
     group = next(g for g in groups if rank in g)

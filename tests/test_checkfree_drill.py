@@ -1,6 +1,6 @@
 """Issue 16 acceptance: a whole pipeline stage is lost with every copy of its state.
 
-PP=4 on 4 ranks, run as 4 simulated nodes of one rank each (``moe_ft/drill_nodes.py``), so rank r is
+PP=4 on 4 ranks, run as 4 simulated nodes of one rank each (``moe_ft/drills/cluster.py``), so rank r is
 pipeline stage r. Node 1 is killed at the start of iteration 6 and its store deleted; there are no
 replicas (``--ft-replicas 0``) and no durable tier, so nothing anywhere holds stage 1's state.
 
@@ -32,7 +32,7 @@ import torch
 from moe_ft.checkfree.lr_boost import GROUP_LR
 from moe_ft.cli.drill import run_node_job
 from moe_ft.store import StoreConfig
-from moe_ft.drill_nodes import NodeLoss
+from moe_ft.drills.cluster import NodeLoss
 
 pytestmark = pytest.mark.multiproc
 

@@ -1,6 +1,6 @@
 """Issue 16: losing the FIRST or LAST pipeline stage with every copy of its state, under CheckFree+.
 
-PP=4 on 4 simulated nodes of one rank each (``moe_ft/drill_nodes.py``), ``--ft-checkfree-plus``, no replicas
+PP=4 on 4 simulated nodes of one rank each (``moe_ft/drills/cluster.py``), ``--ft-checkfree-plus``, no replicas
 and no durable tier. Node 0 (stage 0: embedding + layer 0) or node 3 (stage 3: layer 3 + final norm + output
 layer) is killed at the start of iteration 6 and its store deleted:
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from moe_ft.cli.drill import run_node_job
-from moe_ft.drill_nodes import NodeLoss
+from moe_ft.drills.cluster import NodeLoss
 
 pytestmark = pytest.mark.multiproc
 

@@ -85,7 +85,7 @@ def test_placement_strategy_help_names_every_strategy():
     import re
 
     from moe_ft.cli.placement import STRATEGY_HELP
-    from moe_ft.elastic.planner import STRATEGIES
+    from moe_ft.placement.layers import STRATEGIES
 
     named = set(re.findall(r"\b[a-z]+\b", STRATEGY_HELP)) & {"optimal", "mro", "spread", "compact", "random", "greedy"}
     assert named == set(STRATEGIES)

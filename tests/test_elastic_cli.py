@@ -6,7 +6,7 @@ from fractions import Fraction
 import pytest
 
 from moe_ft.cli.main import main
-from moe_ft.elastic.recovery import recovery_probability_brute_force
+from moe_ft.placement.reliability import recovery_probability_brute_force
 
 
 def _json(capsys, *argv):

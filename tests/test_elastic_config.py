@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_ft.elastic.allocation import allocate_replicas
+from moe_ft.placement.allocation import allocate_replicas
 from moe_ft.elastic.config import ElasticConfig, replica_map_from_plan
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,7 +1,7 @@
 """Flexible dispatcher arithmetic (Lazarus Alg. 1): schedule invariants, reference vs Triton (interpreter).
 
 ``TRITON_INTERPRET`` is read when a ``triton.jit`` kernel is decorated, i.e. when
-``moe_ft.elastic.dispatch_triton`` is first imported; that module is imported only here (lazily by
+``moe_ft.megatron_ext.dispatch.permute_triton`` is first imported; that module is imported only here (lazily by
 ``dispatch.py``), so setting the variable before that import is enough even if torch or triton were
 imported by other test modules first.
 """
@@ -13,7 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from moe_ft.elastic.dispatch import (  # noqa: E402
+from moe_ft.megatron_ext.dispatch.arithmetic import (  # noqa: E402
     DispatchConfig,
     all_send_counts,
     build_permutation,
@@ -31,7 +31,7 @@ TORCH = DispatchConfig(backend="torch")
 
 
 def _have_interpreter():
-    from moe_ft.elastic import dispatch_triton
+    from moe_ft.megatron_ext.dispatch import permute_triton as dispatch_triton
 
     return dispatch_triton.HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -162,8 +162,8 @@ def test_triton_positions_across_blocks_and_many_ranks():
     """Slots spanning several kernel blocks, and a world large enough for a multi-step binary search."""
     if not _have_interpreter():
         pytest.fail("triton must be installed for this test (pip install 'moe-ft[test]')")
-    from moe_ft.elastic.dispatch_ref import positions_reference
-    from moe_ft.elastic.dispatch_triton import positions_triton
+    from moe_ft.megatron_ext.dispatch.permute_ref import positions_reference
+    from moe_ft.megatron_ext.dispatch.permute_triton import positions_triton
 
     gen = torch.Generator().manual_seed(5)
     world, num_experts = 37, 3

@@ -61,7 +61,7 @@ def _operators_in_store(root: str, job: str, rank: int) -> set[OperatorId]:
 @pytest.mark.timeout(400)
 def test_node_loss_with_replicated_experts_recovers_bitwise(corpus, tmp_path):
     from moe_ft.cli.drill import node_flags, run_job, run_node_job
-    from moe_ft.drill_nodes import NodeLoss
+    from moe_ft.drills.cluster import NodeLoss
 
     iters, window = 10, 3
     common = dict(layout="dp2ep2", policy="sparse", iters=iters, data=corpus, window=window)

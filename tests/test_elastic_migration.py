@@ -5,9 +5,9 @@ from itertools import permutations
 
 import pytest
 
-from moe_ft.elastic.migration import map_nodes, num_fetches, transfer_schedule
-from moe_ft.elastic.planner import PlacementConfig, plan_layers, reconfigure
-from moe_ft.elastic.search import SearchConfig
+from moe_ft.placement.migration import map_nodes, num_fetches, transfer_schedule
+from moe_ft.placement.layers import ExpertPlacementConfig, plan_layers, reconfigure
+from moe_ft.placement.search import SearchConfig
 
 
 def test_mapping_recovers_a_relabelled_plan_without_fetches():
@@ -47,7 +47,7 @@ def test_transfers_come_from_holders_and_spread_over_them():
 
 def test_reconfigure_after_failure_and_join_reaches_the_new_plan():
     loads = [[40, 30, 20, 10], [5, 5, 50, 40]]
-    config = PlacementConfig(slots_per_node=4, min_replicas=2, search=SearchConfig(max_exact_plans=2000))
+    config = ExpertPlacementConfig(slots_per_node=4, min_replicas=2, search=SearchConfig(max_exact_plans=2000))
     layers = plan_layers(loads, 5, config)
     current = [{100 + n: node for n, node in enumerate(layer.plan)} for layer in layers]
     for held in current:
@@ -66,8 +66,8 @@ def test_reconfigure_after_failure_and_join_reaches_the_new_plan():
 
 
 def test_reconfigure_errors():
-    config = PlacementConfig(slots_per_node=2)
+    config = ExpertPlacementConfig(slots_per_node=2)
     with pytest.raises(ValueError, match="layers"):
         reconfigure([{}], [[1, 2], [3, 4]], [0, 1], config)
     with pytest.raises(ValueError, match="unknown placement strategy"):
-        PlacementConfig(slots_per_node=2, strategy="best")
+        ExpertPlacementConfig(slots_per_node=2, strategy="best")

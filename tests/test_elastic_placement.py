@@ -7,15 +7,15 @@ from itertools import permutations
 
 import pytest
 
-from moe_ft.elastic.allocation import allocate_replicas
-from moe_ft.elastic.placement import compact_plan, mro_plan, spread_plan, supports, validate_plan
-from moe_ft.elastic.recovery import (
-    RecoveryConfig,
+from moe_ft.placement.allocation import allocate_replicas
+from moe_ft.placement.plans import compact_plan, mro_plan, spread_plan, supports, validate_plan
+from moe_ft.placement.reliability import (
+    ReliabilityConfig,
     recovery_probabilities,
     recovery_probability_brute_force,
     recovery_vector,
 )
-from moe_ft.elastic.search import SearchConfig, enumerate_plans, optimal_plan
+from moe_ft.placement.search import SearchConfig, enumerate_plans, optimal_plan
 
 
 def _random_allocation(rng, num_nodes, slots, num_experts, f=1):
@@ -101,7 +101,7 @@ def test_exact_recovery_matches_brute_force_on_random_plans():
         for k in range(n + 1):
             assert vec[k] == recovery_probability_brute_force(plan, e, k), (plan, k)
         # the enumeration path (force it by forbidding inclusion–exclusion's larger term count) agrees too
-        est = recovery_probabilities(plan, e, config=RecoveryConfig(max_exact_terms=1 << n))
+        est = recovery_probabilities(plan, e, config=ReliabilityConfig(max_exact_terms=1 << n))
         assert all(est[k].exact == vec[k] for k in range(n))
 
 
@@ -109,7 +109,7 @@ def test_monte_carlo_fallback_is_labelled_and_covers_exact_value():
     # a cycle: expert i on nodes i and i+1 -- one component of overlapping minimal supports
     plan = tuple(tuple(sorted((i, (i - 1) % 8))) for i in range(8))
     exact = recovery_vector(plan, 8)
-    est = recovery_probabilities(plan, 8, [2, 3, 5], RecoveryConfig(max_exact_terms=1, mc_samples=4000, seed=3))
+    est = recovery_probabilities(plan, 8, [2, 3, 5], ReliabilityConfig(max_exact_terms=1, mc_samples=4000, seed=3))
     for k, estimate in est.items():
         assert estimate.method == "monte_carlo" and estimate.exact is None and estimate.num_samples == 4000
         assert estimate.ci_low <= float(exact[k]) <= estimate.ci_high

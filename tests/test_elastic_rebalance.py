@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from moe_ft.elastic.allocation import allocate_replicas
-from moe_ft.elastic.planner import PlacementConfig
+from moe_ft.placement.allocation import allocate_replicas
+from moe_ft.placement.layers import ExpertPlacementConfig
 from moe_ft.elastic.rebalance import held_from_replicas, plan_rebalance
 
 # 2 EP ranks x 3 slots, 4 experts: rank 0 holds {0, 1, 2}, rank 1 holds {0, 1, 3}
 CURRENT = {0: [[1, 1], [1, 1], [1, 0], [0, 1]]}
-CONFIG = PlacementConfig(slots_per_node=3, min_replicas=1)
+CONFIG = ExpertPlacementConfig(slots_per_node=3, min_replicas=1)
 
 
 def test_held_from_replicas():
@@ -54,7 +54,7 @@ def test_random_drifts_on_four_ranks_fetch_exactly_the_gains():
     import random
 
     rng = random.Random(15)
-    config = PlacementConfig(slots_per_node=3, min_replicas=1)
+    config = ExpertPlacementConfig(slots_per_node=3, min_replicas=1)
     # 6 experts in 4 EP ranks x 3 slots
     start = [[1, 0, 1, 0], [0, 1, 0, 1], [1, 0, 1, 0], [0, 1, 0, 1], [1, 1, 0, 0], [0, 0, 1, 1]]
     replicas = {0: start, 1: start}

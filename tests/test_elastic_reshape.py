@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from moe_ft.elastic.allocation import allocate_replicas
-from moe_ft.elastic.planner import PlacementConfig
+from moe_ft.placement.allocation import allocate_replicas
+from moe_ft.placement.layers import ExpertPlacementConfig
 from moe_ft.elastic.reshape import (Fetch, held_after_restart, rederive_expert_parallel, replan,
                                     replica_rows)
 
@@ -40,7 +40,7 @@ def test_shrink_keeps_every_expert_from_the_surviving_node_without_fetches():
     loads = {0: [10, 20, 30, 40], 1: [40, 30, 20, 10]}
     change = rederive_expert_parallel(2, tp=1, pp=1, ep=4, num_experts=4, slots=2, min_replicas=2)
     out = replan(held, loads, ep_size=change.ep_size,
-                 config=PlacementConfig(slots_per_node=2, min_replicas=change.min_replicas))
+                 config=ExpertPlacementConfig(slots_per_node=2, min_replicas=change.min_replicas))
     assert out.fetches == [] and out.lost == {} and out.reason == ""
     for layer, rows in out.replicas.items():
         assert [sum(col) for col in zip(*rows)] == [2, 2]  # every slot filled
@@ -51,7 +51,7 @@ def test_grow_moves_replicas_onto_the_joining_node():
     held = held_after_restart({0: [[1, 0], [1, 0], [0, 1], [0, 1]]}, [0, 0], new_node_of_ep=[0, 0, 1, 1],
                               surviving_nodes=[0])
     assert held[0][2] == held[0][3] == set()
-    out = replan(held, {0: [10, 20, 30, 40]}, ep_size=4, config=PlacementConfig(slots_per_node=2, min_replicas=2))
+    out = replan(held, {0: [10, 20, 30, 40]}, ep_size=4, config=ExpertPlacementConfig(slots_per_node=2, min_replicas=2))
     rows = out.replicas[0]
     assert [sum(row) for row in rows] == allocate_replicas([10, 20, 30, 40], num_nodes=4, slots_per_node=2,
                                                            min_replicas=2)
@@ -69,7 +69,7 @@ def test_rebalance_moves_only_what_the_new_plan_needs():
         ep, slots, num_experts = rng.randint(2, 5), rng.randint(2, 4), rng.randint(2, 6)
         if ep * slots < num_experts:
             continue
-        config = PlacementConfig(slots_per_node=slots, strategy="mro")
+        config = ExpertPlacementConfig(slots_per_node=slots, strategy="mro")
         old_loads = {0: [rng.random() for _ in range(num_experts)]}
         old = replan({0: {j: set() for j in range(ep)}}, old_loads, ep_size=ep, config=config)
         held = {0: {j: {e for e in range(num_experts) if old.replicas[0][e][j]} for j in range(ep)}}
@@ -87,7 +87,7 @@ def test_rebalance_moves_only_what_the_new_plan_needs():
 def test_an_expert_with_no_surviving_copy_is_named_for_the_fallback():
     prev = {0: [[1, 0], [0, 1], [1, 0], [0, 1]]}  # f = 1: experts 1 and 3 only on node 1
     held = held_after_restart(prev, [0, 1], new_node_of_ep=[0], surviving_nodes=[0])
-    out = replan(held, {0: [1, 1, 1, 1]}, ep_size=1, config=PlacementConfig(slots_per_node=4))
+    out = replan(held, {0: [1, 1, 1, 1]}, ep_size=1, config=ExpertPlacementConfig(slots_per_node=4))
     assert out.lost == {0: [1, 3]}
     assert "no surviving copy of layer 0 experts [1, 3]" in out.reason
     assert Fetch(0, 1, 0, None) in out.fetches and Fetch(0, 3, 0, None) in out.fetches
@@ -96,7 +96,7 @@ def test_an_expert_with_no_surviving_copy_is_named_for_the_fallback():
 def test_replica_rows_and_errors():
     assert replica_rows(((0, 0), (1, 2)), 3) == [[2, 0], [0, 1], [0, 1]]
     with pytest.raises(ValueError, match="layers of held experts"):
-        replan({0: {}}, {1: [1.0]}, ep_size=1, config=PlacementConfig(slots_per_node=1))
+        replan({0: {}}, {1: [1.0]}, ep_size=1, config=ExpertPlacementConfig(slots_per_node=1))
 
 
 def test_elastic_config_adjusts_the_expert_parallel_size_for_the_new_world():

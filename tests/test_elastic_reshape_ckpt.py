@@ -20,7 +20,7 @@ import re
 import pytest
 import torch
 
-from moe_ft.elastic.drill_report import load_parameters
+from moe_ft.drills.report import load_parameters
 from tests._ft_helpers import torchrun
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]

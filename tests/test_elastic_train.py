@@ -52,7 +52,7 @@ def test_auto_replicas_from_measured_popularity(tmp_path, corpus):
     """Run 1 (standard EP, moe-ft runtime) writes the popularity counters with --ft-trace-out; run 2 trains
     with ``--ft-expert-replicas auto --ft-expert-loads-from`` that trace: every MoE layer's plan holds the
     eq.-1 allocation of that layer's summed counts (recomputed here from the raw file), and training runs."""
-    from moe_ft.elastic.allocation import allocate_replicas
+    from moe_ft.placement.allocation import allocate_replicas
 
     trace = str(tmp_path / "trace.jsonl")
     torchrun("pretrain_gpt_moe.py", [*MODEL, "--data-path", corpus, "--train-iters", "3", "--ft",

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from moe_ft.faults import Fault, FaultPlan, InjectedFault
+from moe_ft.drills.faults import Fault, FaultPlan, InjectedFault
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,7 +36,7 @@ def test_fires_only_at_its_key_and_only_once(tmp_path):
 
 
 def test_exit_kills_the_process_with_sigkill(tmp_path):
-    code = ("from moe_ft.faults import FaultPlan, Fault; import sys; "
+    code = ("from moe_ft.drills.faults import FaultPlan, Fault; import sys; "
             f"FaultPlan([Fault(0, 1, 'step', 'exit')], {str(tmp_path)!r}).check(0, 1, 'step'); sys.exit(0)")
     res = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)), timeout=30)
     assert res.returncode == -9
@@ -56,7 +56,7 @@ AGENT = """
 import os, subprocess, sys, time
 # a stand-in for a torchrun agent: two workers in sessions of their own (as torchrun starts them)
 env = dict(os.environ, TORCHELASTIC_RUN_ID="drill")
-worker = ("import sys, time; from moe_ft.faults import FaultPlan, Fault; rank = int(sys.argv[1]); "
+worker = ("import sys, time; from moe_ft.drills.faults import FaultPlan, Fault; rank = int(sys.argv[1]); "
           "time.sleep(0.5 * (rank == 1)); "
           "FaultPlan([Fault(1, 4, 'step', 'node')], sys.argv[2]).check(rank, 4, 'step'); time.sleep(60)")
 procs = [subprocess.Popen([sys.executable, "-c", worker, str(r), sys.argv[1]], env=env, start_new_session=True)
@@ -95,7 +95,7 @@ def test_node_kills_agent_and_every_worker(tmp_path):
 
 
 def test_node_outside_torchrun_kills_only_itself(tmp_path):
-    code = ("from moe_ft.faults import FaultPlan, Fault; import sys; "
+    code = ("from moe_ft.drills.faults import FaultPlan, Fault; import sys; "
             f"FaultPlan([Fault(0, 1, 'forward', 'node')], {str(tmp_path)!r}).check(0, 1, 'forward'); sys.exit(0)")
     env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
     res = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)), env=env,
@@ -104,7 +104,7 @@ def test_node_outside_torchrun_kills_only_itself(tmp_path):
 
 
 def test_node_loss_parse_and_one_fault_per_event():
-    from moe_ft.drill_nodes import NodeLoss, check_losses, node_faults
+    from moe_ft.drills.cluster import NodeLoss, check_losses, node_faults
 
     assert NodeLoss.parse("1:6") == NodeLoss(1, 6, "forward")
     assert NodeLoss.parse("0:7:persist") == NodeLoss(0, 7, "persist")
@@ -122,7 +122,7 @@ def test_node_loss_parse_and_one_fault_per_event():
 
 def test_node_flags_turn_on_the_durable_tier_when_every_node_is_lost(tmp_path):
     from moe_ft.cli.drill import node_flags
-    from moe_ft.drill_nodes import NodeLoss
+    from moe_ft.drills.cluster import NodeLoss
 
     one = node_flags(nodes=2, losses=[NodeLoss(1, 6)], faults=[], work=str(tmp_path), window=4)
     assert one == ["--ft-replicas", "1", "--ft-ranks-per-node", "2"]
@@ -140,7 +140,7 @@ def test_node_flags_turn_on_the_durable_tier_when_every_node_is_lost(tmp_path):
 
 
 def test_driver_reads_progress_and_markers_before_deleting_a_store(tmp_path):
-    from moe_ft.drill_nodes import fired_markers, last_completed, redone_iterations
+    from moe_ft.drills.cluster import fired_markers, last_completed, redone_iterations
 
     job = tmp_path / "node1" / "job"
     (job / "faults").mkdir(parents=True)
@@ -162,10 +162,10 @@ def test_driver_reads_progress_and_markers_before_deleting_a_store(tmp_path):
 
 
 def test_sigterm_stays_pending_on_a_paused_worker_until_it_resumes():
-    """The elastic join pauses the running workers until their agent's SIGTERM is pending (drill_nodes)."""
+    """The elastic join pauses the running workers until their agent's SIGTERM is pending (moe_ft/drills/cluster.py)."""
     import signal
 
-    from moe_ft.drill_nodes import alive, sigterm_pending
+    from moe_ft.drills.cluster import alive, sigterm_pending
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
                             stdout=subprocess.PIPE, text=True)

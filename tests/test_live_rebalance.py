@@ -42,7 +42,7 @@ def _run(corpus, tmp_path, job, extra, faults=(), iters=ITERS):
 
 @pytest.mark.timeout(900)
 def test_rebalance_in_the_run_moves_state_exactly_and_recovers_bitwise(corpus, tmp_path):
-    from moe_ft.elastic.drill_report import load_parameters, param_deviation
+    from moe_ft.drills.report import load_parameters, param_deviation
 
     plain = _run(corpus, tmp_path, "plain", [])
     assert plain["rc"] == 0, f"see {plain['log']}"

@@ -1,5 +1,5 @@
 """Issue 5 acceptance, node loss: 2 simulated nodes x 2 ranks (two torchrun agents on a c10d rendezvous
-hosted by the test process, ``moe_ft/drill_nodes.py``), each node with its own store directory, replicas on
+hosted by the test process, ``moe_ft/drills/cluster.py``), each node with its own store directory, replicas on
 the other node. A lost node's agent and workers are SIGKILLed at once, its store is deleted, a replacement
 agent joins; the job ends bitwise equal to a fault-free run (digests).
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from moe_ft.cli.drill import node_flags, run_job, run_node_job
-from moe_ft.drill_nodes import NodeLoss
+from moe_ft.drills.cluster import NodeLoss
 
 pytestmark = pytest.mark.multiproc
 

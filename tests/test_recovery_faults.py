@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_ft.faults import Fault, corrupt_point
+from moe_ft.drills.faults import Fault, corrupt_point
 
 
 @pytest.mark.timeout(30)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 import torch
 
-from moe_ft.recovery.machine import Phase, Recovery, RecoveryConfig, RecoveryContext, RecoveryState
+from moe_ft.recovery.machine import Phase, Recovery, MachineConfig, RecoveryContext, RecoveryState
 from moe_ft.recovery.optim import RecordedStepOptimizer
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import MemoryBackend, NewestFullRule, SnapshotStore, SparseWindowRule
@@ -251,7 +251,7 @@ def machine(job: Job, *, store=None, rule=None, lossy: bool = False, fault=None)
     ctx = RecoveryContext(store=job.store if store is None else store, registry=job.registry,
                           rule=rule or SparseWindowRule.aligned(ops, WINDOW), train_state=job.state, step_fn=steps,
                           popularity=job.popularity, policy=job.policy, fault_check=fault or FaultAt())
-    return Recovery(RecoveryConfig(lossy=lossy), ctx), steps
+    return Recovery(MachineConfig(lossy=lossy), ctx), steps
 
 
 def fulls(plan) -> list[OperatorId]:

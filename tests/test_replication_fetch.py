@@ -16,7 +16,7 @@ import torch
 from moe_ft.replication import InProcessHub, ReceiverConfig, ReplicaReceiver, ReplicaSender, SenderConfig
 from moe_ft.replication.fetch import (FetchTopology, Inventory, PeerFetch, inventory_of, needs_fetch,
                                       plan_fetch)
-from moe_ft.replication.placement import (PlacementConfig, has_copy_off_node, needs_replication,
+from moe_ft.replication.placement import (ReplicaPlacementConfig, has_copy_off_node, needs_replication,
                                           place_replicas)
 from moe_ft.replication.receiver import replica_store_config
 from moe_ft.state.operators import Level, OperatorId
@@ -61,7 +61,7 @@ def replica_store(tmp_path, holder, owner):
 @pytest.fixture
 def job(tmp_path):
     """Snapshots of iterations 4..7 on every rank, replicated with MoEtion §5.1 deduplication."""
-    plan = place_replicas(PlacementConfig(num_replicas=2), node_of=NODE_OF, dp_groups=DP)
+    plan = place_replicas(ReplicaPlacementConfig(num_replicas=2), node_of=NODE_OF, dp_groups=DP)
     hub = InProcessHub()
     receivers = [ReplicaReceiver(ReceiverConfig(), hub.endpoint(r), plan.sources[r],
                                  lambda o, r=r: replica_store(tmp_path, r, o)) for r in range(6)]

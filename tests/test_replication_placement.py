@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from moe_ft.replication import (PlacementConfig, has_copy_off_node, needs_replication,
+from moe_ft.replication import (ReplicaPlacementConfig, has_copy_off_node, needs_replication,
                                 nodes_from_local_world_size, place_replicas)
 from moe_ft.state.operators import Level, OperatorId
 
@@ -34,9 +34,9 @@ def test_properties_on_random_layouts(seed):
     r = rng.randint(1, 3)
     if r > num_nodes - 1:
         with pytest.raises(ValueError, match="needs at least"):
-            place_replicas(PlacementConfig(num_replicas=r), node_of=nodes, dp_groups=groups)
+            place_replicas(ReplicaPlacementConfig(num_replicas=r), node_of=nodes, dp_groups=groups)
         return
-    plan = place_replicas(PlacementConfig(num_replicas=r), node_of=nodes, dp_groups=groups)
+    plan = place_replicas(ReplicaPlacementConfig(num_replicas=r), node_of=nodes, dp_groups=groups)
     group_of = {rank: set(g) for g in groups for rank in g}
     for rank, peers in plan.peers.items():
         assert len(peers) == r
@@ -58,29 +58,29 @@ def test_properties_on_random_layouts(seed):
 
 def test_dp_peers_preferred_when_on_other_nodes():
     # 2 nodes x 2 ranks, DP groups {0,2} and {1,3} span the nodes
-    plan = place_replicas(PlacementConfig(num_replicas=1), node_of=[0, 0, 1, 1], dp_groups=[[0, 2], [1, 3]])
+    plan = place_replicas(ReplicaPlacementConfig(num_replicas=1), node_of=[0, 0, 1, 1], dp_groups=[[0, 2], [1, 3]])
     assert plan.peers == {0: (2,), 1: (3,), 2: (0,), 3: (1,)}
     assert plan.sources == {0: (2,), 1: (3,), 2: (0,), 3: (1,)}
 
 
 def test_never_same_node_even_for_dp_peer():
     # DP group {0,1} lives on node 0: the peer shares the failure domain and must not be used
-    plan = place_replicas(PlacementConfig(num_replicas=1), node_of=[0, 0, 1, 1], dp_groups=[[0, 1], [2, 3]])
+    plan = place_replicas(ReplicaPlacementConfig(num_replicas=1), node_of=[0, 0, 1, 1], dp_groups=[[0, 1], [2, 3]])
     for rank, peers in plan.peers.items():
         assert [0, 0, 1, 1][peers[0]] != [0, 0, 1, 1][rank]
 
 
 def test_too_few_nodes_is_a_clear_error():
     with pytest.raises(ValueError, match=r"--ft-replicas 2 needs at least 3 nodes.*has 2 node"):
-        place_replicas(PlacementConfig(num_replicas=2), node_of=[0, 0, 1, 1])
+        place_replicas(ReplicaPlacementConfig(num_replicas=2), node_of=[0, 0, 1, 1])
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
         nodes_from_local_world_size(world_size=6, local_world_size=4)
     with pytest.raises(ValueError, match="in two groups"):
-        place_replicas(PlacementConfig(num_replicas=1), node_of=[0, 1], dp_groups=[[0, 1], [1]])
+        place_replicas(ReplicaPlacementConfig(num_replicas=1), node_of=[0, 1], dp_groups=[[0, 1], [1]])
 
 
 def test_zero_replicas():
-    plan = place_replicas(PlacementConfig(num_replicas=0), node_of=[0])
+    plan = place_replicas(ReplicaPlacementConfig(num_replicas=0), node_of=[0])
     assert plan.peers == {0: ()} and plan.sources == {0: ()}
 
 

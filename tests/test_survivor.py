@@ -165,7 +165,7 @@ def test_dump_killed_midway_publishes_nothing(tmp_path):
 
 
 def test_corrupt_survivor_point_is_not_usable(tmp_path):
-    from moe_ft.faults import corrupt_point
+    from moe_ft.drills.faults import corrupt_point
 
     reg = make_registry(0)
     guard = guard_for(tmp_path, reg)

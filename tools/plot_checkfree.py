@@ -5,7 +5,7 @@
     python tools/plot_checkfree.py --out docs/                     # ~5 min on one core
     python tools/plot_checkfree.py --out /tmp/cf --iterations 40 --strategies none weighted
 
-What is emulated and why is in ``moe_ft/checkfree/study.py`` and ``docs/checkfree.md``. Deterministic:
+What is emulated and why is in ``tools/studies/checkfree_convergence.py`` and ``docs/checkfree.md``. Deterministic:
 the corpus is generated from a seed, the model and data order are seeded, the failure schedule is fixed.
 Plotting needs matplotlib (``pip install -e .[plot]``); without it the table is still written.
 """
@@ -100,7 +100,7 @@ def write_doc_block(doc: str, block: str) -> bool:
 
 
 def main(argv=None) -> int:
-    from moe_ft.checkfree.study import STRATEGIES, StudyConfig, run_study
+    from tools.studies.checkfree_convergence import STRATEGIES, StudyConfig, run_study
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="Directory for the PNG.")

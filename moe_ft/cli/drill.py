@@ -3,7 +3,7 @@
 
     moe-ft drill --layout ep2pp2 --policy sparse --iters 12 --fail 1:6 --fail 2:9:snapshot --json
 
-Node-loss drill: the faulty run on ``--nodes N`` simulated nodes (N torchrun agents, ``moe_ft/drill_nodes.py``),
+Node-loss drill: the faulty run on ``--nodes N`` simulated nodes (N torchrun agents, ``moe_ft/drills/cluster.py``),
 each with its own node-local store, replicas on the other nodes (``--ft-replicas``, ``--ft-ranks-per-node``);
 ``--fail-node NODE:ITER[:PHASE]`` loses a whole node there (agent + workers SIGKILLed, its store deleted,
 a replacement agent started); the same ``ITER:PHASE`` on several nodes loses them together::
@@ -18,7 +18,7 @@ without ``--nodes``::
 
     moe-ft drill --iters 12 --window 4 --fail 1:7:persist --json
 
-Every input is checked before anything is launched (``moe_ft/cli/drill_checks.py``): a fault that could
+Every input is checked before anything is launched (``moe_ft/drills/checks.py``): a fault that could
 never fire, a persist fault off the save interval, a bad ``--extra`` job flag or a missing ``--data`` end the
 drill with one line and exit code 2.
 
@@ -39,7 +39,7 @@ import tempfile
 from pathlib import Path
 
 from moe_ft.cli.errors import UsageError, reporting, user_input
-from moe_ft.drill_nodes import kill_tree  # noqa: F401  (also used by tests)
+from moe_ft.drills.cluster import kill_tree  # noqa: F401  (also used by tests)
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 4  # ranks of the drill's job (torchrun --nproc-per-node, or split over --nodes)
@@ -125,8 +125,8 @@ def run_node_job(*, job: str, workdir: str, faults: list[str], losses: list, num
     """The job on ``num_nodes`` simulated nodes (``common``: as :func:`run_job`; ``common['store']`` is the
     root of the node stores ``<store>/node<k>``); returns what :func:`run_job` does plus ``node_losses``,
     ``launches`` (agents started per node) and ``logs`` (one per agent launch)."""
-    from moe_ft.drill_nodes import ClusterConfig, SimulatedCluster, read_reports, redone_iterations
-    from moe_ft.faults import Fault
+    from moe_ft.drills.cluster import ClusterConfig, SimulatedCluster, read_reports, redone_iterations
+    from moe_ft.drills.faults import Fault
 
     world = WORLD_SIZE
     if world % num_nodes:
@@ -203,7 +203,7 @@ def drill_flags(args, faults: list[str], losses: list, work: str) -> list[str]:
                               work=work, window=args.window, persist_interval=args.persist_interval,
                               persist_dir=args.persist_dir)
     if getattr(args, "elastic", False):  # lost nodes are not replaced: the job re-plans (issue 15)
-        from moe_ft.drill_nodes import NodeJoin
+        from moe_ft.drills.cluster import NodeJoin
 
         if args.nodes < 2:
             raise ValueError("--elastic loses nodes without replacing them: add --nodes N (N >= 2)")
@@ -222,7 +222,7 @@ def prepare(args) -> tuple[str, dict, list[str], list]:
     """Check every input before anything runs (a ``UsageError`` on the first problem; a temporary
     workdir made for the drill is removed again). Returns ``(workdir, common job keywords, faults,
     node losses)``."""
-    from moe_ft.cli.drill_checks import check_counts, check_faults, check_job_flags
+    from moe_ft.drills.checks import check_counts, check_faults, check_job_flags
 
     with user_input():
         check_counts(args, world_size=WORLD_SIZE)
@@ -256,7 +256,7 @@ def drill(args) -> dict:
     try:
         ref = run_job(job="faultfree", workdir=work, timeout=args.timeout, **common)
         if args.nodes > 1:
-            from moe_ft.drill_nodes import NodeJoin
+            from moe_ft.drills.cluster import NodeJoin
 
             joins = [NodeJoin.parse(j) for j in getattr(args, "join_node", [])]
             bad = run_node_job(job="faulty", workdir=work, faults=faults, losses=losses, num_nodes=args.nodes,
@@ -278,7 +278,7 @@ def drill(args) -> dict:
         out["reports"] = bad["reports"]
         out["token_loss"] = sum(r["token_loss"].get("tokens", 0.0) for r in out["reports"])
         if getattr(args, "elastic", False):  # not bitwise after a world change: loss curves and parameter deviation instead
-            from moe_ft.elastic.drill_report import summary
+            from moe_ft.drills.report import summary
 
             out["node_joins"] = bad.get("node_joins", [])
             out["elastic"] = summary(reference_log=ref["log"], faulty_logs=bad["logs"],

@@ -33,7 +33,7 @@ def register(subparsers) -> None:
     p.add_argument("--slots", type=int, required=True, help="expert replicas per node c")
     p.add_argument("--f", type=int, default=1, help="fault-tolerance threshold: replicas per expert at least (default 1)")
     p.add_argument("--failed", type=int, default=None, help="report only this number of failed nodes (default: all)")
-    # no argparse choices: they would import the planner (numpy) for every --help; PlacementConfig checks it
+    # no argparse choices: they would import the planner (numpy) for every --help; ExpertPlacementConfig checks it
     p.add_argument("--strategy", default="optimal", help=STRATEGY_HELP)
     p.add_argument("--seed", type=int, default=0, help="Monte-Carlo seed, used only when no exact method fits")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -41,14 +41,14 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_ft.elastic.planner import PlacementConfig, plan_layer
-    from moe_ft.elastic.recovery import RecoveryConfig, recovery_probabilities
-    from moe_ft.elastic.search import SearchConfig
+    from moe_ft.placement.layers import ExpertPlacementConfig, plan_layer
+    from moe_ft.placement.reliability import ReliabilityConfig, recovery_probabilities
+    from moe_ft.placement.search import SearchConfig
 
     with user_input(ValueError):
         if args.failed is not None and not 0 <= args.failed <= args.nodes:
             raise ValueError(f"--failed must be in [0, {args.nodes}] (the number of nodes), got {args.failed}")
-        config = PlacementConfig(
+        config = ExpertPlacementConfig(
             slots_per_node=args.slots,
             min_replicas=args.f,
             strategy=args.strategy,
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         )
         layer = plan_layer(args.loads, args.nodes, config)
         failed = [args.failed] if args.failed is not None else list(range(args.nodes + 1))
-        probs = recovery_probabilities(layer.plan, len(args.loads), failed, RecoveryConfig(seed=args.seed))
+        probs = recovery_probabilities(layer.plan, len(args.loads), failed, ReliabilityConfig(seed=args.seed))
     if args.json:
         print(json.dumps({
             "allocation": list(layer.allocation),

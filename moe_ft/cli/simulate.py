@@ -123,7 +123,7 @@ def run_simulate(args) -> int:
 
 
 def run_plan(args) -> int:
-    from moe_ft.sim.planner import plan
+    from moe_ft.sim.advisor import plan
 
     with user_input(ValueError, RuntimeError, OSError):
         loaded = _load(args)

@@ -1,20 +1,9 @@
-"""Elastic expert placement and the flexible token dispatcher (Lazarus; SPEC §6).
+"""The elastic runtime (Lazarus §4.3, §5): keep training when the world changes, and re-plan inside a run.
 
-Planning (pure Python/NumPy): ``allocation`` (eq. 1), ``placement`` (MRO, spread, compact), ``recovery``
-(exact recovery probability), ``search`` (the ``optimal`` strategy), ``migration`` (§4.3 node mapping and
-transfers), ``planner`` (per-layer plans, reconfiguration), ``shortfall`` (MRO vs best study).
-Dispatch arithmetic (PyTorch, no process groups): ``dispatch`` (interface), ``dispatch_schedule``
-(Alg. 1 counts), ``dispatch_ref`` (reference permutation), ``dispatch_triton`` (kernels, explicit opt-in).
+``config`` (``ElasticConfig``: the flexible dispatcher's replica map), ``component`` (``--ft-elastic``:
+layout records, the restart decision), ``restart`` (fresh / same / reshape / fallback), ``inventory`` (what a
+node still holds), ``reshape`` and ``restore`` (re-planning and moving operator state onto a new world),
+``holders`` (which EP ranks hold which replicas), ``rebalance`` / ``live`` / ``rebalance_component``
+(``--ft-rebalance-interval``: re-plan and swap expert slots in place). The planning math is in
+``moe_ft.placement``; the dispatcher and its kernels in ``moe_ft.megatron_ext.dispatch``.
 """
-
-from moe_ft.elastic.allocation import allocate_replicas
-from moe_ft.elastic.placement import Plan, compact_plan, mro_plan, spread_plan
-from moe_ft.elastic.planner import LayerPlan, PlacementConfig, plan_layer, plan_layers, reconfigure
-from moe_ft.elastic.recovery import RecoveryConfig, RecoveryEstimate, recovery_probabilities
-from moe_ft.elastic.search import SearchConfig, optimal_plan
-
-__all__ = [
-    "LayerPlan", "PlacementConfig", "Plan", "RecoveryConfig", "RecoveryEstimate", "SearchConfig",
-    "allocate_replicas", "compact_plan", "mro_plan", "optimal_plan", "plan_layer", "plan_layers",
-    "recovery_probabilities", "reconfigure", "spread_plan",
-]

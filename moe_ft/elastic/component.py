@@ -84,9 +84,9 @@ class ElasticRecorder(Component):
 
     def close(self) -> None:
         """Drills (``--ft-digest-out``): the final parameters beside the digest, experts by global id, so that
-        an elastic run's deviation from the fault-free run can be measured (``drill_report.py``)."""
+        an elastic run's deviation from the fault-free run can be measured (``moe_ft/drills/report.py``)."""
         digest_out = self.runtime.config.drill.digest_out
         if digest_out:
-            from moe_ft.elastic.drill_report import dump_parameters
+            from moe_ft.drills.report import dump_parameters
 
             dump_parameters(f"{digest_out}.params_rank{self.runtime.rank}.pt", self.runtime.state.model)

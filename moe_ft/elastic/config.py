@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_ft.elastic.dispatch import BACKENDS
-from moe_ft.elastic.loads import MeasuredLoads, read_trace_loads
-from moe_ft.elastic.placement import plan_counts, validate_plan
-from moe_ft.elastic.planner import STRATEGIES, PlacementConfig, place, plan_layer
+from moe_ft.megatron_ext.dispatch.arithmetic import BACKENDS
+from moe_ft.placement.loads import MeasuredLoads, read_trace_loads
+from moe_ft.placement.plans import plan_counts, validate_plan
+from moe_ft.placement.layers import STRATEGIES, ExpertPlacementConfig, place, plan_layer
 
 FLEXIBLE = "flexible"
 """The ``--moe-token-dispatcher-type`` value that selects the elastic MoE layer."""
@@ -50,7 +50,7 @@ class ElasticConfig:
     ft_expert_loads_from: str = field(default="", metadata=field_help(
         "--ft-trace-out file of an earlier run: its popularity counters, summed per MoE layer, are the loads "
         "of 'auto', and every layer gets its own allocation and plan."))
-    """Path of a JSONL trace (``moe_ft.elastic.loads``); read once, at argument parsing."""
+    """Path of a JSONL trace (``moe_ft.placement.loads``); read once, at argument parsing."""
     ft_expert_loads_window: int = field(default=0, metadata=field_help(
         "With --ft-expert-loads-from: sum only the newest N iterations of the trace (0 = all)."))
     """Recent-history window of the measured loads, in iterations."""
@@ -210,7 +210,7 @@ class ElasticConfig:
                 loads = self.ft_expert_loads if self.ft_expert_loads is not None else [1.0] * num_experts
             if len(loads) != num_experts:
                 raise ValueError(f"--ft-expert-loads has {len(loads)} values for {num_experts} experts")
-            config = PlacementConfig(slots_per_node=slots, min_replicas=self.ft_fault_threshold,
+            config = ExpertPlacementConfig(slots_per_node=slots, min_replicas=self.ft_fault_threshold,
                                      strategy=self.ft_placement)
             plan = plan_layer(loads, ep_size, config).plan
         else:
@@ -220,7 +220,7 @@ class ElasticConfig:
             if sum(counts) != ep_size * slots:
                 raise ValueError(f"--ft-expert-replicas sums to {sum(counts)} but EP size {ep_size} x "
                                  f"--ft-expert-slots {slots} = {ep_size * slots} slots; make them agree")
-            plan = place(counts, ep_size, PlacementConfig(slots_per_node=slots, strategy=self.ft_placement))
+            plan = place(counts, ep_size, ExpertPlacementConfig(slots_per_node=slots, strategy=self.ft_placement))
         return replica_map_from_plan(plan, num_experts)
 
 

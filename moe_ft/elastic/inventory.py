@@ -6,7 +6,7 @@ EP size, every MoE layer's replica map ``R[e][j]``, the cumulative expert loads 
 hard counts, the loads eq. 1 allocates from, Lazarus §4.1) and the iteration. A restarted job reads the
 records its nodes kept to learn the plan it ran (same world: keep it; other world: re-plan from it).
 
-**Inventory** (:func:`node_inventory`): every point in this node's stores of the job -- the snapshot stores
+**LayoutInventory** (:func:`node_inventory`): every point in this node's stores of the job -- the snapshot stores
 ``<job>/rank<r>`` and the survivor points ``<job>/survivor/rank<r>`` (``moe_ft/localized/survivor.py``) --
 with the operators it holds at ``FULL`` and whether it has metadata. Only this node's files are read:
 another node's state arrives over the network (``transfer.py``).
@@ -108,7 +108,7 @@ def store_dirs(store_dir: str, job_id: str) -> list[StoreDir]:
 
 
 @dataclass
-class Inventory:
+class LayoutInventory:
     """``full[iteration][op]``: a store directory on this node holding ``op`` at FULL in that point;
     ``meta[iteration]``: directories with that point's metadata (the rank's own first)."""
 
@@ -120,7 +120,7 @@ class Inventory:
         return {it: sorted(str(op) for op in ops) for it, ops in self.full.items() if it in self.meta}
 
 
-def node_inventory(store_dir: str, job_id: str, *, prefer_rank: int) -> Inventory:
+def node_inventory(store_dir: str, job_id: str, *, prefer_rank: int) -> LayoutInventory:
     """Scan this node's stores (manifests only; checksums are verified when an entry is loaded)."""
     full: dict[int, dict[OperatorId, StoreDir]] = {}
     meta: dict[int, list[StoreDir]] = {}
@@ -133,4 +133,4 @@ def node_inventory(store_dir: str, job_id: str, *, prefer_rank: int) -> Inventor
                     ops.setdefault(op, d)
             if point.meta is not None:
                 meta.setdefault(point.iteration, []).append(d)
-    return Inventory(full, meta)
+    return LayoutInventory(full, meta)

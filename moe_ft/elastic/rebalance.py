@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from moe_ft.elastic.allocation import allocate_replicas
-from moe_ft.elastic.planner import PlacementConfig
+from moe_ft.placement.allocation import allocate_replicas
+from moe_ft.placement.layers import ExpertPlacementConfig
 from moe_ft.elastic.reshape import Fetch, replan
 
 ExpertKey = tuple[int, int]
@@ -71,7 +71,7 @@ class RebalancePlan:
 
 
 def plan_rebalance(replicas: Mapping[int, Sequence[Sequence[int]]], loads: Mapping[int, Sequence[float]], *,
-                   config: PlacementConfig) -> RebalancePlan:
+                   config: ExpertPlacementConfig) -> RebalancePlan:
     """New plans from ``loads`` (tokens per expert since the last plan, per layer) for the EP ranks of
     ``replicas`` (the current ``R[e][j]`` per layer). Raises ``ValueError`` on inconsistent inputs."""
     if sorted(replicas) != sorted(loads):

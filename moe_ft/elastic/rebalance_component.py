@@ -30,7 +30,7 @@ from pathlib import Path
 
 from moe_ft import comm
 from moe_ft.elastic.live import apply_rebalance, current_plans, elastic_layers
-from moe_ft.elastic.planner import PlacementConfig
+from moe_ft.placement.layers import ExpertPlacementConfig
 from moe_ft.elastic.rebalance import plan_rebalance
 from moe_ft.runtime.components import Component
 
@@ -52,7 +52,7 @@ class LiveRebalance(Component):
         self.layers = elastic_layers(runtime.state.model)
         first = next(iter(current_plans(self.layers).values()))
         slots = sum(row[0] for row in first)  # every EP rank has the same number of slots
-        self.placement = PlacementConfig(slots_per_node=slots, min_replicas=elastic.ft_fault_threshold,
+        self.placement = ExpertPlacementConfig(slots_per_node=slots, min_replicas=elastic.ft_fault_threshold,
                                          strategy=elastic.ft_placement)
         self.pending: tuple[int, dict] | None = None
         """``(iteration, new plans)`` moved but not yet in the layout record (until its dense point is out)."""

@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from moe_ft.elastic.migration import map_nodes, transfer_schedule
-from moe_ft.elastic.planner import PlacementConfig, plan_layer
+from moe_ft.placement.migration import map_nodes, transfer_schedule
+from moe_ft.placement.layers import ExpertPlacementConfig, plan_layer
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def replica_rows(plan, num_experts: int) -> list[list[int]]:
 
 
 def replan(held: Mapping[int, Mapping[int, set[int]]], loads: Mapping[int, Sequence[float]], *, ep_size: int,
-           config: PlacementConfig) -> Replan:
+           config: ExpertPlacementConfig) -> Replan:
     """Re-plan every layer for ``ep_size`` EP ranks (see the module docstring).
 
     ``held[layer][j]``: experts EP rank ``j`` (``0 <= j < ep_size``) has without a transfer; ``loads[layer]``:

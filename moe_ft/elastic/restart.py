@@ -9,7 +9,7 @@ the larger world (grow). The restarted job decides, at model build (collective o
 * ``same``    the newest record has this world and EP size: that record's plans (a rank or a node was
               replaced; the stores match them; the usual recovery runs);
 * ``reshape`` the world or EP size changed: the newest iteration ``T`` at which every operator has a FULL
-              copy on some surviving node with the metadata (``Inventory``: survivor points -- the survivors'
+              copy on some surviving node with the metadata (``LayoutInventory``: survivor points -- the survivors'
               exact state at their last completed iteration -- or dense snapshots) is agreed; each new EP rank
               *has* the experts the nodes of its data-parallel copies hold at ``T`` (a copy on another node
               serves the others over the network); eq. 1 re-allocates from the cumulative loads
@@ -27,7 +27,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from moe_ft.elastic.inventory import LayoutRecord, newest_record, node_inventory, read_records
-from moe_ft.elastic.planner import PlacementConfig
+from moe_ft.placement.layers import ExpertPlacementConfig
 from moe_ft.elastic.reshape import Replan, rederive_expert_parallel, replan
 from moe_ft.state.operators import OperatorId
 
@@ -130,6 +130,6 @@ def decide(*, store_dir: str, job_id: str, num_layers: int, num_experts: int, ep
         held[layer] = per_ep
     loads = {layer: [float(x) for x in previous.loads.get(layer, [1.0] * num_experts)] for layer in previous.plans}
     out = replan(held, loads, ep_size=ep_size,
-                 config=PlacementConfig(slots_per_node=slots, min_replicas=change.min_replicas, strategy=strategy))
+                 config=ExpertPlacementConfig(slots_per_node=slots, min_replicas=change.min_replicas, strategy=strategy))
     return RestartDecision("reshape", generation, previous, out.replicas, point, notes, out, world_size=world,
                            ep_size=ep_size, ranks=ranks)

@@ -17,8 +17,8 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from moe_ft.elastic.config import FLEXIBLE, ElasticConfig
-from moe_ft.elastic.dispatch import DispatchConfig
-from moe_ft.megatron_ext.elastic_dispatcher import ElasticTokenDispatcher
+from moe_ft.megatron_ext.dispatch.arithmetic import DispatchConfig
+from moe_ft.megatron_ext.dispatch.dispatcher import ElasticTokenDispatcher
 from moe_ft.megatron_ext.elastic_experts import ElasticExperts
 
 

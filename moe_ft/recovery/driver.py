@@ -35,14 +35,14 @@ import torch.distributed as dist
 
 from moe_ft import comm
 from moe_ft.recovery.lossy import gather_expert_full_at, token_loss
-from moe_ft.recovery.machine import Phase, Recovery, RecoveryConfig, RecoveryContext, RecoveryState
+from moe_ft.recovery.machine import Phase, Recovery, MachineConfig, RecoveryContext, RecoveryState
 from moe_ft.recovery.progress import last_completed
 from moe_ft.recovery.report import RecoveryReport
 from moe_ft.state.operators import Level
 
 if TYPE_CHECKING:
     from moe_ft.config import FTConfig
-    from moe_ft.faults import FaultPlan
+    from moe_ft.drills.faults import FaultPlan
     from moe_ft.popularity import ExpertPopularity
     from moe_ft.replication.service import Replication
     from moe_ft.snapshot.session import SnapshotSession
@@ -258,7 +258,7 @@ def _machine(inputs: RecoveryInputs, store, rs: RecoveryState, check_routing: bo
                                                     start_iteration=inputs.start_iteration),
                           train_state=inputs.state, step_fn=inputs.step_fn, popularity=inputs.popularity,
                           policy=policy, fault_check=inputs.check_fault)
-    return Recovery(RecoveryConfig(lossy=policy.lossy, check_routing=check_routing), ctx).run(rs)
+    return Recovery(MachineConfig(lossy=policy.lossy, check_routing=check_routing), ctx).run(rs)
 
 
 def restore_newest_point(inputs: RecoveryInputs, plan=None) -> tuple[RecoveryState, str]:

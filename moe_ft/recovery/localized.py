@@ -103,7 +103,7 @@ def _replay(inputs: "RecoveryInputs", scope: Scope, feed, group, out: dict) -> N
     """A replaying rank: its own window through the machine, then the lost iterations, all log-fed."""
     from moe_ft.localized.log_replay import LogReplay
     from moe_ft.recovery.driver import BoundedStore
-    from moe_ft.recovery.machine import Recovery, RecoveryConfig, RecoveryContext, RecoveryState
+    from moe_ft.recovery.machine import Recovery, MachineConfig, RecoveryContext, RecoveryState
 
     t0 = time.perf_counter()
     policy = inputs.session.policy
@@ -121,7 +121,7 @@ def _replay(inputs: "RecoveryInputs", scope: Scope, feed, group, out: dict) -> N
                               fault_check=inputs.check_fault, group=group)
         # the grad-norm all-reduce is served from the collective log (the original global norm), so the
         # replay takes it as the original run did instead of the recorded scalar: the log's call order holds
-        config = RecoveryConfig(lossy=False, check_routing=False, use_recorded_grad_norm=False)
+        config = MachineConfig(lossy=False, check_routing=False, use_recorded_grad_norm=False)
         rs = Recovery(config, ctx).run(RecoveryState(fallback_iteration=inputs.start_iteration))
         if rs.point is None:
             raise RuntimeError(f"the replaying ranks {scope.replaying} have no recovery point in common")

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from moe_ft.state.operators import OperatorId
     from moe_ft.store import RecoveryPoint
 
-__all__ = ["Phase", "Recovery", "RecoveryConfig", "RecoveryContext", "RecoveryState", "check_routing",
+__all__ = ["Phase", "Recovery", "MachineConfig", "RecoveryContext", "RecoveryState", "check_routing",
            "restore_step_state"]
 
 log = logging.getLogger("moe_ft.recovery")
@@ -65,7 +65,7 @@ class Phase(enum.Enum):
 
 
 @dataclass(kw_only=True)
-class RecoveryConfig:
+class MachineConfig:
     """Knobs of the recovery mechanism."""
 
     verify: bool = True
@@ -148,7 +148,7 @@ class Recovery:
     bit of progress is on the :class:`RecoveryState` passed to :meth:`advance`, so a state left by a
     failed transition can be advanced again, by this machine or a new one over the same context."""
 
-    def __init__(self, config: RecoveryConfig, ctx: RecoveryContext) -> None:
+    def __init__(self, config: MachineConfig, ctx: RecoveryContext) -> None:
         self.config, self.ctx = config, ctx
         self._mains: dict[int, list[torch.Tensor]] = main_params_by_model_param(ctx.train_state.optimizer)
         self._meta_cache: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}

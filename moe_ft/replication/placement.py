@@ -4,7 +4,7 @@ Pure functions of the job layout, computed once at start on every rank (same inp
 collective is needed)::
 
     nodes = nodes_from_local_world_size(world_size=8, local_world_size=4)     # rank -> node
-    plan = place_replicas(PlacementConfig(num_replicas=2), node_of=nodes, dp_groups=dp_groups)
+    plan = place_replicas(ReplicaPlacementConfig(num_replicas=2), node_of=nodes, dp_groups=dp_groups)
     plan.peers[rank]        # ranks (on other nodes) that store this rank's replicas
     plan.sources[rank]      # ranks whose replicas this rank stores
 
@@ -23,7 +23,7 @@ from moe_ft.state.operators import Level, OperatorId
 
 
 @dataclass(kw_only=True)
-class PlacementConfig:
+class ReplicaPlacementConfig:
     num_replicas: int = 2
     """``r``: peers holding a copy of each rank's snapshots (``--ft-replicas``); 0 = no replication."""
 
@@ -66,7 +66,7 @@ def _group_of(dp_groups: Sequence[Sequence[int]], world_size: int) -> list[tuple
     return group_of  # type: ignore[return-value]
 
 
-def place_replicas(config: PlacementConfig, *, node_of: Sequence[int],
+def place_replicas(config: ReplicaPlacementConfig, *, node_of: Sequence[int],
                    dp_groups: Sequence[Sequence[int]] | None = None) -> ReplicaPlan:
     """MoEtion Alg. 2 with failure domains (module docstring). ``node_of[rank]``: node id of each rank;
     ``dp_groups``: the data-parallel groups (a partition of the ranks; default: one rank each).

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from moe_ft.persist import DurableTier, PersistConfig, PersistWriter
 from moe_ft.replication.fetch import FetchResult, FetchTopology, fetch_from_peers
-from moe_ft.replication.placement import (PlacementConfig, ReplicaPlan, has_copy_off_node, needs_replication,
+from moe_ft.replication.placement import (ReplicaPlacementConfig, ReplicaPlan, has_copy_off_node, needs_replication,
                                           nodes_from_local_world_size, place_replicas)
 from moe_ft.replication.receiver import ReceiverConfig, ReplicaReceiver, replica_store_config
 from moe_ft.replication.sender import ReplicaSender, SenderConfig
@@ -100,7 +100,7 @@ class Replication:
                                "lives on a node other than its owner's (and the other replicas')", num_replicas,
                                num_nodes - 1, num_nodes)
             num_replicas = num_nodes - 1
-        plan = place_replicas(PlacementConfig(num_replicas=num_replicas), node_of=layout.node_of,
+        plan = place_replicas(ReplicaPlacementConfig(num_replicas=num_replicas), node_of=layout.node_of,
                               dp_groups=layout.dp_groups)
         config = GlooTransportConfig()
         transport = GlooTransport(config, config.build_group())

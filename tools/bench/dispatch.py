@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from moe_ft.elastic.search import SearchConfig
+from moe_ft.placement.search import SearchConfig
 
 
 def _timed(fn, repeat: int = 1):
@@ -35,12 +35,12 @@ def _timed(fn, repeat: int = 1):
 
 
 def bench_placement(args) -> None:
-    from moe_ft.elastic.allocation import allocate_replicas
-    from moe_ft.elastic.dispatch_schedule import dispatch_schedule
-    from moe_ft.elastic.migration import map_nodes
-    from moe_ft.elastic.placement import mro_plan
-    from moe_ft.elastic.recovery import recovery_probabilities
-    from moe_ft.elastic.search import optimal_plan
+    from moe_ft.placement.allocation import allocate_replicas
+    from moe_ft.megatron_ext.dispatch.schedule import dispatch_schedule
+    from moe_ft.placement.migration import map_nodes
+    from moe_ft.placement.plans import mro_plan
+    from moe_ft.placement.reliability import recovery_probabilities
+    from moe_ft.placement.search import optimal_plan
 
     gen = torch.Generator().manual_seed(0)
     loads = (torch.randn(args.experts, generator=gen).exp() * 1000).round().tolist()  # log-normal loads
@@ -75,8 +75,8 @@ def bench_placement(args) -> None:
 def bench_permute(args) -> None:
     cuda = torch.cuda.is_available()
     if not cuda:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before dispatch_triton is imported
-    from moe_ft.elastic.dispatch import DispatchConfig, build_permutation, dispatch_schedule, permute
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before permute_triton is imported
+    from moe_ft.megatron_ext.dispatch.arithmetic import DispatchConfig, build_permutation, dispatch_schedule, permute
 
     device = "cuda" if cuda else "cpu"
     gen = torch.Generator().manual_seed(0)

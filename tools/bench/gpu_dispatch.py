@@ -6,7 +6,7 @@
 Prints one JSON object. Every rate is GB/s of send-buffer traffic (read + write of
 ``tokens * topk * hidden`` elements, bf16), timed with CUDA events over ``--iters`` calls after warm-up:
 ``d2d_copy`` (``dst.copy_(src)`` of the same bytes: the memory-bandwidth ceiling), ``torch_reference``
-(``moe_ft/elastic/dispatch_ref.py``), ``triton_gather`` (the permutation kernel alone, positions
+(``moe_ft/megatron_ext/dispatch/permute_ref.py``), ``triton_gather`` (the permutation kernel alone, positions
 precomputed), ``triton_positions_and_gather`` (positions kernel + gather, what a dispatch pays),
 ``megatron_permute`` (routing-map based, ``fused=False``: Transformer Engine's fused permute is absent).
 ``*_vs_copy`` are the ratios to ``d2d_copy``. ``equal``: Triton == reference bitwise (positions and rows).
@@ -34,7 +34,7 @@ def _gbps(fn, nbytes: int, iters: int) -> float:
 
 
 def bench(*, tokens: int, hidden: int, topk: int, experts: int, world: int, iters: int, seed: int = 0) -> dict:
-    from moe_ft.elastic.dispatch import DispatchConfig, build_permutation, dispatch_schedule, permute
+    from moe_ft.megatron_ext.dispatch.arithmetic import DispatchConfig, build_permutation, dispatch_schedule, permute
 
     device = "cuda"
     gen = torch.Generator().manual_seed(seed)

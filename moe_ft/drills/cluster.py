@@ -19,7 +19,7 @@ Two torch 2.13 details shape this:
   (``env://``), a new one per attempt.
 
 A node loss ``NODE:ITER[:PHASE]`` becomes the fault ``R:ITER:PHASE:node`` on the node's first rank R
-(``moe_ft.faults.kill_node``: agent and workers SIGKILLed at once). When the driver sees that agent die it
+(``moe_ft.drills.faults.kill_node``: agent and workers SIGKILLed at once). When the driver sees that agent die it
 kills the other nodes lost at the same ``(ITER, PHASE)`` (a multi-node loss), deletes the lost nodes'
 store directories (their snapshots and the replicas they held are gone), waits until the survivors'
 workers have exited (their gloo peers vanished; their agents restart them and count the restart), and
@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from moe_ft.faults import PHASES, Fault
+from moe_ft.drills.faults import PHASES, Fault
 
 
 @dataclass(frozen=True, order=True)
@@ -252,7 +252,7 @@ class SimulatedCluster:
 
     def _launch(self, node: int, faults: list[Fault], port: int, trigger: str | None = None) -> None:
         """Start node ``node``'s agent; with ``trigger`` it imports torch, then waits for that file before
-        it joins the rendezvous (``moe_ft.drill_join``)."""
+        it joins the rendezvous (``moe_ft.drills.join``)."""
         c = self.config
         launch_idx = self.launches.get(node, 0)
         self.launches[node] = launch_idx + 1
@@ -263,7 +263,7 @@ class SimulatedCluster:
         if c.elastic:
             rdzv_conf += f",last_call_timeout={c.last_call_timeout}"
             nnodes = f"1:{c.num_nodes}"
-        launcher = ["-m", "torch.distributed.run"] if trigger is None else ["-m", "moe_ft.drill_join", trigger]
+        launcher = ["-m", "torch.distributed.run"] if trigger is None else ["-m", "moe_ft.drills.join", trigger]
         cmd = [sys.executable, *launcher, f"--nnodes={nnodes}", f"--node-rank={node}",
                f"--nproc-per-node={c.ranks_per_node}", f"--max-restarts={c.max_restarts}", "--monitor-interval=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={self._rdzv_id()}",

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from moe_ft.elastic.placement import Plan, supports
+from moe_ft.placement.plans import Plan, supports
 
 METHODS = ("closed_form", "inclusion_exclusion", "enumeration", "monte_carlo")
 
@@ -50,7 +50,7 @@ class RecoveryEstimate:
 
 
 @dataclass(kw_only=True, frozen=True)
-class RecoveryConfig:
+class ReliabilityConfig:
     """How hard to try for an exact answer before falling back to Monte Carlo."""
 
     max_exact_terms: int = 1 << 16
@@ -179,7 +179,7 @@ def _wilson(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float
     return low, high
 
 
-def _monte_carlo(sets: list[frozenset[int]], num_nodes: int, num_failed: int, config: RecoveryConfig) -> RecoveryEstimate:
+def _monte_carlo(sets: list[frozenset[int]], num_nodes: int, num_failed: int, config: ReliabilityConfig) -> RecoveryEstimate:
     rng = np.random.default_rng([config.seed, num_nodes, num_failed])
     member = np.zeros((len(sets), num_nodes), dtype=bool)
     for i, s in enumerate(sets):
@@ -200,10 +200,10 @@ def _monte_carlo(sets: list[frozenset[int]], num_nodes: int, num_failed: int, co
 
 
 def recovery_probabilities(
-    plan: Plan, num_experts: int, failed: Sequence[int] | None = None, config: RecoveryConfig | None = None
+    plan: Plan, num_experts: int, failed: Sequence[int] | None = None, config: ReliabilityConfig | None = None
 ) -> dict[int, RecoveryEstimate]:
     """Recovery probability for each number of failed nodes in ``failed`` (default ``0..N-1``)."""
-    config = config or RecoveryConfig()
+    config = config or ReliabilityConfig()
     num_nodes = len(plan)
     ks = list(range(num_nodes)) if failed is None else list(failed)
     for k in ks:

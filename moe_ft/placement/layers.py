@@ -11,16 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from moe_ft.elastic.allocation import allocate_replicas
-from moe_ft.elastic.migration import Transfer, map_nodes, transfer_schedule
-from moe_ft.elastic.placement import STRATEGIES_BASELINE, Plan
-from moe_ft.elastic.search import SearchConfig, optimal_plan
+from moe_ft.placement.allocation import allocate_replicas
+from moe_ft.placement.migration import ExpertTransfer, map_nodes, transfer_schedule
+from moe_ft.placement.plans import STRATEGIES_BASELINE, Plan
+from moe_ft.placement.search import SearchConfig, optimal_plan
 
 STRATEGIES = ("optimal", "mro", "spread", "compact")
 
 
 @dataclass(kw_only=True, frozen=True)
-class PlacementConfig:
+class ExpertPlacementConfig:
     """Allocation and placement of one MoE layer's experts over the nodes."""
 
     slots_per_node: int
@@ -45,14 +45,14 @@ class LayerPlan:
     plan: Plan
 
 
-def place(replicas: Sequence[int], num_nodes: int, config: PlacementConfig) -> Plan:
+def place(replicas: Sequence[int], num_nodes: int, config: ExpertPlacementConfig) -> Plan:
     """Plan for a given allocation with ``config.strategy``."""
     if config.strategy == "optimal":
         return optimal_plan(replicas, num_nodes, config.slots_per_node, config.search).plan
     return STRATEGIES_BASELINE[config.strategy](replicas, num_nodes, config.slots_per_node)
 
 
-def plan_layer(loads: Sequence[float], num_nodes: int, config: PlacementConfig) -> LayerPlan:
+def plan_layer(loads: Sequence[float], num_nodes: int, config: ExpertPlacementConfig) -> LayerPlan:
     """Eq. 1 allocation from ``loads`` (tokens per expert), then placement."""
     replicas = allocate_replicas(
         loads, num_nodes=num_nodes, slots_per_node=config.slots_per_node, min_replicas=config.min_replicas
@@ -60,7 +60,7 @@ def plan_layer(loads: Sequence[float], num_nodes: int, config: PlacementConfig) 
     return LayerPlan(tuple(replicas), place(replicas, num_nodes, config))
 
 
-def plan_layers(loads_per_layer: Sequence[Sequence[float]], num_nodes: int, config: PlacementConfig) -> list[LayerPlan]:
+def plan_layers(loads_per_layer: Sequence[Sequence[float]], num_nodes: int, config: ExpertPlacementConfig) -> list[LayerPlan]:
     """One independent ``LayerPlan`` per MoE layer."""
     return [plan_layer(loads, num_nodes, config) for loads in loads_per_layer]
 
@@ -71,14 +71,14 @@ class LayerReconfiguration:
 
     layer: LayerPlan
     physical: tuple[int, ...]
-    transfers: tuple[Transfer, ...]
+    transfers: tuple[ExpertTransfer, ...]
 
 
 def reconfigure(
     current: Sequence[dict[int, Sequence[int]]],
     loads_per_layer: Sequence[Sequence[float]],
     nodes: Sequence[int],
-    config: PlacementConfig,
+    config: ExpertPlacementConfig,
 ) -> list[LayerReconfiguration]:
     """Re-plan every layer for the physical ``nodes`` that will run next (§4.3).
 

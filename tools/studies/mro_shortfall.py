@@ -1,6 +1,6 @@
 """How often, and by how much, MRO falls short of the best plan on random eq.-1 instances.
 
-    python -m moe_ft.elastic.shortfall --instances 300 --seed 0
+    python -m tools.studies.mro_shortfall --instances 300 --seed 0
 
 Instances: ``N`` in [3, 7] nodes, ``c`` in [2, 4] slots, ``E`` in [2, 8] experts (``E <= N*c``), ``f`` in
 {1, 2}, loads drawn from a log-normal (sigma 1, so loads are skewed as routed loads are); the allocation is
@@ -17,10 +17,10 @@ import argparse
 import random
 from dataclasses import dataclass
 
-from moe_ft.elastic.allocation import allocate_replicas
-from moe_ft.elastic.placement import mro_plan
-from moe_ft.elastic.recovery import recovery_vector
-from moe_ft.elastic.search import SearchConfig, optimal_plan
+from moe_ft.placement.allocation import allocate_replicas
+from moe_ft.placement.plans import mro_plan
+from moe_ft.placement.reliability import recovery_vector
+from moe_ft.placement.search import SearchConfig, optimal_plan
 
 
 @dataclass

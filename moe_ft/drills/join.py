@@ -1,6 +1,6 @@
-"""A torchrun agent that joins the job only when told (elastic drills, ``moe_ft/drill_nodes.py``).
+"""A torchrun agent that joins the job only when told (elastic drills, ``moe_ft/drills/cluster.py``).
 
-    python -m moe_ft.drill_join TRIGGER <torchrun arguments>
+    python -m moe_ft.drills.join TRIGGER <torchrun arguments>
 
 Importing torch costs seconds of CPU; a node that "comes back at iteration ITER" would otherwise join the
 rendezvous seconds after the driver saw ITER completed, and a short job can end before that. This launcher
@@ -18,7 +18,7 @@ import time
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
-        print("usage: python -m moe_ft.drill_join TRIGGER <torchrun arguments>", file=sys.stderr)
+        print("usage: python -m moe_ft.drills.join TRIGGER <torchrun arguments>", file=sys.stderr)
         return 2
     trigger, torchrun_args = argv[0], argv[1:]
     from torch.distributed import run  # the expensive part, before the trigger

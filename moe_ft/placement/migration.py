@@ -20,11 +20,11 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from moe_ft.elastic.placement import Plan
+from moe_ft.placement.plans import Plan
 
 
 @dataclass(frozen=True)
-class Transfer:
+class ExpertTransfer:
     """Copy the state of ``expert_idx`` from physical node ``src`` to physical node ``dst``."""
 
     expert_idx: int
@@ -79,8 +79,8 @@ def num_fetches(held: Mapping[int, Sequence[int]], new_plan: Plan, mapping: Sequ
     return sum(len(set(node) - set(held[p])) for node, p in zip(new_plan, mapping))
 
 
-def transfer_schedule(held: Mapping[int, Sequence[int]], new_plan: Plan, mapping: Sequence[int]) -> list[Transfer]:
-    """One ``Transfer`` per expert a physical node must fetch; raises ``RuntimeError`` if an expert has no
+def transfer_schedule(held: Mapping[int, Sequence[int]], new_plan: Plan, mapping: Sequence[int]) -> list[ExpertTransfer]:
+    """One ``ExpertTransfer`` per expert a physical node must fetch; raises ``RuntimeError`` if an expert has no
     surviving holder (recovery needs a checkpoint then)."""
     holders: dict[int, list[int]] = {}
     for p in sorted(held):
@@ -91,7 +91,7 @@ def transfer_schedule(held: Mapping[int, Sequence[int]], new_plan: Plan, mapping
         for e in sorted(set(node) - set(held[p])):
             requests.setdefault(e, []).append(p)
     load = {p: 0 for p in held}
-    transfers: list[Transfer] = []
+    transfers: list[ExpertTransfer] = []
     for e in sorted(requests):
         if e not in holders:
             raise RuntimeError(f"expert {e} has no surviving replica; restore it from a checkpoint")
@@ -99,5 +99,5 @@ def transfer_schedule(held: Mapping[int, Sequence[int]], new_plan: Plan, mapping
         for k, dst in enumerate(requests[e]):
             src = sources[k % len(sources)]
             load[src] += 1
-            transfers.append(Transfer(e, src, dst))
+            transfers.append(ExpertTransfer(e, src, dst))
     return transfers

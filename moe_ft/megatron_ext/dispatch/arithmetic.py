@@ -19,7 +19,7 @@ that set); the forward equals standard expert parallelism on the same global bat
 processed once (no dropping, no padding).
 
 ``DispatchConfig.backend`` chooses the implementation explicitly: ``"torch"`` (reference, the default) or
-``"triton"`` (kernels in ``dispatch_triton.py``; never chosen automatically). The schedule is always
+``"triton"`` (kernels in ``permute_triton.py``; never chosen automatically). The schedule is always
 computed in PyTorch.
 """
 
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_ft.elastic.dispatch_ref import check_routing, permute_reference, positions_reference, unpermute_reference
-from moe_ft.elastic.dispatch_schedule import (
+from moe_ft.megatron_ext.dispatch.permute_ref import check_routing, permute_reference, positions_reference, unpermute_reference
+from moe_ft.megatron_ext.dispatch.schedule import (
     DispatchSchedule,
     _exclusive_cumsum,
     all_send_counts,
@@ -73,7 +73,7 @@ class DispatchPermutation:
 
 
 def _triton():
-    module = importlib.import_module("moe_ft.elastic.dispatch_triton")
+    module = importlib.import_module("moe_ft.megatron_ext.dispatch.permute_triton")
     if not module.HAVE_TRITON:
         raise RuntimeError("backend='triton' needs the triton package: pip install 'moe-ft[triton]'")
     return module

@@ -1,4 +1,4 @@
-"""Triton kernels for the dispatch permutation; behaviour defined by ``dispatch_ref.py`` (exact equality).
+"""Triton kernels for the dispatch permutation; behaviour defined by ``permute_ref.py`` (exact equality).
 
 * ``_positions_kernel`` -- grid ``(E,)``: program ``e`` scans the slots in blocks, ranks the slots routed
   to ``e`` with a running ``tl.cumsum`` (stable: ascending slot order), finds each one's destination rank
@@ -10,7 +10,7 @@
   of a token through ``pos_of_slot`` and sums ``probs * out`` in fp32 in order ``k = 0..topk-1`` (a gather,
   so no atomics and a deterministic sum).
 
-The schedule (``dispatch_schedule.py``) stays in PyTorch: it is ``O(E * W)`` integers, too small to pay
+The schedule (``schedule.py``) stays in PyTorch: it is ``O(E * W)`` integers, too small to pay
 for a kernel. Import this module only through ``dispatch.py``; on CPU tensors the kernels need
 ``TRITON_INTERPRET=1`` set before this module is first imported.
 """
@@ -29,7 +29,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     HAVE_TRITON = False
 
-from moe_ft.elastic.dispatch_schedule import _exclusive_cumsum
+from moe_ft.megatron_ext.dispatch.schedule import _exclusive_cumsum
 
 
 def _require_runnable(t: torch.Tensor) -> None:
@@ -38,7 +38,7 @@ def _require_runnable(t: torch.Tensor) -> None:
     if t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
             "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before importing "
-            "moe_ft.elastic.dispatch_triton, or use backend='torch'"
+            "moe_ft.megatron_ext.dispatch.permute_triton, or use backend='torch'"
         )
 
 
@@ -115,7 +115,7 @@ def _block_h(hidden_size: int) -> int:
 
 
 def positions_triton(expert_idx: torch.Tensor, send_counts: torch.Tensor, block: int = 128):
-    """Same contract as ``dispatch_ref.positions_reference``."""
+    """Same contract as ``permute_ref.positions_reference``."""
     _require_runnable(expert_idx)
     flat = expert_idx.reshape(-1).to(torch.int64).contiguous()
     num_slots = flat.numel()
@@ -136,7 +136,7 @@ def positions_triton(expert_idx: torch.Tensor, send_counts: torch.Tensor, block:
 
 
 def permute_triton(hidden: torch.Tensor, slot_of_pos: torch.Tensor, topk: int) -> torch.Tensor:
-    """Same contract as ``dispatch_ref.permute_reference``."""
+    """Same contract as ``permute_ref.permute_reference``."""
     _require_runnable(hidden)
     hidden = hidden.contiguous()
     out = torch.empty(slot_of_pos.numel(), hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
@@ -148,7 +148,7 @@ def permute_triton(hidden: torch.Tensor, slot_of_pos: torch.Tensor, topk: int) -
 
 
 def unpermute_triton(expert_out: torch.Tensor, pos_of_slot: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """Same contract as ``dispatch_ref.unpermute_reference``."""
+    """Same contract as ``permute_ref.unpermute_reference``."""
     _require_runnable(expert_out)
     num_tokens, topk = probs.shape
     expert_out = expert_out.contiguous()

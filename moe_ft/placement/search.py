@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from itertools import combinations_with_replacement
 from typing import Sequence
 
-from moe_ft.elastic.placement import Plan, canonical, compact_plan, mro_plan, spread_plan, supports, validate_allocation
-from moe_ft.elastic.recovery import recovering_failure_sets
+from moe_ft.placement.plans import Plan, canonical, compact_plan, mro_plan, spread_plan, supports, validate_allocation
+from moe_ft.placement.reliability import recovering_failure_sets
 
 
 MAX_EXACT_NODES = 16

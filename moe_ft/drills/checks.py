@@ -30,8 +30,8 @@ def check_counts(args, *, world_size: int) -> None:
 
 def check_faults(fail: list[str], fail_node: list[str], *, nodes: int, iters: int, world_size: int):
     """Parse ``--fail`` and ``--fail-node``; returns ``(faults as canonical strings, node losses)``."""
-    from moe_ft.drill_nodes import NodeLoss, check_losses
-    from moe_ft.faults import Fault
+    from moe_ft.drills.cluster import NodeLoss, check_losses
+    from moe_ft.drills.faults import Fault
 
     faults = []
     for text in fail:

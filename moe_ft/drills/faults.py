@@ -31,7 +31,7 @@ point's first data file, as a torn or bit-rotted store entry, then SIGKILL so th
 detect it), ``node`` (the whole simulated node is lost at once: SIGKILL of this worker's torchrun agent, of
 every process the agent started — the other ranks of the node — and of this process; see
 :func:`kill_node`. ``moe-ft drill --nodes N --fail-node NODE:ITER[:PHASE]`` schedules it on the node's first
-rank, then deletes the node's store and starts a replacement, ``moe_ft/drill_nodes.py``).
+rank, then deletes the node's store and starts a replacement, ``moe_ft/drills/cluster.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Pure-PyTorch reference of the dispatch permutation (Lazarus §4.2, Algorithm 1 lines 10-13).
 
-It defines the behaviour the Triton kernels in ``dispatch_triton.py`` must reproduce exactly.
+It defines the behaviour the Triton kernels in ``permute_triton.py`` must reproduce exactly.
 
 Slots: routed token copies, ``slot = token * topk + k`` for ``expert_idx: [num_tokens, topk]``. The
 ``n``-th slot routed to expert ``e`` (slots in ascending order) goes to the destination rank ``j`` whose
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_ft.elastic.dispatch_schedule import _exclusive_cumsum
+from moe_ft.megatron_ext.dispatch.schedule import _exclusive_cumsum
 
 
 def check_routing(expert_idx: torch.Tensor, send_counts: torch.Tensor) -> None:

@@ -3,7 +3,7 @@
 Per micro-batch on EP rank ``i`` (``E`` experts, ``W`` EP ranks, ``N`` local tokens, ``k`` = top-k)::
 
     dispatch_preprocess  routing_map [N, E] -> expert_idx [N, k]; all-gather bincounts -> T [E, W];
-                         schedule (moe_ft.elastic.dispatch); send = permute(hidden) [N*k, H]
+                         schedule (moe_ft.megatron_ext.dispatch.arithmetic); send = permute(hidden) [N*k, H]
     token_dispatch       padding-free all_to_all_single over the EP group (gloo on CPU, NCCL on GPU)
     dispatch_postprocess (source rank, expert) -> expert-major; tokens_per_expert of the held experts
     combine_preprocess   expert-major -> (source rank, expert)
@@ -24,7 +24,7 @@ from megatron.core.tensor_parallel import all_to_all
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from moe_ft import comm
-from moe_ft.elastic.dispatch import (
+from moe_ft.megatron_ext.dispatch.arithmetic import (
     DispatchConfig,
     DispatchPermutation,
     build_permutation,
