@@ -14,8 +14,9 @@ setup: $(VENV)/.installed
 demo: setup
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/quickstart.sh
 
+# ruff (ruff.toml) and mypy (mypy.ini) run before the tests, and must pass.
 test: setup
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m ruff check . && $(PY) -m mypy && $(PY) -m pytest -q --durations=15 tests
 
 clean:
-	rm -rf $(VENV) data runs
+	rm -rf $(VENV) data runs .mypy_cache .ruff_cache

@@ -21,7 +21,11 @@ setup(
         "xxhash==4.1.0",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "triton==3.9.0", "matplotlib>=3.8"],
+        "test": [
+            "pytest>=8", "pytest-timeout>=2.3", "triton==3.9.0", "matplotlib>=3.8",
+            # `make test` lints and type-checks before pytest; pinned so a new release cannot break the build.
+            "ruff==0.17.6", "mypy==2.4.1",
+        ],
         "triton": ["triton==3.9.0"],
         "plot": ["matplotlib>=3.8"],
         # GPU extras: need CUDA to build/run; import-guarded everywhere, never used on CPU.
