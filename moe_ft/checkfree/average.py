@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, cast
 
 import torch
 
@@ -140,7 +140,7 @@ def stage_layers(gpt: torch.nn.Module, *, buffers: Iterable[str] = ("mlp.router.
         if not isinstance(tensor, torch.nn.Parameter) and not any(m.group(2).endswith(s) for s in buffers):
             continue
         layers.setdefault(int(m.group(1)), {})[m.group(2)] = tensor
-    return [layers.get(k, {}) for k in range(len(gpt.decoder.layers))]
+    return [layers.get(k, {}) for k in range(len(cast(Any, gpt).decoder.layers))]
 
 
 def squared_grad_norm(grads: Iterable[torch.Tensor | None]) -> float:

@@ -89,7 +89,7 @@ class CheckFreeConfig:
 
         from moe_ft.checkfree.component import CopiesComponent, GroupLrRecord, PartnerSwapComponent
 
-        out = [GroupLrRecord(state.optimizer)] if ps.get_pipeline_model_parallel_world_size() >= 3 else []
+        out: list = [GroupLrRecord(state.optimizer)] if ps.get_pipeline_model_parallel_world_size() >= 3 else []
         if self.plus:
             out += [PartnerSwapComponent(state), CopiesComponent(state.model, self.copies_dir(job_dir, rank))]
         return out

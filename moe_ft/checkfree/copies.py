@@ -65,7 +65,8 @@ def copied_tensors(gpt, kind: str) -> dict[str, torch.Tensor]:
     gpt = getattr(gpt, "module", gpt)
     prefixes = ("embedding.",) if kind == "embedding" else ("output_layer.", "decoder.final_layernorm.")
     out = {name: p for name, p in gpt.named_parameters() if name.startswith(prefixes)}
-    assert all(operator_of(name, gpt).kind == kind for name in out), "naming.py and copied_tensors disagree"
+    assert all(getattr(operator_of(name, gpt), "kind", None) == kind for name in out), \
+        "naming.py and copied_tensors disagree"
     return out
 
 

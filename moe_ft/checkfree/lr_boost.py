@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -55,9 +55,9 @@ class LrBoost:
     """Boosts the peak/floor learning rate of some parameter groups of one optimizer; the scheduler
     (Megatron's ``OptimizerParamScheduler``) turns them into per-iteration learning rates."""
 
-    optimizer: object
+    optimizer: Any
     """Anything with ``param_groups`` (a Megatron optimizer, a ``ChainedOptimizer``, a torch optimizer)."""
-    scheduler: object
+    scheduler: Any
     """The ``OptimizerParamScheduler`` driving ``optimizer`` (``get_lr(group)``, ``max_lr``, ``min_lr``)."""
     config: LrBoostConfig = field(default_factory=LrBoostConfig)
     base: dict[int, tuple[float, float]] = field(default_factory=dict)
@@ -92,7 +92,7 @@ class LrBoost:
     def end_iteration(self, iteration: int) -> bool:
         """Call after iteration ``iteration``'s optimizer and scheduler steps; ends the boost once it has
         lasted ``config.iterations`` iterations. Returns whether it ended now."""
-        if not self.active or not self.config.iterations:
+        if self.first_iteration is None or not self.config.iterations:  # not active
             return False
         if iteration + 1 - self.first_iteration < self.config.iterations:
             return False

@@ -26,7 +26,7 @@ in ``docs/checkfree.md``.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -83,7 +83,8 @@ def layer_order(num_stages: int, layers_per_stage: int, swapped: bool) -> list[i
 def layers_in_order(gpt: torch.nn.Module, order: list[int]) -> Iterator[None]:
     """Run ``gpt``'s (unwrapped or DDP-wrapped ``GPTModel``) transformer layers in ``order`` inside the
     block; the original order is back afterwards, also on an exception."""
-    layers = getattr(gpt, "module", gpt).decoder.layers
+    model: Any = getattr(gpt, "module", gpt)
+    layers = model.decoder.layers
     original = list(layers)
     if sorted(order) != list(range(len(original))):
         raise ValueError(f"layer order {order} is not a permutation of the chunk's {len(original)} layers")

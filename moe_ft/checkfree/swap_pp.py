@@ -42,7 +42,7 @@ class SwapLayerMixin:
     """Mixed into the transformer layer class by :func:`install_swap_layers`: a swapped micro-batch runs the
     layer with its partner's borrowed weights (``self.checkfree_swap``, set by :meth:`PartnerSwap.attach`)."""
 
-    checkfree_swap = None
+    checkfree_swap: PartnerSwap | None = None
     checkfree_position = 0
     _checkfree_inside = False
 

@@ -102,9 +102,9 @@ def read_trace_loads(path: str, window: int = 0) -> MeasuredLoads:
         where = f"{path}:{number}"
         line = _parse_line(text, where)
         counts = line["counts"]
-        line_shape = (len(counts), {len(row) for row in counts})
-        if len(line_shape[1]) != 1:
-            raise ValueError(f"{where}: layers have different numbers of experts {sorted(line_shape[1])}")
+        widths = {len(row) for row in counts}
+        if len(widths) != 1:
+            raise ValueError(f"{where}: layers have different numbers of experts {sorted(widths)}")
         line_shape = (len(counts), len(counts[0]))
         if shape is None:
             shape = line_shape
@@ -118,10 +118,11 @@ def read_trace_loads(path: str, window: int = 0) -> MeasuredLoads:
         raise ValueError(f"{path} holds no trained iteration (empty, or only replays); run with --ft-trace-out "
                          f"{path} for a few iterations first")
     iterations = sorted(by_iteration)[-window:] if window else sorted(by_iteration)
+    assert shape is not None  # set by every trained iteration's line
     num_layers, num_experts = shape
     totals = [[0.0] * num_experts for _ in range(num_layers)]
     for it in iterations:  # ascending: the same float sum on every rank and every read
-        for l, row in enumerate(by_iteration[it]):
-            for e, c in enumerate(row):
-                totals[l][e] += float(c)
+        for layer_idx, row in enumerate(by_iteration[it]):
+            for expert_idx, c in enumerate(row):
+                totals[layer_idx][expert_idx] += float(c)
     return MeasuredLoads(counts=tuple(tuple(row) for row in totals), iterations=tuple(iterations), source=path)

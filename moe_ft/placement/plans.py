@@ -87,7 +87,7 @@ def compact_plan(replicas: Sequence[int], num_nodes: int, slots_per_node: int) -
     """Baseline: node ``n`` takes replicas ``[n*c, (n+1)*c)`` of the expert-ordered replica list."""
     validate_allocation(replicas, num_nodes, slots_per_node)
     flat = _replica_list(replicas)
-    return canonical(flat[n * slots_per_node : (n + 1) * slots_per_node] for n in range(num_nodes))
+    return canonical([flat[n * slots_per_node : (n + 1) * slots_per_node] for n in range(num_nodes)])
 
 
 def _fill_vacant(nodes: list[list[int]], left: list[int], order: list[int], slots_per_node: int) -> None:

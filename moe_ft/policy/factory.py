@@ -11,7 +11,7 @@ from moe_ft.policy.selective import SelectiveConfig, SelectivePolicy
 from moe_ft.policy.sparse import SparseConfig, SparsePolicy
 from moe_ft.state.operators import OperatorInfo
 
-POLICIES: Mapping[str, tuple[type, type]] = {
+POLICIES: Mapping[str, tuple[type, Any]] = {  # (policy class, its config dataclass)
     "dense": (DensePolicy, DenseConfig),
     "pec": (PECPolicy, PECConfig),
     "selective": (SelectivePolicy, SelectiveConfig),

@@ -226,7 +226,7 @@ class PECPolicy(SnapshotPolicy):
 
     def load_state_dict(self, state: Mapping) -> None:
         super().load_state_dict(state)
-        self._segments = [tuple(int(x) for x in s) for s in state["segments"]]
+        self._segments = [(int(s[0]), int(s[1]), int(s[2])) for s in state["segments"]]
         self.accumulated_plt = float(state["accumulated_plt"])
         self._last_persisted = {OperatorId.parse(k): int(v) for k, v in state["last_persisted"].items()}
         if state["persist_cache"] is None:

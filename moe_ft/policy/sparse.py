@@ -120,7 +120,10 @@ class SparsePolicy(SnapshotPolicy):
         windows = recorded_windows(store) if store is not None else []
         if windows:
             return SparseWindowRule.explicit(operators, windows)
-        return SparseWindowRule.aligned(operators, self.window_length, start_iteration)
+        length = self.window_length
+        if length is None:
+            raise RuntimeError("the sparse policy has no window yet: build its recovery rule after its setup")
+        return SparseWindowRule.aligned(operators, length, start_iteration)
 
     def retention_rule(self, operators):
         """The remembered windows (current, previous), else windows aligned to the current one (after a

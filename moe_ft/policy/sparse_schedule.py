@@ -129,10 +129,11 @@ def layout_window(operators: Sequence[OperatorInfo], order: Sequence[OperatorId]
     ``ceil(num_ops / window)`` operators per iteration.
     """
     ranks = _by_rank(operators, order)
-    has_bw = bandwidth_bytes_per_s is not None and t_iter_s is not None
-    budget = bandwidth_bytes_per_s * t_iter_s if has_bw else None
+    budget = None
+    if bandwidth_bytes_per_s is not None and t_iter_s is not None:
+        budget = bandwidth_bytes_per_s * t_iter_s
     if window is None:
-        if not has_bw:
+        if bandwidth_bytes_per_s is None or t_iter_s is None:
             raise ValueError("window='auto' needs bandwidth_bytes_per_s and t_iter_s (or give a fixed window)")
         choices = {k: find_window_size([i.bytes_full for i in ops], [i.bytes_compute for i in ops],
                                        bandwidth_bytes_per_s=bandwidth_bytes_per_s, t_iter_s=t_iter_s)

@@ -32,7 +32,7 @@ def _scaler(opt):
 
 def grad_scaler_state(optimizer) -> list[dict | None]:
     """JSON-able state of every leaf optimizer's dynamic grad scaler (``None`` where there is none)."""
-    out = []
+    out: list[dict | None] = []
     for opt in _leaves(optimizer):
         scaler = _scaler(opt)
         if scaler is None:
@@ -57,6 +57,7 @@ def load_grad_scaler_state(optimizer, states: list[dict | None]) -> None:
                              "or --loss-scale); restore with the same precision flags")
         if scaler is None:
             continue
+        assert st is not None  # checked above: both or neither
         scale = torch.tensor([st["scale"]], dtype=torch.float32, device=scaler.scale.device)
         scaler.load_state_dict({"scale": scale, "growth_tracker": int(st["growth_tracker"]),
                                 "hysteresis_tracker": int(st["hysteresis_tracker"])})

@@ -234,7 +234,8 @@ def sparse_model(cost: CostModel, spec: PolicySpec) -> PolicyModel:
     windows, peaks = [], []
     for s in range(cost.config.parallel.pp):
         ops = _checkpoint_order(cost.rank_operators(s))
-        choice = find_window_size([o.bytes_full for o in ops], [o.bytes_compute for o in ops],
+        # the model's sizes are float bytes; Alg. 1's arithmetic is the same for them
+        choice = find_window_size([o.bytes_full for o in ops], [o.bytes_compute for o in ops],  # type: ignore[misc]
                                   bandwidth_bytes_per_s=budget / it.t_iter_s, t_iter_s=it.t_iter_s)
         windows.append(choice)
         peaks.append(choice.peak_bytes)

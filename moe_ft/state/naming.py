@@ -62,7 +62,7 @@ def global_expert_indices(moe_layer) -> list[int]:
     which need not be contiguous and may differ in number from ``E / EP``.
     """
     experts = getattr(moe_layer, "experts", None)
-    if getattr(experts, "held_experts", None) is not None:
+    if experts is not None and getattr(experts, "held_experts", None) is not None:
         return [int(e) for e in experts.expert_of_mlp]
     return [int(e) for e in moe_layer.local_expert_indices]
 

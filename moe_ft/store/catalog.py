@@ -87,6 +87,7 @@ class Catalog:
         old = points[iteration]
         problems = self.problems + (Problem(iteration, entry.name, reason),)
         if entry.remote:
+            assert entry.op is not None, "a remote entry is an operator's FULL entry"
             return Catalog(points, problems, self.holes | {(iteration, entry.op)})
         if entry.op is None:
             new = replace(old, meta=None)

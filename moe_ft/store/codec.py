@@ -102,7 +102,8 @@ def _align(n: int) -> int:
 
 def raw_bytes(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (any dtype, any rank, including 0-dim and empty)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    # ndarray has the buffer protocol; numpy's stubs declare it (``__buffer__``) only for Python >= 3.12
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def _check_tensor(name: str, tensor: Any) -> torch.Tensor:
@@ -218,7 +219,7 @@ def encode_meta(meta: Mapping[str, Any]) -> str:
 def _read_exact(stream: BinaryIO, buf: memoryview, where: str) -> None:
     got = 0
     while got < len(buf):
-        n = stream.readinto(buf[got:])
+        n = stream.readinto(buf[got:])  # type: ignore[attr-defined]  # files and BytesIO have it; BinaryIO's stub not
         if not n:
             raise CorruptEntryError(where, f"truncated: file ended after {got} of {len(buf)} expected bytes")
         got += n
@@ -309,8 +310,9 @@ def _out_table(header_bytes: bytearray, out: Mapping[str, torch.Tensor], start: 
         table = list(json.loads(header_bytes)["tensors"])
         pos = start
         for rec in table:
-            name, dtype, shape, offset, nbytes = (rec["name"], rec["dtype"], rec["shape"], int(rec["offset"]),
-                                                  int(rec["nbytes"]))
+            # dtype and shape are read here so that a record missing them is refused with the others
+            name, _, _, offset, nbytes = (rec["name"], rec["dtype"], rec["shape"], int(rec["offset"]),
+                                          int(rec["nbytes"]))
             if offset < pos or nbytes < 0 or offset + nbytes > end:
                 raise ValueError(f"tensor {name!r} lies outside the file")
             pos = offset + nbytes

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import itertools
 import json
 import os
@@ -145,7 +146,7 @@ class _FileSink(BlobSink):
     def __init__(self, writer: "_LocalWriter", name: str) -> None:
         self._writer, self._name = writer, name
         self._path = f"{writer.path}/{name}"
-        self._file = None
+        self._file: io.FileIO | None = None
         self._reused = False
         self._written = 0
 
@@ -158,6 +159,7 @@ class _FileSink(BlobSink):
     def write(self, buf: Any) -> None:
         if self._file is None:
             self.expect(None)
+        assert self._file is not None
         view = memoryview(buf).cast("B")
         self._written += len(view)
         while view:  # raw (unbuffered) writes may be short
@@ -167,6 +169,7 @@ class _FileSink(BlobSink):
     def close(self) -> None:
         if self._file is None:
             self.expect(None)
+        assert self._file is not None
         if self._reused:  # the hint is a promise of the caller's: never leave stale bytes past the end
             self._file.truncate(self._written)
         if self._writer.backend.fsync:

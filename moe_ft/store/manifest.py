@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,6 +28,7 @@ def entry_key(iteration: int, op: OperatorId | None, level: Level | None) -> dic
     """The key recorded inside an entry's header (and compared on load)."""
     if op is None:
         return {"iteration": iteration, "kind": "meta"}
+    assert level is not None, "an operator's entry has a level"
     return {"iteration": iteration, "operator": str(op), "level": level.name}
 
 
@@ -61,13 +63,17 @@ class EntryRecord:
 
     @property
     def name(self) -> str:
-        return "meta" if self.op is None else f"{self.op}@{self.level.name}"
+        if self.op is None:
+            return "meta"
+        assert self.level is not None, "an operator's entry has a level"
+        return f"{self.op}@{self.level.name}"
 
     def to_json(self) -> dict[str, Any]:
         out = {"blob": self.blob, "nbytes": self.nbytes, "checksum": self.checksum,
                "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
                            for t in self.tensors]}
         if self.op is not None:
+            assert self.level is not None, "an operator's entry has a level"
             out.update(operator=str(self.op), level=self.level.name)
         return out
 
@@ -97,7 +103,10 @@ class PointRecord:
 
     def level(self, op: OperatorId) -> Level:
         entry = self.entries.get(op)
-        return Level.NONE if entry is None else entry.level
+        if entry is None:
+            return Level.NONE
+        assert entry.level is not None, "an operator's entry has a level"
+        return entry.level
 
     @property
     def nbytes(self) -> int:
@@ -109,6 +118,7 @@ class PointRecord:
 
 def _entry_order(entry: EntryRecord) -> tuple[str, int, int]:
     """Entries in :class:`OperatorId` order (by its fields, without the dataclass's Python ``__lt__``)."""
+    assert entry.op is not None, "only operators' entries are sorted"
     return entry.op.kind, entry.op.layer, entry.op.expert
 
 
@@ -131,7 +141,7 @@ def _overlay(entries: list[EntryRecord], remote: list[EntryRecord]) -> tuple[dic
 
 
 def build_manifest(iteration: int, algo: str, entries: list[EntryRecord], meta: EntryRecord | None,
-                   remote: list[EntryRecord] = ()) -> tuple[bytes, PointRecord]:
+                   remote: Sequence[EntryRecord] = ()) -> tuple[bytes, PointRecord]:
     """The manifest bytes of a point and the :class:`PointRecord` that decoding them gives (without the
     round trip). Compact JSON (one line; ``python -m json.tool`` pretty-prints it): an indented dump takes
     the pure-Python encoder, several times slower than the C one, on every publish. ``remote``: FULL

@@ -15,7 +15,8 @@ from moe_ft.store.backend import MANIFEST, BlobSink, FaultHook, PointWriter, Sta
 
 class _MemorySink(BlobSink):
     def __init__(self, writer: "_MemoryWriter", name: str) -> None:
-        self._writer, self._name, self._parts = writer, name, []
+        self._writer, self._name = writer, name
+        self._parts: list[bytes] = []
 
     def write(self, buf: Any) -> None:
         self._parts.append(bytes(buf))  # copy: the caller may reuse its buffer

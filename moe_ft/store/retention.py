@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 from moe_ft.store.catalog import Catalog
 from moe_ft.store.rules import RecoveryRule, newest_recoverable
@@ -102,7 +103,7 @@ class KeepTwoRecoverable(RetentionPolicy):
             # None when no such point exists (with churn some expert's newest FULL state is usually the
             # peers'); the newest points then depend on the peers, and nothing extra is kept: keeping every
             # point until one appears would grow without bound.
-            fallback = newest_recoverable(catalog, replace(self.rule, local_only=True))
+            fallback = newest_recoverable(catalog, replace(cast(Any, self.rule), local_only=True))  # a dataclass
             if fallback is not None:
                 keep |= set(fallback.iterations)
         return keep

@@ -14,7 +14,7 @@ A rule is any callable ``rule(catalog, end) -> RecoveryPoint | None``. The natur
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence, cast
 
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store.catalog import Catalog
@@ -174,8 +174,9 @@ class NewestFullRule:
         meta = _meta_refs(catalog, [end], self.require_meta)
         if meta is None:
             return None
-        refs = tuple(EntryRef(it, op, Level.FULL) for op, it in full_at.items()) + tuple(meta)
-        return RecoveryPoint(min(full_at.values(), default=end), end, dict(full_at), refs)
+        full = cast("dict[OperatorId, int]", full_at)  # no None left: checked above
+        refs = tuple(EntryRef(it, op, Level.FULL) for op, it in full.items()) + tuple(meta)
+        return RecoveryPoint(min(full.values(), default=end), end, dict(full), refs)
 
 
 def newest_recoverable(catalog: Catalog, rule: RecoveryRule, at_or_before: int | None = None) -> RecoveryPoint | None:

@@ -276,6 +276,7 @@ class SnapshotStore:
                         fetched.append(entry)
                     continue
                 if entry.remote:  # held by the replica peers only: a hole, not a problem
+                    assert entry.op is not None, "a remote entry is an operator's FULL entry"
                     holes.append((it, entry.op))
                     if size is None:
                         continue
@@ -283,7 +284,7 @@ class SnapshotStore:
                 problems.append(Problem(it, entry.name, reason))
                 bad.append(entry)
             entries = {op: e for op, e in record.entries.items() if e.remote or e not in bad}
-            entries.update({e.op: replace(e, remote=False) for e in fetched})
+            entries.update({e.op: replace(e, remote=False) for e in fetched if e.op is not None})  # all remote
             meta = None if record.meta in bad else record.meta
             points[it] = replace(record, entries=entries, meta=meta)
         for problem in problems:
@@ -303,10 +304,10 @@ class SnapshotStore:
         # surface as CorruptEntryError from _read, not as "missing".
         point = self._manifest(ref.iteration) if catalog is None else catalog.point(ref.iteration)
         entry = None if point is None else (point.meta if ref.op is None else point.entries.get(ref.op))
-        if entry is not None and ref.op is not None and entry.level != ref.level:
+        if point is not None and entry is not None and ref.op is not None and entry.level != ref.level:
             entry = point.shadowed.get(ref.op, entry)  # the owner's COMPUTE entry beside a remote FULL one
-        if entry is None or (ref.op is not None and entry.level != ref.level):
-            what = "metadata" if ref.op is None else f"{ref.op} at level {Level(ref.level).name}"
+        if point is None or entry is None or (ref.op is not None and entry.level != ref.level):
+            what = "metadata" if ref.op is None or ref.level is None else f"{ref.op} at level {Level(ref.level).name}"
             raise MissingEntryError(f"no valid {what} in point {ref.iteration} of {self.backend.describe()} "
                                     f"(published points: {self.points()})")
         return entry, point.checksum_algo
@@ -356,8 +357,8 @@ class SnapshotStore:
         ``iteration``, after checking ``data`` against the manifest's size and checksum; the manifest does
         not change. Raises ``CorruptEntryError`` (nothing is written then)."""
         record = self._manifest(iteration)
-        listed = None if record is None else record.entries.get(entry.op)
-        if listed is None or not listed.remote or listed != entry:
+        listed = None if record is None or entry.op is None else record.entries.get(entry.op)
+        if record is None or listed is None or not listed.remote or listed != entry:
             raise ValueError(f"{entry.name} is not a remote entry of point {iteration} in {self.backend.describe()}")
         where = self._where(iteration, entry.blob)
         if len(data) != entry.nbytes:

@@ -52,7 +52,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WINDOW = 5
 DENSE_K = 5
-POLICIES = ["none", "dense(1)", f"dense(k)", "pec", "selective", "sparse"]
+POLICIES = ["none", "dense(1)", "dense(k)", "pec", "selective", "sparse"]
 BUBBLES = "sparse(bubbles)"  # sparse with bubble-aware copies (MoEtion Alg. 4): pipeline parallelism only
 TWO_COPIES = "sparse(2 copies)"  # --two-copies: sparse through slot buffers into new files (the path before)
 

@@ -111,7 +111,6 @@ def pinned_bandwidth(registry: OperatorRegistry, repeat: int) -> dict:
             d.copy_(s, non_blocking=True)
 
     each = _event_seconds(per_tensor, repeat)
-    del src, dst, dsts
     return {"bytes": nbytes, "pinned_copy_gbps": nbytes / statistics.median(one) / 1e9,
             "pinned_per_tensor_gbps": nbytes / statistics.median(each) / 1e9}
 
