@@ -65,7 +65,7 @@ def copied_tensors(gpt, kind: str) -> dict[str, torch.Tensor]:
     gpt = getattr(gpt, "module", gpt)
     prefixes = ("embedding.",) if kind == "embedding" else ("output_layer.", "decoder.final_layernorm.")
     out = {name: p for name, p in gpt.named_parameters() if name.startswith(prefixes)}
-    assert all(getattr(operator_of(name, gpt), "kind", None) == kind for name in out), \
+    assert all(op is not None and op.kind == kind for op in map(lambda name: operator_of(name, gpt), out)), \
         "naming.py and copied_tensors disagree"
     return out
 

@@ -307,7 +307,8 @@ class SnapshotStore:
         if point is not None and entry is not None and ref.op is not None and entry.level != ref.level:
             entry = point.shadowed.get(ref.op, entry)  # the owner's COMPUTE entry beside a remote FULL one
         if point is None or entry is None or (ref.op is not None and entry.level != ref.level):
-            what = "metadata" if ref.op is None or ref.level is None else f"{ref.op} at level {Level(ref.level).name}"
+            level = "?" if ref.level is None else Level(ref.level).name
+            what = "metadata" if ref.op is None else f"{ref.op} at level {level}"
             raise MissingEntryError(f"no valid {what} in point {ref.iteration} of {self.backend.describe()} "
                                     f"(published points: {self.points()})")
         return entry, point.checksum_algo
