@@ -1,4 +1,4 @@
-"""``--ft-snapshot-bubble-aware`` in a real run (issue 14, MoEtion §5.3 Alg. 4): EP=2 x PP=2 under torchrun.
+"""``--ft-snapshot-bubble-aware`` in a real run (MoEtion §5.3 Alg. 4): EP=2 x PP=2 under torchrun.
 
 The schedule trace (``--ft-trace-out``: ``<trace>.bubbles.rank<r>.jsonl``) shows where the copies landed:
 every piece copied as ``W_bubble`` started while its stage was idle in a pipeline exchange of the 1F1B

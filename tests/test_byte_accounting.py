@@ -1,4 +1,4 @@
-"""Bytes are charged where they are copied (issue 14 item 3). The snapshot engine of every rank copies each
+"""Bytes are charged where they are copied. The snapshot engine of every rank copies each
 operator of the plan that its registry holds: an expert on its EP rank, a non-expert on *every* EP rank of
 its stage (its replica, or its distributed-optimizer shard). The catalogue's ``copies`` and
 :func:`copied_bytes` must say the same: for every policy's plans, the bytes charged to each rank key

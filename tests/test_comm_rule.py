@@ -1,4 +1,4 @@
-"""The communication rule (issue 13, ``docs/communication.md``): no host tensor meets an NCCL group.
+"""The communication rule (``docs/communication.md``): no host tensor meets an NCCL group.
 
 Fast, one process (gloo): the checker itself — a raw host-tensor collective on an accelerator-marked group
 fails, an object collective there fails, ``moe_ft.comm``'s host and device paths pass, gloo groups take host

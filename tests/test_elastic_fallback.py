@@ -1,5 +1,5 @@
-"""Issue 15 bad input: a world change that live copies cannot serve falls back, with the reason, never
-silently.
+"""Bad input to the elastic runtime (Lazarus §4.3): a world change that live copies cannot serve falls back,
+with the reason, never silently.
 
 A 4-rank ``--ft-elastic`` run with sparse snapshots and no survivor points (``--ft-recovery-scope global``:
 survivors do not publish their state) trains 5 iterations; the same job then starts on 2 ranks. No point on

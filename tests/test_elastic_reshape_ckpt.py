@@ -1,4 +1,4 @@
-"""Issue 15 item 6: Megatron checkpoints taken before and after a shrink load into a plain Megatron-Core
+"""Megatron checkpoints taken before and after a shrink load into a plain Megatron-Core
 ``GPTModel`` (standard alltoall expert parallelism, no moe-ft runtime).
 
 1. ``--ft-elastic`` run on 4 ranks (flexible dispatcher, replicas 3 1 2 2, dense snapshots): 4 iterations,

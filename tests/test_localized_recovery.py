@@ -1,4 +1,4 @@
-"""Issue 12 acceptance: localized recovery end to end under torchrun (PP=4 on 4 ranks, 1F1B, sparse
+"""Localized recovery end to end under torchrun (PP=4 on 4 ranks, 1F1B, sparse
 snapshots). Real processes are SIGKILLed by the fault plan; the survivors publish their state (survivor
 points), torchrun restarts the job, only the failed stages replay their window from their neighbours'
 logs, the survivors load, and the final training-state digest equals the fault-free run's bitwise.

@@ -1,4 +1,4 @@
-"""Issue 12 acceptance with virtual pipeline stages: PP=2 with 2 virtual stages per rank (x EP=2, Megatron-Core's
+"""Localized recovery with virtual pipeline stages: PP=2 with 2 virtual stages per rank (x EP=2, Megatron-Core's
 interleaved 1F1B schedule, layout ``pp2vp2``). A rank of pipeline stage 1 is SIGKILLed mid-window; the survivors
 publish their state, torchrun restarts the job, only stage 1's ranks replay from their neighbours' upstream logs,
 and the final training-state digest equals the fault-free run's bitwise. The logs carry the real virtual stage

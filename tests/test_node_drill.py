@@ -1,4 +1,4 @@
-"""Issue 5 acceptance, node loss: 2 simulated nodes x 2 ranks (two torchrun agents on a c10d rendezvous
+"""Node loss end to end: 2 simulated nodes x 2 ranks (two torchrun agents on a c10d rendezvous
 hosted by the test process, ``moe_ft/drills/cluster.py``), each node with its own store directory, replicas on
 the other node. A lost node's agent and workers are SIGKILLed at once, its store is deleted, a replacement
 agent joins; the job ends bitwise equal to a fault-free run (digests).

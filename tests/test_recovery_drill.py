@@ -1,4 +1,4 @@
-"""Issue 4 acceptance: real processes are SIGKILLed by the deterministic fault plan (``--ft-fail``),
+"""Failure drills: real processes are SIGKILLed by the deterministic fault plan (``--ft-fail``),
 torchrun restarts the job (``--max-restarts``), the job recovers from the node-local store and finishes.
 
 Exact policies (``sparse``, ``dense(k)``): the final training-state digest equals a fault-free run's

@@ -1,4 +1,4 @@
-"""The recovery state machine (``moe_ft/recovery/machine.py``; SPEC §5, MoEvement §3.3 sparse-to-dense
+"""The recovery state machine (``moe_ft/recovery/machine.py``; MoEvement §3.3 sparse-to-dense
 conversion) one transition at a time, in this process.
 
 A real tiny Megatron MoE GPT (2 layers, 4 experts, single-rank gloo group, CPU layer) trains iterations

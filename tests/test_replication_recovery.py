@@ -1,4 +1,4 @@
-"""Recovery after losing a node, through the real runtime (issue 5 part 5), in one torchrun of 4 gloo
+"""Recovery after losing a node, through the real runtime, in one torchrun of 4 gloo
 ranks simulating two nodes of two ranks (``--ft-ranks-per-node 2``), DP=2×EP=2 with the distributed
 optimizer, ``sparse``, ``r = 1``:
 

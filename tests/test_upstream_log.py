@@ -1,4 +1,4 @@
-"""Upstream logging and log-fed replay (issue 12 part A; MoEvement §3.4, ``docs/localized.md``).
+"""Upstream logging and log-fed replay (MoEvement §3.4, ``docs/localized.md``).
 
 Multi-process (real Megatron-Core 1F1B schedule, real optimizer, 4 gloo processes, ``_workers_localized.py``):
 a fault-free run with logging on, then one pipeline stage reset to its state at iteration k replays
