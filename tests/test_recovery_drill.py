@@ -2,8 +2,8 @@
 torchrun restarts the job (``--max-restarts``), the job recovers from the node-local store and finishes.
 
 Exact policies (``sparse``, ``dense(k)``): the final training-state digest equals a fault-free run's
-bitwise. One fault-free reference per layout (module-scoped, built lazily) serves every faulty run of that
-layout; each faulty run carries several faults so that one launch exercises several paths (a kill inside a
+bitwise. One fault-free reference per layout (the session's ``fault_free_digest``, built lazily) serves every
+faulty run of that layout; each faulty run carries several faults so that one launch exercises several paths (a kill inside a
 window, during a snapshot copy, during store publish, during replay, a corrupted store entry).
 
 Lossy policies (``pec``, ``selective``): the reported PLT/MLT equals the token loss recomputed here from the
@@ -33,19 +33,9 @@ def drill_env(corpus, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(drill_env):
-    """``reference(layout)`` → digest of the fault-free sparse run of that layout (run once, on demand)."""
-    cache: dict[str, str] = {}
-
-    def get(layout: str) -> str:
-        if layout not in cache:
-            res = launch(drill_env, f"ref_{layout}", layout=layout, policy="sparse")
-            assert res["rc"] == 0 and res["digest"], f"fault-free {layout} run failed, see {res['log']}"
-            assert res["reports"] == []
-            cache[layout] = res["digest"]
-        return cache[layout]
-
-    return get
+def reference(fault_free_digest):
+    """``reference(layout)`` → digest of the fault-free run of that layout (run once per session, on demand)."""
+    return lambda layout: fault_free_digest(layout, ITERS)
 
 
 def launch(env, job, *, layout, policy, faults=(), extra=(), max_restarts=0, timeout=300):
