@@ -281,6 +281,7 @@ def test_peer_state_equals_owner_state_in_a_real_run(tmp_path, corpus):
     file byte for byte (param, Adam moments and step of the owner's optimizer after that step)."""
     from moe_ft.replication import replica_store_config
     from moe_ft.store import StoreConfig
+
     store = tmp_path / "store"
     proc = torchrun("pretrain_gpt_moe.py", ["--data-path", corpus, *RUN, "--ft-selective-local-budget", BUDGET,
                                             "--ft-store-dir", str(store), "--ft-job-id", "job",
@@ -374,6 +375,7 @@ def test_owner_keeping_compute_weights_recovers_from_the_peers_full_state(tmp_pa
     import re
 
     from moe_ft.store import StoreConfig
+
     flags = [*_flags(corpus), "--ft-optimizer-recompute-local", "compute"]
     store = tmp_path / "store"
     killed = torchrun("pretrain_gpt_moe.py", [*flags, "--ft-store-dir", str(store), "--ft-fail", "2:6"],
