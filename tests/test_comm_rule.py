@@ -190,7 +190,7 @@ def _where(site: str) -> str:
 EXPECTED_A = {  # (function, kind, where the call comes from): the calls that prove each path ran
     ("broadcast", "accelerator", "training.py share_from_last_stage"),  # training with PP = 2: first log line
     ("all_reduce", "accelerator", "training.py loss_func"),
-    ("all_gather_into_tensor", "accelerator", "dispatch/dispatcher.py dispatch_preprocess"),  # flexible dispatcher
+    ("all_gather_into_tensor", "accelerator", "dispatcher.py dispatch_preprocess"),  # flexible dispatcher
     ("broadcast", "accelerator", "elastic_experts.py copy_from_standard"),
     ("all_reduce", "host", "popularity.py end_iteration"),  # every iteration: the counters the policy reads
     ("all_gather_object", "host", "catalogue.py gather_catalogue"),  # the snapshot runtime's build
