@@ -7,6 +7,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tests._ft_helpers import one_rank_gloo  # noqa: E402  (needs the repository on sys.path)
+
 
 def main() -> None:
     import torch
@@ -41,38 +43,36 @@ def main() -> None:
 
     from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
     from megatron.core import parallel_state as ps
-    import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    ps.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(123)
-    tracker = get_cuda_rng_tracker()
-    out["tracker_class"] = type(tracker).__name__
-    torch.manual_seed(7)
-    before = torch.get_rng_state()
-    with tracker.fork():
-        a = torch.rand(3)
-    out["default_rng_untouched"] = bool(torch.equal(before, torch.get_rng_state()))
-    with tracker.fork():
-        b = torch.rand(3)
-    out["fork_advances_stream"] = not torch.equal(a, b)
-    model_parallel_cuda_manual_seed(123)
-    with get_cuda_rng_tracker().fork():
-        a2 = torch.rand(3)
-    out["fork_reproducible"] = bool(torch.equal(a, a2))
+    with one_rank_gloo():  # destroyed on leaving
+        ps.initialize_model_parallel()
+        model_parallel_cuda_manual_seed(123)
+        tracker = get_cuda_rng_tracker()
+        out["tracker_class"] = type(tracker).__name__
+        torch.manual_seed(7)
+        before = torch.get_rng_state()
+        with tracker.fork():
+            a = torch.rand(3)
+        out["default_rng_untouched"] = bool(torch.equal(before, torch.get_rng_state()))
+        with tracker.fork():
+            b = torch.rand(3)
+        out["fork_advances_stream"] = not torch.equal(a, b)
+        model_parallel_cuda_manual_seed(123)
+        with get_cuda_rng_tracker().fork():
+            a2 = torch.rand(3)
+        out["fork_reproducible"] = bool(torch.equal(a, a2))
 
-    # shim 4 and 5: the router's gating function and the alltoall split sizes on CPU tensors
-    from megatron.core.transformer.moe import moe_utils
+        # shim 4 and 5: the router's gating function and the alltoall split sizes on CPU tensors
+        from megatron.core.transformer.moe import moe_utils
 
-    w = torch.randn(4, 8, requires_grad=True)
-    x = torch.randn(5, 8, requires_grad=True)
-    logits = moe_utils.router_gating_linear(x, w, None, torch.float32)
-    logits.sum().backward()
-    out["router_gating_ok"] = list(logits.shape) == [5, 4] and w.grad is not None
-    splits = moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)
-    out["splits_host"] = type(splits).__name__
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+        w = torch.randn(4, 8, requires_grad=True)
+        x = torch.randn(5, 8, requires_grad=True)
+        logits = moe_utils.router_gating_linear(x, w, None, torch.float32)
+        logits.sum().backward()
+        out["router_gating_ok"] = list(logits.shape) == [5, 4] and w.grad is not None
+        splits = moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)
+        out["splits_host"] = type(splits).__name__
+        ps.destroy_model_parallel()
     print("RESULT " + json.dumps(out))
 
 

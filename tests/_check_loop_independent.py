@@ -19,11 +19,11 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
-        "--seq-length", "32", "--max-position-embeddings", "32", "--num-experts", "4", "--moe-router-topk", "2",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3", "--seed", "1234",
-        "--split", "98", "2", "0", "--tokenizer-type", "ByteLevel", "--log-interval", "100",
-        "--eval-interval", "0"]
+from tests._ft_helpers import tiny_model_flags  # noqa: E402  (needs the repository on sys.path)
+
+TINY = tiny_model_flags(ffn_hidden_size=64, max_position_embeddings=32, global_batch_size=4, lr="3e-3",
+                        seed=1234, split=(98, 2, 0), tokenizer_type="ByteLevel", log_interval=100,
+                        eval_interval=0)
 
 
 def moe_ft_modules() -> list[str]:

@@ -19,9 +19,10 @@ from datetime import timedelta
 
 import torch
 
-MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
-         "--seq-length", "16", "--max-position-embeddings", "16", "--num-experts", "4", "--moe-router-topk", "2",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--seed", "1234"]
+from tests._ft_helpers import tiny_model_flags
+
+MODEL = tiny_model_flags(num_layers=4, ffn_hidden_size=64, seq_length=16, max_position_embeddings=16,
+                         seed=1234)
 
 
 def log_setup(rank: int, world: int, init: str, corpus: str, extra: list[str]):

@@ -15,9 +15,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-         "--num-experts", "4", "--moe-router-topk", "2", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--train-iters", "2"]
+from tests._ft_helpers import tiny_model_flags  # noqa: E402  (needs the repository on sys.path)
+
+MODEL = tiny_model_flags(train_iters=2)
 
 
 def independent_tensors(state):

@@ -20,11 +20,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--max-position-embeddings", "16", "--num-experts", "4", "--moe-router-topk", "2",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4", "--lr-warmup-iters", "1",
-         "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
-         "--num-layers-per-virtual-pipeline-stage", "1"]
+from tests._ft_helpers import tiny_model_flags  # noqa: E402  (needs the repository on sys.path)
+
+FLAGS = tiny_model_flags("pp2vp2", seq_length=16, max_position_embeddings=16, train_iters=4,
+                         lr_warmup_iters=1)
 
 
 def main() -> int:

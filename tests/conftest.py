@@ -14,6 +14,10 @@ if ROOT not in sys.path:
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# after the two settings above: ROOT on sys.path, TRITON_INTERPRET before any kernel module
+from moe_ft.cli.drill import run_job  # noqa: E402
+from tests._ft_helpers import make_corpus, one_rank_megatron  # noqa: E402
+
 
 def pytest_collection_modifyitems(config, items):
     """GPU tests carry the ``gpu`` marker and are skipped with the reason "no CUDA" on CPU machines."""
@@ -27,8 +31,41 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
-    """Prefix of a small Megatron indexed dataset made from the generated corpus (shared by the
-    multi-process tests)."""
-    from tests._ft_helpers import make_corpus
-
+    """Prefix of a small Megatron indexed dataset made from the generated corpus, written once per session
+    (the one definition: every test that trains reads it)."""
     return make_corpus(str(tmp_path_factory.mktemp("corpus")))
+
+
+@pytest.fixture
+def megatron_world():
+    """A one-rank Megatron world for the test (gloo on a ``HashStore``, ``parallel_state`` initialised, one
+    thread, deterministic algorithms), torn down after it; see ``tests/_ft_helpers.py``."""
+    with one_rank_megatron():
+        yield
+
+
+@pytest.fixture(scope="session")
+def fault_free_digest(corpus, tmp_path_factory):
+    """``fault_free_digest(layout, iters=8, extra=())`` -> the training-state digest of the fault-free tiny
+    drill job (``moe_ft/cli/drill.py``: its flags, ``layout``, ``iters`` iterations, sparse snapshots with a
+    window of 3, global recovery scope), launched once per session for each distinct request.
+
+    Every failure drill compares its final digest with this bitwise. The fault-tolerance settings of the
+    faulty run (policy, window, recovery scope, replicas, node layout) may differ from the reference's:
+    taking snapshots, logging and replicating never change the training state, so the plain fault-free run
+    is the reference for all of them. ``extra`` holds only flags that change training."""
+    work = tmp_path_factory.mktemp("fault_free")
+    cache: dict[tuple, str] = {}
+
+    def get(layout: str, iters: int = 8, extra: tuple[str, ...] = ()) -> str:
+        key = (layout, iters, tuple(extra))
+        if key not in cache:
+            job = f"ref{len(cache)}_{layout}_{iters}"
+            res = run_job(job=job, workdir=str(work), timeout=300, layout=layout, policy="sparse", iters=iters,
+                          data=corpus, store=str(work / "store"), window=3, extra=list(extra))
+            assert res["rc"] == 0 and res["digest"], f"fault-free {layout} run failed, see {res['log']}"
+            assert res["reports"] == []
+            cache[key] = res["digest"]
+        return cache[key]
+
+    return get

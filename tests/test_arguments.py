@@ -10,6 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron.training.arguments import ArgumentError, parse_args  # noqa: E402
+from tests._ft_helpers import tiny_model_flags  # noqa: E402
 
 
 @pytest.fixture()
@@ -80,10 +81,8 @@ def test_elastic_restart_rederives_expert_parallel_before_validation(data_prefix
     before Megatron's validation (which would refuse EP 4 on 2 ranks) and says what it changed."""
     import pretrain_gpt_moe
 
-    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-experts", "4",
-             "--moe-router-topk", "2", "--micro-batch-size", "1", "--global-batch-size", "8",
-             "--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "flexible", "--ft",
-             "--ft-elastic", "--ft-expert-slots", "2", "--data-path", data_prefix]
+    flags = [*tiny_model_flags("ep4", seq_length=None, micro_batch_size=1, moe_token_dispatcher_type="flexible"),
+             "--ft", "--ft-elastic", "--ft-expert-slots", "2", "--data-path", data_prefix]
     args = parse_args(flags, world_size=2, extra_groups=pretrain_gpt_moe.extra_argument_groups())
     assert args.parallel.expert_model_parallel_size == 2
     assert "expert-model-parallel-size 4 -> 2" in capsys.readouterr().out

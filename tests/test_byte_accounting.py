@@ -1,4 +1,4 @@
-"""Bytes are charged where they are copied (issue 14 item 3). The snapshot engine of every rank copies each
+"""Bytes are charged where they are copied. The snapshot engine of every rank copies each
 operator of the plan that its registry holds: an expert on its EP rank, a non-expert on *every* EP rank of
 its stage (its replica, or its distributed-optimizer shard). The catalogue's ``copies`` and
 :func:`copied_bytes` must say the same: for every policy's plans, the bytes charged to each rank key
@@ -14,7 +14,7 @@ import pytest
 
 from moe_ft.state.catalogue import CatalogueInfo, copied_bytes, copied_bytes_per_rank, merge_catalogue
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo
-from tests._ft_helpers import make_corpus, torchrun
+from tests._ft_helpers import torchrun
 
 LAYOUTS = ["--expert-model-parallel-size 2 --pipeline-model-parallel-size 2",
            "--expert-model-parallel-size 2",
@@ -45,11 +45,6 @@ def test_merge_charges_non_experts_to_every_ep_rank_of_the_stage():
     # a hand-built catalogue of plain OperatorInfo (policy unit tests) keeps one key per operator
     assert copied_bytes(plan, [info(emb, 10, 30, 1), info(d0, 5, 9, 0), info(e0, 4, 8, 0), info(e1, 4, 8, 1)]) == \
         {(0, 0): 9 + 8, (0, 1): 30}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(str(tmp_path_factory.mktemp("corpus")))
 
 
 @pytest.mark.multiproc

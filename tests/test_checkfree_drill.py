@@ -1,4 +1,4 @@
-"""Issue 16 acceptance: a whole pipeline stage is lost with every copy of its state.
+"""CheckFree end to end: a whole pipeline stage is lost with every copy of its state.
 
 PP=4 on 4 ranks, run as 4 simulated nodes of one rank each (``moe_ft/drills/cluster.py``), so rank r is
 pipeline stage r. Node 1 is killed at the start of iteration 6 and its store deleted; there are no

@@ -1,4 +1,4 @@
-"""Issue 16: losing the FIRST or LAST pipeline stage with every copy of its state, under CheckFree+.
+"""Losing the FIRST or LAST pipeline stage with every copy of its state, under CheckFree+.
 
 PP=4 on 4 simulated nodes of one rank each (``moe_ft/drills/cluster.py``), ``--ft-checkfree-plus``, no replicas
 and no durable tier. Node 0 (stage 0: embedding + layer 0) or node 3 (stage 3: layer 3 + final norm + output

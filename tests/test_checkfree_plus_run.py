@@ -1,4 +1,4 @@
-"""``--ft-checkfree-plus`` in a real run (issue 16): PP=4 under torchrun with ``pretrain_gpt_moe.py``.
+"""``--ft-checkfree-plus`` in a real run (CheckFree+): PP=4 under torchrun with ``pretrain_gpt_moe.py``.
 
 * every stage runs the odd micro-batches (1 and 3 of 4) with its swap partner's layers, every iteration
   (printed by ``PartnerSwapComponent``: observable in the log);

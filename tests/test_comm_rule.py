@@ -1,4 +1,4 @@
-"""The communication rule (issue 13, ``docs/communication.md``): no host tensor meets an NCCL group.
+"""The communication rule (``docs/communication.md``): no host tensor meets an NCCL group.
 
 Fast, one process (gloo): the checker itself — a raw host-tensor collective on an accelerator-marked group
 fails, an object collective there fails, ``moe_ft.comm``'s host and device paths pass, gloo groups take host
@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from moe_ft import comm
 from moe_ft.testing.collective_checker import OUR_PATHS, CollectiveChecker, CommRuleViolation, read_logs
+from tests._ft_helpers import ROOT, one_rank_gloo
 
 HERE = os.path.abspath(__file__)
 
@@ -32,14 +33,11 @@ HERE = os.path.abspath(__file__)
 def checker():
     """A one-rank gloo world created *under* the checker (so it sees which groups are gloo); this file counts
     as "our code"."""
-    from datetime import timedelta
-
     chk = CollectiveChecker(our_paths=(*OUR_PATHS, HERE)).install()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
     try:
-        yield chk
+        with one_rank_gloo():
+            yield chk
     finally:
-        dist.destroy_process_group()
         chk.uninstall()
 
 
@@ -122,16 +120,10 @@ def test_library_calls_are_recorded_not_judged(checker):
 
 
 def test_strict_raises_at_the_call():
-    from datetime import timedelta
-
     original = dist.all_reduce
-    with CollectiveChecker(our_paths=(*OUR_PATHS, HERE), strict=True):
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
-        try:
-            with pytest.raises(CommRuleViolation, match="host tensor meets accelerator group"):
-                dist.all_reduce(torch.ones(1))
-        finally:
-            dist.destroy_process_group()
+    with CollectiveChecker(our_paths=(*OUR_PATHS, HERE), strict=True), one_rank_gloo():
+        with pytest.raises(CommRuleViolation, match="host tensor meets accelerator group"):
+            dist.all_reduce(torch.ones(1))
     assert dist.all_reduce is original and torch.distributed.distributed_c10d.all_reduce is original  # uninstalled
 
 
@@ -198,7 +190,7 @@ def _where(site: str) -> str:
 EXPECTED_A = {  # (function, kind, where the call comes from): the calls that prove each path ran
     ("broadcast", "accelerator", "training.py share_from_last_stage"),  # training with PP = 2: first log line
     ("all_reduce", "accelerator", "training.py loss_func"),
-    ("all_gather_into_tensor", "accelerator", "dispatch/dispatcher.py dispatch_preprocess"),  # flexible dispatcher
+    ("all_gather_into_tensor", "accelerator", "dispatcher.py dispatch_preprocess"),  # flexible dispatcher
     ("broadcast", "accelerator", "elastic_experts.py copy_from_standard"),
     ("all_reduce", "host", "popularity.py end_iteration"),  # every iteration: the counters the policy reads
     ("all_gather_object", "host", "catalogue.py gather_catalogue"),  # the snapshot runtime's build
@@ -224,7 +216,6 @@ def _launch(tmp_path, corpus, name: str, flags: list[str], faults: list[str]) ->
     import sys
 
     from moe_ft.cli.drill import TINY
-    from tests._ft_helpers import ROOT
 
     out = tmp_path / name
     check_dir = out / "check"

@@ -26,14 +26,12 @@ import os
 import pytest
 import torch
 
-from tests._ft_helpers import torchrun
+from tests._ft_helpers import tiny_model_flags, torchrun
 
 WORKER = "tests/_workers_elastic_ckpt.py"
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "100", "--seed", "1234"]
+MODEL = tiny_model_flags("ep2", hidden_size=64, seq_length=64, log_interval=100, seed=1234)
 PLAN_A = ["--moe-token-dispatcher-type", "flexible", "--ft-expert-replicas", "3", "1", "2", "2",
           "--ft-expert-slots", "4"]
 PLAN_B = ["--moe-token-dispatcher-type", "flexible", "--ft-expert-replicas", "1", "2", "2", "1",

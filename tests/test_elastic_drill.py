@@ -1,4 +1,4 @@
-"""Issue 15 acceptance: keep training on fewer nodes, then grow back (Lazarus §4.3, §5).
+"""Keep training on fewer nodes, then grow back (Lazarus §4.3, §5).
 
 ``moe-ft drill --nodes 2 --elastic``: 2 simulated nodes x 2 ranks (torchrun ``--nnodes 1:2``), flexible
 dispatcher with replicas 3 1 2 2 on 4 slots per EP rank, sparse snapshots (window 3). Node 1 is killed at

@@ -1,5 +1,5 @@
-"""Issue 15 bad input: a world change that live copies cannot serve falls back, with the reason, never
-silently.
+"""Bad input to the elastic runtime (Lazarus §4.3): a world change that live copies cannot serve falls back,
+with the reason, never silently.
 
 A 4-rank ``--ft-elastic`` run with sparse snapshots and no survivor points (``--ft-recovery-scope global``:
 survivors do not publish their state) trains 5 iterations; the same job then starts on 2 ranks. No point on
@@ -15,13 +15,11 @@ import json
 
 import pytest
 
-from tests._ft_helpers import torchrun
+from tests._ft_helpers import tiny_model_flags, torchrun
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]
 
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1", "--seed", "1234"]
+MODEL = tiny_model_flags("ep2", hidden_size=64, seq_length=64, log_interval=1, seed=1234)
 ELASTIC = ["--moe-token-dispatcher-type", "flexible", "--ft-expert-replicas", "3", "1", "2", "2",
            "--ft-expert-slots", "4", "--ft", "--ft-policy", "sparse", "--ft-sparse-window", "3",
            "--ft-replicas", "0", "--ft-recovery-scope", "global", "--ft-elastic"]

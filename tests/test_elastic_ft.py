@@ -1,4 +1,4 @@
-"""Issue 15 item 5: ``--ft`` with the flexible dispatcher and replicated experts (Lazarus §4.1).
+"""``--ft`` with the flexible dispatcher and replicated experts (Lazarus §4.1).
 
 Local expert ``j`` of an ``ElasticMoELayer`` is ``held_experts[j]``, not standard EP's
 ``local_expert_indices[j]`` (that mapping named wrong operators, or raised ``IndexError`` when a rank holds

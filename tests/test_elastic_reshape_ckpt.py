@@ -1,4 +1,4 @@
-"""Issue 15 item 6: Megatron checkpoints taken before and after a shrink load into a plain Megatron-Core
+"""Megatron checkpoints taken before and after a shrink load into a plain Megatron-Core
 ``GPTModel`` (standard alltoall expert parallelism, no moe-ft runtime).
 
 1. ``--ft-elastic`` run on 4 ranks (flexible dispatcher, replicas 3 1 2 2, dense snapshots): 4 iterations,
@@ -21,13 +21,11 @@ import pytest
 import torch
 
 from moe_ft.drills.report import load_parameters
-from tests._ft_helpers import torchrun
+from tests._ft_helpers import tiny_model_flags, torchrun
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "100", "--seed", "1234"]
+MODEL = tiny_model_flags("ep2", hidden_size=64, seq_length=64, log_interval=100, seed=1234)
 ELASTIC = ["--moe-token-dispatcher-type", "flexible", "--ft-expert-replicas", "3", "1", "2", "2",
            "--ft-expert-slots", "4", "--ft", "--ft-policy", "dense", "--ft-replicas", "0", "--ft-elastic"]
 _MINE = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.E(\d+)\.(.+)$")

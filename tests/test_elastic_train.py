@@ -16,15 +16,13 @@ import os
 
 import pytest
 
-from tests._ft_helpers import torchrun
+from tests._ft_helpers import tiny_model_flags, torchrun
 
 WORKER = "tests/_workers_elastic_train.py"
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "8", "--log-interval", "100",
-         "--seed", "1234"]
+MODEL = tiny_model_flags("ep2", hidden_size=64, seq_length=64, train_iters=8, log_interval=100,
+                         seed=1234)
 
 
 def _train(out: str, corpus: str, flags: list[str]) -> dict:

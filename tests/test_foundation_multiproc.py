@@ -17,14 +17,12 @@ import shutil
 import pytest
 import torch
 
-from tests._ft_helpers import torchrun
+from tests._ft_helpers import tiny_model_flags, torchrun
 
 WORKER = "tests/_workers_foundation.py"
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--num-experts", "4", "--moe-router-topk", "2", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--log-interval", "3", "--lr", "3e-3", "--seed", "1234"]
+MODEL = tiny_model_flags(hidden_size=64, seq_length=64, log_interval=3, lr="3e-3", seed=1234)
 
 
 def run_worker(out: str, flags: list[str], nproc: int = 4) -> list[dict]:

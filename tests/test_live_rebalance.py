@@ -1,4 +1,4 @@
-"""Issue 15 item 4 acceptance: rebalance expert replicas inside the running job (Lazarus §4.3, §5).
+"""Rebalance expert replicas inside the running job (Lazarus §4.3, §5).
 
 4 ranks, DP2 x EP2, flexible dispatcher, replicas 3 1 2 2 on 4 slots per EP rank, sparse snapshots (window
 3), ``--ft-elastic --ft-rebalance-interval 4``: after iterations 3, 7, 11 and 15 every layer is re-planned

@@ -1,4 +1,4 @@
-"""Issue 15 item 4, the pieces of an in-run rebalance that need no process group.
+"""The pieces of an in-run rebalance (Lazarus §4.3) that need no process group.
 
 * the canonical MLP layout (a rebuilt model holds every expert where the live one does: exactness);
 * the policies' dense point (``start_dense``): the snapshot of the rebalance iteration holds every operator

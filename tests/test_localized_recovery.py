@@ -1,4 +1,4 @@
-"""Issue 12 acceptance: localized recovery end to end under torchrun (PP=4 on 4 ranks, 1F1B, sparse
+"""Localized recovery end to end under torchrun (PP=4 on 4 ranks, 1F1B, sparse
 snapshots). Real processes are SIGKILLed by the fault plan; the survivors publish their state (survivor
 points), torchrun restarts the job, only the failed stages replay their window from their neighbours'
 logs, the survivors load, and the final training-state digest equals the fault-free run's bitwise.
@@ -36,10 +36,9 @@ def launch(env, job, faults=(), scope="localized", max_restarts=0):
 
 
 @pytest.fixture(scope="module")
-def reference(env):
-    res = launch(env, "ref")
-    assert res["rc"] == 0 and res["digest"], f"fault-free run failed, see {res['log']}"
-    return res["digest"]
+def reference(fault_free_digest):
+    """The digest of the fault-free PP=4 run (shared by the session)."""
+    return fault_free_digest("pp4", ITERS)
 
 
 def only_report(res) -> dict:
@@ -135,19 +134,20 @@ def test_lost_in_backward_is_localized_lost_in_step_falls_back(env, reference):
 
 
 @pytest.mark.timeout(420)
-def test_expert_parallel_stage_replays_as_a_group(env):
+def test_expert_parallel_stage_replays_as_a_group(env, fault_free_digest):
     """EP2 x PP2 (ranks 2 and 3 form stage 1): rank 3 SIGKILLed; its EP peer, a survivor, replays with it
-    (their all-to-alls run for real), stage 0 loads; bitwise equal to the fault-free EP2 x PP2 run."""
+    (their all-to-alls run for real), stage 0 loads; bitwise equal to the fault-free EP2 x PP2 run (10
+    iterations: the session's reference, shared with the other drills)."""
+    iters = 10
+
     def run(job, faults, max_restarts):
         return run_job(job=job, workdir=env["work"], faults=faults, max_restarts=max_restarts, timeout=400,
-                       layout="ep2pp2", policy="sparse", iters=ITERS, data=env["data"], store=env["store"],
+                       layout="ep2pp2", policy="sparse", iters=iters, data=env["data"], store=env["store"],
                        window=WINDOW, extra=[], scope="localized")
 
-    ref = run("ep_ref", [], 0)
-    assert ref["rc"] == 0 and ref["digest"], f"see {ref['log']}"
     res = run("ep_bad", ["3:5"], 2)
     report = only_report(res)
-    assert res["digest"] == ref["digest"]
+    assert res["digest"] == fault_free_digest("ep2pp2", iters)
     sc = report["scope"]
     assert sc["mode"] == "localized" and sc["failed"] == [3] and sc["replaying"] == [2, 3]
     assert sc["loaded"] == [0, 1] and sc["replayed"]["2"] == sc["replayed"]["3"] == [1, 2, 3, 4]

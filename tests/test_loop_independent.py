@@ -1,4 +1,4 @@
-"""The training loop (``megatron/training``) does not depend on ``moe_ft`` (issue 11, SPEC §1: the entry
+"""The training loop (``megatron/training``) does not depend on ``moe_ft`` (the entry
 script activates the compatibility shims and plugs the runtime into the loop's hooks).
 
 Static: no module under ``megatron/training`` imports ``moe_ft``, at top level or inside a function.

@@ -1,4 +1,4 @@
-"""Issue 5 acceptance, node loss: 2 simulated nodes x 2 ranks (two torchrun agents on a c10d rendezvous
+"""Node loss end to end: 2 simulated nodes x 2 ranks (two torchrun agents on a c10d rendezvous
 hosted by the test process, ``moe_ft/drills/cluster.py``), each node with its own store directory, replicas on
 the other node. A lost node's agent and workers are SIGKILLed at once, its store is deleted, a replacement
 agent joins; the job ends bitwise equal to a fault-free run (digests).
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_ft.cli.drill import node_flags, run_job, run_node_job
+from moe_ft.cli.drill import node_flags, run_node_job
 from moe_ft.drills.cluster import NodeLoss
 
 pytestmark = pytest.mark.multiproc
@@ -37,21 +37,10 @@ def env(corpus, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(env):
-    """``reference(layout)`` → digest of the fault-free sparse run (one ``--standalone`` torchrun, on demand)."""
-    cache: dict[str, str] = {}
-
-    def get(layout: str) -> str:
-        if layout not in cache:
-            common = dict(layout=layout, policy="sparse", iters=ITERS, data=env["data"], window=WINDOW,
-                          store=os.path.join(env["store"], "ref"),
-                          extra=["--ft-replicas", "1", "--ft-ranks-per-node", "2"])
-            res = run_job(job=f"ref_{layout}", workdir=env["work"], timeout=300, **common)
-            assert res["rc"] == 0 and res["digest"], f"fault-free {layout} run failed, see {res['log']}"
-            cache[layout] = res["digest"]
-        return cache[layout]
-
-    return get
+def reference(fault_free_digest):
+    """``reference(layout)`` → digest of the fault-free run (one ``--standalone`` torchrun per session, on
+    demand; replicas and node layout do not change the training state)."""
+    return lambda layout: fault_free_digest(layout, ITERS)
 
 
 def lose(env, job: str, *, layout: str, losses: list[str], max_restarts: int = 2) -> dict:

@@ -25,6 +25,7 @@ from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import MemoryBackend, SnapshotStore
 from moe_ft.store.codec import DEFAULT_CHECKSUM, write_entry
 from moe_ft.store.manifest import entry_key
+from tests._ft_helpers import tiny_model_flags, torchrun
 
 E = [OperatorId.expert_op(0, e) for e in range(4)]
 
@@ -51,9 +52,8 @@ def _wire(iteration: int, grads: dict, classes: dict) -> dict:
 
 
 # ------------------------------------------------------------------- the real Megatron optimizer, one rank
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--num-experts", "4", "--moe-router-topk", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
-         "--train-iters", "8", "--lr-warmup-iters", "2", "--clip-grad", "0.05", "--weight-decay", "0.1"]
+MODEL = tiny_model_flags(seq_length=16, global_batch_size=4, train_iters=8, lr_warmup_iters=2,
+                         clip_grad="0.05", weight_decay="0.1")
 # experts FULL after each iteration: layer 0 expert 1 leaves at 3 and comes back at 5 (retransmission)
 SELECTION = [{(0, 0), (0, 1)}, {(0, 0), (0, 1)}, {(0, 0), (0, 1), (1, 2)}, {(0, 0), (1, 2)},
              {(0, 0), (1, 2)}, {(0, 1), (1, 2)}, {(0, 1), (1, 3)}, {(0, 1), (1, 3)}]
@@ -68,28 +68,17 @@ class _RouterSpec:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
-def test_shadow_equals_megatron_optimizer_bitwise(corpus, precision):
+def test_shadow_equals_megatron_optimizer_bitwise(corpus, precision, megatron_world):
     """fp32: ``FP32Optimizer`` (the weight is the master); bf16: ``Float16OptimizerWithFloat16Params`` (fp32
     master + bf16 model weight, copied from the master after the step)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     from megatron.training.arguments import parse_args
-    from megatron.training.initialize import quiet_optional_dependency_warnings, set_seeds
+    from megatron.training.initialize import set_seeds
     from megatron.training.model import build_train_state
     from megatron.training.pretrain import build_data
     from megatron.training.training import train_step
-    from moe_ft.compat import cpu as cpu_compat
     from moe_ft.state.optimizer_views import ensure_optimizer_state
     from moe_ft.state.registry import OperatorRegistry
 
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    quiet_optional_dependency_warnings()
-    cpu_compat.activate()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    ps.initialize_model_parallel()
     capture = None
     try:
         args = parse_args([*MODEL, *precision, "--data-path", corpus], world_size=1)
@@ -140,10 +129,6 @@ def test_shadow_equals_megatron_optimizer_bitwise(corpus, precision):
     finally:
         if capture is not None:
             capture.close()
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(deterministic)
 
 
 # ------------------------------------------------------------------ the replication stream, in process
@@ -273,10 +258,8 @@ def test_refuses_optimizers_the_peer_cannot_reproduce():
 
 
 # ------------------------------------------------------------------ real tiny model, 4 gloo processes
-RUN = ["--train-iters", "10", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-       "--seq-length", "32", "--num-experts", "8", "--moe-router-topk", "2", "--micro-batch-size", "2",
-       "--global-batch-size", "8", "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-       "--log-interval", "5", "--ft", "--ft-policy", "selective", "--ft-ranks-per-node", "2", "--ft-replicas", "1"]
+RUN = [*tiny_model_flags("ep2pp2", num_experts=8, train_iters=10, log_interval=5), "--ft", "--ft-policy",
+       "selective", "--ft-ranks-per-node", "2", "--ft-replicas", "1"]
 BUDGET = "520000"  # bytes: each rank's non-expert FULL state and 3 of its 4 experts (~100 kB each) per iteration
 
 
@@ -298,7 +281,6 @@ def test_peer_state_equals_owner_state_in_a_real_run(tmp_path, corpus):
     file byte for byte (param, Adam moments and step of the owner's optimizer after that step)."""
     from moe_ft.replication import replica_store_config
     from moe_ft.store import StoreConfig
-    from tests._ft_helpers import torchrun
 
     store = tmp_path / "store"
     proc = torchrun("pretrain_gpt_moe.py", ["--data-path", corpus, *RUN, "--ft-selective-local-budget", BUDGET,
@@ -334,8 +316,6 @@ def _flags(corpus) -> list[str]:
 def fault_free(tmp_path_factory, corpus):
     """The digest of the fault-free run of :func:`_flags` (optimizer recomputation does not change
     training, whatever the owner keeps locally)."""
-    from tests._ft_helpers import torchrun
-
     tmp = tmp_path_factory.mktemp("recompute-ref")
     torchrun("pretrain_gpt_moe.py", [*_flags(corpus), "--ft-store-dir", str(tmp / "ref"),
                                      "--ft-digest-out", str(tmp / "ref.json")], timeout=150)
@@ -353,8 +333,6 @@ def test_lost_node_recovers_from_the_peers_recomputed_state(tmp_path, corpus, fa
     and load their own survivor points; stage 1 replays from node 0's upstream logs.)"""
     import json
     import shutil
-
-    from tests._ft_helpers import torchrun
 
     flags = _flags(corpus)
     store = tmp_path / "store"
@@ -397,7 +375,6 @@ def test_owner_keeping_compute_weights_recovers_from_the_peers_full_state(tmp_pa
     import re
 
     from moe_ft.store import StoreConfig
-    from tests._ft_helpers import torchrun
 
     flags = [*_flags(corpus), "--ft-optimizer-recompute-local", "compute"]
     store = tmp_path / "store"

@@ -1,6 +1,6 @@
-"""What a policy means outside itself (issue 11): recovery and retention rules, lossiness, token-loss
+"""What a policy means outside itself: recovery and retention rules, lossiness, token-loss
 denominators, persist plans, flag checks, and how the measured iteration time feeds windows and budgets
-(issue 14: ``T_iter`` measured continuously). No module outside ``moe_ft/policy`` decides these by name."""
+(``T_iter`` measured continuously). No module outside ``moe_ft/policy`` decides these by name."""
 
 from __future__ import annotations
 

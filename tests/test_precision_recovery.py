@@ -1,4 +1,4 @@
-"""Low-precision recovery end to end (SPEC §8, MoEvement §5.7): a rank is SIGKILLed inside a sparse window,
+"""Low-precision recovery end to end (MoEvement §5.7): a rank is SIGKILLed inside a sparse window,
 torchrun restarts the job, it recovers from the node-local store (sparse-to-dense replay with frozen
 operators) and finishes bitwise equal to the fault-free run — with FP8 compute weights
 (``--fp8-format e4m3 --fp8-emulation``: the frozen operators replay from their FP8 data, scale and amax

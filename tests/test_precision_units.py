@@ -1,4 +1,4 @@
-"""FP8 state through snapshots, bit for bit (SPEC §8; MoEvement §5.7): the delayed-scaling reference, the
+"""FP8 state through snapshots, bit for bit (MoEvement §5.7): the delayed-scaling reference, the
 decomposition of quantized weights (moe-ft's emulation, a duck-typed Transformer Engine ``Float8Tensor`` and
 ``fp8_meta``) into the plain tensors the store writes, the store round trip and restore into the live
 tensors, and the precision checks of the flags. Single process, no Megatron model."""

@@ -1,9 +1,9 @@
-"""Issue 4 acceptance: real processes are SIGKILLed by the deterministic fault plan (``--ft-fail``),
+"""Failure drills: real processes are SIGKILLed by the deterministic fault plan (``--ft-fail``),
 torchrun restarts the job (``--max-restarts``), the job recovers from the node-local store and finishes.
 
 Exact policies (``sparse``, ``dense(k)``): the final training-state digest equals a fault-free run's
-bitwise. One fault-free reference per layout (module-scoped, built lazily) serves every faulty run of that
-layout; each faulty run carries several faults so that one launch exercises several paths (a kill inside a
+bitwise. One fault-free reference per layout (the session's ``fault_free_digest``, built lazily) serves every
+faulty run of that layout; each faulty run carries several faults so that one launch exercises several paths (a kill inside a
 window, during a snapshot copy, during store publish, during replay, a corrupted store entry).
 
 Lossy policies (``pec``, ``selective``): the reported PLT/MLT equals the token loss recomputed here from the
@@ -21,7 +21,9 @@ from moe_ft.cli.drill import run_job
 
 pytestmark = pytest.mark.multiproc
 
-ITERS, WINDOW = 8, 3
+# 10 iterations: the fault-free references are the session's, shared with the node drills (which need 10)
+ITERS, WINDOW = 10, 3
+LOSSY_ITERS = 8  # the lossy drills' token-loss denominators (Dynamic-K's threshold) are tuned to 8
 # tiny job: global batch 8 x seq 32 tokens, top-2 routing (moe_ft/cli/drill.py TINY)
 TOPK_TOKENS = 8 * 32 * 2
 
@@ -33,24 +35,14 @@ def drill_env(corpus, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(drill_env):
-    """``reference(layout)`` → digest of the fault-free sparse run of that layout (run once, on demand)."""
-    cache: dict[str, str] = {}
-
-    def get(layout: str) -> str:
-        if layout not in cache:
-            res = launch(drill_env, f"ref_{layout}", layout=layout, policy="sparse")
-            assert res["rc"] == 0 and res["digest"], f"fault-free {layout} run failed, see {res['log']}"
-            assert res["reports"] == []
-            cache[layout] = res["digest"]
-        return cache[layout]
-
-    return get
+def reference(fault_free_digest):
+    """``reference(layout)`` → digest of the fault-free run of that layout (run once per session, on demand)."""
+    return lambda layout: fault_free_digest(layout, ITERS)
 
 
-def launch(env, job, *, layout, policy, faults=(), extra=(), max_restarts=0, timeout=300):
+def launch(env, job, *, layout, policy, faults=(), extra=(), max_restarts=0, timeout=300, iters=ITERS):
     return run_job(job=job, workdir=env["work"], faults=list(faults), max_restarts=max_restarts, timeout=timeout,
-                   layout=layout, policy=policy, iters=ITERS, data=env["data"], store=env["store"],
+                   layout=layout, policy=policy, iters=iters, data=env["data"], store=env["store"],
                    window=WINDOW, extra=list(extra))
 
 
@@ -156,13 +148,13 @@ def test_lossy_token_loss_matches_counters(drill_env, policy, layout):
     # iteration 7: the snapshots of 0 … 5 are published everywhere (a kill at 6 can catch rank 1 still
     # publishing 5, and an expert whose first FULL is at 5 would leave no in-memory point at all)
     res = launch(drill_env, f"lossy_{policy}", layout=layout, policy=policy, faults=["1:7:forward"],
-                 max_restarts=1, extra=extra)
+                 max_restarts=1, extra=extra, iters=LOSSY_ITERS)
     assert res["rc"] == 0, res["log"]
     (report,) = res["reports"]
     end = report["recovery_point"]["end"]
     assert report["recovery_point"]["source"] == "memory", report["recovery_point"]
     assert report["replayed_iterations"] == [] and report["recovery_point"]["resume"] == end + 1
-    denominator = (ITERS if policy == "pec" else end + 1) * TOPK_TOKENS
+    denominator = (LOSSY_ITERS if policy == "pec" else end + 1) * TOPK_TOKENS
     tokens, value, per_layer = expected_loss(trace, end, denominator, "mean" if policy == "pec" else "sum")
     loss = report["token_loss"]
     assert loss["metric"] == ("PLT" if policy == "pec" else "MLT")

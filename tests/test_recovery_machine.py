@@ -1,4 +1,4 @@
-"""The recovery state machine (``moe_ft/recovery/machine.py``; SPEC §5, MoEvement §3.3 sparse-to-dense
+"""The recovery state machine (``moe_ft/recovery/machine.py``; MoEvement §3.3 sparse-to-dense
 conversion) one transition at a time, in this process.
 
 A real tiny Megatron MoE GPT (2 layers, 4 experts, single-rank gloo group, CPU layer) trains iterations
@@ -25,15 +25,14 @@ from moe_ft.recovery.machine import Phase, Recovery, MachineConfig, RecoveryCont
 from moe_ft.recovery.optim import RecordedStepOptimizer
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import MemoryBackend, NewestFullRule, SnapshotStore, SparseWindowRule
+from tests._ft_helpers import one_rank_megatron, tiny_model_flags
 
 pytestmark = pytest.mark.timeout(60)  # ~8 s here (Megatron import and model build are most of it)
 
 WINDOW = 3
 SNAPSHOTTED = 7  # iterations 0..6 completed and were snapshotted; the job failed in iteration 7
 ITERS = 9  # the fault-free reference runs 0..8
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--num-experts", "4", "--moe-router-topk", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
-         "--train-iters", str(ITERS), "--lr-warmup-iters", "2"]
+MODEL = tiny_model_flags(seq_length=16, global_batch_size=4, train_iters=ITERS, lr_warmup_iters=2)
 
 
 @dataclass
@@ -129,15 +128,11 @@ def full_at(job: Job, start: int, end: int) -> dict[OperatorId, int]:
 
 @pytest.fixture(scope="module")
 def job(corpus):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     from megatron.training.arguments import parse_args
-    from megatron.training.initialize import quiet_optional_dependency_warnings, set_seeds
+    from megatron.training.initialize import set_seeds
     from megatron.training.model import build_train_state
     from megatron.training.pretrain import build_data
     from megatron.training.training import train_step
-    from moe_ft.compat import cpu as cpu_compat
     from moe_ft.megatron_ext.router import attach_popularity
     from moe_ft.policy.sparse import SparseConfig, SparsePolicy
     from moe_ft.popularity import ExpertPopularity, PopularityConfig
@@ -147,55 +142,45 @@ def job(corpus):
     from moe_ft.state.optimizer_views import ensure_optimizer_state
     from moe_ft.state.registry import OperatorRegistry
 
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    quiet_optional_dependency_warnings()
-    cpu_compat.activate()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    ps.initialize_model_parallel()
-    engine = None
-    try:
-        args = parse_args([*MODEL, "--data-path", corpus], world_size=1)
-        args.extra["router"] = _RouterSpec()
-        set_seeds(args.training.seed)
-        state = build_train_state(args)
-        popularity = ExpertPopularity(PopularityConfig(moe_layers=[0, 1], num_experts=4))
-        assert attach_popularity(state.model, popularity) == 2
-        ensure_optimizer_state(state.optimizer)  # the registry's views need Adam's state before step 0
-        registry = OperatorRegistry.from_megatron(state.model, state.optimizer)
-        policy = SparsePolicy(SparseConfig(window=WINDOW), merge_catalogue([registry.infos()], registry.ep_size))
-        policy.plan(0, popularity)  # opens the first window at iteration 0
-        store = SnapshotStore(MemoryBackend(name="failed job's store"))
-        engine = SnapshotEngine(EngineConfig(), registry, store)
-        j = Job(args=args, state=state, data=build_data(args), registry=registry, popularity=popularity,
-                policy=policy, store=store)
-        hooks = _SnapshotBeforeStep(engine)
-        for t in range(ITERS):
-            result = train_step(state, j.data, t, args, hooks=hooks)
-            popularity.end_iteration(t)
-            j.ref[t] = capture(j, result.grad_norm)
-            if t < SNAPSHOTTED:  # what the runtime does after each iteration (moe_ft/runtime.py on_step_end)
-                plan = policy.plan(t, popularity)
-                j.plans[t] = dict(plan)
-                meta, tensors = capture_step_meta(iteration=t, result=result, state=state,
-                                                  global_batch_size=args.training.global_batch_size,
-                                                  clip_grad=args.training.clip_grad, policy=policy,
-                                                  popularity=popularity)
-                engine.submit(t, plan, meta, tensors)
-                popularity.mark_full(t, fulls(plan))
-            if t == SNAPSHOTTED - 1:
+    with one_rank_megatron():
+        engine = None
+        try:
+            args = parse_args([*MODEL, "--data-path", corpus], world_size=1)
+            args.extra["router"] = _RouterSpec()
+            set_seeds(args.training.seed)
+            state = build_train_state(args)
+            popularity = ExpertPopularity(PopularityConfig(moe_layers=[0, 1], num_experts=4))
+            assert attach_popularity(state.model, popularity) == 2
+            ensure_optimizer_state(state.optimizer)  # the registry's views need Adam's state before step 0
+            registry = OperatorRegistry.from_megatron(state.model, state.optimizer)
+            policy = SparsePolicy(SparseConfig(window=WINDOW), merge_catalogue([registry.infos()], registry.ep_size))
+            policy.plan(0, popularity)  # opens the first window at iteration 0
+            store = SnapshotStore(MemoryBackend(name="failed job's store"))
+            engine = SnapshotEngine(EngineConfig(), registry, store)
+            j = Job(args=args, state=state, data=build_data(args), registry=registry, popularity=popularity,
+                    policy=policy, store=store)
+            hooks = _SnapshotBeforeStep(engine)
+            for t in range(ITERS):
+                result = train_step(state, j.data, t, args, hooks=hooks)
+                popularity.end_iteration(t)
+                j.ref[t] = capture(j, result.grad_norm)
+                if t < SNAPSHOTTED:  # what the runtime does after each iteration (moe_ft/runtime.py on_step_end)
+                    plan = policy.plan(t, popularity)
+                    j.plans[t] = dict(plan)
+                    meta, tensors = capture_step_meta(iteration=t, result=result, state=state,
+                                                      global_batch_size=args.training.global_batch_size,
+                                                      clip_grad=args.training.clip_grad, policy=policy,
+                                                      popularity=popularity)
+                    engine.submit(t, plan, meta, tensors)
+                    popularity.mark_full(t, fulls(plan))
+                if t == SNAPSHOTTED - 1:
+                    engine.close()
+                    engine = None
+            assert store.points() == list(range(SNAPSHOTTED))
+            yield j
+        finally:
+            if engine is not None:
                 engine.close()
-                engine = None
-        assert store.points() == list(range(SNAPSHOTTED))
-        yield j
-    finally:
-        if engine is not None:
-            engine.close()
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(deterministic)
 
 
 @dataclass

@@ -14,18 +14,13 @@ import os
 
 import pytest
 
-from tests._ft_helpers import make_corpus, torchrun
+from tests._ft_helpers import torchrun
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 LAYOUTS = ["--expert-model-parallel-size 2 --pipeline-model-parallel-size 2", "--expert-model-parallel-size 2"]
 EXPECTED_OPS = sorted(["embedding", "output", "dense.L0", "dense.L1", "gate.L0", "gate.L1"]
                       + [f"expert.L{l}.E{e}" for l in (0, 1) for e in range(4)])
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(str(tmp_path_factory.mktemp("corpus")))
 
 
 def test_registry_partitions_model_and_optimizer(tmp_path, corpus):

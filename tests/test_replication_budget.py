@@ -1,4 +1,4 @@
-"""The remote budget of replication (MoEtion §4.2, ``B_remote = BW_net × T_iter``; issue 14 item 3): the
+"""The remote budget of replication (MoEtion §4.2, ``B_remote = BW_net × T_iter``): the
 bytes a rank sends to its peers stay within ``B_remote`` per submitted iteration (a running total), the
 newest recovery point goes first, superseded points are abandoned and the lag says how far behind the
 newest replicated recovery point is. One process: in-process transport, in-memory stores."""

@@ -1,4 +1,4 @@
-"""Lost-node recovery (issue 5 part 5): a replaced node's ranks rebuild their node-local stores from the
+"""Lost-node recovery: a replaced node's ranks rebuild their node-local stores from the
 replica holders and data-parallel peers, spread over the sources, every entry verified.
 
 Six ranks on three simulated nodes (``[0,0,1,1,2,2]``), ``r = 2`` replicas, data-parallel groups

@@ -1,4 +1,4 @@
-"""Recovery after losing a node, through the real runtime (issue 5 part 5), in one torchrun of 4 gloo
+"""Recovery after losing a node, through the real runtime, in one torchrun of 4 gloo
 ranks simulating two nodes of two ranks (``--ft-ranks-per-node 2``), DP=2×EP=2 with the distributed
 optimizer, ``sparse``, ``r = 1``:
 
@@ -16,15 +16,12 @@ import shutil
 
 import pytest
 
-from tests._ft_helpers import torchrun
-from tests.test_runtime import corpus  # noqa: F401  (module-scoped fixture)
+from tests._ft_helpers import tiny_model_flags, torchrun
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]
 
-FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-         "--num-experts", "4", "--moe-router-topk", "2", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--moe-token-dispatcher-type",
-         "allgather", "--train-iters", "10", "--log-interval", "100", "--seed", "7",
+FLAGS = [*tiny_model_flags("dp2ep2", moe_token_dispatcher_type="allgather", train_iters=10,
+                          log_interval=100, seed=7),
          "--ft", "--ft-policy", "sparse", "--ft-sparse-window", "4", "--ft-job-id", "job",
          "--ft-ranks-per-node", "2", "--ft-replicas", "1"]
 

@@ -1,5 +1,5 @@
 """Why the runtime keeps ``KeepTwoRecoverable`` rather than MoC-System's triple buffering (§5.2) in the
-node-local store (issue 14 item 5; ``docs/store.md`` "Retention").
+node-local store (``docs/store.md`` "Retention").
 
 MoC's three buffers are the point being snapshotted, the newest published point (being persisted) and the
 one before it (recovery). Each rank garbage-collects its own store after each of its publishes, and a

@@ -1,4 +1,4 @@
-"""Sparse replay reproduces routing, not only per-expert counts (issue 4 item 3): the popularity counters
+"""Sparse replay reproduces routing, not only per-expert counts: the popularity counters
 keep a per-layer digest of the routing decisions (``moe_ft.popularity.routing_digest``) that travels with
 each snapshot's metadata, and ``moe_ft.recovery.machine.check_routing`` compares it during replay.
 (The exact drills in ``tests/test_recovery_drill.py`` show real replays reproduce it.)"""

@@ -19,19 +19,11 @@ import time
 
 import pytest
 
-from tests._ft_helpers import ROOT, make_corpus, torchrun
+from tests._ft_helpers import ROOT, tiny_model_flags, torchrun
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
-FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-         "--num-experts", "4", "--moe-router-topk", "2", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--log-interval", "4",
-         "--ft", "--ft-policy", "sparse", "--ft-sparse-window", "3"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(str(tmp_path_factory.mktemp("corpus")))
+FLAGS = [*tiny_model_flags("ep2pp2", log_interval=4), "--ft", "--ft-policy", "sparse", "--ft-sparse-window", "3"]
 
 
 def test_sparse_store_holds_full_window_matching_live_tensors(tmp_path, corpus):

@@ -14,6 +14,7 @@ from moe_ft.snapshot import EngineConfig, SnapshotEngine
 from moe_ft.snapshot.bubbles import BubbleGate, BubbleSchedule, estimate_bubble_time_1f1b, split_parameters
 from moe_ft.state.operators import Level
 from moe_ft.store import KeepAll, StoreConfig
+from tests._ft_helpers import wait_until
 from tests.test_snapshot_engine import OPS, make_registry, step
 
 
@@ -72,9 +73,15 @@ def test_copies_land_in_bubbles_or_at_the_deadline(tmp_path):
         bubble(0.05)
         expected[1] = {op: {n: t.clone() for n, t in registry[op].tensors(Level.FULL).items()} for op in OPS}
         engine.submit(1, plan, {"iteration": 1}, {})
-        time.sleep(0.05)
-        assert not engine._inflight.copied.is_set()  # waiting for the stage to be idle
-        bubble(0.1)
+        # the copies wait for the stage to be idle: the bubble opens after the submit, and stays open (at
+        # least 0.1 s) until every copy of the iteration landed in it (checked on the trace below)
+        gate.enter()
+        opened = time.perf_counter()
+        wait_until(lambda: {p["op"] for p in schedule.trace if p["iteration"] == 1} == {str(op) for op in OPS},
+                   timeout=30, message="iteration 1's copies in the bubble")
+        time.sleep(max(0.0, 0.1 - (time.perf_counter() - opened)))
+        gate.leave()
+        bubble_1 = gate.intervals[-1]
         engine.wait_copied()
         step(registry)
         # iteration 2: the bubble estimate is the 0.1 s of iteration 1, but no bubble comes: forced at the deadline
@@ -93,6 +100,9 @@ def test_copies_land_in_bubbles_or_at_the_deadline(tmp_path):
         engine.close()
     kinds = {it: {p["kind"] for p in schedule.trace if p["iteration"] == it} for it in range(4)}
     assert kinds == {0: {"compute"}, 1: {"bubble"}, 2: {"forced"}, 3: {"forced"}}
+    for piece in schedule.trace:  # iteration 1 waited for the bubble that opened after its submit
+        if piece["iteration"] == 1:
+            assert bubble_1[0] <= piece["start"] <= bubble_1[1], (piece, bubble_1)
     for piece in schedule.trace:
         if piece["kind"] == "bubble":  # issued inside an idle interval of the stage
             assert any(s <= piece["start"] <= e for s, e in gate.intervals), (piece, gate.intervals)

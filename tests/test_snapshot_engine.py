@@ -1,6 +1,6 @@
 """Snapshot engine on the CPU path, without a model: a hand-made registry, a file store on a temp dir.
 
-What the engine must guarantee (SPEC §4, docs/snapshot.md): the snapshot of ``t`` holds the state at
+What the engine must guarantee (``docs/snapshot.md``): the snapshot of ``t`` holds the state at
 ``submit(t)`` even when the live tensors change after ``wait_copied()``; metadata tensors are copied at
 ``submit`` (the caller may reuse them); host buffers are allocated once per slot and reused; the bytes it
 reports are exactly those of the plan; every entry is published and verifies on load."""

@@ -105,7 +105,7 @@ def test_every_dtype_round_trips_bitwise(store):
     shapes = [(), (0,), (3,), (5, 7), (2, 3, 4)]
     tensors = {f"{name}.{i}": random_tensor(dtype, shape, gen)
                for name, dtype in DTYPES.items() for i, shape in enumerate(shapes)}
-    # fp8 data with its scale, as Transformer Engine keeps it (SPEC §8)
+    # fp8 data with its scale, as Transformer Engine keeps it (MoEvement §5.7)
     tensors["fp8.data"] = random_tensor(torch.uint8, (16, 16), gen)
     tensors["fp8.scale_inv"] = torch.tensor([0.0123], dtype=torch.float32)
     with store.begin(7) as point:

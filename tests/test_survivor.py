@@ -1,4 +1,4 @@
-"""Survivor points (``moe_ft/localized/survivor.py``, issue 12): a stopped rank publishes the exact state of
+"""Survivor points (``moe_ft/localized/survivor.py``): a stopped rank publishes the exact state of
 its last completed iteration, atomically, and never a state torn by the optimizer step.
 
 The registry here is a dict of real :class:`OperatorState` objects over plain tensors (what the survivor

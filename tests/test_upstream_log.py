@@ -1,4 +1,4 @@
-"""Upstream logging and log-fed replay (issue 12 part A; MoEvement §3.4, ``docs/localized.md``).
+"""Upstream logging and log-fed replay (MoEvement §3.4, ``docs/localized.md``).
 
 Multi-process (real Megatron-Core 1F1B schedule, real optimizer, 4 gloo processes, ``_workers_localized.py``):
 a fault-free run with logging on, then one pipeline stage reset to its state at iteration k replays
@@ -14,6 +14,7 @@ entry and the fix, and the replay handler refuses what it cannot serve.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -29,6 +30,7 @@ from moe_ft.localized.log_replay import LogFeed, LogReplay, LogSeams
 from moe_ft.localized.log_store import (BWD, FWD, CollectiveResult, CorruptLogEntry, IterationLog, LogDir,
                                         LogUnavailable, MissingLogEntry)
 from moe_ft.localized.upstream_log import P2PSeam
+from tests._ft_helpers import one_rank_gloo
 
 
 def _log(t: int) -> IterationLog:
@@ -213,19 +215,19 @@ def test_collective_seam_records_and_serves_bitwise_and_composes_with_the_checke
     group; under replay the same calls are served from the log without running (the inputs differ, the
     outputs equal the logged ones); the checker installed first still sees the real calls; uninstall
     restores torch.distributed."""
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     from moe_ft.localized.upstream_log import LogRecorder
     from moe_ft.testing.collective_checker import CollectiveChecker
 
     originals = (dist.all_reduce, dist.all_gather_into_tensor)
-    chk = CollectiveChecker().install()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
-    seam = CollectiveSeam({0: 0}).install()
-    seam.spans_stages = lambda ranks: True
-    try:
+    with contextlib.ExitStack() as cleanup:  # undone in reverse: the seam, the world, the checker
+        chk = CollectiveChecker().install()
+        cleanup.callback(chk.uninstall)
+        cleanup.enter_context(one_rank_gloo())
+        seam = CollectiveSeam({0: 0}).install()
+        cleanup.callback(seam.uninstall)
+        seam.spans_stages = lambda ranks: True
         rec = LogRecorder(LogDir("/nonexistent"))
         seam.recorder = rec
         rec.begin(4)
@@ -249,10 +251,6 @@ def test_collective_seam_records_and_serves_bitwise_and_composes_with_the_checke
             assert dist.all_reduce(torch.tensor([9.0]), async_op=True).wait()
         assert torch.equal(b, a) and torch.equal(h, g)
         assert len(chk.records) == real_calls  # served: nothing reached torch.distributed
-    finally:
-        seam.uninstall()
-        dist.destroy_process_group()
-        chk.uninstall()
     assert (dist.all_reduce, dist.all_gather_into_tensor) == originals
 
 

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args
-from tests._ft_helpers import make_corpus, torchrun
+from tests._ft_helpers import torchrun
 
 
 @pytest.fixture()
@@ -55,8 +55,7 @@ def test_bad_virtual_stage_flags(flags, world, message, data_prefix):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(240)
-def test_interleaved_schedule_chunks_registry_and_checkpoint(tmp_path):
-    corpus = make_corpus(str(tmp_path))
+def test_interleaved_schedule_chunks_registry_and_checkpoint(tmp_path, corpus):
     out = tmp_path / "out"
     out.mkdir()
     torchrun("tests/_workers_vpp.py", ["--out", str(out), "--data-path", corpus])

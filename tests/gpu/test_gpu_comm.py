@@ -1,4 +1,4 @@
-"""The communication rule on a real NCCL group (issue 13 item 1, ``docs/communication.md``; one GPU).
+"""The communication rule on a real NCCL group (``docs/communication.md``; one GPU).
 
 The premise: NCCL rejects a host tensor — the raw call our code used to make. ``moe_ft.comm``'s host path
 runs over the coordination gloo group and its device path moves a host tensor to the group's device and the

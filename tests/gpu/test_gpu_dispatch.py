@@ -1,4 +1,4 @@
-"""Triton dispatch permutation on CUDA (issue 13 item 4): bitwise equal to the PyTorch reference, and its
+"""Triton dispatch permutation on CUDA: bitwise equal to the PyTorch reference, and its
 rate next to a device-to-device copy of the same bytes and Megatron's ``moe_utils.permute`` (recorded)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Popularity counted on the GPU (issue 13 item 2): the counters follow the routing tensors onto the device,
+"""Popularity counted on the GPU: the counters follow the routing tensors onto the device,
 ``record`` never synchronises the host, ``end_iteration`` reads back once, and the counts and routing
 digests equal the CPU ones bitwise (soft counts: float sums in another order, close)."""
 

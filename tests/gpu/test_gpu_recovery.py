@@ -1,4 +1,4 @@
-"""End to end on one GPU (issue 13 item 4): a tiny MoE GPT trains with ``--ft --ft-policy sparse`` under
+"""End to end on one GPU: a tiny MoE GPT trains with ``--ft --ft-policy sparse`` under
 ``torchrun --max-restarts``, the deterministic fault plan kills it inside a sparse window and again with a
 snapshot copy in flight, torchrun restarts it, it recovers from the node-local store (sparse-to-dense
 replay, MoEvement §3.3) and ends with a training-state digest bitwise equal to the fault-free run's.

@@ -1,4 +1,4 @@
-"""Snapshot engine on CUDA (issue 13 items 2 and 4): page-locked buffers allocated at build, copies on a side
+"""Snapshot engine on CUDA: page-locked buffers allocated at build, copies on a side
 stream, the compute stream (not the host) waits for them, the snapshot of ``t`` holds the state at
 ``submit(t)`` bitwise, no host synchronisation in ``submit``/``wait_copied``; D2H bandwidth against a
 plain pinned copy (recorded; asserted only against a floor a pageable copy would miss)."""

@@ -1,4 +1,4 @@
-"""Simulator honesty (issue 12): ``sparse`` models what the runtime's localized recovery does (every rank
+"""Simulator honesty: ``sparse`` models what the runtime's localized recovery does (every rank
 restarts under torchrun, survivors dump and reload their state, only the failed stage replays); the
 paper's localized restart stays available as ``sparse:localized=paper``."""
 
