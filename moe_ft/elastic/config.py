@@ -15,13 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_ft.megatron_ext.dispatch.arithmetic import BACKENDS
+from moe_ft.megatron_ext.dispatch.arithmetic import BACKENDS, FLEXIBLE
 from moe_ft.placement.loads import MeasuredLoads, read_trace_loads
 from moe_ft.placement.plans import plan_counts, validate_plan
 from moe_ft.placement.layers import STRATEGIES, ExpertPlacementConfig, place, plan_layer
-
-FLEXIBLE = "flexible"
-"""The ``--moe-token-dispatcher-type`` value that selects the elastic MoE layer."""
 
 
 def field_help(help_text: str, **extra) -> dict:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from moe_ft import comm
 from moe_ft.localized.scope import RankReport, Scope, decide_scope
+from moe_ft.recovery.bounded import BoundedStore
 
 if TYPE_CHECKING:
     from moe_ft.recovery.driver import RecoveryInputs
@@ -52,7 +53,6 @@ def survey(inputs: "RecoveryInputs") -> list[RankReport]:
     from megatron.core import parallel_state as ps
 
     from moe_ft.localized.survivor import newest_survivor_point
-    from moe_ft.recovery.driver import BoundedStore
 
     ops = list(inputs.registry)
     survivor, why = newest_survivor_point(inputs.survivor_store, ops)
@@ -102,7 +102,6 @@ def _load(inputs: "RecoveryInputs", scope: Scope, out: dict) -> None:
 def _replay(inputs: "RecoveryInputs", scope: Scope, feed, group, out: dict) -> None:
     """A replaying rank: its own window through the machine, then the lost iterations, all log-fed."""
     from moe_ft.localized.log_replay import LogReplay
-    from moe_ft.recovery.driver import BoundedStore
     from moe_ft.recovery.machine import Recovery, MachineConfig, RecoveryContext, RecoveryState
 
     t0 = time.perf_counter()
