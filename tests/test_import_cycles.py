@@ -4,8 +4,10 @@ The graph is read from the source (``ast``), so it counts every import statement
 those at the top, inside functions and inside ``try`` blocks. Only ``if TYPE_CHECKING:`` blocks are left
 out: they never run. ``from moe_ft.x import y`` is an edge to ``moe_ft.x.y`` when that is a module,
 else to ``moe_ft.x``; importing a package runs its ``__init__``, so an edge to a package is an edge to its
-``__init__.py``. The implicit import of a module's parent packages is not an edge: a package's
-``__init__`` that re-exports its submodules is the usual layout, and runs completely before any of them.
+``__init__.py``. Importing ``moe_ft.a.b`` first runs the ``__init__`` of ``moe_ft.a``, so the importer also
+has an edge to every package above its target, except the packages that contain the importer itself (those
+are already being initialised when it runs: a package whose ``__init__`` re-exports its own submodules is
+not a cycle).
 
 An import inside a function hides a dependency unless there is a reason. The accepted reasons are a
 comment, on the import's line or on the line right above it, that contains one of
@@ -75,7 +77,13 @@ def import_graph() -> dict[str, set[str]]:
                 target = target.rpartition(".")[0]  # ``import moe_ft.x.y`` of a name: its module
             if target and target != name:
                 graph[name].add(target)
+                graph[name].update(p for p in _ancestors(target) if not name.startswith(p + "."))
     return graph
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
