@@ -30,7 +30,7 @@ def extra_argument_groups():
 def step_hooks(args):
     """The per-iteration hooks of the training loop (``megatron.training.training.StepHooks``): where
     the fault-tolerance runtime plugs in. ``None`` runs plain Megatron training."""
-    from moe_ft.runtime import build_runtime
+    from moe_ft.runtime.hooks import build_runtime
 
     return build_runtime(args)
 

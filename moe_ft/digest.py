@@ -18,6 +18,11 @@ import torch
 
 from moe_ft.precision.quantized import quantized_tensors
 from moe_ft.precision.scaler import grad_scaler_tensors
+from moe_ft.state.naming import is_spare_expert
+from moe_ft.state.optimizer_views import main_states
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+import torch.distributed as dist
+from moe_ft import comm
 
 
 def _optimizers(optimizer):
@@ -28,7 +33,6 @@ def local_state_tensors(model_chunks, optimizer, scheduler=None, include_rng: bo
     """Name → tensor for everything that makes up this rank's training state. The spare expert slots of an
     elastic layer (``--ft-rebalance-interval``: MLPs serving no expert) hold no training state: left out,
     with their optimizer entries."""
-    from moe_ft.state.naming import is_spare_expert
 
     out: dict[str, torch.Tensor] = {}
     spare: set[int] = set()
@@ -42,7 +46,6 @@ def local_state_tensors(model_chunks, optimizer, scheduler=None, include_rng: bo
         for name, tensor in quantized_tensors(module).items():
             out[f"model{chunk_idx}.{name}"] = tensor.detach()
     if spare:
-        from moe_ft.state.optimizer_views import main_states
 
         spare |= {id(main.master) for pid, (_, main) in main_states(optimizer).items()
                   if pid in spare and main.master is not None}
@@ -69,7 +72,6 @@ def local_state_tensors(model_chunks, optimizer, scheduler=None, include_rng: bo
         sched = json.dumps(scheduler.state_dict(), sort_keys=True, default=str)
         out["scheduler"] = torch.frombuffer(bytearray(sched.encode()), dtype=torch.uint8)
     if include_rng:
-        from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
         out["rng.torch"] = torch.get_rng_state()
         for name, value in sorted(get_cuda_rng_tracker().get_states().items()):
@@ -91,9 +93,7 @@ def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 def global_digest(model_chunks, optimizer, scheduler=None, include_rng: bool = True) -> str:
     """Collective over all ranks (host path, ``moe_ft.comm``): digest of every rank's state, in rank order."""
-    import torch.distributed as dist
 
-    from moe_ft import comm
 
     local = tensor_digest(local_state_tensors(model_chunks, optimizer, scheduler, include_rng))
     if not dist.is_initialized():

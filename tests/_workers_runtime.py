@@ -24,7 +24,7 @@ def main() -> int:
     import pretrain_gpt_moe
     from megatron.training.arguments import parse_args
     from megatron.training.pretrain import pretrain
-    from moe_ft.runtime import FTRuntime
+    from moe_ft.runtime.hooks import FTRuntime
     from moe_ft.state.operators import Level
 
     argv = sys.argv[1:]

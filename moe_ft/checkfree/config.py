@@ -21,6 +21,11 @@ import os
 from dataclasses import dataclass, field
 
 from megatron.training.argument_utils import field_help
+from moe_ft.checkfree.swap import check_num_stages
+from moe_ft.checkfree.swap_pp import install_swap_layers
+from moe_ft.checkfree.copies import CopyStore
+from megatron.core import parallel_state as ps
+from moe_ft.checkfree.component import CopiesComponent, GroupLrRecord, PartnerSwapComponent
 
 COPIES_DIRNAME = "checkfree_copies"
 
@@ -48,7 +53,6 @@ class CheckFreeConfig:
         """Checks against the model's flags (``FTConfig.check_args``)."""
         if not self.plus:
             return
-        from moe_ft.checkfree.swap import check_num_stages
 
         pp = args.parallel.pipeline_model_parallel_size
         try:
@@ -64,7 +68,6 @@ class CheckFreeConfig:
         """The swap-capable layer class (same module paths and parameters)."""
         if not self.plus:
             return spec
-        from moe_ft.checkfree.swap_pp import install_swap_layers
 
         return install_swap_layers(spec)
 
@@ -77,7 +80,6 @@ class CheckFreeConfig:
         ``None`` without CheckFree+."""
         if not self.plus:
             return None
-        from moe_ft.checkfree.copies import CopyStore
 
         return CopyStore(self.copies_dir(job_dir, rank))
 
@@ -85,9 +87,7 @@ class CheckFreeConfig:
         """The runtime components (``moe_ft/runtime/hooks.py``): with >= 3 pipeline stages (a stage can be
         rebuilt) the record of each parameter group's learning rates (a boost survives later restarts);
         with ``--ft-checkfree-plus`` also the partner swap and the copies."""
-        from megatron.core import parallel_state as ps
 
-        from moe_ft.checkfree.component import CopiesComponent, GroupLrRecord, PartnerSwapComponent
 
         out: list = [GroupLrRecord(state.optimizer)] if ps.get_pipeline_model_parallel_world_size() >= 3 else []
         if self.plus:

@@ -32,6 +32,7 @@ from typing import Mapping
 import torch
 
 from moe_ft.store.codec import read_entry, write_entry
+from moe_ft.state.naming import operator_of
 
 ALGO = "crc32"
 COPIED = ("embedding", "output")
@@ -58,7 +59,6 @@ def copies_owned_by(stage: int, num_stages: int) -> list[str]:
 def copied_tensors(gpt, kind: str) -> dict[str, torch.Tensor]:
     """The live tensors of operator ``kind`` (``embedding`` or ``output``) of one stage's ``GPTModel``
     (unwrapped or DDP-wrapped), by parameter name; empty on a stage that does not hold it."""
-    from moe_ft.state.naming import operator_of
 
     if kind not in COPIED:
         raise ValueError(f"only {COPIED} are copied to neighbouring stages, not {kind!r}")

@@ -44,6 +44,12 @@ from moe_ft import comm
 from moe_ft.checkfree.average import Weights, align_layers, rebuild_layers, stage_layers
 from moe_ft.checkfree.copies import copied_tensors, copies_owned_by, restore_tensors
 from moe_ft.state.operators import Level
+from moe_ft.checkfree.swap import swap_partner
+from moe_ft.store import MissingEntryError
+from moe_ft.state.optimizer_views import main_states
+from moe_ft.checkfree.lr_boost import LrBoost, LrBoostConfig
+from moe_ft.store.rules import RecoveryPoint
+from moe_ft.checkfree.lr_boost import GROUP_LR
 
 GRAD_SQ = "checkfree.grad_sq"
 """Snapshot metadata tensor: this rank's squared gradient norm of the iteration (CheckFree's ``w``)."""
@@ -61,7 +67,6 @@ def rebuild_sources(inventories, *, plus: bool) -> tuple[dict[int, tuple[int, ..
     if every one of them can be rebuilt, else ``({}, why not)``. ``sources``: ``(previous, next)`` for the
     weighted average of an intermediate stage (§4.2), ``(partner,)`` for a copy of the swap partner under
     CheckFree+ (``plus``, §4.3; the partner also holds the embedding / output copy)."""
-    from moe_ft.checkfree.swap import swap_partner
 
     by_rank = {inv.rank: inv for inv in inventories}
     out: dict[int, tuple[int, ...]] = {}
@@ -117,7 +122,6 @@ def layers_as_loaded(store, registry, point, *, lossy: bool) -> list[dict[str, t
 def recorded_grad_sq(store, iteration: int) -> float:
     """The squared gradient norm recorded with ``iteration``'s snapshot (NaN if absent: the uniform
     average is used then, ``average.averaging_weights``)."""
-    from moe_ft.store import MissingEntryError
 
     try:
         value = store.load_meta(iteration).tensors.get(GRAD_SQ)
@@ -170,7 +174,6 @@ def exchange_and_rebuild(*, rank: int, rebuilt: dict[int, tuple[int, ...]], pp_r
     on every rank, nothing overwritten), else the lost ranks rebuild. ``point``: this rank's agreed point
     (``None`` on a lost rank); ``copies``: this rank's :class:`CopyStore` (CheckFree+ holders). Returns what
     a lost rank did, ``None`` elsewhere."""
-    from moe_ft import comm
 
     received = None
     for lost in sorted(rebuilt, key=lambda r: (pp_rank_of[r], r)):
@@ -231,7 +234,6 @@ def copy_partner_stage(state, partner_layers, copies: dict, *, partner_stage: in
 def fresh_optimizer_state(state, tensors) -> None:
     """Zero the Adam state of ``tensors`` (a rebuilt stage starts a fresh optimizer, as the authors' code)
     and reload the optimizer's fp32 masters from the (rebuilt) model weights."""
-    from moe_ft.state.optimizer_views import main_states
 
     ids = {id(t) for t in tensors}
     with torch.no_grad():
@@ -260,7 +262,6 @@ class RebuiltStageStore:
         self.registry, self.rebuilt = registry, rebuilt
 
     def newest_recoverable(self, rule, *, at_or_before=None, verify=False):
-        from moe_ft.store.rules import RecoveryPoint
 
         r = self.rebuilt
         if at_or_before is not None and at_or_before < r.end:
@@ -277,7 +278,6 @@ class RebuiltStageStore:
     def load_meta(self, iteration: int):
         """The previous stage's metadata of ``iteration`` without its parameter groups' learning rates (the
         rebuilt stage keeps its own groups; the boost comes after the replay)."""
-        from moe_ft.checkfree.lr_boost import GROUP_LR
 
         try:
             meta = self.rebuilt.metas[iteration]
@@ -293,7 +293,6 @@ def boost_rebuilt_stage(state, first_iteration: int, config=None):
     """CheckFree Alg. 1 line 4 on the rebuilt stage's rank: every parameter group of its optimizer (the rank
     holds only that stage), from ``first_iteration`` on (``lr_boost.py``: for the rest of training by
     default). Returns the :class:`LrBoost`."""
-    from moe_ft.checkfree.lr_boost import LrBoost, LrBoostConfig
 
     boost = LrBoost(state.optimizer, state.scheduler, config or LrBoostConfig())
     boost.start(first_iteration)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from moe_ft import comm
 from moe_ft.checkfree.average import stage_layers
 from moe_ft.checkfree.swap import is_swapped, swap_partner
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 
 class SwapLayerMixin:
@@ -62,7 +63,6 @@ class SwapLayerMixin:
 def install_swap_layers(spec):
     """The layer spec with its layer class made swap-capable (a subclass: module paths, parameters and
     checkpoints are unchanged)."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
 
     base = spec.module
     if isinstance(base, type) and issubclass(base, SwapLayerMixin):

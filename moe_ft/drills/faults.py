@@ -45,6 +45,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
+import psutil
 
 PHASES = ("forward", "backward", "step", "snapshot", "publish", "published", "persist", "recovery", "survivor")
 KINDS = ("exit", "exception", "hang", "corrupt", "node")
@@ -179,7 +180,6 @@ def kill_node() -> None:
 
     Outside torchrun (no ``TORCHELASTIC_RUN_ID``) the parent is not an agent: only this process is killed."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        import psutil
 
         me = os.getpid()
         try:

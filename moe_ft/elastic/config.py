@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_ft.megatron_ext.dispatch.arithmetic import BACKENDS
+from moe_ft.megatron_ext.dispatch.arithmetic import BACKENDS, FLEXIBLE
 from moe_ft.placement.loads import MeasuredLoads, read_trace_loads
 from moe_ft.placement.plans import plan_counts, validate_plan
 from moe_ft.placement.layers import STRATEGIES, ExpertPlacementConfig, place, plan_layer
-
-FLEXIBLE = "flexible"
-"""The ``--moe-token-dispatcher-type`` value that selects the elastic MoE layer."""
+from moe_ft.elastic.reshape import rederive_expert_parallel
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from moe_ft.megatron_ext.elastic_moe_layer import elastic_mlp_spec
+from moe_ft.elastic.restart import decide
+import torch.distributed as dist
 
 
 def field_help(help_text: str, **extra) -> dict:
@@ -118,7 +120,6 @@ class ElasticConfig:
         argument validation; returns the log lines of what changed (none when nothing did)."""
         if not self.ft_elastic:
             return []
-        from moe_ft.elastic.reshape import rederive_expert_parallel
 
         p, m = args.parallel, args.model
         ep = p.expert_model_parallel_size
@@ -169,9 +170,7 @@ class ElasticConfig:
     def customize_layer_spec(self, spec):
         """Layer-spec seam of ``megatron/training/model.py``: the MoE MLP becomes ``ElasticMoELayer``, which
         takes over Megatron's dispatcher switch only for ``--moe-token-dispatcher-type flexible``."""
-        from megatron.core.transformer.moe.moe_layer import MoELayer
 
-        from moe_ft.megatron_ext.elastic_moe_layer import elastic_mlp_spec
 
         mlp = getattr(spec.submodules, "mlp", None)
         if mlp is None or not issubclass(getattr(mlp, "module", object), MoELayer):
@@ -225,7 +224,6 @@ class ElasticConfig:
 
 
     def _decide(self, num_experts: int, ep_size: int, slots: int):
-        from moe_ft.elastic.restart import decide
 
         ft = self._ft
         if ft is None:
@@ -233,7 +231,6 @@ class ElasticConfig:
         decision = decide(store_dir=ft.snapshot.store_dir, job_id=ft.snapshot.job_id, num_layers=self._num_layers,
                           num_experts=num_experts, ep_size=ep_size, slots=slots,
                           min_replicas=self.ft_fault_threshold, strategy=self.ft_placement)
-        import torch.distributed as dist
 
         if dist.get_rank() == 0 and decision.kind in ("reshape", "fallback"):
             for line in decision.notes + ([decision.reason] if decision.reason else []):

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moe_ft.state.operators import Level, OperatorId
+from moe_ft.localized.survivor import SURVIVOR_SUBDIR
+from moe_ft.store.store import StoreConfig
 
 RECORD_DIR = "elastic"
 
@@ -89,14 +91,12 @@ class StoreDir:
     job_id: str
 
     def open(self):
-        from moe_ft.store.store import StoreConfig
 
         return StoreConfig(root=self.root, job_id=self.job_id, rank=self.rank).build()
 
 
 def store_dirs(store_dir: str, job_id: str) -> list[StoreDir]:
     """The snapshot and survivor store directories of ``job_id`` on this node."""
-    from moe_ft.localized.survivor import SURVIVOR_SUBDIR
 
     out = []
     job = Path(store_dir) / job_id

@@ -36,6 +36,9 @@ from moe_ft.elastic.rebalance import RebalancePlan
 from moe_ft.elastic.restore import copy_into
 from moe_ft.state.naming import plan_free_name
 from moe_ft.state.operators import Level, OperatorId
+from moe_ft.state.optimizer_views import main_states
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 
 def elastic_layers(model_chunks) -> dict:
@@ -66,7 +69,6 @@ def canonical_mlps(held: list[int], num_mlps: int) -> dict[int, int]:
 def sync_shared_flags(layers: dict, optimizer) -> None:
     """Megatron's gradient norm reads ``shared`` on the optimizer's parameters (the fp32 masters in mixed
     precision, copied from the model parameter when the optimizer was built): follow the model's flags."""
-    from moe_ft.state.optimizer_views import main_states
 
     mains = main_states(optimizer)
     for module in layers.values():
@@ -82,8 +84,6 @@ def apply_rebalance(plan: RebalancePlan, *, layers: dict, optimizer, registry, r
     """Collective over every rank (see the module docstring). ``registry``: the operator registry of the
     current plan; ``rebuild_registry()`` returns one for the re-pointed model. Returns the new registry and
     ``{"experts_received", "bytes_received", "bytes_sent", "seconds"}`` of this rank."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     t0 = time.perf_counter()
     ep_group = ps.get_expert_model_parallel_group()

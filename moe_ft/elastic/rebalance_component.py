@@ -33,6 +33,7 @@ from moe_ft.elastic.live import apply_rebalance, current_plans, elastic_layers
 from moe_ft.placement.layers import ExpertPlacementConfig
 from moe_ft.elastic.rebalance import plan_rebalance
 from moe_ft.runtime.components import Component
+from moe_ft.state.registry import OperatorRegistry
 
 
 def rebalance_component(args, runtime, recorder) -> "LiveRebalance | None":
@@ -79,7 +80,6 @@ class LiveRebalance(Component):
             model, optimizer = rt.state.model, rt.state.optimizer
 
             def change(registry):
-                from moe_ft.state.registry import OperatorRegistry
 
                 return apply_rebalance(plan, layers=self.layers, optimizer=optimizer, registry=registry,
                                        rebuild_registry=lambda: OperatorRegistry.from_megatron(model, optimizer))

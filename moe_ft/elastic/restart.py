@@ -30,6 +30,9 @@ from moe_ft.elastic.inventory import LayoutRecord, newest_record, node_inventory
 from moe_ft.placement.layers import ExpertPlacementConfig
 from moe_ft.elastic.reshape import Replan, rederive_expert_parallel, replan
 from moe_ft.state.operators import OperatorId
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from moe_ft import comm
 
 
 @dataclass
@@ -86,10 +89,7 @@ def newest_complete_point(inventories: dict[int, dict[int, list[str]]], required
 def decide(*, store_dir: str, job_id: str, num_layers: int, num_experts: int, ep_size: int, slots: int,
            min_replicas: int, strategy: str, pipeline_size: int = 1) -> RestartDecision:
     """Collective: the plan of this start (see the module docstring)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    from moe_ft import comm
 
     comm.init_coordination()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -33,6 +33,10 @@ import torch
 from moe_ft.elastic.inventory import node_inventory, store_dirs
 from moe_ft.snapshot.restore import copy_checked, restore_meta
 from moe_ft.state.operators import Level, OperatorId
+from moe_ft import comm
+from moe_ft.recovery.machine import restore_step_state
+from moe_ft.state.optimizer_views import ensure_optimizer_state
+import os
 
 META = "__meta__"
 
@@ -63,9 +67,6 @@ def copy_into(registry, op: OperatorId, tensors: dict[str, torch.Tensor]) -> int
 def restore_reshaped(decision, runtime) -> dict:
     """Collective: restore this rank at ``decision.iteration`` (see the module docstring); returns the
     report section (bytes and operators local / from peers, seconds)."""
-    from moe_ft import comm
-    from moe_ft.recovery.machine import restore_step_state
-    from moe_ft.state.optimizer_views import ensure_optimizer_state
 
     t0 = time.perf_counter()
     cfg, rank, point = runtime.config, runtime.rank, decision.iteration
@@ -132,7 +133,6 @@ def discard_node_points(store_dir: str, job_id: str, rank: int, world_size: int)
     """This rank's snapshot and survivor points, and (each node's first rank) the directories of old ranks
     that the new world does not have. Every rank read its node's inventory before this (the decision's
     all-gather), so nothing still needs them."""
-    import os
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     for d in store_dirs(store_dir, job_id):

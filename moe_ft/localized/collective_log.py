@@ -29,6 +29,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from moe_ft import comm
 from moe_ft.localized.log_store import LogUnavailable
+from megatron.core import parallel_state as ps
 
 OUTPUTS = {  # function → the arguments holding its result (same on every member of the group)
     "all_reduce": ("tensor",),
@@ -80,7 +81,6 @@ class CollectiveSeam:
     @classmethod
     def gather_stages(cls) -> "CollectiveSeam":
         """Collective over every rank (host path): learn every rank's pipeline stage."""
-        from megatron.core import parallel_state as ps
 
         stages = comm.all_gather_object(ps.get_pipeline_model_parallel_rank())
         return cls({rank: stage for rank, stage in enumerate(stages)})

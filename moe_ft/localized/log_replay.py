@@ -39,6 +39,8 @@ from moe_ft.localized.log_store import (BWD, FWD, CorruptLogEntry, LogDir, LogUn
                                         decode_blob, decode_entry)
 from moe_ft.localized.upstream_log import P2PSeam
 from moe_ft.localized.vstages import comm_layout, sending_vstage
+from moe_ft import comm
+from megatron.core import parallel_state as ps
 
 _SEND = re.compile(r"^send\.(fwd|bwd)\.to(\d+)$")
 _COLL = re.compile(r"^coll\.([\d-]+)$")
@@ -299,7 +301,6 @@ def exchange_logs(log_dir: LogDir, *, replaying: Iterable[int], iterations: Iter
 
     A :class:`LogReplay` error raised later (the replay diverged, a collective nobody logged) is raised on
     the replaying ranks only: the caller agrees on the outcome over all ranks before falling back."""
-    from moe_ft import comm
 
     group = group if group is not None else comm.coordination_group()
     rank = dist.get_rank()
@@ -307,7 +308,6 @@ def exchange_logs(log_dir: LogDir, *, replaying: Iterable[int], iterations: Iter
     if not its or not replaying:  # the same arguments on every rank: every rank returns here alike
         return LogFeed()
     if pipeline_ranks is None:
-        from megatron.core import parallel_state as ps
 
         pipeline_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
     offers, blobs, problems = ({}, {}, []) if rank in replaying else _inventory(log_dir, replaying, its, rank)

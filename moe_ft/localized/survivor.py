@@ -51,6 +51,10 @@ from typing import Callable, Mapping
 import torch
 
 from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store import StoreConfig
+from moe_ft.store.rules import DenseRule
+from moe_ft.snapshot.restore import restore_operator
+import traceback
 
 log = logging.getLogger("moe_ft.localized")
 
@@ -89,14 +93,12 @@ class PublishResult:
 def survivor_store(store_root: str, job_id: str, rank: int):
     """This rank's survivor-point store (a :class:`moe_ft.store.SnapshotStore` without retention: it holds
     at most one point, replaced by each dump)."""
-    from moe_ft.store import StoreConfig
 
     return StoreConfig(root=store_root, job_id=os.path.join(job_id, SURVIVOR_SUBDIR), rank=rank).build()
 
 
 def survivor_rule(operators):
     """Completeness of a survivor point: every operator of the rank FULL, plus the metadata entry."""
-    from moe_ft.store.rules import DenseRule
 
     return DenseRule(operators=frozenset(operators))
 
@@ -244,7 +246,6 @@ class SurvivorGuard:
 def load_survivor_point(store, registry, iteration: int) -> int:
     """Restore every operator FULL from the survivor point of ``iteration``; returns the bytes read. The
     step state (RNG, schedule, popularity, policy) is in its metadata (``restore_meta``)."""
-    from moe_ft.snapshot.restore import restore_operator
 
     return sum(restore_operator(store, registry, iteration, op, Level.FULL) for op in registry)
 
@@ -287,7 +288,6 @@ def run_guarded(train: Callable[[], object], guard_of: Callable[[], SurvivorGuar
             msg = f"moe-ft survivor: rank {rank} published nothing: {result.reason}"
         print(msg, file=sys.stderr, flush=True)
         if not isinstance(exc, SurvivorStop):
-            import traceback
 
             traceback.print_exception(exc, file=sys.stderr)
         return 1

@@ -29,6 +29,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from moe_ft.localized.log_store import BWD, FWD, CollectiveResult, IterationLog, LogDir
 from moe_ft.localized.vstages import comm_layout, sending_vstage
+from megatron.core.pipeline_parallel import schedules
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -125,7 +126,6 @@ class P2PSeam:
     @staticmethod
     def current() -> "P2PSeam | None":
         """The seam installed in Megatron's schedules, if any (one per process; components share it)."""
-        from megatron.core.pipeline_parallel import schedules
 
         factory = schedules.P2PCommunicator
         if isinstance(factory, functools.partial) and factory.func is SeamP2PCommunicator:
@@ -133,7 +133,6 @@ class P2PSeam:
         return None
 
     def install(self) -> "P2PSeam":
-        from megatron.core.pipeline_parallel import schedules
 
         if self.current() is not None:
             raise RuntimeError("a P2PSeam is already installed in megatron.core.pipeline_parallel.schedules; "

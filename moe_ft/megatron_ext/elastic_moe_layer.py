@@ -10,16 +10,19 @@ non-expert parameter are exactly those of a standard run), then replaces the two
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from moe_ft.elastic.config import FLEXIBLE, ElasticConfig
-from moe_ft.megatron_ext.dispatch.arithmetic import DispatchConfig
+from moe_ft.megatron_ext.dispatch.arithmetic import FLEXIBLE, DispatchConfig
 from moe_ft.megatron_ext.dispatch.dispatcher import ElasticTokenDispatcher
 from moe_ft.megatron_ext.elastic_experts import ElasticExperts
+
+if TYPE_CHECKING:
+    from moe_ft.elastic.config import ElasticConfig
 
 
 class ElasticMoELayer(MoELayer):

@@ -31,6 +31,7 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from moe_ft.precision.fp8 import DelayedScalingConfig, FP8WeightState, dequantize
+from moe_ft.state.optimizer_views import leaf_optimizers, main_states
 
 
 class _FP8Weight(torch.autograd.Function):
@@ -147,7 +148,6 @@ def attach_fp8_emulation(model_chunks: Iterable, optimizer, config: DelayedScali
     the re-quantization after each step into ``optimizer`` (a Megatron optimizer, possibly chained).
     Returns the number of FP8 weights. Needs whole fp32 masters (per-tensor amax): not the distributed
     optimizer's shards."""
-    from moe_ft.state.optimizer_views import leaf_optimizers, main_states
 
     model_chunks = list(model_chunks)
     linears = fp8_linears(model_chunks)

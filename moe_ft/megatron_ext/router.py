@@ -17,6 +17,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 from moe_ft.popularity import move_buffer
+from megatron.core.transformer.moe import moe_utils
 
 
 def per_expert_token_dropping(probs: torch.Tensor, routing_map: torch.Tensor, *, topk: int,
@@ -202,7 +203,6 @@ def gating_without_te() -> None:
     or CUDA, every router forward raises ``NameError``. Define it as ``None`` (Megatron's own "no TE"
     value, which selects the plain matmul) when it is missing; idempotent, leaves a TE install alone.
     (``moe_ft.compat.cpu`` applies the same shim on CPU.)"""
-    from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None

@@ -17,12 +17,14 @@ import os
 import torch.distributed as dist
 
 from moe_ft import comm
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from moe_ft.compat import writer_queue
+from megatron.core import dist_checkpointing
+from megatron.training.checkpointing import (TRACKER_FILE, _sharded_state_dict, checkpoint_dir, read_latest_iteration)
 
 
 class MegatronDenseWriter:
     def __init__(self, root: str, state) -> None:
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-        from moe_ft.compat import writer_queue
 
         writer_queue.install()  # no Manager server process that would outlive a killed rank
         self.root, self.state = root, state
@@ -31,9 +33,6 @@ class MegatronDenseWriter:
 
     def save(self, iteration: int) -> None:
         """Start writing the state after ``iteration`` completed iterations (collective)."""
-        from megatron.core import dist_checkpointing
-        from megatron.training.checkpointing import (TRACKER_FILE, _sharded_state_dict, checkpoint_dir,
-                                                     read_latest_iteration)
 
         path = checkpoint_dir(self.root, iteration)
         if dist.get_rank() == 0:

@@ -13,6 +13,9 @@ from typing import Iterable, Mapping
 
 from moe_ft.state.operators import OperatorId
 from moe_ft.store.rules import RecoveryPoint
+from pathlib import Path
+from moe_ft.persist.durable import DurableTier
+from moe_ft.store.rules import EntryRef
 
 
 def validate_experts(parts: Mapping[int, RecoveryPoint], *, num_layers: Iterable[int] | int, num_experts: int,
@@ -51,10 +54,7 @@ def validate_durable(job_dir, *, num_layers: int, num_experts: int) -> tuple[int
     every entry each rank's part needs is present and passes its checksum, the parts form one point, and
     every expert of every layer is FULL in it. Returns ``(end, problems)``; ``end`` is ``None`` if there is
     no complete point."""
-    from pathlib import Path
 
-    from moe_ft.persist.durable import DurableTier
-    from moe_ft.store.rules import EntryRef
 
     job_dir = Path(job_dir)
     if not (job_dir / "complete").is_dir():

@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron.training.argument_utils import field_help
+from moe_ft.precision.fp8 import DelayedScalingConfig, weight_format
+from moe_ft.megatron_ext.fp8_linear import install_fp8_linears
+from moe_ft.megatron_ext.fp8_linear import attach_fp8_emulation
 
 
 @dataclass(kw_only=True)
@@ -46,7 +49,6 @@ class FP8EmulationConfig:
 
     def delayed_scaling(self, args):
         """The delayed-scaling recipe from Megatron's ``--fp8-*`` flags."""
-        from moe_ft.precision.fp8 import DelayedScalingConfig, weight_format
 
         m = args.model
         return DelayedScalingConfig(fmt=weight_format(m.fp8_format), margin=m.fp8_margin,
@@ -55,7 +57,6 @@ class FP8EmulationConfig:
     def customize_layer_spec(self, spec):
         if not self.fp8_emulation:
             return spec
-        from moe_ft.megatron_ext.fp8_linear import install_fp8_linears
 
         return install_fp8_linears(spec)
 
@@ -63,6 +64,5 @@ class FP8EmulationConfig:
         """FP8 state quantized from the masters; re-quantized after every optimizer step."""
         if not self.fp8_emulation:
             return
-        from moe_ft.megatron_ext.fp8_linear import attach_fp8_emulation
 
         attach_fp8_emulation(list(model_chunks), optimizer, self.delayed_scaling(args))

@@ -15,10 +15,10 @@ State per Megatron optimizer (``ChainedOptimizer`` holds one per parameter set):
 from __future__ import annotations
 
 import torch
+from moe_ft.state.optimizer_views import leaf_optimizers
 
 
 def _leaves(optimizer) -> list:
-    from moe_ft.state.optimizer_views import leaf_optimizers  # imports Megatron: only when there is an optimizer
 
     return list(leaf_optimizers(optimizer))
 

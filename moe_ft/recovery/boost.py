@@ -23,6 +23,7 @@ import torch
 
 from moe_ft import comm
 from moe_ft.megatron_ext.router import CapacityBoost, CapacityBoostConfig, attach_capacity_boost
+from moe_ft.store import MissingEntryError
 
 PREFIX = "capacity_boost."
 
@@ -53,7 +54,6 @@ def start_after_recovery(cb: CapacityBoost, report, store) -> dict:
     """Restore the boost state of the recovery point (from ``store``'s metadata of its ``end``), add the
     tokens this recovery lost per expert (``report.token_loss["per_expert"]``), and return the report's
     ``capacity_boost`` section. Same result on every rank (the inputs are world-summed)."""
-    from moe_ft.store import MissingEntryError
 
     rp = report.recovery_point
     note = ""

@@ -29,6 +29,16 @@ import torch.distributed as dist
 
 from moe_ft import comm
 from moe_ft.localized.scope import RankReport, Scope, decide_scope
+from moe_ft.recovery.bounded import BoundedStore
+from megatron.core import parallel_state as ps
+from moe_ft.localized.survivor import newest_survivor_point
+from moe_ft.localized.survivor import load_survivor_point
+from moe_ft.recovery.machine import restore_step_state
+from moe_ft.snapshot.restore import restore_meta
+from moe_ft.localized.log_replay import LogReplay
+from moe_ft.recovery.machine import Recovery, MachineConfig, RecoveryContext, RecoveryState
+from moe_ft.localized.log_store import LogUnavailable
+from moe_ft.localized.log_replay import exchange_logs
 
 if TYPE_CHECKING:
     from moe_ft.recovery.driver import RecoveryInputs
@@ -49,10 +59,7 @@ def _contiguous_tail(iterations: list[int]) -> tuple[int, int] | None:
 
 def survey(inputs: "RecoveryInputs") -> list[RankReport]:
     """Every rank's :class:`RankReport` (collective, host path)."""
-    from megatron.core import parallel_state as ps
 
-    from moe_ft.localized.survivor import newest_survivor_point
-    from moe_ft.recovery.driver import BoundedStore
 
     ops = list(inputs.registry)
     survivor, why = newest_survivor_point(inputs.survivor_store, ops)
@@ -84,9 +91,6 @@ def decide(inputs: "RecoveryInputs") -> Scope:
 
 def _load(inputs: "RecoveryInputs", scope: Scope, out: dict) -> None:
     """A loading rank: its survivor point at ``scope.target`` into the live state; re-arm the guard."""
-    from moe_ft.localized.survivor import load_survivor_point
-    from moe_ft.recovery.machine import restore_step_state
-    from moe_ft.snapshot.restore import restore_meta
 
     t0 = time.perf_counter()
     out["bytes_loaded"] = load_survivor_point(inputs.survivor_store, inputs.registry, scope.target)
@@ -101,9 +105,6 @@ def _load(inputs: "RecoveryInputs", scope: Scope, out: dict) -> None:
 
 def _replay(inputs: "RecoveryInputs", scope: Scope, feed, group, out: dict) -> None:
     """A replaying rank: its own window through the machine, then the lost iterations, all log-fed."""
-    from moe_ft.localized.log_replay import LogReplay
-    from moe_ft.recovery.driver import BoundedStore
-    from moe_ft.recovery.machine import Recovery, MachineConfig, RecoveryContext, RecoveryState
 
     t0 = time.perf_counter()
     policy = inputs.session.policy
@@ -141,7 +142,6 @@ def _replay(inputs: "RecoveryInputs", scope: Scope, feed, group, out: dict) -> N
 def _job_wide_state(inputs: "RecoveryInputs", scope: Scope) -> None:
     """Popularity counters (summed over the job) and the policy's state at the target, from the lowest
     loading rank's point, onto the replaying ranks (they could not all-reduce with the others)."""
-    from moe_ft.snapshot.restore import restore_meta
 
     src = scope.loading[0]
     payload = None
@@ -163,7 +163,6 @@ def run(inputs: "RecoveryInputs", scope: Scope) -> dict | None:
     """The localized recovery of ``scope`` (collective). Returns this rank's outcome (``role``, ``replayed``,
     ``bytes_loaded``, ``log_bytes``, ``seconds``) when every rank succeeded; ``None`` with
     ``scope.reason`` rewritten when the job must go on with the global path."""
-    from moe_ft.localized.log_store import LogUnavailable
 
     out: dict = {"rank": inputs.rank, "role": "replay" if inputs.rank in scope.replaying else "load",
                  "replayed": [], "bytes_loaded": 0, "log_bytes": 0, "seconds": {}, "error": ""}
@@ -172,7 +171,6 @@ def run(inputs: "RecoveryInputs", scope: Scope) -> dict | None:
     if scope.replaying:
         t0 = time.perf_counter()
         try:  # raises alike on every rank
-            from moe_ft.localized.log_replay import exchange_logs
 
             feed = exchange_logs(inputs.log_dir, replaying=scope.replaying,
                                  iterations=range(scope.replay_from, scope.target + 1))

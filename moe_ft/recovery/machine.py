@@ -43,6 +43,7 @@ from moe_ft.recovery.optim import RecordedStepOptimizer, main_params_by_model_pa
 from moe_ft.snapshot.meta import restore_step_meta
 from moe_ft.snapshot.restore import restore_meta, restore_operator
 from moe_ft.state.operators import Level
+from moe_ft.checkfree.lr_boost import restore_group_lr
 
 if TYPE_CHECKING:
     from moe_ft.popularity import ExpertPopularity
@@ -265,7 +266,6 @@ def restore_step_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor], *
     scheduler = train_state.scheduler
     scheduler.num_steps = 0  # load_state_dict *adds* the stored step count
     scheduler.load_state_dict(meta["scheduler"])
-    from moe_ft.checkfree.lr_boost import restore_group_lr  # per-group lr (a CheckFree boost) outlives restarts
 
     restore_group_lr(tensors, train_state.optimizer, scheduler)
     if popularity is not None and "popularity" in meta:

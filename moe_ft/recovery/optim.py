@@ -25,6 +25,8 @@ from typing import Iterable
 import torch
 
 from moe_ft.state.optimizer_views import leaf_optimizers
+from moe_ft.precision.quantized import quantized_weight
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 
 def main_params_by_model_param(optimizer) -> dict[int, list[torch.Tensor]]:
@@ -33,7 +35,6 @@ def main_params_by_model_param(optimizer) -> dict[int, list[torch.Tensor]]:
     distributed optimizer). A weight whose compute state is FP8 (``moe_ft.precision.quantized``) is also
     found by its FP8 data tensor — the compute weight the operator registry lists for it — so that a
     frozen FP8 operator's masters are frozen too."""
-    from moe_ft.precision.quantized import quantized_weight
 
     out = _by_model_param(optimizer)
     for model_param, mains in list(out.values()):
@@ -88,7 +89,6 @@ class RecordedStepOptimizer:
 
     @torch.no_grad()
     def step(self):
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         found_inf = bool(self.inner.prepare_grads())
         if found_inf != self.found_inf:

@@ -30,6 +30,12 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Mapping, Sequence
+from moe_ft.checkfree.recovery import rebuild_sources
+from megatron.core import parallel_state as ps
+from moe_ft import comm
+import torch.distributed as dist
+from moe_ft.checkfree.recovery import RebuildImpossible, RebuiltStageStore, Wildcard, exchange_and_rebuild
+from moe_ft.recovery.agreement import agree_on_point
 
 LEVELS = ("start_over", "approximate", "lossy", "durable", "exact")
 """Correctness levels, worst first."""
@@ -107,7 +113,6 @@ def checkfree_sources(inventories: Sequence[RankInventory], plus: bool = False) 
     every one of them (an intermediate stage whose two pipeline neighbours have a point: §4.2), with
     ``plus`` (CheckFree+, §4.3) ``{lost rank: (swap partner,)}`` for a stage that has a swap partner (the
     first and last stage included), else ``({}, why not)``."""
-    from moe_ft.checkfree.recovery import rebuild_sources  # CheckFree+ (plus): first/last stage from its swap partner
 
     return rebuild_sources(inventories, plus=plus)
 
@@ -211,9 +216,7 @@ def plan_recovery(*, rank: int, find, fetched_here: bool, durable_end: int | Non
     """Gather every rank's inventory, decide, refuse below ``min_level`` (collective, host path; a refusal
     is audited too). ``find(at_or_before)``: this rank's newest point in its memory tier (bounded by
     ``--load``)."""
-    from megatron.core import parallel_state as ps
 
-    from moe_ft import comm
 
     point = find(None)
     pp_ranks = tuple(dist_ranks(ps.get_pipeline_model_parallel_group())) if ps.model_parallel_is_initialized() else (rank,)
@@ -234,7 +237,6 @@ def plan_recovery(*, rank: int, find, fetched_here: bool, durable_end: int | Non
 
 
 def dist_ranks(group) -> list[int]:
-    import torch.distributed as dist
 
     return list(dist.get_process_group_ranks(group))
 
@@ -244,9 +246,6 @@ def prepare_checkfree(ctx: PlanContext, *, rank: int, find, store, registry, los
     """CheckFree path (collective): the survivors agree on their point (the lost ranks accept any), the
     lost ranks get their neighbours' layers and rebuild (``moe_ft/checkfree/recovery.py``). If the
     survivors have no common point, the plan becomes ``start_over``."""
-    from moe_ft import comm
-    from moe_ft.checkfree.recovery import RebuildImpossible, RebuiltStageStore, Wildcard, exchange_and_rebuild
-    from moe_ft.recovery.agreement import agree_on_point
 
     plan = ctx.plan
     lost = rank in plan.rebuilt
@@ -275,7 +274,6 @@ def record_levels(ctx: PlanContext, *, rank: int, ops, rs, source: str, lossy: b
                   audit_path: str | None, report) -> dict:
     """Per-operator sources after the restore (gathered), the report's ``recovery_levels``, the audit-log
     line (rank 0), and the final check against ``min_level`` (collective)."""
-    from moe_ft import comm
 
     plan = ctx.plan
     mine = operator_sources(ops, path=plan.path, point=rs.point, rebuilt_here=ctx.rebuilt is not None,

@@ -41,6 +41,7 @@ from moe_ft.store import SnapshotStore
 from moe_ft.store.backend import MANIFEST
 from moe_ft.store.errors import CorruptEntryError
 from moe_ft.store.manifest import decode_manifest
+from moe_ft import comm
 
 logger = logging.getLogger("moe_ft.replication")
 
@@ -379,7 +380,6 @@ def fetch_from_peers(*, local: SnapshotStore, rank: int, world_size: int,
                      group_config: GlooTransportConfig | None = None) -> FetchResult:
     """Collective over all ranks (host path, ``moe_ft.comm``): exchange inventories, plan, and (only if some
     rank needs anything) move the entries on a dedicated gloo group. Returns this rank's :class:`FetchResult`."""
-    from moe_ft import comm
 
     holding = {owner for owner, holders in topo.holders.items() if rank in holders}
     mine = Inventory(rank=rank, local=inventory_of(local),

@@ -42,6 +42,8 @@ import torch
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store.codec import read_entry, write_entry
 from moe_ft.store.manifest import entry_key
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from moe_ft.state.optimizer_views import leaf_optimizers
 
 GRADIENTS = "Gradients"
 OPTIMIZER_MODEL = "Optimizer+Model"
@@ -95,9 +97,7 @@ def main_params(registry, optimizer, ops: Iterable[OperatorId]) -> dict[Operator
     A parameter's inner optimizer is found through its Adam state: the registry's ``exp_avg.<name>`` view
     is the very tensor the inner optimizer keeps for its main parameter. Raises ``ValueError`` naming the
     fix for layouts the peer cannot reproduce (distributed optimizer, GroupedMLP, FP8, device tensors)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from moe_ft.state.optimizer_views import leaf_optimizers
 
     by_state: dict[int, MainParam] = {}
     for leaf in leaf_optimizers(optimizer):

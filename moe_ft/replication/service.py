@@ -19,6 +19,10 @@ from moe_ft.replication.receiver import ReceiverConfig, ReplicaReceiver, replica
 from moe_ft.replication.sender import ReplicaSender, SenderConfig
 from moe_ft.replication.transport import GlooTransport, GlooTransportConfig
 from moe_ft.state.operators import Level
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from moe_ft import comm
+from moe_ft.replication.recompute_stream import RecomputeReceiver, RecomputeSender
 
 logger = logging.getLogger("moe_ft.replication")
 
@@ -36,10 +40,7 @@ class Layout:
     @staticmethod
     def gather(*, ranks_per_node: int, distributed_optimizer: bool) -> "Layout":
         """Collective over all ranks (host path). ``ranks_per_node`` 0 = ``LOCAL_WORLD_SIZE``."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
 
-        from moe_ft import comm
 
         world, rank = dist.get_world_size(), dist.get_rank()
         per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -110,7 +111,6 @@ class Replication:
                                              distributed_optimizer=layout.distributed_optimizer)
         receiver_cls, sender_cls, sender_extra = ReplicaReceiver, ReplicaSender, {}
         if recompute is not None:
-            from moe_ft.replication.recompute_stream import RecomputeReceiver, RecomputeSender
 
             receiver_cls, sender_cls, sender_extra = RecomputeReceiver, RecomputeSender, {"capture": recompute()}
         receiver = receiver_cls(ReceiverConfig(), transport, plan.sources[layout.rank],

@@ -21,6 +21,8 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
+from moe_ft import comm
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,6 @@ class GlooTransportConfig:
 
     def build_group(self, ranks: list[int] | None = None):
         """The dedicated gloo group (host traffic); collective: every rank of the default group must call it."""
-        from moe_ft import comm
 
         return comm.new_host_group(ranks, timeout_s=self.timeout_s, desc="MOE_FT_REPLICATION_GLOO")
 
@@ -115,7 +116,6 @@ class GlooTransport(Transport):
     chunks of at most ``chunk_bytes``. Ranks are global ranks."""
 
     def __init__(self, config: GlooTransportConfig, group) -> None:
-        import torch.distributed as dist
 
         self.config, self.group, self._dist = config, group, dist
         self.rank = dist.get_rank()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 from moe_ft.runtime.components import Component
+from moe_ft.localized.upstream_log import P2PSeam
 
 
 class BubbleScheduling(Component):
@@ -23,7 +24,6 @@ class BubbleScheduling(Component):
 
     @classmethod
     def build(cls, session, *, pipeline_size: int, trace_out: str = "", rank: int = 0) -> "BubbleScheduling":
-        from moe_ft.localized.upstream_log import P2PSeam
 
         schedule = session.engine.config.bubbles
         if pipeline_size < 2:

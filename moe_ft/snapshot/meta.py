@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from moe_ft.precision.scaler import grad_scaler_state, load_grad_scaler_state
+from megatron.core import tensor_parallel
 
 
 def capture_rng() -> tuple[dict, dict[str, torch.Tensor]]:
-    from megatron.core import tensor_parallel
 
     tensors = {"rng.torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -41,7 +41,6 @@ def capture_rng() -> tuple[dict, dict[str, torch.Tensor]]:
 
 def restore_rng(meta: dict, tensors: dict[str, torch.Tensor]) -> None:
     """Inverse of :func:`capture_rng`."""
-    from megatron.core import tensor_parallel
 
     torch.set_rng_state(tensors["rng.torch_cpu"])
     if "rng.cuda" in tensors and torch.cuda.is_available():

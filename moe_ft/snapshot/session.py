@@ -10,6 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from moe_ft.store.retention import KeepTwoRecoverable
+from moe_ft.policy import build_policy
+from moe_ft.snapshot import EngineConfig, SnapshotEngine
+from moe_ft.store import StoreConfig
+from moe_ft.snapshot.bubbles import BubbleGate, BubbleSchedule
+from moe_ft.snapshot import SnapshotEngine
 
 if TYPE_CHECKING:
     from moe_ft.config import SnapshotConfig
@@ -35,7 +40,6 @@ class SnapshotSession:
         copies in flight, copy from ``registry``'s tensors from now on (new host buffers for the new
         operators), make the snapshot of ``iteration`` a dense recovery point (the policy's
         :meth:`~moe_ft.policy.base.SnapshotPolicy.start_dense`) and keep retention on the new operators."""
-        from moe_ft.snapshot import SnapshotEngine
 
         config = self.engine.config
         self.engine.close()
@@ -55,9 +59,6 @@ class SnapshotSession:
 def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: str = "") -> SnapshotSession:
     """Build the policy from the flags (every rank the same), open its first window at the start
     iteration, and the store and engine of this rank."""
-    from moe_ft.policy import build_policy
-    from moe_ft.snapshot import EngineConfig, SnapshotEngine
-    from moe_ft.store import StoreConfig
 
     cls = config.policy_cls
     policy = build_policy(config.policy, cls.config_from_flags(config, ctx.t_iter_s), ctx.catalogue)
@@ -69,7 +70,6 @@ def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: 
         retention=retention, fault_hook=ctx.store_fault_hook)
     bubbles = None
     if config.snapshot_bubble_aware:
-        from moe_ft.snapshot.bubbles import BubbleGate, BubbleSchedule
 
         # the runtime's BubbleScheduling component drains the trace and intervals every iteration
         bubbles = BubbleSchedule(BubbleGate(keep_intervals=True), trace=[])

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence, Union
 
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo
+from moe_ft import comm
 
 RankKey = tuple[int, int]
 """``(pp_rank, ep_rank)``: the device whose link a snapshot's bytes cross (``moe_ft.policy.base``)."""
@@ -123,6 +124,5 @@ def merge_catalogue(per_rank: Iterable[Sequence[OperatorInfo]], ep_size: int) ->
 def gather_catalogue(local: Sequence[OperatorInfo], ep_size: int, group=None) -> list[CatalogueInfo]:
     """All-gather every rank's list (object collective on the host path, ``moe_ft.comm``: ``group`` a host
     group, default the coordination group of all ranks) and merge it."""
-    from moe_ft import comm
 
     return merge_catalogue(comm.all_gather_object(list(local), group), ep_size)

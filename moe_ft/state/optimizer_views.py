@@ -24,6 +24,8 @@ import torch
 
 # Plain Megatron needs, defined beside the training loop's checkpoint loading (re-exported here).
 from megatron.training.optimizer_state import ensure_optimizer_state, leaf_optimizers  # noqa: F401
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
 
 @dataclass(kw_only=True)
@@ -80,8 +82,6 @@ def main_states(optimizer) -> dict[int, tuple[torch.nn.Parameter, MainState]]:
 
     Raises ``ValueError`` for optimizer layouts the registry cannot decompose (precision-aware
     optimizer, which keeps master weights inside Transformer Engine's FusedAdam)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
     out: dict[int, tuple[torch.nn.Parameter, MainState]] = {}
     for opt in leaf_optimizers(optimizer):

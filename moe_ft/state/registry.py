@@ -44,6 +44,7 @@ from moe_ft.precision.quantized import QuantizedWeight, is_float8_dtype, quantiz
 from moe_ft.state.naming import grouped_expert_views, is_spare_expert, operator_of
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo
 from moe_ft.state.optimizer_views import MainState, main_states
+from megatron.core import parallel_state as ps
 
 
 @dataclass(kw_only=True)
@@ -115,7 +116,6 @@ class OperatorRegistry:
     @classmethod
     def from_megatron(cls, model_chunks: Iterable, optimizer) -> "OperatorRegistry":
         """Decompose this rank's model chunks (``GPTModel`` or DDP-wrapped) and Megatron optimizer."""
-        from megatron.core import parallel_state as ps
 
         mains = main_states(optimizer)
         ops: dict[OperatorId, OperatorState] = {}

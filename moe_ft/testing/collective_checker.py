@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from megatron.training import collectives
+from moe_ft import comm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUR_PATHS = (os.path.join(ROOT, "moe_ft") + os.sep, os.path.join(ROOT, "megatron", "training") + os.sep,
@@ -116,8 +118,6 @@ class CollectiveChecker:
         self._sigs: dict = {}
         self._log = None
         self._lock = threading.Lock()
-        from megatron.training import collectives
-        from moe_ft import comm
 
         self._comm_files = (os.path.abspath(comm.__file__), os.path.abspath(collectives.__file__))
 
@@ -163,7 +163,6 @@ class CollectiveChecker:
     def is_host(self, group) -> bool:
         if group is None or group is c10d.GroupMember.WORLD:
             return False
-        from moe_ft import comm
 
         return group in self._host or group is comm.initialized_coordination_group()
 
@@ -281,7 +280,6 @@ class CollectiveChecker:
             return (f"object collective {rec.fn} on accelerator group {rec.group}: host objects go over "
                     "moe_ft.comm.all_gather_object / broadcast_object (the coordination gloo group)")
         if rec.origin == "comm":
-            from moe_ft import comm
 
             device = comm.device_for(group)
             wrong = [str(t.device) for t in tensors if not comm.on_device(t, device)]

@@ -80,7 +80,7 @@ def worker(argv: list[str]) -> int:
     import pretrain_gpt_moe
     from megatron.training.arguments import parse_args
     from megatron.training.pretrain import pretrain
-    from moe_ft.runtime import FTRuntime
+    from moe_ft.runtime.hooks import FTRuntime
     from moe_ft.state.operators import Level
 
     import moe_ft.snapshot.meta as meta_module

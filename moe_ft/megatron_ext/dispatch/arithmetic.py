@@ -42,7 +42,11 @@ from moe_ft.megatron_ext.dispatch.schedule import (
 
 BACKENDS = ("torch", "triton")
 
+FLEXIBLE = "flexible"
+"""The ``--moe-token-dispatcher-type`` value that selects the elastic MoE layer and this dispatcher."""
+
 __all__ = [
+    "FLEXIBLE",
     "BACKENDS", "DispatchConfig", "DispatchPermutation", "DispatchSchedule", "all_send_counts", "build_permutation",
     "capacity", "dispatch_schedule", "permute", "recv_expert_order", "replica_token_counts", "unpermute",
 ]
