@@ -19,6 +19,11 @@ from typing import TYPE_CHECKING
 from megatron.training.argument_utils import dataclass_from_flags, field_help
 from moe_ft.checkfree.config import CheckFreeConfig
 from moe_ft.policy.factory import NO_SNAPSHOTS, POLICIES, POLICY_CHOICES, policy_class
+from moe_ft.snapshot.session import build_session
+from moe_ft.drills.faults import Fault
+import os
+from moe_ft.drills.faults import FaultPlan, FaultPlanConfig
+from moe_ft.precision.config import check_exact_recovery
 
 if TYPE_CHECKING:
     from moe_ft.runtime.context import BuildContext
@@ -99,7 +104,6 @@ class SnapshotConfig:
         ``--ft-policy none``. See :func:`moe_ft.snapshot.session.build_session`."""
         if not self.enabled:
             return None
-        from moe_ft.snapshot.session import build_session
 
         return build_session(self, ctx, job_suffix=job_suffix)
 
@@ -158,6 +162,8 @@ class ReplicationConfig:
         single-node job)."""
         if session is None:
             return None
+
+        # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
         from moe_ft.replication.service import Layout, Replication
 
         layout = Layout.gather(ranks_per_node=self.ranks_per_node,
@@ -172,6 +178,8 @@ class ReplicationConfig:
         or ``None``."""
         if not self.optimizer_recompute:
             return None
+
+        # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
         from moe_ft.replication.optim_recompute import GradCapture
 
         return lambda: GradCapture.from_megatron(ctx.registry, ctx.state.optimizer)
@@ -211,6 +219,8 @@ class DurableConfig:
         are dense), or ``None``."""
         if session is None or not self.interval:
             return None
+
+        # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
         from moe_ft.runtime.components import Durable
 
         return Durable.build(self.interval, self.root(ctx.args.training.save), ctx, session)
@@ -231,16 +241,11 @@ class DrillConfig:
         "per-expert token counts and the experts the plan saved FULL (drills recompute PLT/MLT from it)."))
 
     def __post_init__(self) -> None:
-        from moe_ft.drills.faults import Fault
-
         for text in self.fail:
             Fault.parse(text)  # raises ValueError naming the bad fault
 
     def build(self, job_dir: str):
         """The fault plan (fired markers under ``job_dir/faults``: each fault fires once across restarts)."""
-        import os
-
-        from moe_ft.drills.faults import FaultPlan, FaultPlanConfig
 
         return FaultPlan.from_config(FaultPlanConfig(faults=list(self.fail), marker_dir=os.path.join(job_dir, "faults")))
 
@@ -290,6 +295,8 @@ class RecoverConfig:
     def build_watchdog(self, rank: int):
         if not self.hang_timeout:
             return None
+
+        # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
         from moe_ft.recovery.watchdog import Watchdog
 
         return Watchdog(self.hang_timeout, rank)
@@ -298,6 +305,8 @@ class RecoverConfig:
         """The MoEtion §6 capacity boost attached to the routers, or ``None``."""
         if not self.capacity_boost:
             return None
+
+        # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
         from moe_ft.recovery.boost import build_capacity_boost
 
         return build_capacity_boost(self.capacity_boost, state, popularity)
@@ -347,7 +356,6 @@ class FTConfig:
         """Checks against the model's flags (``args``: Megatron's parsed ``Args``)."""
         self.checkfree.check_args(args)
         if self.ft:  # snapshots must restore this precision bit for bit
-            from moe_ft.precision.config import check_exact_recovery
 
             check_exact_recovery(args)
         if self.ft and self.recovery.capacity_boost and getattr(args.model, "moe_expert_capacity_factor", None) is None:
@@ -359,6 +367,8 @@ class FTConfig:
         """Install the popularity-counting router (``moe_ft.megatron_ext.router``) when FT is on."""
         if not self.ft:
             return spec
+
+        # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
         from moe_ft.megatron_ext.router import install_router
 
         return self.checkfree.customize_layer_spec(install_router(spec))
@@ -373,11 +383,7 @@ class FTConfig:
         return (cls is not None and (cls.reads_popularity or cls.lossy)) or bool(self.drill.trace_out)
 
     def report_dir(self) -> str:
-        import os
-
         return self.recovery.report_dir or os.path.join(self.snapshot.store_dir, self.snapshot.job_id, "reports")
 
     def job_dir(self) -> str:
-        import os
-
         return os.path.join(self.snapshot.store_dir, self.snapshot.job_id)

@@ -46,7 +46,6 @@ def local_state_tensors(model_chunks, optimizer, scheduler=None, include_rng: bo
         for name, tensor in quantized_tensors(module).items():
             out[f"model{chunk_idx}.{name}"] = tensor.detach()
     if spare:
-
         spare |= {id(main.master) for pid, (_, main) in main_states(optimizer).items()
                   if pid in spare and main.master is not None}
     for opt_idx, opt in enumerate(_optimizers(optimizer)):
@@ -72,7 +71,6 @@ def local_state_tensors(model_chunks, optimizer, scheduler=None, include_rng: bo
         sched = json.dumps(scheduler.state_dict(), sort_keys=True, default=str)
         out["scheduler"] = torch.frombuffer(bytearray(sched.encode()), dtype=torch.uint8)
     if include_rng:
-
         out["rng.torch"] = torch.get_rng_state()
         for name, value in sorted(get_cuda_rng_tracker().get_states().items()):
             out[f"rng.tracker.{name}"] = value.detach().cpu() if torch.is_tensor(value) else torch.tensor([])
@@ -93,7 +91,6 @@ def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 def global_digest(model_chunks, optimizer, scheduler=None, include_rng: bool = True) -> str:
     """Collective over all ranks (host path, ``moe_ft.comm``): digest of every rank's state, in rank order."""
-
 
     local = tensor_digest(local_state_tensors(model_chunks, optimizer, scheduler, include_rng))
     if not dist.is_initialized():

@@ -10,7 +10,8 @@ are already being initialised when it runs: a package whose ``__init__`` re-expo
 not a cycle).
 
 An import inside a function hides a dependency unless there is a reason. The accepted reasons are a
-comment, on the import's line or on the line right above it, that contains one of
+comment, on the import's line or on the line right above it (or above the block of consecutive imports it
+belongs to), that contains one of
 ``optional dependency`` (the module may be absent: Triton, Transformer Engine, matplotlib),
 ``start-up time`` (kept out of commands that must start fast, e.g. Megatron out of ``moe-ft simulate``) or
 ``import cycle`` (followed by the modules involved).
@@ -158,7 +159,10 @@ def _function_imports_without_reason(path: Path) -> list[str]:
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             here = lines[node.lineno - 1]
-            above = lines[node.lineno - 2] if node.lineno >= 2 else ""
+            j = node.lineno - 2  # the comment may head a block of consecutive imports
+            while j >= 0 and lines[j].strip().startswith(("import ", "from ")):
+                j -= 1
+            above = lines[j] if j >= 0 else ""
             if not any(reason in here or (above.strip().startswith("#") and reason in above) for reason in REASONS):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {here.strip()}")
     return sorted(set(bad))

@@ -234,6 +234,7 @@ def validate_args(args: Args) -> None:
                                 "--loss-scale-window >= 1 and --hysteresis >= 1")
     if m.transformer_impl == "transformer_engine":
         try:
+            # optional dependency: Transformer Engine (the [gpu] extra)
             import transformer_engine  # noqa: F401
         except ImportError:
             raise ArgumentError("--transformer-impl transformer_engine needs Transformer Engine (CUDA): "

@@ -22,6 +22,10 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron.training.model import TrainState
 from megatron.training.optimizer_state import ensure_optimizer_state
+import random
+import numpy as np
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 
 log = logging.getLogger("megatron.training")
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -48,9 +52,6 @@ def read_latest_iteration(root: str) -> int | None:
 
 def rng_state() -> dict:
     """This rank's RNG streams: Python, NumPy, torch CPU (and CUDA) and Megatron's tracker."""
-    import random
-
-    import numpy as np
 
     state = {
         "random": random.getstate(),
@@ -64,10 +65,6 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    import random
-
-    import numpy as np
-
     random.setstate(state["random"])
     np.random.set_state(state["np"])
     torch.set_rng_state(state["torch"])
@@ -108,8 +105,6 @@ def _keep_absent_optional(sharded: dict, path: str) -> None:
     """Replace the optional sharded tensors (:data:`OPTIONAL`) that the checkpoint at ``path`` lacks, model
     and optimizer state alike, by their current values (loaded as they are); optional sharded objects (e.g.
     a module's ``_extra_state``) keep theirs always."""
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
-    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 
     present = None
 

@@ -17,6 +17,10 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.arguments import Args
+from megatron.core import parallel_state as ps
+import random
+import numpy as np
+from megatron.core import tensor_parallel
 
 log = logging.getLogger("megatron.training")
 
@@ -77,8 +81,6 @@ def initialize_distributed(args: Args, timeout_s: float = 300.0) -> None:
         raise RuntimeError(f"arguments were validated for world size {args.world_size} but the process group "
                            f"has {dist.get_world_size()} ranks")
 
-    from megatron.core import parallel_state as ps
-
     p = args.parallel
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -92,11 +94,6 @@ def initialize_distributed(args: Args, timeout_s: float = 300.0) -> None:
 def set_seeds(seed: int) -> None:
     """Megatron's seeding: every process seeds torch with ``seed + 100*pp_rank`` and the model-parallel RNG
     tracker (dropout, expert init) with its own offsets."""
-    import random
-
-    import numpy as np
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
 
     seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)
@@ -106,8 +103,6 @@ def set_seeds(seed: int) -> None:
 
 
 def shutdown() -> None:
-    from megatron.core import parallel_state as ps
-
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized():

@@ -71,6 +71,7 @@ def layer_spec(args: Args):
     """The layer spec: Megatron's local (non-TE) spec; moe-ft's router/MoE subclasses plug in here: every
     component config in ``args.extra`` with a ``customize_layer_spec(spec)`` method may adapt it."""
     if args.model.transformer_impl == "transformer_engine":  # GPU; validated to import
+        # optional dependency: this spec imports Transformer Engine (the [gpu] extra)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=args.model.num_experts,

@@ -6,12 +6,14 @@ import torch.distributed as dist
 
 from megatron.training.arguments import Args
 from megatron.training.initialize import initialize_distributed, set_seeds, shutdown
+from megatron.training.data import ReplayableData, TokenSamples
+from megatron.training.tokenizer import build_tokenizer
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.model import build_train_state
+from megatron.training.training import train
 
 
 def build_data(args: Args):
-    from megatron.training.data import ReplayableData, TokenSamples
-    from megatron.training.tokenizer import build_tokenizer
-
     tokenizer = build_tokenizer(args.data.tokenizer_type)
     samples = TokenSamples(args.data.data_path, args.model.seq_length, tokenizer.eod)
     t = args.training
@@ -21,9 +23,6 @@ def build_data(args: Args):
 
 def pretrain(args: Args, hooks=None):
     """Returns the training loop's report (rank-local)."""
-    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
-    from megatron.training.model import build_train_state
-    from megatron.training.training import train
 
     initialize_distributed(args)
     try:

@@ -1,7 +1,6 @@
 """Rebuilding a lost pipeline stage from its two neighbours (CheckFree §4.2, Algorithm 1).
 
 The formula (Alg. 1 line 3)::
-
     W_{s,i} <- (w_{i-1} W_{s,i-1} + w_{i+1} W_{s,i+1}) / (w_{i-1} + w_{i+1}),   w_j = ||grad W_{s,j}||^2
 
 Which tensors, precisely (the paper speaks of "the weights of a stage"; ``docs/checkfree.md``):

@@ -22,11 +22,13 @@ import torch.distributed as dist
 from moe_ft import comm
 from moe_ft.checkfree.copies import COPIED, CopyStore, copied_tensors, copy_holders
 from moe_ft.runtime.components import Component
+from megatron.core import parallel_state as ps
+from moe_ft.checkfree.swap_pp import PartnerSwap
+from moe_ft.checkfree.lr_boost import GROUP_LR, capture_group_lr
 
 
 def _pipeline() -> tuple[int, list[int]]:
     """(this rank's pipeline stage, the global ranks of its pipeline group in stage order)."""
-    from megatron.core import parallel_state as ps
 
     ranks = list(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()))
     return ranks.index(dist.get_rank()), ranks
@@ -36,8 +38,6 @@ class PartnerSwapComponent(Component):
     """The swap partners trade layer weights for the odd micro-batches (``swap_pp.py``)."""
 
     def __init__(self, state) -> None:
-        from moe_ft.checkfree.swap_pp import PartnerSwap
-
         self.stage, pp_ranks = _pipeline()
         self.swap = PartnerSwap(state.model, pp_rank=self.stage, pp_ranks=pp_ranks).attach(state.config)
         self.iterations_swapped = 0
@@ -106,6 +106,4 @@ class GroupLrRecord(Component):
         self.optimizer = optimizer
 
     def snapshot_tensors(self) -> dict:
-        from moe_ft.checkfree.lr_boost import GROUP_LR, capture_group_lr
-
         return {GROUP_LR: capture_group_lr(self.optimizer)}

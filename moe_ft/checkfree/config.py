@@ -22,10 +22,7 @@ from dataclasses import dataclass, field
 
 from megatron.training.argument_utils import field_help
 from moe_ft.checkfree.swap import check_num_stages
-from moe_ft.checkfree.swap_pp import install_swap_layers
 from moe_ft.checkfree.copies import CopyStore
-from megatron.core import parallel_state as ps
-from moe_ft.checkfree.component import CopiesComponent, GroupLrRecord, PartnerSwapComponent
 
 COPIES_DIRNAME = "checkfree_copies"
 
@@ -53,7 +50,6 @@ class CheckFreeConfig:
         """Checks against the model's flags (``FTConfig.check_args``)."""
         if not self.plus:
             return
-
         pp = args.parallel.pipeline_model_parallel_size
         try:
             check_num_stages(pp)
@@ -68,6 +64,8 @@ class CheckFreeConfig:
         """The swap-capable layer class (same module paths and parameters)."""
         if not self.plus:
             return spec
+        # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
+        from moe_ft.checkfree.swap_pp import install_swap_layers
 
         return install_swap_layers(spec)
 
@@ -80,14 +78,15 @@ class CheckFreeConfig:
         ``None`` without CheckFree+."""
         if not self.plus:
             return None
-
         return CopyStore(self.copies_dir(job_dir, rank))
 
     def build_components(self, state, *, rank: int, job_dir: str) -> list:
         """The runtime components (``moe_ft/runtime/hooks.py``): with >= 3 pipeline stages (a stage can be
         rebuilt) the record of each parameter group's learning rates (a boost survives later restarts);
         with ``--ft-checkfree-plus`` also the partner swap and the copies."""
-
+        # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
+        from megatron.core import parallel_state as ps
+        from moe_ft.checkfree.component import CopiesComponent, GroupLrRecord, PartnerSwapComponent
 
         out: list = [GroupLrRecord(state.optimizer)] if ps.get_pipeline_model_parallel_world_size() >= 3 else []
         if self.plus:

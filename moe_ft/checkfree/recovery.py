@@ -262,7 +262,6 @@ class RebuiltStageStore:
         self.registry, self.rebuilt = registry, rebuilt
 
     def newest_recoverable(self, rule, *, at_or_before=None, verify=False):
-
         r = self.rebuilt
         if at_or_before is not None and at_or_before < r.end:
             return None

@@ -4,7 +4,6 @@ L-1 (and then a lost first/last stage is rebuilt by copying its swap partner).
 
 Stage order of one micro-batch over the *transformer* stages ``0 … L-1`` (the embedding always runs first
 and the output layer last: the paper swaps "excluding the (de)embedding layers")::
-
     normal:   0, 1, 2, …, L-3, L-2, L-1
     swapped:  1, 0, 2, …, L-3, L-1, L-2
 

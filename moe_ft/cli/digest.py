@@ -15,18 +15,21 @@ import os
 from pathlib import Path
 
 from moe_ft.cli.errors import reporting, user_input
+import hashlib
 
 
 def write_digest(path: str, state, iteration: int) -> dict:
     """Collective: every rank's state digest; rank 0 writes the JSON file."""
+    # start-up time: `moe-ft` imports every subcommand module for --help; torch only when this command runs
     import torch.distributed as dist
 
+    # start-up time: `moe-ft` imports every subcommand module for --help; torch only when this command runs
     from moe_ft.digest import local_state_tensors, tensor_digest
-    import hashlib
 
     local = tensor_digest(local_state_tensors(state.model, state.optimizer, state.scheduler))
     per_rank = [local]
     if dist.is_initialized():
+        # start-up time: `moe-ft` imports every subcommand module for --help; torch only when this command runs
         from moe_ft import comm
 
         per_rank = comm.all_gather_object(local)

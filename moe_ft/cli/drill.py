@@ -7,7 +7,6 @@ Node-loss drill: the faulty run on ``--nodes N`` simulated nodes (N torchrun age
 each with its own node-local store, replicas on the other nodes (``--ft-replicas``, ``--ft-ranks-per-node``);
 ``--fail-node NODE:ITER[:PHASE]`` loses a whole node there (agent + workers SIGKILLed, its store deleted,
 a replacement agent started); the same ``ITER:PHASE`` on several nodes loses them together::
-
     moe-ft drill --nodes 2 --layout dp2ep2 --iters 12 --window 4 --fail-node 1:6 --json
     moe-ft drill --nodes 2 --iters 12 --window 4 --fail-node 0:9 --fail-node 1:9 --json   # durable tier
 
@@ -15,7 +14,6 @@ The fault-free reference stays one ``torchrun --standalone`` of the same 4-rank 
 layout, same flags: the digest does not depend on the launcher). A ``persist`` fault (during the ``--save``
 write of the durable tier, every ``--persist-interval`` iterations, default the window) works with or
 without ``--nodes``::
-
     moe-ft drill --iters 12 --window 4 --fail 1:7:persist --json
 
 Every input is checked before anything is launched (``moe_ft/drills/checks.py``): a fault that could
@@ -40,6 +38,12 @@ from pathlib import Path
 
 from moe_ft.cli.errors import UsageError, reporting, user_input
 from moe_ft.drills.cluster import kill_tree  # noqa: F401  (also used by tests)
+from tools.make_corpus import write_corpus
+from moe_ft.drills.cluster import ClusterConfig, SimulatedCluster, read_reports, redone_iterations
+from moe_ft.drills.faults import Fault
+from moe_ft.drills.cluster import NodeJoin
+from moe_ft.drills.checks import check_counts, check_faults, check_job_flags
+import argparse
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 4  # ranks of the drill's job (torchrun --nproc-per-node, or split over --nodes)
@@ -93,7 +97,8 @@ def torchrun(argv: list[str], *, max_restarts: int, timeout: float, log_path: st
 
 def ensure_corpus(workdir: str) -> str:
     sys.path.insert(0, str(ROOT))
-    from tools.make_corpus import write_corpus
+
+    # start-up time: the indexed-dataset writer imports torch; `moe-ft drill --help` stays free of it
     from tools.preprocess_data import preprocess
 
     write_corpus(os.path.join(workdir, "c.jsonl"), num_docs=300, seed=0)
@@ -125,8 +130,6 @@ def run_node_job(*, job: str, workdir: str, faults: list[str], losses: list, num
     """The job on ``num_nodes`` simulated nodes (``common``: as :func:`run_job`; ``common['store']`` is the
     root of the node stores ``<store>/node<k>``); returns what :func:`run_job` does plus ``node_losses``,
     ``launches`` (agents started per node) and ``logs`` (one per agent launch)."""
-    from moe_ft.drills.cluster import ClusterConfig, SimulatedCluster, read_reports, redone_iterations
-    from moe_ft.drills.faults import Fault
 
     world = WORLD_SIZE
     if world % num_nodes:
@@ -203,7 +206,6 @@ def drill_flags(args, faults: list[str], losses: list, work: str) -> list[str]:
                               work=work, window=args.window, persist_interval=args.persist_interval,
                               persist_dir=args.persist_dir)
     if getattr(args, "elastic", False):  # lost nodes are not replaced: the job re-plans (issue 15)
-        from moe_ft.drills.cluster import NodeJoin
 
         if args.nodes < 2:
             raise ValueError("--elastic loses nodes without replacing them: add --nodes N (N >= 2)")
@@ -222,7 +224,6 @@ def prepare(args) -> tuple[str, dict, list[str], list]:
     """Check every input before anything runs (a ``UsageError`` on the first problem; a temporary
     workdir made for the drill is removed again). Returns ``(workdir, common job keywords, faults,
     node losses)``."""
-    from moe_ft.drills.checks import check_counts, check_faults, check_job_flags
 
     with user_input():
         check_counts(args, world_size=WORLD_SIZE)
@@ -256,8 +257,6 @@ def drill(args) -> dict:
     try:
         ref = run_job(job="faultfree", workdir=work, timeout=args.timeout, **common)
         if args.nodes > 1:
-            from moe_ft.drills.cluster import NodeJoin
-
             joins = [NodeJoin.parse(j) for j in getattr(args, "join_node", [])]
             bad = run_node_job(job="faulty", workdir=work, faults=faults, losses=losses, num_nodes=args.nodes,
                                max_restarts=args.max_restarts, timeout=args.timeout,
@@ -278,9 +277,11 @@ def drill(args) -> dict:
         out["reports"] = bad["reports"]
         out["token_loss"] = sum(r["token_loss"].get("tokens", 0.0) for r in out["reports"])
         if getattr(args, "elastic", False):  # not bitwise after a world change: loss curves and parameter deviation instead
-            from moe_ft.drills.report import summary
 
             out["node_joins"] = bad.get("node_joins", [])
+            # start-up time: the report reads tensors (torch); `moe-ft drill --help` stays free of it
+            from moe_ft.drills.report import summary
+
             out["elastic"] = summary(reference_log=ref["log"], faulty_logs=bad["logs"],
                                      reference_dump=os.path.join(work, "faultfree.json"),
                                      faulty_dump=os.path.join(work, "faulty.json"),
@@ -311,6 +312,8 @@ def run(args) -> int:
                     f"{sc.get('log_bytes_read')}" if sc.get("mode") == "localized" else ""))
         print(f"fault-free {result['faultfree_digest']}\nrecovered  {result['recovered_digest']}\n"
               f"{'EQUAL' if result['equal'] else 'NOT EQUAL'}")
+
+    # start-up time: the policies import torch; `moe-ft drill --help` stays free of it
     from moe_ft.policy.factory import policy_class
 
     exact = not policy_class(args.policy).lossy
@@ -356,6 +359,4 @@ def register(subparsers) -> None:
 
 
 def argparse_remainder():
-    import argparse
-
     return argparse.REMAINDER

@@ -9,6 +9,7 @@ from moe_ft.cli.errors import reporting, user_input
 
 
 def collect() -> dict:
+    # start-up time: `moe-ft` imports every subcommand module for --help; torch only when this command runs
     import torch
 
     info: dict = {
@@ -20,11 +21,13 @@ def collect() -> dict:
         "backend": "nccl" if torch.cuda.is_available() else "gloo",
     }
     try:
+        # start-up time: `moe-ft` imports every subcommand module for --help; torch only when this command runs
         from megatron.core import package_info
 
         info["megatron_core"] = package_info.__version__
     except ImportError:
         info["megatron_core"] = None
+    # start-up time: the CPU layer imports Megatron-Core (seconds); only when this command runs
     from moe_ft.compat import cpu
 
     info["cpu_layer_supported_versions"] = list(cpu.SUPPORTED_MCORE_VERSIONS)
@@ -45,6 +48,7 @@ def collect() -> dict:
 def run(args) -> int:
     info = collect()
     if args.activate:
+        # start-up time: the CPU layer imports Megatron-Core (seconds); only when this command runs
         from moe_ft.compat import cpu
 
         with user_input(RuntimeError):  # a megatron-core version the layer was not written for

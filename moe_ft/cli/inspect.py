@@ -88,6 +88,7 @@ def _print_text(report: dict, entries: bool) -> None:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    # start-up time: `moe-ft` imports every subcommand module for --help; torch only when this command runs
     from moe_ft.persist.validate import validate_durable
 
     if args.num_layers < 1 or args.num_experts < 1:
@@ -105,6 +106,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    # start-up time: `moe-ft` imports every subcommand module for --help; torch only when this command runs
     from moe_ft.store import LocalFSBackend, SnapshotStore, StoreError
 
     logging.getLogger("moe_ft.store").setLevel(logging.ERROR)  # problems are reported below, once

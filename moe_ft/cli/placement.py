@@ -10,6 +10,9 @@ import json
 import math
 
 from moe_ft.cli.errors import reporting, user_input
+from moe_ft.placement.layers import ExpertPlacementConfig, plan_layer
+from moe_ft.placement.reliability import ReliabilityConfig, recovery_probabilities
+from moe_ft.placement.search import SearchConfig
 
 
 def _loads(text: str) -> list[float]:
@@ -41,10 +44,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_ft.placement.layers import ExpertPlacementConfig, plan_layer
-    from moe_ft.placement.reliability import ReliabilityConfig, recovery_probabilities
-    from moe_ft.placement.search import SearchConfig
-
     with user_input(ValueError):
         if args.failed is not None and not 0 <= args.failed <= args.nodes:
             raise ValueError(f"--failed must be in [0, {args.nodes}] (the number of nodes), got {args.failed}")

@@ -52,6 +52,7 @@ def register(subparsers) -> None:
 
 
 def _load(args):
+    # start-up time: the simulator imports the policies package (torch); `moe-ft --help` stays free of it
     from moe_ft.sim.config import load_config
     from moe_ft.sim.costmodel import CostModel
     from moe_ft.sim.presets import build_presets, get_preset
@@ -71,6 +72,7 @@ def _load(args):
 
 
 def run_simulate(args) -> int:
+    # start-up time: the simulator imports the policies package (torch); `moe-ft --help` stays free of it
     from moe_ft.sim.analytic import evaluate
     from moe_ft.sim.failures import load_trace, poisson_failures, spot_failures
     from moe_ft.sim.policies import parse_policy
@@ -123,6 +125,7 @@ def run_simulate(args) -> int:
 
 
 def run_plan(args) -> int:
+    # start-up time: the simulator imports the policies package (torch); `moe-ft --help` stays free of it
     from moe_ft.sim.advisor import plan
 
     with user_input(ValueError, RuntimeError, OSError):
@@ -133,7 +136,7 @@ def run_plan(args) -> int:
         out = {}
         for mtbf in mtbfs:
             out[mtbf] = plan(cost, mtbf, exact_only=args.exact_only)
-    from moe_ft.sim.report import format_duration, row_dict
+    from moe_ft.sim.report import format_duration, row_dict  # start-up time: see above
 
     if args.json:
         print(json.dumps({format_duration(m): [{"rank": r.rank, "policy": r.result.policy, "reason": r.reason,

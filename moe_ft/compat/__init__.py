@@ -9,6 +9,7 @@ does the same. Nothing happens at import time.
 """
 
 from __future__ import annotations
+from moe_ft.compat import cpu, writer_queue
 
 
 def activate_all():
@@ -25,7 +26,6 @@ def activate_all():
 
     Returns the CPU layer's state (:class:`moe_ft.compat.cpu.CpuLayerState`). Raises ``RuntimeError``
     on a Megatron-Core version the shims were not written for."""
-    from moe_ft.compat import cpu, writer_queue
 
     state = cpu.activate()
     cpu.define_te_general_gemm()

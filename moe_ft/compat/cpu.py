@@ -38,6 +38,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
+from megatron.core.tensor_parallel import random as mp_random
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
+from megatron.core import package_info
+import time
 
 SUPPORTED_MCORE_VERSIONS = ("0.16.1",)
 
@@ -103,8 +108,6 @@ class CpuEvent:
         self._time: float | None = None
 
     def record(self, stream=None) -> None:
-        import time
-
         self._time = time.perf_counter()
 
     def wait(self, stream=None) -> None:
@@ -189,8 +192,6 @@ class CudaToCpuMode(TorchFunctionMode):
 # ----------------------------------------------------------------------------------------------
 # Shim 3: RNG tracker on CPU generator states.
 def _make_tracker_class():
-    from megatron.core.tensor_parallel import random as mp_random
-
     class CpuRNGStatesTracker(mp_random.CudaRNGStatesTracker):
         """Megatron's RNG tracker with the CPU default generator standing in for the CUDA generator.
 
@@ -232,8 +233,6 @@ def _make_tracker_class():
 
 
 def _install_rng_tracker() -> str:
-    from megatron.core.tensor_parallel import random as mp_random
-
     tracker_cls = _make_tracker_class()
     original = mp_random.initialize_rng_tracker
 
@@ -253,7 +252,6 @@ def _install_rng_tracker() -> str:
 def define_te_general_gemm() -> bool:
     """Define ``moe_utils.te_general_gemm = None`` when Transformer Engine did not (any device: the router's
     gating reads the name even when it does not use TE). Returns whether it was missing."""
-    from megatron.core.transformer.moe import moe_utils
 
     if hasattr(moe_utils, "te_general_gemm"):
         return False
@@ -262,8 +260,6 @@ def define_te_general_gemm() -> bool:
 
 
 def _patch_moe_utils() -> list[str]:
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
     done = ["moe_utils.te_general_gemm=None"] if define_te_general_gemm() else []
 
     original = moe_utils.maybe_move_tensor_to_cpu
@@ -282,8 +278,6 @@ def _patch_moe_utils() -> list[str]:
 
 
 def _check_version() -> str:
-    from megatron.core import package_info
-
     version = package_info.__version__
     if version not in SUPPORTED_MCORE_VERSIONS:
         raise RuntimeError(

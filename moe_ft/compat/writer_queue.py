@@ -21,6 +21,8 @@ import multiprocessing as mp
 import multiprocessing.queues
 
 from moe_ft.compat.cpu import SUPPORTED_MCORE_VERSIONS
+from megatron.core import package_info
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 
 class ResultsQueue(multiprocessing.queues.Queue):
@@ -45,8 +47,6 @@ class ResultsQueue(multiprocessing.queues.Queue):
 
 def install() -> None:
     """Idempotent; call before the first ``dist_checkpointing.save`` of the process."""
-    from megatron.core import package_info
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if package_info.__version__ not in SUPPORTED_MCORE_VERSIONS:
         raise RuntimeError(f"moe_ft.compat.writer_queue was written for megatron-core "

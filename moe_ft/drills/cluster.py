@@ -2,7 +2,6 @@
 
 The driver (this process) hosts the c10d rendezvous store itself, so that any node can die without taking
 the rendezvous with it; every agent joins it as a client::
-
     torchrun --nnodes 2 --node-rank K --nproc-per-node 2 --max-restarts M --monitor-interval 1 \\
       --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-id JOB \\
       --rdzv-conf is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3 \\
@@ -53,6 +52,8 @@ from pathlib import Path
 from typing import Callable
 
 from moe_ft.drills.faults import PHASES, Fault
+import psutil
+import signal
 
 
 @dataclass(frozen=True, order=True)
@@ -163,7 +164,6 @@ def check_losses(losses: list[NodeLoss], num_nodes: int) -> None:
 
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and everything below it (torchrun's workers run in sessions of their own)."""
-    import psutil
 
     try:
         root = psutil.Process(pid)
@@ -176,8 +176,6 @@ def kill_tree(pid: int) -> None:
 
 
 def children(pid: int) -> list[int]:
-    import psutil
-
     try:
         return [p.pid for p in psutil.Process(pid).children(recursive=True)]
     except psutil.NoSuchProcess:
@@ -185,8 +183,6 @@ def children(pid: int) -> list[int]:
 
 
 def alive(pid: int) -> bool:
-    import psutil
-
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -196,7 +192,6 @@ def alive(pid: int) -> bool:
 def sigterm_pending(pid: int) -> bool:
     """Whether SIGTERM waits for delivery to ``pid`` (a stopped process keeps it pending; Linux
     ``/proc/<pid>/status`` ``SigPnd``/``ShdPnd`` masks, signal n is bit n-1)."""
-    import signal
 
     try:
         lines = Path(f"/proc/{pid}/status").read_text().splitlines()
@@ -282,13 +277,15 @@ class SimulatedCluster:
         """Start every node, replace lost ones until every agent exits 0 (or one fails, or time is up).
         Returns ``rc`` (0, the failing agent's code, or 124), ``node_losses`` (one event per loss) and the
         agents' ``logs``."""
-        import torch.distributed as dist
 
         c = self.config
         faults = list(faults) + node_faults(losses, c.ranks_per_node)
         events = {(l.iteration, l.phase): sorted({m.node for m in losses if (m.iteration, m.phase) ==
                                                    (l.iteration, l.phase)}) for l in losses}
         # the rendezvous lives here, not on a node: every node can be lost
+        # start-up time: `moe-ft drill --help` (and every moe-ft command) stays free of torch
+        import torch.distributed as dist
+
         rdzv = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
         deadline = time.monotonic() + c.timeout
         done: set[int] = set()
@@ -351,7 +348,6 @@ class SimulatedCluster:
         time; paused, the world changes right after the iteration the drill names, on any machine. Capped
         at ``join_pause_timeout`` seconds (the agent SIGKILLs 30 s after its SIGTERM: they resume long
         before)."""
-        import signal
 
         running = [pid for n, a in self.agents.items() if n != join.node and a.poll() is None
                    for pid in children(a.pid)]

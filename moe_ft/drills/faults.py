@@ -180,7 +180,6 @@ def kill_node() -> None:
 
     Outside torchrun (no ``TORCHELASTIC_RUN_ID``) the parent is not an agent: only this process is killed."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
-
         me = os.getpid()
         try:
             agent = psutil.Process(os.getppid())

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from torch.distributed import run
 
 
 def main(argv: list[str]) -> int:
@@ -21,7 +22,6 @@ def main(argv: list[str]) -> int:
         print("usage: python -m moe_ft.drills.join TRIGGER <torchrun arguments>", file=sys.stderr)
         return 2
     trigger, torchrun_args = argv[0], argv[1:]
-    from torch.distributed import run  # the expensive part, before the trigger
 
     while not os.path.exists(trigger):
         time.sleep(0.05)

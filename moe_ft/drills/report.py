@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 import torch
+from moe_ft.state.naming import global_expert_indices
 
 _LOSS = re.compile(r"^iteration\s+(\d+)/\s*\d+ \| loss ([0-9.eE+-]+)")
 _EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(.*)$")
@@ -26,7 +27,6 @@ _EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d
 
 def dump_parameters(path: str, model_chunks) -> None:
     """Every parameter of this rank, experts renamed ``...mlp.experts.E<global id>.<param>``."""
-    from moe_ft.state.naming import global_expert_indices
 
     out = {}
     for chunk in model_chunks:

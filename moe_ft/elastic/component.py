@@ -11,6 +11,10 @@ from __future__ import annotations
 from moe_ft.elastic.holders import layer_replica_maps
 from moe_ft.elastic.inventory import LayoutRecord, write_record
 from moe_ft.runtime.components import Component
+from moe_ft.elastic.restore import restore_reshaped, write_report
+from moe_ft.recovery.progress import last_completed
+from moe_ft.elastic.restore import discard_node_points, write_report
+from moe_ft.drills.report import dump_parameters
 
 
 def elastic_component(args, runtime) -> "ElasticRecorder | None":
@@ -39,8 +43,6 @@ class ElasticRecorder(Component):
 
     def restore(self) -> int:
         """Collective: restore the reshaped start; returns the iteration training resumes at."""
-        from moe_ft.elastic.restore import restore_reshaped, write_report
-        from moe_ft.recovery.progress import last_completed
 
         rt = self.runtime
         done = last_completed(self.store_dir, self.job_id, rt.rank)
@@ -58,7 +60,6 @@ class ElasticRecorder(Component):
         node's points of the old generation are dropped -- their operators belong to the old plan and the
         old world, so only a point every rank can load remains: the durable tier or ``--load`` (the usual
         recovery path then takes the newest complete one and says so)."""
-        from moe_ft.elastic.restore import discard_node_points, write_report
 
         if self.decision.kind != "fallback":
             return
@@ -87,6 +88,4 @@ class ElasticRecorder(Component):
         an elastic run's deviation from the fault-free run can be measured (``moe_ft/drills/report.py``)."""
         digest_out = self.runtime.config.drill.digest_out
         if digest_out:
-            from moe_ft.drills.report import dump_parameters
-
             dump_parameters(f"{digest_out}.params_rank{self.runtime.rank}.pt", self.runtime.state.model)

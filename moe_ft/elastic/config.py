@@ -19,10 +19,6 @@ from moe_ft.megatron_ext.dispatch.arithmetic import BACKENDS, FLEXIBLE
 from moe_ft.placement.loads import MeasuredLoads, read_trace_loads
 from moe_ft.placement.plans import plan_counts, validate_plan
 from moe_ft.placement.layers import STRATEGIES, ExpertPlacementConfig, place, plan_layer
-from moe_ft.elastic.reshape import rederive_expert_parallel
-from megatron.core.transformer.moe.moe_layer import MoELayer
-from moe_ft.megatron_ext.elastic_moe_layer import elastic_mlp_spec
-from moe_ft.elastic.restart import decide
 import torch.distributed as dist
 
 
@@ -118,6 +114,9 @@ class ElasticConfig:
         """``--ft-elastic``: the EP size for the world torchrun gave this start (``reshape.rederive_expert_parallel``;
         a shrunken world may no longer be divisible by the flag's EP size). Meant to run before Megatron's
         argument validation; returns the log lines of what changed (none when nothing did)."""
+        # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
+        from moe_ft.elastic.reshape import rederive_expert_parallel
+
         if not self.ft_elastic:
             return []
 
@@ -170,7 +169,9 @@ class ElasticConfig:
     def customize_layer_spec(self, spec):
         """Layer-spec seam of ``megatron/training/model.py``: the MoE MLP becomes ``ElasticMoELayer``, which
         takes over Megatron's dispatcher switch only for ``--moe-token-dispatcher-type flexible``."""
-
+        # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+        from moe_ft.megatron_ext.elastic_moe_layer import elastic_mlp_spec
 
         mlp = getattr(spec.submodules, "mlp", None)
         if mlp is None or not issubclass(getattr(mlp, "module", object), MoELayer):
@@ -222,8 +223,9 @@ class ElasticConfig:
             plan = place(counts, ep_size, ExpertPlacementConfig(slots_per_node=slots, strategy=self.ft_placement))
         return replica_map_from_plan(plan, num_experts)
 
-
     def _decide(self, num_experts: int, ep_size: int, slots: int):
+        # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
+        from moe_ft.elastic.restart import decide
 
         ft = self._ft
         if ft is None:

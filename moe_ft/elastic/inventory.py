@@ -91,7 +91,6 @@ class StoreDir:
     job_id: str
 
     def open(self):
-
         return StoreConfig(root=self.root, job_id=self.job_id, rank=self.rank).build()
 
 

@@ -80,7 +80,6 @@ class LiveRebalance(Component):
             model, optimizer = rt.state.model, rt.state.optimizer
 
             def change(registry):
-
                 return apply_rebalance(plan, layers=self.layers, optimizer=optimizer, registry=registry,
                                        rebuild_registry=lambda: OperatorRegistry.from_megatron(model, optimizer))
 

@@ -90,7 +90,6 @@ def decide(*, store_dir: str, job_id: str, num_layers: int, num_experts: int, ep
            min_replicas: int, strategy: str, pipeline_size: int = 1) -> RestartDecision:
     """Collective: the plan of this start (see the module docstring)."""
 
-
     comm.init_coordination()
     rank, world = dist.get_rank(), dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))

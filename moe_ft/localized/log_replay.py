@@ -15,7 +15,6 @@ groups) runs ``train_step`` for the iterations it lost while every other rank st
   the boundary between two adjacent replaying stages) runs for real.
 
 Usage on a replaying rank (``seams``: the component's :class:`LogSeams`)::
-
     feed = exchange_logs(log_dir, replaying=ranks, iterations=range(k, n))     # every rank
     with LogReplay(seams, feed, replaying=ranks, rank=rank) as replay:        # replaying ranks only
         for t in range(k, n):
@@ -308,7 +307,6 @@ def exchange_logs(log_dir: LogDir, *, replaying: Iterable[int], iterations: Iter
     if not its or not replaying:  # the same arguments on every rank: every rank returns here alike
         return LogFeed()
     if pipeline_ranks is None:
-
         pipeline_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
     offers, blobs, problems = ({}, {}, []) if rank in replaying else _inventory(log_dir, replaying, its, rank)
     inventories = comm.all_gather_object({"offers": offers, "problems": problems,

@@ -288,7 +288,6 @@ def run_guarded(train: Callable[[], object], guard_of: Callable[[], SurvivorGuar
             msg = f"moe-ft survivor: rank {rank} published nothing: {result.reason}"
         print(msg, file=sys.stderr, flush=True)
         if not isinstance(exc, SurvivorStop):
-
             traceback.print_exception(exc, file=sys.stderr)
         return 1
     finally:

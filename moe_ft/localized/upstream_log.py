@@ -133,7 +133,6 @@ class P2PSeam:
         return None
 
     def install(self) -> "P2PSeam":
-
         if self.current() is not None:
             raise RuntimeError("a P2PSeam is already installed in megatron.core.pipeline_parallel.schedules; "
                                "share it (P2PSeam.current()) instead of installing a second one")

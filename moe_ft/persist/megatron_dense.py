@@ -25,7 +25,6 @@ from megatron.training.checkpointing import (TRACKER_FILE, _sharded_state_dict, 
 
 class MegatronDenseWriter:
     def __init__(self, root: str, state) -> None:
-
         writer_queue.install()  # no Manager server process that would outlive a killed rank
         self.root, self.state = root, state
         self.queue = AsyncCallsQueue(persistent=False)

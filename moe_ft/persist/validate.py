@@ -55,7 +55,6 @@ def validate_durable(job_dir, *, num_layers: int, num_experts: int) -> tuple[int
     every expert of every layer is FULL in it. Returns ``(end, problems)``; ``end`` is ``None`` if there is
     no complete point."""
 
-
     job_dir = Path(job_dir)
     if not (job_dir / "complete").is_dir():
         return None, [f"{job_dir}: no complete/ directory; not a durable tier (<persist_dir>/moe_ft/<job>)"]

@@ -3,7 +3,6 @@
 Lazarus §4.1 allocates replicas from the expert load distribution the agent collects from the routers'
 history ("routing history of gate networks", §3). Our routers count tokens per (MoE layer, expert) in
 ``moe_ft/popularity.py``; with ``--ft-trace-out`` rank 0 appends one JSON line per iteration::
-
     {"iteration": 12, "replay": false, "counts": [[t_00, t_01, ...], ...], "full_experts": [...]}
 
 ``counts[l][e]``: tokens routed to expert ``e`` of MoE layer ``l`` in that iteration (hard counts, summed over

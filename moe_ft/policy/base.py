@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Optional, Se
 
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo, SnapshotPlan
 from moe_ft.store.rules import DenseRule, RecoveryRule
+from moe_ft.state.catalogue import copied_bytes
 
 if TYPE_CHECKING:  # only for annotations: policies read counters, they never build them
     from moe_ft.config import FTConfig
     from moe_ft.popularity import ExpertPopularity
-    from moe_ft.snapshot.config import SnapshotConfig
+    from moe_ft.config import SnapshotConfig
 
 RankKey = tuple[int, int]
 """``(pp_rank, ep_rank)``: the device whose link an operator's snapshot bytes cross."""
@@ -164,7 +165,6 @@ def bytes_per_rank(plan: SnapshotPlan, info: Mapping[OperatorId, OperatorInfo]) 
     """Bytes each rank key copies for ``plan``, charged where they are copied: an operator every rank of a
     stage holds (non-experts, or their shards with the distributed optimizer) is charged on each holder
     (``moe_ft.state.catalogue.copied_bytes``); a hand-built catalogue charges its one rank key."""
-    from moe_ft.state.catalogue import copied_bytes
 
     return copied_bytes(plan, info)
 
@@ -191,4 +191,3 @@ def expert_scores(
 def top_by_score(candidates: Sequence[OperatorInfo], scores: Mapping[OperatorId, float], k: int) -> list[OperatorInfo]:
     """The ``k`` candidates with the highest score, ties broken by OperatorId order."""
     return sorted(candidates, key=lambda i: (-scores[i.op], i.op))[: max(k, 0)]
-

@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 
 from megatron.training.argument_utils import field_help
 from moe_ft.precision.fp8 import DelayedScalingConfig, weight_format
-from moe_ft.megatron_ext.fp8_linear import install_fp8_linears
-from moe_ft.megatron_ext.fp8_linear import attach_fp8_emulation
 
 
 @dataclass(kw_only=True)
@@ -55,6 +53,9 @@ class FP8EmulationConfig:
                                     amax_history_len=m.fp8_amax_history_len, amax_compute_algo=m.fp8_amax_compute_algo)
 
     def customize_layer_spec(self, spec):
+        # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
+        from moe_ft.megatron_ext.fp8_linear import install_fp8_linears
+
         if not self.fp8_emulation:
             return spec
 
@@ -62,6 +63,9 @@ class FP8EmulationConfig:
 
     def after_optimizer_built(self, model_chunks, optimizer, args) -> None:
         """FP8 state quantized from the masters; re-quantized after every optimizer step."""
+        # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
+        from moe_ft.megatron_ext.fp8_linear import attach_fp8_emulation
+
         if not self.fp8_emulation:
             return
 

@@ -19,7 +19,6 @@ from moe_ft.state.optimizer_views import leaf_optimizers
 
 
 def _leaves(optimizer) -> list:
-
     return list(leaf_optimizers(optimizer))
 
 

@@ -40,6 +40,12 @@ from moe_ft.recovery.machine import Phase, Recovery, MachineConfig, RecoveryCont
 from moe_ft.recovery.progress import last_completed
 from moe_ft.recovery.report import RecoveryReport
 from moe_ft.state.operators import Level
+from moe_ft.persist import DurableTier
+from moe_ft.recovery import localized
+from moe_ft.digest import global_digest
+from moe_ft.recovery import planner
+from moe_ft.localized.survivor import discard_survivor_points as discard
+from moe_ft.checkfree.recovery import boost_rebuilt_stage
 
 if TYPE_CHECKING:
     from moe_ft.config import FTConfig
@@ -94,7 +100,6 @@ def should_recover(cfg: "FTConfig", args) -> tuple[bool, int]:
     must take the same path. It also recovers when the durable tier already holds a complete point of this
     job (the whole job was relaunched after losing every node: the in-memory tier is gone, the durable one
     is not)."""
-    from moe_ft.persist import DurableTier
 
     restart_count = comm.max_over_ranks(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     mode = cfg.recovery.recover
@@ -145,7 +150,6 @@ def recover(inputs: RecoveryInputs) -> RecoveryReport:
 def try_localized(inputs: RecoveryInputs, *, lost_through: int, since_fault: float | None, t0: float):
     """Localized recovery (``localized.py``, collective): ``(scope, report)`` when it recovered the job,
     ``(scope, None)`` when the global path must run (``scope.reason`` says why)."""
-    from moe_ft.recovery import localized
 
     if inputs.survivor is not None:
         inputs.survivor.forget()  # the live state is about to be rewritten
@@ -164,8 +168,6 @@ def try_localized(inputs: RecoveryInputs, *, lost_through: int, since_fault: flo
 
 def build_localized_report(inputs: RecoveryInputs, scope, mine: dict, outcomes: list[dict], *, lost_through: int,
                            since_fault: float | None, t0: float) -> RecoveryReport:
-    from moe_ft.digest import global_digest
-    from moe_ft.recovery import planner
 
     state = inputs.state
     source = "survivor_point" if mine["role"] == "load" else "window_replay"
@@ -204,8 +206,6 @@ def build_localized_report(inputs: RecoveryInputs, scope, mine: dict, outcomes: 
 def discard_survivor_points(inputs: RecoveryInputs) -> None:
     """The survivor points describe a state the job has left once it recovered (every path)."""
     if inputs.survivor_store is not None:
-        from moe_ft.localized.survivor import discard_survivor_points as discard
-
         discard(inputs.survivor_store)
 
 
@@ -232,7 +232,6 @@ def plan_recovery(inputs: RecoveryInputs, fetched: dict):
     """Where the state comes from (``planner.py``, collective): every rank's memory-tier point, the durable
     tier, ``--load``; refuses below ``--ft-min-recovery-level``; on the CheckFree path the lost stages'
     ranks are rebuilt from their neighbours here (``moe_ft/checkfree/recovery.py``)."""
-    from moe_ft.recovery import planner
 
     lo = inputs.start_iteration - 1
     store, policy = BoundedStore(inputs.session.store, lo=lo), inputs.session.policy
@@ -334,7 +333,6 @@ def drop_abandoned_timeline(inputs: RecoveryInputs, rs: RecoveryState) -> None:
 
 def build_report(inputs: RecoveryInputs, rs: RecoveryState, *, source: str, lost_through: int, fetched: dict,
                  loss: dict, seconds: dict) -> RecoveryReport:
-    from moe_ft.digest import global_digest
 
     point, state = rs.point, inputs.state
     assert rs.phase is Phase.DONE
@@ -354,8 +352,6 @@ def build_report(inputs: RecoveryInputs, rs: RecoveryState, *, source: str, lost
 def record_recovery_levels(inputs: RecoveryInputs, plan, rs: RecoveryState, source: str, report: RecoveryReport) -> None:
     """The level each operator reached (report ``recovery_levels``, the job's audit log) and, on a rebuilt
     stage's rank, CheckFree's learning-rate boost (collective; refuses below ``--ft-min-recovery-level``)."""
-    from moe_ft.checkfree.recovery import boost_rebuilt_stage
-    from moe_ft.recovery import planner
 
     if plan.rebuilt is not None and rs.point is not None:
         boost_rebuilt_stage(inputs.state, rs.resume_iteration)
@@ -388,7 +384,6 @@ def durable_store(inputs: RecoveryInputs, newer_than: int):
     """``(this rank's durable store, end of the newest complete durable point)`` if that point is newer than
     ``newer_than`` (the ``--load`` checkpoint's last iteration), else ``None``. Same answer on every rank
     (the completion markers are shared)."""
-    from moe_ft.persist import DurableTier
 
     cfg = inputs.config
     root = cfg.persist.root(inputs.args.training.save)

@@ -2,7 +2,6 @@
 
 Called by :func:`moe_ft.recovery.driver.recover` before the global path; every step is collective over all
 ranks, and every rank reaches the same outcome::
-
     survey            every rank: its survivor point (verified), its own newest window, its upstream log
     decide_scope      moe_ft/localized/scope.py (pure): target T, replaying ranks, loading ranks, or global
     exchange_logs     the replaying ranks fetch the log entries of [replay_from, T] (h12a's mechanism)
@@ -59,7 +58,6 @@ def _contiguous_tail(iterations: list[int]) -> tuple[int, int] | None:
 
 def survey(inputs: "RecoveryInputs") -> list[RankReport]:
     """Every rank's :class:`RankReport` (collective, host path)."""
-
 
     ops = list(inputs.registry)
     survivor, why = newest_survivor_point(inputs.survivor_store, ops)

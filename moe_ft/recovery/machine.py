@@ -3,7 +3,6 @@
 The state lives on a :class:`RecoveryState` passed in (like Megatron's ``RerunState``); the machine
 (:class:`Recovery`) holds only what it was built with. ``Recovery.advance(state)`` performs one
 transition; ``run(state)`` advances until ``DONE``::
-
     AGREE ──(no point anywhere)──► FALLBACK ──► DONE        (keep the --load checkpoint / initial state)
       │
       ▼

@@ -89,7 +89,6 @@ class RecordedStepOptimizer:
 
     @torch.no_grad()
     def step(self):
-
         found_inf = bool(self.inner.prepare_grads())
         if found_inf != self.found_inf:
             raise RuntimeError(f"replay diverged: found-inf is {found_inf} but the original iteration recorded "

@@ -2,7 +2,6 @@
 that is (SPEC §5 "Correctness levels", issue 16 item 2).
 
 Sources, best first, with their correctness level::
-
     window_replay   sparse window + replay from the rank's own store (MoEvement §3.3)    exact
     local_point     a dense point of the rank's own store (no replay)                   exact
     survivor_point  the state a surviving rank published when the job stopped           exact (localized scope)
@@ -217,7 +216,6 @@ def plan_recovery(*, rank: int, find, fetched_here: bool, durable_end: int | Non
     is audited too). ``find(at_or_before)``: this rank's newest point in its memory tier (bounded by
     ``--load``)."""
 
-
     point = find(None)
     pp_ranks = tuple(dist_ranks(ps.get_pipeline_model_parallel_group())) if ps.model_parallel_is_initialized() else (rank,)
     mine = RankInventory(rank=rank, pp_rank=pp_ranks.index(rank), pp_ranks=pp_ranks,
@@ -237,7 +235,6 @@ def plan_recovery(*, rank: int, find, fetched_here: bool, durable_end: int | Non
 
 
 def dist_ranks(group) -> list[int]:
-
     return list(dist.get_process_group_ranks(group))
 
 

@@ -98,7 +98,6 @@ def main_params(registry, optimizer, ops: Iterable[OperatorId]) -> dict[Operator
     is the very tensor the inner optimizer keeps for its main parameter. Raises ``ValueError`` naming the
     fix for layouts the peer cannot reproduce (distributed optimizer, GroupedMLP, FP8, device tensors)."""
 
-
     by_state: dict[int, MainParam] = {}
     for leaf in leaf_optimizers(optimizer):
         if isinstance(leaf, DistributedOptimizer):

@@ -41,7 +41,6 @@ class Layout:
     def gather(*, ranks_per_node: int, distributed_optimizer: bool) -> "Layout":
         """Collective over all ranks (host path). ``ranks_per_node`` 0 = ``LOCAL_WORLD_SIZE``."""
 
-
         world, rank = dist.get_world_size(), dist.get_rank()
         per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
         mine = (dist.get_process_group_ranks(ps.get_data_parallel_group()),
@@ -111,7 +110,6 @@ class Replication:
                                              distributed_optimizer=layout.distributed_optimizer)
         receiver_cls, sender_cls, sender_extra = ReplicaReceiver, ReplicaSender, {}
         if recompute is not None:
-
             receiver_cls, sender_cls, sender_extra = RecomputeReceiver, RecomputeSender, {"capture": recompute()}
         receiver = receiver_cls(ReceiverConfig(), transport, plan.sources[layout.rank],
                                 lambda owner: replica_store_config(root=store_root, job_id=job_id,

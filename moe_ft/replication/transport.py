@@ -116,7 +116,6 @@ class GlooTransport(Transport):
     chunks of at most ``chunk_bytes``. Ranks are global ranks."""
 
     def __init__(self, config: GlooTransportConfig, group) -> None:
-
         self.config, self.group, self._dist = config, group, dist
         self.rank = dist.get_rank()
 

@@ -12,6 +12,16 @@ import time
 from pathlib import Path
 
 from moe_ft.state.operators import Level
+from moe_ft.replication.service import build_persistence
+from moe_ft.persist.megatron_dense import MegatronDenseWriter
+from moe_ft.recovery.progress import write_progress
+from moe_ft.recovery.boost import record_made_up
+from moe_ft.recovery.boost import snapshot_tensors
+from moe_ft.recovery.boost import start_after_recovery
+import statistics
+from moe_ft import comm
+from moe_ft.checkfree.average import local_grad_sq
+from moe_ft.checkfree.recovery import GRAD_SQ
 
 
 class Component:
@@ -91,15 +101,11 @@ class Durable(Component):
 
     @classmethod
     def build(cls, interval: int, root: str, ctx, session) -> "Durable":
-        from moe_ft.replication.service import build_persistence
-
         writer = build_persistence(interval=interval, persist_dir=root, store=session.store,
                                    rule=session.retention_rule, rank=ctx.rank, world_size=ctx.world_size,
                                    job_id=session.job_id)
         dense = None
         if session.policy.dense_points:
-            from moe_ft.persist.megatron_dense import MegatronDenseWriter
-
             dense = MegatronDenseWriter(writer.config.persist_dir, ctx.state)
         return cls(writer, dense, ctx.rank)
 
@@ -118,7 +124,6 @@ class Durable(Component):
 
     def after_iteration(self, iteration: int) -> None:
         if self.rank == 0:  # outlives every node (one small file, rank 0)
-            from moe_ft.recovery.progress import write_progress
 
             write_progress(self.directory / "progress", iteration)
 
@@ -151,7 +156,6 @@ class Boost(Component):
     def on_iteration_end(self, iteration: int, replaying: bool) -> None:
         """Pay the boosted experts' extra tokens off (collective while a boost is active); note in the
         recovery report when each expert made its lost tokens up."""
-        from moe_ft.recovery.boost import record_made_up
 
         made_up = self.boost.end_iteration(iteration)
         report = self.runtime.report
@@ -164,13 +168,9 @@ class Boost(Component):
                 self.runtime.write_report(final=False)
 
     def snapshot_tensors(self) -> dict:
-        from moe_ft.recovery.boost import snapshot_tensors
-
         return snapshot_tensors(self.boost)
 
     def after_recovery(self, report, session) -> None:
-        from moe_ft.recovery.boost import start_after_recovery
-
         report.capacity_boost = start_after_recovery(self.boost, report, session.store)
 
     def metrics(self, record) -> dict:
@@ -216,8 +216,6 @@ class Progress(Component):
         self.path = path
 
     def after_iteration(self, iteration: int) -> None:
-        from moe_ft.recovery.progress import write_progress
-
         write_progress(self.path, iteration)
 
 
@@ -237,14 +235,12 @@ class IterationClock(Component):
 
     def median_recent(self) -> float | None:
         """This rank's median over the newest measured iterations (``None`` before the first)."""
-        import statistics
 
         recent = [self.seconds[t] for t in sorted(self.seconds)[-self.window:]]
         return statistics.median(recent) if recent else None
 
     def agree(self, local_s: float | None) -> float | None:
         """Collective: the slowest rank's value in microseconds (host path); ``None`` if no rank measured."""
-        from moe_ft import comm
 
         agreed = comm.max_over_ranks(-1 if local_s is None else int(round(local_s * 1e6)))
         return None if agreed < 0 else agreed / 1e6
@@ -287,8 +283,4 @@ class CheckFreeNorms(Component):
                 and config.recovery.min_recovery_level in ("approximate", "none"))
 
     def snapshot_tensors(self) -> dict:
-        from moe_ft.checkfree.average import local_grad_sq
-        from moe_ft.checkfree.recovery import GRAD_SQ
-
         return {GRAD_SQ: local_grad_sq(self.model_chunks)}
-

@@ -1,7 +1,6 @@
 """The fault-tolerance runtime: one ``StepHooks`` subclass the training loop calls (SPEC §1 facade).
 
 Per iteration ``t`` (``docs/architecture.md``, ``docs/policies.md``)::
-
     routers record popularity per micro-batch         (PopularityRouter, installed via the layer spec)
     before_optimizer_step(t): engine.wait_copied()    (snapshot of t-1 off the weights: the stall)
     optimizer.step(t)
@@ -34,6 +33,24 @@ from moe_ft.runtime import components as C
 from moe_ft.runtime.context import BuildContext
 from moe_ft.runtime.log import format_line
 from moe_ft.state.operators import Level
+from moe_ft.megatron_ext.router import attach_popularity
+from moe_ft.popularity import ExpertPopularity, PopularityConfig
+from moe_ft.elastic.component import elastic_component
+from moe_ft.localized.survivor import SurvivorGuard
+from moe_ft.localized.component import UpstreamLogging
+from moe_ft.elastic.rebalance_component import rebalance_component
+from moe_ft.recovery.driver import should_recover
+from moe_ft.state.catalogue import gather_catalogue
+from moe_ft.state.registry import OperatorRegistry
+from moe_ft.elastic.holders import catalogue_infos
+from moe_ft.snapshot.bubble_component import BubbleScheduling
+from moe_ft.state.optimizer_views import ensure_optimizer_state
+from megatron.training.training import train_step
+from moe_ft.recovery.driver import RecoveryInputs, recover
+from moe_ft.recovery.planner import RecoveryRefused
+from moe_ft.localized.survivor import survivor_store
+from moe_ft.snapshot.meta import capture_step_meta
+from moe_ft.cli.digest import write_digest
 
 
 class FTRuntime(StepHooks):
@@ -66,9 +83,6 @@ class FTRuntime(StepHooks):
 
     # ------------------------------------------------------------------------------------ building
     def on_train_start(self, state, data, args, start_iteration: int) -> int:
-        from moe_ft.megatron_ext.router import attach_popularity
-        from moe_ft.popularity import ExpertPopularity, PopularityConfig
-
         self.state, self.args = state, args
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.start_iteration = start_iteration
@@ -96,23 +110,18 @@ class FTRuntime(StepHooks):
         if cfg.drill.trace_out and self.rank == 0:
             self.components.append(C.Trace(cfg.drill.trace_out, self.popularity, self._boost))
         if cfg.snapshot.enabled and cfg.recovery.recovery_scope == "localized":
-            from moe_ft.localized.survivor import SurvivorGuard
-
             self.survivor = SurvivorGuard(store_root=cfg.snapshot.store_dir, job_id=cfg.snapshot.job_id,
                                           rank=self.rank, registry_fn=lambda: self.registry,
                                           fault_check=self.check_fault)
             self.survivor.watch_optimizer(state.optimizer)  # the critical section starts with the update
-            from moe_ft.localized.component import UpstreamLogging
 
             if UpstreamLogging.wanted(args, cfg):  # collective: every rank decides alike
                 self.upstream = UpstreamLogging.build(job_dir, self.rank)
                 self.components.append(self.upstream)
-        from moe_ft.elastic.component import elastic_component
 
         elastic = elastic_component(args, self)  # --ft-elastic: layout records; a changed world is re-planned
         if elastic is not None:
             self.components.append(elastic)
-            from moe_ft.elastic.rebalance_component import rebalance_component
 
             rebalance = rebalance_component(args, self, elastic)  # --ft-rebalance-interval: re-plan in the run
             if rebalance is not None:
@@ -121,8 +130,6 @@ class FTRuntime(StepHooks):
         if elastic is not None and elastic.reshaping:
             start_iteration = elastic.restore()  # every operator at the agreed point, onto the new plan
         elif cfg.snapshot.enabled:
-            from moe_ft.recovery.driver import should_recover
-
             recover, restart_count = should_recover(cfg, args)  # collective: every rank decides alike
             if recover:
                 start_iteration = self._recover(state, data, args, start_iteration, restart_count)
@@ -136,10 +143,6 @@ class FTRuntime(StepHooks):
 
     def build(self, t_iter_s: float) -> None:
         """Registry, catalogue, the snapshot session and the components that serve it (collective)."""
-        from moe_ft.state.catalogue import gather_catalogue
-        from moe_ft.state.registry import OperatorRegistry
-
-        from moe_ft.elastic.holders import catalogue_infos
 
         self.registry = OperatorRegistry.from_megatron(self.state.model, self.state.optimizer)
         # replicated experts (flexible dispatcher) are listed under their first holder's EP rank
@@ -151,8 +154,6 @@ class FTRuntime(StepHooks):
         self.sessions = [session] if session is not None else []
         self.active = session
         if session is not None and self.config.snapshot.snapshot_bubble_aware:
-            from moe_ft.snapshot.bubble_component import BubbleScheduling
-
             self.components.append(BubbleScheduling.build(
                 session, pipeline_size=self.args.parallel.pipeline_model_parallel_size,
                 trace_out=self.config.drill.trace_out, rank=self.rank))
@@ -170,8 +171,6 @@ class FTRuntime(StepHooks):
         ranks in place (an in-run rebalance, ``moe_ft/elastic/rebalance_component.py``) and returns ``(new
         registry, result)``; the catalogue, the snapshot sessions (the snapshot of ``iteration`` becomes a
         dense recovery point) and the components follow. Returns ``result``."""
-        from moe_ft.elastic.holders import catalogue_infos
-        from moe_ft.state.catalogue import gather_catalogue
 
         registry, result = change(self.registry)
         self.registry = registry
@@ -196,11 +195,6 @@ class FTRuntime(StepHooks):
         return self.report is not None and iteration <= self.report.failed["last_completed"]
 
     def _recover(self, state, data, args, start_iteration: int, restart_count: int) -> int:
-        from moe_ft.state.optimizer_views import ensure_optimizer_state
-        from megatron.training.training import train_step
-        from moe_ft.recovery.driver import RecoveryInputs, recover
-        from moe_ft.recovery.planner import RecoveryRefused
-
         def step_fn(iteration, optimizer):
             return train_step(replace(state, optimizer=optimizer), data, iteration, args)
 
@@ -227,7 +221,6 @@ class FTRuntime(StepHooks):
     def _survivor_store(self):
         if self.survivor is None:
             return None
-        from moe_ft.localized.survivor import survivor_store
 
         return survivor_store(self.survivor.store_root, self.survivor.job_id, self.rank)
 
@@ -281,8 +274,6 @@ class FTRuntime(StepHooks):
             self.write_report(final=True)
 
     def _snapshot(self, iteration: int, result, session, replaying: bool):
-        from moe_ft.snapshot.meta import capture_step_meta
-
         plan = session.policy.plan(iteration, self.popularity)
         session.last_plan = plan
         t = self.args.training
@@ -329,8 +320,6 @@ class FTRuntime(StepHooks):
         for component in self.components:
             component.close()
         if self.config.drill.digest_out:
-            from moe_ft.cli.digest import write_digest
-
             write_digest(self.config.drill.digest_out, self.state, report.last_iteration)
 
     # ------------------------------------------------------------------------------------ metrics

@@ -96,6 +96,7 @@ def write_plot(path: str, config_name: str, rows: dict[float, list[Row]]) -> Non
     if not HAVE_MATPLOTLIB:
         raise RuntimeError("--plot needs matplotlib: pip install 'moe-ft[plot]' (or pip install matplotlib)")
     matplotlib.use("Agg")
+    # optional dependency: matplotlib (the [plot] extra), only for --plot
     import matplotlib.pyplot as plt
 
     mtbfs = sorted(rows)

@@ -24,7 +24,6 @@ class BubbleScheduling(Component):
 
     @classmethod
     def build(cls, session, *, pipeline_size: int, trace_out: str = "", rank: int = 0) -> "BubbleScheduling":
-
         schedule = session.engine.config.bubbles
         if pipeline_size < 2:
             raise ValueError("--ft-snapshot-bubble-aware schedules snapshot copies into pipeline bubbles; this job "

@@ -25,7 +25,6 @@ from megatron.core import tensor_parallel
 
 
 def capture_rng() -> tuple[dict, dict[str, torch.Tensor]]:
-
     tensors = {"rng.torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()

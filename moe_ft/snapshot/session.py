@@ -70,7 +70,6 @@ def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: 
         retention=retention, fault_hook=ctx.store_fault_hook)
     bubbles = None
     if config.snapshot_bubble_aware:
-
         # the runtime's BubbleScheduling component drains the trace and intervals every iteration
         bubbles = BubbleSchedule(BubbleGate(keep_intervals=True), trace=[])
     engine = SnapshotEngine(EngineConfig(num_slots=config.snapshot_slots, bubbles=bubbles,

@@ -1,7 +1,6 @@
 """Byte format of one store entry: a set of named CPU tensors stored with exact dtype, shape and raw bytes.
 
 File layout (little-endian), see ``docs/store.md``::
-
     0    8  magic  b"MOEFTENT"
     8    4  format version (uint32) = 1
     12   4  header length H (uint32)

@@ -1,6 +1,5 @@
 """Node-local file backend: one directory per rank, normally on tmpfs (``/dev/shm``) so that snapshots
 survive the death of the worker process (not of the node). Layout (see ``docs/store.md``)::
-
     <dir>/FORMAT.json                   {"format": "moe-ft-store", "version": 1}
     <dir>/points/<iteration:012d>/      published points: MANIFEST.json + one file per entry
     <dir>/staging/<iteration:012d>.<pid>.<n>/   points being written (or left by a killed writer)

@@ -2,14 +2,12 @@
 back verified, answers recovery's queries and garbage-collects by a :class:`RetentionPolicy`.
 
 Writer side (the snapshot engine's background thread)::
-
     with store.begin(iteration) as point:          # invisible until publish()
         point.put(OperatorId.expert_op(3, 7), Level.FULL, {"weight": w, "master.weight": m, ...})
         point.put_meta({"grad_norm": 1.25, "loss_scale": 65536.0}, {"rng.cpu": rng})
         point.publish()                            # atomic; then garbage collection
 
 Reader side (recovery, ``moe-ft inspect``)::
-
     rp = store.newest_recoverable(SparseWindowRule.aligned(ops, window_size=4), verify=True)
     tensors = store.load(it, op, Level.FULL)       # raises CorruptEntryError, never returns bad bytes
 """

@@ -280,7 +280,6 @@ class CollectiveChecker:
             return (f"object collective {rec.fn} on accelerator group {rec.group}: host objects go over "
                     "moe_ft.comm.all_gather_object / broadcast_object (the coordination gloo group)")
         if rec.origin == "comm":
-
             device = comm.device_for(group)
             wrong = [str(t.device) for t in tensors if not comm.on_device(t, device)]
             return f"comm device path handed tensors on {wrong} to {rec.group} (device {device})" if wrong else ""
