@@ -143,11 +143,14 @@ def make_corpus(directory: str) -> str:
     return os.path.join(directory, "corpus")
 
 
-def torchrun(script: str, args: list[str], nproc: int = 4, timeout: float = 240, check: bool = True):
+def torchrun(script: str, args: list[str], nproc: int = 4, timeout: float = 240, check: bool = True,
+             launcher: str = "moe_ft.drills.prelaunch"):
     """Run ``script`` (relative to the repository) under ``torchrun --standalone`` with ``nproc`` ranks of
-    one thread each; with ``check``, a non-zero exit raises with the output's tail."""
+    one thread each; with ``check``, a non-zero exit raises with the output's tail. ``launcher``: the
+    ``-m`` module (default: torchrun's agent with workers forked after the imports, ``moe_ft/drills/
+    prelaunch.py``; ``torch.distributed.run`` for plain torchrun)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}",
            os.path.join(ROOT, script), *args]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:

@@ -223,7 +223,7 @@ def _launch(tmp_path, corpus, name: str, flags: list[str], faults: list[str]) ->
     store = f"/dev/shm/moe_ft_comm_{os.getpid()}_{name}"
     env = dict(os.environ, OMP_NUM_THREADS="1", MOE_FT_COMM_CHECK_DIR=str(check_dir),
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "--max-restarts=1",
+    cmd = [sys.executable, "-m", "moe_ft.drills.prelaunch", "--standalone", "--nproc-per-node=4", "--max-restarts=1",
            "--monitor-interval=1", os.path.join(ROOT, "tests", "_workers_comm.py"), *TINY, "--data-path", corpus,
            "--train-iters", "6", "--ft", "--ft-store-dir", store, "--ft-job-id", name,
            "--ft-digest-out", str(out / "digest.json"), *flags, "--ft-fail", *faults]

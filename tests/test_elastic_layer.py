@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 def cases(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("elastic_layer"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", WORKER, "--out", out]
+    cmd = [sys.executable, "-m", "moe_ft.drills.prelaunch", "--standalone", "--nproc-per-node=4", WORKER, "--out", out]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=220)
     if proc.returncode != 0:
         raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

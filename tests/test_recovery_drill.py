@@ -40,8 +40,9 @@ def reference(fault_free_digest):
     return lambda layout: fault_free_digest(layout, ITERS)
 
 
-def launch(env, job, *, layout, policy, faults=(), extra=(), max_restarts=0, timeout=300, iters=ITERS):
+def launch(env, job, *, layout, policy, faults=(), extra=(), max_restarts=0, timeout=300, iters=ITERS, launcher=None):
     return run_job(job=job, workdir=env["work"], faults=list(faults), max_restarts=max_restarts, timeout=timeout,
+                   launcher=launcher,
                    layout=layout, policy=policy, iters=iters, data=env["data"], store=env["store"],
                    window=WINDOW, extra=list(extra))
 
@@ -81,9 +82,11 @@ def test_sparse_ep2pp2_publish_and_replay_kills(drill_env, reference):
 def test_sparse_dp2ep2_kill_during_snapshot_copy(drill_env, reference):
     """DP=2 x EP=2 (distributed optimizer): kill rank 0 with the copy of iteration 4 in flight (inside
     window [3, 5]): back to [0, 2], replay 1 and 2, re-execute 3 … the last completed iteration. (The
-    dense(k) test below kills a DP2 x EP2 rank at the start of an iteration.)"""
+    dense(k) test below kills a DP2 x EP2 rank at the start of an iteration.) Launched by plain torchrun
+    (fresh interpreters) against the reference the preloaded launcher ran: the launcher changes nothing."""
     faults = ["0:4:snapshot"]
-    res = launch(drill_env, "sparse_dp2ep2", layout="dp2ep2", policy="sparse", faults=faults, max_restarts=1)
+    res = launch(drill_env, "sparse_dp2ep2", layout="dp2ep2", policy="sparse", faults=faults, max_restarts=1,
+                 launcher="torchrun")
     assert res["rc"] == 0, res["log"]
     assert res["digest"] == reference("dp2ep2")
     check_exact_reports(res["reports"], ends={1: 2}, fired=[f + ":exit" for f in faults])

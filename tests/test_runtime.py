@@ -45,7 +45,7 @@ def test_sparse_store_holds_full_window_matching_live_tensors(tmp_path, corpus):
 def test_sigkill_leaves_store_readable(tmp_path, corpus):
     store = tmp_path / "store"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+    cmd = [sys.executable, "-m", "moe_ft.drills.prelaunch", "--standalone", "--nproc-per-node=4",
            os.path.join(ROOT, "tests/_workers_runtime.py"), "--out", str(tmp_path), "--sleep-after", "4",
            "--data-path", corpus, "--train-iters", "8", "--ft-store-dir", str(store), *FLAGS]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

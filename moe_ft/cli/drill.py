@@ -40,6 +40,7 @@ from moe_ft.cli.errors import UsageError, reporting, user_input
 from moe_ft.drills.cluster import kill_tree  # noqa: F401  (also used by tests)
 from tools.make_corpus import write_corpus
 from moe_ft.drills.cluster import ClusterConfig, SimulatedCluster, read_reports, redone_iterations
+from moe_ft.drills.launchers import LAUNCHERS, default_launcher, launcher_module
 from moe_ft.drills.faults import Fault
 from moe_ft.drills.cluster import NodeJoin
 from moe_ft.drills.checks import check_counts, check_faults, check_job_flags
@@ -81,9 +82,10 @@ def job_argv(*, layout: str, policy: str, iters: int, data: str, store: str, job
     return argv
 
 
-def torchrun(argv: list[str], *, max_restarts: int, timeout: float, log_path: str) -> int:
+def torchrun(argv: list[str], *, max_restarts: int, timeout: float, log_path: str, launcher: str = "torchrun") -> int:
+    """One job under ``launcher`` (``moe_ft.drills.launchers``: torchrun, or ``preloaded``) on this host."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}",
+    cmd = [sys.executable, "-m", launcher_module(launcher), "--standalone", f"--nproc-per-node={WORLD_SIZE}",
            f"--max-restarts={max_restarts}", "--monitor-interval=1", str(ROOT / "pretrain_gpt_moe.py"), *argv]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -116,17 +118,19 @@ def read_reports(store: str, job: str) -> list[dict]:
 
 
 def run_job(*, job: str, workdir: str, faults: list[str] | None = None, max_restarts: int = 0,
-            timeout: float = 300, **common) -> dict:
-    """One torchrun launch of the tiny job (``common``: the keywords of :func:`job_argv` but ``job``,
-    ``digest_out`` and ``faults``); returns ``rc``, ``digest``, ``reports`` and the ``log`` path."""
+            timeout: float = 300, launcher: str | None = None, **common) -> dict:
+    """One launch of the tiny job (``common``: the keywords of :func:`job_argv` but ``job``, ``digest_out``
+    and ``faults``; ``launcher``: ``None`` is :func:`moe_ft.drills.launchers.default_launcher`); returns ``rc``,
+    ``digest``, ``reports`` and the ``log`` path."""
     digest_out, log = os.path.join(workdir, f"{job}.json"), os.path.join(workdir, f"{job}.log")
     rc = torchrun(job_argv(job=job, digest_out=digest_out, faults=list(faults or []), **common),
-                  max_restarts=max_restarts, timeout=timeout, log_path=log)
+                  max_restarts=max_restarts, timeout=timeout, log_path=log, launcher=launcher or default_launcher())
     return {"rc": rc, "digest": read_digest(digest_out), "reports": read_reports(common["store"], job), "log": log}
 
 
 def run_node_job(*, job: str, workdir: str, faults: list[str], losses: list, num_nodes: int,
-                 max_restarts: int, timeout: float, elastic: bool = False, joins: tuple = (), **common) -> dict:
+                 max_restarts: int, timeout: float, elastic: bool = False, joins: tuple = (),
+                 launcher: str | None = None, **common) -> dict:
     """The job on ``num_nodes`` simulated nodes (``common``: as :func:`run_job`; ``common['store']`` is the
     root of the node stores ``<store>/node<k>``); returns what :func:`run_job` does plus ``node_losses``,
     ``launches`` (agents started per node) and ``logs`` (one per agent launch)."""
@@ -144,7 +148,7 @@ def run_node_job(*, job: str, workdir: str, faults: list[str], losses: list, num
 
     cluster = SimulatedCluster(ClusterConfig(num_nodes=num_nodes, ranks_per_node=world // num_nodes,
                                              max_restarts=max_restarts, timeout=timeout, elastic=elastic,
-                                             joins=tuple(joins)),
+                                             joins=tuple(joins), launcher=launcher or default_launcher()),
                                script=str(ROOT / "pretrain_gpt_moe.py"), root=str(ROOT), store_of=store_of,
                                argv_for=argv_for, log_prefix=os.path.join(workdir, job), run_id=job)
     res = cluster.run([Fault.parse(f) for f in faults], list(losses))
@@ -255,6 +259,7 @@ def drill(args) -> dict:
     store = common["store"]
     out = {"layout": args.layout, "policy": args.policy, "iters": args.iters, "faults": faults, "workdir": work}
     try:
+        common["launcher"] = getattr(args, "launcher", None)
         ref = run_job(job="faultfree", workdir=work, timeout=args.timeout, **common)
         if args.nodes > 1:
             joins = [NodeJoin.parse(j) for j in getattr(args, "join_node", [])]
@@ -348,6 +353,10 @@ def register(subparsers) -> None:
                         "persist fault is given, else 0)")
     p.add_argument("--persist-dir", default="", help="durable tier root (default: <workdir>/durable)")
     p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--launcher", choices=sorted(LAUNCHERS), default=None,
+                   help="what starts the agents: 'torchrun' (default, or $MOE_FT_DRILL_LAUNCHER), or 'preloaded': "
+                        "torchrun's agent with workers forked from a process that imported the training stack "
+                        "once (moe_ft/drills/prelaunch.py; the same recovery, seconds less per restart)")
     p.add_argument("--data", default="", help="dataset prefix (default: a generated tiny corpus)")
     p.add_argument("--workdir", default="", help="logs and digests (default: a temp dir)")
     p.add_argument("--store-dir", default="", help="node-local store root (default: /dev/shm/moe_ft_drill_<pid>)")

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from moe_ft.drills.launchers import launcher_module
 from moe_ft.drills.faults import PHASES, Fault
 import psutil
 import signal
@@ -129,6 +130,9 @@ class ClusterConfig:
     """Elastic mode: nodes (re)started once the job has completed an iteration."""
     last_call_timeout: int = 3
     """Elastic mode: seconds the rendezvous waits for more nodes once the minimum (1) has joined."""
+    launcher: str = "torchrun"
+    """The agents' launcher (``moe_ft.drills.prelaunch.LAUNCHERS``): ``torchrun``, or ``preloaded`` (torchrun's
+    agent with workers forked from a process that imported the training stack once)."""
     join_pause_timeout: float = 25.0
     """Elastic mode: longest pause of the running workers while a joining node's agent enters the
     rendezvous (``SimulatedCluster._join``)."""
@@ -258,7 +262,8 @@ class SimulatedCluster:
         if c.elastic:
             rdzv_conf += f",last_call_timeout={c.last_call_timeout}"
             nnodes = f"1:{c.num_nodes}"
-        launcher = ["-m", "torch.distributed.run"] if trigger is None else ["-m", "moe_ft.drills.join", trigger]
+        module = launcher_module(c.launcher)
+        launcher = ["-m", module] if trigger is None else ["-m", "moe_ft.drills.join", trigger, c.launcher]
         cmd = [sys.executable, *launcher, f"--nnodes={nnodes}", f"--node-rank={node}",
                f"--nproc-per-node={c.ranks_per_node}", f"--max-restarts={c.max_restarts}", "--monitor-interval=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={self._rdzv_id()}",

@@ -1,11 +1,11 @@
 """A torchrun agent that joins the job only when told (elastic drills, ``moe_ft/drills/cluster.py``).
 
-    python -m moe_ft.drills.join TRIGGER <torchrun arguments>
+    python -m moe_ft.drills.join TRIGGER LAUNCHER <torchrun arguments>
 
 Importing torch costs seconds of CPU; a node that "comes back at iteration ITER" would otherwise join the
 rendezvous seconds after the driver saw ITER completed, and a short job can end before that. This launcher
-pays the imports first, waits until the driver creates ``TRIGGER``, then runs torchrun's ``main`` with the
-given arguments: the agent joins the running rendezvous within a poll interval, the running agents see a
+pays the imports first, waits until the driver creates ``TRIGGER``, then runs the launcher's ``main`` (``torchrun``, or
+``preloaded``: ``moe_ft.drills.prelaunch``) with the given arguments: the agent joins the running rendezvous within a poll interval, the running agents see a
 waiting node and restart their workers on the larger world.
 """
 
@@ -16,16 +16,19 @@ import sys
 import time
 from torch.distributed import run
 
+from moe_ft.drills import prelaunch
+from moe_ft.drills.launchers import LAUNCHERS
+
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 2:
-        print("usage: python -m moe_ft.drills.join TRIGGER <torchrun arguments>", file=sys.stderr)
+    if len(argv) < 3 or argv[1] not in LAUNCHERS:
+        print("usage: python -m moe_ft.drills.join TRIGGER {torchrun,preloaded} <torchrun arguments>", file=sys.stderr)
         return 2
-    trigger, torchrun_args = argv[0], argv[1:]
+    trigger, launcher, torchrun_args = argv[0], argv[1], argv[2:]
 
     while not os.path.exists(trigger):
         time.sleep(0.05)
-    run.main(torchrun_args)
+    (run.main if launcher == "torchrun" else prelaunch.main)(torchrun_args)
     return 0
 
 
