@@ -39,7 +39,8 @@ from pathlib import Path
 from moe_ft.cli.errors import UsageError, reporting, user_input
 from moe_ft.drills.cluster import kill_tree  # noqa: F401  (also used by tests)
 from tools.make_corpus import write_corpus
-from moe_ft.drills.cluster import ClusterConfig, SimulatedCluster, read_reports, redone_iterations
+from moe_ft.drills.cluster import ClusterConfig, SimulatedCluster, redone_iterations
+from moe_ft.drills.cluster import read_reports as read_launch_reports
 from moe_ft.drills.launchers import LAUNCHERS, default_launcher, launcher_module
 from moe_ft.drills.faults import Fault
 from moe_ft.drills.cluster import NodeJoin
@@ -153,7 +154,7 @@ def run_node_job(*, job: str, workdir: str, faults: list[str], losses: list, num
                                argv_for=argv_for, log_prefix=os.path.join(workdir, job), run_id=job)
     res = cluster.run([Fault.parse(f) for f in faults], list(losses))
     dirs = [report_dir(int(n), i) for n, k in res["launches"].items() for i in range(k)]
-    reports = read_reports(dirs)
+    reports = read_launch_reports(dirs)
     redone_iterations(res["node_losses"], reports)
     return dict(res, digest=read_digest(digest_out), reports=reports, report_dirs=dirs,
                 log=res["logs"][0] if res["logs"] else None)
