@@ -1,7 +1,7 @@
 """``FTConfig``: the fault-tolerance flags of ``pretrain_gpt_moe.py``, one nested config per component.
 
 Fault tolerance is off unless ``--ft`` is given: plain Megatron behaviour by default. Once on, the
-snapshot policy defaults to ``sparse`` (SPEC §3: "sparse is exact and is the default").
+snapshot policy defaults to ``sparse`` (sparse is exact and is the default).
 
 Each component (snapshot, replication, durable tier, drills, recovery) has its own config dataclass with
 its own validation and a ``build(...)`` that returns the built component (``None`` when switched off). The
@@ -37,10 +37,10 @@ def _non_negative(obj, names: tuple[str, ...], prefix: str) -> None:
 
 @dataclass(kw_only=True)
 class SnapshotConfig:
-    """The snapshot policy, the node-local store and the snapshot engine (SPEC §3, §4)."""
+    """The snapshot policy, the node-local store and the snapshot engine."""
 
     policy: str = field(default="sparse", metadata=field_help(
-        "Snapshot policy (SPEC §3); 'none' counts popularity and logs but snapshots nothing.", choices=POLICY_CHOICES))
+        "Snapshot policy; 'none' counts popularity and logs but snapshots nothing.", choices=POLICY_CHOICES))
     store_dir: str = field(default="/dev/shm/moe_ft", metadata=field_help(
         "Root of the node-local snapshot store (a tmpfs, so snapshots outlive the worker)."))
     job_id: str = field(default="default", metadata=field_help("Job name inside --ft-store-dir."))
@@ -252,7 +252,7 @@ class DrillConfig:
 
 @dataclass(kw_only=True)
 class RecoverConfig:
-    """What a (re)start does: recover or not, detect hangs, report, make lost tokens up (SPEC §5)."""
+    """What a (re)start does: recover or not, detect hangs, report, make lost tokens up."""
 
     recover: str = field(default="auto", metadata=field_help(
         "Recover from the node-local store at start: 'auto' = after a torchrun restart "

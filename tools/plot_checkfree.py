@@ -1,4 +1,4 @@
-"""CheckFree convergence study (issue 16 item 3): one command trains every recovery strategy on an emulated
+"""CheckFree convergence study: one command trains every recovery strategy on an emulated
 4-stage pipeline on CPU, plots the loss curves and writes the table of final losses into
 ``docs/checkfree.md`` (between the ``checkfree-study`` markers).
 

@@ -1,5 +1,5 @@
 """CheckFree / CheckFree+ (Blagoev, Ersoy, Chen, "All is Not Lost: LLM Recovery without Checkpoints"):
-rebuilding a pipeline stage that lost every copy of its state from its neighbours (SPEC §5, issue 16).
+rebuilding a pipeline stage that lost every copy of its state from its neighbours.
 
 * ``average.py``  the lost stage's layers as the neighbours' average weighted by their last squared
                   gradient norms (§4.2, Alg. 1 line 3), and the baselines (uniform, copy)

@@ -54,13 +54,13 @@ LAYOUTS = {
                "--moe-token-dispatcher-type", "alltoall"],
     "dp2ep2": ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                "--moe-token-dispatcher-type", "allgather"],
-    # four pipeline stages of one layer each, 1F1B (localized recovery: one stage replays, issue 12)
+    # four pipeline stages of one layer each, 1F1B (localized recovery: one stage replays)
     "pp4": ["--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "1", "--num-layers", "4",
             "--moe-token-dispatcher-type", "alltoall"],
     # two pipeline ranks x two virtual stages of one layer each (interleaved 1F1B), EP=2 inside each stage
     "pp2vp2": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--num-layers", "4",
                "--num-layers-per-virtual-pipeline-stage", "1", "--moe-token-dispatcher-type", "alltoall"],
-    # Lazarus's flexible dispatcher and plain optimizer (the elastic drill re-plans replicas, issue 15)
+    # Lazarus's flexible dispatcher and plain optimizer (the elastic drill re-plans replicas)
     "dp2ep2-flexible": ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flexible"],
 }
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
@@ -210,7 +210,7 @@ def drill_flags(args, faults: list[str], losses: list, work: str) -> list[str]:
         flags = durable_flags(persist_faults=[f for f in faults if f.split(":")[2] == "persist"], all_lost=False,
                               work=work, window=args.window, persist_interval=args.persist_interval,
                               persist_dir=args.persist_dir)
-    if getattr(args, "elastic", False):  # lost nodes are not replaced: the job re-plans (issue 15)
+    if getattr(args, "elastic", False):  # lost nodes are not replaced: the job re-plans
 
         if args.nodes < 2:
             raise ValueError("--elastic loses nodes without replacing them: add --nodes N (N >= 2)")

@@ -1,4 +1,4 @@
-"""``moe-ft simulate`` and ``moe-ft plan``: ETTR model, failure simulator and policy planner (SPEC §7).
+"""``moe-ft simulate`` and ``moe-ft plan``: ETTR model, failure simulator and policy planner.
 
     moe-ft simulate --preset deepseek-moe-16b --mtbf 10m,30m,1h,2h
     moe-ft simulate --config my.json --mtbf 20m --policies gemini sparse --json --csv out.csv --plot out.png

@@ -1,5 +1,5 @@
-"""megatron-core's checkpoint writer without a multiprocessing *Manager* (SPEC §5: a killed rank must not
-leave anything behind that blocks the restart).
+"""megatron-core's checkpoint writer without a multiprocessing *Manager* (a killed rank must not leave
+anything behind that blocks the restart).
 
 ``FileSystemWriterAsync`` (``megatron/core/dist_checkpointing/strategies/filesystem_async.py``) collects the
 write results of every save through ``_get_write_results_queue()``: a ``Manager().Queue()``, i.e. a

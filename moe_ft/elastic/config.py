@@ -1,4 +1,4 @@
-"""Flags of the elastic (Lazarus) MoE layer and the fixed replica map they describe (SPEC §6, issue 7).
+"""Flags of the elastic (Lazarus) MoE layer and the fixed replica map they describe.
 
 ``--moe-token-dispatcher-type flexible`` installs the flexible dispatcher; these ``--ft-*`` flags say which
 expert replicas every EP rank holds. An EP rank plays the role of a Lazarus "node" with

@@ -1,4 +1,4 @@
-"""Apply a rebalance to the running model, in place (Lazarus §4.3, §5; issue 15 item 4).
+"""Apply a rebalance to the running model, in place (Lazarus §4.3, §5).
 
 Lazarus reconfigures "lazily, only after the current training step is finished" and moves the states of the
 replicas a node gains with point-to-point transfers (§5). Here, between two iterations, on every rank:

@@ -1,7 +1,7 @@
 """Rebalancing expert replicas inside a running job: the plan (Lazarus §4.3, §5).
 
 Loads drift during training; Lazarus re-allocates replicas (eq. 1) from the loads measured since the last
-plan and re-places them, moving as little state as possible ("periodic rebalancing as loads drift", SPEC §6).
+plan and re-places them, moving as little state as possible ("periodic rebalancing as loads drift").
 Inside a live job nothing was lost, so every expert has a holder: a rebalance is :func:`reshape.replan` with
 ``held`` = what each EP rank holds in memory now (:func:`held_from_replicas`). The greedy node mapping keeps
 every replica a rank already has; only an expert that a rank gains is fetched, from a current holder (the

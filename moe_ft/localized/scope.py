@@ -1,4 +1,4 @@
-"""Which ranks roll back after a failure (MoEvement §3.4 and App. A; issue 12): the *scope* of a recovery.
+"""Which ranks roll back after a failure (MoEvement §3.4 and App. A): the *scope* of a recovery.
 
 A pure decision over what every rank reports after the restart (:class:`RankReport`, gathered on the host
 path by the driver, ``moe_ft/recovery/driver.py``), so that every rank computes the same answer:

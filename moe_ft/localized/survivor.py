@@ -1,9 +1,9 @@
-"""Survivor points: a rank that did not fail publishes its exact state before it exits (issue 12; SPEC §5
-"Survivors keep their state"; MoEvement §3.4: only the failed stage rolls back).
+"""Survivor points: a rank that did not fail publishes its exact state before it exits
+(MoEvement §3.4: only the failed stage rolls back).
 
 When a peer dies, the healthy ranks learn it one of two ways: a collective raises (gloo closes the
 connection to the dead peer), or torchrun's agent sends SIGTERM and waits ``shutdown_timeout`` (30 s)
-before SIGKILL (``/work/shared/notes/recovery-facts.md``). Either way the rank holds, in memory, the state
+before SIGKILL (`measured on the development machines`). Either way the rank holds, in memory, the state
 after its last *completed* iteration ``t``. It writes that state into its node-local store as one dense,
 checksummed point (every operator FULL plus the metadata of ``t``: RNG, LR schedule, loss scaler,
 popularity, policy — exactly what a snapshot's metadata holds, ``moe_ft/snapshot/meta.py``), published by

@@ -9,7 +9,7 @@ Initialisation: the standard-EP experts Megatron builds first (same RNG stream a
 source; every expert is broadcast from its standard-EP home rank to its holders. So all replicas of an
 expert are identical, and the layer equals standard EP with the same seed, parameter for parameter.
 
-Gradients (SPEC §6): the replicas of expert ``e`` see disjoint shares of ``e``'s tokens, so the standard-EP
+Gradients: the replicas of expert ``e`` see disjoint shares of ``e``'s tokens, so the standard-EP
 gradient is the sum over exactly its holders. ``HolderGradSum`` is an identity on the local weights whose
 backward does one all-reduce over the EP group of a dense buffer with a row per replicated expert (zeros
 from ranks that do not hold it; experts with a single holder are not communicated). It runs once per

@@ -1,4 +1,4 @@
-"""``MoELayer`` with the flexible dispatcher and replicated experts (Lazarus §4.2; SPEC §6; issue 7).
+"""``MoELayer`` with the flexible dispatcher and replicated experts (Lazarus §4.2).
 
 Megatron picks the token dispatcher with a string switch inside ``MoELayer.__init__``; this subclass
 lets the parent build its standard alltoall dispatcher and standard-EP experts (so the RNG stream and every

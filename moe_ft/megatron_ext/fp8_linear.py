@@ -1,6 +1,6 @@
 """FP8 compute weights without Transformer Engine: Megatron's local linear layers with the weight kept as
 ``torch.float8`` data plus delayed scaling (``--fp8-format e4m3 --fp8-emulation``; MoEvement §5.7 trains
-with FP8 compute weights, SPEC §8 asks that a restored FP8 run continue bit for bit).
+with FP8 compute weights; a restored FP8 run must continue bit for bit).
 
 This is the CPU-testable stand-in for TE's FP8 with FP8 model weights: every linear layer of the
 transformer layers (attention ``linear_qkv``/``linear_proj`` and each expert's ``linear_fc1``/``linear_fc2``;

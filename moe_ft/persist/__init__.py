@@ -1,4 +1,4 @@
-"""Two-level persistence (issue 5, MoC §5.1): the durable tier and its background writer."""
+"""Two-level persistence (MoC §5.1): the durable tier and its background writer."""
 
 from moe_ft.persist.durable import CompletePoint, DurableTier, point_from_json, point_to_json
 from moe_ft.persist.writer import PersistConfig, PersistRecord, PersistWriter

@@ -1,4 +1,4 @@
-"""Round-trip checks of a recovery point (issue 5 part 4).
+"""Round-trip checks of a recovery point.
 
 * :func:`validate_experts` — every expert of every MoE layer (all EP shards, i.e. all ranks' parts
   together), and every non-expert operator asked for, is restorable from the point: FULL somewhere in it.

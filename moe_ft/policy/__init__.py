@@ -1,4 +1,4 @@
-"""Snapshot policies (SPEC §3): small objects that map each iteration to a snapshot plan.
+"""Snapshot policies: small objects that map each iteration to a snapshot plan.
 
 ``build_policy(name, config, operators)`` builds one of ``dense``, ``pec`` (MoC), ``selective`` (MoEtion)
 or ``sparse`` (MoEvement, the default). See ``docs/policies.md``.

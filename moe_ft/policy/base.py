@@ -1,4 +1,4 @@
-"""Common shape of snapshot policies (SPEC §2, §3).
+"""Common shape of snapshot policies.
 
 A policy maps an iteration (and the expert popularity counters) to a :data:`SnapshotPlan` and does
 nothing else: no bytes move, no process group is touched. Every rank builds the same policy from the same
@@ -96,14 +96,14 @@ class SnapshotPolicy(abc.ABC):
         """Reject flag combinations this policy cannot honour (``ValueError`` naming the fix)."""
 
     def recovery_rule(self, operators: Iterable[OperatorId], *, store=None, start_iteration: int = 0) -> RecoveryRule:
-        """Which stored points form a recovery point (SPEC §5). Default: a dense point (every operator FULL
+        """Which stored points form a recovery point. Default: a dense point (every operator FULL
         at one iteration). ``store``: the store recovery reads (a policy may read what it recorded there);
         ``start_iteration``: where this run started (no point before it was taken by this schedule)."""
         return DenseRule(operators=frozenset(operators))
 
     def retention_rule(self, operators: Iterable[OperatorId]) -> RecoveryRule:
-        """The completeness rule garbage collection keeps recovery points by (SPEC §4: one complete point
-        kept while the next is in flight). Called after the first :meth:`plan` (and again after a
+        """The completeness rule garbage collection keeps recovery points by (MoEvement §3.2: one complete
+        point kept while the next is in flight). Called after the first:meth:`plan` (and again after a
         recovery restored the policy's state)."""
         return self.recovery_rule(operators)
 

@@ -1,4 +1,4 @@
-"""Dense baseline (CheckFreq / Gemini style, SPEC §3): every operator FULL every ``interval`` iterations."""
+"""Dense baseline (CheckFreq / Gemini style): every operator FULL every ``interval`` iterations."""
 
 from __future__ import annotations
 

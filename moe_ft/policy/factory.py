@@ -1,4 +1,4 @@
-"""``build_policy``: name + config → policy object (SPEC §3)."""
+"""``build_policy``: name + config → policy object."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Precision-aware training state (SPEC §8; MoEvement §5.7, Table 7).
+"""Precision-aware training state (MoEvement §5.7, Table 7).
 
 * :mod:`moe_ft.precision.fp8` — FP8 weights with per-tensor delayed scaling in plain PyTorch (the
   reference semantics of the CPU emulation, ``--fp8-emulation``);

@@ -15,7 +15,7 @@ PyTorch with ``torch.float8_*`` so that it runs, deterministically, on a CPU:
 So the state of one FP8 weight is four tensors — ``data`` (FP8), ``scale_inv`` (fp32, the data's),
 ``scale`` (fp32, the next quantization's) and ``amax_history`` (fp32) — and every one of them is needed to
 continue bit for bit: the scale of the next step depends on up to ``amax_history_len`` past masters, which a
-restore cannot re-derive from the current master (MoEvement §5.7 runs FP8 compute weights; SPEC §8).
+restore cannot re-derive from the current master (MoEvement §5.7 runs FP8 compute weights).
 All updates happen in place, so views taken once (the operator registry's) stay valid.
 """
 

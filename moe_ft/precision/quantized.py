@@ -5,7 +5,7 @@ subclass whose nominal dtype is bf16: copying it like a tensor would *dequantize
 re-quantize — not bitwise (Megatron-LM PR #6666: MXFP8 → BF16 → MXFP8 shifts 52 of 1024 scale blocks),
 and the scale and amax history would be lost. So every quantized weight is decomposed here into the plain
 tensors that *are* its state, and the registry captures those (MoEvement §5.7, Table 7: FP8 compute
-weights; SPEC §8):
+weights):
 
 * moe-ft's FP8 emulation (:class:`moe_ft.precision.fp8.FP8WeightState`, attached to the weight as
   ``weight.fp8_state``): ``fp8_data`` (``float8_e4m3fn``), ``fp8_scale_inv``, ``fp8_scale``,

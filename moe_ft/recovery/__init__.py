@@ -1,4 +1,4 @@
-"""Recovery after a failure (SPEC §5): agreement on a recovery point, sparse-to-dense replay (exact),
+"""Recovery after a failure: agreement on a recovery point, sparse-to-dense replay (exact),
 dense restore, lossy restore with token-loss accounting. See ``docs/recovery.md``."""
 
 from moe_ft.recovery.machine import Phase, Recovery, MachineConfig, RecoveryContext, RecoveryState

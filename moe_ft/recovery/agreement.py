@@ -1,5 +1,5 @@
-"""Collective agreement on the recovery point (SPEC §5: "the job agrees on the newest recovery point
-that every needed operator has").
+"""Collective agreement on the recovery point (the job agrees on the newest recovery point
+that every needed operator has).
 
 Every rank searches its node-local store for the newest point its rule accepts, checksumming the entries
 the point needs (``newest_recoverable(verify=True)``: a corrupt or torn entry is skipped with a warning

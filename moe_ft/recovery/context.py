@@ -2,8 +2,8 @@
 interfaces of its parts.
 
 The parts are typed structurally (``typing.Protocol``) by the few members the machine and
-``moe_ft/snapshot/restore.py`` use, so that recovery depends on neither the training loop (SPEC §1: the
-loop hands recovery its step function) nor a particular store: a :class:`moe_ft.store.SnapshotStore`, a
+``moe_ft/snapshot/restore.py`` use, so that recovery depends on neither the training loop (the loop
+hands recovery its step function) nor a particular store: a:class:`moe_ft.store.SnapshotStore`, a
 wrapper bounding its points, or a durable tier's store all fit :class:`RecoveryStore`; the
 :class:`moe_ft.state.registry.OperatorRegistry` fits :class:`RecoveryRegistry`; the loop's ``TrainState``
 fits :class:`TrainStateLike`. Popularity counters and the snapshot policy are the concrete foundation

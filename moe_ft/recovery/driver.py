@@ -1,4 +1,4 @@
-"""Recovery at start-up (SPEC §5): decide whether this start is a recovery, then restore the newest point
+"""Recovery at start-up: decide whether this start is a recovery, then restore the newest point
 every rank has and account for what the failure cost.
 
 :func:`recover` takes everything it acts on in one :class:`RecoveryInputs` (the runtime builds it; recovery
@@ -7,7 +7,7 @@ never imports the training loop: the loop's step function comes in as ``step_fn`
 1. :func:`lost_iterations`     newest iteration any rank completed (progress records, collective)
 2. :func:`fetch_lost_points`   rebuild node-local stores of a lost node from peers (collective)
    :func:`try_localized`       survivors load the state they published, only the failed stages replay from
-                               their neighbours' logs (``localized.py``, issue 12); on success recovery ends
+                               their neighbours' logs (``localized.py``); on success recovery ends
                                here, else the steps below run with the reason in the report
 3. :func:`plan_recovery`       the planner (``planner.py``) picks the source, refuses below
                                ``--ft-min-recovery-level``; CheckFree rebuilds a lost stage (collective)

@@ -1,4 +1,4 @@
-"""Localized recovery (issue 12; MoEvement §3.4, App. A): only the failed ranks' pipeline stages roll back.
+"""Localized recovery (MoEvement §3.4, App. A): only the failed ranks' pipeline stages roll back.
 
 Called by :func:`moe_ft.recovery.driver.recover` before the global path; every step is collective over all
 ranks, and every rank reaches the same outcome::

@@ -1,4 +1,4 @@
-"""Recovery as an explicit state machine (SPEC §5; MoEvement §3.3 sparse-to-dense conversion).
+"""Recovery as an explicit state machine (MoEvement §3.3 sparse-to-dense conversion).
 
 The state lives on a :class:`RecoveryState` passed in (like Megatron's ``RerunState``); the machine
 (:class:`Recovery`) holds only what it was built with. ``Recovery.advance(state)`` performs one

@@ -1,5 +1,5 @@
 """The recovery planner: one place that decides where each operator's state comes from, and how exact
-that is (SPEC §5 "Correctness levels", issue 16 item 2).
+that is.
 
 Sources, best first, with their correctness level::
     window_replay   sparse window + replay from the rank's own store (MoEvement §3.3)    exact

@@ -1,4 +1,4 @@
-"""The recovery report: printed in the log (rank 0) and written as JSON (SPEC §5, issue 4)."""
+"""The recovery report: printed in the log (rank 0) and written as JSON."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Recovery with a lost node (issue 5 part 5; MoEtion §5.1, MoEvement §3.2): a restarted rank whose
+"""Recovery with a lost node (MoEtion §5.1, MoEvement §3.2): a restarted rank whose
 node-local store is empty (its node was replaced) gets its entries back from the peers before recovery.
 
 Where an entry of rank ``r`` at iteration ``t`` can come from, in order of preference:

@@ -1,4 +1,4 @@
-"""Where recovery reads an entry from, and why (issue 5 part 4). Every copy is verified on load; a copy
+"""Where recovery reads an entry from, and why. Every copy is verified on load; a copy
 that is missing or fails its checksum is never used.
 
 Lookup order for one entry (``find_entry``): the rank's node-local store, then each peer replica in

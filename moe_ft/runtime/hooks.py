@@ -1,4 +1,4 @@
-"""The fault-tolerance runtime: one ``StepHooks`` subclass the training loop calls (SPEC §1 facade).
+"""The fault-tolerance runtime: one ``StepHooks`` subclass the training loop calls.
 
 Per iteration ``t`` (``docs/architecture.md``, ``docs/policies.md``)::
     routers record popularity per micro-batch         (PopularityRouter, installed via the layer spec)

@@ -1,1 +1,1 @@
-"""ETTR model, discrete-event failure simulator and policy planner (SPEC §7)."""
+"""ETTR model, discrete-event failure simulator and policy planner."""

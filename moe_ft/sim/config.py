@@ -1,4 +1,4 @@
-"""Inputs of the ETTR model and simulator (SPEC §7; MoEvement App. C "Inputs").
+"""Inputs of the ETTR model and simulator (MoEvement App. C "Inputs").
 
 Four groups, one dataclass each: the model architecture, the parallel plan, the precision of each kind
 of state, and the hardware (with the NCCL affine cost ``T(m, p) = α(p) + β(p)·m`` of MoEvement App. C).

@@ -1,4 +1,4 @@
-"""Per-policy cost of checkpointing and of recovery (SPEC §3 policies, seen through the cost model).
+"""Per-policy cost of checkpointing and of recovery (the snapshot policies, seen through the cost model).
 
 A :class:`PolicyModel` answers, for one configuration: how many iterations a *period* lasts (dense: the
 interval ``k``; sparse: the window ``W_sparse``; PEC and selective: one iteration), how much wall time

@@ -1,4 +1,4 @@
-"""Discrete-event simulation of a training run under failures (SPEC §7).
+"""Discrete-event simulation of a training run under failures.
 
 The job alternates between *running* (periods of ``period_iters`` iterations costing ``period_wall_s``,
 the stall included) and *recovering*. A failure at phase ``φ`` of the period costs

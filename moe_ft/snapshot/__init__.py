@@ -1,4 +1,4 @@
-"""Snapshot engine (SPEC §4): executes a snapshot plan into the node-local store without stalling training.
+"""Snapshot engine: executes a snapshot plan into the node-local store without stalling training.
 See ``docs/snapshot.md``."""
 
 from moe_ft.snapshot.engine import EngineConfig, SnapshotEngine, SnapshotRecord

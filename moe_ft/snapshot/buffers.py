@@ -1,4 +1,4 @@
-"""Host staging buffers for snapshots (SPEC §4: "pinned host buffers allocated once and reused").
+"""Host staging buffers for snapshots (pinned host buffers allocated once and reused).
 
 :class:`HostBuffers` allocates, at build, one contiguous host *arena* per slot, sized for the largest plan
 an engine can be asked to run (every operator of the registry at FULL: a COMPUTE entry uses a subset of

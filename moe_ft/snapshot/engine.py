@@ -1,4 +1,4 @@
-"""Snapshot engine (SPEC §4; MoEvement §3.2 "snapshots overlap the next iteration's forward/backward";
+"""Snapshot engine (MoEvement §3.2 "snapshots overlap the next iteration's forward/backward";
 MoC §5.2 asynchronous snapshotting): executes a plan, never decides one.
 
 Timeline of iteration ``t`` (the state after the update of ``t`` is what the snapshot of ``t`` holds)::

@@ -1,4 +1,4 @@
-"""One snapshot policy with its node-local store and snapshot engine (SPEC §3–§4), as the runtime uses it.
+"""One snapshot policy with its node-local store and snapshot engine, as the runtime uses it.
 
 The policy decides, the engine copies, the store keeps: this module only wires them. The store's
 retention keeps two recovery points common to all ranks by the policy's own completeness rule

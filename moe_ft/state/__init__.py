@@ -1,4 +1,4 @@
-"""The operator model of training state (SPEC §2): operators, snapshot levels, plans."""
+"""The operator model of training state: operators, snapshot levels, plans."""
 
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo, SnapshotPlan
 

@@ -1,4 +1,4 @@
-"""Which operator (SPEC §2) a Megatron-Core ``GPTModel`` parameter belongs to, by its module path.
+"""Which operator  a Megatron-Core ``GPTModel`` parameter belongs to, by its module path.
 
 ``embedding.*`` → ``embedding``; ``output_layer.*`` and ``decoder.final_layernorm.*`` → ``output``;
 inside ``decoder.layers.<i>`` (``i`` local to the pipeline stage, mapped to the global layer through the

@@ -1,4 +1,4 @@
-"""Operators: the unit of checkpointing (SPEC §2).
+"""Operators: the unit of checkpointing.
 
 An operator is ``expert(layer, e)`` (``e`` a *global* expert index), ``gate(layer)`` (router weight and
 expert bias), ``dense(layer)`` (attention + norms of the layer: everything non-expert), ``embedding`` or

@@ -1,4 +1,4 @@
-"""Operator registry: this rank's Megatron-Core MoE model and optimizer, cut into operators (SPEC §2).
+"""Operator registry: this rank's Megatron-Core MoE model and optimizer, cut into operators.
 
 For every operator held by this rank (its pipeline stage, its expert-parallel shard) the registry keeps
 *views* — never copies — of
@@ -19,7 +19,7 @@ bytes once, in the compute weights, and :attr:`OperatorState.aliased_masters` na
 Restoring the compute weights restores the master. Every byte size is exactly the sum of ``nbytes`` of the
 tensors :meth:`OperatorState.tensors` returns.
 
-**FP8 weights** (SPEC §8; MoEvement §5.7). A weight kept in FP8 (moe-ft's emulation, a Transformer Engine
+**FP8 weights** (MoEvement §5.7). A weight kept in FP8 (moe-ft's emulation, a Transformer Engine
 ``Float8Tensor``: ``moe_ft.precision.quantized``) has as compute weights its FP8 state — ``<param
 name>.fp8_data`` (FP8 bytes), ``.fp8_scale_inv``, and the scaling state (``.fp8_scale``,
 ``.fp8_amax_history``, or TE's quantizer scale/amax) — stored as they are, never widened. The wide weight

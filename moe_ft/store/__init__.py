@@ -1,4 +1,4 @@
-"""Node-local snapshot store (SPEC §4): recovery points keyed by (iteration, operator, level) in host memory
+"""Node-local snapshot store: recovery points keyed by (iteration, operator, level) in host memory
 that outlives the worker process, published atomically, checksummed per entry, garbage-collected by a
 retention policy. See ``docs/store.md``."""
 

@@ -15,7 +15,7 @@ The digest covers the header (so dtype, shape, names and the key) and all tensor
 from ``tensor.view(torch.uint8)`` memory views, never pickled, and the checksum is computed chunk by chunk
 just before each chunk is written, while it is still in cache.
 
-Low precision (SPEC §8): every ``torch.float8_*`` dtype is stored as its raw bytes under its own dtype name
+Low precision: every ``torch.float8_*`` dtype is stored as its raw bytes under its own dtype name
 and read back as the same dtype — no value passes through a wider dtype. A quantized tensor *subclass*
 (Transformer Engine's ``Float8Tensor``, whose nominal dtype is bf16) is refused: its state is its FP8 data and
 scales, which ``moe_ft.precision.quantized`` decomposes into plain tensors.

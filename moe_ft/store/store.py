@@ -46,7 +46,7 @@ class StoreConfig:
     """Node-local store of one rank: ``<root>/<job_id>/rank<rank>``."""
 
     root: str = "/dev/shm/moe_ft"
-    """Parent directory; a tmpfs so that snapshots outlive the worker process (SPEC §4)."""
+    """Parent directory; a tmpfs so that snapshots outlive the worker process."""
     job_id: str = "default"
     """Job name; separates concurrent jobs on one node."""
     rank: int = 0

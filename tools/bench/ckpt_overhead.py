@@ -1,4 +1,4 @@
-"""Checkpoint overhead of the snapshot policies on a CPU model (issues 3 and 14), side by side in one run.
+"""Checkpoint overhead of the snapshot policies on a CPU model, side by side in one run.
 
     python tools/bench/ckpt_overhead.py [--model {tiny,medium}] [--quick] [--json] [--nproc {2,4}] [--two-copies] [--warmup-cycles N] [--data-path PREFIX]
 
@@ -19,7 +19,7 @@ cycling, so every policy sees the same machine noise; the first cycle (``--warmu
   load on a shared machine. Summing over the ranks cancels the data noise of a single rank: with
   expert parallelism an iteration's routing decides how many tokens each rank's experts get, but not the
   total (every token goes to ``topk`` experts somewhere); ``cpu_ratio_per_rank`` is the median over ranks
-  of each rank's own ratio of medians (the definition before issue 14's second round; it carries that noise);
+  of each rank's own ratio of medians (the definition before it carries that noise);
   ``main_cpu_ratio``: ``cpu_ratio`` of the training threads alone (what the policy costs the training
   thread itself: hook, capture, and any slowdown the snapshot thread causes it);
 * ``stall_ms``: median wait of the optimizer step for the snapshot copy;

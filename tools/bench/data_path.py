@@ -1,4 +1,4 @@
-"""The snapshot data path alone (issue 14): engine thread CPU per point for the four combinations of
+"""The snapshot data path alone: engine thread CPU per point for the four combinations of
 slot-buffer copy vs direct write and new vs recycled entry files, side by side in one process.
 
     python tools/bench/data_path.py [--points 30] [--json]      # ~20 s on 2 cores
@@ -15,8 +15,8 @@ variants share the machine's noise. Two plan shapes:
 Reported per (shape, variant): the median of the background thread's CPU per point (``thread_cpu_ms``;
 copy, checksum, writes, publish, GC: everything the training process pays for a snapshot on the CPU path),
 the median time the next optimizer step would wait for (``copy_ms``: the slot copy, or the direct writes),
-the entries written over pooled files, and ``ratio`` = thread CPU / that of the path before issue 14's
-second round (slot copy into new files). The first 10 points of each variant are warm-up.
+the entries written over pooled files, and ``ratio`` = thread CPU / that of the old path (slot copy into new
+files). The first 10 points of each variant are warm-up.
 """
 
 from __future__ import annotations

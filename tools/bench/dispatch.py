@@ -1,4 +1,4 @@
-"""Benchmarks of the Lazarus placement and the flexible dispatcher (issue 7 step 5).
+"""Benchmarks of the Lazarus placement and the flexible dispatcher.
 
     python -m tools.bench.dispatch placement --nodes 1024 --slots 4 --experts 64
     python -m tools.bench.dispatch permute                 # CPU: Triton interpreter, correctness only

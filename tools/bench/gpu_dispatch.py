@@ -1,5 +1,5 @@
 """Triton dispatch permutation on CUDA vs a device-to-device copy of the same bytes and vs Megatron's
-``moe_utils.permute`` (issue 13 item 4), side by side in one run.
+``moe_utils.permute``, side by side in one run.
 
     python -m tools.bench.gpu_dispatch [--tokens 16384 --hidden 4096 --topk 8 --experts 64 --world 8]
 

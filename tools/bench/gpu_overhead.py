@@ -1,5 +1,5 @@
-"""Iteration-time overhead of ``--ft-policy sparse`` against ``--ft-policy none`` on one GPU (issue 13
-item 4; goal: ratio <= 1.01), both launched by this one command, alternating.
+"""Iteration-time overhead of ``--ft-policy sparse`` against ``--ft-policy none`` on one GPU (goal:
+ratio <= 1.01), both launched by this one command, alternating.
 
     python -m tools.bench.gpu_overhead [--iters 40] [--repeats 1] [--windows 0 --snapshot-bandwidth 2e9]
     python -m tools.bench.gpu_overhead --windows 8 16      # none, sparse W=8, sparse W=16

@@ -1,4 +1,4 @@
-"""Snapshot engine on CUDA (issue 13 item 4): device-to-host bandwidth and stall, side by side in one run.
+"""Snapshot engine on CUDA: device-to-host bandwidth and stall, side by side in one run.
 
     python -m tools.bench.gpu_snapshot [--layers 2 --hidden 1024 --ffn 4096 --experts 8 --vocab 32768]
 

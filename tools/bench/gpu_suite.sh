@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks and benchmarks of issue 13 on one CUDA device (docs/benchmarks.md "GPU (H100)").
+# GPU checks and benchmarks on one CUDA device (docs/benchmarks.md "GPU (H100)").
 #
 #   bash tools/bench/gpu_suite.sh OUT_DIR            # every stage
 #   STAGES="units overhead" bash tools/bench/gpu_suite.sh OUT_DIR

@@ -1,4 +1,4 @@
-"""Global replay vs localized recovery on PP=4 (issue 12; MoEvement §3.4, Fig. 9b), in one run.
+"""Global replay vs localized recovery on PP=4 (MoEvement §3.4, Fig. 9b), in one run.
 
     python tools/bench/recovery.py [--model {tiny,medium}] [--iters 12] [--window 4] [--fail 2:10] [--json]
 

@@ -1,4 +1,4 @@
-"""The convergence study of issue 16 item 3 (CheckFree Fig. 2 / §5.2 on CPU): how training continues after
+"""The CheckFree convergence study (CheckFree Fig. 2 / §5.2 on CPU): how training continues after
 a pipeline stage is lost every N iterations, per recovery strategy.
 
 Emulated pipeline (stated in ``docs/checkfree.md``): one process trains a Megatron-Core MoE ``GPTModel``

@@ -1,6 +1,6 @@
 """Flexible token dispatcher arithmetic (Lazarus §4.2, Algorithm 1), free of process groups.
 
-Interface for the Megatron dispatcher (issue 7 step 4). Per MoE layer and micro-batch, on EP rank ``i``::
+Interface for the Megatron dispatcher. Per MoE layer and micro-batch, on EP rank ``i``::
     T = all_gather(bincount(expert_idx, minlength=E))          # [W, E] -> transpose to [E, W]
     sched = dispatch_schedule(T, R, i)                          # R: [E, W] replica map from the plan
     perm = build_permutation(expert_idx, sched, config)         # expert_idx: [num_tokens, topk]
