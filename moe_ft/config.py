@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from megatron.training.extensions import LoopExtension
 from megatron.training.argument_utils import dataclass_from_flags, field_help
 from moe_ft.checkfree.config import CheckFreeConfig
 from moe_ft.policy.factory import NO_SNAPSHOTS, POLICIES, POLICY_CHOICES, policy_class
@@ -317,7 +318,7 @@ def _nested(cls, prefix: str, title: str):
 
 
 @dataclass(kw_only=True)
-class FTConfig:
+class FTConfig(LoopExtension):
     """All fault-tolerance flags: ``--ft``, ``--ft-log-interval`` and one nested config per component."""
 
     ft: bool = field(default=False, metadata=field_help("Enable the moe-ft runtime (per-iteration snapshots)."))

@@ -89,3 +89,24 @@ def test_elastic_restart_rederives_expert_parallel_before_validation(data_prefix
     with pytest.raises(ArgumentError, match="expert"):  # without --ft-elastic the flag's EP size stands
         parse_args([f for f in flags if f not in ("--ft-elastic",)], world_size=2,
                    extra_groups=pretrain_gpt_moe.extra_argument_groups())
+
+
+def test_extra_groups_implement_the_loops_hooks_and_others_are_refused():
+    """The loop calls five declared hooks on every extra argument group (megatron/training/extensions.py),
+    never probing with ``hasattr``: each group of the entry script implements them, anything else is refused
+    with the fix."""
+    from dataclasses import dataclass
+
+    from megatron.training.extensions import Extension, LoopExtension, check_extension
+
+    for _, cls in pretrain_gpt_moe.extra_argument_groups():
+        assert isinstance(cls(), Extension), cls
+
+    @dataclass
+    class Bare:
+        x: int = 0
+
+    with pytest.raises(TypeError, match="subclass megatron.training.extensions.LoopExtension"):
+        check_extension(Bare())
+    ext = LoopExtension()
+    assert (ext.emulates_fp8, ext.adjust_parallel(None), ext.customize_layer_spec("spec")) == (False, [], "spec")

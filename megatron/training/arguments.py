@@ -9,6 +9,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from megatron.training.extensions import Extension, check_extension
 from megatron.training.argument_utils import add_dataclass_arguments, dataclass_from_args, field_help
 
 
@@ -186,23 +187,26 @@ def args_from_namespace(namespace: argparse.Namespace, world_size: int | None = 
             args.extra[cls.__name__] = dataclass_from_args(cls, namespace)
         except ValueError as e:
             raise ArgumentError(str(e)) from e
-    for extra in args.extra.values():  # a component may re-derive parallel sizes for this world (elastic restart)
-        if hasattr(extra, "adjust_parallel"):
-            try:
-                notes = extra.adjust_parallel(args)
-            except ValueError as e:
-                raise ArgumentError(str(e)) from e
-            if int(os.environ.get("RANK", "0")) == 0:
-                for note in notes:
-                    print(f"{type(extra).__name__}: {note}", flush=True)
-    validate_args(args)
-    for extra in args.extra.values():
+    for extra in extensions(args):  # a component may re-derive parallel sizes for this world (elastic restart)
         try:
-            if hasattr(extra, "check_args"):  # checks of a component's flags against the model's
-                extra.check_args(args)
+            notes = extra.adjust_parallel(args)
+        except ValueError as e:
+            raise ArgumentError(str(e)) from e
+        if int(os.environ.get("RANK", "0")) == 0:
+            for note in notes:
+                print(f"{type(extra).__name__}: {note}", flush=True)
+    validate_args(args)
+    for extra in extensions(args):
+        try:
+            extra.check_args(args)  # checks of a component's flags against the model's
         except ValueError as e:
             raise ArgumentError(str(e)) from e
     return args
+
+
+def extensions(args: Args) -> list[Extension]:
+    """The extra argument groups of ``args``, each checked to implement the loop's hooks."""
+    return [check_extension(extra) for extra in args.extra.values()]
 
 
 def validate_args(args: Args) -> None:
@@ -220,7 +224,7 @@ def validate_args(args: Args) -> None:
                             "(scale with --expert-model-parallel-size and --pipeline-model-parallel-size)")
     if m.bf16 and m.fp16:
         raise ArgumentError("--bf16 and --fp16 are exclusive; pass one of them")
-    emulated = any(getattr(e, "emulates_fp8", False) for e in args.extra.values())
+    emulated = any(e.emulates_fp8 for e in extensions(args))
     if m.fp8_format and m.transformer_impl != "transformer_engine" and not emulated:
         raise ArgumentError("--fp8-format needs --transformer-impl transformer_engine (or --fp8-emulation to run "
                             "FP8 weights without Transformer Engine)")

@@ -13,7 +13,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.training.arguments import Args
+from megatron.training.arguments import Args, extensions
 from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
 
 
@@ -69,7 +69,7 @@ def transformer_config(args: Args) -> TransformerConfig:
 
 def layer_spec(args: Args):
     """The layer spec: Megatron's local (non-TE) spec; moe-ft's router/MoE subclasses plug in here: every
-    component config in ``args.extra`` with a ``customize_layer_spec(spec)`` method may adapt it."""
+    extra argument group may adapt it (``customize_layer_spec``, ``megatron/training/extensions.py``)."""
     if args.model.transformer_impl == "transformer_engine":  # GPU; validated to import
         # optional dependency: this spec imports Transformer Engine (the [gpu] extra)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -79,9 +79,8 @@ def layer_spec(args: Args):
     else:
         spec = get_gpt_layer_local_spec(num_experts=args.model.num_experts,
                                         moe_grouped_gemm=args.model.moe_grouped_gemm)
-    for component in args.extra.values():
-        if hasattr(component, "customize_layer_spec"):
-            spec = component.customize_layer_spec(spec)
+    for component in extensions(args):
+        spec = component.customize_layer_spec(spec)
     return spec
 
 
@@ -180,9 +179,8 @@ def _finish_train_state(args: Args, config: TransformerConfig, model: list) -> T
         hysteresis=t.hysteresis,
     )
     optimizer = get_megatron_optimizer(opt_config, model)
-    for component in args.extra.values():  # e.g. FP8 state quantized from the masters (--fp8-emulation)
-        if hasattr(component, "after_optimizer_built"):
-            component.after_optimizer_built(model, optimizer, args)
+    for component in extensions(args):  # e.g. FP8 state quantized from the masters (--fp8-emulation)
+        component.after_optimizer_built(model, optimizer, args)
     # The schedules call these (Megatron-LM's training.py sets them the same way): without
     # finalize_model_grads there is no data-parallel gradient all-reduce and replicas drift apart.
     config.finalize_model_grads_func = finalize_model_grads

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron.training.extensions import LoopExtension
 from moe_ft.megatron_ext.dispatch.arithmetic import BACKENDS, FLEXIBLE
 from moe_ft.placement.loads import MeasuredLoads, read_trace_loads
 from moe_ft.placement.plans import plan_counts, validate_plan
@@ -28,7 +29,7 @@ def field_help(help_text: str, **extra) -> dict:
 
 
 @dataclass(kw_only=True)
-class ElasticConfig:
+class ElasticConfig(LoopExtension):
     """Replica plan of the flexible dispatcher (Lazarus §4.1 allocation + placement, fixed for the run)."""
 
     ft_expert_replicas: list[str] | None = field(default=None, metadata=field_help(

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron.training.extensions import check_extension
+
 
 @dataclass(frozen=True, kw_only=True)
 class PrecisionConfig:
@@ -55,7 +57,7 @@ class PrecisionConfig:
         scaling = "none"
         if m.fp16:
             scaling = "static" if getattr(t, "loss_scale", None) else "dynamic"
-        emulated = any(getattr(e, "emulates_fp8", False) for e in getattr(args, "extra", {}).values())
+        emulated = any(check_extension(e).emulates_fp8 for e in getattr(args, "extra", {}).values())
         source = ("emulation" if emulated else "transformer_engine") if fp8 else ""
         return cls(compute="fp8" if fp8 else wide, loss_scaling=scaling, fp8_source=source,
                    fp8_recipe=m.fp8_recipe if fp8 else "")

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron.training.extensions import LoopExtension
 from megatron.training.argument_utils import field_help
 from moe_ft.precision.fp8 import DelayedScalingConfig, weight_format
 
 
 @dataclass(kw_only=True)
-class FP8EmulationConfig:
+class FP8EmulationConfig(LoopExtension):
     """Runs ``--fp8-format`` on any device (CPU included) with torch float8 weights and delayed scaling."""
 
     fp8_emulation: bool = field(default=False, metadata=field_help(
