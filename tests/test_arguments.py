@@ -97,6 +97,7 @@ def test_extra_groups_implement_the_loops_hooks_and_others_are_refused():
     with the fix."""
     from dataclasses import dataclass
 
+    import pretrain_gpt_moe
     from megatron.training.extensions import Extension, LoopExtension, check_extension
 
     for _, cls in pretrain_gpt_moe.extra_argument_groups():
