@@ -6,13 +6,11 @@ the last rank to finish makes the point complete. The training thread only enque
 
 from __future__ import annotations
 
-import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from typing import Mapping
 
+from moe_ft.background import BackgroundWorker
 from moe_ft.persist.durable import DurableTier
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import SnapshotStore
@@ -20,7 +18,6 @@ from moe_ft.store.errors import CorruptEntryError
 from moe_ft.store.manifest import build_manifest
 from moe_ft.store.rules import EntryRef, RecoveryPoint, RecoveryRule
 
-logger = logging.getLogger("moe_ft.persist")
 
 
 @dataclass(kw_only=True)
@@ -58,10 +55,9 @@ class PersistWriter:
         self.durable = tier.store(rank)
         self.records: list[PersistRecord] = []
         self.skipped: list[tuple[int, str]] = []
-        self._queue: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"moe-ft-persist{rank}", daemon=True)
-        self._thread.start()
+        self._worker: BackgroundWorker[tuple[int, Mapping[OperatorId, Level] | None]] = BackgroundWorker(
+            f"moe-ft-persist{rank}", self._persist_job,
+            describe=lambda e: f"durable persistence of rank {self.rank} failed: {e!r}")
 
     def due(self, iteration: int) -> bool:
         return bool(self.config.interval) and (iteration + 1) % self.config.interval == 0
@@ -71,35 +67,19 @@ class PersistWriter:
         or, with ``persist_plan`` (``pec``: ``policy.persist_plan``, K_persist experts per layer, MoC §5.1),
         only those entries of point ``iteration``; the durable point is then each operator's newest
         durable FULL (the rule). Returns at once."""
-        if self._error is not None:
-            raise RuntimeError(f"durable persistence of rank {self.rank} failed: {self._error!r}") from self._error
+        self._worker.raise_if_failed()
         if self.due(iteration):
-            self._queue.put((iteration, persist_plan))
+            self._worker.submit((iteration, persist_plan))
 
     def flush(self) -> None:
-        self._queue.join()
-        if self._error is not None:
-            raise RuntimeError(f"durable persistence of rank {self.rank} failed: {self._error!r}") from self._error
+        self._worker.drain()
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+        self._worker.close()
 
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                if self._error is None:
-                    self._wait_published(job[0])
-                    self.persist(*job)
-            except BaseException as exc:
-                self._error = exc
-                logger.error("moe-ft persist rank %d: %r", self.rank, exc)
-            finally:
-                self._queue.task_done()
+    def _persist_job(self, job: tuple[int, Mapping[OperatorId, Level] | None]) -> None:
+        self._wait_published(job[0])
+        self.persist(*job)
 
     def _wait_published(self, iteration: int) -> None:
         """The engine publishes on its own thread; persist the point of ``iteration`` once it is there

@@ -22,12 +22,12 @@ reached the peers.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
+from moe_ft.background import BackgroundWorker
 from moe_ft.replication.transport import PointMessage, Transport
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import SnapshotStore
@@ -77,11 +77,10 @@ class ReplicaSender:
         self._plans: dict[int, frozenset[OperatorId]] = {}
         self._done: set[int] = set()  # budgeted: points already on every peer
         self._lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue()
         self._closing = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"moe-ft-replica-send{owner}", daemon=True)
-        self._thread.start()
+        self._worker: BackgroundWorker[int] = BackgroundWorker(
+            f"moe-ft-replica-send{owner}", self._replicate_point,
+            describe=lambda e: f"replication of rank {self.owner} to {list(self.peers)} failed: {e!r}")
 
     # -- training thread ---------------------------------------------------------------------------------
     def submit(self, iteration: int, plan: Mapping[OperatorId, Level] | None = None) -> None:
@@ -96,7 +95,7 @@ class ReplicaSender:
                 self._plans[iteration] = frozenset(op for op, lvl in plan.items() if lvl == Level.FULL)
             if self.budget is not None:
                 self.credit += max(int(self.budget() or 0), 0)
-        self._queue.put(iteration)
+        self._worker.submit(iteration)
 
     def lag(self, iteration: int) -> int:
         """Iterations between ``iteration`` and the newest point fully sent to every peer."""
@@ -105,41 +104,26 @@ class ReplicaSender:
 
     def flush(self) -> None:
         """Block until every submitted point is sent (tests, end of training)."""
-        self._queue.join()
-        self._raise_if_failed()
+        self._worker.drain()
 
     def close(self) -> None:
         """Send what is queued, then tell the peers that this stream ends."""
-        if not self._thread.is_alive():
+        if not self._worker.alive:
             return
-        self._queue.put(None)
-        self._thread.join()
+        self._worker.close()
         for peer in self.peers:
             self.transport.close_to(peer)
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"replication of rank {self.owner} to {list(self.peers)} failed: "
-                               f"{self._error!r}") from self._error
+        self._worker.raise_if_failed()
 
     # -- sender thread -----------------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            iteration = self._queue.get()
-            try:
-                if iteration is None:
-                    return
-                if self._error is None:
-                    if self.budget is None:
-                        self._replicate(iteration)
-                    else:
-                        self._replicate_budgeted(iteration)
-            except BaseException as exc:  # surfaced on the training thread by the next submit/flush
-                self._error = exc
-                logger.error("moe-ft replication rank %d: %r", self.owner, exc)
-            finally:
-                self._queue.task_done()
+    def _replicate_point(self, iteration: int) -> None:
+        if self.budget is None:
+            self._replicate(iteration)
+        else:
+            self._replicate_budgeted(iteration)
 
     def _wait_published(self, iteration: int) -> bool:
         deadline = time.monotonic() + self.config.publish_timeout_s
@@ -203,7 +187,7 @@ class ReplicaSender:
     def _replicate_budgeted(self, iteration: int) -> None:
         if not self._wait_published(iteration):
             return self._skip(iteration, f"not published within {self.config.publish_timeout_s:.0f} s")
-        if not self._queue.empty():  # behind: a newer point is queued, plan from the newest one
+        if self._worker.has_pending():  # behind: a newer point is queued, plan from the newest one
             return
         wanted, end = self._wanted(iteration)
         abandoned = [it for it in self.store.points() if it < min(wanted, default=iteration + 1)

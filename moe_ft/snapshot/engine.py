@@ -47,6 +47,7 @@ from typing import Mapping
 
 import torch
 
+from moe_ft.background import BackgroundWorker
 from moe_ft.snapshot.bubbles import BubbleSchedule  # noqa: F401  (EngineConfig.bubbles)
 from moe_ft.snapshot.buffers import HostBuffers
 from moe_ft.state.operators import Level, OperatorId
@@ -161,17 +162,19 @@ class SnapshotEngine:
         self._free = queue.Queue()
         for slot in range(config.num_slots):
             self._free.put(slot)
-        self._jobs: queue.Queue = queue.Queue()
         self._inflight: _Job | None = None
-        self._error: BaseException | None = None
         self._stream = torch.cuda.Stream() if self.cuda else None
         threads = config.write_threads or (4 if self.cuda else 1)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="moe-ft-snapshot-write") if threads > 1 else None
         self._untimed: deque[_Job] = deque()  # GPU jobs whose device stall is not known yet
         self._entries: dict[tuple[int, OperatorId, Level], _Entry] = {}
         self.records: list[SnapshotRecord] = []
-        self._thread = threading.Thread(target=self._run, name="moe-ft-snapshot", daemon=True)
-        self._thread.start()
+        # No torch-function mode on the worker (unlike threads that run Megatron code): it only copies
+        # CPU/pinned tensors and writes bytes, and a Python-level mode would put every tensor access of it
+        # under the GIL, slowing down the training thread it is meant to overlap with.
+        self._worker: BackgroundWorker[_Job] = BackgroundWorker(
+            "moe-ft-snapshot", self._execute, setup=lambda: torch.set_num_threads(1), after=self._job_done,
+            describe=lambda e: f"snapshot engine failed: {e!r}")
 
     # ------------------------------------------------------------------------------- training thread
     def submit(self, iteration: int, plan: Mapping[OperatorId, Level], meta: dict,
@@ -218,7 +221,7 @@ class SnapshotEngine:
             self._copy_on_stream(job)
         self._inflight = job
         self.records.append(record)
-        self._jobs.put(job)
+        self._worker.submit(job)
         return record
 
     def _entry(self, slot: int, op: OperatorId, level: Level) -> _Entry:
@@ -288,17 +291,15 @@ class SnapshotEngine:
         if job is not None and self.config.bubbles is not None:  # no later bubble will come: copy it now
             job.deadline.set()
             self.config.bubbles.gate.poke()
-        self._jobs.join()
+        self._worker.drain()
         self._resolve_device_stalls(block=True)
-        self._raise_if_failed()
 
     def close(self) -> None:
         """Flush, then stop the background thread and release the page-locked buffers."""
         try:
             self.flush()
         finally:
-            self._jobs.put(None)
-            self._thread.join(timeout=60)
+            self._worker.close(timeout=60)
             if self._pool is not None:
                 self._pool.shutdown()
             if self._stream is not None:
@@ -306,8 +307,7 @@ class SnapshotEngine:
             self.buffers.release()
 
     def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"snapshot engine failed: {self._error!r}") from self._error
+        self._worker.raise_if_failed()
 
     def _copy_on_stream(self, job: _Job) -> None:
         """Issue the job's copies on the side stream, ordered after everything queued on the compute
@@ -347,25 +347,12 @@ class SnapshotEngine:
             job.record.device_stall_s = max(0.0, job.reached_event.elapsed_time(job.cuda_event)) / 1e3
 
     # ----------------------------------------------------------------------------- background thread
-    def _run(self) -> None:
-        # No torch-function mode here (unlike threads that run Megatron code): this thread only copies
-        # CPU/pinned tensors and writes bytes, and a Python-level mode would put every tensor access of
-        # it under the GIL, slowing down the training thread it is meant to overlap with.
-        torch.set_num_threads(1)
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                self._jobs.task_done()
-                return
-            try:
-                if self._error is None:
-                    self._execute(job)
-            except BaseException as exc:  # reported to the training thread on its next call
-                self._error = exc
-                job.copied.set()
-            finally:
-                self._free.put(job.slot)
-                self._jobs.task_done()
+    def _job_done(self, job: _Job, error: BaseException | None) -> None:
+        """After every job, handled or skipped: its slot is free again; after a failure nobody waits for
+        its copy (``wait_copied`` raises the error instead)."""
+        if error is not None:
+            job.copied.set()
+        self._free.put(job.slot)
 
     @torch.no_grad()
     def _execute(self, job: _Job) -> None:
