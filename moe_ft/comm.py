@@ -30,8 +30,16 @@ import torch
 import torch.distributed as dist
 
 # the device path lives beside the training loop (which must not import moe_ft); one implementation
-from megatron.training.collectives import (all_gather_into_tensor, all_reduce, broadcast, device_for,  # noqa: F401
-                                           group_backends, on_device, parse_backends, reduce_op)
+from megatron.training.collectives import (  # noqa: F401
+    all_gather_into_tensor,
+    all_reduce,
+    broadcast,
+    device_for,
+    group_backends,
+    on_device,
+    parse_backends,
+    reduce_op,
+)
 
 log = logging.getLogger("moe_ft.comm")
 

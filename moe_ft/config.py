@@ -13,18 +13,17 @@ class (``moe_ft.policy.policy_class``), never decided by comparing its name here
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from megatron.training.extensions import LoopExtension
 from megatron.training.argument_utils import dataclass_from_flags, field_help
+from megatron.training.extensions import LoopExtension
 from moe_ft.checkfree.config import CheckFreeConfig
+from moe_ft.drills.faults import Fault, FaultPlan, FaultPlanConfig
 from moe_ft.policy.factory import NO_SNAPSHOTS, POLICIES, POLICY_CHOICES, policy_class
-from moe_ft.snapshot.session import build_session
-from moe_ft.drills.faults import Fault
-import os
-from moe_ft.drills.faults import FaultPlan, FaultPlanConfig
 from moe_ft.precision.config import check_exact_recovery
+from moe_ft.snapshot.session import build_session
 
 if TYPE_CHECKING:
     from moe_ft.runtime.context import BuildContext

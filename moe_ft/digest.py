@@ -15,14 +15,14 @@ import hashlib
 import json
 
 import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+from moe_ft import comm
 from moe_ft.precision.quantized import quantized_tensors
 from moe_ft.precision.scaler import grad_scaler_tensors
 from moe_ft.state.naming import is_spare_expert
 from moe_ft.state.optimizer_views import main_states
-from megatron.core.tensor_parallel import get_cuda_rng_tracker
-import torch.distributed as dist
-from moe_ft import comm
 
 
 def _optimizers(optimizer):

@@ -41,8 +41,8 @@ def main() -> None:
     torch.cuda.synchronize()
     out["elapsed_ms_nonneg"] = event.elapsed_time(end) >= 0
 
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
     with one_rank_gloo():  # destroyed on leaving
         ps.initialize_model_parallel()

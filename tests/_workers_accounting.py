@@ -22,8 +22,16 @@ ITERATIONS = range(6)  # two sparse windows of 3
 
 
 def policies(catalogue):
-    from moe_ft.policy import (DenseConfig, DensePolicy, PECConfig, PECPolicy, SelectiveConfig, SelectivePolicy,
-                               SparseConfig, SparsePolicy)
+    from moe_ft.policy import (
+        DenseConfig,
+        DensePolicy,
+        PECConfig,
+        PECPolicy,
+        SelectiveConfig,
+        SelectivePolicy,
+        SparseConfig,
+        SparsePolicy,
+    )
     from moe_ft.state.catalogue import copied_bytes
     from moe_ft.state.operators import Level
 

@@ -14,8 +14,17 @@ import sys
 
 import torch
 
-from moe_ft.replication import (ReplicaPlacementConfig, ReceiverConfig, ReplicaReceiver, ReplicaSender, SenderConfig,
-                                has_copy_off_node, needs_replication, place_replicas, replica_store_config)
+from moe_ft.replication import (
+    ReceiverConfig,
+    ReplicaPlacementConfig,
+    ReplicaReceiver,
+    ReplicaSender,
+    SenderConfig,
+    has_copy_off_node,
+    needs_replication,
+    place_replicas,
+    replica_store_config,
+)
 from moe_ft.replication.transport import PointMessage, Transport
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import SnapshotStore, StoreConfig

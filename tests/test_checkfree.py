@@ -8,10 +8,25 @@ import math
 import pytest
 import torch
 
-from moe_ft.checkfree import (CopyStore, LrBoost, LrBoostConfig, SwapForwardStep, align_layers, averaging_weights,
-                              copies_held_by, copy_holders, is_swapped, layer_order, microbatch_orders,
-                              rebuild_layers, squared_grad_norm, stage_layers, stage_order, swap_partner,
-                              swapped_microbatches)
+from moe_ft.checkfree import (
+    CopyStore,
+    LrBoost,
+    LrBoostConfig,
+    SwapForwardStep,
+    align_layers,
+    averaging_weights,
+    copies_held_by,
+    copy_holders,
+    is_swapped,
+    layer_order,
+    microbatch_orders,
+    rebuild_layers,
+    squared_grad_norm,
+    stage_layers,
+    stage_order,
+    swap_partner,
+    swapped_microbatches,
+)
 from moe_ft.store.errors import CorruptEntryError
 
 

@@ -26,13 +26,12 @@ import re
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from moe_ft.checkfree.lr_boost import GROUP_LR
 from moe_ft.cli.drill import run_node_job
-from moe_ft.store import StoreConfig
 from moe_ft.drills.cluster import NodeLoss
+from moe_ft.store import StoreConfig
 
 pytestmark = pytest.mark.multiproc
 

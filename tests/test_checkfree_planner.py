@@ -8,9 +8,19 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from moe_ft.recovery.planner import (LEVELS, MIN_LEVEL_CHOICES, SOURCE_LEVEL, RankInventory, RecoveryRefused,
-                                     append_audit, check_min_level, checkfree_sources, decide, operator_sources,
-                                     summarize)
+from moe_ft.recovery.planner import (
+    LEVELS,
+    MIN_LEVEL_CHOICES,
+    SOURCE_LEVEL,
+    RankInventory,
+    RecoveryRefused,
+    append_audit,
+    check_min_level,
+    checkfree_sources,
+    decide,
+    operator_sources,
+    summarize,
+)
 from moe_ft.state.operators import OperatorId
 
 

@@ -14,7 +14,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from moe_ft.checkfree.copies import CopyStore

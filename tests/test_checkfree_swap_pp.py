@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from megatron.training.extensions import LoopExtension
 from tests._ft_helpers import tiny_model_flags
 
 pytestmark = pytest.mark.multiproc
@@ -25,7 +26,7 @@ MODEL = tiny_model_flags(num_layers=4, ffn_hidden_size=64, seq_length=16, max_po
                          seed=1234)
 
 
-class _SwapSpec:
+class _SwapSpec(LoopExtension):
     def customize_layer_spec(self, spec):
         from moe_ft.checkfree.swap_pp import install_swap_layers
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_ft.placement.allocation import allocate_replicas
 from moe_ft.elastic.config import ElasticConfig, replica_map_from_plan
+from moe_ft.placement.allocation import allocate_replicas
 
 pytestmark = pytest.mark.timeout(30)
 

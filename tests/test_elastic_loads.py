@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from moe_ft.placement.allocation import allocate_replicas
 from moe_ft.elastic.config import ElasticConfig
+from moe_ft.placement.allocation import allocate_replicas
 from moe_ft.placement.loads import read_trace_loads
 
 pytestmark = pytest.mark.timeout(60)

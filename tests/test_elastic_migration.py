@@ -5,8 +5,8 @@ from itertools import permutations
 
 import pytest
 
-from moe_ft.placement.migration import map_nodes, num_fetches, transfer_schedule
 from moe_ft.placement.layers import ExpertPlacementConfig, plan_layers, reconfigure
+from moe_ft.placement.migration import map_nodes, num_fetches, transfer_schedule
 from moe_ft.placement.search import SearchConfig
 
 

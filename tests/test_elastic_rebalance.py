@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from moe_ft.elastic.rebalance import held_from_replicas, plan_rebalance
 from moe_ft.placement.allocation import allocate_replicas
 from moe_ft.placement.layers import ExpertPlacementConfig
-from moe_ft.elastic.rebalance import held_from_replicas, plan_rebalance
 
 # 2 EP ranks x 3 slots, 4 experts: rank 0 holds {0, 1, 2}, rank 1 holds {0, 1, 3}
 CURRENT = {0: [[1, 1], [1, 1], [1, 0], [0, 1]]}

@@ -8,10 +8,9 @@ import random
 
 import pytest
 
+from moe_ft.elastic.reshape import Fetch, held_after_restart, rederive_expert_parallel, replan, replica_rows
 from moe_ft.placement.allocation import allocate_replicas
 from moe_ft.placement.layers import ExpertPlacementConfig
-from moe_ft.elastic.reshape import (Fetch, held_after_restart, rederive_expert_parallel, replan,
-                                    replica_rows)
 
 # previous incarnation: EP=4 over 2 nodes (EP ranks 0,1 on node 0; 2,3 on node 1), c=2, f=2
 PREV = {0: [[1, 0, 1, 0], [1, 0, 0, 1], [0, 1, 1, 0], [0, 1, 0, 1]],

@@ -160,7 +160,7 @@ def _function_imports_without_reason(path: Path) -> list[str]:
                 continue
             here = lines[node.lineno - 1]
             j = node.lineno - 2  # the comment may head a block of consecutive imports
-            while j >= 0 and lines[j].strip().startswith(("import ", "from ")):
+            while j >= 0 and (not lines[j].strip() or lines[j].strip().startswith(("import ", "from "))):
                 j -= 1
             above = lines[j] if j >= 0 else ""
             if not any(reason in here or (above.strip().startswith("#") and reason in above) for reason in REASONS):

@@ -10,13 +10,13 @@
 from __future__ import annotations
 
 import pytest
+from test_policy_common import make_catalog, make_popularity
 
 from moe_ft.elastic.config import ElasticConfig
 from moe_ft.elastic.live import canonical_mlps
 from moe_ft.policy import DenseConfig, DensePolicy, SparseConfig, SparsePolicy
 from moe_ft.policy.sparse import without_abandoned
 from moe_ft.state.operators import Level
-from test_policy_common import make_catalog, make_popularity
 
 
 def test_canonical_layout_is_that_of_a_fresh_build():

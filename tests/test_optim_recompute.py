@@ -16,11 +16,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron.training.extensions import LoopExtension
 from moe_ft.replication import InProcessHub, ReceiverConfig, SenderConfig
-from moe_ft.replication.optim_recompute import (GRADIENTS, OPTIMIZER_MODEL, GradCapture, MainParam, ShadowExpert,
-                                                transfer_types)
-from moe_ft.replication.recompute_stream import (RecomputeReceiver, RecomputeSender, decode_gradients,
-                                                 encode_gradients)
+from moe_ft.replication.optim_recompute import (
+    GRADIENTS,
+    OPTIMIZER_MODEL,
+    GradCapture,
+    MainParam,
+    ShadowExpert,
+    transfer_types,
+)
+from moe_ft.replication.recompute_stream import RecomputeReceiver, RecomputeSender, decode_gradients, encode_gradients
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import MemoryBackend, SnapshotStore
 from moe_ft.store.codec import DEFAULT_CHECKSUM, write_entry
@@ -59,7 +65,7 @@ SELECTION = [{(0, 0), (0, 1)}, {(0, 0), (0, 1)}, {(0, 0), (0, 1), (1, 2)}, {(0, 
              {(0, 0), (1, 2)}, {(0, 1), (1, 2)}, {(0, 1), (1, 3)}, {(0, 1), (1, 3)}]
 
 
-class _RouterSpec:
+class _RouterSpec(LoopExtension):
     def customize_layer_spec(self, spec):
         from moe_ft.megatron_ext.router import install_router
 

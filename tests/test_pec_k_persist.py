@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from test_policy_common import make_catalog
 
 from megatron.training.argument_utils import add_dataclass_arguments, dataclass_from_args
 from moe_ft.config import FTConfig
 from moe_ft.policy import build_policy, policy_class
 from moe_ft.state.operators import Level
-from test_policy_common import make_catalog
 
 
 def _parse(argv: list[str]) -> FTConfig:

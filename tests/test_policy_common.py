@@ -9,7 +9,6 @@ from moe_ft.policy import (
     DEFAULT_POLICY,
     DenseConfig,
     DensePolicy,
-    PECConfig,
     PECPolicy,
     SparsePolicy,
     build_policy,

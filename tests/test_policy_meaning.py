@@ -5,12 +5,12 @@ denominators, persist plans, flag checks, and how the measured iteration time fe
 from __future__ import annotations
 
 import pytest
+from test_policy_common import make_catalog
 
 from moe_ft.config import FTConfig
 from moe_ft.policy import POLICIES, build_policy, policy_class
 from moe_ft.policy.sparse import SparseConfig, SparsePolicy
 from moe_ft.store import DenseRule, NewestFullRule, SparseWindowRule
-from test_policy_common import make_catalog
 
 
 def test_rules_and_loss_belong_to_the_policy():

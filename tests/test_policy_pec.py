@@ -3,11 +3,11 @@ import random
 
 import pytest
 import torch
+from test_policy_common import feed, make_catalog, make_popularity
 
 from moe_ft.policy import PECConfig, PECPolicy
 from moe_ft.policy.pec import interleaved_order
 from moe_ft.state.operators import Level, OperatorId
-from test_policy_common import feed, make_catalog, make_popularity
 
 
 def _full_experts(plan):

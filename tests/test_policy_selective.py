@@ -2,12 +2,12 @@ import random
 
 import pytest
 import torch
+from test_policy_common import feed, make_catalog, make_popularity
 
 from moe_ft.policy import SelectiveConfig, SelectivePolicy
 from moe_ft.policy.base import rank_key
 from moe_ft.policy.selective import allocate_proportional
 from moe_ft.state.operators import Level, OperatorId
-from test_policy_common import feed, make_catalog, make_popularity
 
 
 def _full_experts(plan):

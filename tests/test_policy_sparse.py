@@ -2,12 +2,12 @@ import random
 
 import pytest
 import torch
+from test_policy_common import feed, make_catalog, make_popularity
 
 from moe_ft.policy import SparseConfig, SparsePolicy
 from moe_ft.policy.sparse_schedule import layer_shares, layout_window, order_operators, should_reorder
 from moe_ft.policy.window import find_window_size
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo
-from test_policy_common import feed, make_catalog, make_popularity
 
 
 def _run(policy, pop, iterations, rng, skew):

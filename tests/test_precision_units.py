@@ -236,7 +236,6 @@ def data_prefix(tmp_path):
 ])
 def test_precision_flags_are_validated(data_prefix, flags, message):
     from megatron.training.arguments import ArgumentError, parse_args
-
     from moe_ft.precision.emulation import FP8EmulationConfig
 
     with pytest.raises(ArgumentError, match=message.replace("-", r"\-").replace("(", r"\(")):

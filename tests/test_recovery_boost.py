@@ -20,7 +20,6 @@ import pytest
 
 from moe_ft.cli.drill import run_job
 
-
 ITERS, FAIL_AT = 12, 7
 CAPACITY_FACTOR, BOOST = 0.5, 1.0
 # tiny job (moe_ft/cli/drill.py TINY), layout ep2pp2: 2 data-parallel ranks per stage x 2 micro-batches of

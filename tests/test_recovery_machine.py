@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, replace
 import pytest
 import torch
 
-from moe_ft.recovery.machine import Phase, Recovery, MachineConfig, RecoveryContext, RecoveryState
+from megatron.training.extensions import LoopExtension
+from moe_ft.recovery.machine import MachineConfig, Phase, Recovery, RecoveryContext, RecoveryState
 from moe_ft.recovery.optim import RecordedStepOptimizer
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import MemoryBackend, NewestFullRule, SnapshotStore, SparseWindowRule
@@ -60,7 +61,7 @@ class Job:
     ref: dict[int, Reference] = field(default_factory=dict)
 
 
-class _RouterSpec:
+class _RouterSpec(LoopExtension):
     """Puts moe-ft's popularity-counting router into the layer spec (what the FT flags do in a real run)."""
 
     def customize_layer_spec(self, spec):

@@ -9,8 +9,7 @@ import torch
 
 from moe_ft.replication import InProcessHub, ReceiverConfig, ReplicaReceiver, ReplicaSender, SenderConfig
 from moe_ft.state.operators import Level, OperatorId
-from moe_ft.store import (DenseRule, KeepTwoRecoverable, MemoryBackend, NewestFullRule, SnapshotStore,
-                          SparseWindowRule)
+from moe_ft.store import DenseRule, KeepTwoRecoverable, MemoryBackend, NewestFullRule, SnapshotStore, SparseWindowRule
 
 E0, E1, D0 = OperatorId.expert_op(0, 0), OperatorId.expert_op(0, 1), OperatorId.dense(0)
 OPS = frozenset([E0, E1, D0])

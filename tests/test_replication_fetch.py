@@ -14,10 +14,8 @@ import pytest
 import torch
 
 from moe_ft.replication import InProcessHub, ReceiverConfig, ReplicaReceiver, ReplicaSender, SenderConfig
-from moe_ft.replication.fetch import (FetchTopology, Inventory, PeerFetch, inventory_of, needs_fetch,
-                                      plan_fetch)
-from moe_ft.replication.placement import (ReplicaPlacementConfig, has_copy_off_node, needs_replication,
-                                          place_replicas)
+from moe_ft.replication.fetch import FetchTopology, Inventory, PeerFetch, inventory_of, needs_fetch, plan_fetch
+from moe_ft.replication.placement import ReplicaPlacementConfig, has_copy_off_node, needs_replication, place_replicas
 from moe_ft.replication.receiver import replica_store_config
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import StoreConfig

@@ -6,8 +6,14 @@ import pytest
 import torch
 
 from moe_ft.persist.validate import refuse_mixed_iterations, validate_experts
-from moe_ft.replication import (InProcessHub, ReceiverConfig, ReplicaReceiver, ReplicaSender, SenderConfig,
-                                replica_store_config)
+from moe_ft.replication import (
+    InProcessHub,
+    ReceiverConfig,
+    ReplicaReceiver,
+    ReplicaSender,
+    SenderConfig,
+    replica_store_config,
+)
 from moe_ft.replication.lookup import EntryLocator, NoValidEntryError
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import DenseRule, StoreConfig

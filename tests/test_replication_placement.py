@@ -5,8 +5,13 @@ from collections import Counter
 
 import pytest
 
-from moe_ft.replication import (ReplicaPlacementConfig, has_copy_off_node, needs_replication,
-                                nodes_from_local_world_size, place_replicas)
+from moe_ft.replication import (
+    ReplicaPlacementConfig,
+    has_copy_off_node,
+    needs_replication,
+    nodes_from_local_world_size,
+    place_replicas,
+)
 from moe_ft.state.operators import Level, OperatorId
 
 pytestmark = pytest.mark.timeout(60)

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_policy_common import make_catalog
 
 from moe_ft.policy import PECConfig, PECPolicy
 from moe_ft.state.operators import Level
-from moe_ft.store import (DenseRule, KeepTwoRecoverable, MemoryBackend, NewestFullRule, SnapshotStore,
-                          TripleBuffer)
-from test_policy_common import make_catalog
+from moe_ft.store import DenseRule, KeepTwoRecoverable, MemoryBackend, NewestFullRule, SnapshotStore, TripleBuffer
 
 NUM_RANKS = 2  # EP = 2, one stage: each rank holds half the experts and every non-expert operator
 

@@ -34,10 +34,14 @@ def test_split_parameters_follows_algorithm_4():
 def test_gate_profiles_idle_time_per_iteration():
     now = [0.0]
     gate = BubbleGate(lambda: now[0], keep_intervals=True)
-    gate.enter(); now[0] = 0.25; gate.leave()
-    gate.enter(); now[0] = 0.5  # an exchange still open when the iteration ends
+    gate.enter()
+    now[0] = 0.25
+    gate.leave()
+    gate.enter()
+    now[0] = 0.5  # an exchange still open when the iteration ends
     assert gate.take_idle() == pytest.approx(0.5)
-    now[0] = 0.75; gate.leave()
+    now[0] = 0.75
+    gate.leave()
     assert gate.take_idle() == pytest.approx(0.25)  # only the part after the previous take
     assert gate.intervals == [(0.0, 0.25), (0.25, 0.75)]
     give_up = threading.Event()

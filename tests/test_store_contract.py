@@ -13,8 +13,15 @@ import pytest
 import torch
 
 from moe_ft.state.operators import Level, OperatorId
-from moe_ft.store import (CorruptEntryError, DenseRule, KeepNewestRecoverable, LocalFSBackend, MemoryBackend,
-                          MissingEntryError, SnapshotStore)
+from moe_ft.store import (
+    CorruptEntryError,
+    DenseRule,
+    KeepNewestRecoverable,
+    LocalFSBackend,
+    MemoryBackend,
+    MissingEntryError,
+    SnapshotStore,
+)
 from moe_ft.store.codec import DTYPES
 from moe_ft.store.manifest import META_BLOB, entry_blob
 

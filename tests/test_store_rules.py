@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from moe_ft.state.operators import Level, OperatorId
-from moe_ft.store import (DenseRule, KeepNewestRecoverable, MemoryBackend, NewestFullRule, SnapshotStore,
-                          SparseWindowRule, TripleBuffer)
+from moe_ft.store import (
+    DenseRule,
+    KeepNewestRecoverable,
+    MemoryBackend,
+    NewestFullRule,
+    SnapshotStore,
+    SparseWindowRule,
+    TripleBuffer,
+)
 
 E0, E1, E2 = (OperatorId.expert_op(0, e) for e in range(3))
 D0, G0 = OperatorId.dense(0), OperatorId.gate(0)

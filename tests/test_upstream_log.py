@@ -27,8 +27,16 @@ import torch.multiprocessing as mp
 from moe_ft.localized.collective_log import CollectiveSeam
 from moe_ft.localized.component import UpstreamLogging, oldest_needed
 from moe_ft.localized.log_replay import LogFeed, LogReplay, LogSeams
-from moe_ft.localized.log_store import (BWD, FWD, CollectiveResult, CorruptLogEntry, IterationLog, LogDir,
-                                        LogUnavailable, MissingLogEntry)
+from moe_ft.localized.log_store import (
+    BWD,
+    FWD,
+    CollectiveResult,
+    CorruptLogEntry,
+    IterationLog,
+    LogDir,
+    LogUnavailable,
+    MissingLogEntry,
+)
 from moe_ft.localized.upstream_log import P2PSeam
 from tests._ft_helpers import one_rank_gloo
 

@@ -46,6 +46,7 @@ def iter_documents(path: str, json_key: str):
 
 def preprocess(input_path: str, output_prefix: str, json_key: str = "text", tokenizer_type: str = "ByteLevel") -> int:
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
     from megatron.training.tokenizer import build_tokenizer
 
     if not os.path.isfile(input_path):

@@ -9,8 +9,8 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from megatron.training.extensions import Extension, check_extension
 from megatron.training.argument_utils import add_dataclass_arguments, dataclass_from_args, field_help
+from megatron.training.extensions import Extension, check_extension
 
 
 class ArgumentError(ValueError):

@@ -13,19 +13,18 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron.training.model import TrainState
 from megatron.training.optimizer_state import ensure_optimizer_state
-import random
-import numpy as np
-from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
-from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 
 log = logging.getLogger("megatron.training")
 TRACKER_FILE = "latest_checkpointed_iteration.txt"

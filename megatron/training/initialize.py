@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import warnings
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
 
 from megatron.training.arguments import Args
-from megatron.core import parallel_state as ps
-import random
-import numpy as np
-from megatron.core import tensor_parallel
 
 log = logging.getLogger("megatron.training")
 

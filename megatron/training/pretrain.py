@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megatron.training.arguments import Args
-from megatron.training.initialize import initialize_distributed, set_seeds, shutdown
-from megatron.training.data import ReplayableData, TokenSamples
-from megatron.training.tokenizer import build_tokenizer
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.data import ReplayableData, TokenSamples
+from megatron.training.initialize import initialize_distributed, set_seeds, shutdown
 from megatron.training.model import build_train_state
+from megatron.training.tokenizer import build_tokenizer
 from megatron.training.training import train
 
 

@@ -17,12 +17,27 @@ rebuilding a pipeline stage that lost every copy of its state from its neighbour
 ``docs/checkfree.md`` says where the paper is vague or differs from the authors' code, and what we built.
 """
 
-from moe_ft.checkfree.average import (STRATEGIES, Weights, align_layers, average_layers, averaging_weights,
-                                      rebuild_layers, squared_grad_norm, stage_layers)
+from moe_ft.checkfree.average import (
+    STRATEGIES,
+    Weights,
+    align_layers,
+    average_layers,
+    averaging_weights,
+    rebuild_layers,
+    squared_grad_norm,
+    stage_layers,
+)
 from moe_ft.checkfree.copies import CopyStore, copies_held_by, copies_owned_by, copy_holders
 from moe_ft.checkfree.lr_boost import LrBoost, LrBoostConfig
-from moe_ft.checkfree.swap import (SwapForwardStep, is_swapped, layer_order, microbatch_orders,
-                                   stage_order, swap_partner, swapped_microbatches)
+from moe_ft.checkfree.swap import (
+    SwapForwardStep,
+    is_swapped,
+    layer_order,
+    microbatch_orders,
+    stage_order,
+    swap_partner,
+    swapped_microbatches,
+)
 
 __all__ = ["STRATEGIES", "CopyStore", "LrBoost", "LrBoostConfig", "SwapForwardStep", "Weights", "align_layers",
            "average_layers", "averaging_weights", "copies_held_by", "copies_owned_by", "copy_holders", "is_swapped",

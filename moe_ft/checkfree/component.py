@@ -18,13 +18,13 @@
 from __future__ import annotations
 
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from moe_ft import comm
 from moe_ft.checkfree.copies import COPIED, CopyStore, copied_tensors, copy_holders
-from moe_ft.runtime.components import Component
-from megatron.core import parallel_state as ps
-from moe_ft.checkfree.swap_pp import PartnerSwap
 from moe_ft.checkfree.lr_boost import GROUP_LR, capture_group_lr
+from moe_ft.checkfree.swap_pp import PartnerSwap
+from moe_ft.runtime.components import Component
 
 
 def _pipeline() -> tuple[int, list[int]]:

@@ -21,8 +21,8 @@ import os
 from dataclasses import dataclass, field
 
 from megatron.training.argument_utils import field_help
-from moe_ft.checkfree.swap import check_num_stages
 from moe_ft.checkfree.copies import CopyStore
+from moe_ft.checkfree.swap import check_num_stages
 
 COPIES_DIRNAME = "checkfree_copies"
 
@@ -86,6 +86,7 @@ class CheckFreeConfig:
         with ``--ft-checkfree-plus`` also the partner swap and the copies."""
         # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
         from megatron.core import parallel_state as ps
+
         from moe_ft.checkfree.component import CopiesComponent, GroupLrRecord, PartnerSwapComponent
 
         out: list = [GroupLrRecord(state.optimizer)] if ps.get_pipeline_model_parallel_world_size() >= 3 else []

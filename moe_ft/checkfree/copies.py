@@ -31,8 +31,8 @@ from typing import Mapping
 
 import torch
 
-from moe_ft.store.codec import read_entry, write_entry
 from moe_ft.state.naming import operator_of
+from moe_ft.store.codec import read_entry, write_entry
 
 ALGO = "crc32"
 COPIED = ("embedding", "output")

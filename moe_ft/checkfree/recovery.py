@@ -43,13 +43,12 @@ import torch
 from moe_ft import comm
 from moe_ft.checkfree.average import Weights, align_layers, rebuild_layers, stage_layers
 from moe_ft.checkfree.copies import copied_tensors, copies_owned_by, restore_tensors
-from moe_ft.state.operators import Level
+from moe_ft.checkfree.lr_boost import GROUP_LR, LrBoost, LrBoostConfig
 from moe_ft.checkfree.swap import swap_partner
-from moe_ft.store import MissingEntryError
+from moe_ft.state.operators import Level
 from moe_ft.state.optimizer_views import main_states
-from moe_ft.checkfree.lr_boost import LrBoost, LrBoostConfig
+from moe_ft.store import MissingEntryError
 from moe_ft.store.rules import RecoveryPoint
-from moe_ft.checkfree.lr_boost import GROUP_LR
 
 GRAD_SQ = "checkfree.grad_sq"
 """Snapshot metadata tensor: this rank's squared gradient norm of the iteration (CheckFree's ``w``)."""

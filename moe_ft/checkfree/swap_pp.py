@@ -32,11 +32,11 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from moe_ft import comm
 from moe_ft.checkfree.average import stage_layers
 from moe_ft.checkfree.swap import is_swapped, swap_partner
-from megatron.core.transformer.spec_utils import ModuleSpec
 
 
 class SwapLayerMixin:

@@ -10,12 +10,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
 from moe_ft.cli.errors import reporting, user_input
-import hashlib
 
 
 def write_digest(path: str, state, iteration: int) -> dict:

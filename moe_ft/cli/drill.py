@@ -28,6 +28,7 @@ exit codes; with ``--nodes``, also ``node_losses`` (one event per loss: nodes, i
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -37,15 +38,18 @@ import tempfile
 from pathlib import Path
 
 from moe_ft.cli.errors import UsageError, reporting, user_input
-from moe_ft.drills.cluster import kill_tree  # noqa: F401  (also used by tests)
-from tools.make_corpus import write_corpus
-from moe_ft.drills.cluster import ClusterConfig, SimulatedCluster, redone_iterations
-from moe_ft.drills.cluster import read_reports as read_launch_reports
-from moe_ft.drills.launchers import LAUNCHERS, default_launcher, launcher_module
-from moe_ft.drills.faults import Fault
-from moe_ft.drills.cluster import NodeJoin
 from moe_ft.drills.checks import check_counts, check_faults, check_job_flags
-import argparse
+from moe_ft.drills.cluster import (
+    ClusterConfig,
+    NodeJoin,
+    SimulatedCluster,
+    kill_tree,  # noqa: F401  (also used by tests)
+    redone_iterations,
+)
+from moe_ft.drills.cluster import read_reports as read_launch_reports
+from moe_ft.drills.faults import Fault
+from moe_ft.drills.launchers import LAUNCHERS, default_launcher, launcher_module
+from tools.make_corpus import write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 4  # ranks of the drill's job (torchrun --nproc-per-node, or split over --nodes)

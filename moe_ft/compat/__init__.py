@@ -9,6 +9,7 @@ does the same. Nothing happens at import time.
 """
 
 from __future__ import annotations
+
 from moe_ft.compat import cpu, writer_queue
 
 

@@ -34,15 +34,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
-from torch.overrides import TorchFunctionMode
-from megatron.core.tensor_parallel import random as mp_random
-from megatron.core.transformer.moe import moe_utils
-from megatron.core.transformer.moe import moe_utils, token_dispatcher
 from megatron.core import package_info
-import time
+from megatron.core.tensor_parallel import random as mp_random
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
+from torch.overrides import TorchFunctionMode
 
 SUPPORTED_MCORE_VERSIONS = ("0.16.1",)
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.queues
 
-from moe_ft.compat.cpu import SUPPORTED_MCORE_VERSIONS
 from megatron.core import package_info
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+from moe_ft.compat.cpu import SUPPORTED_MCORE_VERSIONS
 
 
 class ResultsQueue(multiprocessing.queues.Queue):

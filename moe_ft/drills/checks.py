@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+
 from moe_ft.drills.cluster import NodeLoss, check_losses
 from moe_ft.drills.faults import Fault
 

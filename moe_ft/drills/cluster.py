@@ -44,17 +44,18 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from moe_ft.drills.launchers import launcher_module
-from moe_ft.drills.faults import PHASES, Fault
 import psutil
-import signal
+
+from moe_ft.drills.faults import PHASES, Fault
+from moe_ft.drills.launchers import launcher_module
 
 
 @dataclass(frozen=True, order=True)

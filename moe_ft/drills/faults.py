@@ -45,6 +45,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
+
 import psutil
 
 PHASES = ("forward", "backward", "step", "snapshot", "publish", "published", "persist", "recovery", "survivor")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+
 from torch.distributed import run
 
 from moe_ft.drills import prelaunch

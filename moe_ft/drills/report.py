@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 import torch
+
 from moe_ft.state.naming import global_expert_indices
 
 _LOSS = re.compile(r"^iteration\s+(\d+)/\s*\d+ \| loss ([0-9.eE+-]+)")

@@ -8,13 +8,12 @@ component carries it into the running job: :meth:`ElasticRecorder.restore` resto
 
 from __future__ import annotations
 
+from moe_ft.drills.report import dump_parameters
 from moe_ft.elastic.holders import layer_replica_maps
 from moe_ft.elastic.inventory import LayoutRecord, write_record
-from moe_ft.runtime.components import Component
-from moe_ft.elastic.restore import restore_reshaped, write_report
+from moe_ft.elastic.restore import discard_node_points, restore_reshaped, write_report
 from moe_ft.recovery.progress import last_completed
-from moe_ft.elastic.restore import discard_node_points, write_report
-from moe_ft.drills.report import dump_parameters
+from moe_ft.runtime.components import Component
 
 
 def elastic_component(args, runtime) -> "ElasticRecorder | None":

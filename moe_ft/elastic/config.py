@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from megatron.training.extensions import LoopExtension
 from moe_ft.megatron_ext.dispatch.arithmetic import BACKENDS, FLEXIBLE
+from moe_ft.placement.layers import STRATEGIES, ExpertPlacementConfig, place, plan_layer
 from moe_ft.placement.loads import MeasuredLoads, read_trace_loads
 from moe_ft.placement.plans import plan_counts, validate_plan
-from moe_ft.placement.layers import STRATEGIES, ExpertPlacementConfig, place, plan_layer
-import torch.distributed as dist
 
 
 def field_help(help_text: str, **extra) -> dict:
@@ -172,6 +172,7 @@ class ElasticConfig(LoopExtension):
         takes over Megatron's dispatcher switch only for ``--moe-token-dispatcher-type flexible``."""
         # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
         from megatron.core.transformer.moe.moe_layer import MoELayer
+
         from moe_ft.megatron_ext.elastic_moe_layer import elastic_mlp_spec
 
         mlp = getattr(spec.submodules, "mlp", None)

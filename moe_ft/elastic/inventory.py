@@ -19,8 +19,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from moe_ft.state.operators import Level, OperatorId
 from moe_ft.localized.survivor import SURVIVOR_SUBDIR
+from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store.store import StoreConfig
 
 RECORD_DIR = "elastic"

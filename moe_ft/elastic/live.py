@@ -30,6 +30,8 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from moe_ft import comm
 from moe_ft.elastic.rebalance import RebalancePlan
@@ -37,8 +39,6 @@ from moe_ft.elastic.restore import copy_into
 from moe_ft.state.naming import plan_free_name
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.state.optimizer_views import main_states
-import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 
 def elastic_layers(model_chunks) -> dict:

@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from moe_ft.elastic.reshape import Fetch, replan
 from moe_ft.placement.allocation import allocate_replicas
 from moe_ft.placement.layers import ExpertPlacementConfig
-from moe_ft.elastic.reshape import Fetch, replan
 
 ExpertKey = tuple[int, int]
 """``(layer, expert_idx)``."""

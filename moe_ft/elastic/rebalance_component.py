@@ -30,8 +30,8 @@ from pathlib import Path
 
 from moe_ft import comm
 from moe_ft.elastic.live import apply_rebalance, current_plans, elastic_layers
-from moe_ft.placement.layers import ExpertPlacementConfig
 from moe_ft.elastic.rebalance import plan_rebalance
+from moe_ft.placement.layers import ExpertPlacementConfig
 from moe_ft.runtime.components import Component
 from moe_ft.state.registry import OperatorRegistry
 

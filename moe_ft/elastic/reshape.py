@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from moe_ft.placement.migration import map_nodes, transfer_schedule
 from moe_ft.placement.layers import ExpertPlacementConfig, plan_layer
+from moe_ft.placement.migration import map_nodes, transfer_schedule
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,14 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-from moe_ft.elastic.inventory import LayoutRecord, newest_record, node_inventory, read_records
-from moe_ft.placement.layers import ExpertPlacementConfig
-from moe_ft.elastic.reshape import Replan, rederive_expert_parallel, replan
-from moe_ft.state.operators import OperatorId
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+
 from moe_ft import comm
+from moe_ft.elastic.inventory import LayoutRecord, newest_record, node_inventory, read_records
+from moe_ft.elastic.reshape import Replan, rederive_expert_parallel, replan
+from moe_ft.placement.layers import ExpertPlacementConfig
+from moe_ft.state.operators import OperatorId
 
 
 @dataclass

@@ -23,6 +23,7 @@ result is close, not bitwise (``docs/elastic.md``).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from collections import defaultdict
@@ -30,13 +31,12 @@ from pathlib import Path
 
 import torch
 
+from moe_ft import comm
 from moe_ft.elastic.inventory import node_inventory, store_dirs
+from moe_ft.recovery.machine import restore_step_state
 from moe_ft.snapshot.restore import copy_checked, restore_meta
 from moe_ft.state.operators import Level, OperatorId
-from moe_ft import comm
-from moe_ft.recovery.machine import restore_step_state
 from moe_ft.state.optimizer_views import ensure_optimizer_state
-import os
 
 META = "__meta__"
 

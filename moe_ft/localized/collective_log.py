@@ -26,10 +26,10 @@ import threading
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from megatron.core import parallel_state as ps
 
 from moe_ft import comm
 from moe_ft.localized.log_store import LogUnavailable
-from megatron.core import parallel_state as ps
 
 OUTPUTS = {  # function → the arguments holding its result (same on every member of the group)
     "all_reduce": ("tensor",),

@@ -32,14 +32,22 @@ from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
+from moe_ft import comm
 from moe_ft.localized.collective_log import CollectiveSeam, serve
-from moe_ft.localized.log_store import (BWD, FWD, CorruptLogEntry, LogDir, LogUnavailable, MissingLogEntry,
-                                        decode_blob, decode_entry)
+from moe_ft.localized.log_store import (
+    BWD,
+    FWD,
+    CorruptLogEntry,
+    LogDir,
+    LogUnavailable,
+    MissingLogEntry,
+    decode_blob,
+    decode_entry,
+)
 from moe_ft.localized.upstream_log import P2PSeam
 from moe_ft.localized.vstages import comm_layout, sending_vstage
-from moe_ft import comm
-from megatron.core import parallel_state as ps
 
 _SEND = re.compile(r"^send\.(fwd|bwd)\.to(\d+)$")
 _COLL = re.compile(r"^coll\.([\d-]+)$")

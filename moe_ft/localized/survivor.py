@@ -44,17 +44,17 @@ import os
 import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
 
+from moe_ft.snapshot.restore import restore_operator
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import StoreConfig
 from moe_ft.store.rules import DenseRule
-from moe_ft.snapshot.restore import restore_operator
-import traceback
 
 log = logging.getLogger("moe_ft.localized")
 

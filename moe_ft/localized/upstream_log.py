@@ -24,12 +24,11 @@ import functools
 import threading
 
 import torch
-
+from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from moe_ft.localized.log_store import BWD, FWD, CollectiveResult, IterationLog, LogDir
 from moe_ft.localized.vstages import comm_layout, sending_vstage
-from megatron.core.pipeline_parallel import schedules
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
+from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
 
 from moe_ft.popularity import move_buffer
-from megatron.core.transformer.moe import moe_utils
 
 
 def per_expert_token_dropping(probs: torch.Tensor, routing_map: torch.Tensor, *, topk: int,

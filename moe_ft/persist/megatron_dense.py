@@ -15,12 +15,12 @@ from __future__ import annotations
 import os
 
 import torch.distributed as dist
-
-from moe_ft import comm
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-from moe_ft.compat import writer_queue
 from megatron.core import dist_checkpointing
-from megatron.training.checkpointing import (TRACKER_FILE, _sharded_state_dict, checkpoint_dir, read_latest_iteration)
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+from megatron.training.checkpointing import TRACKER_FILE, _sharded_state_dict, checkpoint_dir, read_latest_iteration
+from moe_ft import comm
+from moe_ft.compat import writer_queue
 
 
 class MegatronDenseWriter:

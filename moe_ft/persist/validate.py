@@ -9,13 +9,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable, Mapping
 
+from moe_ft.persist.durable import DurableTier
 from moe_ft.state.operators import OperatorId
 from moe_ft.store.rules import RecoveryPoint
-from pathlib import Path
-from moe_ft.persist.durable import DurableTier
-from moe_ft.store.rules import EntryRef
 
 
 def validate_experts(parts: Mapping[int, RecoveryPoint], *, num_layers: Iterable[int] | int, num_experts: int,

@@ -19,7 +19,6 @@ from moe_ft.store.manifest import build_manifest
 from moe_ft.store.rules import EntryRef, RecoveryPoint, RecoveryRule
 
 
-
 @dataclass(kw_only=True)
 class PersistConfig:
     interval: int = 0

@@ -26,7 +26,6 @@ from typing import Sequence
 from moe_ft.placement.plans import Plan, canonical, compact_plan, mro_plan, spread_plan, supports, validate_allocation
 from moe_ft.placement.reliability import recovering_failure_sets
 
-
 MAX_EXACT_NODES = 16
 MAX_EXACT_NODE_KINDS = 5000
 

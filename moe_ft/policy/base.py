@@ -18,14 +18,13 @@ import abc
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Optional, Sequence
 
+from moe_ft.state.catalogue import copied_bytes
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo, SnapshotPlan
 from moe_ft.store.rules import DenseRule, RecoveryRule
-from moe_ft.state.catalogue import copied_bytes
 
 if TYPE_CHECKING:  # only for annotations: policies read counters, they never build them
-    from moe_ft.config import FTConfig
+    from moe_ft.config import FTConfig, SnapshotConfig
     from moe_ft.popularity import ExpertPopularity
-    from moe_ft.config import SnapshotConfig
 
 RankKey = tuple[int, int]
 """``(pp_rank, ep_rank)``: the device whose link an operator's snapshot bytes cross."""

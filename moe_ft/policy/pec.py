@@ -30,13 +30,13 @@ from typing import Mapping, Optional, Sequence
 
 from moe_ft.policy.base import (
     SnapshotPolicy,
-    experts_by_layer,
     expert_scores,
+    experts_by_layer,
     make_plan,
     top_by_score,
 )
-from moe_ft.store.rules import NewestFullRule
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo, SnapshotPlan
+from moe_ft.store.rules import NewestFullRule
 
 SELECTIONS = ("sequential", "load_aware")
 

@@ -24,14 +24,14 @@ from moe_ft.policy.base import (
     RankKey,
     SnapshotPolicy,
     bytes_per_rank,
-    experts_by_layer,
     expert_scores,
+    experts_by_layer,
     make_plan,
     rank_key,
     top_by_score,
 )
-from moe_ft.store.rules import NewestFullRule
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo, SnapshotPlan
+from moe_ft.store.rules import NewestFullRule
 
 
 @dataclass(kw_only=True)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron.training.extensions import LoopExtension
 from megatron.training.argument_utils import field_help
+from megatron.training.extensions import LoopExtension
 from moe_ft.precision.fp8 import DelayedScalingConfig, weight_format
 
 

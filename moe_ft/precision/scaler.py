@@ -15,6 +15,7 @@ State per Megatron optimizer (``ChainedOptimizer`` holds one per parameter set):
 from __future__ import annotations
 
 import torch
+
 from moe_ft.state.optimizer_views import leaf_optimizers
 
 

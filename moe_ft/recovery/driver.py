@@ -34,18 +34,17 @@ import torch
 import torch.distributed as dist
 
 from moe_ft import comm
+from moe_ft.checkfree.recovery import boost_rebuilt_stage
+from moe_ft.digest import global_digest
+from moe_ft.localized.survivor import discard_survivor_points as discard
+from moe_ft.persist import DurableTier
+from moe_ft.recovery import localized, planner
 from moe_ft.recovery.bounded import BoundedStore
 from moe_ft.recovery.lossy import gather_expert_full_at, token_loss
-from moe_ft.recovery.machine import Phase, Recovery, MachineConfig, RecoveryContext, RecoveryState
+from moe_ft.recovery.machine import MachineConfig, Phase, Recovery, RecoveryContext, RecoveryState
 from moe_ft.recovery.progress import last_completed
 from moe_ft.recovery.report import RecoveryReport
 from moe_ft.state.operators import Level
-from moe_ft.persist import DurableTier
-from moe_ft.recovery import localized
-from moe_ft.digest import global_digest
-from moe_ft.recovery import planner
-from moe_ft.localized.survivor import discard_survivor_points as discard
-from moe_ft.checkfree.recovery import boost_rebuilt_stage
 
 if TYPE_CHECKING:
     from moe_ft.config import FTConfig

@@ -25,19 +25,16 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from moe_ft import comm
-from moe_ft.localized.scope import RankReport, Scope, decide_scope
-from moe_ft.recovery.bounded import BoundedStore
-from megatron.core import parallel_state as ps
-from moe_ft.localized.survivor import newest_survivor_point
-from moe_ft.localized.survivor import load_survivor_point
-from moe_ft.recovery.machine import restore_step_state
-from moe_ft.snapshot.restore import restore_meta
-from moe_ft.localized.log_replay import LogReplay
-from moe_ft.recovery.machine import Recovery, MachineConfig, RecoveryContext, RecoveryState
+from moe_ft.localized.log_replay import LogReplay, exchange_logs
 from moe_ft.localized.log_store import LogUnavailable
-from moe_ft.localized.log_replay import exchange_logs
+from moe_ft.localized.scope import RankReport, Scope, decide_scope
+from moe_ft.localized.survivor import load_survivor_point, newest_survivor_point
+from moe_ft.recovery.bounded import BoundedStore
+from moe_ft.recovery.machine import MachineConfig, Recovery, RecoveryContext, RecoveryState, restore_step_state
+from moe_ft.snapshot.restore import restore_meta
 
 if TYPE_CHECKING:
     from moe_ft.recovery.driver import RecoveryInputs

@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Any, Mapping, cast
 
 import torch
 
+from moe_ft.checkfree.lr_boost import restore_group_lr
 from moe_ft.recovery.agreement import agree_on_point
 from moe_ft.recovery.context import RecoveryContext
 from moe_ft.recovery.optim import RecordedStepOptimizer, main_params_by_model_param
 from moe_ft.snapshot.meta import restore_step_meta
 from moe_ft.snapshot.restore import restore_meta, restore_operator
 from moe_ft.state.operators import Level
-from moe_ft.checkfree.lr_boost import restore_group_lr
 
 if TYPE_CHECKING:
     from moe_ft.popularity import ExpertPopularity

@@ -23,10 +23,10 @@ import math
 from typing import Iterable
 
 import torch
-
-from moe_ft.state.optimizer_views import leaf_optimizers
-from moe_ft.precision.quantized import quantized_weight
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+from moe_ft.precision.quantized import quantized_weight
+from moe_ft.state.optimizer_views import leaf_optimizers
 
 
 def main_params_by_model_param(optimizer) -> dict[int, list[torch.Tensor]]:

@@ -29,11 +29,18 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Mapping, Sequence
-from moe_ft.checkfree.recovery import rebuild_sources
-from megatron.core import parallel_state as ps
-from moe_ft import comm
+
 import torch.distributed as dist
-from moe_ft.checkfree.recovery import RebuildImpossible, RebuiltStageStore, Wildcard, exchange_and_rebuild
+from megatron.core import parallel_state as ps
+
+from moe_ft import comm
+from moe_ft.checkfree.recovery import (
+    RebuildImpossible,
+    RebuiltStageStore,
+    Wildcard,
+    exchange_and_rebuild,
+    rebuild_sources,
+)
 from moe_ft.recovery.agreement import agree_on_point
 
 LEVELS = ("start_over", "approximate", "lossy", "durable", "exact")

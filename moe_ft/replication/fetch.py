@@ -34,6 +34,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+from moe_ft import comm
 from moe_ft.replication.receiver import OWNER_MANIFEST, verify_message
 from moe_ft.replication.transport import GlooTransport, GlooTransportConfig, PointMessage, Transport
 from moe_ft.state.operators import Level, OperatorId
@@ -41,7 +42,6 @@ from moe_ft.store import SnapshotStore
 from moe_ft.store.backend import MANIFEST
 from moe_ft.store.errors import CorruptEntryError
 from moe_ft.store.manifest import decode_manifest
-from moe_ft import comm
 
 logger = logging.getLogger("moe_ft.replication")
 

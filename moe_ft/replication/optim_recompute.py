@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from moe_ft.state.operators import Level, OperatorId
+from moe_ft.state.optimizer_views import leaf_optimizers
 from moe_ft.store.codec import read_entry, write_entry
 from moe_ft.store.manifest import entry_key
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from moe_ft.state.optimizer_views import leaf_optimizers
 
 GRADIENTS = "Gradients"
 OPTIMIZER_MODEL = "Optimizer+Model"

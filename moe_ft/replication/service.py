@@ -11,18 +11,25 @@ import os
 import sys
 from dataclasses import dataclass
 
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from moe_ft import comm
 from moe_ft.persist import DurableTier, PersistConfig, PersistWriter
 from moe_ft.replication.fetch import FetchResult, FetchTopology, fetch_from_peers
-from moe_ft.replication.placement import (ReplicaPlacementConfig, ReplicaPlan, has_copy_off_node, needs_replication,
-                                          nodes_from_local_world_size, place_replicas)
+from moe_ft.replication.placement import (
+    ReplicaPlacementConfig,
+    ReplicaPlan,
+    has_copy_off_node,
+    needs_replication,
+    nodes_from_local_world_size,
+    place_replicas,
+)
 from moe_ft.replication.receiver import ReceiverConfig, ReplicaReceiver, replica_store_config
+from moe_ft.replication.recompute_stream import RecomputeReceiver, RecomputeSender
 from moe_ft.replication.sender import ReplicaSender, SenderConfig
 from moe_ft.replication.transport import GlooTransport, GlooTransportConfig
 from moe_ft.state.operators import Level
-import torch.distributed as dist
-from megatron.core import parallel_state as ps
-from moe_ft import comm
-from moe_ft.replication.recompute_stream import RecomputeReceiver, RecomputeSender
 
 logger = logging.getLogger("moe_ft.replication")
 

@@ -21,8 +21,9 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
-from moe_ft import comm
 import torch.distributed as dist
+
+from moe_ft import comm
 
 
 @dataclass(frozen=True)

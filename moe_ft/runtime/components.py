@@ -8,20 +8,18 @@ that lives elsewhere (``replication/``, ``persist/``, ``recovery/boost.py``, ``r
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
-from moe_ft.state.operators import Level
-from moe_ft.replication.service import build_persistence
-from moe_ft.persist.megatron_dense import MegatronDenseWriter
-from moe_ft.recovery.progress import write_progress
-from moe_ft.recovery.boost import record_made_up
-from moe_ft.recovery.boost import snapshot_tensors
-from moe_ft.recovery.boost import start_after_recovery
-import statistics
 from moe_ft import comm
 from moe_ft.checkfree.average import local_grad_sq
 from moe_ft.checkfree.recovery import GRAD_SQ
+from moe_ft.persist.megatron_dense import MegatronDenseWriter
+from moe_ft.recovery.boost import record_made_up, snapshot_tensors, start_after_recovery
+from moe_ft.recovery.progress import write_progress
+from moe_ft.replication.service import build_persistence
+from moe_ft.state.operators import Level
 
 
 class Component:

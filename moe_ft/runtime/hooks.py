@@ -26,31 +26,28 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron.training.training import StepHooks
+from megatron.training.training import StepHooks, train_step
 from moe_ft import comm
+from moe_ft.cli.digest import write_digest
 from moe_ft.config import FTConfig
+from moe_ft.elastic.component import elastic_component
+from moe_ft.elastic.holders import catalogue_infos
+from moe_ft.elastic.rebalance_component import rebalance_component
+from moe_ft.localized.component import UpstreamLogging
+from moe_ft.localized.survivor import SurvivorGuard, survivor_store
+from moe_ft.megatron_ext.router import attach_popularity
+from moe_ft.popularity import ExpertPopularity, PopularityConfig
+from moe_ft.recovery.driver import RecoveryInputs, recover, should_recover
+from moe_ft.recovery.planner import RecoveryRefused
 from moe_ft.runtime import components as C
 from moe_ft.runtime.context import BuildContext
 from moe_ft.runtime.log import format_line
-from moe_ft.state.operators import Level
-from moe_ft.megatron_ext.router import attach_popularity
-from moe_ft.popularity import ExpertPopularity, PopularityConfig
-from moe_ft.elastic.component import elastic_component
-from moe_ft.localized.survivor import SurvivorGuard
-from moe_ft.localized.component import UpstreamLogging
-from moe_ft.elastic.rebalance_component import rebalance_component
-from moe_ft.recovery.driver import should_recover
-from moe_ft.state.catalogue import gather_catalogue
-from moe_ft.state.registry import OperatorRegistry
-from moe_ft.elastic.holders import catalogue_infos
 from moe_ft.snapshot.bubble_component import BubbleScheduling
-from moe_ft.state.optimizer_views import ensure_optimizer_state
-from megatron.training.training import train_step
-from moe_ft.recovery.driver import RecoveryInputs, recover
-from moe_ft.recovery.planner import RecoveryRefused
-from moe_ft.localized.survivor import survivor_store
 from moe_ft.snapshot.meta import capture_step_meta
-from moe_ft.cli.digest import write_digest
+from moe_ft.state.catalogue import gather_catalogue
+from moe_ft.state.operators import Level
+from moe_ft.state.optimizer_views import ensure_optimizer_state
+from moe_ft.state.registry import OperatorRegistry
 
 
 class FTRuntime(StepHooks):

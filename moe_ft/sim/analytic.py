@@ -17,8 +17,15 @@ import numpy as np
 
 from moe_ft.sim.costmodel import CostModel
 from moe_ft.sim.formulas import daly_interval_s, ettr_first_order, snapshot_stall_s
-from moe_ft.sim.policies import (PolicyModel, PolicySpec, _phase_times, dense_model, pec_model,
-                                 selective_model, sparse_model)
+from moe_ft.sim.policies import (
+    PolicyModel,
+    PolicySpec,
+    _phase_times,
+    dense_model,
+    pec_model,
+    selective_model,
+    sparse_model,
+)
 
 MAX_DENSE_INTERVAL = 100_000
 

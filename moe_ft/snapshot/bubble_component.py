@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 
-from moe_ft.runtime.components import Component
 from moe_ft.localized.upstream_log import P2PSeam
+from moe_ft.runtime.components import Component
 
 
 class BubbleScheduling(Component):

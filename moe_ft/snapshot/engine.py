@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import contextlib
 import queue
-from concurrent.futures import ThreadPoolExecutor
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Mapping
 

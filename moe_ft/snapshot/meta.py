@@ -19,9 +19,9 @@ import random
 
 import numpy as np
 import torch
+from megatron.core import tensor_parallel
 
 from moe_ft.precision.scaler import grad_scaler_state, load_grad_scaler_state
-from megatron.core import tensor_parallel
 
 
 def capture_rng() -> tuple[dict, dict[str, torch.Tensor]]:

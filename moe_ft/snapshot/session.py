@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from moe_ft.store.retention import KeepTwoRecoverable
 from moe_ft.policy import build_policy
 from moe_ft.snapshot import EngineConfig, SnapshotEngine
-from moe_ft.store import StoreConfig
 from moe_ft.snapshot.bubbles import BubbleGate, BubbleSchedule
-from moe_ft.snapshot import SnapshotEngine
+from moe_ft.store import StoreConfig
+from moe_ft.store.retention import KeepTwoRecoverable
 
 if TYPE_CHECKING:
     from moe_ft.config import SnapshotConfig

@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence, Union
 
-from moe_ft.state.operators import Level, OperatorId, OperatorInfo
 from moe_ft import comm
+from moe_ft.state.operators import Level, OperatorId, OperatorInfo
 
 RankKey = tuple[int, int]
 """``(pp_rank, ep_rank)``: the device whose link a snapshot's bytes cross (``moe_ft.policy.base``)."""

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
 # Plain Megatron needs, defined beside the training loop's checkpoint loading (re-exported here).
 from megatron.training.optimizer_state import ensure_optimizer_state, leaf_optimizers  # noqa: F401
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
 
 @dataclass(kw_only=True)

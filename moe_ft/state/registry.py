@@ -39,12 +39,12 @@ from types import MappingProxyType
 from typing import Iterable, Mapping
 
 import torch
+from megatron.core import parallel_state as ps
 
 from moe_ft.precision.quantized import QuantizedWeight, is_float8_dtype, quantized_state
 from moe_ft.state.naming import grouped_expert_views, is_spare_expert, operator_of
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo
 from moe_ft.state.optimizer_views import MainState, main_states
-from megatron.core import parallel_state as ps
 
 
 @dataclass(kw_only=True)

@@ -8,10 +8,18 @@ from moe_ft.store.errors import CorruptEntryError, MissingEntryError, StoreError
 from moe_ft.store.local import LocalFSBackend
 from moe_ft.store.manifest import EntryRecord, PointRecord, TensorRecord
 from moe_ft.store.memory import MemoryBackend
-from moe_ft.store.retention import (KeepAll, KeepNewestRecoverable, KeepTwoRecoverable, RetentionPolicy,
-                                    TripleBuffer)
-from moe_ft.store.rules import (DenseRule, EntryRef, NewestFullRule, RecoveryPoint, RecoveryRule,
-                                SparseWindowRule, dense_complete, newest_recoverable, sparse_window_complete)
+from moe_ft.store.retention import KeepAll, KeepNewestRecoverable, KeepTwoRecoverable, RetentionPolicy, TripleBuffer
+from moe_ft.store.rules import (
+    DenseRule,
+    EntryRef,
+    NewestFullRule,
+    RecoveryPoint,
+    RecoveryRule,
+    SparseWindowRule,
+    dense_complete,
+    newest_recoverable,
+    sparse_window_complete,
+)
 from moe_ft.store.store import MetaEntry, PendingPoint, SnapshotStore, StoreConfig
 
 __all__ = [

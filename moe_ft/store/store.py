@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import logging
-import os
 import threading
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -33,8 +31,16 @@ from moe_ft.store.catalog import Catalog, Problem
 from moe_ft.store.codec import DEFAULT_CHECKSUM, encode_meta, new_checksum, read_entry, write_entry
 from moe_ft.store.errors import CorruptEntryError, MissingEntryError, StoreError
 from moe_ft.store.local import LocalFSBackend
-from moe_ft.store.manifest import (META_BLOB, EntryRecord, PointRecord, TensorRecord, build_manifest,
-                                   decode_manifest, entry_blob, entry_key)
+from moe_ft.store.manifest import (
+    META_BLOB,
+    EntryRecord,
+    PointRecord,
+    TensorRecord,
+    build_manifest,
+    decode_manifest,
+    entry_blob,
+    entry_key,
+)
 from moe_ft.store.retention import RetentionPolicy
 from moe_ft.store.rules import EntryRef, RecoveryPoint, RecoveryRule, newest_recoverable
 

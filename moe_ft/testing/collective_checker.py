@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
 from megatron.training import collectives
 from moe_ft import comm
 

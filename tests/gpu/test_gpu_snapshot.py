@@ -58,7 +58,6 @@ def test_cuda_snapshots_hold_the_state_at_submit(tmp_path, busy):
     key = f"{ops[0]}/{next(iter(registry[ops[0]].tensors(Level.FULL)))}"
     assert engine.buffers.view(0, key).is_pinned()
     x = torch.randn(4096, 4096, device="cuda")
-    y = None
     expected, counters = {}, {}
     try:
         for it in range(8):
@@ -70,7 +69,7 @@ def test_cuda_snapshots_hold_the_state_at_submit(tmp_path, busy):
             counters[it] = float(it)
             if busy:  # forward/backward stand-in, overlapping the copy
                 for _ in range(20):
-                    y = x @ x
+                    x @ x
             engine.wait_copied()
             optimizer_step(registry)  # queued behind the copy of `it` on the device only
         engine.flush()

@@ -6,8 +6,15 @@ import math
 import pytest
 
 from moe_ft.policy.window import find_window_size
-from moe_ft.sim.config import (CollectiveCost, HardwareSpec, ModelSpec, ParallelSpec, PRECISIONS, SimConfig,
-                               config_from_dict)
+from moe_ft.sim.config import (
+    PRECISIONS,
+    CollectiveCost,
+    HardwareSpec,
+    ModelSpec,
+    ParallelSpec,
+    SimConfig,
+    config_from_dict,
+)
 from moe_ft.sim.costmodel import CostModel
 from moe_ft.sim.policies import _budget_bytes, _checkpoint_order, parse_policy, sparse_model
 from moe_ft.state.operators import OperatorId

@@ -6,9 +6,19 @@ import pytest
 
 from moe_ft.sim.analytic import _mean_exp
 from moe_ft.sim.costmodel import pipeline_time_s
-from moe_ft.sim.formulas import (daly_interval_s, daly_wall_fraction, ettr_first_order, ettr_renewal,
-                                 moc_beats_full, moc_overhead_per_iter_s, moc_total_overhead_s,
-                                 moetion_experts_per_iter, moetion_wasted_s, snapshot_stall_s, young_interval_s)
+from moe_ft.sim.formulas import (
+    daly_interval_s,
+    daly_wall_fraction,
+    ettr_first_order,
+    ettr_renewal,
+    moc_beats_full,
+    moc_overhead_per_iter_s,
+    moc_total_overhead_s,
+    moetion_experts_per_iter,
+    moetion_wasted_s,
+    snapshot_stall_s,
+    young_interval_s,
+)
 
 
 def test_ettr_first_order_hand_example():

@@ -4,9 +4,9 @@ paper's localized restart stays available as ``sparse:localized=paper``."""
 
 import pytest
 
+from moe_ft.sim.advisor import plan
 from moe_ft.sim.analytic import build_model, evaluate
 from moe_ft.sim.costmodel import CostModel
-from moe_ft.sim.advisor import plan
 from moe_ft.sim.policies import parse_policy
 from moe_ft.sim.presets import get_preset
 

@@ -74,16 +74,14 @@ PP = {4: 2, 2: 1}  # ranks -> pipeline stages (EP = 2 always): 4 ranks = EP2 x P
 def worker(argv: list[str]) -> int:
     import dataclasses
 
-    import torch.distributed as dist
 
     sys.path.insert(0, ROOT)
+    import moe_ft.snapshot.meta as meta_module
     import pretrain_gpt_moe
     from megatron.training.arguments import parse_args
     from megatron.training.pretrain import pretrain
     from moe_ft.runtime.hooks import FTRuntime
     from moe_ft.state.operators import Level
-
-    import moe_ft.snapshot.meta as meta_module
 
     out = argv.pop(argv.index("--out") + 1)
     argv.remove("--out")

@@ -35,8 +35,8 @@ def _timed(fn, repeat: int = 1):
 
 
 def bench_placement(args) -> None:
-    from moe_ft.placement.allocation import allocate_replicas
     from moe_ft.megatron_ext.dispatch.schedule import dispatch_schedule
+    from moe_ft.placement.allocation import allocate_replicas
     from moe_ft.placement.migration import map_nodes
     from moe_ft.placement.plans import mro_plan
     from moe_ft.placement.reliability import recovery_probabilities

@@ -70,9 +70,9 @@ def _worker(rank: int, world: int, port: int, opts: dict, results) -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from moe_ft.compat import cpu as cpu_compat
-    from moe_ft.placement.allocation import allocate_replicas
     from moe_ft.elastic.config import FLEXIBLE, ElasticConfig
     from moe_ft.megatron_ext.elastic_moe_layer import elastic_mlp_spec
+    from moe_ft.placement.allocation import allocate_replicas
 
     cpu_compat.activate()
     ps.initialize_model_parallel(expert_model_parallel_size=world)

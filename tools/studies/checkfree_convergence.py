@@ -96,6 +96,7 @@ class Trainer:
     def __init__(self, cfg: StudyConfig, args, strategy: str) -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer.optimizer_config import ParamKey
+
         from megatron.training.initialize import set_seeds
         from megatron.training.model import build_train_state
         from megatron.training.pretrain import build_data

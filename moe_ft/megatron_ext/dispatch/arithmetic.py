@@ -29,7 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_ft.megatron_ext.dispatch.permute_ref import check_routing, permute_reference, positions_reference, unpermute_reference
+from moe_ft.megatron_ext.dispatch.permute_ref import (
+    check_routing,
+    permute_reference,
+    positions_reference,
+    unpermute_reference,
+)
 from moe_ft.megatron_ext.dispatch.schedule import (
     DispatchSchedule,
     _exclusive_cumsum,
