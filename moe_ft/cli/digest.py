@@ -16,22 +16,19 @@ import os
 from pathlib import Path
 
 from moe_ft.cli.errors import reporting, user_input
+from moe_ft.drills.report import load_digest
 
 
 def write_digest(path: str, state, iteration: int) -> dict:
     """Collective: every rank's state digest; rank 0 writes the JSON file."""
-    # start-up time: `moe-ft` imports every subcommand module for --help; torch only when this command runs
-    import torch.distributed as dist
+    import torch.distributed as dist  # start-up time: the moe-ft console script imports this module
 
-    # start-up time: `moe-ft` imports every subcommand module for --help; torch only when this command runs
-    from moe_ft.digest import local_state_tensors, tensor_digest
+    from moe_ft import comm  # start-up time: imports torch and Megatron
+    from moe_ft.digest import local_state_tensors, tensor_digest  # start-up time: imports torch
 
     local = tensor_digest(local_state_tensors(state.model, state.optimizer, state.scheduler))
     per_rank = [local]
     if dist.is_initialized():
-        # start-up time: `moe-ft` imports every subcommand module for --help; torch only when this command runs
-        from moe_ft import comm
-
         per_rank = comm.all_gather_object(local)
     out = {"digest": hashlib.sha256("".join(per_rank).encode()).hexdigest(), "iteration": iteration,
            "per_rank": per_rank}
@@ -42,18 +39,6 @@ def write_digest(path: str, state, iteration: int) -> dict:
             json.dump(out, f, indent=1)
         os.replace(tmp, path)
     return out
-
-
-def read_digest(path: str) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such file or directory") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a digest file ({e}); write one with --ft-digest-out") from None
-    if not isinstance(data, dict) or not isinstance(data.get("digest"), str):
-        raise ValueError(f"{path}: no 'digest' field; write one with --ft-digest-out")
-    return data
 
 
 def _files(paths: list[str]) -> list[str]:
@@ -71,7 +56,7 @@ def _files(paths: list[str]) -> list[str]:
 
 def run(args) -> int:
     with user_input():
-        digests = [(p, read_digest(p)) for p in _files(args.paths)]
+        digests = [(p, load_digest(p)) for p in _files(args.paths)]
     for path, d in digests:
         print(f"{d['digest']}  iteration {d.get('iteration')}  {path}")
     if len(digests) < 2:

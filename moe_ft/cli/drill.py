@@ -46,9 +46,9 @@ from moe_ft.drills.cluster import (
     kill_tree,  # noqa: F401  (also used by tests)
     redone_iterations,
 )
-from moe_ft.drills.cluster import read_reports as read_launch_reports
 from moe_ft.drills.faults import Fault
 from moe_ft.drills.launchers import LAUNCHERS, default_launcher, launcher_module
+from moe_ft.drills.report import read_digest, read_reports
 from tools.make_corpus import write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,15 +113,6 @@ def ensure_corpus(workdir: str) -> str:
     return os.path.join(workdir, "corpus")
 
 
-def read_digest(path: str) -> str | None:
-    return json.loads(Path(path).read_text())["digest"] if os.path.exists(path) else None
-
-
-def read_reports(store: str, job: str) -> list[dict]:
-    """The recovery reports a job wrote (one per restart, ``recovery_<restart>.json``)."""
-    return [json.loads(p.read_text()) for p in sorted((Path(store) / job / "reports").glob("recovery_*.json"))]
-
-
 def run_job(*, job: str, workdir: str, faults: list[str] | None = None, max_restarts: int = 0,
             timeout: float = 300, launcher: str | None = None, **common) -> dict:
     """One launch of the tiny job (``common``: the keywords of :func:`job_argv` but ``job``, ``digest_out``
@@ -158,7 +149,7 @@ def run_node_job(*, job: str, workdir: str, faults: list[str], losses: list, num
                                argv_for=argv_for, log_prefix=os.path.join(workdir, job), run_id=job)
     res = cluster.run([Fault.parse(f) for f in faults], list(losses))
     dirs = [report_dir(int(n), i) for n, k in res["launches"].items() for i in range(k)]
-    reports = read_launch_reports(dirs)
+    reports = read_reports(dirs)
     redone_iterations(res["node_losses"], reports)
     return dict(res, digest=read_digest(digest_out), reports=reports, report_dirs=dirs,
                 log=res["logs"][0] if res["logs"] else None)

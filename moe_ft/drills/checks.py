@@ -33,7 +33,6 @@ def check_counts(args, *, world_size: int) -> None:
 
 def check_faults(fail: list[str], fail_node: list[str], *, nodes: int, iters: int, world_size: int):
     """Parse ``--fail`` and ``--fail-node``; returns ``(faults as canonical strings, node losses)``."""
-
     faults = []
     for text in fail:
         fault = Fault.parse(text)
@@ -60,10 +59,6 @@ def check_job_flags(argv: list[str], *, world_size: int, root: str) -> None:
     """Parse and validate the job's command line here, as each of its ranks will (``pretrain_gpt_moe.py``
     with its FT and elastic flag groups), so that a bad ``--extra`` flag, a missing ``--data`` or an
     impossible ``--ft-*`` combination is reported before torchrun starts."""
-    # start-up time: the job's parser imports megatron; `moe-ft drill --help` stays free of it
-    import pretrain_gpt_moe
-    from megatron.training.arguments import args_from_namespace, build_parser
-
     if root not in sys.path:
         sys.path.insert(0, root)
 
@@ -72,6 +67,9 @@ def check_job_flags(argv: list[str], *, world_size: int, root: str) -> None:
 
     with warnings.catch_warnings():  # Megatron's import-time notes (no TE/Apex) are the job's business
         warnings.simplefilter("ignore")
+        # start-up time: Megatron (the job's entry script is found on ``root``, put on sys.path above)
+        import pretrain_gpt_moe
+        from megatron.training.arguments import args_from_namespace, build_parser
 
         groups = pretrain_gpt_moe.extra_argument_groups()
         parser = build_parser(groups)

@@ -41,7 +41,6 @@ shared storage: they survive the node).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -56,6 +55,7 @@ import psutil
 
 from moe_ft.drills.faults import PHASES, Fault
 from moe_ft.drills.launchers import launcher_module
+from moe_ft.drills.report import last_completed
 
 
 @dataclass(frozen=True, order=True)
@@ -204,14 +204,6 @@ def sigterm_pending(pid: int) -> bool:
         return False
     bit = 1 << (signal.SIGTERM - 1)
     return any(int(line.split()[1], 16) & bit for line in lines if line.startswith(("SigPnd:", "ShdPnd:")))
-
-
-def last_completed(stores: list[Path]) -> int:
-    """The newest iteration any rank of these stores completed (``<store>/<job>/progress_rank<r>``; -1: none).
-    Read before a lost node's store is deleted: with every node lost, nothing else remembers it."""
-    files = [p for s in stores for p in s.glob("*/progress_rank*") if not p.suffix]  # not the .tmp being written
-    done = [int(text) for text in (p.read_text().strip() for p in files) if text]
-    return max(done, default=-1)
 
 
 def fired_markers(store: Path) -> list[Fault]:
@@ -448,11 +440,3 @@ def redone_iterations(events: list[dict], reports: list[dict]) -> None:
         event.update(recovery_source=point["source"], recovery_end=point["end"],
                      replayed=report["replayed_iterations"], reexecuted=reexecuted,
                      iterations_redone=len(report["replayed_iterations"]) + len(reexecuted))
-
-
-def read_reports(report_dirs: list[str]) -> list[dict]:
-    """Recovery reports of every agent launch, in launch order (``recovery_<restart>.json`` each)."""
-    out = []
-    for d in report_dirs:
-        out += [json.loads(p.read_text()) for p in sorted(Path(d).glob("recovery_*.json"))]
-    return out

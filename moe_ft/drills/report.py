@@ -1,7 +1,12 @@
-"""What an elastic drill (``moe-ft drill --nodes N --elastic``) reports beside the digests.
+"""What a drill reads back from its runs, and what an elastic drill reports beside the digests.
 
-An elastic run is not bitwise equal to the fault-free run: after a world change the same global batch is
-split into other micro-batches on other ranks and its gradients are summed in another order, and Adam
+Every drill: the final training-state digest of a run (:func:`read_digest`, :func:`load_digest`), the
+recovery reports it wrote (:func:`read_reports`) and the newest iteration its ranks completed
+(:func:`last_completed`). This module imports no torch at module level: the ``moe-ft`` console script
+imports it for these readers and must start fast.
+
+An elastic drill (``moe-ft drill --nodes N --elastic``) is not bitwise equal to the fault-free run: after
+a world change the same global batch is split into other micro-batches on other ranks and its gradients are summed in another order, and Adam
 carries the float round-off forward. So the drill compares
 
 * the loss curves (rank 0's ``iteration N/M | loss X`` lines; a re-executed iteration's last line wins):
@@ -15,19 +20,68 @@ carries the float round-off forward. So the drill compares
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
 
-import torch
-
-from moe_ft.state.naming import global_expert_indices
+if TYPE_CHECKING:  # annotations only; see the module docstring
+    import torch
 
 _LOSS = re.compile(r"^iteration\s+(\d+)/\s*\d+ \| loss ([0-9.eE+-]+)")
 _EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(.*)$")
 
 
+def load_digest(path: str) -> dict:
+    """The digest file ``--ft-digest-out`` wrote (``{"digest", "iteration", "per_rank"}``), checked:
+    ``ValueError`` saying what to do when it is missing or not a digest file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file or directory") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a digest file ({e}); write one with --ft-digest-out") from None
+    if not isinstance(data, dict) or not isinstance(data.get("digest"), str):
+        raise ValueError(f"{path}: no 'digest' field; write one with --ft-digest-out")
+    return data
+
+
+def read_digest(path: str) -> str | None:
+    """The digest a run wrote to ``path``; ``None`` if it wrote none (it failed before the end)."""
+    return load_digest(path)["digest"] if os.path.exists(path) else None
+
+
+def read_reports(where: str | Path | Iterable[str | Path], job: str | None = None) -> list[dict]:
+    """The recovery reports (``recovery_<restart>.json``, one per restart), in order. ``read_reports(store,
+    job)``: one job's, in ``<store>/<job>/reports`` (where the runtime writes them unless
+    ``--ft-report-dir`` is given); ``read_reports(report_dirs)``: those directories' in turn (a simulated
+    cluster's agent launches, each with its own ``--ft-report-dir``)."""
+    if job is not None:
+        dirs = [Path(where) / job / "reports"]  # type: ignore[arg-type]
+    elif isinstance(where, (str, Path)):
+        raise TypeError("read_reports(store, job) or read_reports([report_dir, ...]): a store needs its job")
+    else:
+        dirs = [Path(d) for d in where]
+    out = []
+    for d in dirs:
+        out += [json.loads(p.read_text()) for p in sorted(d.glob("recovery_*.json"))]
+    return out
+
+
+def last_completed(stores: Iterable[Path]) -> int:
+    """The newest iteration any rank of these node stores completed (``<store>/<job>/progress_rank<r>``;
+    -1: none). Read before a lost node's store is deleted: with every node lost, nothing else remembers it.
+    (The runtime's own reading, collective and per rank, is ``moe_ft.recovery.progress.last_completed``.)"""
+    files = [p for s in stores for p in s.glob("*/progress_rank*") if not p.suffix]  # not the .tmp being written
+    done = [int(text) for text in (p.read_text().strip() for p in files) if text]
+    return max(done, default=-1)
+
+
 def dump_parameters(path: str, model_chunks) -> None:
     """Every parameter of this rank, experts renamed ``...mlp.experts.E<global id>.<param>``."""
+    import torch  # start-up time: the moe-ft console script imports this module for its readers
+
+    from moe_ft.state.naming import global_expert_indices  # start-up time: imports torch
 
     out = {}
     for chunk in model_chunks:
@@ -46,6 +100,8 @@ def dump_parameters(path: str, model_chunks) -> None:
 
 def load_parameters(paths: list[str]) -> dict[str, torch.Tensor]:
     """Union of the ranks' dumps; copies of one name (data-parallel replicas, expert holders) must agree."""
+    import torch  # start-up time: the moe-ft console script imports this module for its readers
+
     merged: dict[str, torch.Tensor] = {}
     for path in paths:
         for name, value in torch.load(path).items():
