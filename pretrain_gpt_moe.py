@@ -14,6 +14,7 @@ the loop's hooks.
 
 from __future__ import annotations
 
+import gc
 import sys
 
 
@@ -52,15 +53,42 @@ def main(argv=None) -> int:
     except RuntimeError as e:  # a Megatron-Core version the shims were not written for
         print(f"error: {e}", file=sys.stderr)
         return 2
-    hooks = step_hooks(args)
-    if hooks is None:
-        pretrain(args)
-        return 0
+    from moe_ft.launch.worker import join
+
+    membership = join()  # under moe-ft launch a spare waits here, imports done, until it is given a rank
+    while True:
+        hooks = step_hooks(args)
+        if hooks is None:
+            pretrain(args)
+            return 0
+        code, failure = _train_guarded(args, hooks, membership)
+        if code == 0:
+            return 0
+        hooks.abandon()  # this attempt's threads and files; the process groups are gone already
+        del hooks
+        gc.collect()  # the failed attempt's model and groups: their connections close, peers stop waiting
+        if not membership.rejoin(*failure):
+            return code
+        # a peer failed and the agent replaced it: train again in this process (recovery follows)
+
+
+def _train_guarded(args, hooks, membership) -> tuple[int, tuple[str, bool]]:
+    """One attempt: ``(exit code, (error message, whether a peer caused it))``."""
+    from megatron.training.pretrain import pretrain
+    from moe_ft.launch.worker import peer_failure, sever_peer_connections
     from moe_ft.localized.survivor import run_guarded
 
-    # a stopped or failing rank publishes its state (survivor point) before it exits non-zero
-    return run_guarded(lambda: pretrain(args, hooks=hooks), lambda: hooks.survivor)
+    failure = ("", False)
 
+    def on_failure(exc: BaseException) -> None:
+        nonlocal failure
+        failure = (f"{type(exc).__name__}: {exc}", peer_failure(exc))  # no reference to the frames
+        if failure[1] and membership.inprocess:
+            sever_peer_connections()  # the failed attempt's operations fail everywhere, none waits
+
+    # a stopped or failing rank publishes its state (survivor point) before it exits non-zero
+    code = run_guarded(lambda: pretrain(args, hooks=hooks), lambda: hooks.survivor, on_failure)
+    return code, failure
 
 if __name__ == "__main__":  # required: Megatron's checkpoint writer re-imports the main module
     sys.exit(main())

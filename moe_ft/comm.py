@@ -91,6 +91,13 @@ def init_coordination(timeout_s: float | None = None):
     return group
 
 
+def reset_coordination() -> None:
+    """Forget the coordination group (its process groups are gone: ``moe-ft launch`` starts a new attempt in
+    this process, whose :func:`init_coordination` builds a new one)."""
+    global _COORD
+    _COORD = None
+
+
 def coordination_group():
     """The coordination group. Created on first use when :func:`init_coordination` was not called yet: safe,
     because every use is a collective over all world ranks, so every rank reaches its first use at the same

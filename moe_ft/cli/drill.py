@@ -47,7 +47,7 @@ from moe_ft.drills.cluster import (
     redone_iterations,
 )
 from moe_ft.drills.faults import Fault
-from moe_ft.drills.launchers import LAUNCHERS, default_launcher, launcher_module
+from moe_ft.drills.launchers import LAUNCHERS, default_launcher, launcher_argv
 from moe_ft.drills.report import read_digest, read_reports
 from tools.make_corpus import write_corpus
 
@@ -90,7 +90,7 @@ def job_argv(*, layout: str, policy: str, iters: int, data: str, store: str, job
 def torchrun(argv: list[str], *, max_restarts: int, timeout: float, log_path: str, launcher: str = "torchrun") -> int:
     """One job under ``launcher`` (``moe_ft.drills.launchers``: torchrun, or ``preloaded``) on this host."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", launcher_module(launcher), "--standalone", f"--nproc-per-node={WORLD_SIZE}",
+    cmd = [sys.executable, *launcher_argv(launcher), "--standalone", f"--nproc-per-node={WORLD_SIZE}",
            f"--max-restarts={max_restarts}", "--monitor-interval=1", str(ROOT / "pretrain_gpt_moe.py"), *argv]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -54,7 +54,7 @@ from typing import Callable
 import psutil
 
 from moe_ft.drills.faults import PHASES, Fault
-from moe_ft.drills.launchers import launcher_module
+from moe_ft.drills.launchers import launcher_argv
 from moe_ft.drills.report import last_completed
 
 
@@ -255,8 +255,7 @@ class SimulatedCluster:
         if c.elastic:
             rdzv_conf += f",last_call_timeout={c.last_call_timeout}"
             nnodes = f"1:{c.num_nodes}"
-        module = launcher_module(c.launcher)
-        launcher = ["-m", module] if trigger is None else ["-m", "moe_ft.drills.join", trigger, c.launcher]
+        launcher = launcher_argv(c.launcher) if trigger is None else ["-m", "moe_ft.drills.join", trigger, c.launcher]
         cmd = [sys.executable, *launcher, f"--nnodes={nnodes}", f"--node-rank={node}",
                f"--nproc-per-node={c.ranks_per_node}", f"--max-restarts={c.max_restarts}", "--monitor-interval=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={self._rdzv_id()}",

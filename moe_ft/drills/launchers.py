@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import os
 
-LAUNCHERS = {"torchrun": "torch.distributed.run", "preloaded": "moe_ft.drills.prelaunch"}
-"""Drill launchers by name: the Python module each agent runs with ``-m`` (both take torchrun's flags)."""
+LAUNCHERS = {
+    "torchrun": ["torch.distributed.run"],
+    "preloaded": ["moe_ft.drills.prelaunch"],
+    "inprocess": ["moe_ft.launch", "--spares-per-node=1"],
+    "inprocess-preloaded": ["moe_ft.launch", "--spares-per-node=1", "--preload"],
+}
+"""Drill launchers by name: the ``-m`` module each agent runs and its own flags (all take torchrun's flags).
+``inprocess``: ``moe-ft launch`` with one warm spare (survivors keep their processes); ``*preloaded``:
+workers forked from a launcher that imported the training stack once (tests)."""
 
 LAUNCHER_ENV = "MOE_FT_DRILL_LAUNCHER"
 """Environment variable naming the drills' default launcher (unset: ``torchrun``)."""
@@ -14,13 +21,13 @@ LAUNCHER_ENV = "MOE_FT_DRILL_LAUNCHER"
 def default_launcher() -> str:
     """The launcher a drill uses when its caller names none: ``$MOE_FT_DRILL_LAUNCHER`` or ``torchrun``."""
     name = os.environ.get(LAUNCHER_ENV, "torchrun")
-    launcher_module(name)
+    launcher_argv(name)
     return name
 
 
-def launcher_module(name: str) -> str:
-    """The ``-m`` module of launcher ``name``; a ``ValueError`` names the choices."""
+def launcher_argv(name: str) -> list[str]:
+    """``["-m", module, flags...]`` of launcher ``name``; a ``ValueError`` names the choices."""
     if name not in LAUNCHERS:
         raise ValueError(f"unknown drill launcher {name!r} (${LAUNCHER_ENV} or --launcher): choose one of "
                          f"{', '.join(LAUNCHERS)}")
-    return LAUNCHERS[name]
+    return ["-m", *LAUNCHERS[name]]

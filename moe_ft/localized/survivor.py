@@ -256,11 +256,13 @@ def discard_survivor_points(store) -> None:
         store.delete_point(it)
 
 
-def run_guarded(train: Callable[[], object], guard_of: Callable[[], SurvivorGuard | None]) -> int:
+def run_guarded(train: Callable[[], object], guard_of: Callable[[], SurvivorGuard | None],
+                on_failure: Callable[[BaseException], None] | None = None) -> int:
     """Run ``train()`` with SIGTERM handled by the guard ``guard_of()`` returns (main thread; the runtime
     builds it once the process group exists); on a stop or an exception publish the survivor point and
     return exit code 1 (torchrun restarts the job); 0 when training finished. Without a guard yet, a
-    SIGTERM stops the rank at once and nothing is published."""
+    SIGTERM stops the rank at once and nothing is published. ``on_failure(exc)`` is called with the stop
+    or the exception after the survivor point was published (``moe-ft launch``: may this process go on)."""
 
     def on_signal(signum, frame):
         guard = guard_of()
@@ -289,6 +291,8 @@ def run_guarded(train: Callable[[], object], guard_of: Callable[[], SurvivorGuar
         print(msg, file=sys.stderr, flush=True)
         if not isinstance(exc, SurvivorStop):
             traceback.print_exception(exc, file=sys.stderr)
+        if on_failure is not None:
+            on_failure(exc)
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)

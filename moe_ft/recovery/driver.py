@@ -370,13 +370,19 @@ def audit_path(inputs: RecoveryInputs) -> str:
     return os.path.join(inputs.config.job_dir(), "recovery_audit.jsonl")
 
 
-def seconds_since_last_fault(faults) -> float | None:
-    """Drills: wall seconds from the newest fired fault (its marker's mtime) to now, i.e. failure
-    detection + torchrun restart + process start + model build; ``None`` without fired faults."""
+def last_fault_time(faults) -> float | None:
+    """Drills: the wall time of the newest fired fault (its marker's mtime); ``None`` without fired faults."""
     fired = faults.fired() if faults else []
     if not fired:
         return None
-    return time.time() - max((faults.marker_dir / f.marker_name).stat().st_mtime for f in fired)
+    return max((faults.marker_dir / f.marker_name).stat().st_mtime for f in fired)
+
+
+def seconds_since_last_fault(faults) -> float | None:
+    """Drills: wall seconds from the newest fired fault to now, i.e. failure detection + restart + process
+    start + model build; ``None`` without fired faults."""
+    at = last_fault_time(faults)
+    return None if at is None else time.time() - at
 
 
 def durable_store(inputs: RecoveryInputs, newer_than: int):

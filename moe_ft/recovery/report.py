@@ -21,7 +21,10 @@ class RecoveryReport:
     reexecuted_iterations: list[int] = field(default_factory=list)
     seconds: dict = field(default_factory=dict)
     """Seconds per phase: agree, load, replay, finalize, total (the in-job recovery), reexecute (the lost
-    iterations run again afterwards) and, in drills, restart (from the fault to the start of recovery)."""
+    iterations run again afterwards) and, in drills, restart (from the fault to the start of recovery) and
+    kill_to_resume (from the fault to the moment every rank starts its first resumed iteration); under
+    ``moe-ft launch`` also detect (the fault to the agent's notice) and reform (the notice to every rank
+    having its new process groups and model)."""
     bytes_loaded: int = 0
     """Bytes read from the store by this rank (rank 0's value in the JSON)."""
     token_loss: dict = field(default_factory=dict)
@@ -43,6 +46,11 @@ class RecoveryReport:
     "replay_from", "why_failed", "replayed": {rank: iterations}, "loaded": [ranks that only loaded their
     survivor point], "log_bytes_read": {rank: bytes}, "bytes_loaded": {rank: bytes}, "seconds": {rank:
     {phase: s}}, "stage_iterations_replayed"}``; a global recovery has mode, reason, target and failed."""
+    restart_kind: str = "job"
+    """``"inprocess"``: the survivors kept their processes and a spare or fresh process took each failed rank
+    (``moe-ft launch``); ``"job"``: every worker was started again (torchrun, or the launcher's fallback)."""
+    survivor_pids_kept: bool | None = None
+    """In-process attempts: whether every rank not replaced kept its process (same pid before and after)."""
     recovered_digest: str = ""
     message: str = ""
 

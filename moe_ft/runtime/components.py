@@ -60,6 +60,11 @@ class Component:
     def close(self) -> None:
         """End of training: flush and stop background threads."""
 
+    def abandon(self) -> None:
+        """The attempt failed and this process goes on to the next one (``moe-ft launch``): stop background
+        work without waiting on peers. Default: :meth:`close`."""
+        self.close()
+
 
 class Replicas(Component):
     """Peer replicas (MoEtion Alg. 2) of the session's store: enqueue after each snapshot."""
@@ -88,6 +93,11 @@ class Replicas(Component):
 
     def close(self) -> None:
         self.replication.close(self._engine.records if self._engine is not None else ())
+
+    def abandon(self) -> None:
+        """Closing would wait for every source to end its stream, and a source that died never does: the
+        streams' threads are left to the failed attempt's groups (they end when a peer's connection
+        closes, or block on a group nothing uses any more)."""
 
 
 class Durable(Component):

@@ -37,7 +37,8 @@ from moe_ft.localized.component import UpstreamLogging
 from moe_ft.localized.survivor import SurvivorGuard, survivor_store
 from moe_ft.megatron_ext.router import attach_popularity
 from moe_ft.popularity import ExpertPopularity, PopularityConfig
-from moe_ft.recovery.driver import RecoveryInputs, recover, should_recover
+from moe_ft.launch.worker import launch_facts
+from moe_ft.recovery.driver import RecoveryInputs, last_fault_time, recover, should_recover
 from moe_ft.recovery.planner import RecoveryRefused
 from moe_ft.runtime import components as C
 from moe_ft.runtime.context import BuildContext
@@ -80,6 +81,7 @@ class FTRuntime(StepHooks):
 
     # ------------------------------------------------------------------------------------ building
     def on_train_start(self, state, data, args, start_iteration: int) -> int:
+        self._built_at = time.time()  # model and process groups exist (reform ends here after a failure)
         self.state, self.args = state, args
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.start_iteration = start_iteration
@@ -209,11 +211,28 @@ class FTRuntime(StepHooks):
             if self.rank == 0:
                 print(f"error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(3) from None
+        self._launch_facts(self.report)
         for component in self.components:
             component.after_recovery(self.report, self.active)
         self._recovered_at = time.perf_counter()
         self.write_report(final=not self.report.reexecuted_iterations)
         return self.report.recovery_point["resume"]
+
+    def _launch_facts(self, report) -> None:
+        """Collective: how this attempt came about (``moe-ft launch``'s announcement: in-process or a full
+        restart, pids kept) and, in drills, the fault-to-resume times (the slowest rank's)."""
+        facts = launch_facts(self.world_size)
+        if facts is not None:
+            report.restart_kind, report.survivor_pids_kept = facts["kind"], facts["pids_kept"]
+        fault_at = last_fault_time(self.faults)
+        built = comm.max_over_ranks(int(self._built_at * 1e3)) / 1e3
+        resumed = comm.max_over_ranks(int(time.time() * 1e3)) / 1e3
+        if fault_at is None:
+            return
+        report.seconds["kill_to_resume"] = round(resumed - fault_at, 4)
+        if facts is not None and facts.get("detected_at"):
+            report.seconds["detect"] = round(facts["detected_at"] - fault_at, 4)
+            report.seconds["reform"] = round(built - facts["detected_at"], 4)
 
     def _survivor_store(self):
         if self.survivor is None:
@@ -318,6 +337,19 @@ class FTRuntime(StepHooks):
             component.close()
         if self.config.drill.digest_out:
             write_digest(self.config.drill.digest_out, self.state, report.last_iteration)
+
+    def abandon(self) -> None:
+        """This attempt failed and the process goes on to the next one (``moe-ft launch``): stop the
+        snapshot engines and the components' background work, without the end-of-training steps (no
+        digest, no final report). Errors are reported, not raised: the next attempt recovers from the
+        published points whatever happened here."""
+        for closer in [*(s.close for s in self.sessions), *(c.abandon for c in self.components)]:
+            try:
+                closer()
+            except Exception as e:  # noqa: BLE001 - the failed attempt's leftovers must not stop the next
+                print(f"moe-ft launch: rank {self.rank}: closing the failed attempt: {type(e).__name__}: {e}",
+                      file=sys.stderr, flush=True)
+        comm.reset_coordination()
 
     # ------------------------------------------------------------------------------------ metrics
     def metrics(self, session) -> dict:

@@ -1,0 +1,110 @@
+"""``moe-ft launch`` (also ``python -m moe_ft.launch``): torchrun's flags, plus warm spares.
+
+    moe-ft launch --standalone --nproc-per-node 4 --spares-per-node 1 --max-restarts 3 \\
+        pretrain_gpt_moe.py --ft ...
+
+torchrun's own parser reads the launcher flags (``--standalone``, ``--nnodes``, ``--nproc-per-node``,
+``--rdzv-backend/--rdzv-endpoint/--rdzv-id``, ``--max-restarts``, ``--node-rank``, ``--log-dir``,
+``--redirects``, ``--tee`` ...) and torch elastic's launcher configuration is derived from them as torchrun
+derives it; only the agent differs (:class:`moe_ft.launch.agent.SpareAgent`). Added flags:
+
+``--spares-per-node N``   warm spares per node (default 0: a failed rank is given to a fresh process)
+``--reform-timeout S``    seconds a survivor waits for the next attempt before the job falls back to a
+                          full restart (default 60)
+``--full-restart``        torchrun's behaviour: any failure restarts every worker
+``--preload``             start workers as forks of this process after it imported the training stack
+                          (saves each worker its imports; CPU jobs, tests)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+
+from torch.distributed import run as torchrun
+from torch.distributed.elastic import rendezvous
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing import Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+from moe_ft.launch import protocol
+from moe_ft.launch.agent import LaunchLogs, SpareAgent
+
+
+def build_parser():
+    parser = torchrun.get_args_parser()
+    parser.prog = "moe-ft launch"
+    parser.description = "torchrun that replaces only the failed workers, from warm spares (moe-ft)."
+    group = parser.add_argument_group("moe-ft launch")
+    group.add_argument("--spares-per-node", type=int, default=0,
+                       help="warm spare workers per node: imports done, waiting to take a failed rank")
+    group.add_argument("--reform-timeout", type=float, default=protocol.DEFAULT_REFORM_TIMEOUT_S,
+                       help="seconds a surviving worker waits for the next attempt before the job falls back "
+                            "to a full restart of every worker")
+    group.add_argument("--full-restart", action="store_true",
+                       help="torchrun's behaviour: any failure restarts every worker (no in-process recovery)")
+    group.add_argument("--preload", action="store_true",
+                       help="fork workers from this process once it imported the training stack")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None):
+    args = build_parser().parse_args(argv)
+    if args.spares_per_node < 0:
+        raise SystemExit(f"error: --spares-per-node must be >= 0 (got {args.spares_per_node})")
+    if args.reform_timeout <= 0:
+        raise SystemExit(f"error: --reform-timeout must be > 0 seconds (got {args.reform_timeout})")
+    if args.standalone:  # what torchrun --standalone means: a private c10d rendezvous on this host
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    if args.preload and (args.no_python or args.module):
+        raise SystemExit("error: --preload runs a Python script file; drop --no-python / -m")
+    return args
+
+
+def _logs(args) -> LaunchLogs:
+    return LaunchLogs(root=args.log_dir or None, redirects=Std.from_str(args.redirects), tee=Std.from_str(args.tee),
+                      line_prefix_template=getattr(args, "log_line_prefix_template", None))
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config, cmd, cmd_args = torchrun.config_from_args(args)
+    entrypoint, entry_args, start_method = cmd, list(cmd_args), config.start_method
+    if args.preload:
+        from moe_ft.drills.prelaunch import preload, run_script  # import cost: only with --preload
+
+        preload()
+        entrypoint, entry_args, start_method = run_script, [args.training_script, *args.training_script_args], "fork"
+    params = rendezvous.RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+        min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr, **config.rdzv_configs)
+    spec = WorkerSpec(
+        role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint, args=tuple(entry_args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval, master_addr=None, master_port=None, local_addr=config.local_addr)
+    inprocess = not args.full_restart and config.max_nodes == 1
+    if not inprocess and not args.full_restart:
+        print("moe-ft launch: more than one node: failures restart every worker (in-process replacement "
+              "needs --nnodes 1)", file=sys.stderr, flush=True)
+    agent = SpareAgent(spec, _logs(args), spares_per_node=args.spares_per_node if inprocess else 0,
+                       reform_timeout_s=args.reform_timeout, start_method=start_method,
+                       shutdown_timeout=int(config.shutdown_timeout or 30), inprocess=inprocess)
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", config.signals_to_handle)
+    shutdown_rdzv = True
+    try:
+        result = agent.run()
+        if result.is_failed():
+            raise ChildFailedError(name=str(args.training_script), failures=result.failures)
+        return 0
+    except Exception as e:
+        if type(e).__name__ == "SignalException":  # leave the rendezvous open for other agents
+            shutdown_rdzv = False
+        raise
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()

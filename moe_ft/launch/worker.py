@@ -1,0 +1,182 @@
+"""The worker's side of ``moe-ft launch``: spares wait for a rank, survivors join the next attempt in-process.
+
+A training script calls :func:`join` once, after its imports and flag parsing and before any process
+group exists. Under ``moe-ft launch`` a spare blocks there until the agent gives it a failed rank; then
+it starts as a restarted rank would (recovery loads that rank's state). Every worker records its pid for
+the attempt it joins, so a recovery report can say whether the survivors kept their processes.
+
+After training raised, :meth:`Membership.rejoin` decides whether this process may continue: only under
+``moe-ft launch`` (not with ``--full-restart``), and only when the error came from a peer (a collective
+or point-to-point operation failed because another rank died or left its process groups). The caller has
+already left its process groups; :meth:`rejoin` waits for the agent's next attempt and sets
+``TORCHELASTIC_RESTART_COUNT`` to it, and the script builds its model, process groups and runtime again
+in this process; recovery then runs exactly as after a restart. An error of the rank's own (an exception
+in its code, a stop signal) ends the process, and the agent gives its rank to a spare.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+from moe_ft.launch import protocol
+
+PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Read error", "Write error",
+               "Broken pipe", "Connection refused", "NCCL communicator was aborted", "ProcessGroup")
+"""Substrings of the messages of failed collectives (gloo and NCCL raise ``RuntimeError`` subclasses)."""
+
+
+def peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says that a *peer* failed (this rank's own state is intact)."""
+    try:
+        import torch.distributed as dist  # start-up time: the launcher's CLI parses flags without torch
+
+        if isinstance(exc, dist.DistError):
+            return True
+    except ImportError:
+        pass
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in PEER_ERRORS)
+
+
+@dataclass
+class Membership:
+    """This process's place in a ``moe-ft launch`` job (``store is None``: not under ``moe-ft launch``)."""
+
+    store: object = None
+    keys: protocol.Keys | None = None
+    attempt: int = 0
+    rank: int = -1
+    spare_wait_s: float = 0.0
+    """How long this process waited as a spare before it got its rank (0 for the original workers)."""
+
+    @property
+    def inprocess(self) -> bool:
+        return self.store is not None
+
+    def record_pid(self) -> None:
+        if self.store is not None and self.keys is not None:
+            self.store.set(self.keys.pid(self.attempt, self.rank), str(os.getpid()))
+
+    def rejoin(self, error: str, from_peer: bool) -> bool:
+        """After this rank's training raised (``error``: its message; ``from_peer``: :func:`peer_failure`)
+        and it left its process groups: ``True`` when it joined the next attempt (train again in this
+        process), ``False`` when it must exit."""
+        if self.store is None or self.keys is None or not from_peer:
+            return False
+        timeout = protocol.reform_timeout_s()
+        attempt = protocol.wait_for_attempt_after(self.store, self.keys, self.attempt, timeout)
+        if attempt is None:
+            print(f"moe-ft launch: rank {self.rank} saw no new attempt within {timeout:.0f} s after: "
+                  f"{error[:200]}; falling back to a full restart", file=sys.stderr, flush=True)
+            return False
+        self.attempt = attempt
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+        self.record_pid()
+        return True
+
+
+_INHERITED: set = set()
+"""TCP connections this process had when it joined (a forked worker inherits its launcher's, e.g. the
+rendezvous keep-alive): never severed."""
+
+
+def _tcp_connections():
+    import psutil  # start-up time: only launched workers look at their connections
+
+    return [c for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.fd >= 0]
+
+
+def sever_peer_connections() -> int:
+    """Shut down every TCP connection of this process except those to the rendezvous store; returns how
+    many. Called when a peer failed, before this process leaves the attempt's process groups.
+
+    Why: gloo in torch 2.13 has no way to end an operation already waiting (``ProcessGroupGloo.abort()``
+    and ``shutdown()`` return at once and leave a blocked ``recv`` or ``allreduce`` blocked, measured), and a
+    group's connections close only when the last Python reference to it is collected. A rank waiting on
+    a survivor (not on the dead rank) would wait until the group's timeout. Shutting the connections down
+    (not closing the descriptors: their owners still hold them) makes every pending and future operation
+    of the failed attempt fail at once, here and on the peers at the other end, which then leave too.
+    The next attempt's groups connect afresh."""
+    import socket
+
+    keep = {int(os.environ.get("MASTER_PORT", "0"))}
+    count = 0
+    for conn in _tcp_connections():
+        if conn.raddr.port in keep or conn.laddr.port in keep or (conn.laddr, conn.raddr) in _INHERITED:
+            continue  # the store (either end), or the launcher's
+        sock = socket.socket(fileno=conn.fd)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            pass
+        finally:
+            sock.detach()  # the descriptor stays open, owned by gloo
+    return count
+
+
+def join() -> Membership:
+    """At process start. Outside ``moe-ft launch``: an inert membership. A spare blocks here until it is
+    given a rank (``RANK``, ``LOCAL_RANK`` and ``TORCHELASTIC_RESTART_COUNT`` are set from the assignment)."""
+    run_id = os.environ.get(protocol.RUN_ENV)
+    if not run_id:
+        return Membership()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack
+    _INHERITED.update((c.laddr, c.raddr) for c in _tcp_connections())
+    import torch.distributed as dist  # start-up time: only launched workers reach the store
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=300))
+    keys = protocol.Keys(run_id)
+    waited = 0.0
+    slot = os.environ.pop(protocol.SPARE_ENV, None)
+    if slot:
+        t0 = time.perf_counter()
+        assignment = protocol.wait_for_assignment(store, keys, slot)
+        waited = time.perf_counter() - t0
+        os.environ.update(RANK=str(assignment["rank"]), LOCAL_RANK=str(assignment["local_rank"]),
+                          ROLE_RANK=str(assignment["rank"]),
+                          TORCHELASTIC_RESTART_COUNT=str(assignment["attempt"]))
+    membership = Membership(store, keys, attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                            rank=int(os.environ["RANK"]), spare_wait_s=waited)
+    membership.record_pid()
+    return membership
+
+
+def pids_kept(store, keys: protocol.Keys, attempt: int, world_size: int) -> bool | None:
+    """Whether every rank the agent did not replace in ``attempt`` kept the pid it had in the attempt
+    before (``None``: not an in-process attempt)."""
+    info = protocol.announcement(store, keys, attempt)
+    if info.get("kind") != "inprocess":
+        return None
+    failed = set(info.get("failed", []))
+    for rank in range(world_size):
+        if rank in failed:
+            continue
+        before, after = keys.pid(attempt - 1, rank), keys.pid(attempt, rank)
+        if not store.check([before, after]) or store.get(before) != store.get(after):
+            return False
+    return True
+
+
+def launch_facts(world_size: int) -> dict | None:
+    """This attempt as ``moe-ft launch`` announced it: ``{"kind", "pids_kept", "detected_at"}``; ``None``
+    outside ``moe-ft launch`` or for its first attempt."""
+    run_id = os.environ.get(protocol.RUN_ENV)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not run_id or attempt == 0:
+        return None
+    import torch.distributed as dist  # start-up time: only launched workers reach the store
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=60))
+    keys = protocol.Keys(run_id)
+    info = protocol.announcement(store, keys, attempt)
+    return {"kind": info.get("kind", "job"), "pids_kept": pids_kept(store, keys, attempt, world_size),
+            "detected_at": info.get("detected_at")}
