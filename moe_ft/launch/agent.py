@@ -100,7 +100,8 @@ class SpareAgent(LocalElasticAgent):
         self._launch_store: Any = None
         self._keys = protocol.Keys(spec.rdzv_handler.get_run_id())
         self._attempt = 0
-        self._finished: set[int] = set()
+        self._finished: dict[int, Any] = {}
+        """Workers that exited 0, by local rank: their return values."""
         self._started = False
         self.replacements: list[dict] = []
         """Every in-process replacement: ``{"attempt", "failed", "spares", "fresh", "seconds"}``."""
@@ -171,7 +172,7 @@ class SpareAgent(LocalElasticAgent):
             failed = sorted(w.global_rank for w in worker_group.workers)
             self._attempt = protocol.announce(store, self._keys, kind="job", failed=failed, detected_at=time.time())
         self._started = True
-        self._finished = set()
+        self._finished = {}
         for worker in worker_group.workers:
             self._workers[worker.local_rank] = self._start_one(
                 worker_group, name=f"rank{worker.global_rank}_attempt{self._attempt}", rank=worker.global_rank,
@@ -186,7 +187,7 @@ class SpareAgent(LocalElasticAgent):
         self._close_all(death_sig, timeout)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        failures, values = {}, {}
+        failures = {}
         for local_rank, proc in list(self._workers.items()):
             if local_rank in self._finished:
                 continue
@@ -196,8 +197,7 @@ class SpareAgent(LocalElasticAgent):
             if result.is_failed():
                 failures[local_rank] = next(iter(result.failures.values()))
             else:
-                self._finished.add(local_rank)
-                values[local_rank] = next(iter(result.return_values.values()), None)
+                self._finished[local_rank] = next(iter(result.return_values.values()), None)
         for spare in list(self._spares):  # a spare that died while waiting is replaced by a new one
             if spare.context.wait(0) is not None:
                 log.warning("moe-ft launch: spare %s exited while waiting; starting another", spare.slot)
@@ -207,7 +207,8 @@ class SpareAgent(LocalElasticAgent):
                 spare.context.close()
             self._spares = []
             return RunResult(state=WorkerState.SUCCEEDED,
-                             return_values={worker_group.workers[lr].global_rank: v for lr, v in values.items()})
+                             return_values={worker_group.workers[lr].global_rank: v
+                                            for lr, v in self._finished.items()})
         if failures:
             gave_up = any(f.exitcode == protocol.GAVE_UP_EXIT_CODE for f in failures.values())
             if not self._inprocess or gave_up or worker_group.group_world_size > 1:

@@ -110,7 +110,10 @@ def sever_peer_connections() -> int:
     for conn in _tcp_connections():
         if conn.raddr.port in keep or conn.laddr.port in keep or (conn.laddr, conn.raddr) in _INHERITED:
             continue  # the store (either end), or the launcher's
-        sock = socket.socket(fileno=conn.fd)
+        try:
+            sock = socket.socket(fileno=conn.fd)
+        except OSError:  # closed since it was listed
+            continue
         try:
             sock.shutdown(socket.SHUT_RDWR)
             count += 1

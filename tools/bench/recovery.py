@@ -1,6 +1,12 @@
-"""Global replay vs localized recovery on PP=4 (MoEvement §3.4, Fig. 9b), in one run.
+"""Global replay vs localized recovery on PP=4 (MoEvement §3.4, Fig. 9b), and the full restart vs the
+in-process one, in one run.
 
     python tools/bench/recovery.py [--model {tiny,medium}] [--iters 12] [--window 4] [--fail 2:10] [--json]
+
+The same fault is also recovered under ``moe-ft launch`` with one warm spare (``inprocess``: the
+survivors keep their processes, the spare takes the failed rank, ``moe_ft/launch/``), localized scope;
+``kill_to_resume_s`` (the SIGKILL to the moment every rank starts its first resumed iteration) is reported
+for every run, and ``inprocess_speedup`` is the torchrun localized run's over the in-process one's.
 
 Three ``torchrun`` launches of the same 4-rank job (PP=4, 1F1B, one layer per stage, sparse snapshots of
 window ``W``): fault-free, then the same SIGKILL of one stage (``--fail RANK:ITER``, default stage 2 at
@@ -54,6 +60,8 @@ def summarize(report: dict, scope: str) -> dict:
         bytes_read = sum(sc["bytes_loaded"].values()) + sum(sc["log_bytes_read"].values())
     return {"mode": sc["mode"], "reason": sc["reason"], "stage_iterations": stage_iterations,
             "recovery_s": round(recovery_s, 3), "restart_s": round(secs.get("restart", float("nan")), 2),
+            "kill_to_resume_s": secs.get("kill_to_resume"), "restart_kind": report.get("restart_kind"),
+            "survivor_pids_kept": report.get("survivor_pids_kept"),
             "bytes_read": bytes_read, "seconds": secs, "seconds_per_rank": sc.get("seconds", {}),
             "replayed": sc.get("replayed") or {"every rank": report["replayed_iterations"]},
             "reexecuted": report["reexecuted_iterations"]}
@@ -81,29 +89,36 @@ def main(argv=None) -> int:
     if ref["rc"] != 0 or not ref["digest"]:
         raise SystemExit(f"fault-free run failed, see {ref['log']}")
     out = {"model": args.model, "iters": args.iters, "window": args.window, "fail": args.fail}
-    for scope in ("global", "localized"):
-        res = run_job(job=scope, faults=[args.fail], max_restarts=2, scope=scope, **common)
+    runs = {"global": ("global", "torchrun"), "localized": ("localized", "torchrun"),
+            "inprocess": ("localized", "inprocess")}
+    for name, (scope, launcher) in runs.items():
+        res = run_job(job=name, faults=[args.fail], max_restarts=2, scope=scope, launcher=launcher, **common)
         if res["rc"] != 0 or len(res["reports"]) != 1:
-            raise SystemExit(f"{scope} run failed (rc {res['rc']}, {len(res['reports'])} reports), see {res['log']}")
-        out[scope] = dict(summarize(res["reports"][0], scope), bitwise_equal=res["digest"] == ref["digest"])
-    g, loc = out["global"], out["localized"]
+            raise SystemExit(f"{name} run failed (rc {res['rc']}, {len(res['reports'])} reports), see {res['log']}")
+        out[name] = dict(summarize(res["reports"][0], scope), launcher=launcher,
+                         bitwise_equal=res["digest"] == ref["digest"])
+    g, loc, inp = out["global"], out["localized"], out["inprocess"]
+    out["inprocess_speedup"] = round(loc["kill_to_resume_s"] / inp["kill_to_resume_s"], 2)
     out["recovery_time_change"] = round(loc["recovery_s"] / g["recovery_s"] - 1.0, 3)
     out["stage_iterations_change"] = round(loc["stage_iterations"] / g["stage_iterations"] - 1.0, 3)
     out["wall_s"] = round(time.time() - t0, 1)
     if args.json:
         print(json.dumps(out, indent=1))
     else:
-        for scope in ("global", "localized"):
-            r = out[scope]
-            print(f"{scope:9s} stage-iterations {r['stage_iterations']:3d}  recovery {r['recovery_s']:.3f} s  "
-                  f"restart {r['restart_s']:.1f} s  bytes read {r['bytes_read'] / 1e6:.2f} MB  "
+        for name in runs:
+            r = out[name]
+            print(f"{name:9s} stage-iterations {r['stage_iterations']:3d}  recovery {r['recovery_s']:.3f} s  "
+                  f"restart {r['restart_s']:.1f} s  kill-to-resume {r['kill_to_resume_s']:.2f} s  "
+                  f"bytes read {r['bytes_read'] / 1e6:.2f} MB  "
                   f"bitwise {r['bitwise_equal']}  replayed {r['replayed']}  re-executed {r['reexecuted']}")
         print(f"localized vs global: recovery time {100 * out['recovery_time_change']:+.0f} %, stage-iterations "
               f"{100 * out['stage_iterations_change']:+.0f} %")
+        print(f"in-process (moe-ft launch, 1 spare) vs torchrun, localized: kill-to-resume "
+              f"{out['inprocess_speedup']:.1f}x faster, survivor pids kept {inp['survivor_pids_kept']}")
     import shutil
 
     shutil.rmtree(store, ignore_errors=True)
-    return 0 if g["bitwise_equal"] and loc["bitwise_equal"] else 1
+    return 0 if g["bitwise_equal"] and loc["bitwise_equal"] and inp["bitwise_equal"] else 1
 
 
 if __name__ == "__main__":

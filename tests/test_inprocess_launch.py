@@ -1,0 +1,160 @@
+"""``moe-ft launch``: survivors keep their processes, a warm spare (or a fresh process) takes the failed
+rank, and recovery ends bitwise equal to the fault-free run (``moe_ft/launch/``).
+
+The store protocol, the failure classification and the connection severing are checked in-process; the
+drills kill real processes under the launcher (workers forked from a preloaded launcher, as the other
+drills of the suite) and compare the final digest with the session's fault-free reference.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from moe_ft.cli.drill import run_job
+from moe_ft.drills.faults import InjectedFault
+from moe_ft.launch import cli, protocol, worker
+
+ITERS, WINDOW = 10, 3
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def test_protocol_announces_attempts_and_assigns_spares(store):
+    keys = protocol.Keys("run")
+    assert protocol.current_attempt(store, keys) == 0
+    assert protocol.announcement(store, keys, 1) == {}
+    assert protocol.wait_for_attempt_after(store, keys, 0, timeout_s=0.1) is None  # nobody announced
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(protocol.wait_for_assignment(store, keys, "0.0")))
+    waiter.start()
+    attempt = protocol.announce(store, keys, kind="inprocess", failed=[3], detected_at=12.5,
+                                assignments={"0.0": {"rank": 3, "local_rank": 3}})
+    waiter.join(5)
+    assert attempt == 1 and got == {"rank": 3, "local_rank": 3, "attempt": 1}
+    assert protocol.wait_for_attempt_after(store, keys, 0, timeout_s=1) == 1
+    assert protocol.announcement(store, keys, 1) == {"kind": "inprocess", "failed": [3], "detected_at": 12.5}
+    # pids: ranks 0-2 kept theirs, rank 3 (replaced) did not matter
+    for rank, (before, after) in enumerate([(10, 10), (11, 11), (12, 12), (13, 99)]):
+        store.set(keys.pid(0, rank), str(before))
+        store.set(keys.pid(1, rank), str(after))
+    assert worker.pids_kept(store, keys, 1, 4) is True
+    store.set(keys.pid(1, 2), "77")
+    assert worker.pids_kept(store, keys, 1, 4) is False
+
+
+def test_only_peer_failures_keep_the_process():
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4495")
+    assert worker.peer_failure(gloo)
+    assert worker.peer_failure(dist.DistNetworkError("socket timeout"))
+    assert not worker.peer_failure(InjectedFault("injected"))
+    assert not worker.peer_failure(ValueError("Connection closed by peer"))  # not a collective's error
+    assert not worker.Membership().rejoin("RuntimeError: Connection closed by peer", True)  # not launched
+
+
+def test_sever_shuts_peer_connections_and_keeps_the_store(monkeypatch):
+    """A peer blocked reading from this process sees end-of-stream at once; the store's connection (by
+    port) and the connections inherited at start stay up."""
+
+    def pair():
+        server = socket.create_server(("127.0.0.1", 0))
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+        server.close()
+        return client, accepted
+
+    peer_side, mine = pair()
+    store_client, store_server = pair()
+    inherited_client, inherited_server = pair()
+    monkeypatch.setenv("MASTER_PORT", str(store_client.getpeername()[1]))
+    monkeypatch.setattr(worker, "_INHERITED", {(c.laddr, c.raddr) for c in worker._tcp_connections()
+                                              if c.laddr[1] in (inherited_client.getsockname()[1],
+                                                                inherited_server.getsockname()[1])})
+    got = []
+    reader = threading.Thread(target=lambda: got.append(peer_side.recv(16)))
+    reader.start()
+    assert worker.sever_peer_connections() >= 1
+    reader.join(5)
+    assert got == [b""]  # end of stream: the blocked read returned
+    store_client.sendall(b"x")
+    assert store_server.recv(1) == b"x"
+    inherited_client.sendall(b"y")
+    assert inherited_server.recv(1) == b"y"
+    for s in (peer_side, mine, store_client, store_server, inherited_client, inherited_server):
+        s.close()
+
+
+def test_launcher_flags_are_checked():
+    with pytest.raises(SystemExit, match="--spares-per-node must be >= 0"):
+        cli.parse_args(["--standalone", "--spares-per-node", "-1", "train.py"])
+    with pytest.raises(SystemExit, match="--reform-timeout must be > 0"):
+        cli.parse_args(["--standalone", "--reform-timeout", "0", "train.py"])
+    args = cli.parse_args(["--standalone", "--nproc-per-node", "4", "--spares-per-node", "2", "train.py", "--lr", "1"])
+    assert (args.spares_per_node, args.rdzv_backend, args.training_script_args) == (2, "c10d", ["--lr", "1"])
+
+
+# ------------------------------------------------------------------------------------------ drills
+@pytest.fixture(scope="module")
+def drill_env(corpus, tmp_path_factory):
+    return {"data": corpus, "work": str(tmp_path_factory.mktemp("inprocess")),
+            "store": str(tmp_path_factory.mktemp("inprocess_store"))}
+
+
+def launch(env, job, *, layout, faults, scope, launcher_flags=(), max_restarts=0):
+    return run_job(job=job, workdir=env["work"], faults=list(faults), max_restarts=max_restarts, timeout=300,
+                   launcher="inprocess-preloaded", launcher_flags=tuple(launcher_flags), layout=layout,
+                   policy="sparse", iters=ITERS, data=env["data"], store=env["store"], window=WINDOW,
+                   scope=scope)
+
+
+def check_inprocess(reports, count: int) -> None:
+    assert len(reports) == count, reports
+    for r in reports:
+        assert r["restart_kind"] == "inprocess" and r["survivor_pids_kept"] is True, r
+        assert {"detect", "reform", "kill_to_resume"} <= set(r["seconds"]), r["seconds"]
+        assert r["token_loss"]["tokens"] == 0.0
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_pp4_two_kills_survivors_keep_their_processes(drill_env, fault_free_digest):
+    """PP=4, localized scope: stage 2 dies in a backward pass, later stage 1 dies in a forward pass; each
+    time the spare takes the rank (a new spare is started for the second), survivors keep their pids."""
+    res = launch(drill_env, "pp4_two", layout="pp4", faults=["2:4:backward", "1:7:forward"], scope="localized")
+    assert res["rc"] == 0, res["log"]
+    assert res["digest"] == fault_free_digest("pp4", ITERS)
+    check_inprocess(res["reports"], 2)
+    assert [r["scope"]["mode"] for r in res["reports"]] == ["localized", "localized"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_no_spare_left_a_fresh_process_takes_the_rank(drill_env, fault_free_digest):
+    """EP2 x PP2, global scope, no spares: the agent starts a fresh process for the failed rank while the
+    survivors wait in-process."""
+    res = launch(drill_env, "ep2pp2_fresh", layout="ep2pp2", faults=["3:6:backward"], scope="global",
+                 launcher_flags=["--spares-per-node=0"])
+    assert res["rc"] == 0, res["log"]
+    assert res["digest"] == fault_free_digest("ep2pp2", ITERS)
+    check_inprocess(res["reports"], 1)
+    assert "gives it to a fresh process" in open(res["log"]).read()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_survivors_that_wait_too_long_fall_back_to_a_full_restart(drill_env, fault_free_digest):
+    """A reform timeout shorter than the agent's detection (monitor interval 1 s): the survivors give up,
+    the agent restarts every worker (a full restart, ``restart_kind`` "job"), still bitwise."""
+    res = launch(drill_env, "dp2ep2_fallback", layout="dp2ep2", faults=["1:5:forward"], scope="global",
+                 launcher_flags=["--reform-timeout=0.05"], max_restarts=2)
+    assert res["rc"] == 0, res["log"]
+    assert res["digest"] == fault_free_digest("dp2ep2", ITERS)
+    (report,) = res["reports"]
+    assert report["restart_kind"] == "job" and report["survivor_pids_kept"] is None
