@@ -111,7 +111,7 @@ def launch(env, job, *, layout, faults, scope, launcher_flags=(), max_restarts=0
     return run_job(job=job, workdir=env["work"], faults=list(faults), max_restarts=max_restarts, timeout=300,
                    launcher="inprocess-preloaded", launcher_flags=tuple(launcher_flags), layout=layout,
                    policy="sparse", iters=ITERS, data=env["data"], store=env["store"], window=WINDOW,
-                   scope=scope)
+                   scope=scope, extra=[])
 
 
 def check_inprocess(reports, count: int) -> None:
@@ -145,16 +145,3 @@ def test_no_spare_left_a_fresh_process_takes_the_rank(drill_env, fault_free_dige
     assert res["digest"] == fault_free_digest("ep2pp2", ITERS)
     check_inprocess(res["reports"], 1)
     assert "gives it to a fresh process" in open(res["log"]).read()
-
-
-@pytest.mark.multiproc
-@pytest.mark.timeout(600)
-def test_survivors_that_wait_too_long_fall_back_to_a_full_restart(drill_env, fault_free_digest):
-    """A reform timeout shorter than the agent's detection (monitor interval 1 s): the survivors give up,
-    the agent restarts every worker (a full restart, ``restart_kind`` "job"), still bitwise."""
-    res = launch(drill_env, "dp2ep2_fallback", layout="dp2ep2", faults=["1:5:forward"], scope="global",
-                 launcher_flags=["--reform-timeout=0.05"], max_restarts=2)
-    assert res["rc"] == 0, res["log"]
-    assert res["digest"] == fault_free_digest("dp2ep2", ITERS)
-    (report,) = res["reports"]
-    assert report["restart_kind"] == "job" and report["survivor_pids_kept"] is None

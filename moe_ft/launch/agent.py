@@ -109,19 +109,20 @@ class SpareAgent(LocalElasticAgent):
     # ------------------------------------------------------------------------------ processes
     def _store_client(self, worker_group: WorkerGroup):
         if self._launch_store is None:
+            assert worker_group.master_addr is not None and worker_group.master_port is not None
             self._launch_store = dist.TCPStore(worker_group.master_addr, worker_group.master_port,
                                                is_master=False, timeout=timedelta(seconds=60))
         return self._launch_store
 
     def _env(self, worker_group: WorkerGroup, *, rank: int, local_rank: int, slot: str = "") -> dict[str, str]:
         spec = worker_group.spec
-        env = {
+        env: dict[str, str] = {
             "RANK": str(rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": str(worker_group.group_rank),
             "ROLE_RANK": str(rank), "ROLE_NAME": spec.role, "LOCAL_WORLD_SIZE": str(spec.local_world_size),
             "WORLD_SIZE": str(worker_group.workers[0].world_size),
-            "GROUP_WORLD_SIZE": str(worker_group.group_world_size),
+            "GROUP_WORLD_SIZE": str(worker_group.group_world_size or 1),
             "ROLE_WORLD_SIZE": str(worker_group.workers[0].role_world_size),
-            "MASTER_ADDR": worker_group.master_addr, "MASTER_PORT": str(worker_group.master_port),
+            "MASTER_ADDR": str(worker_group.master_addr), "MASTER_PORT": str(worker_group.master_port),
             "TORCHELASTIC_RESTART_COUNT": str(self._attempt), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
             "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
             "TORCHELASTIC_USE_AGENT_STORE": str(spec.rdzv_handler.use_agent_store),
@@ -158,10 +159,7 @@ class SpareAgent(LocalElasticAgent):
 
     def _close_all(self, death_sig=None, timeout: int | None = None) -> None:
         for proc in [*self._workers.values(), *self._spares]:
-            kwargs = {"timeout": timeout if timeout is not None else self._shutdown_timeout}
-            if death_sig is not None:
-                kwargs["death_sig"] = death_sig
-            proc.context.close(**kwargs)
+            proc.context.close(death_sig, timeout if timeout is not None else self._shutdown_timeout)
         self._workers, self._spares = {}, []
 
     # ------------------------------------------------------------------------- the agent's hooks
@@ -211,7 +209,7 @@ class SpareAgent(LocalElasticAgent):
                                             for lr, v in self._finished.items()})
         if failures:
             gave_up = any(f.exitcode == protocol.GAVE_UP_EXIT_CODE for f in failures.values())
-            if not self._inprocess or gave_up or worker_group.group_world_size > 1:
+            if not self._inprocess or gave_up or (worker_group.group_world_size or 1) > 1:
                 return RunResult(state=WorkerState.FAILED, failures={
                     worker_group.workers[lr].global_rank: f for lr, f in failures.items()})
             self._replace(worker_group, sorted(failures))

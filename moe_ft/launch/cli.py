@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing import Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
+from moe_ft.drills.prelaunch import preload, run_script
 from moe_ft.launch import protocol
 from moe_ft.launch.agent import LaunchLogs, SpareAgent
 
@@ -76,8 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     config, cmd, cmd_args = torchrun.config_from_args(args)
     entrypoint, entry_args, start_method = cmd, list(cmd_args), config.start_method
     if args.preload:
-        from moe_ft.drills.prelaunch import preload, run_script  # import cost: only with --preload
-
         preload()
         entrypoint, entry_args, start_method = run_script, [args.training_script, *args.training_script_args], "fork"
     params = rendezvous.RendezvousParameters(

@@ -52,7 +52,7 @@ class Keys:
     def announcement(self, attempt: int) -> str:
         return prefix(self.run_id) + f"attempt/{attempt}"
 
-    def spare(self, slot: int) -> str:
+    def spare(self, slot: str) -> str:
         return prefix(self.run_id) + f"spare/{slot}"
 
     def pid(self, attempt: int, rank: int) -> str:
@@ -64,7 +64,7 @@ def current_attempt(store, keys: Keys) -> int:
 
 
 def announce(store, keys: Keys, *, kind: str, failed: list[int], detected_at: float,
-             assignments: dict[int, dict] | None = None) -> int:
+             assignments: dict[str, dict] | None = None) -> int:
     """Agent: publish the next attempt (its announcement and spare assignments first, then the counter, so
     that a worker that sees the counter finds both). Returns the new attempt."""
     attempt = current_attempt(store, keys) + 1
@@ -97,7 +97,7 @@ def wait_for_attempt_after(store, keys: Keys, attempt: int, timeout_s: float, po
         time.sleep(poll_s)
 
 
-def wait_for_assignment(store, keys: Keys, slot: int, poll_s: float = 0.02) -> dict:
+def wait_for_assignment(store, keys: Keys, slot: str, poll_s: float = 0.02) -> dict:
     """Spare: block until the agent assigns ``slot`` a rank (a spare never assigned is stopped by the agent)."""
     key = keys.spare(slot)
     while not store.check([key]):

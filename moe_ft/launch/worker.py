@@ -19,10 +19,12 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from moe_ft.launch import protocol
 
@@ -47,7 +49,7 @@ def peer_failure(exc: BaseException) -> bool:
 class Membership:
     """This process's place in a ``moe-ft launch`` job (``store is None``: not under ``moe-ft launch``)."""
 
-    store: object = None
+    store: Any = None
     keys: protocol.Keys | None = None
     attempt: int = 0
     rank: int = -1
@@ -103,8 +105,6 @@ def sever_peer_connections() -> int:
     (not closing the descriptors: their owners still hold them) makes every pending and future operation
     of the failed attempt fail at once, here and on the peers at the other end, which then leave too.
     The next attempt's groups connect afresh."""
-    import socket
-
     keep = {int(os.environ.get("MASTER_PORT", "0"))}
     count = 0
     for conn in _tcp_connections():

@@ -33,11 +33,11 @@ from moe_ft.config import FTConfig
 from moe_ft.elastic.component import elastic_component
 from moe_ft.elastic.holders import catalogue_infos
 from moe_ft.elastic.rebalance_component import rebalance_component
+from moe_ft.launch.worker import launch_facts
 from moe_ft.localized.component import UpstreamLogging
 from moe_ft.localized.survivor import SurvivorGuard, survivor_store
 from moe_ft.megatron_ext.router import attach_popularity
 from moe_ft.popularity import ExpertPopularity, PopularityConfig
-from moe_ft.launch.worker import launch_facts
 from moe_ft.recovery.driver import RecoveryInputs, last_fault_time, recover, should_recover
 from moe_ft.recovery.planner import RecoveryRefused
 from moe_ft.runtime import components as C
