@@ -145,3 +145,21 @@ def test_no_spare_left_a_fresh_process_takes_the_rank(drill_env, fault_free_dige
     assert res["digest"] == fault_free_digest("ep2pp2", ITERS)
     check_inprocess(res["reports"], 1)
     assert "gives it to a fresh process" in open(res["log"]).read()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_spare_killed_while_taking_over_then_a_survivor_killed_during_recovery(drill_env, fault_free_digest):
+    """EP2 x PP2, global scope: rank 3 dies in iteration 6; the spare that takes rank 3 dies while it
+    replays iteration 4; in the next attempt a survivor (rank 1) dies while replaying iteration 5. Each
+    death is replaced in-process (three attempts); the last recovery completes, bitwise."""
+    faults = ["3:6:backward", "3:4:recovery", "1:5:recovery"]
+    res = launch(drill_env, "ep2pp2_cascade", layout="ep2pp2", faults=faults, scope="global")
+    assert res["rc"] == 0, res["log"]
+    assert res["digest"] == fault_free_digest("ep2pp2", ITERS)
+    log = open(res["log"]).read()
+    for fault in ("rank 3 fails at iteration 4 (recovery, exit)", "rank 1 fails at iteration 5 (recovery, exit)"):
+        assert f"moe-ft fault injection: {fault}" in log
+    (report,) = res["reports"]  # the two interrupted recoveries wrote none
+    assert report["restart_count"] == 3
+    check_inprocess([report], 1)

@@ -308,7 +308,10 @@ def run(args) -> int:
                   f"{e.get('recovery_source')} point {e.get('recovery_end')}, {e.get('iterations_redone')} "
                   f"iterations trained again")
         for r in result["reports"]:
-            print(f"restart {r['restart_count']}: point {r['recovery_point']} replayed {r['replayed_iterations']} "
+            kept = {True: ", survivors kept their processes", False: ", some survivors restarted"}.get(
+                r.get("survivor_pids_kept"), "")
+            print(f"restart {r['restart_count']} ({r.get('restart_kind', 'job')}{kept}): point {r['recovery_point']} "
+                  f"replayed {r['replayed_iterations']} "
                   f"re-executed {r['reexecuted_iterations']} seconds {r['seconds']} token loss {r['token_loss'].get('tokens')}")
             sc = r.get("scope") or {}
             if sc:
@@ -354,9 +357,11 @@ def register(subparsers) -> None:
     p.add_argument("--persist-dir", default="", help="durable tier root (default: <workdir>/durable)")
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--launcher", choices=sorted(LAUNCHERS), default=None,
-                   help="what starts the agents: 'torchrun' (default, or $MOE_FT_DRILL_LAUNCHER), or 'preloaded': "
+                   help="what starts the agents: 'inprocess' (default, or $MOE_FT_DRILL_LAUNCHER): moe-ft launch "
+                        "with one warm spare, the survivors keep their processes (docs/launch.md); 'torchrun': "
+                        "every worker restarts; 'preloaded': "
                         "torchrun's agent with workers forked from a process that imported the training stack "
-                        "once (moe_ft/drills/prelaunch.py; the same recovery, seconds less per restart)")
+                        "once (moe_ft/drills/prelaunch.py); 'inprocess-preloaded': both")
     p.add_argument("--data", default="", help="dataset prefix (default: a generated tiny corpus)")
     p.add_argument("--workdir", default="", help="logs and digests (default: a temp dir)")
     p.add_argument("--store-dir", default="", help="node-local store root (default: /dev/shm/moe_ft_drill_<pid>)")

@@ -15,12 +15,12 @@ LAUNCHERS = {
 workers forked from a launcher that imported the training stack once (tests)."""
 
 LAUNCHER_ENV = "MOE_FT_DRILL_LAUNCHER"
-"""Environment variable naming the drills' default launcher (unset: ``torchrun``)."""
+"""Environment variable naming the drills' default launcher (unset: ``inprocess``)."""
 
 
 def default_launcher() -> str:
-    """The launcher a drill uses when its caller names none: ``$MOE_FT_DRILL_LAUNCHER`` or ``torchrun``."""
-    name = os.environ.get(LAUNCHER_ENV, "torchrun")
+    """The launcher a drill uses when its caller names none: ``$MOE_FT_DRILL_LAUNCHER`` or ``inprocess``."""
+    name = os.environ.get(LAUNCHER_ENV, "inprocess")
     launcher_argv(name)
     return name
 

@@ -126,9 +126,10 @@ class SpareAgent(LocalElasticAgent):
             "TORCHELASTIC_RESTART_COUNT": str(self._attempt), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
             "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
             "TORCHELASTIC_USE_AGENT_STORE": str(spec.rdzv_handler.use_agent_store),
-            protocol.RUN_ENV: spec.rdzv_handler.get_run_id(),
-            protocol.REFORM_TIMEOUT_ENV: str(self._reform_timeout_s),
         }
+        if self._inprocess:  # the workers may outlive a failure: they find the agent's announcements here
+            env[protocol.RUN_ENV] = spec.rdzv_handler.get_run_id()
+            env[protocol.REFORM_TIMEOUT_ENV] = str(self._reform_timeout_s)
         if slot:
             env[protocol.SPARE_ENV] = slot
         for name in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"):
@@ -165,10 +166,12 @@ class SpareAgent(LocalElasticAgent):
     # ------------------------------------------------------------------------- the agent's hooks
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._close_all()
-        store = self._store_client(worker_group)
-        if self._started:  # a full restart: a new attempt (the first start is attempt 0)
+        if not self._inprocess:  # several agents: torch elastic's numbering (each agent counts its restarts)
+            self._attempt = worker_group.spec.max_restarts - self._remaining_restarts
+        elif self._started:  # a full restart: a new attempt (the first start is attempt 0)
             failed = sorted(w.global_rank for w in worker_group.workers)
-            self._attempt = protocol.announce(store, self._keys, kind="job", failed=failed, detected_at=time.time())
+            self._attempt = protocol.announce(self._store_client(worker_group), self._keys, kind="job", failed=failed,
+                                              detected_at=time.time())
         self._started = True
         self._finished = {}
         for worker in worker_group.workers:
@@ -235,7 +238,7 @@ class SpareAgent(LocalElasticAgent):
             assignments[proc.slot] = {"rank": worker.global_rank, "local_rank": local_rank}
             self._workers[local_rank] = proc
             worker.id = proc.pid
-        self._attempt = protocol.announce(self._launch_store, self._keys, kind="inprocess", failed=failed,
+        self._attempt = protocol.announce(self._store_client(worker_group), self._keys, kind="inprocess", failed=failed,
                                           detected_at=detected, assignments=assignments)
         self.replacements.append({"attempt": self._attempt, "failed": failed, "spares": sorted(assignments),
                                   "fresh": fresh, "seconds": round(time.perf_counter() - t0, 4)})
