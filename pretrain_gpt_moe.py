@@ -53,28 +53,36 @@ def main(argv=None) -> int:
     except RuntimeError as e:  # a Megatron-Core version the shims were not written for
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from moe_ft.launch.protocol import GAVE_UP_EXIT_CODE
     from moe_ft.launch.worker import join
 
     membership = join()  # under moe-ft launch a spare waits here, imports done, until it is given a rank
+    rejoined = False
     while True:
         hooks = step_hooks(args)
         if hooks is None:
             pretrain(args)
             return 0
-        code, failure = _train_guarded(args, hooks, membership)
+        code, failure = _train_guarded(args, hooks, membership, rejoined)
         if code == 0:
             return 0
         hooks.abandon()  # this attempt's threads and files; the process groups are gone already
         del hooks
         gc.collect()  # the failed attempt's model and groups: their connections close, peers stop waiting
         if not membership.rejoin(*failure):
-            return code
-        # a peer failed and the agent replaced it: train again in this process (recovery follows)
+            return GAVE_UP_EXIT_CODE if membership.gave_up else code  # gave up: the agent restarts everyone
+        # a peer failed and the agent replaced it: train again in this process (recovery follows), from
+        # freshly parsed flags: the configs in args.extra keep per-start decisions (e.g. --ft-elastic's plan)
+        args = parse_args(argv, extra_groups=extra_argument_groups())
+        rejoined = True
 
 
-def _train_guarded(args, hooks, membership) -> tuple[int, tuple[str, bool]]:
-    """One attempt: ``(exit code, (error message, whether a peer caused it))``."""
+def _train_guarded(args, hooks, membership, rejoined: bool) -> tuple[int, tuple[str, bool]]:
+    """One attempt: ``(exit code, (error message, whether a peer caused it))``. A survivor that rejoined
+    waits at most ``--reform-timeout`` for the other ranks to form the new process group (a replacement
+    that never arrives ends the attempt; the agent then restarts the whole group)."""
     from megatron.training.pretrain import pretrain
+    from moe_ft.launch.protocol import reform_timeout_s
     from moe_ft.launch.worker import peer_failure, sever_peer_connections
     from moe_ft.localized.survivor import run_guarded
 
@@ -87,7 +95,8 @@ def _train_guarded(args, hooks, membership) -> tuple[int, tuple[str, bool]]:
             sever_peer_connections()  # the failed attempt's operations fail everywhere, none waits
 
     # a stopped or failing rank publishes its state (survivor point) before it exits non-zero
-    code = run_guarded(lambda: pretrain(args, hooks=hooks), lambda: hooks.survivor, on_failure)
+    join = reform_timeout_s() if rejoined else None
+    code = run_guarded(lambda: pretrain(args, hooks=hooks, join_timeout_s=join), lambda: hooks.survivor, on_failure)
     return code, failure
 
 if __name__ == "__main__":  # required: Megatron's checkpoint writer re-imports the main module

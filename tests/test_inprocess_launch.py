@@ -107,9 +107,9 @@ def drill_env(corpus, tmp_path_factory):
             "store": str(tmp_path_factory.mktemp("inprocess_store"))}
 
 
-def launch(env, job, *, layout, faults, scope, launcher_flags=(), max_restarts=0):
+def launch(env, job, *, layout, faults, scope, launcher_flags=(), max_restarts=0, launcher="inprocess-preloaded"):
     return run_job(job=job, workdir=env["work"], faults=list(faults), max_restarts=max_restarts, timeout=300,
-                   launcher="inprocess-preloaded", launcher_flags=tuple(launcher_flags), layout=layout,
+                   launcher=launcher, launcher_flags=tuple(launcher_flags), layout=layout,
                    policy="sparse", iters=ITERS, data=env["data"], store=env["store"], window=WINDOW,
                    scope=scope, extra=[])
 
@@ -163,3 +163,18 @@ def test_spare_killed_while_taking_over_then_a_survivor_killed_during_recovery(d
     (report,) = res["reports"]  # the two interrupted recoveries wrote none
     assert report["restart_count"] == 3
     check_inprocess([report], 1)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_a_replacement_that_does_not_arrive_in_time_falls_back_to_a_full_restart(drill_env, fault_free_digest):
+    """No spare, workers started as fresh interpreters (seconds of imports), and a reform timeout of 1 s:
+    the survivors stop waiting for the fresh process to form the new group, give up, and the agent
+    restarts every worker (``restart_kind`` "job"); the job still ends bitwise."""
+    res = launch(drill_env, "dp2ep2_fallback", layout="dp2ep2", faults=["1:5:forward"], scope="global",
+                 launcher="inprocess", launcher_flags=["--spares-per-node=0", "--reform-timeout=1"], max_restarts=1)
+    assert res["rc"] == 0, res["log"]
+    assert res["digest"] == fault_free_digest("dp2ep2", ITERS)
+    (report,) = res["reports"]
+    assert report["restart_kind"] == "job" and report["survivor_pids_kept"] is None
+    assert "falling back to a full restart" in open(res["log"]).read()

@@ -60,10 +60,12 @@ def require_cuda_or_cpu_layer() -> None:
             "before initialize_distributed()/pretrain()") from None
 
 
-def initialize_distributed(args: Args, timeout_s: float = 300.0) -> None:
+def initialize_distributed(args: Args, timeout_s: float = 300.0, join_timeout_s: float | None = None) -> None:
     """Init the default process group (NCCL on GPU, gloo on CPU) and Megatron's model-parallel groups.
     Launched by torchrun: RANK/WORLD_SIZE/MASTER_ADDR come from the environment. Without CUDA the CPU
-    compatibility layer must already be active (:func:`require_cuda_or_cpu_layer`)."""
+    compatibility layer must already be active (:func:`require_cuda_or_cpu_layer`). ``join_timeout_s``:
+    how long forming the default group may wait for every rank to arrive (a ``DistStoreError`` or
+    ``DistBackendError`` after it); operations then get ``timeout_s``. ``None``: ``timeout_s`` for both."""
     quiet_optional_dependency_warnings()
     require_cuda_or_cpu_layer()
     use_cuda = torch.cuda.is_available()
@@ -75,8 +77,13 @@ def initialize_distributed(args: Args, timeout_s: float = 300.0) -> None:
     if not dist.is_initialized():
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s),
-                                **_restart_safe_store(timeout_s))
+        join = join_timeout_s if join_timeout_s is not None else timeout_s
+        store = _restart_safe_store(join)
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=join), **store)
+        if join != timeout_s:  # every rank arrived: operations and later groups get the full timeout
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+            if "store" in store:
+                store["store"].set_timeout(timedelta(seconds=timeout_s))
     if dist.get_world_size() != args.world_size:
         raise RuntimeError(f"arguments were validated for world size {args.world_size} but the process group "
                            f"has {dist.get_world_size()} ranks")

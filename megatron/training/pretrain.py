@@ -21,10 +21,11 @@ def build_data(args: Args):
                           global_batch_size=t.global_batch_size, data_parallel_size=args.data_parallel_size)
 
 
-def pretrain(args: Args, hooks=None):
-    """Returns the training loop's report (rank-local)."""
+def pretrain(args: Args, hooks=None, join_timeout_s: float | None = None):
+    """Returns the training loop's report (rank-local). ``join_timeout_s``: how long forming the process
+    group may wait for every rank (:func:`initialize_distributed`)."""
 
-    initialize_distributed(args)
+    initialize_distributed(args, join_timeout_s=join_timeout_s)
     try:
         set_seeds(args.training.seed)
         state = build_train_state(args)

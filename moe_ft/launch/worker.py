@@ -55,6 +55,8 @@ class Membership:
     rank: int = -1
     spare_wait_s: float = 0.0
     """How long this process waited as a spare before it got its rank (0 for the original workers)."""
+    gave_up: bool = False
+    """:meth:`rejoin` saw no new attempt in time: exit with :data:`protocol.GAVE_UP_EXIT_CODE`."""
 
     @property
     def inprocess(self) -> bool:
@@ -75,6 +77,7 @@ class Membership:
         if attempt is None:
             print(f"moe-ft launch: rank {self.rank} saw no new attempt within {timeout:.0f} s after: "
                   f"{error[:200]}; falling back to a full restart", file=sys.stderr, flush=True)
+            self.gave_up = True
             return False
         self.attempt = attempt
         os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
