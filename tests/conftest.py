@@ -14,10 +14,11 @@ if ROOT not in sys.path:
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The drills of this suite start their workers forked from a launcher that imported the training stack
-# once (moe_ft/drills/prelaunch.py): torchrun's agent, rendezvous and restarts, ~4.5 s less CPU per worker.
-# Tests that must show plain torchrun pass launcher="torchrun".
-os.environ.setdefault("MOE_FT_DRILL_LAUNCHER", "preloaded")
+# The drills of this suite run under moe-ft launch (moe_ft/launch/: one warm spare, survivors recover in
+# their processes; several simulated nodes: every worker restarts) with workers forked from a launcher that
+# imported the training stack once, ~4.5 s less CPU per worker. Tests that must show plain torchrun pass
+# launcher="torchrun".
+os.environ.setdefault("MOE_FT_DRILL_LAUNCHER", "inprocess-preloaded")
 
 # after the settings above: ROOT on sys.path, TRITON_INTERPRET before any kernel module
 from moe_ft.cli.drill import run_job  # noqa: E402
