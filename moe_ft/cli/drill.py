@@ -93,7 +93,7 @@ def torchrun(argv: list[str], *, max_restarts: int, timeout: float, log_path: st
     on this host; ``launcher_flags``: more flags for the launcher (e.g. ``--spares-per-node=0``)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, *launcher_argv(launcher), *launcher_flags, "--standalone", f"--nproc-per-node={WORLD_SIZE}",
-           f"--max-restarts={max_restarts}", "--monitor-interval=1", str(ROOT / "pretrain_gpt_moe.py"), *argv]
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.1", str(ROOT / "pretrain_gpt_moe.py"), *argv]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
