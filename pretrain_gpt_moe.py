@@ -68,13 +68,24 @@ def main(argv=None) -> int:
             return 0
         hooks.abandon()  # this attempt's threads and files; the process groups are gone already
         del hooks
-        gc.collect()  # the failed attempt's model and groups: their connections close, peers stop waiting
+        _free_device_memory()
         if not membership.rejoin(*failure):
             return GAVE_UP_EXIT_CODE if membership.gave_up else code  # gave up: the agent restarts everyone
         # a peer failed and the agent replaced it: train again in this process (recovery follows), from
         # freshly parsed flags: the configs in args.extra keep per-start decisions (e.g. --ft-elastic's plan)
         args = parse_args(argv, extra_groups=extra_argument_groups())
         rejoined = True
+
+
+def _free_device_memory() -> None:
+    """The failed attempt's model and optimizer are unreachable now; on a GPU collect them before the next
+    attempt allocates its own. On CPU the collector reclaims them later: a full collection costs ~0.35 s of
+    the survivors' way back (measured on the tiny PP=4 drill), and their connections are already shut down."""
+    import torch
+
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def _train_guarded(args, hooks, membership, rejoined: bool) -> tuple[int, tuple[str, bool]]:
