@@ -339,15 +339,3 @@ def test_transfer_plan_serves_each_replayer_once_and_names_what_is_missing():
                                             inv([(4, "send.bwd.to2"), (4, coll)])], frozenset([1, 2]), [4])
     assert missing == [] and {(s, d, n) for s, d, _, n, *_ in transfers} == {
         (0, 1, "send.fwd.to1"), (3, 2, "send.bwd.to2"), (0, 1, coll), (0, 2, coll)}
-
-
-def test_publish_pending_publishes_only_the_iteration_being_recorded(tmp_path):
-    comp = UpstreamLogging(LogDir(tmp_path / "rank0"), LogSeams(P2PSeam(), CollectiveSeam({0: 0})))
-    assert not comp.publish_pending(3)  # nothing recorded
-    comp.on_step_begin(3)
-    comp.recorder.current.sends[(FWD, 1)] = [(0, torch.ones(2))]
-    assert not comp.publish_pending(2)  # the state is at 2, the recording is 3's (train_step(3) unfinished)
-    assert comp.publish_pending(3) and comp.log_dir.iterations() == [3] and comp.recorder.current is None
-    assert comp.metrics(None) == {"upstream_log_bytes": 8}
-    comp.on_iteration_end(3, replaying=False)  # nothing left to publish
-    assert comp.log_dir.iterations() == [3]

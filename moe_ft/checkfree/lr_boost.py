@@ -113,9 +113,6 @@ class LrBoost:
         for group in self._groups():
             group["lr"] = self.scheduler.get_lr(group)
 
-    def lr_of(self, group: int) -> float:
-        return self._groups()[group]["lr"]
-
 
 # ------------------------------------------------------------------------ persistence across restarts
 def capture_group_lr(optimizer) -> torch.Tensor:

@@ -123,9 +123,6 @@ class Replan:
         return ("no surviving copy of " + "; ".join(parts) + ": every node holding them was lost; falling back "
                 "to the newest complete recovery point that has them")
 
-    def num_fetched(self) -> int:
-        return len(self.fetches)
-
 
 def replica_rows(plan, num_experts: int) -> list[list[int]]:
     """``R[e][j]`` (lists) from a plan with one tuple of experts per EP rank."""

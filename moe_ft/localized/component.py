@@ -59,17 +59,6 @@ class UpstreamLogging(Component):
     def on_iteration_end(self, iteration: int, replaying: bool) -> None:
         self.recorder.end()
 
-    def publish_pending(self, iteration: int) -> bool:
-        """Publish the log of ``iteration`` now if it is still being recorded (a survivor stopping between
-        the end of ``train_step(iteration)`` and ``on_iteration_end``: its state is at ``iteration``, so its
-        neighbours' replay needs that iteration's log). Precondition: ``train_step(iteration)`` returned
-        (its last stage-spanning collective, the aux-loss reduce, runs after the optimizer step)."""
-        current = self.recorder.current
-        if current is None or current.iteration != iteration:
-            return False
-        self.recorder.end()
-        return True
-
     def after_snapshot(self, iteration, plan, session, replaying) -> None:
         if session is None:
             return

@@ -45,7 +45,7 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -296,17 +296,6 @@ def run_guarded(train: Callable[[], object], guard_of: Callable[[], SurvivorGuar
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-@dataclass
-class SurvivorInventory:
-    """One rank's survivor point as the scope decision sees it (gathered from every rank)."""
-
-    rank: int
-    iteration: int
-    """The published point's iteration (``-1``: none usable)."""
-    why_not: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 def store_path(store_root: str, job_id: str) -> Path:

@@ -54,9 +54,6 @@ SOURCE_LEVEL = {"window_replay": "exact", "local_point": "exact", "survivor_poin
                 "replay_beside_rebuilt": "approximate", "start_over": "start_over"}
 SOURCE_ORDER = tuple(SOURCE_LEVEL)
 
-UNAVAILABLE: dict[str, str] = {}
-"""Sources a plan could not use, with the reason (the driver adds ``survivor_point`` when the localized
-scope fell back to this global path, ``moe_ft/localized/scope.py``)."""
 
 
 class RecoveryRefused(RuntimeError):
@@ -108,7 +105,7 @@ class RecoveryPlan:
     rebuilt: dict[int, tuple[int, int]] = field(default_factory=dict)
     """CheckFree: lost rank -> (previous-stage rank, next-stage rank) it is rebuilt from, or (swap partner,)
     under CheckFree+."""
-    unavailable: dict[str, str] = field(default_factory=lambda: dict(UNAVAILABLE))
+    unavailable: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {**asdict(self), "rebuilt": {str(k): list(v) for k, v in self.rebuilt.items()}}
