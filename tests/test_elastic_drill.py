@@ -8,9 +8,9 @@ job re-plans for 4 ranks, node 1's ranks fetching their operators from node 0.
 
 Asserted: no iteration lost beyond the in-flight one at each change (the restored point is the last
 completed iteration); every expert present with every slot filled after each change; node 1's ranks got
-their state from peers; the loss curve stays within 0.05 of the fault-free run at every iteration (float
-round-off of a different reduction order, carried forward by Adam: the measured maximum is printed); the
-final parameters' deviation is reported, finite and small, and not asserted bitwise (it cannot be).
+their state from peers; the loss curve stays within 5e-4 of the fault-free run at every iteration and the
+final parameters within 1e-5 (float round-off of a different reduction order, carried forward by Adam: the
+measured maxima are printed; not bitwise, it cannot be).
 """
 
 from __future__ import annotations
@@ -22,10 +22,13 @@ import pytest
 
 from moe_ft.elastic.restart import newest_complete_point, required_operators
 
-LOSS_TOLERANCE = 0.05
-"""Absolute loss difference allowed at any iteration (losses ~6 -> ~4; observed: see the printed value)."""
-PARAM_BOUND = 0.05
-"""Largest |parameter difference| allowed after 24 iterations at lr <= 3e-3 (observed: printed)."""
+LOSS_TOLERANCE = 5e-4
+"""Absolute loss difference allowed at any iteration (losses ~6 -> ~4). The compared losses are the log
+lines' (4 decimals): 1e-4 measured, i.e. one unit of the last printed digit."""
+PARAM_BOUND = 1e-5
+"""Largest |parameter difference| allowed after 24 iterations at lr <= 3e-3: 1.19e-7 measured (float
+round-off of a different reduction order, carried forward by Adam). A wrong Adam moment moves a parameter
+by up to the learning rate in the next step, two orders of magnitude above this bound."""
 
 
 def test_a_point_missing_an_expert_everywhere_is_refused_with_the_reason():
