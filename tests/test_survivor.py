@@ -248,3 +248,35 @@ def test_a_held_stop_waits_for_the_log_line(tmp_path):
     assert run_guarded(train, lambda: guard) == 1
     assert logged == [4]
     assert survivor_store(str(tmp_path), "job", 3).points() == [4]
+
+
+def test_the_previous_point_stays_until_the_new_one_is_published(tmp_path):
+    """A dump that dies half-way leaves the rank's previous survivor point in place; a published dump
+    replaces it; a state loaded from a point is not dumped again over it."""
+    reg = make_registry(0)
+    died = []
+
+    def die_once(iteration, phase):
+        if not died:
+            died.append(iteration)
+            raise RuntimeError("killed during the dump")
+
+    guard = guard_for(tmp_path, reg)
+    guard.completed(3, dict(META, iteration=3), {})
+    assert guard.publish("first stop").iteration == 3
+    store = survivor_store(str(tmp_path), "job", 3)
+    at_3 = snapshot_of(reg)
+    step(reg, 1.0)
+    guard = guard_for(tmp_path, reg, fault_check=die_once)
+    guard.completed(5, dict(META, iteration=5), {})
+    with pytest.raises(RuntimeError, match="killed during the dump"):
+        guard.publish("second stop")
+    assert store.points() == [3] and newest_survivor_point(store, list(reg)) == (3, "")
+    target = make_registry(1)
+    load_survivor_point(store, target, 3)
+    assert all(torch.equal(snapshot_of(target)[k], t) for k, t in at_3.items())
+    assert guard.publish("second stop, again").iteration == 5  # published: the old point goes
+    assert store.points() == [5]
+    guard.adopt(5, dict(META, iteration=5), {})  # a loader took its state from that point
+    again = guard.publish("stopped during the rest of the recovery")
+    assert again.iteration == 5 and again.nbytes == 0 and store.points() == [5]

@@ -140,6 +140,9 @@ class SurvivorGuard:
         self.deadline_s = deadline_s
         """Seconds after the stop beyond which the dump gives up unpublished (torchrun: SIGKILL at 30 s)."""
         self.last: Completed | None = None
+        self.adopted: int | None = None
+        """The iteration whose survivor point the live state was loaded from (:meth:`adopt`), until the next
+        completed iteration."""
         self.updating: int | None = None
         """The iteration whose optimizer step is in progress (the critical section), else ``None``."""
         self.pending_signal: int | None = None
@@ -172,6 +175,7 @@ class SurvivorGuard:
         A SIGTERM deferred during it takes effect now, or with ``hold`` at :meth:`release` (the training loop
         calls it once the iteration is logged)."""
         self.last = Completed(iteration, meta, dict(tensors))
+        self.adopted = None
         self.updating = None
         self.holding = hold
         if not hold:
@@ -188,12 +192,14 @@ class SurvivorGuard:
         """The live state was just loaded from a survivor point of ``iteration``: it is that iteration's
         completed state again (a stop during the rest of the recovery publishes it once more)."""
         self.last = Completed(iteration, dict(meta), dict(tensors))
+        self.adopted = iteration
         self.updating = None
         self.holding = False
 
     def forget(self) -> None:
         """The live state no longer matches :attr:`last` (a recovery is rewriting it)."""
         self.last = None
+        self.adopted = None
 
     # ------------------------------------------------------------------------------------- stopping
     def on_signal(self, signum: int, frame=None) -> None:
@@ -220,8 +226,12 @@ class SurvivorGuard:
             return PublishResult(None, f"no completed iteration since this process (re)started ({why})")
         done = self.last
         store = survivor_store(self.store_root, self.job_id, self.rank)
-        for old in store.points():  # one point per rank: the newest stop's
-            store.delete_point(old)
+        previous = store.points()  # kept until the new point is published: a dump that dies leaves them
+        if done.iteration in previous:
+            if self.adopted == done.iteration:  # loaded from that very point: it already holds this state
+                return PublishResult(done.iteration, f"{why} (its point of iteration {done.iteration} is "
+                                                     "already published)", 0, time.monotonic() - start)
+            store.delete_point(done.iteration)
         ops = sorted(registry, key=str)
         nbytes = 0
         with torch.no_grad(), store.begin(done.iteration) as point:
@@ -240,6 +250,9 @@ class SurvivorGuard:
                                              "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
             point.put_meta(meta, {k: v.detach().cpu().contiguous() for k, v in done.tensors.items()})
             point.publish()
+        for old in previous:  # one point per rank: the newest stop's
+            if old != done.iteration:
+                store.delete_point(old)
         return PublishResult(done.iteration, why, nbytes, time.monotonic() - start)
 
 
