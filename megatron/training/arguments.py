@@ -114,6 +114,9 @@ class TrainingArgs:
         "--fp16: iterations without overflow after which the dynamic loss scale doubles."))
     hysteresis: int = field(default=2, metadata=field_help(
         "--fp16: consecutive overflowing iterations before the dynamic loss scale halves."))
+    distributed_timeout_minutes: float = field(default=10, metadata=field_help(
+        "Timeout of every process group's operations, in minutes (Megatron-LM's flag; the fault-tolerance "
+        "coordination group takes it too)."))
     num_threads: int = field(default=1, metadata=field_help("torch CPU threads per process (CPU runs)."))
     progress: bool = field(default=False, metadata=field_help("Show a progress bar on rank 0."))
     deterministic: bool = field(

@@ -60,12 +60,15 @@ def require_cuda_or_cpu_layer() -> None:
             "before initialize_distributed()/pretrain()") from None
 
 
-def initialize_distributed(args: Args, timeout_s: float = 300.0, join_timeout_s: float | None = None) -> None:
+def initialize_distributed(args: Args, timeout_s: float | None = None, join_timeout_s: float | None = None) -> None:
     """Init the default process group (NCCL on GPU, gloo on CPU) and Megatron's model-parallel groups.
     Launched by torchrun: RANK/WORLD_SIZE/MASTER_ADDR come from the environment. Without CUDA the CPU
     compatibility layer must already be active (:func:`require_cuda_or_cpu_layer`). ``join_timeout_s``:
     how long forming the default group may wait for every rank to arrive (a ``DistStoreError`` or
-    ``DistBackendError`` after it); operations then get ``timeout_s``. ``None``: ``timeout_s`` for both."""
+    ``DistBackendError`` after it); operations then get ``timeout_s`` (default: ``--distributed-timeout-minutes``).
+    ``join_timeout_s`` ``None``: ``timeout_s`` for both."""
+    if timeout_s is None:
+        timeout_s = 60.0 * args.training.distributed_timeout_minutes
     quiet_optional_dependency_warnings()
     require_cuda_or_cpu_layer()
     use_cuda = torch.cuda.is_available()
@@ -95,6 +98,7 @@ def initialize_distributed(args: Args, timeout_s: float = 300.0, join_timeout_s:
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
+        distributed_timeout_minutes=max(1, round(timeout_s / 60)),
     )
 
 
