@@ -273,6 +273,10 @@ class RecoverConfig:
         "(+ pec/selective, PLT/MLT), 'approximate' (+ CheckFree rebuild of a lost pipeline stage), 'none' "
         "(+ starting over). Levels per operator are in the recovery report (moe_ft/recovery/planner.py).",
         choices=["exact", "durable", "lossy", "approximate", "none"]))
+    survivor_deadline: float = field(default=0.0, metadata=field_help(
+        "Seconds a stopped rank may spend publishing its survivor point before it gives up unpublished (0 = "
+        "the launcher's SIGTERM-to-SIGKILL grace, TORCH_ELASTIC_SHUTDOWN_TIMEOUT or torch elastic's 30 s, "
+        "minus 5 s)."))
     recovery_scope: str = field(default="localized", metadata=field_help(
         "Which ranks roll back after a failure: 'localized' = only the failed ranks' pipeline-stage "
         "data-parallel groups replay, fed by their neighbours' upstream logs, while the survivors load the "
@@ -286,6 +290,8 @@ class RecoverConfig:
             raise ValueError(f"--ft-recovery-scope must be global or localized, got {self.recovery_scope!r}")
         if self.hang_timeout < 0:
             raise ValueError("--ft-hang-timeout must be >= 0 seconds")
+        if self.survivor_deadline < 0:
+            raise ValueError(f"--ft-survivor-deadline must be >= 0 seconds (0: derived), got {self.survivor_deadline}")
         if self.capacity_boost < 0:
             raise ValueError(f"--ft-capacity-boost must be >= 0 (a fraction, 0.1 = 10 %), got {self.capacity_boost}")
         if self.min_recovery_level not in ("exact", "durable", "lossy", "approximate", "none"):
@@ -310,6 +316,14 @@ class RecoverConfig:
         from moe_ft.recovery.boost import build_capacity_boost
 
         return build_capacity_boost(self.capacity_boost, state, popularity)
+
+    def survivor_deadline_s(self) -> float:
+        """``--ft-survivor-deadline``, or the launcher's grace between SIGTERM and SIGKILL minus 5 s (the
+        dump must be published before the kill; at least 1 s)."""
+        if self.survivor_deadline:
+            return self.survivor_deadline
+        grace = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+        return max(1.0, grace - 5.0)
 
 
 def _nested(cls, prefix: str, title: str):

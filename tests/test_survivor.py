@@ -280,3 +280,17 @@ def test_the_previous_point_stays_until_the_new_one_is_published(tmp_path):
     guard.adopt(5, dict(META, iteration=5), {})  # a loader took its state from that point
     again = guard.publish("stopped during the rest of the recovery")
     assert again.iteration == 5 and again.nbytes == 0 and store.points() == [5]
+
+
+def test_dump_deadline_follows_the_launchers_grace_or_the_flag(monkeypatch):
+    from moe_ft.config import RecoverConfig
+
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    assert RecoverConfig().survivor_deadline_s() == 25.0  # torch elastic's 30 s grace, minus 5 s
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120")
+    assert RecoverConfig().survivor_deadline_s() == 115.0
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "3")
+    assert RecoverConfig().survivor_deadline_s() == 1.0
+    assert RecoverConfig(survivor_deadline=7.5).survivor_deadline_s() == 7.5
+    with pytest.raises(ValueError, match="--ft-survivor-deadline must be >= 0"):
+        RecoverConfig(survivor_deadline=-1)

@@ -126,6 +126,7 @@ class SpareAgent(LocalElasticAgent):
             "TORCHELASTIC_RESTART_COUNT": str(self._attempt), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
             "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
             "TORCHELASTIC_USE_AGENT_STORE": str(spec.rdzv_handler.use_agent_store),
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(self._shutdown_timeout),  # the survivors' dump deadline
         }
         if self._inprocess:  # the workers may outlive a failure: they find the agent's announcements here
             env[protocol.RUN_ENV] = spec.rdzv_handler.get_run_id()

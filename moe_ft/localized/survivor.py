@@ -138,7 +138,8 @@ class SurvivorGuard:
         self.fault_check = fault_check
         """Drills: called as ``(iteration, "survivor")`` after half of the entries are written."""
         self.deadline_s = deadline_s
-        """Seconds after the stop beyond which the dump gives up unpublished (torchrun: SIGKILL at 30 s)."""
+        """Seconds after the stop beyond which the dump gives up unpublished (``--ft-survivor-deadline``;
+        torch elastic sends SIGKILL its shutdown timeout, 30 s by default, after SIGTERM)."""
         self.last: Completed | None = None
         self.adopted: int | None = None
         """The iteration whose survivor point the live state was loaded from (:meth:`adopt`), until the next

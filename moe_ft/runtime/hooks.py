@@ -111,7 +111,8 @@ class FTRuntime(StepHooks):
         if cfg.snapshot.enabled and cfg.recovery.recovery_scope == "localized":
             self.survivor = SurvivorGuard(store_root=cfg.snapshot.store_dir, job_id=cfg.snapshot.job_id,
                                           rank=self.rank, registry_fn=lambda: self.registry,
-                                          fault_check=self.check_fault)
+                                          fault_check=self.check_fault,
+                                          deadline_s=cfg.recovery.survivor_deadline_s())
             self.survivor.watch_optimizer(state.optimizer)  # the critical section starts with the update
 
             if UpstreamLogging.wanted(args, cfg):  # collective: every rank decides alike
