@@ -91,11 +91,22 @@ def test_sever_shuts_peer_connections_and_keeps_the_store(monkeypatch):
         s.close()
 
 
-def test_launcher_flags_are_checked():
-    with pytest.raises(SystemExit, match="--spares-per-node must be >= 0"):
-        cli.parse_args(["--standalone", "--spares-per-node", "-1", "train.py"])
-    with pytest.raises(SystemExit, match="--reform-timeout must be > 0"):
-        cli.parse_args(["--standalone", "--reform-timeout", "0", "train.py"])
+def test_launcher_flags_are_checked(capsys):
+    for flags, message in ((["--spares-per-node", "-1"], "--spares-per-node must be >= 0 (got -1)"),
+                           (["--reform-timeout", "0"], "--reform-timeout must be > 0 seconds")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.parse_args(["--standalone", *flags, "train.py"])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    from moe_ft.cli.main import main as moe_ft_main  # `moe-ft launch` hands its command line over as is
+
+    with pytest.raises(SystemExit) as exit_:
+        moe_ft_main(["launch", "--standalone", "--spares-per-node", "-1", "train.py"])
+    assert exit_.value.code == 2 and "--spares-per-node must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        moe_ft_main(["launch", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith("usage: moe-ft launch") and "--spares-per-node" in out
+    assert "--nproc-per-node" in out  # torchrun's own flags
     args = cli.parse_args(["--standalone", "--nproc-per-node", "4", "--spares-per-node", "2", "train.py", "--lr", "1"])
     assert (args.spares_per_node, args.rdzv_backend, args.training_script_args) == (2, "c10d", ["--lr", "1"])
 

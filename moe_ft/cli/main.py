@@ -37,7 +37,20 @@ def build_parser() -> CliParser:
     return parser
 
 
+def passthrough(command: str):
+    """``passthrough(argv)`` of the subcommand module named ``command``, if it takes its command line as
+    is (``moe-ft launch``: torchrun's flags go to the launcher's own parser), else ``None``."""
+    for name in subcommand_modules():
+        if name.rsplit(".", 1)[1] == command:
+            return getattr(importlib.import_module(name), "passthrough", None)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    direct = passthrough(argv[0]) if argv else None
+    if direct is not None:
+        return int(direct(argv[1:]) or 0)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

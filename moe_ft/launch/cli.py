@@ -52,17 +52,19 @@ def build_parser():
 
 
 def parse_args(argv: list[str] | None = None):
-    args = build_parser().parse_args(argv)
+    """torchrun's flags and ours; a bad value exits 2 with argparse's one-line error."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.spares_per_node < 0:
-        raise SystemExit(f"error: --spares-per-node must be >= 0 (got {args.spares_per_node})")
+        parser.error(f"--spares-per-node must be >= 0 (got {args.spares_per_node})")
     if args.reform_timeout <= 0:
-        raise SystemExit(f"error: --reform-timeout must be > 0 seconds (got {args.reform_timeout})")
+        parser.error(f"--reform-timeout must be > 0 seconds (got {args.reform_timeout})")
     if args.standalone:  # what torchrun --standalone means: a private c10d rendezvous on this host
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
     if args.preload and (args.no_python or args.module):
-        raise SystemExit("error: --preload runs a Python script file; drop --no-python / -m")
+        parser.error("--preload runs a Python script file; drop --no-python / -m")
     return args
 
 
