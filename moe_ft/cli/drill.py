@@ -43,6 +43,7 @@ from moe_ft.drills.cluster import (
     ClusterConfig,
     NodeJoin,
     SimulatedCluster,
+    dump_stacks_then_kill,
     kill_tree,  # noqa: F401  (also used by tests)
     redone_iterations,
 )
@@ -99,7 +100,7 @@ def torchrun(argv: list[str], *, max_restarts: int, timeout: float, log_path: st
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
+            dump_stacks_then_kill(proc.pid)  # the workers' stacks go to the log: where it hung
             proc.wait()
             return 124
 

@@ -180,6 +180,17 @@ def kill_tree(pid: int) -> None:
             p.kill()
 
 
+def dump_stacks_then_kill(pid: int, wait_s: float = 2.0) -> None:
+    """A drill that timed out: ask every process below ``pid`` for its threads' stacks (SIGUSR1; workers
+    under ``moe-ft launch`` print them into the job's log, ``moe_ft/launch/worker.py``), then
+    :func:`kill_tree`."""
+    for child in children(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGUSR1)
+    time.sleep(wait_s)
+    kill_tree(pid)
+
+
 def children(pid: int) -> list[int]:
     try:
         return [p.pid for p in psutil.Process(pid).children(recursive=True)]
