@@ -106,7 +106,8 @@ def _train_guarded(args, hooks, membership, rejoined: bool) -> tuple[int, tuple[
             sever_peer_connections()  # the failed attempt's operations fail everywhere, none waits
 
     # a stopped or failing rank publishes its state (survivor point) before it exits non-zero
-    join = reform_timeout_s() if rejoined else None
+    # every process of an in-process attempt (survivor or spare) gives up on a rank that never arrives
+    join = reform_timeout_s() if rejoined or (membership.inprocess and membership.attempt > 0) else None
     code = run_guarded(lambda: pretrain(args, hooks=hooks, join_timeout_s=join), lambda: hooks.survivor, on_failure)
     return code, failure
 
