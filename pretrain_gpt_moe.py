@@ -57,13 +57,12 @@ def main(argv=None) -> int:
     from moe_ft.launch.worker import join
 
     membership = join()  # under moe-ft launch a spare waits here, imports done, until it is given a rank
-    rejoined = False
     while True:
         hooks = step_hooks(args)
         if hooks is None:
             pretrain(args)
             return 0
-        code, failure = _train_guarded(args, hooks, membership, rejoined)
+        code, failure = _train_guarded(args, hooks, membership)
         if code == 0:
             return 0
         hooks.abandon()  # this attempt's threads and files; the process groups are gone already
@@ -74,7 +73,6 @@ def main(argv=None) -> int:
         # a peer failed and the agent replaced it: train again in this process (recovery follows), from
         # freshly parsed flags: the configs in args.extra keep per-start decisions (e.g. --ft-elastic's plan)
         args = parse_args(argv, extra_groups=extra_argument_groups())
-        rejoined = True
 
 
 def _free_device_memory() -> None:
@@ -88,10 +86,11 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _train_guarded(args, hooks, membership, rejoined: bool) -> tuple[int, tuple[str, bool]]:
-    """One attempt: ``(exit code, (error message, whether a peer caused it))``. A survivor that rejoined
-    waits at most ``--reform-timeout`` for the other ranks to form the new process group (a replacement
-    that never arrives ends the attempt; the agent then restarts the whole group)."""
+def _train_guarded(args, hooks, membership) -> tuple[int, tuple[str, bool]]:
+    """One attempt: ``(exit code, (error message, whether a peer caused it))``. In an in-process attempt
+    after the first, every process (survivor or spare) waits at most ``--reform-timeout`` for the others
+    to form the new process group (a rank that never arrives ends the attempt; the agent then restarts
+    the whole group)."""
     from megatron.training.pretrain import pretrain
     from moe_ft.launch.protocol import reform_timeout_s
     from moe_ft.launch.worker import peer_failure, sever_peer_connections
@@ -106,10 +105,10 @@ def _train_guarded(args, hooks, membership, rejoined: bool) -> tuple[int, tuple[
             sever_peer_connections()  # the failed attempt's operations fail everywhere, none waits
 
     # a stopped or failing rank publishes its state (survivor point) before it exits non-zero
-    # every process of an in-process attempt (survivor or spare) gives up on a rank that never arrives
-    join = reform_timeout_s() if rejoined or (membership.inprocess and membership.attempt > 0) else None
+    join = reform_timeout_s() if membership.inprocess and membership.attempt > 0 else None
     code = run_guarded(lambda: pretrain(args, hooks=hooks, join_timeout_s=join), lambda: hooks.survivor, on_failure)
     return code, failure
+
 
 if __name__ == "__main__":  # required: Megatron's checkpoint writer re-imports the main module
     sys.exit(main())

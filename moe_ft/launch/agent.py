@@ -103,8 +103,6 @@ class SpareAgent(LocalElasticAgent):
         self._finished: dict[int, Any] = {}
         """Workers that exited 0, by local rank: their return values."""
         self._started = False
-        self.replacements: list[dict] = []
-        """Every in-process replacement: ``{"attempt", "failed", "spares", "fresh", "seconds"}``."""
 
     # ------------------------------------------------------------------------------ processes
     def _store_client(self, worker_group: WorkerGroup):
@@ -223,7 +221,6 @@ class SpareAgent(LocalElasticAgent):
     def _replace(self, worker_group: WorkerGroup, local_ranks: list[int]) -> None:
         """Give each dead worker's rank to a spare (or a fresh process) and announce the next attempt."""
         detected = time.time()
-        t0 = time.perf_counter()
         assignments: dict[str, dict] = {}
         fresh: list[int] = []
         failed = []
@@ -241,8 +238,6 @@ class SpareAgent(LocalElasticAgent):
             worker.id = proc.pid
         self._attempt = protocol.announce(self._store_client(worker_group), self._keys, kind="inprocess", failed=failed,
                                           detected_at=detected, assignments=assignments)
-        self.replacements.append({"attempt": self._attempt, "failed": failed, "spares": sorted(assignments),
-                                  "fresh": fresh, "seconds": round(time.perf_counter() - t0, 4)})
         print(f"moe-ft launch: rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed; "
               f"attempt {self._attempt} gives {'them' if len(failed) > 1 else 'it'} to "
               f"{'a fresh process' if fresh else 'a spare'}, the other workers keep their processes", flush=True)

@@ -16,12 +16,12 @@ in its code, a stop signal) ends the process, and the agent gives its rank to a 
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
 import socket
 import sys
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -35,13 +35,10 @@ PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Read er
 
 def peer_failure(exc: BaseException) -> bool:
     """Whether ``exc`` says that a *peer* failed (this rank's own state is intact)."""
-    try:
-        import torch.distributed as dist  # start-up time: the launcher's CLI parses flags without torch
+    import torch.distributed as dist  # start-up time: the launcher's CLI parses flags without torch
 
-        if isinstance(exc, dist.DistError):
-            return True
-    except ImportError:
-        pass
+    if isinstance(exc, dist.DistError):
+        return True
     return isinstance(exc, RuntimeError) and any(s in str(exc) for s in PEER_ERRORS)
 
 
@@ -53,8 +50,6 @@ class Membership:
     keys: protocol.Keys | None = None
     attempt: int = 0
     rank: int = -1
-    spare_wait_s: float = 0.0
-    """How long this process waited as a spare before it got its rank (0 for the original workers)."""
     gave_up: bool = False
     """:meth:`rejoin` saw no new attempt in time: exit with :data:`protocol.GAVE_UP_EXIT_CODE`."""
 
@@ -118,10 +113,9 @@ def sever_peer_connections() -> int:
         except OSError:  # closed since it was listed
             continue
         try:
-            sock.shutdown(socket.SHUT_RDWR)
-            count += 1
-        except OSError:
-            pass
+            with contextlib.suppress(OSError):  # already shut down by the other end
+                sock.shutdown(socket.SHUT_RDWR)
+                count += 1
         finally:
             sock.detach()  # the descriptor stays open, owned by gloo
     return count
@@ -140,17 +134,14 @@ def join() -> Membership:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=300))
     keys = protocol.Keys(run_id)
-    waited = 0.0
     slot = os.environ.pop(protocol.SPARE_ENV, None)
     if slot:
-        t0 = time.perf_counter()
         assignment = protocol.wait_for_assignment(store, keys, slot)
-        waited = time.perf_counter() - t0
         os.environ.update(RANK=str(assignment["rank"]), LOCAL_RANK=str(assignment["local_rank"]),
                           ROLE_RANK=str(assignment["rank"]),
                           TORCHELASTIC_RESTART_COUNT=str(assignment["attempt"]))
     membership = Membership(store, keys, attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                            rank=int(os.environ["RANK"]), spare_wait_s=waited)
+                            rank=int(os.environ["RANK"]))
     membership.record_pid()
     return membership
 

@@ -55,7 +55,6 @@ SOURCE_LEVEL = {"window_replay": "exact", "local_point": "exact", "survivor_poin
 SOURCE_ORDER = tuple(SOURCE_LEVEL)
 
 
-
 class RecoveryRefused(RuntimeError):
     """The best available recovery is below ``--ft-min-recovery-level`` (one-line message)."""
 
