@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -60,8 +61,8 @@ def test_only_peer_failures_keep_the_process():
 
 
 def test_sever_shuts_peer_connections_and_keeps_the_store(monkeypatch):
-    """A peer blocked reading from this process sees end-of-stream at once; the store's connection (by
-    port) and the connections inherited at start stay up."""
+    """A peer blocked reading from this process sees end-of-stream at once; the kept connections (the
+    launch store's, those inherited at start) stay up."""
 
     def pair():
         server = socket.create_server(("127.0.0.1", 0))
@@ -73,10 +74,9 @@ def test_sever_shuts_peer_connections_and_keeps_the_store(monkeypatch):
     peer_side, mine = pair()
     store_client, store_server = pair()
     inherited_client, inherited_server = pair()
-    monkeypatch.setenv("MASTER_PORT", str(store_client.getpeername()[1]))
-    monkeypatch.setattr(worker, "_INHERITED", {(c.laddr, c.raddr) for c in worker._tcp_connections()
-                                              if c.laddr[1] in (inherited_client.getsockname()[1],
-                                                                inherited_server.getsockname()[1])})
+    kept_ports = {sock.getsockname()[1] for sock in (store_client, store_server, inherited_client, inherited_server)}
+    monkeypatch.setattr(worker, "_KEPT", {(c.laddr, c.raddr) for c in worker._tcp_connections()
+                                          if c.laddr[1] in kept_ports})
     got = []
     reader = threading.Thread(target=lambda: got.append(peer_side.recv(16)))
     reader.start()
@@ -89,6 +89,29 @@ def test_sever_shuts_peer_connections_and_keeps_the_store(monkeypatch):
     assert inherited_server.recv(1) == b"y"
     for s in (peer_side, mine, store_client, store_server, inherited_client, inherited_server):
         s.close()
+
+
+def test_a_newer_attempt_ends_a_wait_in_the_store_at_once(store, monkeypatch):
+    """The agent's notice: a worker forming attempt 1's groups waits in the store for a rank that died
+    meanwhile; the agent announces attempt 2 and the wait fails within a poll, not after the timeout;
+    the worker then joins attempt 2. A fallback announcement makes it give up instead."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setattr(worker, "_KEPT", set(worker._endpoints()))
+    keys = protocol.Keys("watch")
+    protocol.announce(store, keys, kind="inprocess", failed=[1], detected_at=0.0)
+    member = worker.Membership(worker._client(10), keys, attempt=1, rank=0)
+    member.watch(poll_s=0.02)
+    forming = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
+    threading.Timer(0.3, lambda: protocol.announce(store, keys, kind="inprocess", failed=[2], detected_at=0.0)).start()
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistError) as raised:
+        forming.get("rank 1 never writes this")
+    assert time.monotonic() - t0 < 5 and member.superseded
+    assert member.rejoin(f"{raised.type.__name__}: {raised.value}", worker.peer_failure(raised.value))
+    assert member.attempt == 2 and not member.superseded
+    protocol.announce(store, keys, kind="fallback", failed=[3], detected_at=0.0, reason="no spare for rank 3")
+    assert not member.rejoin("RuntimeError: Connection closed by peer", True) and member.gave_up
 
 
 def test_launcher_flags_are_checked(capsys):
@@ -188,3 +211,4 @@ def test_a_replacement_that_does_not_arrive_in_time_falls_back_to_a_full_restart
     (report,) = res["reports"]
     assert report["restart_kind"] == "job" and report["survivor_pids_kept"] is None
     assert "falling back to a full restart" in open(res["log"]).read()
+    assert report["fallback_reason"] == "re-forming the process groups took longer than --reform-timeout (1 s)"

@@ -43,26 +43,32 @@ def reference(fault_free_digest):
     return lambda layout: fault_free_digest(layout, ITERS)
 
 
-def lose(env, job: str, *, layout: str, losses: list[str], max_restarts: int = 2) -> dict:
+def lose(env, job: str, *, layout: str, losses: list[str], max_restarts: int = 2, launcher: str | None = None,
+         launcher_flags: tuple[str, ...] = ()) -> dict:
     parsed = [NodeLoss.parse(s) for s in losses]
     work = os.path.join(env["work"], job)
     os.makedirs(work)
     extra = node_flags(nodes=NODES, losses=parsed, faults=[], work=work, window=WINDOW)
     res = run_node_job(job=job, workdir=work, faults=[], losses=parsed, num_nodes=NODES, max_restarts=max_restarts,
-                       timeout=400, layout=layout, policy="sparse", iters=ITERS, data=env["data"],
+                       launcher=launcher, launcher_flags=launcher_flags, timeout=400, layout=layout, policy="sparse", iters=ITERS, data=env["data"],
                        store=os.path.join(env["store"], job), window=WINDOW, extra=extra)
     assert res["rc"] == 0, f"{job} failed (rc {res['rc']}), see {res['logs']}"
     return res
 
 
-def check_one_node_lost(res, *, lost: int, iteration: int, phase: str, point_end: int):
+def check_one_node_lost(res, *, lost: int, iteration: int, phase: str, point_end: int, inprocess: bool = False):
     """One loss, one report: the lost node's ranks fetched their entries, each from ranks on the other node,
-    then the whole job recovered the memory point ``point_end`` exactly."""
+    then the whole job recovered the memory point ``point_end`` exactly. ``inprocess``: spares on the other
+    node took the lost ranks, the survivors kept their processes and no replacement node started;
+    otherwise every worker started again on a replacement node and the survivor."""
     (event,) = res["node_losses"]
     assert (event["nodes"], event["iteration"], event["phase"]) == ([lost], iteration, phase)
-    assert event["survivors"] == [1 - lost] and event["survivor_workers_exited"]
-    assert res["launches"] == {"0": 1 + (lost == 0), "1": 1 + (lost == 1)}
+    assert event["survivors"] == [1 - lost] and event["survivor_workers_exited"] is not inprocess
+    assert event["replaced"] == ("inprocess" if inprocess else "node")
+    assert res["launches"] == ({"0": 1, "1": 1} if inprocess else {"0": 1 + (lost == 0), "1": 1 + (lost == 1)})
     (report,) = res["reports"]
+    assert report["restart_kind"] == ("inprocess" if inprocess else "job")
+    assert report["survivor_pids_kept"] is (True if inprocess else None)
     rp = report["recovery_point"]
     assert rp["source"] == "memory" and rp["end"] == point_end and rp["resume"] == point_end + 1
     assert report["replayed_iterations"] == list(range(rp["start"] + 1, point_end + 1))
@@ -80,8 +86,9 @@ def check_one_node_lost(res, *, lost: int, iteration: int, phase: str, point_end
 @pytest.mark.timeout(600)
 def test_ep2pp2_node1_lost_mid_window(env, reference):
     """Node 1 (ranks 2, 3: pipeline stage 1) dies at the start of iteration 6, inside window [4, 7]: its
-    ranks fetch window [0, 3] from node 0, every rank replays 1 … 3 and re-executes 4 and 5."""
-    res = lose(env, "ep2pp2_node1", layout="ep2pp2", losses=["1:6"])
+    ranks fetch window [0, 3] from node 0, every rank replays 1 … 3 and re-executes 4 and 5. torchrun's
+    agents (workers forked from a preloaded launcher): every worker starts again."""
+    res = lose(env, "ep2pp2_node1", layout="ep2pp2", losses=["1:6"], launcher="preloaded")
     assert res["digest"] == reference("ep2pp2")
     check_one_node_lost(res, lost=1, iteration=6, phase="forward", point_end=3)
     assert res["node_losses"][0]["reexecuted"] == [4, 5]
@@ -89,11 +96,13 @@ def test_ep2pp2_node1_lost_mid_window(env, reference):
 
 @pytest.mark.timeout(600)
 def test_dp2ep2_node0_lost_during_snapshot_copy(env, reference):
-    """Node 0 (ranks 0, 1: rank 0 hosts the default group's store and writes the reports) dies with the
-    copy of iteration 5 in flight: the replacement's ranks fetch from ranks 2, 3; back to [0, 3]."""
-    res = lose(env, "dp2ep2_node0", layout="dp2ep2", losses=["0:5:snapshot"])
+    """Node 0 (ranks 0, 1: rank 0 writes the reports) dies with the copy of iteration 5 in flight. Under
+    ``moe-ft launch`` with two warm spares per node: node 1's agent sees node 0's heartbeat stop and gives
+    ranks 0 and 1 to its spares, which fetch from ranks 2, 3; ranks 2, 3 keep their processes; back to
+    [0, 3]."""
+    res = lose(env, "dp2ep2_node0", layout="dp2ep2", losses=["0:5:snapshot"], launcher_flags=("--spares-per-node=2",))
     assert res["digest"] == reference("dp2ep2")
-    check_one_node_lost(res, lost=0, iteration=5, phase="snapshot", point_end=3)
+    check_one_node_lost(res, lost=0, iteration=5, phase="snapshot", point_end=3, inprocess=True)
 
 
 @pytest.mark.timeout(600)
@@ -104,13 +113,17 @@ def test_dp2ep2_node1_lost_while_persisting(env, reference):
     Iteration 7 closes window [4, 7]; rank 2 dies while its snapshot of 7 is being published and sent, so
     whether node 0 holds it is a genuine race of the system (as on a real cluster). Both outcomes are legal
     and each is checked exactly: [4, 7] reached node 0 (replay 5 … 7, nothing re-executed), or it did not
-    (back to [0, 3], replay 1 … 3, re-execute 4 … 7)."""
-    res = lose(env, "dp2ep2_persist", layout="dp2ep2", losses=["1:7:persist"])
+    (back to [0, 3], replay 1 … 3, re-execute 4 … 7).
+
+    ``moe-ft launch`` without spares: no process can take the lost ranks, the agents fall back to a full
+    restart (the report says why) and a replacement node joins."""
+    res = lose(env, "dp2ep2_persist", layout="dp2ep2", losses=["1:7:persist"], launcher_flags=("--spares-per-node=0",))
     assert res["digest"] == reference("dp2ep2")
     end = res["reports"][0]["recovery_point"]["end"]
     assert end in (3, 7), res["reports"][0]["recovery_point"]
     check_one_node_lost(res, lost=1, iteration=7, phase="persist", point_end=end)
     assert res["node_losses"][0]["last_completed"] == 7
+    assert "no spare left for ranks 2, 3 of lost node(s) [1]" in res["reports"][0]["fallback_reason"]
 
 
 @pytest.mark.timeout(600)

@@ -34,14 +34,17 @@ def quiet_optional_dependency_warnings() -> None:
 def _restart_safe_store(timeout_s: float) -> dict:
     """Under torchrun restarts (``--max-restarts``) workers share the agent's store across attempts, and
     torch 2.13's gloo then reads the previous attempt's peer addresses (``connectFullMesh ... Connection
-    refused``). Key the default group's store by the restart attempt; ``{}`` outside torchrun."""
+    refused``). Key the default group's store by the run and the restart attempt (``moe-ft launch`` forms
+    every run's groups in the rendezvous store: a job relaunched under a new rendezvous id starts again at
+    attempt 0 there); ``{}`` outside torchrun."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         return {}
     world = int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                           timeout=timedelta(seconds=timeout_s))
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    return {"store": dist.PrefixStore(f"/megatron/attempt_{attempt}", store),
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return {"store": dist.PrefixStore(f"/megatron/{run}/attempt_{attempt}", store),
             "rank": int(os.environ["RANK"]), "world_size": world}
 
 

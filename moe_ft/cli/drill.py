@@ -131,7 +131,7 @@ def run_job(*, job: str, workdir: str, faults: list[str] | None = None, max_rest
 
 def run_node_job(*, job: str, workdir: str, faults: list[str], losses: list, num_nodes: int,
                  max_restarts: int, timeout: float, elastic: bool = False, joins: tuple = (),
-                 launcher: str | None = None, **common) -> dict:
+                 launcher: str | None = None, launcher_flags: tuple[str, ...] = (), **common) -> dict:
     """The job on ``num_nodes`` simulated nodes (``common``: as :func:`run_job`; ``common['store']`` is the
     root of the node stores ``<store>/node<k>``); returns what :func:`run_job` does plus ``node_losses``,
     ``launches`` (agents started per node) and ``logs`` (one per agent launch)."""
@@ -149,7 +149,8 @@ def run_node_job(*, job: str, workdir: str, faults: list[str], losses: list, num
 
     cluster = SimulatedCluster(ClusterConfig(num_nodes=num_nodes, ranks_per_node=world // num_nodes,
                                              max_restarts=max_restarts, timeout=timeout, elastic=elastic,
-                                             joins=tuple(joins), launcher=launcher or default_launcher()),
+                                             joins=tuple(joins), launcher=launcher or default_launcher(),
+                                             launcher_flags=tuple(launcher_flags)),
                                script=str(ROOT / "pretrain_gpt_moe.py"), root=str(ROOT), store_of=store_of,
                                argv_for=argv_for, log_prefix=os.path.join(workdir, job), run_id=job)
     res = cluster.run([Fault.parse(f) for f in faults], list(losses))

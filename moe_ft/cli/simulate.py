@@ -34,7 +34,7 @@ def register(subparsers) -> None:
     _add_common(sim)
     sim.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES,
                      help="policies: dense[:interval=N|oracle|daly|cap][:store=memory|storage], sparse"
-                          "[:localized=0], pec[:k=N|fit|dynamic], selective, or gemini, checkfreq, dense-daly, moc")
+                          "[:localized=0|paper][:launcher=inprocess|torchrun], pec[:k=N|fit|dynamic], selective, or gemini, checkfreq, dense-daly, moc")
     sim.add_argument("--hours", type=float, default=12.0, help="simulated run length (default 12, as MoEvement §5.2)")
     sim.add_argument("--seed", type=int, default=0, help="seed of the failure process")
     sim.add_argument("--trace", metavar="CSV", help="replay a failure trace (header time_s,nodes) instead of Poisson")

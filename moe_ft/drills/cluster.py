@@ -134,9 +134,19 @@ class ClusterConfig:
     launcher: str = "torchrun"
     """The agents' launcher (``moe_ft.drills.prelaunch.LAUNCHERS``): ``torchrun``, or ``preloaded`` (torchrun's
     agent with workers forked from a process that imported the training stack once)."""
+    node_timeout: float = 2.0
+    """In-process launchers: ``--node-timeout`` of the agents (seconds without a heartbeat before a node's
+    ranks go to spares on the other nodes)."""
+    launcher_flags: tuple[str, ...] = ()
+    """More flags for every agent (e.g. ``--spares-per-node=2``)."""
     join_pause_timeout: float = 25.0
     """Elastic mode: longest pause of the running workers while a joining node's agent enters the
     rendezvous (``SimulatedCluster._join``)."""
+
+    @property
+    def inprocess(self) -> bool:
+        """The agents replace lost ranks in-process (``moe-ft launch``)."""
+        return self.launcher.startswith("inprocess")
 
     def __post_init__(self) -> None:
         if self.num_nodes < 2:
@@ -267,8 +277,12 @@ class SimulatedCluster:
             rdzv_conf += f",last_call_timeout={c.last_call_timeout}"
             nnodes = f"1:{c.num_nodes}"
         launcher = launcher_argv(c.launcher) if trigger is None else ["-m", "moe_ft.drills.join", trigger, c.launcher]
+        if c.inprocess:  # agents notice a lost node within node_timeout (their heartbeats, every pass)
+            launcher += [*c.launcher_flags, f"--node-timeout={c.node_timeout}", "--monitor-interval=0.1"]
+        else:
+            launcher += [*c.launcher_flags, "--monitor-interval=1"]
         cmd = [sys.executable, *launcher, f"--nnodes={nnodes}", f"--node-rank={node}",
-               f"--nproc-per-node={c.ranks_per_node}", f"--max-restarts={c.max_restarts}", "--monitor-interval=1",
+               f"--nproc-per-node={c.ranks_per_node}", f"--max-restarts={c.max_restarts}",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={self._rdzv_id()}",
                f"--rdzv-conf={rdzv_conf}", f"--local-addr=127.0.0.{node + 1}",
                self.script, *self.argv_for(node, launch_idx, pending)]
@@ -338,8 +352,8 @@ class SimulatedCluster:
                 if c.elastic:
                     self._drop(nodes, iteration, phase)
                     done.update(nodes)  # gone for good (until a join starts it again)
-                else:
-                    self._replace(nodes, iteration, phase, faults, rdzv.port)
+                elif not self._replace(nodes, iteration, phase, faults, rdzv):
+                    done.update(nodes)  # spares on the surviving nodes run the lost ranks
         finally:
             for agent in self.agents.values():
                 if agent.poll() is None:
@@ -409,7 +423,23 @@ class SimulatedCluster:
         print(f"moe-ft node drill: lost node(s) {nodes} at iteration {iteration} ({phase}); stores deleted; "
               f"not replaced (elastic): the job goes on with nodes {survivors}", file=sys.stderr, flush=True)
 
-    def _replace(self, nodes: list[int], iteration: int, phase: str, faults: list[Fault], port: int) -> None:
+    def _taken_inprocess(self, rdzv, lost_ranks: set[int]) -> bool | None:
+        """In-process launchers: ``True`` once an attempt gave every lost rank to a spare, ``False`` once the
+        agents announced a fallback to a full restart, ``None`` while neither (``moe_ft/launch/protocol.py``)."""
+        from moe_ft.launch import protocol
+
+        keys = protocol.Keys(self._rdzv_id())
+        for attempt in range(1, protocol.current_attempt(rdzv, keys) + 1):
+            info = protocol.announcement(rdzv, keys, attempt)
+            if info.get("kind") == "fallback":
+                return False
+            if info.get("kind") == "inprocess" and lost_ranks <= set(info.get("failed", [])):
+                return True
+        return None
+
+    def _replace(self, nodes: list[int], iteration: int, phase: str, faults: list[Fault], rdzv) -> bool:
+        """The lost nodes go down with their stores; replacement agents start for them unless (in-process
+        launchers) spares on the surviving nodes took their ranks. Returns whether replacements started."""
         t0 = time.monotonic()
         for node in nodes:  # the other nodes lost in the same event go down now
             kill_tree(self.agents[node].pid)
@@ -421,20 +451,32 @@ class SimulatedCluster:
             store = Path(self.store_of(node))
             self.fired.update(fired_markers(store))
             shutil.rmtree(store, ignore_errors=True)
+        lost_ranks = {n * self.config.ranks_per_node + r for n in nodes for r in range(self.config.ranks_per_node)}
+        taken = None
         while any(alive(pid) for pid in survivor_workers) and time.monotonic() - t0 < self.config.survivor_exit_timeout:
+            if survivors and self.config.inprocess:
+                taken = self._taken_inprocess(rdzv, lost_ranks)
+                if taken:
+                    break
             time.sleep(0.05)
         survivors_exited = not any(alive(pid) for pid in survivor_workers)
+        event = {"nodes": nodes, "iteration": iteration, "phase": phase, "survivors": survivors,
+                 "last_completed": completed, "survivor_workers_exited": survivors_exited,
+                 "rendezvous": self._rdzv_id(), "replaced": "inprocess" if taken else "node"}
+        if taken:
+            self.events.append(dict(event, seconds_to_replacement=round(time.monotonic() - t0, 3)))
+            print(f"moe-ft node drill: lost node(s) {nodes} at iteration {iteration} ({phase}); stores deleted; "
+                  "spares on the surviving nodes took their ranks", file=sys.stderr, flush=True)
+            return False
         if not survivors:
             self.generation += 1
         for node in nodes:
-            self._launch(node, faults, port)
-        self.events.append({"nodes": nodes, "iteration": iteration, "phase": phase, "survivors": survivors,
-                            "last_completed": completed,
-                            "survivor_workers_exited": survivors_exited,
-                            "rendezvous": self._rdzv_id(),
-                            "seconds_to_replacement": round(time.monotonic() - t0, 3)})
+            self._launch(node, faults, rdzv.port)
+        self.events.append(dict(event, rendezvous=self._rdzv_id(),
+                                seconds_to_replacement=round(time.monotonic() - t0, 3)))
         print(f"moe-ft node drill: lost node(s) {nodes} at iteration {iteration} ({phase}); stores deleted; "
               f"replacement started (rendezvous {self._rdzv_id()})", file=sys.stderr, flush=True)
+        return True
 
 
 def redone_iterations(events: list[dict], reports: list[dict]) -> None:

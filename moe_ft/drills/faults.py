@@ -143,7 +143,7 @@ class FaultPlan:
         """Fire the fault at ``(rank, iteration, phase)`` if there is one and it has not fired yet.
         ``target``: the published point's directory (phase ``published``: what ``corrupt`` damages)."""
         fault = self._index.get((rank, iteration, phase))
-        if fault is None or not self._claim(fault):
+        if fault is None or (fault.kind == "node" and not _on_launch_node(rank)) or not self._claim(fault):
             return
         print(f"moe-ft fault injection: rank {rank} fails at iteration {iteration} ({phase}, {fault.kind})",
               file=sys.stderr, flush=True)
@@ -172,6 +172,13 @@ class FaultPlan:
             f.flush()
             os.fsync(f.fileno())
         return True
+
+
+def _on_launch_node(rank: int) -> bool:
+    """Whether ``rank`` runs on the node its launch placed it on (a ``node`` fault names a node by its first
+    rank: a spare elsewhere that took that rank after the node was lost is not that node)."""
+    node, per_node = os.environ.get("GROUP_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
+    return node is None or per_node is None or rank // int(per_node) == int(node)
 
 
 def kill_node() -> None:

@@ -14,14 +14,25 @@ changes three things:
   workers keep their processes: they leave the failed attempt's process groups and join the new one
   (``worker.py``).
 
+**Several nodes.** The agents share the rendezvous store (the c10d backend's). Each bumps a heartbeat
+counter every monitor pass and watches the next live node in ring order; a node whose counter stands
+still for ``--node-timeout`` seconds is lost, and the agent watching it gives its ranks (``holders`` in the
+announcements say which node runs which rank) to spares: its own first, then those other nodes list in
+the store. Two agents never announce the same attempt: the announcer takes the attempt's decision lock
+first, and an agent that loses it looks again once that attempt is out. A process always keeps its device
+index (``LOCAL_RANK``): the node runs ``--nproc-per-node`` + ``--spares-per-node`` processes at most, so a
+node that took a lost rank starts one spare fewer.
+
 A worker that exits with :data:`~moe_ft.launch.protocol.GAVE_UP_EXIT_CODE` (it could not join a new
-attempt in time), or a failure while the restart budget is spent, takes torch elastic's usual path: stop
-every worker and restart the group (a full restart, which spends one of ``--max-restarts``). In-process
-replacement needs one agent (``--nnodes 1``); with several nodes this agent behaves as torchrun's.
+attempt in time, or the agents announced a fallback because no spare was left for a lost node's ranks),
+or a failure while the restart budget is spent, takes torch elastic's usual path: stop every worker and
+restart the group (a full restart, which spends one of ``--max-restarts``; with several nodes, a new
+rendezvous round, which waits for a replacement node). Node 0's agent numbers that attempt for all.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -74,6 +85,8 @@ class LaunchLogs:
 @dataclass
 class _Process:
     context: PContext
+    local_rank: int
+    """The device index this process holds for its whole life (``LOCAL_RANK``)."""
     slot: str = ""
     """A spare's slot (its key in the store); ``""`` for a worker started with a rank."""
 
@@ -82,36 +95,70 @@ class _Process:
         return next(iter(self.context.pids().values()))
 
 
+@dataclass
+class _NodeWatch:
+    node: int
+    beat: int
+    since: float
+    """``time.monotonic()`` when ``beat`` was first seen."""
+
+
 class SpareAgent(LocalElasticAgent):
     """``LocalElasticAgent`` with per-worker processes, warm spares and in-process replacement."""
 
     def __init__(self, spec, logs: LaunchLogs, *, spares_per_node: int = 0,
-                 reform_timeout_s: float = protocol.DEFAULT_REFORM_TIMEOUT_S, start_method: str = "spawn",
+                 reform_timeout_s: float = protocol.DEFAULT_REFORM_TIMEOUT_S,
+                 node_timeout_s: float = protocol.DEFAULT_NODE_TIMEOUT_S, start_method: str = "spawn",
                  shutdown_timeout: int = 30, inprocess: bool = True) -> None:
         super().__init__(spec, logs_specs=DefaultLogsSpecs(log_dir=logs.root), start_method=start_method,
                          shutdown_timeout=shutdown_timeout)
         self._logs = logs
         self._spares_per_node = spares_per_node
         self._reform_timeout_s = reform_timeout_s
+        self._node_timeout_s = node_timeout_s
         self._inprocess = inprocess
         self._workers: dict[int, _Process] = {}
+        """This node's workers by global rank (a lost node's ranks may run here, on former spares)."""
         self._spares: list[_Process] = []
+        self._published_spares = ""
         self._slots = 0
         self._launch_store: Any = None
         self._keys = protocol.Keys(spec.rdzv_handler.get_run_id())
         self._attempt = 0
+        self._seen = 0
+        """The newest attempt whose announcement this agent applied."""
         self._finished: dict[int, Any] = {}
-        """Workers that exited 0, by local rank: their return values."""
+        """Workers that exited 0, by global rank: their return values."""
+        self._dead: dict[int, float] = {}
+        """Ranks known dead and not replaced yet → wall time their death was seen."""
+        self._holders: dict[int, int] = {}
+        """Global rank → the node (group rank) whose process runs it."""
+        self._lost: set[int] = set()
+        self._watch: _NodeWatch | None = None
+        self._node = 0
+        self._nodes = 1
         self._started = False
 
-    # ------------------------------------------------------------------------------ processes
+    # ------------------------------------------------------------------------------ the store
+    def _endpoint(self, worker_group: WorkerGroup) -> tuple[str, int]:
+        """The launch store: the rendezvous backend's ``TCPStore`` (it outlives every worker node), else,
+        on one node, the workers' own master store."""
+        store = getattr(worker_group.spec.rdzv_handler, "_store", None)
+        if isinstance(store, dist.TCPStore):
+            return store.host, store.port
+        if (worker_group.group_world_size or 1) > 1:
+            raise RuntimeError("moe-ft launch replaces ranks across nodes through the rendezvous store: use "
+                               "--rdzv-backend c10d, or --full-restart")
+        assert worker_group.master_addr is not None and worker_group.master_port is not None
+        return worker_group.master_addr, worker_group.master_port
+
     def _store_client(self, worker_group: WorkerGroup):
         if self._launch_store is None:
-            assert worker_group.master_addr is not None and worker_group.master_port is not None
-            self._launch_store = dist.TCPStore(worker_group.master_addr, worker_group.master_port,
-                                               is_master=False, timeout=timedelta(seconds=60))
+            host, port = self._endpoint(worker_group)
+            self._launch_store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=300))
         return self._launch_store
 
+    # ------------------------------------------------------------------------------ processes
     def _env(self, worker_group: WorkerGroup, *, rank: int, local_rank: int, slot: str = "") -> dict[str, str]:
         spec = worker_group.spec
         env: dict[str, str] = {
@@ -127,8 +174,10 @@ class SpareAgent(LocalElasticAgent):
             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(self._shutdown_timeout),  # the survivors' dump deadline
         }
         if self._inprocess:  # the workers may outlive a failure: they find the agent's announcements here
-            env[protocol.RUN_ENV] = spec.rdzv_handler.get_run_id()
-            env[protocol.REFORM_TIMEOUT_ENV] = str(self._reform_timeout_s)
+            host, port = self._endpoint(worker_group)  # and form every attempt's groups through it
+            env.update({"MASTER_ADDR": host, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                        protocol.RUN_ENV: spec.rdzv_handler.get_run_id(),
+                        protocol.REFORM_TIMEOUT_ENV: str(self._reform_timeout_s)})
         if slot:
             env[protocol.SPARE_ENV] = slot
         for name in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"):
@@ -143,19 +192,33 @@ class SpareAgent(LocalElasticAgent):
         context = start_processes(
             name=spec.role, entrypoint=spec.entrypoint, args={0: tuple(spec.args)},
             envs={0: self._env(worker_group, rank=rank, local_rank=local_rank, slot=slot)},
-            logs_specs=self._logs.specs(name, max(local_rank, 0)),
-            log_line_prefixes=self._logs.prefix(spec.role, rank if rank >= 0 else f"spare{slot}", max(local_rank, 0)),
+            logs_specs=self._logs.specs(name, local_rank),
+            log_line_prefixes=self._logs.prefix(spec.role, rank if rank >= 0 else f"spare{slot}", local_rank),
             start_method=self._start_method)
-        return _Process(context, slot)
+        return _Process(context, local_rank, slot)
 
-    def _start_spare(self, worker_group: WorkerGroup) -> _Process:
+    def _free_device(self, worker_group: WorkerGroup) -> int | None:
+        """The lowest device index no process of this node holds (``None``: all taken)."""
+        used = {p.local_rank for p in [*self._workers.values(), *self._spares]}
+        free = [i for i in range(worker_group.spec.local_world_size + self._spares_per_node) if i not in used]
+        return free[0] if free else None
+
+    def _start_spare(self, worker_group: WorkerGroup, local_rank: int) -> _Process:
         slot = f"{worker_group.group_rank}.{self._slots}"
         self._slots += 1
-        return self._start_one(worker_group, name=f"spare_{slot}", rank=-1, local_rank=-1, slot=slot)
+        return self._start_one(worker_group, name=f"spare_{slot}", rank=-1, local_rank=local_rank, slot=slot)
 
     def _fill_spares(self, worker_group: WorkerGroup) -> None:
         while len(self._spares) < self._spares_per_node:
-            self._spares.append(self._start_spare(worker_group))
+            device = self._free_device(worker_group)
+            if device is None:  # this node runs a lost node's rank on a former spare's device
+                break
+            self._spares.append(self._start_spare(worker_group, device))
+        if self._inprocess:
+            listed = json.dumps([{"slot": p.slot, "local_rank": p.local_rank} for p in self._spares])
+            if listed != self._published_spares:
+                self._store_client(worker_group).set(self._keys.node_spares(self._node), listed)
+                self._published_spares = listed
 
     def _close_all(self, death_sig=None, timeout: int | None = None) -> None:
         for proc in [*self._workers.values(), *self._spares]:
@@ -165,20 +228,43 @@ class SpareAgent(LocalElasticAgent):
     # ------------------------------------------------------------------------- the agent's hooks
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._close_all()
-        if not self._inprocess:  # several agents: torch elastic's numbering (each agent counts its restarts)
-            self._attempt = worker_group.spec.max_restarts - self._remaining_restarts
-        elif self._started:  # a full restart: a new attempt (the first start is attempt 0)
-            failed = sorted(w.global_rank for w in worker_group.workers)
-            self._attempt = protocol.announce(self._store_client(worker_group), self._keys, kind="job", failed=failed,
-                                              detected_at=time.time())
+        spec = worker_group.spec
+        self._node, self._nodes = worker_group.group_rank or 0, worker_group.group_world_size or 1
+        if not self._inprocess:  # torch elastic's numbering (each agent counts its restarts)
+            self._attempt = spec.max_restarts - self._remaining_restarts
+        else:
+            self._attempt = self._job_attempt(worker_group)
+            world = worker_group.workers[0].world_size
+            if any(w.global_rank != self._node * spec.local_world_size + w.local_rank for w in worker_group.workers):
+                raise RuntimeError("moe-ft launch needs the same --nproc-per-node on every node")
+            self._holders = {rank: rank // spec.local_world_size for rank in range(world)}
+            self._lost, self._dead, self._watch, self._seen = set(), {}, None, self._attempt
+            self._published_spares = ""
         self._started = True
         self._finished = {}
         for worker in worker_group.workers:
-            self._workers[worker.local_rank] = self._start_one(
+            self._workers[worker.global_rank] = self._start_one(
                 worker_group, name=f"rank{worker.global_rank}_attempt{self._attempt}", rank=worker.global_rank,
                 local_rank=worker.local_rank)
         self._fill_spares(worker_group)
-        return {lr: proc.pid for lr, proc in self._workers.items()}
+        return {w.local_rank: self._workers[w.global_rank].pid for w in worker_group.workers}
+
+    def _job_attempt(self, worker_group: WorkerGroup) -> int:
+        """The attempt of a start of the whole group: 0 for the job's first, else the next one, which node
+        0's agent announces (kind ``"job"``, with the reason of the fallback before it) for the rendezvous
+        round and the other nodes' agents read."""
+        store = self._store_client(worker_group)
+        if not self._started and protocol.current_attempt(store, self._keys) == 0:
+            return 0
+        key = self._keys.round(_rendezvous_round(worker_group.spec.rdzv_handler))
+        if self._node != 0:
+            return int(store.get(key))
+        previous = protocol.announcement(store, self._keys, protocol.current_attempt(store, self._keys))
+        reason = previous.get("reason", "") if previous.get("kind") == "fallback" else ""
+        attempt = protocol.announce(store, self._keys, kind="job", failed=sorted(w.global_rank for w in worker_group.workers),
+                                    detected_at=time.time(), by="node0", reason=reason)
+        store.set(key, str(attempt))
+        return attempt
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._close_all()
@@ -186,58 +272,207 @@ class SpareAgent(LocalElasticAgent):
     def _shutdown(self, death_sig=None, timeout: int = 30) -> None:
         self._close_all(death_sig, timeout)
 
+    def _exit_barrier(self) -> None:
+        """With in-process replacement across nodes, a lost node never reaches torch elastic's exit barrier
+        (it counts every node of the rendezvous): count the live ones instead."""
+        if not self._inprocess or self._nodes == 1:
+            super()._exit_barrier()
+            return
+        store, key = self._launch_store, self._keys.exit(self._seen)
+        store.add(key, 1)
+        deadline = time.monotonic() + self._exit_barrier_timeout
+        while int(store.add(key, 0)) < self._nodes - len(self._lost) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self._inprocess:
+            self._apply_announcements(worker_group)
+            self._adopt_claimed_spares(worker_group)
         failures = {}
-        for local_rank, proc in list(self._workers.items()):
-            if local_rank in self._finished:
+        for rank, proc in list(self._workers.items()):
+            if rank in self._finished:
                 continue
             result = proc.context.wait(0)
             if result is None:
                 continue
             if result.is_failed():
-                failures[local_rank] = next(iter(result.failures.values()))
+                failures[rank] = next(iter(result.failures.values()))
             else:
-                self._finished[local_rank] = next(iter(result.return_values.values()), None)
+                self._finished[rank] = next(iter(result.return_values.values()), None)
         for spare in list(self._spares):  # a spare that died while waiting is replaced by a new one
             if spare.context.wait(0) is not None:
                 log.warning("moe-ft launch: spare %s exited while waiting; starting another", spare.slot)
                 self._spares.remove(spare)
-        if self._finished and len(self._finished) == len(self._workers):
+        if self._finished and len(self._finished) == len(self._workers) and not self._dead:
             for spare in self._spares:
                 spare.context.close()
             self._spares = []
-            return RunResult(state=WorkerState.SUCCEEDED,
-                             return_values={worker_group.workers[lr].global_rank: v
-                                            for lr, v in self._finished.items()})
-        if failures:
-            gave_up = any(f.exitcode == protocol.GAVE_UP_EXIT_CODE for f in failures.values())
-            if not self._inprocess or gave_up or (worker_group.group_world_size or 1) > 1:
-                return RunResult(state=WorkerState.FAILED, failures={
-                    worker_group.workers[lr].global_rank: f for lr, f in failures.items()})
-            self._replace(worker_group, sorted(failures))
+            return RunResult(state=WorkerState.SUCCEEDED, return_values=dict(self._finished))
+        gave_up = any(f.exitcode == protocol.GAVE_UP_EXIT_CODE for f in failures.values())
+        if failures and (not self._inprocess or self._finished or gave_up):  # (finished: nobody to rejoin)
+            if self._inprocess and gave_up:  # the other survivors need not wait for their own timeouts
+                self._announce_fallback(worker_group, sorted(failures), f"re-forming the process groups took "
+                                        f"longer than --reform-timeout ({self._reform_timeout_s:g} s)")
+            return RunResult(state=WorkerState.FAILED, failures=failures)
+        if self._inprocess:
+            now = time.time()
+            for rank in failures:
+                self._workers.pop(rank).context.close()  # reap it
+                self._dead[rank] = now
+            if self._nodes > 1:
+                self._beat_and_watch(worker_group)
+            if self._dead and not self._decide(worker_group):
+                return RunResult(state=WorkerState.FAILED, failures=failures)
         self._fill_spares(worker_group)
         return RunResult(state=WorkerState.HEALTHY)
 
-    def _replace(self, worker_group: WorkerGroup, local_ranks: list[int]) -> None:
-        """Give each dead worker's rank to a spare (or a fresh process) and announce the next attempt."""
-        detected = time.time()
-        assignments: dict[str, dict] = {}
-        fresh: list[int] = []
-        failed = []
-        for local_rank in local_ranks:
-            worker = worker_group.workers[local_rank]
-            failed.append(worker.global_rank)
-            self._workers.pop(local_rank).context.close()  # reap it
+    # ------------------------------------------------------------------ in-process replacement
+    def _apply_announcements(self, worker_group: WorkerGroup) -> None:
+        """Take in the attempts other agents announced: who runs which rank, which nodes are lost; ranks
+        they replaced are no longer this agent's to replace."""
+        store = self._store_client(worker_group)
+        newest = protocol.current_attempt(store, self._keys)
+        for attempt in range(self._seen + 1, newest + 1):
+            info = protocol.announcement(store, self._keys, attempt)
+            if info.get("kind") == "inprocess":
+                self._holders.update({int(r): n for r, n in info.get("holders", {}).items()})
+                self._lost.update(info.get("lost", []))
+                for rank in info.get("failed", []):
+                    self._dead.pop(rank, None)
+            self._attempt = max(self._attempt, attempt)
+        self._seen = max(self._seen, newest)
+
+    def _adopt_claimed_spares(self, worker_group: WorkerGroup) -> None:
+        """Spares of this node that another node's agent gave a rank become this node's workers."""
+        store = self._store_client(worker_group)
+        for spare in list(self._spares):
+            key = self._keys.spare(spare.slot)
+            if store.check([key]):
+                rank = json.loads(store.get(key))["rank"]
+                self._spares.remove(spare)
+                self._workers[rank] = spare
+
+    def _beat_and_watch(self, worker_group: WorkerGroup) -> None:
+        """Bump this node's heartbeat; declare the watched node lost when its heartbeat stood still for
+        ``--node-timeout`` (its ranks join the dead ones)."""
+        store = self._store_client(worker_group)
+        store.add(self._keys.beat(self._node), 1)
+        live = [n for n in range(self._nodes) if n not in self._lost]
+        after = [n for n in live if n > self._node] + [n for n in live if n < self._node]
+        if not after:
+            return
+        node, now = after[0], time.monotonic()
+        beat = int(store.add(self._keys.beat(node), 0))
+        if self._watch is None or self._watch.node != node or self._watch.beat != beat:
+            self._watch = _NodeWatch(node, beat, now)
+            return
+        if now - self._watch.since < self._node_timeout_s:
+            return
+        self._lost.add(node)
+        seen = time.time()
+        for rank, holder in self._holders.items():
+            if holder == node:
+                self._dead.setdefault(rank, seen)
+        print(f"moe-ft launch: node {node} sent no heartbeat for {now - self._watch.since:.1f} s: lost "
+              f"(ranks {sorted(r for r, h in self._holders.items() if h == node)})", flush=True)
+        self._watch = None
+
+    def _decide(self, worker_group: WorkerGroup) -> bool:
+        """Announce the next attempt for the dead ranks: ``False`` when the job must restart instead (a
+        fallback was announced). Another agent holding the decision lock: try again next pass."""
+        store = self._store_client(worker_group)
+        attempt = protocol.lock_next(store, self._keys, by=f"node{self._node}")
+        if attempt is None:
+            return True
+        self._apply_announcements(worker_group)  # what was announced before the lock may cover them
+        if not self._dead:
+            store.delete_key(self._keys.decision(attempt))
+            return True
+        dead, detected = sorted(self._dead), min(self._dead.values())
+        assignments, fresh, missing = self._assign(worker_group, attempt, dead)
+        if missing:
+            self._announce_fallback(worker_group, dead, (
+                f"no spare left for rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of "
+                f"lost node(s) {sorted(self._lost)} (--spares-per-node {self._spares_per_node})"), attempt)
+            return False
+        holders = {rank: node for rank, (node, _) in assignments.items()}
+        protocol.publish(store, self._keys, attempt, kind="inprocess", failed=dead, detected_at=detected,
+                         holders=holders, lost=sorted(self._lost))
+        self._holders.update(holders)
+        self._dead = {}
+        self._seen = self._attempt = attempt
+        givers = sorted({node for node, _ in assignments.values()})
+        print(f"moe-ft launch: rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} failed; "
+              f"attempt {attempt} gives {'them' if len(dead) > 1 else 'it'} to "
+              f"{'a fresh process' if fresh else 'spares' if len(dead) > 1 else 'a spare'}"
+              f"{'' if givers == [self._node] else ' on node(s) ' + ', '.join(map(str, givers))}, "
+              "the other workers keep their processes", flush=True)
+        return True
+
+    def _announce_fallback(self, worker_group: WorkerGroup, failed: list[int], reason: str,
+                           attempt: int | None = None) -> None:
+        """Tell every worker to leave for a full restart (kind ``"fallback"``); ``attempt``: the decision
+        lock already held. Another agent deciding meanwhile: its attempt stands, the restart follows anyway."""
+        store = self._store_client(worker_group)
+        attempt = attempt or protocol.lock_next(store, self._keys, by=f"node{self._node}")
+        if attempt is None:
+            return
+        protocol.publish(store, self._keys, attempt, kind="fallback", failed=failed,
+                         detected_at=min(self._dead.values(), default=time.time()), reason=reason)
+        print(f"moe-ft launch: {reason}: every worker starts again", flush=True)
+        self._seen = self._attempt = attempt
+
+    def _assign(self, worker_group: WorkerGroup, attempt: int,
+                dead: list[int]) -> tuple[dict[int, tuple[int, str]], list[int], list[int]]:
+        """Give each dead rank a process: a spare of this node, a spare another node lists, or (a rank of
+        this node's own) a fresh process on the dead one's device. Returns ``(rank → (node, slot), ranks
+        given fresh processes, ranks left without one)``."""
+        store = self._store_client(worker_group)
+        remote = self._listed_spares(store)
+        others = [r for r in dead if self._holders.get(r) != self._node]  # a lost node's: spares only
+        if len(others) > len(self._spares) + len(remote):
+            return {}, [], others[len(self._spares) + len(remote):]
+        assignments: dict[int, tuple[int, str]] = {}
+        fresh, missing = [], []
+        for rank in others + [r for r in dead if r not in others]:
             if self._spares:
                 proc = self._spares.pop(0)
-            else:  # no spare left: a fresh process takes the rank (it imports while the others wait)
-                proc = self._start_spare(worker_group)
-                fresh.append(worker.global_rank)
-            assignments[proc.slot] = {"rank": worker.global_rank, "local_rank": local_rank}
-            self._workers[local_rank] = proc
-            worker.id = proc.pid
-        self._attempt = protocol.announce(self._store_client(worker_group), self._keys, kind="inprocess", failed=failed,
-                                          detected_at=detected, assignments=assignments)
-        print(f"moe-ft launch: rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed; "
-              f"attempt {self._attempt} gives {'them' if len(failed) > 1 else 'it'} to "
-              f"{'a fresh process' if fresh else 'a spare'}, the other workers keep their processes", flush=True)
+                protocol.claim_spare(store, self._keys, proc.slot, attempt, rank, proc.local_rank)
+                self._workers[rank] = proc
+                assignments[rank] = (self._node, proc.slot)
+                continue
+            while remote:
+                node, slot, device = remote.pop(0)
+                if protocol.claim_spare(store, self._keys, slot, attempt, rank, device):
+                    assignments[rank] = (node, slot)
+                    break
+            else:
+                free = self._free_device(worker_group)
+                if rank in others or free is None:  # a listed spare was gone meanwhile
+                    missing.append(rank)
+                    continue
+                proc = self._start_spare(worker_group, free)  # imports while the others wait
+                protocol.claim_spare(store, self._keys, proc.slot, attempt, rank, free)
+                self._workers[rank] = proc
+                assignments[rank] = (self._node, proc.slot)
+                fresh.append(rank)
+        return assignments, fresh, missing
+
+    def _listed_spares(self, store) -> list[tuple[int, str, int]]:
+        """``(node, slot, device)`` of the waiting spares the other live nodes list."""
+        out = []
+        for node in range(self._nodes):
+            if node == self._node or node in self._lost or not store.check([self._keys.node_spares(node)]):
+                continue
+            out += [(node, s["slot"], s["local_rank"]) for s in json.loads(store.get(self._keys.node_spares(node)))]
+        return out
+
+
+def _rendezvous_round(handler) -> int:
+    """The rendezvous round the agents just completed (torch 2.13's ``DynamicRendezvousHandler`` keeps it
+    in its state holder): the same number on every node, so it names the full restart's attempt."""
+    try:
+        return int(handler._state_holder.state.round)
+    except AttributeError:
+        raise RuntimeError("moe-ft launch needs the c10d/etcd-v2 dynamic rendezvous (torch 2.13's "
+                           "DynamicRendezvousHandler) to number full restarts across nodes") from None

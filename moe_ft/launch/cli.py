@@ -11,6 +11,8 @@ derives it; only the agent differs (:class:`moe_ft.launch.agent.SpareAgent`). Ad
 ``--spares-per-node N``   warm spares per node (default 0: a failed rank is given to a fresh process)
 ``--reform-timeout S``    seconds a survivor waits for the next attempt before the job falls back to a
                           full restart (default 60)
+``--node-timeout S``      several nodes: seconds without a node agent's heartbeat before its ranks go to
+                          spares on other nodes (default 10)
 ``--full-restart``        torchrun's behaviour: any failure restarts every worker
 ``--preload``             start workers as forks of this process after it imported the training stack
                           (saves each worker its imports; CPU jobs, tests)
@@ -44,6 +46,9 @@ def build_parser():
     group.add_argument("--reform-timeout", type=float, default=protocol.DEFAULT_REFORM_TIMEOUT_S,
                        help="seconds a surviving worker waits for the next attempt before the job falls back "
                             "to a full restart of every worker")
+    group.add_argument("--node-timeout", type=float, default=protocol.DEFAULT_NODE_TIMEOUT_S,
+                       help="several nodes: seconds without a node agent's heartbeat before the other agents "
+                            "give its ranks to their spares")
     group.add_argument("--full-restart", action="store_true",
                        help="torchrun's behaviour: any failure restarts every worker (no in-process recovery)")
     group.add_argument("--preload", action="store_true",
@@ -59,6 +64,8 @@ def parse_args(argv: list[str] | None = None):
         parser.error(f"--spares-per-node must be >= 0 (got {args.spares_per_node})")
     if args.reform_timeout <= 0:
         parser.error(f"--reform-timeout must be > 0 seconds (got {args.reform_timeout})")
+    if args.node_timeout <= 0:
+        parser.error(f"--node-timeout must be > 0 seconds (got {args.node_timeout})")
     if args.standalone:  # what torchrun --standalone means: a private c10d rendezvous on this host
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
@@ -88,12 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint, args=tuple(entry_args),
         rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval, master_addr=None, master_port=None, local_addr=config.local_addr)
-    inprocess = not args.full_restart and config.max_nodes == 1
+    inprocess = not args.full_restart and (config.max_nodes == 1 or config.rdzv_backend == "c10d")
     if not inprocess and not args.full_restart:
-        print("moe-ft launch: more than one node: failures restart every worker (in-process replacement "
-              "needs --nnodes 1)", file=sys.stderr, flush=True)
+        print(f"moe-ft launch: --rdzv-backend {config.rdzv_backend} across nodes: failures restart every worker "
+              "(in-process replacement across nodes goes through the c10d rendezvous store)",
+              file=sys.stderr, flush=True)
     agent = SpareAgent(spec, _logs(args), spares_per_node=args.spares_per_node if inprocess else 0,
-                       reform_timeout_s=args.reform_timeout, start_method=start_method,
+                       reform_timeout_s=args.reform_timeout, node_timeout_s=args.node_timeout,
+                       start_method=start_method,
                        shutdown_timeout=int(config.shutdown_timeout or 30), inprocess=inprocess)
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", config.signals_to_handle)
     shutdown_rdzv = True

@@ -7,11 +7,27 @@ elastic's agent store), under ``moe_ft/launch/<run id>/``:
                             each full restart) and every in-process replacement is one attempt; workers
                             see it as ``TORCHELASTIC_RESTART_COUNT`` (process groups are keyed by it, and
                             recovery treats any attempt > 0 as a restart).
-``attempt/<a>``             JSON written before the counter reaches ``a``: ``kind`` (``"job"`` or
-                            ``"inprocess"``), ``failed`` (global ranks replaced), ``detected_at`` (wall time
-                            the agent saw the death).
-``spare/<slot>``            JSON assignment of a spare: ``rank``, ``local_rank``, ``attempt``.
+``decide/<a>``              the agent that decides attempt ``a`` (a lock taken with ``compare_set``: with
+                            several nodes, two agents may see failures at once; one announces, the other
+                            looks again once the announcement is out).
+``attempt/<a>``             JSON written before the counter reaches ``a``: ``kind`` (``"job"``: every worker
+                            started again; ``"inprocess"``: failed ranks given to spares; ``"fallback"``: the
+                            survivors must exit so that the agents restart everyone, for ``reason``),
+                            ``failed`` (global ranks replaced), ``detected_at`` (wall time the agent saw the
+                            death), ``holders`` (rank → node that runs it), ``lost`` (nodes declared lost),
+                            ``reason`` (fallbacks, and the full restart that follows one).
+``spare/<slot>``            JSON assignment of a spare: ``rank``, ``local_rank``, ``attempt`` (set with
+                            ``compare_set``: a spare is given once).
+``spares/<node>``           JSON list of the node's waiting spares: ``[{"slot", "local_rank"}]`` (its agent
+                            rewrites it when it changes; another node's agent may give them lost ranks).
+``beat/<node>``             counter the node's agent bumps every monitor pass (its liveness).
+``round/<r>``               the attempt of the full restart of rendezvous round ``r`` (node 0's agent
+                            announces it; the others read it).
+``exit/<a>``                counter: agents whose workers finished in attempt ``a`` (the exit barrier).
 ``pid/<a>/<rank>``          the pid that holds ``rank`` in attempt ``a`` (written by the worker).
+
+The store is the rendezvous's own (the c10d backend's ``TCPStore``, at ``--rdzv-endpoint``): it outlives
+every worker node, so the workers' process groups use it too (``MASTER_ADDR:MASTER_PORT`` point there).
 
 The environment carries the rest: ``MOE_FT_LAUNCH_RUN`` (the run id; set only under ``moe-ft launch``),
 ``MOE_FT_SPARE_SLOT`` (set only for a spare), ``MOE_FT_REFORM_TIMEOUT`` (seconds a survivor waits for the
@@ -29,6 +45,10 @@ RUN_ENV = "MOE_FT_LAUNCH_RUN"
 SPARE_ENV = "MOE_FT_SPARE_SLOT"
 REFORM_TIMEOUT_ENV = "MOE_FT_REFORM_TIMEOUT"
 DEFAULT_REFORM_TIMEOUT_S = 60.0
+DEFAULT_NODE_TIMEOUT_S = 10.0
+"""Seconds without a node agent's heartbeat before the other agents give its ranks to spares."""
+WATCH_POLL_S = 0.1
+"""How often a worker looks for a newer attempt (``Membership.watch``)."""
 
 GAVE_UP_EXIT_CODE = 75
 """A survivor that could not join a new attempt in time exits with this code (``EX_TEMPFAIL``): the agent
@@ -55,6 +75,21 @@ class Keys:
     def spare(self, slot: str) -> str:
         return prefix(self.run_id) + f"spare/{slot}"
 
+    def decision(self, attempt: int) -> str:
+        return prefix(self.run_id) + f"decide/{attempt}"
+
+    def node_spares(self, node: int) -> str:
+        return prefix(self.run_id) + f"spares/{node}"
+
+    def beat(self, node: int) -> str:
+        return prefix(self.run_id) + f"beat/{node}"
+
+    def round(self, rdzv_round: int) -> str:
+        return prefix(self.run_id) + f"round/{rdzv_round}"
+
+    def exit(self, attempt: int) -> str:
+        return prefix(self.run_id) + f"exit/{attempt}"
+
     def pid(self, attempt: int, rank: int) -> str:
         return prefix(self.run_id) + f"pid/{attempt}/{rank}"
 
@@ -63,20 +98,44 @@ def current_attempt(store, keys: Keys) -> int:
     return int(store.add(keys.attempt, 0))
 
 
-def announce(store, keys: Keys, *, kind: str, failed: list[int], detected_at: float,
-             assignments: dict[str, dict] | None = None) -> int:
-    """Agent: publish the next attempt (its announcement and spare assignments first, then the counter, so
-    that a worker that sees the counter finds both). Returns the new attempt."""
+def lock_next(store, keys: Keys, by: str) -> int | None:
+    """Agent: take the right to announce the next attempt; its number, or ``None`` when another agent
+    holds it (look again once that attempt is announced: it may already cover this agent's failures)."""
     attempt = current_attempt(store, keys) + 1
+    got = store.compare_set(keys.decision(attempt), "", by)
+    return attempt if got in (by, by.encode()) else None
+
+
+def claim_spare(store, keys: Keys, slot: str, attempt: int, rank: int, local_rank: int) -> bool:
+    """Give spare ``slot`` rank ``rank`` in ``attempt``; ``False`` when it was already given."""
+    value = json.dumps({"rank": rank, "local_rank": local_rank, "attempt": attempt})
+    got = store.compare_set(keys.spare(slot), "", value)
+    return got in (value, value.encode())
+
+
+def publish(store, keys: Keys, attempt: int, *, kind: str, failed: list[int], detected_at: float,
+            **extra) -> int:
+    """Agent holding :func:`lock_next`'s ``attempt``: write the announcement, then move the counter (a
+    worker that sees the counter finds the announcement and its spares' assignments)."""
     store.set(keys.announcement(attempt), json.dumps({"kind": kind, "failed": sorted(failed),
-                                                      "detected_at": detected_at}))
-    for slot, assignment in (assignments or {}).items():
-        store.set(keys.spare(slot), json.dumps({**assignment, "attempt": attempt}))
+                                                      "detected_at": detected_at, **extra}))
     got = int(store.add(keys.attempt, 1))
     if got != attempt:
-        raise RuntimeError(f"two agents announced attempt {attempt} at once (counter now {got}): "
-                           "moe-ft launch replaces ranks in-process on one node only; use --max-restarts")
+        raise RuntimeError(f"attempt {attempt} published while the counter moved to {got}: an agent announced "
+                           "without the decision lock (protocol.lock_next)")
     return attempt
+
+
+def announce(store, keys: Keys, *, kind: str, failed: list[int], detected_at: float,
+             assignments: dict[str, dict] | None = None, by: str = "agent", **extra) -> int:
+    """One agent alone (``--nnodes 1``): lock, give the spares their ranks, publish. Returns the attempt."""
+    attempt = lock_next(store, keys, by)
+    if attempt is None:
+        raise RuntimeError("another agent is announcing an attempt: moe-ft launch on one node has one agent")
+    for slot, assignment in (assignments or {}).items():
+        if not claim_spare(store, keys, slot, attempt, assignment["rank"], assignment["local_rank"]):
+            raise RuntimeError(f"spare {slot} was already given a rank")
+    return publish(store, keys, attempt, kind=kind, failed=failed, detected_at=detected_at, **extra)
 
 
 def announcement(store, keys: Keys, attempt: int) -> dict:

@@ -16,13 +16,15 @@ in its code, a stop signal) ends the process, and the agent gives its rank to a 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import os
 import signal
 import socket
 import sys
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -51,7 +53,13 @@ class Membership:
     attempt: int = 0
     rank: int = -1
     gave_up: bool = False
-    """:meth:`rejoin` saw no new attempt in time: exit with :data:`protocol.GAVE_UP_EXIT_CODE`."""
+    """:meth:`rejoin` saw no new attempt in time, or the agents fell back to a full restart: exit with
+    :data:`protocol.GAVE_UP_EXIT_CODE`."""
+    superseded: bool = False
+    """The watch saw a newer attempt announced while this process was still in its own (and severed it)."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held while the watch compares attempts and severs, and while :meth:`rejoin` moves to a new attempt
+    (so that the watch never severs the new attempt's connections)."""
 
     @property
     def inprocess(self) -> bool:
@@ -65,7 +73,7 @@ class Membership:
         """After this rank's training raised (``error``: its message; ``from_peer``: :func:`peer_failure`)
         and it left its process groups: ``True`` when it joined the next attempt (train again in this
         process), ``False`` when it must exit."""
-        if self.store is None or self.keys is None or not from_peer:
+        if self.store is None or self.keys is None or not (from_peer or self.superseded):
             return False
         timeout = protocol.reform_timeout_s()
         attempt = protocol.wait_for_attempt_after(self.store, self.keys, self.attempt, timeout)
@@ -74,15 +82,56 @@ class Membership:
                   f"{error[:200]}; falling back to a full restart", file=sys.stderr, flush=True)
             self.gave_up = True
             return False
-        self.attempt = attempt
-        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+        info = protocol.announcement(self.store, self.keys, attempt)
+        if info.get("kind") == "fallback":  # the agents cannot replace the failed ranks: all start again
+            print(f"moe-ft launch: rank {self.rank} leaves for a full restart: {info.get('reason', '')}",
+                  file=sys.stderr, flush=True)
+            self.gave_up = True
+            return False
+        with self.lock:
+            self.attempt, self.superseded = attempt, False
+            os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
         self.record_pid()
         return True
 
+    def watch(self, poll_s: float = protocol.WATCH_POLL_S) -> None:
+        """Start the agent's notice: a daemon thread that severs this process's connections (as after a
+        failed collective) as soon as an attempt newer than its own is announced. A process can wait on a
+        peer that will never answer without a collective failing: forming an attempt's groups (blocked in
+        the store on a rank that died meanwhile), or waiting for a survivor that itself waits. The
+        announcement ends those waits at once instead of after ``--reform-timeout``."""
+        if self.store is None or self.keys is None:
+            return
+        keys = self.keys
+        store = _client(timeout_s=60)  # its own connection: the main thread uses self.store meanwhile
+        _KEPT.update(_endpoints())
+        stop = threading.Event()
 
-_INHERITED: set = set()
-"""TCP connections this process had when it joined (a forked worker inherits its launcher's, e.g. the
-rendezvous keep-alive): never severed."""
+        def run() -> None:
+            while not stop.wait(poll_s):
+                try:
+                    newest = protocol.current_attempt(store, keys)
+                except Exception:  # noqa: BLE001 - the store is gone: the agent ends this process anyway
+                    return
+                with self.lock:
+                    if newest > self.attempt and not self.superseded:
+                        self.superseded = True
+                        sever_peer_connections()
+
+        thread = threading.Thread(target=run, name="moe-ft-attempt-watch", daemon=True)
+        thread.start()
+
+        def end() -> None:  # not inside a store call when the interpreter exits
+            stop.set()
+            thread.join(5)
+
+        atexit.register(end)
+
+
+_KEPT: set = set()
+"""TCP connections never severed: those this process had when it joined (a forked worker inherits its
+launcher's, e.g. the rendezvous keep-alive), and its own two to the launch store (:func:`join`,
+:meth:`Membership.watch`). Every other connection belongs to an attempt's process groups or their stores."""
 
 
 def _tcp_connections():
@@ -92,9 +141,21 @@ def _tcp_connections():
             if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.fd >= 0]
 
 
+def _endpoints() -> set:
+    return {(c.laddr, c.raddr) for c in _tcp_connections()}
+
+
+def _client(timeout_s: float):
+    import torch.distributed as dist  # start-up time: only launched workers reach the store
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
 def sever_peer_connections() -> int:
-    """Shut down every TCP connection of this process except those to the rendezvous store; returns how
-    many. Called when a peer failed, before this process leaves the attempt's process groups.
+    """Shut down every TCP connection of this process except the kept ones (:data:`_KEPT`); returns how
+    many. Called when a peer failed, before this process leaves the attempt's process groups, and when a
+    newer attempt is announced (:meth:`Membership.watch`).
 
     Why: gloo in torch 2.13 has no way to end an operation already waiting (``ProcessGroupGloo.abort()``
     and ``shutdown()`` return at once and leave a blocked ``recv`` or ``allreduce`` blocked, measured), and a
@@ -102,12 +163,12 @@ def sever_peer_connections() -> int:
     a survivor (not on the dead rank) would wait until the group's timeout. Shutting the connections down
     (not closing the descriptors: their owners still hold them) makes every pending and future operation
     of the failed attempt fail at once, here and on the peers at the other end, which then leave too.
-    The next attempt's groups connect afresh."""
-    keep = {int(os.environ.get("MASTER_PORT", "0"))}
+    The attempt's connections to the store go too (a wait there for a rank that died ends). The next
+    attempt's groups connect afresh."""
     count = 0
     for conn in _tcp_connections():
-        if conn.raddr.port in keep or conn.laddr.port in keep or (conn.laddr, conn.raddr) in _INHERITED:
-            continue  # the store (either end), or the launcher's
+        if (conn.laddr, conn.raddr) in _KEPT:
+            continue  # the launcher's, or this process's own to the launch store
         try:
             sock = socket.socket(fileno=conn.fd)
         except OSError:  # closed since it was listed
@@ -128,11 +189,8 @@ def join() -> Membership:
     if not run_id:
         return Membership()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack
-    _INHERITED.update((c.laddr, c.raddr) for c in _tcp_connections())
-    import torch.distributed as dist  # start-up time: only launched workers reach the store
-
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=300))
+    store = _client(timeout_s=300)
+    _KEPT.update(_endpoints())  # inherited ones, and this store's
     keys = protocol.Keys(run_id)
     slot = os.environ.pop(protocol.SPARE_ENV, None)
     if slot:
@@ -143,6 +201,7 @@ def join() -> Membership:
     membership = Membership(store, keys, attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                             rank=int(os.environ["RANK"]))
     membership.record_pid()
+    membership.watch()
     return membership
 
 
@@ -169,11 +228,8 @@ def launch_facts(world_size: int) -> dict | None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if not run_id or attempt == 0:
         return None
-    import torch.distributed as dist  # start-up time: only launched workers reach the store
-
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=60))
+    store = _client(timeout_s=60)
     keys = protocol.Keys(run_id)
     info = protocol.announcement(store, keys, attempt)
     return {"kind": info.get("kind", "job"), "pids_kept": pids_kept(store, keys, attempt, world_size),
-            "detected_at": info.get("detected_at")}
+            "detected_at": info.get("detected_at"), "reason": info.get("reason", "")}

@@ -51,6 +51,9 @@ class RecoveryReport:
     (``moe-ft launch``); ``"job"``: every worker was started again (torchrun, or the launcher's fallback)."""
     survivor_pids_kept: bool | None = None
     """In-process attempts: whether every rank not replaced kept its process (same pid before and after)."""
+    fallback_reason: str = ""
+    """A full restart that ``moe-ft launch`` chose over in-process replacement: why (no spare for a lost
+    node's ranks, re-forming the groups exceeded ``--reform-timeout``)."""
     recovered_digest: str = ""
     message: str = ""
 

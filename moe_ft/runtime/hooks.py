@@ -225,6 +225,7 @@ class FTRuntime(StepHooks):
         facts = launch_facts(self.world_size)
         if facts is not None:
             report.restart_kind, report.survivor_pids_kept = facts["kind"], facts["pids_kept"]
+            report.fallback_reason = facts["reason"]
         fault_at = last_fault_time(self.faults)
         built = comm.max_over_ranks(int(self._built_at * 1e3)) / 1e3
         resumed = comm.max_over_ranks(int(time.time() * 1e3)) / 1e3

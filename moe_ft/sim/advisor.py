@@ -39,9 +39,11 @@ def explain(cost: CostModel, result: PolicyResult, max_overhead: float = 0.03) -
     if spec.kind == "sparse":
         budget = _budget_bytes(cost)
         fits = "fits every iteration" if result.overhead == 0 else f"stalls {result.t_ckpt_s:.2f} s/iter"
-        scope = ("global rollback" if not spec.localized else
+        restart = ("spares take the lost ranks, survivors keep their processes" if spec.launcher == "inprocess"
+                   else "every rank restarts")
+        scope = (f"global rollback, {restart}" if not spec.localized else
                  "only the failed stage replays (MoEvement's localized restart)" if spec.localized_model == "paper"
-                 else "only the failed stage replays, every rank restarts and survivors reload their state")
+                 else f"only the failed stage replays, {restart}, survivors reload their state")
         return (f"sparse W={result.window} {fits} (busiest iteration {_gb(pm.checkpoint_bytes)} vs budget "
                 f"{_gb(budget)}/rank); {scope}, {er}")
     if spec.kind == "pec":

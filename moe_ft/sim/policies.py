@@ -43,10 +43,14 @@ class PolicySpec:
     k: str = "fit"  # pec: experts per layer per snapshot, an integer, "fit" or "dynamic" (MoC Dynamic-K)
     localized: bool = True  # sparse: upstream logging confines recovery to the failed stage (MoEvement §3.4)
     localized_model: str = "runtime"
-    """sparse with ``localized``: ``runtime`` = what moe-ft does (torchrun restarts every rank: the global
-    ``restart_s``; the survivors dump their state before they exit and load it back, only the failed
-    stage replays; ``moe_ft/recovery/localized.py``), ``paper`` = MoEvement §3.4's model (only the failed
-    data-parallel group restarts, ``localized_restart_s``, the others pause)."""
+    """sparse with ``localized``: ``runtime`` = what moe-ft does (the survivors dump their state and load it
+    back, only the failed stage replays; ``moe_ft/recovery/localized.py``), ``paper`` = MoEvement §3.4's
+    model (only the failed data-parallel group restarts, ``localized_restart_s``, the others pause)."""
+    launcher: str = "inprocess"
+    """sparse (runtime model): how the job gets its processes back. ``inprocess``: ``moe-ft launch`` with
+    spares, the survivors keep their processes, spares take the lost node's ranks (``recovery.
+    inprocess_detect_s`` + ``inprocess_reform_s``); ``torchrun``: every process starts again (the global
+    ``restart_s``; also ``moe-ft launch``'s fallback when no spare is left)."""
     plt_budget: float = 0.0375  # pec: MoC's PLT threshold (§3, Dynamic-K)
     k0: int = 0  # pec k=dynamic: K the simulated run starts from (0: the largest K that fits, MoC §5.3)
 
@@ -59,6 +63,8 @@ class PolicySpec:
             raise ValueError(f"interval must be a positive integer, 'oracle', 'daly' or 'cap', got {self.interval!r}")
         if self.k not in ("fit", "dynamic") and not (self.k.isdigit() and int(self.k) > 0):
             raise ValueError(f"pec k must be a positive integer, 'fit' or 'dynamic', got {self.k!r}")
+        if self.launcher not in ("inprocess", "torchrun"):
+            raise ValueError(f"launcher must be 'inprocess' or 'torchrun', got {self.launcher!r}")
         if self.localized_model not in ("runtime", "paper"):
             raise ValueError(f"localized must be 0, 1, 'runtime' or 'paper', got {self.localized_model!r}")
 
@@ -87,11 +93,11 @@ def parse_policy(text: str) -> PolicySpec:
                 kwargs["localized"] = mode in ("1", "true", "yes")
             else:
                 raise ValueError(f"localized must be 0, 1, 'runtime' or 'paper' in {text!r}, got {value!r}")
-        elif key in ("interval", "store", "k"):
+        elif key in ("interval", "store", "k", "launcher"):
             kwargs[key] = value
         else:
             raise ValueError(f"unknown policy option {key!r} in {text!r}; known: interval, max_overhead, "
-                             "store, k, k0, localized, plt_budget")
+                             "store, k, k0, localized, launcher, plt_budget")
     return PolicySpec(kind=kind, label=label, **kwargs)
 
 
@@ -132,8 +138,10 @@ class PolicyModel:
 
     def restart_load_s(self) -> float:
         """Restart (global, or MoEvement's localized one for ``localized=paper``) plus loading the replacement
-        node's state; the runtime's localized recovery (``localized=runtime``) restarts every rank and adds
-        the survivors' dump and load of their state (device to host and back, ``d2h_bandwidth``)."""
+        node's state; the runtime's localized recovery (``localized=runtime``) adds the survivors' dump and
+        load of their state (device to host and back, ``d2h_bandwidth``). Sparse under ``moe-ft launch``
+        (``launcher=inprocess``) replaces the global restart with the lost node's detection and the
+        re-formation of the groups around the spares."""
         cfg = self.cost.config
         hw = cfg.hardware
         held = self.cost.max_held_bytes
@@ -145,7 +153,10 @@ class PolicyModel:
         if self.localized and self.spec.localized_model == "paper":
             return cfg.recovery.localized_restart_s + load
         survivors = 2.0 * held / hw.d2h_bandwidth if self.localized else 0.0
-        return cfg.recovery.restart_s + survivors + load
+        restart = cfg.recovery.restart_s
+        if self.spec.kind == "sparse" and self.spec.launcher == "inprocess":
+            restart = cfg.recovery.inprocess_detect_s + cfg.recovery.inprocess_reform_s
+        return restart + survivors + load
 
     def recovery_s(self, phase: float, stage_idx: int, segment: int = 1) -> float:
         """Wall time from a failure to being back where the job was. ``phase`` in ``[0, period_iters)``

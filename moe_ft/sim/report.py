@@ -58,7 +58,7 @@ def to_json_obj(config_name: str, rows: dict[float, list[Row]], meta: dict) -> d
 
 
 def format_table(config_name: str, rows: dict[float, list[Row]]) -> str:
-    head = (f"{'MTBF':>5} {'policy':<20} {'knobs':<16} {'T_iter':>7} {'T_ckpt':>7} {'ovh':>6} {'E[R]':>7} "
+    head = (f"{'MTBF':>5} {'policy':<28} {'knobs':<16} {'T_iter':>7} {'T_ckpt':>7} {'ovh':>6} {'E[R]':>7} "
             f"{'ETTR':>6} {'sim':>6} {'fails':>5} {'lost: ckpt/restart/recompute (s)':>34}")
     lines = [f"config: {config_name}", head, "-" * len(head)]
     for mtbf, rs in rows.items():
@@ -67,7 +67,7 @@ def format_table(config_name: str, rows: dict[float, list[Row]]) -> str:
                 f"k={r.interval}" if r.kind == "dense" else ",".join(f"{k}={v}" for k, v in r.knobs.items()))
             sim = f"{s.ettr:6.3f} {s.num_failures:5d} " + "/".join(
                 f"{s.lost_s[c]:.0f}" for c in ("checkpoint", "restart", "recompute")).rjust(34) if s else ""
-            lines.append(f"{format_duration(mtbf):>5} {r.policy:<20} {knobs:<16} {r.t_iter_s:7.2f} {r.t_ckpt_s:7.2f} "
+            lines.append(f"{format_duration(mtbf):>5} {r.policy:<28} {knobs:<16} {r.t_iter_s:7.2f} {r.t_ckpt_s:7.2f} "
                          f"{r.overhead:6.1%} {r.expected_recovery_s:7.1f} {r.ettr:6.3f} {sim}")
     return "\n".join(lines)
 
