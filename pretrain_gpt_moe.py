@@ -38,12 +38,13 @@ def step_hooks(args):
 
 def main(argv=None) -> int:
     from megatron.training.arguments import ArgumentError, parse_args
+    from moe_ft.launch.protocol import USAGE_EXIT_CODE
 
     try:
         args = parse_args(argv, extra_groups=extra_argument_groups())  # validated before any process-group work
     except ArgumentError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return USAGE_EXIT_CODE
 
     from megatron.training.pretrain import pretrain
     from moe_ft.compat import activate_all
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
         activate_all()
     except RuntimeError as e:  # a Megatron-Core version the shims were not written for
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return USAGE_EXIT_CODE
     from moe_ft.launch.protocol import GAVE_UP_EXIT_CODE
     from moe_ft.launch.worker import join
 

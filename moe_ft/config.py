@@ -234,6 +234,10 @@ class DrillConfig:
         "Failure drill: inject faults RANK:ITER[:PHASE[:KIND]] (PHASE forward|backward|step|snapshot|publish|"
         "persist|recovery|published, KIND exit|exception|hang|corrupt|node); each fires once across restarts "
         "(moe_ft/drills/faults.py)."))
+    fail_marker_dir: str = field(default="", metadata=field_help(
+        "Directory of the faults' once-only markers (default: faults/ in the node store's job directory). "
+        "Drills on several simulated nodes share one: a rank that a spare on another node took over finds its "
+        "fault fired."))
     digest_out: str = field(default="", metadata=field_help(
         "Write the final training-state digest (moe-ft digest) as JSON to this file at the end of training."))
     trace_out: str = field(default="", metadata=field_help(
@@ -245,9 +249,11 @@ class DrillConfig:
             Fault.parse(text)  # raises ValueError naming the bad fault
 
     def build(self, job_dir: str):
-        """The fault plan (fired markers under ``job_dir/faults``: each fault fires once across restarts)."""
+        """The fault plan (fired markers under ``--ft-fail-marker-dir`` or ``job_dir/faults``: each fault fires
+        once across restarts)."""
 
-        return FaultPlan.from_config(FaultPlanConfig(faults=list(self.fail), marker_dir=os.path.join(job_dir, "faults")))
+        marker_dir = self.fail_marker_dir or os.path.join(job_dir, "faults")
+        return FaultPlan.from_config(FaultPlanConfig(faults=list(self.fail), marker_dir=marker_dir))
 
 
 @dataclass(kw_only=True)

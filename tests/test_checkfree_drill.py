@@ -79,7 +79,10 @@ def test_lost_stage_rebuilt_by_checkfree(corpus, tmp_path):
     # the later failure of rank 1 is recovered exactly from its own window, and its boost stays
     assert later_levels["level"] == "exact" and later["recovery_levels"]["level"] == "exact"
     assert later["recovery_point"]["start"] >= 6 and later["routing_checked"] > 0, later["recovery_point"]
-    store = StoreConfig(root=str(tmp_path / "accepted_store" / "node1"), job_id="accepted", rank=1).build()
+    # rank 1 runs on node 0's spare (moe-ft launch: a fresh process there after its second failure), or on
+    # node 1's replacement (torchrun's agent)
+    home = "node0" if event["replaced"] == "inprocess" else "node1"
+    store = StoreConfig(root=str(tmp_path / "accepted_store" / home), job_id="accepted", rank=1).build()
     after = [t for t in store.points() if t >= later["recovery_point"]["resume"]]
     assert after, store.points()
     for t in after:

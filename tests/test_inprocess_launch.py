@@ -49,6 +49,17 @@ def test_protocol_announces_attempts_and_assigns_spares(store):
     assert worker.pids_kept(store, keys, 1, 4) is True
     store.set(keys.pid(1, 2), "77")
     assert worker.pids_kept(store, keys, 1, 4) is False
+    # a shrink renumbers the survivors: ranks 2, 3 (their node lost) are gone, 0 and 1 keep their numbers
+    # here, and their pids are compared under the new ones
+    protocol.announce(store, keys, kind="inprocess", failed=[2, 3], detected_at=13.0,
+                      resize={"ranks": {0: 0, 1: 1}, "world_size": 2, "nodes": {0: 0}})
+    store.set(keys.pid(2, 0), "10")
+    store.set(keys.pid(2, 1), "11")
+    assert worker.pids_kept(store, keys, 2, 2) is True
+    # a decision lock taken by one agent holds off another until that attempt is published
+    assert protocol.lock_next(store, keys, "node0") == 3 and protocol.lock_next(store, keys, "node1") is None
+    assert protocol.claim_spare(store, keys, "1.0", 3, rank=2, local_rank=1, world_size=4, group_rank=1)
+    assert not protocol.claim_spare(store, keys, "1.0", 3, rank=3, local_rank=1)  # a spare is given once
 
 
 def test_only_peer_failures_keep_the_process():

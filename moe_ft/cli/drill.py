@@ -143,16 +143,19 @@ def run_node_job(*, job: str, workdir: str, faults: list[str], losses: list, num
     store_of = lambda node: os.path.join(common["store"], f"node{node}")
     report_dir = lambda node, launch_idx: os.path.join(workdir, f"{job}_reports", f"node{node}.{launch_idx}")
 
+    markers = os.path.join(workdir, f"{job}_faults")  # shared: a rank may move to another node's spare
+
     def argv_for(node: int, launch_idx: int, pending: list[str]) -> list[str]:
         argv = job_argv(job=job, digest_out=digest_out, faults=pending, **dict(common, store=store_of(node)))
-        return argv + ["--ft-report-dir", report_dir(node, launch_idx)]
+        return argv + ["--ft-report-dir", report_dir(node, launch_idx), "--ft-fail-marker-dir", markers]
 
     cluster = SimulatedCluster(ClusterConfig(num_nodes=num_nodes, ranks_per_node=world // num_nodes,
                                              max_restarts=max_restarts, timeout=timeout, elastic=elastic,
                                              joins=tuple(joins), launcher=launcher or default_launcher(),
                                              launcher_flags=tuple(launcher_flags)),
                                script=str(ROOT / "pretrain_gpt_moe.py"), root=str(ROOT), store_of=store_of,
-                               argv_for=argv_for, log_prefix=os.path.join(workdir, job), run_id=job)
+                               argv_for=argv_for, log_prefix=os.path.join(workdir, job), run_id=job,
+                               marker_dir=markers)
     res = cluster.run([Fault.parse(f) for f in faults], list(losses))
     dirs = [report_dir(int(n), i) for n, k in res["launches"].items() for i in range(k)]
     reports = read_reports(dirs)

@@ -33,8 +33,9 @@ nodes): the running agents see a waiting node, stop their workers and re-rendezv
 The running workers are paused (SIGSTOP) from the join until their agent's SIGTERM is pending, so the world
 changes right after ``ITER`` whatever the machine's load (the join event records ``paused_s``).
 
-Faults whose once-only marker was deleted with a node's store are not scheduled again on its replacement
-(they fired). Each agent launch writes its recovery reports to a directory of its own (``reports/node<K>.<n>``,
+The faults' once-only markers lie in one directory shared by every node (``--ft-fail-marker-dir``; a
+rank that a spare on another node took over finds its fault fired), and fired faults are not scheduled
+again on a replacement. Each agent launch writes its recovery reports to a directory of its own (``reports/node<K>.<n>``,
 shared storage: they survive the node).
 """
 
@@ -227,10 +228,11 @@ def sigterm_pending(pid: int) -> bool:
     return any(int(line.split()[1], 16) & bit for line in lines if line.startswith(("SigPnd:", "ShdPnd:")))
 
 
-def fired_markers(store: Path) -> list[Fault]:
-    """The faults whose once-only marker lies in a node's store (``<store>/<job>/faults/*.fired``)."""
+def fired_markers(store: Path, pattern: str = "*/faults/*.fired") -> list[Fault]:
+    """The faults whose once-only marker lies in a node's store (``<store>/<job>/faults/*.fired``), or in
+    the drill's shared marker directory (``pattern="*.fired"``)."""
     out = []
-    for marker in sorted(store.glob("*/faults/*.fired")):
+    for marker in sorted(store.glob(pattern)):
         text = marker.read_text().splitlines()
         if text:
             out.append(Fault.parse(text[0]))
@@ -245,8 +247,11 @@ class SimulatedCluster:
     """Runs one job on ``config.num_nodes`` torchrun agents and plays the node losses (see the module doc)."""
 
     def __init__(self, config: ClusterConfig, *, script: str, root: str, store_of: Callable[[int], str],
-                 argv_for: ArgvFor, log_prefix: str, run_id: str) -> None:
+                 argv_for: ArgvFor, log_prefix: str, run_id: str, marker_dir: str | None = None) -> None:
         self.config, self.script, self.root = config, script, root
+        self.marker_dir = marker_dir
+        """The faults' shared marker directory (``--ft-fail-marker-dir``: a rank that moved to another node's
+        spare finds its fault fired); ``None``: each node's store holds its own."""
         self.store_of, self.argv_for, self.log_prefix, self.run_id = store_of, argv_for, log_prefix, run_id
         self.generation = 0  # bumped when every node was lost: a new rendezvous
         self.launches: dict[int, int] = {}  # node → number of agents started for it
@@ -258,6 +263,9 @@ class SimulatedCluster:
         self.waiting: dict[int, str] = {}  # elastic mode: pre-started agents -> the trigger file they wait for
         self.root_tmp = os.path.dirname(log_prefix)
         self.joined: list[dict] = []
+        self.spared: set[int] = set()
+        """Lost nodes whose ranks spares took (in-process): replaced only if the agents fall back later."""
+        self.checked_attempt = 0
 
     # ----------------------------------------------------------------------------------------- launch
     def _rdzv_id(self) -> str:
@@ -342,6 +350,13 @@ class SimulatedCluster:
                     join = joins.pop(0)  # the node comes back: its agent joins, the world grows
                     self.joined.append(self._join(join))
                     done.discard(join.node)
+                if self.spared and self._fell_back(rdzv):  # a full restart needs every node again
+                    for node in sorted(self.spared):
+                        self._launch(node, faults, rdzv.port)
+                        done.discard(node)
+                    print(f"moe-ft node drill: the agents fell back to a full restart: replacement(s) for node(s) "
+                          f"{sorted(self.spared)} started", file=sys.stderr, flush=True)
+                    self.spared = set()
                 if not any(code != 0 for code in exited.values()):
                     continue
                 lost = self._lost_event(exited, events)
@@ -354,6 +369,7 @@ class SimulatedCluster:
                     done.update(nodes)  # gone for good (until a join starts it again)
                 elif not self._replace(nodes, iteration, phase, faults, rdzv):
                     done.update(nodes)  # spares on the surviving nodes run the lost ranks
+                    self.spared.update(nodes)
         finally:
             for agent in self.agents.values():
                 if agent.poll() is None:
@@ -395,11 +411,18 @@ class SimulatedCluster:
         for node, code in exited.items():
             if code == 0:
                 continue
-            for fault in fired_markers(Path(self.store_of(node))):
+            for fault in self._fired(node):
                 key = (fault.iteration, fault.phase)
                 if fault.kind == "node" and fault not in self.fired and key in events:
                     return key, events[key]
         return None
+
+    def _fired(self, node: int) -> list[Fault]:
+        """The fired faults of node ``node``'s ranks (all of them for a ``node`` fault's first rank)."""
+        if self.marker_dir is None:
+            return fired_markers(Path(self.store_of(node)))
+        per_node = self.config.ranks_per_node
+        return [f for f in fired_markers(Path(self.marker_dir), "*.fired") if f.rank // per_node == node]
 
     def _completed(self) -> int:
         """The newest iteration a live node's ranks completed (their progress records)."""
@@ -415,7 +438,7 @@ class SimulatedCluster:
         completed = last_completed([Path(self.store_of(n)) for n in self.agents])
         for node in nodes:
             store = Path(self.store_of(node))
-            self.fired.update(fired_markers(store))
+            self.fired.update(self._fired(node))
             shutil.rmtree(store, ignore_errors=True)
         self.dropped.update(nodes)
         self.events.append({"nodes": nodes, "iteration": iteration, "phase": phase, "survivors": survivors,
@@ -437,6 +460,16 @@ class SimulatedCluster:
                 return True
         return None
 
+    def _fell_back(self, rdzv) -> bool:
+        """Whether the agents announced a fallback to a full restart since the last look."""
+        from moe_ft.launch import protocol
+
+        keys = protocol.Keys(self._rdzv_id())
+        newest = protocol.current_attempt(rdzv, keys)
+        kinds = [protocol.announcement(rdzv, keys, a).get("kind") for a in range(self.checked_attempt + 1, newest + 1)]
+        self.checked_attempt = newest
+        return "fallback" in kinds
+
     def _replace(self, nodes: list[int], iteration: int, phase: str, faults: list[Fault], rdzv) -> bool:
         """The lost nodes go down with their stores; replacement agents start for them unless (in-process
         launchers) spares on the surviving nodes took their ranks. Returns whether replacements started."""
@@ -449,7 +482,7 @@ class SimulatedCluster:
         completed = last_completed([Path(self.store_of(n)) for n in self.agents])
         for node in nodes:  # the node is gone: its snapshots and the replicas it held with it
             store = Path(self.store_of(node))
-            self.fired.update(fired_markers(store))
+            self.fired.update(self._fired(node))
             shutil.rmtree(store, ignore_errors=True)
         lost_ranks = {n * self.config.ranks_per_node + r for n in nodes for r in range(self.config.ranks_per_node)}
         taken = None
@@ -470,6 +503,7 @@ class SimulatedCluster:
             return False
         if not survivors:
             self.generation += 1
+            self.checked_attempt = 0  # a new rendezvous id: its own attempt counter
         for node in nodes:
             self._launch(node, faults, rdzv.port)
         self.events.append(dict(event, rendezvous=self._rdzv_id(),

@@ -12,6 +12,7 @@ from moe_ft.drills.report import dump_parameters
 from moe_ft.elastic.holders import layer_replica_maps
 from moe_ft.elastic.inventory import LayoutRecord, write_record
 from moe_ft.elastic.restore import discard_node_points, restore_reshaped, write_report
+from moe_ft.launch.worker import launch_facts
 from moe_ft.recovery.progress import last_completed
 from moe_ft.runtime.components import Component
 
@@ -47,6 +48,10 @@ class ElasticRecorder(Component):
         done = last_completed(self.store_dir, self.job_id, rt.rank)
         section = restore_reshaped(self.decision, rt)
         if rt.rank == 0:
+            facts = launch_facts(rt.world_size)  # under moe-ft launch: did the survivors keep their processes
+            if facts is not None:
+                section.update(restart_kind=facts["kind"], survivor_pids_kept=facts["pids_kept"],
+                               fallback_reason=facts["reason"])
             write_report(self.decision, rt.config.report_dir(), section, last_completed=done)
             print(f"moe-ft elastic: generation {self.decision.generation}: world {self.decision.previous.world_size}"
                   f" -> {self.decision.world_size}, restored iteration {self.decision.iteration} "

@@ -109,7 +109,7 @@ class SpareAgent(LocalElasticAgent):
     def __init__(self, spec, logs: LaunchLogs, *, spares_per_node: int = 0,
                  reform_timeout_s: float = protocol.DEFAULT_REFORM_TIMEOUT_S,
                  node_timeout_s: float = protocol.DEFAULT_NODE_TIMEOUT_S, start_method: str = "spawn",
-                 shutdown_timeout: int = 30, inprocess: bool = True) -> None:
+                 shutdown_timeout: int = 30, inprocess: bool = True, min_nodes: int | None = None) -> None:
         super().__init__(spec, logs_specs=DefaultLogsSpecs(log_dir=logs.root), start_method=start_method,
                          shutdown_timeout=shutdown_timeout)
         self._logs = logs
@@ -117,6 +117,9 @@ class SpareAgent(LocalElasticAgent):
         self._reform_timeout_s = reform_timeout_s
         self._node_timeout_s = node_timeout_s
         self._inprocess = inprocess
+        self._min_nodes = min_nodes
+        """``--nnodes MIN:MAX`` with MIN < MAX: a lost node with no spare left shrinks the job in-process
+        (``None``: a fixed node count, no shrink)."""
         self._workers: dict[int, _Process] = {}
         """This node's workers by global rank (a lost node's ranks may run here, on former spares)."""
         self._spares: list[_Process] = []
@@ -132,7 +135,13 @@ class SpareAgent(LocalElasticAgent):
         self._dead: dict[int, float] = {}
         """Ranks known dead and not replaced yet → wall time their death was seen."""
         self._holders: dict[int, int] = {}
-        """Global rank → the node (group rank) whose process runs it."""
+        """Global rank → the node (group rank of the rendezvous round) whose process runs it."""
+        self._home: dict[int, int] = {}
+        """Global rank → the node the layout puts it on (``holders`` differs after a cross-node take-over)."""
+        self._world = 0
+        self._groups: dict[int, int] = {}
+        """Node → the ``GROUP_RANK`` its workers see: its index among the live nodes (an in-process shrink
+        renumbers the nodes for the workers; the agents keep the round's numbers among themselves)."""
         self._lost: set[int] = set()
         self._watch: _NodeWatch | None = None
         self._node = 0
@@ -162,11 +171,10 @@ class SpareAgent(LocalElasticAgent):
     def _env(self, worker_group: WorkerGroup, *, rank: int, local_rank: int, slot: str = "") -> dict[str, str]:
         spec = worker_group.spec
         env: dict[str, str] = {
-            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": str(worker_group.group_rank),
+            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": str(self._groups.get(self._node, self._node)),
             "ROLE_RANK": str(rank), "ROLE_NAME": spec.role, "LOCAL_WORLD_SIZE": str(spec.local_world_size),
-            "WORLD_SIZE": str(worker_group.workers[0].world_size),
-            "GROUP_WORLD_SIZE": str(worker_group.group_world_size or 1),
-            "ROLE_WORLD_SIZE": str(worker_group.workers[0].role_world_size),
+            "WORLD_SIZE": str(self._world), "GROUP_WORLD_SIZE": str(self._world // spec.local_world_size),
+            "ROLE_WORLD_SIZE": str(self._world),
             "MASTER_ADDR": str(worker_group.master_addr), "MASTER_PORT": str(worker_group.master_port),
             "TORCHELASTIC_RESTART_COUNT": str(self._attempt), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
             "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
@@ -230,6 +238,7 @@ class SpareAgent(LocalElasticAgent):
         self._close_all()
         spec = worker_group.spec
         self._node, self._nodes = worker_group.group_rank or 0, worker_group.group_world_size or 1
+        self._groups, self._world = {n: n for n in range(self._nodes)}, worker_group.workers[0].world_size
         if not self._inprocess:  # torch elastic's numbering (each agent counts its restarts)
             self._attempt = spec.max_restarts - self._remaining_restarts
         else:
@@ -237,7 +246,8 @@ class SpareAgent(LocalElasticAgent):
             world = worker_group.workers[0].world_size
             if any(w.global_rank != self._node * spec.local_world_size + w.local_rank for w in worker_group.workers):
                 raise RuntimeError("moe-ft launch needs the same --nproc-per-node on every node")
-            self._holders = {rank: rank // spec.local_world_size for rank in range(world)}
+            self._home = {rank: rank // spec.local_world_size for rank in range(world)}
+            self._holders = dict(self._home)
             self._lost, self._dead, self._watch, self._seen = set(), {}, None, self._attempt
             self._published_spares = ""
         self._started = True
@@ -309,10 +319,14 @@ class SpareAgent(LocalElasticAgent):
             self._spares = []
             return RunResult(state=WorkerState.SUCCEEDED, return_values=dict(self._finished))
         gave_up = any(f.exitcode == protocol.GAVE_UP_EXIT_CODE for f in failures.values())
-        if failures and (not self._inprocess or self._finished or gave_up):  # (finished: nobody to rejoin)
-            if self._inprocess and gave_up:  # the other survivors need not wait for their own timeouts
-                self._announce_fallback(worker_group, sorted(failures), f"re-forming the process groups took "
-                                        f"longer than --reform-timeout ({self._reform_timeout_s:g} s)")
+        stopped = any(f.exitcode in protocol.STOP_EXIT_CODES for f in failures.values())
+        if failures and (not self._inprocess or self._finished or gave_up or stopped):  # finished: nobody to rejoin
+            if self._inprocess and (gave_up or stopped):  # the others need not wait for their own timeouts
+                reason = (f"re-forming the process groups took longer than --reform-timeout "
+                          f"({self._reform_timeout_s:g} s)" if gave_up else
+                          f"rank(s) {sorted(r for r, f in failures.items() if f.exitcode in protocol.STOP_EXIT_CODES)} "
+                          "stopped on purpose (bad flags, or recovery refused)")
+                self._announce_fallback(worker_group, sorted(failures), reason)
             return RunResult(state=WorkerState.FAILED, failures=failures)
         if self._inprocess:
             now = time.time()
@@ -335,8 +349,11 @@ class SpareAgent(LocalElasticAgent):
         for attempt in range(self._seen + 1, newest + 1):
             info = protocol.announcement(store, self._keys, attempt)
             if info.get("kind") == "inprocess":
-                self._holders.update({int(r): n for r, n in info.get("holders", {}).items()})
                 self._lost.update(info.get("lost", []))
+                if "resize" in info:
+                    self._apply_resize(info["resize"], worker_group.spec.local_world_size)
+                    continue
+                self._holders.update({int(r): n for r, n in info.get("holders", {}).items()})
                 for rank in info.get("failed", []):
                     self._dead.pop(rank, None)
             self._attempt = max(self._attempt, attempt)
@@ -390,6 +407,9 @@ class SpareAgent(LocalElasticAgent):
             return True
         dead, detected = sorted(self._dead), min(self._dead.values())
         assignments, fresh, missing = self._assign(worker_group, attempt, dead)
+        if missing and not assignments and self._can_shrink(dead):
+            self._shrink(worker_group, attempt, dead, detected)
+            return True
         if missing:
             self._announce_fallback(worker_group, dead, (
                 f"no spare left for rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of "
@@ -409,6 +429,40 @@ class SpareAgent(LocalElasticAgent):
               "the other workers keep their processes", flush=True)
         return True
 
+    def _can_shrink(self, dead: list[int]) -> bool:
+        """A shrink keeps the layout contiguous: every dead rank is a lost node's, every live rank runs on
+        its layout node (no earlier cross-node take-over), and enough nodes are left."""
+        if self._min_nodes is None:
+            return False
+        live = [n for n in range(self._nodes) if n not in self._lost]
+        return (len(live) >= max(self._min_nodes, 1) and all(self._home.get(r) in self._lost for r in dead)
+                and all(self._holders[r] == n for r, n in self._home.items() if n not in self._lost))
+
+    def _shrink(self, worker_group: WorkerGroup, attempt: int, dead: list[int], detected: float) -> None:
+        """Announce the job without the lost nodes: the live nodes keep their order, their ranks are
+        renumbered contiguously (``resize.ranks``: old → new), the world is smaller; the workers keep
+        their processes and re-plan as after an elastic restart."""
+        per_node = worker_group.spec.local_world_size
+        live = [n for n in range(self._nodes) if n not in self._lost]
+        index = {n: i for i, n in enumerate(live)}
+        ranks = {r: index[n] * per_node + r % per_node for r, n in self._home.items() if n in index}
+        resize = {"ranks": ranks, "world_size": len(live) * per_node, "nodes": index}
+        protocol.publish(self._store_client(worker_group), self._keys, attempt, kind="inprocess", failed=dead,
+                         detected_at=detected, lost=sorted(self._lost), resize=resize)
+        self._apply_resize(json.loads(json.dumps(resize)), per_node)
+        self._seen = self._attempt = attempt
+        print(f"moe-ft launch: no spare for ranks {', '.join(map(str, dead))} of lost node(s) "
+              f"{sorted(self._lost)}; attempt {attempt} shrinks the job to {resize['world_size']} ranks on "
+              f"{len(live)} node(s), the workers keep their processes", flush=True)
+
+    def _apply_resize(self, resize: dict, per_node: int) -> None:
+        """Take in a shrink (JSON form: string keys): this node's workers under their new ranks."""
+        ranks = {int(old): new for old, new in resize["ranks"].items()}
+        self._workers = {ranks[r]: p for r, p in self._workers.items() if r in ranks}
+        self._home = {ranks[r]: n for r, n in self._home.items() if r in ranks}
+        self._holders, self._dead = dict(self._home), {}
+        self._world, self._groups = int(resize["world_size"]), {int(n): g for n, g in resize["nodes"].items()}
+
     def _announce_fallback(self, worker_group: WorkerGroup, failed: list[int], reason: str,
                            attempt: int | None = None) -> None:
         """Tell every worker to leave for a full restart (kind ``"fallback"``); ``attempt``: the decision
@@ -424,9 +478,10 @@ class SpareAgent(LocalElasticAgent):
 
     def _assign(self, worker_group: WorkerGroup, attempt: int,
                 dead: list[int]) -> tuple[dict[int, tuple[int, str]], list[int], list[int]]:
-        """Give each dead rank a process: a spare of this node, a spare another node lists, or (a rank of
-        this node's own) a fresh process on the dead one's device. Returns ``(rank → (node, slot), ranks
-        given fresh processes, ranks left without one)``."""
+        """Give each dead rank a process: a spare of this node; for a rank this node ran, else a fresh
+        process on the dead one's device (its state is in this node's store; a warm spare elsewhere would
+        have to fetch it); else a spare another node lists. Returns ``(rank → (node, slot), ranks given
+        fresh processes, ranks left without one)``."""
         store = self._store_client(worker_group)
         remote = self._listed_spares(store)
         others = [r for r in dead if self._holders.get(r) != self._node]  # a lost node's: spares only
@@ -435,27 +490,24 @@ class SpareAgent(LocalElasticAgent):
         assignments: dict[int, tuple[int, str]] = {}
         fresh, missing = [], []
         for rank in others + [r for r in dead if r not in others]:
-            if self._spares:
-                proc = self._spares.pop(0)
-                protocol.claim_spare(store, self._keys, proc.slot, attempt, rank, proc.local_rank)
+            free = None if self._spares or rank in others else self._free_device(worker_group)
+            if self._spares or free is not None:  # this node's spare, else a fresh process on the freed device
+                proc = self._spares.pop(0) if free is None else self._start_spare(worker_group, free)
+                protocol.claim_spare(store, self._keys, proc.slot, attempt, rank, proc.local_rank,
+                                     world_size=self._world, group_rank=self._groups[self._node])
                 self._workers[rank] = proc
                 assignments[rank] = (self._node, proc.slot)
+                if free is not None:
+                    fresh.append(rank)
                 continue
-            while remote:
+            while remote:  # a lost node's rank (or no device left here): a spare another node lists
                 node, slot, device = remote.pop(0)
-                if protocol.claim_spare(store, self._keys, slot, attempt, rank, device):
+                if protocol.claim_spare(store, self._keys, slot, attempt, rank, device, world_size=self._world,
+                                        group_rank=self._groups[node]):
                     assignments[rank] = (node, slot)
                     break
             else:
-                free = self._free_device(worker_group)
-                if rank in others or free is None:  # a listed spare was gone meanwhile
-                    missing.append(rank)
-                    continue
-                proc = self._start_spare(worker_group, free)  # imports while the others wait
-                protocol.claim_spare(store, self._keys, proc.slot, attempt, rank, free)
-                self._workers[rank] = proc
-                assignments[rank] = (self._node, proc.slot)
-                fresh.append(rank)
+                missing.append(rank)
         return assignments, fresh, missing
 
     def _listed_spares(self, store) -> list[tuple[int, str, int]]:

@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
     agent = SpareAgent(spec, _logs(args), spares_per_node=args.spares_per_node if inprocess else 0,
                        reform_timeout_s=args.reform_timeout, node_timeout_s=args.node_timeout,
+                       min_nodes=config.min_nodes if config.min_nodes < config.max_nodes else None,
                        start_method=start_method,
                        shutdown_timeout=int(config.shutdown_timeout or 30), inprocess=inprocess)
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", config.signals_to_handle)

@@ -15,9 +15,11 @@ elastic's agent store), under ``moe_ft/launch/<run id>/``:
                             survivors must exit so that the agents restart everyone, for ``reason``),
                             ``failed`` (global ranks replaced), ``detected_at`` (wall time the agent saw the
                             death), ``holders`` (rank → node that runs it), ``lost`` (nodes declared lost),
-                            ``reason`` (fallbacks, and the full restart that follows one).
-``spare/<slot>``            JSON assignment of a spare: ``rank``, ``local_rank``, ``attempt`` (set with
-                            ``compare_set``: a spare is given once).
+                            ``reason`` (fallbacks, and the full restart that follows one), ``resize``
+                            (an in-process shrink: ``ranks`` old → new, ``world_size``, ``nodes`` → their
+                            new group ranks).
+``spare/<slot>``            JSON assignment of a spare: ``rank``, ``local_rank``, ``attempt``,
+                            ``world_size``, ``group_rank`` (set with ``compare_set``: a spare is given once).
 ``spares/<node>``           JSON list of the node's waiting spares: ``[{"slot", "local_rank"}]`` (its agent
                             rewrites it when it changes; another node's agent may give them lost ranks).
 ``beat/<node>``             counter the node's agent bumps every monitor pass (its liveness).
@@ -53,6 +55,15 @@ WATCH_POLL_S = 0.1
 GAVE_UP_EXIT_CODE = 75
 """A survivor that could not join a new attempt in time exits with this code (``EX_TEMPFAIL``): the agent
 then stops replacing ranks one by one and restarts the whole group."""
+
+
+USAGE_EXIT_CODE = 2
+"""A worker's flags are wrong (the training script exits 2, as argparse does)."""
+REFUSED_EXIT_CODE = 3
+"""Recovery refused to go below ``--ft-min-recovery-level`` (every rank exits 3)."""
+STOP_EXIT_CODES = (USAGE_EXIT_CODE, REFUSED_EXIT_CODE)
+"""Exits on purpose, not process faults: a spare in its place would stop the same way, so the agent takes
+torch elastic's path (stop every worker, restart while ``--max-restarts`` allows) instead of replacing it."""
 
 
 def prefix(run_id: str) -> str:
@@ -106,9 +117,13 @@ def lock_next(store, keys: Keys, by: str) -> int | None:
     return attempt if got in (by, by.encode()) else None
 
 
-def claim_spare(store, keys: Keys, slot: str, attempt: int, rank: int, local_rank: int) -> bool:
-    """Give spare ``slot`` rank ``rank`` in ``attempt``; ``False`` when it was already given."""
-    value = json.dumps({"rank": rank, "local_rank": local_rank, "attempt": attempt})
+def claim_spare(store, keys: Keys, slot: str, attempt: int, rank: int, local_rank: int, *,
+                world_size: int | None = None, group_rank: int | None = None) -> bool:
+    """Give spare ``slot`` rank ``rank`` in ``attempt`` (and the job's current world size and the spare's
+    node's group rank: both change when the job shrinks); ``False`` when it was already given."""
+    given = {"world_size": world_size, "group_rank": group_rank}
+    value = json.dumps({"rank": rank, "local_rank": local_rank, "attempt": attempt,
+                        **{k: v for k, v in given.items() if v is not None}})
     got = store.compare_set(keys.spare(slot), "", value)
     return got in (value, value.encode())
 

@@ -88,6 +88,13 @@ class Membership:
                   file=sys.stderr, flush=True)
             self.gave_up = True
             return False
+        resize = info.get("resize")
+        if resize is not None:  # the job shrank: this rank's new number in a smaller world
+            if str(self.rank) not in resize["ranks"]:
+                print(f"moe-ft launch: rank {self.rank} is not in the shrunk job", file=sys.stderr, flush=True)
+                return False
+            self.rank = int(resize["ranks"][str(self.rank)])
+            _set_layout(self.rank, int(resize["world_size"]))
         with self.lock:
             self.attempt, self.superseded = attempt, False
             os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
@@ -182,6 +189,14 @@ def sever_peer_connections() -> int:
     return count
 
 
+def _set_layout(rank: int, world_size: int, group_rank: int | None = None) -> None:
+    """This process's place in the job, as torch elastic's environment variables."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    os.environ.update(RANK=str(rank), ROLE_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      ROLE_WORLD_SIZE=str(world_size), GROUP_WORLD_SIZE=str(world_size // per_node),
+                      GROUP_RANK=str(rank // per_node if group_rank is None else group_rank))
+
+
 def join() -> Membership:
     """At process start. Outside ``moe-ft launch``: an inert membership. A spare blocks here until it is
     given a rank (``RANK``, ``LOCAL_RANK`` and ``TORCHELASTIC_RESTART_COUNT`` are set from the assignment)."""
@@ -195,9 +210,9 @@ def join() -> Membership:
     slot = os.environ.pop(protocol.SPARE_ENV, None)
     if slot:
         assignment = protocol.wait_for_assignment(store, keys, slot)
-        os.environ.update(RANK=str(assignment["rank"]), LOCAL_RANK=str(assignment["local_rank"]),
-                          ROLE_RANK=str(assignment["rank"]),
-                          TORCHELASTIC_RESTART_COUNT=str(assignment["attempt"]))
+        os.environ.update(LOCAL_RANK=str(assignment["local_rank"]), TORCHELASTIC_RESTART_COUNT=str(assignment["attempt"]))
+        _set_layout(assignment["rank"], assignment.get("world_size", int(os.environ["WORLD_SIZE"])),
+                    assignment.get("group_rank", int(os.environ.get("GROUP_RANK", "0"))))
     membership = Membership(store, keys, attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                             rank=int(os.environ["RANK"]))
     membership.record_pid()
@@ -212,10 +227,12 @@ def pids_kept(store, keys: protocol.Keys, attempt: int, world_size: int) -> bool
     if info.get("kind") != "inprocess":
         return None
     failed = set(info.get("failed", []))
-    for rank in range(world_size):
-        if rank in failed:
-            continue
-        before, after = keys.pid(attempt - 1, rank), keys.pid(attempt, rank)
+    if "resize" in info:  # a shrink: the survivors' numbers changed
+        moved = [(int(old), new) for old, new in info["resize"]["ranks"].items()]
+    else:
+        moved = [(rank, rank) for rank in range(world_size) if rank not in failed]
+    for old, new in moved:
+        before, after = keys.pid(attempt - 1, old), keys.pid(attempt, new)
         if not store.check([before, after]) or store.get(before) != store.get(after):
             return False
     return True

@@ -33,6 +33,7 @@ from moe_ft.config import FTConfig
 from moe_ft.elastic.component import elastic_component
 from moe_ft.elastic.holders import catalogue_infos
 from moe_ft.elastic.rebalance_component import rebalance_component
+from moe_ft.launch.protocol import REFUSED_EXIT_CODE
 from moe_ft.launch.worker import launch_facts
 from moe_ft.localized.component import UpstreamLogging
 from moe_ft.localized.survivor import SurvivorGuard, survivor_store
@@ -211,7 +212,7 @@ class FTRuntime(StepHooks):
         except RecoveryRefused as e:  # every rank refuses alike (--ft-min-recovery-level): one line, no traceback
             if self.rank == 0:
                 print(f"error: {e}", file=sys.stderr, flush=True)
-            raise SystemExit(3) from None
+            raise SystemExit(REFUSED_EXIT_CODE) from None
         self._launch_facts(self.report)
         for component in self.components:
             component.after_recovery(self.report, self.active)
