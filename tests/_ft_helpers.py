@@ -6,7 +6,8 @@
   ``tests/conftest.py`` wraps the second);
 * :func:`make_corpus` (the session-scoped ``corpus`` fixture) and a :func:`torchrun` launcher (4 ranks,
   1 thread each, gloo);
-* :func:`wait_until`: wait on a condition with a bound, instead of a sleep followed by an assert.
+* :func:`wait_until`: wait on a condition with a bound, instead of a sleep followed by an assert;
+* :func:`check_restart_kind`: a drill's recovery report says how its processes came back.
 
 The worker scripts (``tests/_workers_*.py``) import this module too: it imports Megatron only inside the
 functions that need it (start-up time of every process that imports it).
@@ -156,3 +157,14 @@ def torchrun(script: str, args: list[str], nproc: int = 4, timeout: float = 240,
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def check_restart_kind(report: dict, launcher: str | None = None) -> None:
+    """Under ``moe-ft launch`` (the drills' default, ``moe_ft.drills.launchers``) a recovery after a killed
+    worker was in-process and every surviving rank kept its process; under torchrun every worker restarted."""
+    from moe_ft.drills.launchers import default_launcher
+
+    if (launcher or default_launcher()).startswith("inprocess"):
+        assert (report["restart_kind"], report["survivor_pids_kept"]) == ("inprocess", True), report["restart_kind"]
+    else:
+        assert (report["restart_kind"], report["survivor_pids_kept"]) == ("job", None), report["restart_kind"]

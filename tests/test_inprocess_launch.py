@@ -162,7 +162,7 @@ def check_inprocess(reports, count: int) -> None:
     assert len(reports) == count, reports
     for r in reports:
         assert r["restart_kind"] == "inprocess" and r["survivor_pids_kept"] is True, r
-        assert {"detect", "reform", "kill_to_resume"} <= set(r["seconds"]), r["seconds"]
+        assert {"detect", "reform", "restore", "replay", "kill_to_resume"} <= set(r["seconds"]), r["seconds"]
         assert r["token_loss"]["tokens"] == 0.0
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from moe_ft.cli.drill import run_job
+from tests._ft_helpers import check_restart_kind
 
 pytestmark = pytest.mark.multiproc
 
@@ -63,6 +64,7 @@ def check_localized(report, *, replaying, stages, replayed_through):
     assert set(levels["sources"]) == {"survivor_point", "window_replay"}
     assert report["recovery_point"]["resume"] == sc["target"] + 1
     assert report["reexecuted_iterations"] == []  # the target is the newest completed iteration
+    check_restart_kind(report)
 
 
 @pytest.mark.timeout(420)

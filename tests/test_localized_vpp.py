@@ -14,6 +14,7 @@ import pytest
 from moe_ft.cli.drill import run_job
 from moe_ft.localized.component import log_root
 from moe_ft.localized.log_store import LogDir
+from tests._ft_helpers import check_restart_kind
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
@@ -38,6 +39,7 @@ def test_stage_of_virtual_pipeline_replays_alone_bitwise(corpus, tmp_path, fault
     assert sc["mode"] == "localized", sc["reason"]
     assert sc["failed_stages"] == [1] and sc["replaying"] == [2, 3]  # stage 1 = ranks 2 and 3 (EP=2)
     assert sorted(sc["loaded"]) == [0, 1] and sorted(sc["replayed"]) == ["2", "3"]
+    check_restart_kind(report)
     for r in ("2", "3"):
         its = sc["replayed"][r]
         assert its == list(range(its[0], sc["target"] + 1)) and its[-1] == 4 and sc["log_bytes_read"][r] > 0

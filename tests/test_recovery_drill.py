@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from moe_ft.cli.drill import run_job
+from tests._ft_helpers import check_restart_kind
 
 pytestmark = pytest.mark.multiproc
 
@@ -47,7 +48,7 @@ def launch(env, job, *, layout, policy, faults=(), extra=(), max_restarts=0, tim
                    window=WINDOW, extra=list(extra))
 
 
-def check_exact_reports(reports, *, ends: dict[int, int], fired: list[str]):
+def check_exact_reports(reports, *, ends: dict[int, int], fired: list[str], launcher: str | None = None):
     """``ends``: restart count → restored iteration of that restart's (completed) recovery; ``fired``: the
     faults in firing order (one per restart). Every recovery restored a point from memory, replayed exactly
     the window's iterations after its start and re-executed exactly the iterations lost after the point."""
@@ -61,6 +62,7 @@ def check_exact_reports(reports, *, ends: dict[int, int], fired: list[str]):
         assert r["token_loss"]["tokens"] == 0.0
         assert set(r["failed"]["faults_fired"]) == set(fired[: r["restart_count"]])
         assert {"agree", "load", "finalize", "total"} <= set(r["seconds"])
+        check_restart_kind(r, launcher)
 
 
 @pytest.mark.timeout(600)
@@ -89,7 +91,7 @@ def test_sparse_dp2ep2_kill_during_snapshot_copy(drill_env, reference):
                  launcher="torchrun")
     assert res["rc"] == 0, res["log"]
     assert res["digest"] == reference("dp2ep2")
-    check_exact_reports(res["reports"], ends={1: 2}, fired=[f + ":exit" for f in faults])
+    check_exact_reports(res["reports"], ends={1: 2}, fired=[f + ":exit" for f in faults], launcher="torchrun")
     assert res["reports"][0]["replayed_iterations"] == [1, 2]
     assert res["reports"][0]["reexecuted_iterations"][0] == 3
 

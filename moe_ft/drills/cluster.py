@@ -57,6 +57,7 @@ import psutil
 from moe_ft.drills.faults import PHASES, Fault
 from moe_ft.drills.launchers import launcher_argv
 from moe_ft.drills.report import last_completed
+from moe_ft.launch import protocol
 
 
 @dataclass(frozen=True, order=True)
@@ -449,8 +450,6 @@ class SimulatedCluster:
     def _taken_inprocess(self, rdzv, lost_ranks: set[int]) -> bool | None:
         """In-process launchers: ``True`` once an attempt gave every lost rank to a spare, ``False`` once the
         agents announced a fallback to a full restart, ``None`` while neither (``moe_ft/launch/protocol.py``)."""
-        from moe_ft.launch import protocol
-
         keys = protocol.Keys(self._rdzv_id())
         for attempt in range(1, protocol.current_attempt(rdzv, keys) + 1):
             info = protocol.announcement(rdzv, keys, attempt)
@@ -462,8 +461,6 @@ class SimulatedCluster:
 
     def _fell_back(self, rdzv) -> bool:
         """Whether the agents announced a fallback to a full restart since the last look."""
-        from moe_ft.launch import protocol
-
         keys = protocol.Keys(self._rdzv_id())
         newest = protocol.current_attempt(rdzv, keys)
         kinds = [protocol.announcement(rdzv, keys, a).get("kind") for a in range(self.checked_attempt + 1, newest + 1)]

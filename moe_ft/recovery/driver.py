@@ -91,6 +91,16 @@ class RecoveryInputs:
         return self.upstream.log_dir if self.upstream is not None else None
 
 
+def phase_seconds(phases: dict, t0: float, since_fault: float | None) -> dict:
+    """A report's ``seconds``: the recovery's phases, ``restore`` (this rank's state back: ``load`` plus
+    ``fetch`` from peers), ``total`` since ``t0`` and ``restart`` (the fault to the start of recovery)."""
+    out = {k: round(v, 4) for k, v in phases.items()}
+    out["restore"] = round(phases.get("load", 0.0) + phases.get("fetch", 0.0), 4)
+    out["total"] = round(time.perf_counter() - t0, 4)
+    if since_fault is not None:
+        out["restart"] = round(since_fault, 4)
+    return out
+
 def should_recover(cfg: "FTConfig", args) -> tuple[bool, int]:
     """Whether this start is a recovery, and the (largest) torchrun restart count (collective).
 
@@ -134,8 +144,7 @@ def recover(inputs: RecoveryInputs) -> RecoveryReport:
     drop_abandoned_timeline(inputs, rs)
     if rs.point is None:
         source = "checkpoint" if inputs.start_iteration else "initial"
-    seconds = {**{k: round(v, 4) for k, v in rs.seconds.items()}, "total": round(time.perf_counter() - t0, 4),
-               **({"restart": round(since_fault, 4)} if since_fault is not None else {})}
+    seconds = phase_seconds(rs.seconds, t0, since_fault)
     report = build_report(inputs, rs, source=source, lost_through=lost_through, fetched=fetched, loss=loss,
                           seconds=seconds)
     report.scope = {"mode": "global", "reason": scope.reason, "target": scope.target, "failed": scope.failed,
@@ -173,8 +182,10 @@ def build_localized_report(inputs: RecoveryInputs, scope, mine: dict, outcomes: 
     levels = planner.summarize(comm.all_gather_object({str(op): source for op in inputs.registry}))
     levels.update(path="localized", planned="exact", reason=scope.reason,
                   min_level=inputs.config.recovery.min_recovery_level, unavailable={}, rebuilt=[])
-    seconds = {**mine["seconds"], "total": round(time.perf_counter() - t0, 4),
-               **({"restart": round(since_fault, 4)} if since_fault is not None else {})}
+    seconds = phase_seconds(mine["seconds"], t0, since_fault)
+    slowest = {key: max((o["seconds"].get(key, 0.0) for o in outcomes), default=0.0) for key in ("load", "replay_total")}
+    seconds["replay"] = round(slowest["replay_total"], 4)  # the replaying stage's, whichever rank reports
+    seconds["restore"] = round(max(seconds["restore"], slowest["load"]), 4)
     window = mine.get("window") or [scope.target, scope.target]
     report = RecoveryReport(
         policy=inputs.session.name, restart_count=inputs.restart_count,
