@@ -104,6 +104,7 @@ def _train_guarded(args, hooks, membership) -> tuple[int, tuple[str, bool]]:
         failure = (f"{type(exc).__name__}: {exc}", peer_failure(exc))  # no reference to the frames
         if failure[1] and membership.inprocess:
             sever_peer_connections()  # the failed attempt's operations fail everywhere, none waits
+            membership.suspect()
 
     # a stopped or failing rank publishes its state (survivor point) before it exits non-zero
     join = reform_timeout_s() if membership.inprocess and membership.attempt > 0 else None

@@ -121,6 +121,9 @@ def test_a_newer_attempt_ends_a_wait_in_the_store_at_once(store, monkeypatch):
     assert time.monotonic() - t0 < 5 and member.superseded
     assert member.rejoin(f"{raised.type.__name__}: {raised.value}", worker.peer_failure(raised.value))
     assert member.attempt == 2 and not member.superseded
+    # this process's rank was given to another process (its node was declared lost): it must not rejoin
+    protocol.announce(store, keys, kind="inprocess", failed=[0, 1], detected_at=0.0, lost=[0])
+    assert not member.rejoin("RuntimeError: Connection closed by peer", True) and not member.gave_up
     protocol.announce(store, keys, kind="fallback", failed=[3], detected_at=0.0, reason="no spare for rank 3")
     assert not member.rejoin("RuntimeError: Connection closed by peer", True) and member.gave_up
 

@@ -82,6 +82,11 @@ class LaunchLogs:
                                                                          local_rank=local_rank)}
 
 
+class Fenced(RuntimeError):
+    """The other agents declared this node lost: it stopped its workers and leaves the job (the rendezvous
+    stays open for the others)."""
+
+
 @dataclass
 class _Process:
     context: PContext
@@ -348,6 +353,11 @@ class SpareAgent(LocalElasticAgent):
         newest = protocol.current_attempt(store, self._keys)
         for attempt in range(self._seen + 1, newest + 1):
             info = protocol.announcement(store, self._keys, attempt)
+            if self._node in info.get("lost", []):  # fenced: the others gave this node's ranks away
+                self._close_all()
+                raise Fenced(f"moe-ft launch: node {self._node} was declared lost in attempt {attempt} (its "
+                             "heartbeat stood still past --node-timeout); its workers are stopped so that no "
+                             "rank runs twice")
             if info.get("kind") == "inprocess":
                 self._lost.update(info.get("lost", []))
                 if "resize" in info:
@@ -383,7 +393,10 @@ class SpareAgent(LocalElasticAgent):
         if self._watch is None or self._watch.node != node or self._watch.beat != beat:
             self._watch = _NodeWatch(node, beat, now)
             return
-        if now - self._watch.since < self._node_timeout_s:
+        timeout = self._node_timeout_s
+        if int(store.add(self._keys.suspect(self._seen), 0)):  # a worker saw a peer fail in this attempt
+            timeout = max(protocol.MIN_SUSPECT_TIMEOUT_S, timeout / protocol.SUSPECT_FACTOR)
+        if now - self._watch.since < timeout:
             return
         self._lost.add(node)
         seen = time.time()

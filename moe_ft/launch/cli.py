@@ -33,7 +33,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from moe_ft.drills.prelaunch import preload, run_script
 from moe_ft.launch import protocol
-from moe_ft.launch.agent import LaunchLogs, SpareAgent
+from moe_ft.launch.agent import Fenced, LaunchLogs, SpareAgent
 
 
 def build_parser():
@@ -112,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         if result.is_failed():
             raise ChildFailedError(name=str(args.training_script), failures=result.failures)
         return 0
+    except Fenced as e:  # declared lost by the others: leave without closing their rendezvous
+        shutdown_rdzv = False
+        print(e, file=sys.stderr, flush=True)
+        return 1
     except Exception as e:
         if type(e).__name__ == "SignalException":  # leave the rendezvous open for other agents
             shutdown_rdzv = False

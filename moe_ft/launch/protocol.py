@@ -25,6 +25,8 @@ elastic's agent store), under ``moe_ft/launch/<run id>/``:
 ``beat/<node>``             counter the node's agent bumps every monitor pass (its liveness).
 ``round/<r>``               the attempt of the full restart of rendezvous round ``r`` (node 0's agent
                             announces it; the others read it).
+``suspect/<a>``             counter: workers of attempt ``a`` whose collectives failed because a peer died
+                            (the agents then declare a silent node lost sooner).
 ``exit/<a>``                counter: agents whose workers finished in attempt ``a`` (the exit barrier).
 ``pid/<a>/<rank>``          the pid that holds ``rank`` in attempt ``a`` (written by the worker).
 
@@ -49,6 +51,11 @@ REFORM_TIMEOUT_ENV = "MOE_FT_REFORM_TIMEOUT"
 DEFAULT_REFORM_TIMEOUT_S = 60.0
 DEFAULT_NODE_TIMEOUT_S = 10.0
 """Seconds without a node agent's heartbeat before the other agents give its ranks to spares."""
+SUSPECT_FACTOR = 5.0
+MIN_SUSPECT_TIMEOUT_S = 1.0
+"""Once a worker reported a dead peer in the current attempt, a silent node is declared lost after
+``max(MIN_SUSPECT_TIMEOUT_S, --node-timeout / SUSPECT_FACTOR)`` (a declared node that was only slow fences
+itself: its agent stops its workers, which never rejoin under a rank given away)."""
 WATCH_POLL_S = 0.1
 """How often a worker looks for a newer attempt (``Membership.watch``)."""
 
@@ -97,6 +104,9 @@ class Keys:
 
     def round(self, rdzv_round: int) -> str:
         return prefix(self.run_id) + f"round/{rdzv_round}"
+
+    def suspect(self, attempt: int) -> str:
+        return prefix(self.run_id) + f"suspect/{attempt}"
 
     def exit(self, attempt: int) -> str:
         return prefix(self.run_id) + f"exit/{attempt}"

@@ -83,6 +83,10 @@ class Membership:
             self.gave_up = True
             return False
         info = protocol.announcement(self.store, self.keys, attempt)
+        if self.rank in info.get("failed", []) and "resize" not in info:  # given to another process
+            print(f"moe-ft launch: rank {self.rank} was given to another process in attempt {attempt} (its "
+                  "node was declared lost): this process stops", file=sys.stderr, flush=True)
+            return False
         if info.get("kind") == "fallback":  # the agents cannot replace the failed ranks: all start again
             print(f"moe-ft launch: rank {self.rank} leaves for a full restart: {info.get('reason', '')}",
                   file=sys.stderr, flush=True)
@@ -100,6 +104,12 @@ class Membership:
             os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
         self.record_pid()
         return True
+
+    def suspect(self) -> None:
+        """A collective failed because a peer died: tell the agents (they declare a silent node lost sooner)."""
+        if self.store is not None and self.keys is not None:
+            with contextlib.suppress(Exception):  # best effort: the store may be unreachable too
+                self.store.add(self.keys.suspect(self.attempt), 1)
 
     def watch(self, poll_s: float = protocol.WATCH_POLL_S) -> None:
         """Start the agent's notice: a daemon thread that severs this process's connections (as after a

@@ -58,9 +58,10 @@ def main(argv=None) -> int:
     data = ensure_corpus(work)
     loss = NodeLoss.parse(args.loss)
     common = dict(layout=args.layout, policy="sparse", iters=args.iters, data=data, window=args.window)
+    ref_flags = ["--ft-replicas", "1", "--ft-ranks-per-node", "2"]  # the same job the node runs train
     t0 = time.time()
     ref = run_job(job="faultfree", workdir=work, timeout=600, store=os.path.join(store, "faultfree"),
-                  launcher="preloaded", **common)
+                  launcher="preloaded", extra=ref_flags, **common)
     if ref["rc"] != 0 or not ref["digest"]:
         raise SystemExit(f"fault-free run failed, see {ref['log']}")
     out: dict = {"layout": args.layout, "iters": args.iters, "window": args.window, "loss": args.loss}
