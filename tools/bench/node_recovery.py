@@ -8,7 +8,7 @@ nodes x 2 ranks (``moe_ft/drills/cluster.py``: one agent per node on a c10d rend
 each node with its own store; the lost node's agent and workers are SIGKILLed at once and its store is
 deleted):
 
-* ``torchrun``: torchrun's agent (workers forked from a preloaded launcher, as in the test suite). The
+* ``torchrun``: plain torchrun (every worker a fresh interpreter, as users launch it). The
   surviving node's workers fail, its agent restarts them, and a replacement agent joins; the replacement's
   ranks fetch their state from the survivor's replicas.
 * ``inprocess``: ``moe-ft launch --spares-per-node 2 --node-timeout T``. The surviving node's agent sees the
@@ -38,7 +38,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-LAUNCHERS = {"torchrun": ("preloaded", ()), "inprocess": ("inprocess-preloaded", ("--spares-per-node=2",))}
+LAUNCHERS = {"torchrun": ("torchrun", ()), "inprocess": ("inprocess", ("--spares-per-node=2",))}
 
 
 def main(argv=None) -> int:
