@@ -48,6 +48,16 @@ def _restart_safe_store(timeout_s: float) -> dict:
             "rank": int(os.environ["RANK"]), "world_size": world}
 
 
+def init_default_group(backend: str, timeout_s: float, store: dict) -> None:
+    """``init_process_group``, named as in a fresh process. torch 2.13 names groups by a process-wide
+    counter (``_world.group_count``) that only ``destroy_process_group`` resets; a formation that failed in
+    this process (an in-process attempt abandoned while forming its groups) leaves it at 1, and the default
+    group would then be "1" here but "0" in a fresh spare: their keys in the store never meet and both
+    wait out the timeout."""
+    dist.distributed_c10d._world.group_count = 0
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **store)
+
+
 def require_cuda_or_cpu_layer() -> None:
     """Megatron-Core asks ``torch.cuda.current_device()`` for the device of every buffer it builds; on a
     CPU-only torch that raises unless a CPU compatibility layer answers it. Fail here, before any process
@@ -85,7 +95,7 @@ def initialize_distributed(args: Args, timeout_s: float | None = None, join_time
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         join = join_timeout_s if join_timeout_s is not None else timeout_s
         store = _restart_safe_store(join)
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=join), **store)
+        init_default_group("nccl" if use_cuda else "gloo", join, store)
         if join != timeout_s:  # every rank arrived: operations and later groups get the full timeout
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
             if "store" in store:
