@@ -14,7 +14,9 @@ the loop's hooks.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
+import signal
 import sys
 
 
@@ -37,6 +39,7 @@ def step_hooks(args):
 
 
 def main(argv=None) -> int:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack
     from megatron.training.arguments import ArgumentError, parse_args
     from moe_ft.launch.protocol import USAGE_EXIT_CODE
 

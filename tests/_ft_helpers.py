@@ -153,7 +153,17 @@ def torchrun(script: str, args: list[str], nproc: int = 4, timeout: float = 240,
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}",
            os.path.join(ROOT, script), *args]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    with subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as popen:
+        try:
+            out, err = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # every worker prints its stacks (SIGUSR1), then the tree goes
+            from moe_ft.drills.cluster import dump_stacks_then_kill
+
+            dump_stacks_then_kill(popen.pid)
+            out, err = popen.communicate()
+            raise AssertionError(f"{script} timed out after {timeout} s; the workers' stacks:\n{err[-12000:]}") from None
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

@@ -267,7 +267,7 @@ def drill(args) -> dict:
         common["launcher"] = getattr(args, "launcher", None)
         ref = run_job(job="faultfree", workdir=work, timeout=args.timeout, **common)
         if args.nodes > 1:
-            joins = [NodeJoin.parse(j) for j in getattr(args, "join_node", [])]
+            joins = tuple(NodeJoin.parse(j) for j in getattr(args, "join_node", []))
             bad = run_node_job(job="faulty", workdir=work, faults=faults, losses=losses, num_nodes=args.nodes,
                                max_restarts=args.max_restarts, timeout=args.timeout,
                                elastic=getattr(args, "elastic", False),
@@ -329,7 +329,9 @@ def run(args) -> int:
     # start-up time: the policies import torch; `moe-ft drill --help` stays free of it
     from moe_ft.policy.factory import policy_class
 
-    exact = not policy_class(args.policy).lossy
+    policy = policy_class(args.policy)
+    assert policy is not None  # the parser accepted only registered policies
+    exact = not policy.lossy
     return 0 if (result["equal"] or not exact or getattr(args, "elastic", False)) and result.get("faulty_rc") == 0 else 1
 
 

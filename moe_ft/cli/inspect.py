@@ -28,7 +28,8 @@ def register(subparsers) -> None:
     parser.set_defaults(func=reporting("inspect", run))
 
 
-def _human(n: int) -> str:
+def _human(size: int) -> str:
+    n = float(size)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -331,7 +331,7 @@ class SimulatedCluster:
                     rc = 124
                     break
                 time.sleep(0.05)
-                exited = {n: a.poll() for n, a in self.agents.items() if n not in done and a.poll() is not None}
+                exited = {n: code for n, a in self.agents.items() if n not in done and (code := a.poll()) is not None}
                 for node, code in exited.items():
                     if code == 0:
                         done.add(node)

@@ -71,6 +71,6 @@ def validate_durable(job_dir, *, num_layers: int, num_experts: int) -> tuple[int
             held = catalog.point(ref.iteration)
             entry = None if held is None else (held.meta if ref.op is None else held.entries.get(ref.op))
             if entry is None or (ref.op is not None and entry.level != ref.level):
-                what = "metadata" if ref.op is None else f"{ref.op}@{ref.level.name}"
+                what = "metadata" if ref.op is None else f"{ref.op}@{ref.level.name if ref.level else 'any level'}"
                 problems.append(f"rank {rank}: {what} of iteration {ref.iteration} missing or corrupt")
     return point.end, problems
