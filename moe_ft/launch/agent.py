@@ -130,6 +130,9 @@ class SpareAgent(LocalElasticAgent):
         self._spares: list[_Process] = []
         self._published_spares = ""
         self._slots = 0
+        self._slot_prefix = ""
+        """``<rendezvous round>.<node>``: a spare's slot names its round, so that a replacement agent of the
+        same node (a new process counting from 0) never reads an assignment given to a spare of the lost one."""
         self._launch_store: Any = None
         self._keys = protocol.Keys(spec.rdzv_handler.get_run_id())
         self._attempt = 0
@@ -217,7 +220,7 @@ class SpareAgent(LocalElasticAgent):
         return free[0] if free else None
 
     def _start_spare(self, worker_group: WorkerGroup, local_rank: int) -> _Process:
-        slot = f"{worker_group.group_rank}.{self._slots}"
+        slot = f"{self._slot_prefix}.{self._slots}"
         self._slots += 1
         return self._start_one(worker_group, name=f"spare_{slot}", rank=-1, local_rank=local_rank, slot=slot)
 
@@ -243,6 +246,7 @@ class SpareAgent(LocalElasticAgent):
         self._close_all()
         spec = worker_group.spec
         self._node, self._nodes = worker_group.group_rank or 0, worker_group.group_world_size or 1
+        self._slot_prefix = f"{_round_or_pid(spec.rdzv_handler)}.{self._node}"
         self._groups, self._world = {n: n for n in range(self._nodes)}, worker_group.workers[0].world_size
         if not self._inprocess:  # torch elastic's numbering (each agent counts its restarts)
             self._attempt = spec.max_restarts - self._remaining_restarts
@@ -531,6 +535,14 @@ class SpareAgent(LocalElasticAgent):
                 continue
             out += [(node, s["slot"], s["local_rank"]) for s in json.loads(store.get(self._keys.node_spares(node)))]
         return out
+
+
+def _round_or_pid(handler) -> str:
+    """The rendezvous round (``r<n>``), or this agent's pid (``p<pid>``) under a handler without rounds."""
+    try:
+        return f"r{_rendezvous_round(handler)}"
+    except RuntimeError:
+        return f"p{os.getpid()}"
 
 
 def _rendezvous_round(handler) -> int:

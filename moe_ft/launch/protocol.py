@@ -18,7 +18,8 @@ elastic's agent store), under ``moe_ft/launch/<run id>/``:
                             ``reason`` (fallbacks, and the full restart that follows one), ``resize``
                             (an in-process shrink: ``ranks`` old → new, ``world_size``, ``nodes`` → their
                             new group ranks).
-``spare/<slot>``            JSON assignment of a spare: ``rank``, ``local_rank``, ``attempt``,
+``spare/<slot>``            (slot ``r<round>.<node>.<n>``: unique across replacement agents) JSON
+                            assignment of a spare: ``rank``, ``local_rank``, ``attempt``,
                             ``world_size``, ``group_rank`` (set with ``compare_set``: a spare is given once).
 ``spares/<node>``           JSON list of the node's waiting spares: ``[{"slot", "local_rank"}]`` (its agent
                             rewrites it when it changes; another node's agent may give them lost ranks).
