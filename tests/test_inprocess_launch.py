@@ -36,8 +36,8 @@ def test_protocol_announces_attempts_and_assigns_spares(store):
     got = {}
     waiter = threading.Thread(target=lambda: got.update(protocol.wait_for_assignment(store, keys, "0.0")))
     waiter.start()
-    attempt = protocol.announce(store, keys, kind="inprocess", failed=[3], detected_at=12.5,
-                                assignments={"0.0": {"rank": 3, "local_rank": 3}})
+    assert protocol.claim_spare(store, keys, "0.0", 1, rank=3, local_rank=3)
+    attempt = protocol.announce(store, keys, kind="inprocess", failed=[3], detected_at=12.5)
     waiter.join(5)
     assert attempt == 1 and got == {"rank": 3, "local_rank": 3, "attempt": 1}
     assert protocol.wait_for_attempt_after(store, keys, 0, timeout_s=1) == 1

@@ -193,9 +193,8 @@ def kill_tree(pid: int) -> None:
 
 
 def dump_stacks_then_kill(pid: int, wait_s: float = 2.0) -> None:
-    """A drill that timed out: ask every process below ``pid`` for its threads' stacks (SIGUSR1; workers
-    under ``moe-ft launch`` print them into the job's log, ``moe_ft/launch/worker.py``), then
-    :func:`kill_tree`."""
+    """A drill that timed out: ask every process below ``pid`` for its threads' stacks (SIGUSR1; the
+    training script's workers print them into the job's log, ``pretrain_gpt_moe.py``), then :func:`kill_tree`."""
     for child in children(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGUSR1)
@@ -447,25 +446,17 @@ class SimulatedCluster:
         print(f"moe-ft node drill: lost node(s) {nodes} at iteration {iteration} ({phase}); stores deleted; "
               f"not replaced (elastic): the job goes on with nodes {survivors}", file=sys.stderr, flush=True)
 
-    def _taken_inprocess(self, rdzv, lost_ranks: set[int]) -> bool | None:
-        """In-process launchers: ``True`` once an attempt gave every lost rank to a spare, ``False`` once the
-        agents announced a fallback to a full restart, ``None`` while neither (``moe_ft/launch/protocol.py``)."""
+    def _new_announcements(self, rdzv) -> list[dict]:
+        """The attempts the agents announced since the last look (``moe_ft/launch/protocol.py``)."""
         keys = protocol.Keys(self._rdzv_id())
-        for attempt in range(1, protocol.current_attempt(rdzv, keys) + 1):
-            info = protocol.announcement(rdzv, keys, attempt)
-            if info.get("kind") == "fallback":
-                return False
-            if info.get("kind") == "inprocess" and lost_ranks <= set(info.get("failed", [])):
-                return True
-        return None
+        newest = protocol.current_attempt(rdzv, keys)
+        out = [protocol.announcement(rdzv, keys, a) for a in range(self.checked_attempt + 1, newest + 1)]
+        self.checked_attempt = newest
+        return out
 
     def _fell_back(self, rdzv) -> bool:
         """Whether the agents announced a fallback to a full restart since the last look."""
-        keys = protocol.Keys(self._rdzv_id())
-        newest = protocol.current_attempt(rdzv, keys)
-        kinds = [protocol.announcement(rdzv, keys, a).get("kind") for a in range(self.checked_attempt + 1, newest + 1)]
-        self.checked_attempt = newest
-        return "fallback" in kinds
+        return any(info.get("kind") == "fallback" for info in self._new_announcements(rdzv))
 
     def _replace(self, nodes: list[int], iteration: int, phase: str, faults: list[Fault], rdzv) -> bool:
         """The lost nodes go down with their stores; replacement agents start for them unless (in-process
@@ -485,7 +476,11 @@ class SimulatedCluster:
         taken = None
         while any(alive(pid) for pid in survivor_workers) and time.monotonic() - t0 < self.config.survivor_exit_timeout:
             if survivors and self.config.inprocess:
-                taken = self._taken_inprocess(rdzv, lost_ranks)
+                for info in self._new_announcements(rdzv):  # spares took every lost rank, or a fallback
+                    if info.get("kind") == "fallback":
+                        taken = False
+                    elif info.get("kind") == "inprocess" and lost_ranks <= set(info.get("failed", [])):
+                        taken = True
                 if taken:
                     break
             time.sleep(0.05)

@@ -252,10 +252,9 @@ class SpareAgent(LocalElasticAgent):
             self._attempt = spec.max_restarts - self._remaining_restarts
         else:
             self._attempt = self._job_attempt(worker_group)
-            world = worker_group.workers[0].world_size
             if any(w.global_rank != self._node * spec.local_world_size + w.local_rank for w in worker_group.workers):
                 raise RuntimeError("moe-ft launch needs the same --nproc-per-node on every node")
-            self._home = {rank: rank // spec.local_world_size for rank in range(world)}
+            self._home = {rank: rank // spec.local_world_size for rank in range(self._world)}
             self._holders = dict(self._home)
             self._lost, self._dead, self._watch, self._seen = set(), {}, None, self._attempt
             self._published_spares = ""
@@ -365,7 +364,7 @@ class SpareAgent(LocalElasticAgent):
             if info.get("kind") == "inprocess":
                 self._lost.update(info.get("lost", []))
                 if "resize" in info:
-                    self._apply_resize(info["resize"], worker_group.spec.local_world_size)
+                    self._apply_resize(info["resize"])
                     continue
                 self._holders.update({int(r): n for r, n in info.get("holders", {}).items()})
                 for rank in info.get("failed", []):
@@ -466,13 +465,13 @@ class SpareAgent(LocalElasticAgent):
         resize = {"ranks": ranks, "world_size": len(live) * per_node, "nodes": index}
         protocol.publish(self._store_client(worker_group), self._keys, attempt, kind="inprocess", failed=dead,
                          detected_at=detected, lost=sorted(self._lost), resize=resize)
-        self._apply_resize(json.loads(json.dumps(resize)), per_node)
+        self._apply_resize(json.loads(json.dumps(resize)))
         self._seen = self._attempt = attempt
         print(f"moe-ft launch: no spare for ranks {', '.join(map(str, dead))} of lost node(s) "
               f"{sorted(self._lost)}; attempt {attempt} shrinks the job to {resize['world_size']} ranks on "
               f"{len(live)} node(s), the workers keep their processes", flush=True)
 
-    def _apply_resize(self, resize: dict, per_node: int) -> None:
+    def _apply_resize(self, resize: dict) -> None:
         """Take in a shrink (JSON form: string keys): this node's workers under their new ranks."""
         ranks = {int(old): new for old, new in resize["ranks"].items()}
         self._workers = {ranks[r]: p for r, p in self._workers.items() if r in ranks}
@@ -485,7 +484,8 @@ class SpareAgent(LocalElasticAgent):
         """Tell every worker to leave for a full restart (kind ``"fallback"``); ``attempt``: the decision
         lock already held. Another agent deciding meanwhile: its attempt stands, the restart follows anyway."""
         store = self._store_client(worker_group)
-        attempt = attempt or protocol.lock_next(store, self._keys, by=f"node{self._node}")
+        if attempt is None:
+            attempt = protocol.lock_next(store, self._keys, by=f"node{self._node}")
         if attempt is None:
             return
         protocol.publish(store, self._keys, attempt, kind="fallback", failed=failed,
@@ -507,15 +507,17 @@ class SpareAgent(LocalElasticAgent):
         assignments: dict[int, tuple[int, str]] = {}
         fresh, missing = [], []
         for rank in others + [r for r in dead if r not in others]:
-            free = None if self._spares or rank in others else self._free_device(worker_group)
-            if self._spares or free is not None:  # this node's spare, else a fresh process on the freed device
-                proc = self._spares.pop(0) if free is None else self._start_spare(worker_group, free)
+            proc = None
+            if self._spares:
+                proc = self._spares.pop(0)
+            elif rank not in others and (free := self._free_device(worker_group)) is not None:
+                proc = self._start_spare(worker_group, free)  # imports while the others wait
+                fresh.append(rank)
+            if proc is not None:
                 protocol.claim_spare(store, self._keys, proc.slot, attempt, rank, proc.local_rank,
                                      world_size=self._world, group_rank=self._groups[self._node])
                 self._workers[rank] = proc
                 assignments[rank] = (self._node, proc.slot)
-                if free is not None:
-                    fresh.append(rank)
                 continue
             while remote:  # a lost node's rank (or no device left here): a spare another node lists
                 node, slot, device = remote.pop(0)

@@ -152,15 +152,13 @@ def publish(store, keys: Keys, attempt: int, *, kind: str, failed: list[int], de
     return attempt
 
 
-def announce(store, keys: Keys, *, kind: str, failed: list[int], detected_at: float,
-             assignments: dict[str, dict] | None = None, by: str = "agent", **extra) -> int:
-    """One agent alone (``--nnodes 1``): lock, give the spares their ranks, publish. Returns the attempt."""
+def announce(store, keys: Keys, *, kind: str, failed: list[int], detected_at: float, by: str = "agent",
+             **extra) -> int:
+    """Lock and publish the next attempt, which nobody else may be deciding (node 0's full restart).
+    Returns the attempt."""
     attempt = lock_next(store, keys, by)
     if attempt is None:
-        raise RuntimeError("another agent is announcing an attempt: moe-ft launch on one node has one agent")
-    for slot, assignment in (assignments or {}).items():
-        if not claim_spare(store, keys, slot, attempt, assignment["rank"], assignment["local_rank"]):
-            raise RuntimeError(f"spare {slot} was already given a rank")
+        raise RuntimeError(f"another agent holds the decision lock of attempt {current_attempt(store, keys) + 1}")
     return publish(store, keys, attempt, kind=kind, failed=failed, detected_at=detected_at, **extra)
 
 

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import faulthandler
 import os
-import signal
 import socket
 import sys
 import threading
@@ -213,7 +211,6 @@ def join() -> Membership:
     run_id = os.environ.get(protocol.RUN_ENV)
     if not run_id:
         return Membership()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack
     store = _client(timeout_s=300)
     _KEPT.update(_endpoints())  # inherited ones, and this store's
     keys = protocol.Keys(run_id)
