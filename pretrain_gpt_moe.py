@@ -30,12 +30,15 @@ def extra_argument_groups():
             ("fault tolerance", FTConfig)]
 
 
-def step_hooks(args):
+def step_hooks(args, membership=None, carried=None):
     """The per-iteration hooks of the training loop (``megatron.training.training.StepHooks``): where
-    the fault-tolerance runtime plugs in. ``None`` runs plain Megatron training."""
+    the fault-tolerance runtime plugs in. ``None`` runs plain Megatron training. Under ``moe-ft launch``:
+    ``membership`` (this process's place in the job: whether the agents ask it to regroup) and ``carried``
+    (the survivor point it held when its previous attempt failed)."""
     from moe_ft.runtime.hooks import build_runtime
 
-    return build_runtime(args)
+    regroup = membership.regroup_requested if membership is not None and membership.inprocess else None
+    return build_runtime(args, carried, regroup=regroup)
 
 
 def main(argv=None) -> int:
@@ -61,22 +64,62 @@ def main(argv=None) -> int:
     from moe_ft.launch.worker import join
 
     membership = join()  # under moe-ft launch a spare waits here, imports done, until it is given a rank
+    held = None  # a survivor's state of its last completed iteration, kept in memory across attempts
     while True:
-        hooks = step_hooks(args)
+        hooks = step_hooks(args, membership, held)
         if hooks is None:
             pretrain(args)
             return 0
         code, failure = _train_guarded(args, hooks, membership)
         if code == 0:
             return 0
+        held = hooks.survivor_point()
         hooks.abandon()  # this attempt's threads and files; the process groups are gone already
         del hooks
         _free_device_memory()
-        if not membership.rejoin(*failure):
+        rejoined = _rejoin(membership, failure)
+        if held is not None and (not rejoined or membership.resized):
+            _spill(held)  # a process restart, or a reshaped job's new ranks, read it in the node store
+            held = None
+        if not rejoined:
             return GAVE_UP_EXIT_CODE if membership.gave_up else code  # gave up: the agent restarts everyone
         # a peer failed and the agent replaced it: train again in this process (recovery follows), from
         # freshly parsed flags: the configs in args.extra keep per-start decisions (e.g. --ft-elastic's plan)
         args = parse_args(argv, extra_groups=extra_argument_groups())
+
+
+def _rejoin(membership, failure) -> bool:
+    """Wait for the agent's next attempt (``Membership.rejoin``); a SIGTERM meanwhile (the agent stops the
+    workers) ends the wait: the process leaves, after writing what it holds."""
+    from moe_ft.localized.survivor import SurvivorStop
+
+    def stop(signum, frame):
+        raise SurvivorStop(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        return membership.rejoin(*failure)
+    except SurvivorStop as e:
+        print(f"moe-ft launch: rank {membership.rank} leaves: {e}", file=sys.stderr, flush=True)
+        return False
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _spill(held) -> None:
+    """Write the survivor point this process held into its node store, a SIGTERM ignored meanwhile (the
+    agent's SIGKILL follows only after its grace period)."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        result = held.spill()
+        print(f"moe-ft survivor: rank {held.rank} published its state at iteration {result.iteration} "
+              f"({result.nbytes / 1e6:.1f} MB in {result.seconds:.2f} s), held in memory until it left or the "
+              "job was reshaped", file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 - the rank then counts as failed in the next recovery
+        print(f"moe-ft survivor: rank {held.rank} could not write its held state: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _free_device_memory() -> None:
@@ -98,20 +141,23 @@ def _train_guarded(args, hooks, membership) -> tuple[int, tuple[str, bool]]:
     from megatron.training.pretrain import pretrain
     from moe_ft.launch.protocol import reform_timeout_s
     from moe_ft.launch.worker import peer_failure, sever_peer_connections
-    from moe_ft.localized.survivor import run_guarded
+    from moe_ft.localized.survivor import Regroup, run_guarded
 
     failure = ("", False)
 
     def on_failure(exc: BaseException) -> None:
         nonlocal failure
-        failure = (f"{type(exc).__name__}: {exc}", peer_failure(exc))  # no reference to the frames
+        regroup = isinstance(exc, Regroup)  # a node joins: every rank left at the same iteration, all stay
+        failure = (f"{type(exc).__name__}: {exc}", peer_failure(exc) or regroup)  # no reference to the frames
         if failure[1] and membership.inprocess:
             sever_peer_connections()  # the failed attempt's operations fail everywhere, none waits
-            membership.suspect()
+            if not regroup:
+                membership.suspect()
 
-    # a stopped or failing rank publishes its state (survivor point) before it exits non-zero
+    # a stopped or failing rank publishes its state (survivor point) before it exits non-zero, or holds it
     join = reform_timeout_s() if membership.inprocess and membership.attempt > 0 else None
-    code = run_guarded(lambda: pretrain(args, hooks=hooks, join_timeout_s=join), lambda: hooks.survivor, on_failure)
+    code = run_guarded(lambda: pretrain(args, hooks=hooks, join_timeout_s=join), lambda: hooks.survivor, on_failure,
+                       hold=membership.inprocess)  # a process that may stay keeps its point in memory
     return code, failure
 
 

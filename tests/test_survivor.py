@@ -294,3 +294,67 @@ def test_dump_deadline_follows_the_launchers_grace_or_the_flag(monkeypatch):
     assert RecoverConfig(survivor_deadline=7.5).survivor_deadline_s() == 7.5
     with pytest.raises(ValueError, match="--ft-survivor-deadline must be >= 0"):
         RecoverConfig(survivor_deadline=-1)
+
+
+def test_held_point_is_the_completed_state_and_reads_no_file(tmp_path):
+    """``moe-ft launch``: a survivor keeps its process, so it holds the point in memory (no copy on CPU) and
+    the next attempt's model loads it from there; nothing is written until it spills (the process leaves)."""
+    reg = make_registry(0)
+    guard = guard_for(tmp_path, reg)
+    guard.begin_update(4)
+    step(reg, 0.25)
+    bias = reg[OperatorId.gate(0)].compute["router.expert_bias"]
+    guard.completed(4, dict(META, iteration=4), {"expert_bias.L0": bias.clone()})
+    expected = snapshot_of(reg)
+    bias.add_(7.0)  # moved by the next iteration's finalize_model_grads: the held bias is iteration 4's
+    result = guard.hold("peer died")
+    held = guard.held
+    assert result.iteration == 4 and held is not None and held.rank == 3 and result.nbytes == held.nbytes > 0
+    assert not (tmp_path / "job").exists()  # nothing on disk
+    weight = reg[OperatorId.embedding()].compute["weight"]
+    assert held.entries[OperatorId.embedding()]["weight"].data_ptr() == weight.data_ptr()  # no copy on CPU
+    assert held.newest(list(reg)) == (4, "")
+    assert held.newest(list(reg)[:2])[0] == -1  # a re-planned model's operators: not this point
+    target = make_registry(1)
+    for st in target.values():  # live parameters are leaves that require grad
+        st.compute["weight"].requires_grad_(True)
+    assert held.load(target, 4) > 0
+    got = snapshot_of(target)
+    for key, t in expected.items():
+        assert torch.equal(got[key], t), key
+    meta, tensors = held.meta(4)
+    assert meta["survivor"]["why"] == "peer died" and torch.equal(tensors["expert_bias.L0"], expected[
+        (OperatorId.gate(0), "router.expert_bias")])
+    with pytest.raises(RuntimeError, match="holds no survivor point of iteration 3"):
+        held.load(target, 3)
+
+    spilled = held.spill()  # the process leaves after all: the node store gets the same point
+    store = survivor_store(str(tmp_path), "job", 3)
+    assert spilled.iteration == 4 and newest_survivor_point(store, list(reg)) == (4, "")
+    fresh = make_registry(2)
+    load_survivor_point(store, fresh, 4)
+    assert all(torch.equal(snapshot_of(fresh)[k], t) for k, t in expected.items())
+    held.discard()
+    assert held.newest(list(reg))[0] == -1 and held.spill().iteration is None
+
+
+def test_nothing_is_held_inside_the_update_or_before_the_first_completed_iteration(tmp_path):
+    reg = make_registry(0)
+    guard = guard_for(tmp_path, reg)
+    assert guard.hold("x").iteration is None and guard.held is None
+    guard.completed(2, dict(META, iteration=2), {})
+    guard.begin_update()
+    result = guard.hold("gloo raised in the optimizer step")
+    assert result.iteration is None and "torn" in result.reason and guard.held is None
+
+
+def test_run_guarded_holds_instead_of_publishing(tmp_path):
+    reg = make_registry(0)
+    guard = guard_for(tmp_path, reg)
+    guard.completed(5, dict(META, iteration=5), {})
+
+    def train():
+        raise RuntimeError("Connection closed by peer")
+
+    assert run_guarded(train, lambda: guard, hold=True) == 1
+    assert guard.held is not None and guard.held.iteration == 5 and not (tmp_path / "job").exists()

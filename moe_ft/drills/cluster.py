@@ -348,7 +348,7 @@ class SimulatedCluster:
                         self._launch(join.node, faults, rdzv.port, trigger=self.waiting[join.node])
                 while joins and joins[0].node in self.waiting and self._completed() >= joins[0].iteration:
                     join = joins.pop(0)  # the node comes back: its agent joins, the world grows
-                    self.joined.append(self._join(join))
+                    self.joined.append(self._join(join, rdzv))
                     done.discard(join.node)
                 if self.spared and self._fell_back(rdzv):  # a full restart needs every node again
                     for node in sorted(self.spared):
@@ -379,13 +379,14 @@ class SimulatedCluster:
         return {"rc": rc, "node_losses": self.events, "node_joins": self.joined, "logs": self.logs,
                 "launches": {str(n): k for n, k in sorted(self.launches.items())}}
 
-    def _join(self, join: "NodeJoin") -> dict:
+    def _join(self, join: "NodeJoin", rdzv) -> dict:
         """Node ``join.node`` comes back now: release its pre-started agent. The running workers are paused
-        (SIGSTOP) from here until their agent has asked them to stop (SIGTERM pending) -- the agent polls
-        the rendezvous every ``--monitor-interval`` and a loaded machine runs many short iterations in that
-        time; paused, the world changes right after the iteration the drill names, on any machine. Capped
-        at ``join_pause_timeout`` seconds (the agent SIGKILLs 30 s after its SIGTERM: they resume long
-        before)."""
+        (SIGSTOP) from here until their agent has asked them to stop (torch elastic: SIGTERM pending;
+        ``moe-ft launch``: the agents' ``regroup`` key, the workers leave after the iteration they are in)
+        -- the agent polls the rendezvous every ``--monitor-interval`` and a loaded machine runs many short
+        iterations in that time; paused, the world changes right after the iteration the drill names, on
+        any machine. Capped at ``join_pause_timeout`` seconds (the agent SIGKILLs 30 s after its SIGTERM:
+        they resume long before)."""
 
         running = [pid for n, a in self.agents.items() if n != join.node and a.poll() is None
                    for pid in children(a.pid)]
@@ -397,7 +398,8 @@ class SimulatedCluster:
         self.dropped.discard(join.node)
         t0 = time.monotonic()
         while (time.monotonic() - t0 < self.config.join_pause_timeout
-               and not any(sigterm_pending(pid) or not alive(pid) for pid in running)):
+               and not any(sigterm_pending(pid) or not alive(pid) for pid in running)
+               and not (self.config.inprocess and self._regrouping(rdzv))):
             time.sleep(0.05)
         paused = time.monotonic() - t0
         for pid in running:
@@ -445,6 +447,11 @@ class SimulatedCluster:
                             "last_completed": completed, "replaced": False})
         print(f"moe-ft node drill: lost node(s) {nodes} at iteration {iteration} ({phase}); stores deleted; "
               f"not replaced (elastic): the job goes on with nodes {survivors}", file=sys.stderr, flush=True)
+
+    def _regrouping(self, rdzv) -> bool:
+        """Whether the agents asked the workers of the current attempt to regroup (a node joins)."""
+        keys = protocol.Keys(self._rdzv_id())
+        return bool(rdzv.check([keys.regroup(protocol.current_attempt(rdzv, keys))]))
 
     def _new_announcements(self, rdzv) -> list[dict]:
         """The attempts the agents announced since the last look (``moe_ft/launch/protocol.py``)."""

@@ -155,6 +155,8 @@ class SpareAgent(LocalElasticAgent):
         self._node = 0
         self._nodes = 1
         self._started = False
+        self._regrouping = False
+        """Set while a joining node is taken in with the workers kept (``_restart_workers``)."""
 
     # ------------------------------------------------------------------------------ the store
     def _endpoint(self, worker_group: WorkerGroup) -> tuple[str, int]:
@@ -194,6 +196,8 @@ class SpareAgent(LocalElasticAgent):
             env.update({"MASTER_ADDR": host, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                         protocol.RUN_ENV: spec.rdzv_handler.get_run_id(),
                         protocol.REFORM_TIMEOUT_ENV: str(self._reform_timeout_s)})
+            if self._min_nodes is not None:  # nodes may join: the workers look for the agents' regroup
+                env[protocol.GROWS_ENV] = "1"
         if slot:
             env[protocol.SPARE_ENV] = slot
         for name in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"):
@@ -243,29 +247,90 @@ class SpareAgent(LocalElasticAgent):
 
     # ------------------------------------------------------------------------- the agent's hooks
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        self._close_all()
+        keep = self._regrouping  # a node joins: this node's workers stay (``_restart_workers``)
+        kept = self._workers if keep else {}
+        if not keep:
+            self._close_all()
         spec = worker_group.spec
+        per_node = spec.local_world_size
         self._node, self._nodes = worker_group.group_rank or 0, worker_group.group_world_size or 1
         self._slot_prefix = f"{_round_or_pid(spec.rdzv_handler)}.{self._node}"
         self._groups, self._world = {n: n for n in range(self._nodes)}, worker_group.workers[0].world_size
+        renumber = {old: self._node * per_node + proc.local_rank for old, proc in kept.items()}
         if not self._inprocess:  # torch elastic's numbering (each agent counts its restarts)
             self._attempt = spec.max_restarts - self._remaining_restarts
         else:
-            self._attempt = self._job_attempt(worker_group)
-            if any(w.global_rank != self._node * spec.local_world_size + w.local_rank for w in worker_group.workers):
+            if any(w.global_rank != self._node * per_node + w.local_rank for w in worker_group.workers):
                 raise RuntimeError("moe-ft launch needs the same --nproc-per-node on every node")
-            self._home = {rank: rank // spec.local_world_size for rank in range(self._world)}
+            self._attempt = (self._round_attempt(worker_group, renumber) if self._nodes > 1 or keep
+                             else self._job_attempt(worker_group))
+            self._home = {rank: rank // per_node for rank in range(self._world)}
             self._holders = dict(self._home)
             self._lost, self._dead, self._watch, self._seen = set(), {}, None, self._attempt
-            self._published_spares = ""
+            self._published_spares = ""  # listed again under this round's node number
         self._started = True
         self._finished = {}
+        self._workers = {renumber[old]: proc for old, proc in kept.items()}
         for worker in worker_group.workers:
-            self._workers[worker.global_rank] = self._start_one(
-                worker_group, name=f"rank{worker.global_rank}_attempt{self._attempt}", rank=worker.global_rank,
-                local_rank=worker.local_rank)
+            if worker.global_rank not in self._workers:
+                self._workers[worker.global_rank] = self._start_one(
+                    worker_group, name=f"rank{worker.global_rank}_attempt{self._attempt}",
+                    rank=worker.global_rank, local_rank=worker.local_rank)
         self._fill_spares(worker_group)
         return {w.local_rank: self._workers[w.global_rank].pid for w in worker_group.workers}
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        """torch elastic calls this after a failure (every worker stops and starts again) and, with the
+        group healthy, when a node waits to join. In-process, a join keeps the workers: the agents set
+        ``regroup/<a>``; every worker sees it and, at the end of the same iteration on every rank (they
+        agree in one all-reduce, ``FTRuntime.after_log``), leaves the attempt holding that iteration's state
+        and waits; the agents form the new rendezvous round, node 0's announces the round's attempt
+        (``resize``: every kept worker's rank in the grown layout), the joining nodes start their workers,
+        and the kept ones re-plan in their processes as after a shrink."""
+        if not (self._inprocess and worker_group.state == WorkerState.HEALTHY and self._layout_intact(worker_group)):
+            super()._restart_workers(worker_group)
+            return
+        self._store_client(worker_group).set(self._keys.regroup(self._seen), "1")
+        print(f"moe-ft launch: a node joins; the workers of node {self._node} leave attempt {self._seen} after "
+              "an iteration and keep their processes", flush=True)
+        self._regrouping = True
+        try:
+            self._initialize_workers(worker_group)  # the rendezvous, then _start_workers keeps the workers
+        finally:
+            self._regrouping = False
+
+    def _layout_intact(self, worker_group: WorkerGroup) -> bool:
+        """Every rank of this node runs here on its own device, nothing dead: the workers can keep their
+        processes when the job grows (else torch elastic's restart)."""
+        per_node = worker_group.spec.local_world_size
+        return (not self._dead and len(self._workers) == per_node
+                and all(self._home.get(r) == self._node for r in self._workers)
+                and sorted(p.local_rank for p in self._workers.values()) == list(range(per_node)))
+
+    def _round_attempt(self, worker_group: WorkerGroup, renumber: dict[int, int]) -> int:
+        """The attempt of the rendezvous round just formed, the same on every node: each agent posts which
+        of its workers stayed (``member/<r>/<node>``: old rank → new rank); node 0's agent announces either
+        the grown job (kind ``"inprocess"``, ``resize``) when some did, or a full restart (``_job_attempt``),
+        and sets ``round/<r>``; the others read it."""
+        store = self._store_client(worker_group)
+        rdzv_round = _rendezvous_round(worker_group.spec.rdzv_handler)
+        store.set(self._keys.member(rdzv_round, self._node), json.dumps({str(o): n for o, n in renumber.items()}))
+        key = self._keys.round(rdzv_round)
+        if self._node != 0:
+            return int(store.get(key))  # waits for node 0's agent
+        posts = [json.loads(store.get(self._keys.member(rdzv_round, n))) for n in range(self._nodes)]
+        ranks = {old: new for post in posts for old, new in post.items()}
+        if not ranks:
+            attempt = self._job_attempt(worker_group)
+        else:
+            grown = [n for n, post in enumerate(posts) if not post]
+            resize = {"ranks": ranks, "world_size": self._world, "nodes": {str(n): n for n in range(self._nodes)}}
+            attempt = protocol.announce(store, self._keys, kind="inprocess", failed=[], detected_at=time.time(),
+                                        by="node0", resize=resize, grown=grown)
+            print(f"moe-ft launch: node(s) {grown} joined; attempt {attempt} grows the job to {self._world} ranks "
+                  f"on {self._nodes} nodes, the other workers keep their processes", flush=True)
+        store.set(key, str(attempt))
+        return attempt
 
     def _job_attempt(self, worker_group: WorkerGroup) -> int:
         """The attempt of a start of the whole group: 0 for the job's first, else the next one, which node

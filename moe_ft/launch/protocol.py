@@ -24,8 +24,14 @@ elastic's agent store), under ``moe_ft/launch/<run id>/``:
 ``spares/<node>``           JSON list of the node's waiting spares: ``[{"slot", "local_rank"}]`` (its agent
                             rewrites it when it changes; another node's agent may give them lost ranks).
 ``beat/<node>``             counter the node's agent bumps every monitor pass (its liveness).
-``round/<r>``               the attempt of the full restart of rendezvous round ``r`` (node 0's agent
-                            announces it; the others read it).
+``round/<r>``               the attempt of rendezvous round ``r`` (node 0's agent announces it, the others
+                            read it): a full restart (kind ``"job"``), or a node joined and the job grew
+                            in-process (kind ``"inprocess"`` with ``resize`` and ``grown``: the new nodes).
+``member/<r>/<node>``       JSON an agent posts once round ``r`` formed: its workers that stayed, old rank →
+                            rank in the round's layout (``{}``: it starts every worker afresh).
+``regroup/<a>``             set by the agents when a node joins: the workers of attempt ``a`` leave it at
+                            the end of an iteration they agree on, keep their processes (they hold their
+                            state), wait for the round's attempt and take their ranks in it.
 ``suspect/<a>``             counter: workers of attempt ``a`` whose collectives failed because a peer died
                             (the agents then declare a silent node lost sooner).
 ``exit/<a>``                counter: agents whose workers finished in attempt ``a`` (the exit barrier).
@@ -36,7 +42,8 @@ every worker node, so the workers' process groups use it too (``MASTER_ADDR:MAST
 
 The environment carries the rest: ``MOE_FT_LAUNCH_RUN`` (the run id; set only under ``moe-ft launch``),
 ``MOE_FT_SPARE_SLOT`` (set only for a spare), ``MOE_FT_REFORM_TIMEOUT`` (seconds a survivor waits for the
-next attempt before it gives up and exits, which makes the agent fall back to a full restart).
+next attempt before it gives up and exits, which makes the agent fall back to a full restart),
+``MOE_FT_LAUNCH_GROWS`` (nodes may join: the workers watch ``regroup/<a>``).
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ from dataclasses import dataclass
 RUN_ENV = "MOE_FT_LAUNCH_RUN"
 SPARE_ENV = "MOE_FT_SPARE_SLOT"
 REFORM_TIMEOUT_ENV = "MOE_FT_REFORM_TIMEOUT"
+GROWS_ENV = "MOE_FT_LAUNCH_GROWS"
+"""Set when nodes may join (``--nnodes MIN:MAX``): the workers look for ``regroup/<a>``."""
 DEFAULT_REFORM_TIMEOUT_S = 60.0
 DEFAULT_NODE_TIMEOUT_S = 10.0
 """Seconds without a node agent's heartbeat before the other agents give its ranks to spares."""
@@ -105,6 +114,12 @@ class Keys:
 
     def round(self, rdzv_round: int) -> str:
         return prefix(self.run_id) + f"round/{rdzv_round}"
+
+    def member(self, rdzv_round: int, node: int) -> str:
+        return prefix(self.run_id) + f"member/{rdzv_round}/{node}"
+
+    def regroup(self, attempt: int) -> str:
+        return prefix(self.run_id) + f"regroup/{attempt}"
 
     def suspect(self, attempt: int) -> str:
         return prefix(self.run_id) + f"suspect/{attempt}"

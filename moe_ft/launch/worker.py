@@ -53,6 +53,10 @@ class Membership:
     gave_up: bool = False
     """:meth:`rejoin` saw no new attempt in time, or the agents fell back to a full restart: exit with
     :data:`protocol.GAVE_UP_EXIT_CODE`."""
+    regroup_seen: int = -1
+    """The attempt whose ``regroup/<a>`` :meth:`watch` saw (a node joins)."""
+    resized: bool = False
+    """The attempt :meth:`rejoin` joined reshaped the job (this process may have a new rank)."""
     superseded: bool = False
     """The watch saw a newer attempt announced while this process was still in its own (and severed it)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -91,6 +95,7 @@ class Membership:
             self.gave_up = True
             return False
         resize = info.get("resize")
+        self.resized = resize is not None
         if resize is not None:  # the job shrank: this rank's new number in a smaller world
             if str(self.rank) not in resize["ranks"]:
                 print(f"moe-ft launch: rank {self.rank} is not in the shrunk job", file=sys.stderr, flush=True)
@@ -102,6 +107,11 @@ class Membership:
             os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
         self.record_pid()
         return True
+
+    def regroup_requested(self) -> bool:
+        """The agents asked this attempt's workers to leave it because a node joins (seen by
+        :meth:`watch`); every rank agrees on the iteration at whose end they leave (``FTRuntime.after_log``)."""
+        return self.regroup_seen == self.attempt
 
     def suspect(self) -> None:
         """A collective failed because a peer died: tell the agents (they declare a silent node lost sooner)."""
@@ -118,6 +128,7 @@ class Membership:
         if self.store is None or self.keys is None:
             return
         keys = self.keys
+        grows = bool(os.environ.get(protocol.GROWS_ENV))
         store = _client(timeout_s=60)  # its own connection: the main thread uses self.store meanwhile
         _KEPT.update(_endpoints())
         stop = threading.Event()
@@ -125,11 +136,16 @@ class Membership:
         def run() -> None:
             while not stop.wait(poll_s):
                 try:
+                    attempt = self.attempt
                     newest = protocol.current_attempt(store, keys)
+                    regroup = grows and store.check([keys.regroup(attempt)])
                 except Exception:  # noqa: BLE001 - the store is gone: the agent ends this process anyway
                     return
+                if regroup:
+                    self.regroup_seen = attempt
                 with self.lock:
-                    if newest > self.attempt and not self.superseded:
+                    # a node joins: every worker leaves at the end of an iteration they agree on instead
+                    if newest > self.attempt and not self.superseded and not regroup:
                         self.superseded = True
                         sever_peer_connections()
 

@@ -35,6 +35,14 @@ What "completed" means, and why it is exact:
 A rank that cannot finish the dump before SIGKILL leaves only an unpublished staging directory, which no
 reader ever sees (``moe_ft/store``: atomic rename), so it counts as failed. So does one whose dump is
 older than the job's newest completed iteration (``moe_ft/localized/scope.py``).
+
+Under ``moe-ft launch`` a survivor keeps its process, so it does not dump: it *holds* the point in memory
+(:meth:`SurvivorGuard.hold`, a :class:`HeldPoint`: references to the failed attempt's tensors, moved to the
+host, no copy on CPU) and the next attempt's recovery loads it from there, reading no file. The point is
+written to the node store (:meth:`HeldPoint.spill`) only when the process is about to leave anyway (a full
+restart, a stop) or the job was reshaped (the new layout's ranks read the old ranks' points from the store).
+Recovery reads either kind through the same four calls (``newest``, ``load``, ``meta``, ``discard``):
+:class:`StoredPoints` wraps the store, :class:`HeldPoint` is the memory.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from moe_ft.snapshot.restore import restore_operator
+from moe_ft.snapshot.restore import copy_checked, restore_meta, restore_operator
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import StoreConfig
 from moe_ft.store.rules import DenseRule
@@ -69,6 +77,15 @@ class SurvivorStop(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(f"stopped by signal {signal.Signals(signum).name}")
         self.signum = signum
+
+
+class Regroup(SurvivorStop):
+    """Raised on every rank at the end of the same iteration when the launcher regroups the job (a node
+    joins, ``moe-ft launch``): the process leaves the attempt holding that iteration's state and stays."""
+
+    def __init__(self, iteration: int) -> None:
+        BaseException.__init__(self, f"the job regroups after iteration {iteration} (a node joins)")
+        self.signum = 0
 
 
 @dataclass
@@ -146,6 +163,10 @@ class SurvivorGuard:
         completed iteration."""
         self.updating: int | None = None
         """The iteration whose optimizer step is in progress (the critical section), else ``None``."""
+        self.held: HeldPoint | None = None
+        """What :meth:`hold` kept after this attempt failed."""
+        self.carried: HeldPoint | None = None
+        """The point this process held when its previous attempt failed (recovery loads it from memory)."""
         self.pending_signal: int | None = None
         self.stopped_at: float | None = None
         self.holding = False
@@ -233,28 +254,158 @@ class SurvivorGuard:
                 return PublishResult(done.iteration, f"{why} (its point of iteration {done.iteration} is "
                                                      "already published)", 0, time.monotonic() - start)
             store.delete_point(done.iteration)
-        ops = sorted(registry, key=str)
-        nbytes = 0
-        with torch.no_grad(), store.begin(done.iteration) as point:
-            for i, op in enumerate(ops):
-                if i == len(ops) // 2 and self.fault_check is not None:
-                    self.fault_check(done.iteration, "survivor")
-                tensors = {}
-                for name, live in registry[op].tensors(Level.FULL).items():
-                    src = _expert_bias_override(op, name, done.tensors)
-                    tensors[name] = (live if src is None else src).detach().cpu().contiguous()
-                nbytes += point.put(op, Level.FULL, tensors).nbytes
-                if time.monotonic() - self.stopped_at > self.deadline_s:
-                    return PublishResult(None, f"the dump did not finish within {self.deadline_s:.0f} s of the "
-                                               "stop (nothing published)")
-            meta = dict(done.meta, survivor={"rank": self.rank, "iteration": done.iteration, "why": why,
-                                             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
-            point.put_meta(meta, {k: v.detach().cpu().contiguous() for k, v in done.tensors.items()})
-            point.publish()
+        written = _write_point(store, done.iteration, _point_tensors(registry, done, self.fault_check),
+                               _survivor_meta(done, self.rank, why), done.tensors,
+                               out_of_time=lambda: time.monotonic() - self.stopped_at > self.deadline_s)
+        if written is None:
+            return PublishResult(None, f"the dump did not finish within {self.deadline_s:.0f} s of the "
+                                       "stop (nothing published)")
         for old in previous:  # one point per rank: the newest stop's
             if old != done.iteration:
                 store.delete_point(old)
+        return PublishResult(done.iteration, why, written, time.monotonic() - start)
+
+    def hold(self, why: str) -> PublishResult:
+        """Keep the state of the newest completed iteration in memory (:attr:`held`) instead of dumping it:
+        the process stays for the next attempt (``moe-ft launch``). Same conditions as :meth:`publish`; the
+        tensors move to the host (a no-op on CPU: the failed attempt's own tensors, which nothing changes
+        any more), so the next attempt's model can take the device memory."""
+        start = time.monotonic()
+        self.held = None
+        if self.updating is not None:
+            return PublishResult(None, f"stopped inside the optimizer step of iteration {self.updating} "
+                                       f"({why}): the state is torn between two iterations")
+        registry = self.registry_fn()
+        if self.last is None or registry is None:
+            return PublishResult(None, f"no completed iteration since this process (re)started ({why})")
+        done = self.last
+        with torch.no_grad():
+            entries = {op: {k: t.detach().to("cpu") for k, t in tensors.items()}
+                       for op, tensors in _point_tensors(registry, done, self.fault_check)}
+            tensors = {k: v.detach().to("cpu") for k, v in done.tensors.items()}
+        nbytes = sum(t.nbytes for ts in entries.values() for t in ts.values())
+        self.held = HeldPoint(done.iteration, self.rank, entries, _survivor_meta(done, self.rank, why), tensors,
+                              self.store_root, self.job_id, nbytes)
         return PublishResult(done.iteration, why, nbytes, time.monotonic() - start)
+
+
+def _point_tensors(registry, done: Completed, fault_check: Callable[[int, str], None] | None):
+    """``(op, {name: live tensor})`` of every operator FULL as of ``done`` (the routers' expert biases from
+    its captured metadata); ``fault_check(iteration, "survivor")`` half-way (drills)."""
+    ops = sorted(registry, key=str)
+    for i, op in enumerate(ops):
+        if i == len(ops) // 2 and fault_check is not None:
+            fault_check(done.iteration, "survivor")
+        tensors = {}
+        for name, live in registry[op].tensors(Level.FULL).items():
+            src = _expert_bias_override(op, name, done.tensors)
+            tensors[name] = live if src is None else src
+        yield op, tensors
+
+
+def _survivor_meta(done: Completed, rank: int, why: str) -> dict:
+    return dict(done.meta, survivor={"rank": rank, "iteration": done.iteration, "why": why,
+                                     "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
+
+
+class StoredPoints:
+    """This rank's survivor points in its node store (what recovery reads after a process restart)."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    def newest(self, operators) -> tuple[int, str]:
+        return newest_survivor_point(self.store, operators)
+
+    def load(self, registry, iteration: int) -> int:
+        return load_survivor_point(self.store, registry, iteration)
+
+    def meta(self, iteration: int) -> tuple[dict, dict[str, torch.Tensor]]:
+        return restore_meta(self.store, iteration)
+
+    def discard(self) -> None:
+        discard_survivor_points(self.store)
+
+
+@dataclass(eq=False)
+class HeldPoint:
+    """A survivor point held in memory by a process that stays (``moe-ft launch``): the failed attempt's
+    tensors as of the completed iteration, on the host. Read by the next attempt's recovery in this process
+    (the same calls as :class:`StoredPoints`), or written to the node store by :meth:`spill`."""
+
+    iteration: int
+    rank: int
+    """The rank whose state it is (the attempt that held it; a reshape may renumber the process)."""
+    entries: dict[OperatorId, dict[str, torch.Tensor]]
+    step_meta: dict
+    """The metadata of :attr:`iteration` (RNG, schedule, popularity, policy; ``moe_ft/snapshot/meta.py``)."""
+    tensors: dict[str, torch.Tensor]
+    store_root: str
+    job_id: str
+    nbytes: int = 0
+    discarded: bool = False
+
+    def newest(self, operators) -> tuple[int, str]:
+        if self.discarded:
+            return -1, "its held point was discarded"
+        if set(operators) != set(self.entries):
+            return -1, (f"its held point of iteration {self.iteration} does not match this attempt's operators "
+                        "(the model was re-planned)")
+        return self.iteration, ""
+
+    @torch.no_grad()
+    def load(self, registry, iteration: int) -> int:
+        self._check(iteration)
+        return sum(copy_checked(registry[op], registry[op].tensors(Level.FULL), self.entries[op],
+                                what=f"held survivor point {op} @ {iteration}", fix="restore into the same layout")
+                   for op in registry)
+
+    def meta(self, iteration: int) -> tuple[dict, dict[str, torch.Tensor]]:
+        self._check(iteration)
+        return dict(self.step_meta), dict(self.tensors)
+
+    def discard(self) -> None:
+        """The job recovered past this state: free the tensors."""
+        self.discarded = True
+        self.entries, self.tensors = {}, {}
+
+    def _check(self, iteration: int) -> None:
+        if self.discarded or iteration != self.iteration:
+            raise RuntimeError(f"rank {self.rank} holds no survivor point of iteration {iteration} "
+                               f"(held: {'none' if self.discarded else self.iteration})")
+
+    def spill(self) -> PublishResult:
+        """Write the point into this rank's node store as a published survivor point (a process restart or
+        a reshaped job reads it there)."""
+        start = time.monotonic()
+        if self.discarded:
+            return PublishResult(None, "nothing held")
+        store = survivor_store(self.store_root, self.job_id, self.rank)
+        previous = store.points()
+        if self.iteration in previous:
+            store.delete_point(self.iteration)
+        nbytes = _write_point(store, self.iteration, ((op, self.entries[op]) for op in sorted(self.entries, key=str)),
+                              self.step_meta, self.tensors) or 0
+        for old in previous:
+            if old != self.iteration:
+                store.delete_point(old)
+        return PublishResult(self.iteration, "spilled", nbytes, time.monotonic() - start)
+
+
+def _write_point(store, iteration: int, entries, meta: dict, meta_tensors: Mapping[str, torch.Tensor],
+                 out_of_time: Callable[[], bool] = lambda: False) -> int | None:
+    """Publish ``entries`` (``(op, tensors)``, every operator FULL) and the metadata as the point of
+    ``iteration`` (one rename at the end); ``None`` when ``out_of_time()`` said stop (nothing published)."""
+    nbytes = 0
+    with torch.no_grad(), store.begin(iteration) as point:
+        for op, tensors in entries:
+            tensors = {k: t.detach().cpu().contiguous() for k, t in tensors.items()}
+            nbytes += point.put(op, Level.FULL, tensors).nbytes
+            if out_of_time():
+                return None
+        point.put_meta(meta, {k: v.detach().cpu().contiguous() for k, v in meta_tensors.items()})
+        point.publish()
+    return nbytes
 
 
 def load_survivor_point(store, registry, iteration: int) -> int:
@@ -271,12 +422,14 @@ def discard_survivor_points(store) -> None:
 
 
 def run_guarded(train: Callable[[], object], guard_of: Callable[[], SurvivorGuard | None],
-                on_failure: Callable[[BaseException], None] | None = None) -> int:
+                on_failure: Callable[[BaseException], None] | None = None, *, hold: bool = False) -> int:
     """Run ``train()`` with SIGTERM handled by the guard ``guard_of()`` returns (main thread; the runtime
     builds it once the process group exists); on a stop or an exception publish the survivor point and
     return exit code 1 (torchrun restarts the job); 0 when training finished. Without a guard yet, a
     SIGTERM stops the rank at once and nothing is published. ``on_failure(exc)`` is called with the stop
-    or the exception after the survivor point was published (``moe-ft launch``: may this process go on)."""
+    or the exception after the survivor point was published (``moe-ft launch``: may this process go on).
+    ``hold``: keep the point in memory instead (:meth:`SurvivorGuard.hold`; the caller spills it if the
+    process leaves after all)."""
 
     def on_signal(signum, frame):
         guard = guard_of()
@@ -293,12 +446,14 @@ def run_guarded(train: Callable[[], object], guard_of: Callable[[], SurvivorGuar
         guard = guard_of()
         why = str(exc) if isinstance(exc, SurvivorStop) else f"{type(exc).__name__}: {exc}"[:300]
         try:
-            result = guard.publish(why) if guard is not None else PublishResult(None, "no survivor guard")
+            keep = guard.hold if hold else guard.publish
+            result = keep(why) if guard is not None else PublishResult(None, "no survivor guard")
         except Exception as dump_exc:  # the rank counts as failed; say why
             result = PublishResult(None, f"the dump failed: {type(dump_exc).__name__}: {dump_exc}")
         rank = guard.rank if guard is not None else os.environ.get("RANK", "?")
         if result.iteration is not None:
-            msg = (f"moe-ft survivor: rank {rank} published its state at iteration {result.iteration} "
+            verb = "holds its state in memory" if hold else "published its state"
+            msg = (f"moe-ft survivor: rank {rank} {verb} at iteration {result.iteration} "
                    f"({result.nbytes / 1e6:.1f} MB in {result.seconds:.2f} s) after: {why}")
         else:
             msg = f"moe-ft survivor: rank {rank} published nothing: {result.reason}"

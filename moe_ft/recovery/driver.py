@@ -36,7 +36,6 @@ import torch.distributed as dist
 from moe_ft import comm
 from moe_ft.checkfree.recovery import boost_rebuilt_stage
 from moe_ft.digest import global_digest
-from moe_ft.localized.survivor import discard_survivor_points as discard
 from moe_ft.persist import DurableTier
 from moe_ft.recovery import localized, planner
 from moe_ft.recovery.bounded import BoundedStore
@@ -81,8 +80,9 @@ class RecoveryInputs:
     check_fault: Callable[[int, str], None] = lambda iteration, phase: None
     survivor: Any = None
     """This rank's :class:`moe_ft.localized.survivor.SurvivorGuard` (``None``: localized scope off)."""
-    survivor_store: Any = None
-    """This rank's survivor-point store (``moe_ft.localized.survivor.survivor_store``), or ``None``."""
+    survivor_points: Any = None
+    """This rank's survivor point, held in memory (``moe_ft.localized.survivor.HeldPoint``: the process
+    stayed) or in its node store (``StoredPoints``), or ``None`` (localized scope off)."""
     upstream: Any = None
     """The runtime's upstream-logging component (``moe_ft/localized/component.py``; ``None``: no logs)."""
 
@@ -215,8 +215,8 @@ def build_localized_report(inputs: RecoveryInputs, scope, mine: dict, outcomes: 
 
 def discard_survivor_points(inputs: RecoveryInputs) -> None:
     """The survivor points describe a state the job has left once it recovered (every path)."""
-    if inputs.survivor_store is not None:
-        discard(inputs.survivor_store)
+    if inputs.survivor_points is not None:
+        inputs.survivor_points.discard()
 
 
 # ------------------------------------------------------------------------------------------------ steps

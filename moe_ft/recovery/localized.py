@@ -5,7 +5,8 @@ ranks, and every rank reaches the same outcome::
     survey            every rank: its survivor point (verified), its own newest window, its upstream log
     decide_scope      moe_ft/localized/scope.py (pure): target T, replaying ranks, loading ranks, or global
     exchange_logs     the replaying ranks fetch the log entries of [replay_from, T] (h12a's mechanism)
-    load | replay     loading ranks: their survivor point (every operator FULL + the metadata of T)
+    load | replay     loading ranks: their survivor point (every operator FULL + the metadata of T; held in
+                      memory by a process that stayed, else published in the node store)
                       replaying ranks: the recovery machine on their own window [s, e] over a host group of
                       their own, its step function run under LogReplay (stage inputs and the results of
                       collectives spanning stages from the logs), then the lost iterations e+1 … T the same way
@@ -31,10 +32,8 @@ from moe_ft import comm
 from moe_ft.localized.log_replay import LogReplay, exchange_logs
 from moe_ft.localized.log_store import LogUnavailable
 from moe_ft.localized.scope import RankReport, Scope, decide_scope
-from moe_ft.localized.survivor import load_survivor_point, newest_survivor_point
 from moe_ft.recovery.bounded import BoundedStore
 from moe_ft.recovery.machine import MachineConfig, Recovery, RecoveryContext, RecoveryState, restore_step_state
-from moe_ft.snapshot.restore import restore_meta
 
 if TYPE_CHECKING:
     from moe_ft.recovery.driver import RecoveryInputs
@@ -57,7 +56,7 @@ def survey(inputs: "RecoveryInputs") -> list[RankReport]:
     """Every rank's :class:`RankReport` (collective, host path)."""
 
     ops = list(inputs.registry)
-    survivor, why = newest_survivor_point(inputs.survivor_store, ops)
+    survivor, why = inputs.survivor_points.newest(ops)
     store = BoundedStore(inputs.session.store, lo=inputs.start_iteration - 1)
     rule = inputs.session.policy.recovery_rule(ops, store=store, start_iteration=inputs.start_iteration)
     point = store.newest_recoverable(rule, at_or_before=survivor if survivor >= 0 else None)
@@ -76,7 +75,7 @@ def decide(inputs: "RecoveryInputs") -> Scope:
     """The scope every rank agrees on (collective)."""
     if inputs.config.recovery.recovery_scope == "global":
         return Scope("global", "--ft-recovery-scope global")
-    if inputs.survivor_store is None:
+    if inputs.survivor_points is None:
         return Scope("global", "no survivor store (snapshots off)")
     if inputs.session.policy.lossy:  # its recovery restores stale FULL entries and never replays
         return Scope("global", f"--ft-policy {inputs.session.name} is lossy: every rank restores its newest FULL "
@@ -88,8 +87,8 @@ def _load(inputs: "RecoveryInputs", scope: Scope, out: dict) -> None:
     """A loading rank: its survivor point at ``scope.target`` into the live state; re-arm the guard."""
 
     t0 = time.perf_counter()
-    out["bytes_loaded"] = load_survivor_point(inputs.survivor_store, inputs.registry, scope.target)
-    meta, tensors = restore_meta(inputs.survivor_store, scope.target)
+    out["bytes_loaded"] = inputs.survivor_points.load(inputs.registry, scope.target)
+    meta, tensors = inputs.survivor_points.meta(scope.target)
     restore_step_state(meta, tensors, train_state=inputs.state, popularity=inputs.popularity,
                        policy=inputs.session.policy)
     if inputs.survivor is not None:  # a stop during the rest of the recovery publishes this state again
@@ -141,7 +140,7 @@ def _job_wide_state(inputs: "RecoveryInputs", scope: Scope) -> None:
     src = scope.loading[0]
     payload = None
     if inputs.rank == src:
-        meta, tensors = restore_meta(inputs.survivor_store, scope.target)
+        meta, tensors = inputs.survivor_points.meta(scope.target)
         payload = {"popularity": meta.get("popularity"), "policy": meta.get("policy"),
                    "tensors": {k: v for k, v in tensors.items() if k.startswith("popularity.")}}
     payload = comm.broadcast_object(payload, src=src)

@@ -19,8 +19,10 @@ stay apart: the runtime asks the policy for a plan and hands it to the engine.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,10 +35,10 @@ from moe_ft.config import FTConfig
 from moe_ft.elastic.component import elastic_component
 from moe_ft.elastic.holders import catalogue_infos
 from moe_ft.elastic.rebalance_component import rebalance_component
-from moe_ft.launch.protocol import REFUSED_EXIT_CODE
+from moe_ft.launch.protocol import GROWS_ENV, REFUSED_EXIT_CODE
 from moe_ft.launch.worker import launch_facts
 from moe_ft.localized.component import UpstreamLogging
-from moe_ft.localized.survivor import SurvivorGuard, survivor_store
+from moe_ft.localized.survivor import HeldPoint, Regroup, StoredPoints, SurvivorGuard, survivor_store
 from moe_ft.megatron_ext.router import attach_popularity
 from moe_ft.popularity import ExpertPopularity, PopularityConfig
 from moe_ft.recovery.driver import RecoveryInputs, last_fault_time, recover, should_recover
@@ -55,8 +57,13 @@ from moe_ft.state.registry import OperatorRegistry
 class FTRuntime(StepHooks):
     """Builds the components from :class:`FTConfig` and runs the per-iteration sequence."""
 
-    def __init__(self, config: FTConfig) -> None:
+    def __init__(self, config: FTConfig, carried: HeldPoint | None = None,
+                 regroup: Callable[[], bool] | None = None) -> None:
         self.config = config
+        self.carried = carried
+        """The survivor point this process held when its previous attempt failed (``moe-ft launch``)."""
+        self.regroup = regroup
+        """``moe-ft launch``: whether the agents ask this process to leave its attempt (a node joins)."""
         self.registry = None
         self.catalogue = None
         self.popularity = None
@@ -115,6 +122,7 @@ class FTRuntime(StepHooks):
                                           fault_check=self.check_fault,
                                           deadline_s=cfg.recovery.survivor_deadline_s())
             self.survivor.watch_optimizer(state.optimizer)  # the critical section starts with the update
+            self.survivor.carried = self.carried
 
             if UpstreamLogging.wanted(args, cfg):  # collective: every rank decides alike
                 self.upstream = UpstreamLogging.build(job_dir, self.rank)
@@ -208,7 +216,7 @@ class FTRuntime(StepHooks):
                 registry=self.registry, popularity=self.popularity, session=self.active,
                 replication=self.replication, durable_dir=self.durable.directory if self.durable is not None else None,
                 faults=self.faults, check_fault=self.check_fault, survivor=self.survivor, upstream=self.upstream,
-                survivor_store=self._survivor_store()))
+                survivor_points=self._survivor_points()))
         except RecoveryRefused as e:  # every rank refuses alike (--ft-min-recovery-level): one line, no traceback
             if self.rank == 0:
                 print(f"error: {e}", file=sys.stderr, flush=True)
@@ -237,11 +245,15 @@ class FTRuntime(StepHooks):
             report.seconds["detect"] = round(facts["detected_at"] - fault_at, 4)
             report.seconds["reform"] = round(built - facts["detected_at"], 4)
 
-    def _survivor_store(self):
+    def _survivor_points(self):
+        """Where this rank's survivor point is: held in memory when the process stayed since its last
+        failure (and still has the same rank), else its node store."""
         if self.survivor is None:
             return None
-
-        return survivor_store(self.survivor.store_root, self.survivor.job_id, self.rank)
+        carried = self.survivor.carried
+        if carried is not None and not carried.discarded and carried.rank == self.rank:
+            return carried
+        return StoredPoints(survivor_store(self.survivor.store_root, self.survivor.job_id, self.rank))
 
     def write_report(self, final: bool) -> None:
         if self.rank != 0:
@@ -261,6 +273,9 @@ class FTRuntime(StepHooks):
     def after_log(self, iteration: int) -> None:
         if self.survivor is not None:
             self.survivor.release()  # a stop deferred since the step takes effect once the line is out
+        # a node joins (moe-ft launch): every rank leaves at the end of the same iteration, holding its state
+        if self.regroup is not None and comm.max_over_ranks(int(self.regroup())):
+            raise Regroup(iteration)
 
     def before_optimizer_step(self, iteration: int) -> None:
         if not self._in_recovery(iteration):
@@ -341,6 +356,15 @@ class FTRuntime(StepHooks):
         if self.config.drill.digest_out:
             write_digest(self.config.drill.digest_out, self.state, report.last_iteration)
 
+    def survivor_point(self) -> HeldPoint | None:
+        """After this attempt failed under ``moe-ft launch``: the survivor point the process keeps for its next
+        attempt (the one held now, else the one it carried in and has not recovered from yet)."""
+        guard = self.survivor
+        if guard is not None and guard.held is not None:
+            return guard.held
+        carried = guard.carried if guard is not None else self.carried
+        return carried if carried is not None and not carried.discarded else None
+
     def abandon(self) -> None:
         """This attempt failed and the process goes on to the next one (``moe-ft launch``): stop the
         snapshot engines and the components' background work, without the end-of-training steps (no
@@ -384,9 +408,12 @@ class FTRuntime(StepHooks):
         print(format_line(iteration, self.metrics(session)), flush=True)
 
 
-def build_runtime(args) -> FTRuntime | None:
-    """The runtime for parsed ``args`` (``None`` when ``--ft`` is off)."""
+def build_runtime(args, carried: HeldPoint | None = None,
+                  regroup: Callable[[], bool] | None = None) -> FTRuntime | None:
+    """The runtime for parsed ``args`` (``None`` when ``--ft`` is off). Under ``moe-ft launch``: ``carried``,
+    the survivor point this process held when its previous attempt failed; ``regroup``, whether the agents
+    ask it to leave its attempt (nodes may join)."""
     config = args.extra.get("FTConfig")
     if config is None or not config.ft:
         return None
-    return FTRuntime(config)
+    return FTRuntime(config, carried, regroup if os.environ.get(GROWS_ENV) else None)
