@@ -126,8 +126,18 @@ def set_seeds(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def shutdown() -> None:
+def shutdown(failed: bool = False) -> None:
+    """Leave Megatron's parallel state and every process group. ``failed``: training raised (a peer died,
+    or this attempt is being left): abort the groups instead of destroying them. Destroying waits for the
+    groups' pending work, which a dead peer never completes on NCCL; torch 2.13's
+    ``_abort_process_group`` aborts every communicator at once (NCCL's inside one group call, so that
+    their aborts cannot deadlock each other) and forgets every group, as a destroy does. On gloo the abort
+    returns at once (the connections close once the groups are collected) and the same path runs."""
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    if failed:
+        dist.distributed_c10d._abort_process_group()
+    else:
         dist.destroy_process_group()

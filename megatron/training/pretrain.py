@@ -26,6 +26,7 @@ def pretrain(args: Args, hooks=None, join_timeout_s: float | None = None):
     group may wait for every rank (:func:`initialize_distributed`)."""
 
     initialize_distributed(args, join_timeout_s=join_timeout_s)
+    failed = True
     try:
         set_seeds(args.training.seed)
         state = build_train_state(args)
@@ -44,6 +45,8 @@ def pretrain(args: Args, hooks=None, join_timeout_s: float | None = None):
                   f"VP {args.parallel.virtual_pipeline_model_parallel_size or 1} | EP "
                   f"{args.parallel.expert_model_parallel_size} | DP {args.data_parallel_size} | "
                   f"micro-batches {args.num_microbatches} | parameters on rank 0: {n_params}", flush=True)
-        return train(state, data, args, start_iteration=start, hooks=hooks, save_fn=save_fn)
+        report = train(state, data, args, start_iteration=start, hooks=hooks, save_fn=save_fn)
+        failed = False
+        return report
     finally:
-        shutdown()
+        shutdown(failed=failed)  # a failed attempt aborts its communicators (a dead peer never completes their work)

@@ -198,6 +198,9 @@ class SpareAgent(LocalElasticAgent):
                         protocol.REFORM_TIMEOUT_ENV: str(self._reform_timeout_s)})
             if self._min_nodes is not None:  # nodes may join: the workers look for the agents' regroup
                 env[protocol.GROWS_ENV] = "1"
+            # NCCL's watchdog, on a failed collective, aborts the communicators and raises in the waiting
+            # thread without ending the process (torch's default, 3, ends it: no survivor would stay)
+            env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         if slot:
             env[protocol.SPARE_ENV] = slot
         for name in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"):

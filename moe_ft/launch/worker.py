@@ -210,7 +210,32 @@ def sever_peer_connections() -> int:
                 count += 1
         finally:
             sock.detach()  # the descriptor stays open, owned by gloo
+    abort_device_communicators()
     return count
+
+
+def abort_device_communicators() -> int:
+    """Abort this process's NCCL communicators (returns how many): device collectives do not wait on a TCP
+    connection, so severing does not end them; an aborted communicator fails its pending and future work,
+    and the thread waiting on it raises. Safe from the notice thread: only the backends are aborted, the
+    groups stay registered until the main thread leaves them (``megatron.training.initialize.shutdown``).
+    Nothing to do without CUDA. Not measured here: no GPU was lent to the session that wrote it."""
+    import torch
+    import torch.distributed as dist
+
+    if not (torch.cuda.is_available() and dist.is_available() and dist.is_initialized()):
+        return 0
+    aborted = 0
+    for group in list(dist.distributed_c10d._world.pg_names):
+        try:
+            backend = group._get_backend(torch.device("cuda"))
+        except RuntimeError:  # a host-only group (gloo)
+            continue
+        if type(backend).__name__ == "ProcessGroupNCCL":
+            with contextlib.suppress(Exception):  # already aborted by its watchdog
+                backend.abort()
+                aborted += 1
+    return aborted
 
 
 def _set_layout(rank: int, world_size: int, group_rank: int | None = None) -> None:

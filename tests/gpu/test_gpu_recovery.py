@@ -23,7 +23,14 @@ ROOT = Path(__file__).resolve().parents[2]
 ITERS, WINDOW = 9, 3
 
 
-def launch(tmp: Path, data: str, job: str, faults: list[str], max_restarts: int) -> dict:
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+    # one GPU: no device for a warm spare; the dead rank's device goes to a fresh process (imports paid again)
+    "inprocess": [sys.executable, "-m", "moe_ft.launch", "--spares-per-node", "0"],
+}
+
+
+def launch(tmp: Path, data: str, job: str, faults: list[str], max_restarts: int, launcher: str = "torchrun") -> dict:
     digest = tmp / f"{job}.json"
     argv = [*TINY, "--moe-token-dispatcher-type", "alltoall", "--train-iters", str(ITERS), "--data-path", data,
             "--ft", "--ft-policy", "sparse", "--ft-store-dir", str(tmp / "store"), "--ft-job-id", job,
@@ -32,7 +39,7 @@ def launch(tmp: Path, data: str, job: str, faults: list[str], max_restarts: int)
         argv += ["--ft-fail", *faults]
     env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+    cmd = [*LAUNCHERS[launcher], "--standalone", "--nproc-per-node=1",
            f"--max-restarts={max_restarts}", "--monitor-interval=1", str(ROOT / "pretrain_gpt_moe.py"), *argv]
     log = tmp / f"{job}.log"
     with open(log, "w") as f:
@@ -64,3 +71,18 @@ def test_sparse_recovery_on_one_gpu_is_bitwise_exact(tmp_path, corpus):
         assert rp["source"] == "memory" and r["token_loss"]["tokens"] == 0.0
         assert r["replayed_iterations"] == list(range(rp["start"] + 1, rp["end"] + 1))
         assert r["routing_checked"] == len(r["replayed_iterations"])
+
+
+def test_one_gpu_recovery_under_moe_ft_launch(tmp_path, corpus):
+    """The same faults under ``moe-ft launch``: the agent gives the dead rank's device to a fresh process
+    (no spare fits on one GPU), the failed attempt's NCCL communicators are aborted, and the recovery's
+    phases (detect, reform, restore, replay, kill-to-resume) are recorded."""
+    ref = launch(tmp_path, corpus, "faultfree", [], 0)
+    res = launch(tmp_path, corpus, "faulty_inprocess", ["0:4:forward", "0:7:snapshot"], 2, launcher="inprocess")
+    assert res["rc"] == 0, res["log"]
+    reports = res["reports"]
+    record("gpu_recovery_inprocess", {"digest_equal": res["digest"] == ref["digest"],
+                                      "reports": [{k: r.get(k) for k in ("restart_kind", "recovery_point",
+                                                                         "seconds")} for r in reports]})
+    assert res["digest"] == ref["digest"]
+    assert [r["restart_kind"] for r in reports] == ["inprocess", "inprocess"], reports
