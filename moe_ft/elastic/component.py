@@ -8,11 +8,15 @@ component carries it into the running job: :meth:`ElasticRecorder.restore` resto
 
 from __future__ import annotations
 
+import time
+
+from moe_ft import comm
 from moe_ft.drills.report import dump_parameters
 from moe_ft.elastic.holders import layer_replica_maps
 from moe_ft.elastic.inventory import LayoutRecord, write_record
 from moe_ft.elastic.restore import discard_node_points, restore_reshaped, write_report
 from moe_ft.launch.worker import launch_facts
+from moe_ft.recovery.driver import last_fault_time
 from moe_ft.recovery.progress import last_completed
 from moe_ft.runtime.components import Component
 
@@ -46,12 +50,20 @@ class ElasticRecorder(Component):
 
         rt = self.runtime
         done = last_completed(self.store_dir, self.job_id, rt.rank)
+        t0 = time.perf_counter()
         section = restore_reshaped(self.decision, rt)
+        section["seconds"] = {"restore": round(comm.max_over_ranks(int((time.perf_counter() - t0) * 1e6)) / 1e6, 4)}
+        resumed = comm.max_over_ranks(int(time.time() * 1e3)) / 1e3  # the slowest rank's
         if rt.rank == 0:
             facts = launch_facts(rt.world_size)  # under moe-ft launch: did the survivors keep their processes
             if facts is not None:
                 section.update(restart_kind=facts["kind"], survivor_pids_kept=facts["pids_kept"],
                                fallback_reason=facts["reason"])
+                if facts.get("detected_at"):  # the agent saw the lost node, or announced the grown job
+                    section["seconds"]["announced_to_resume"] = round(resumed - facts["detected_at"], 4)
+            fault_at = last_fault_time(rt.faults)
+            if fault_at is not None and self.decision.world_size < self.decision.previous.world_size:
+                section["seconds"]["kill_to_resume"] = round(resumed - fault_at, 4)
             write_report(self.decision, rt.config.report_dir(), section, last_completed=done)
             print(f"moe-ft elastic: generation {self.decision.generation}: world {self.decision.previous.world_size}"
                   f" -> {self.decision.world_size}, restored iteration {self.decision.iteration} "

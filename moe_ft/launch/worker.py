@@ -220,8 +220,8 @@ def abort_device_communicators() -> int:
     and the thread waiting on it raises. Safe from the notice thread: only the backends are aborted, the
     groups stay registered until the main thread leaves them (``megatron.training.initialize.shutdown``).
     Nothing to do without CUDA. Not measured here: no GPU was lent to the session that wrote it."""
-    import torch
-    import torch.distributed as dist
+    import torch  # start-up time: the launcher's CLI parses flags without torch
+    import torch.distributed as dist  # start-up time, as above
 
     if not (torch.cuda.is_available() and dist.is_available() and dist.is_initialized()):
         return 0
