@@ -19,6 +19,7 @@ import torch.distributed as dist
 from moe_ft.cli.drill import run_job
 from moe_ft.drills.faults import InjectedFault
 from moe_ft.launch import cli, protocol, worker
+from moe_ft.launch.agent import Fenced, LaunchLogs, SpareAgent, plan_replacements
 
 ITERS, WINDOW = 10, 3
 
@@ -60,6 +61,52 @@ def test_protocol_announces_attempts_and_assigns_spares(store):
     assert protocol.lock_next(store, keys, "node0") == 3 and protocol.lock_next(store, keys, "node1") is None
     assert protocol.claim_spare(store, keys, "1.0", 3, rank=2, local_rank=1, world_size=4, group_rank=1)
     assert not protocol.claim_spare(store, keys, "1.0", 3, rank=3, local_rank=1)  # a spare is given once
+
+
+def test_replacement_policy_orders_local_spares_fresh_processes_then_remote_spares():
+    holders = {0: 0, 1: 0, 2: 1, 3: 1}
+    # node 1 lost: its ranks take this node's spare, then a spare another node lists; never a fresh process
+    assert plan_replacements([2, 3], node=0, holders=holders, local_spares=1, free_devices=4,
+                             remote_spares=1) == ([(2, "local"), (3, "remote")], [])
+    # not enough spares for the lost node's ranks: nothing planned, the uncovered ranks returned
+    assert plan_replacements([2, 3], node=0, holders=holders, local_spares=1, free_devices=4,
+                             remote_spares=0) == ([], [3])
+    # this node's own dead rank: a local spare, else a fresh process here (its state is in this node's
+    # store), and a remote spare only when no device is free
+    assert plan_replacements([1], node=0, holders=holders, local_spares=0, free_devices=1,
+                             remote_spares=2) == ([(1, "fresh")], [])
+    assert plan_replacements([0, 1], node=0, holders=holders, local_spares=1, free_devices=0,
+                             remote_spares=1) == ([(0, "local"), (1, "remote")], [])
+    assert plan_replacements([0, 1], node=0, holders=holders, local_spares=0, free_devices=0,
+                             remote_spares=1) == ([(0, "remote")], [1])
+    # a lost node's rank first, even when this node also lost one
+    assert plan_replacements([1, 2], node=0, holders=holders, local_spares=1, free_devices=1,
+                             remote_spares=0) == ([(2, "local"), (1, "fresh")], [])
+
+
+def test_a_node_declared_lost_fences_itself(store, tmp_path):
+    """An agent that was only slow finds its node among an announcement's ``lost``: it stops its workers
+    (a real process here) and raises ``Fenced``, so that no rank runs twice."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
+
+    handler = SimpleNamespace(_store=store, get_run_id=lambda: "fence", use_agent_store=True)
+    spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=handler, entrypoint="python3",
+                      args=("-c", "import time; time.sleep(120)"), max_restarts=1, monitor_interval=0.1)
+    agent = SpareAgent(spec, LaunchLogs(root=str(tmp_path)), node_timeout_s=1.0)
+    group = WorkerGroup(spec)
+    group.master_addr, group.master_port = "127.0.0.1", store.port
+    agent._node, agent._nodes, agent._world, agent._groups = 1, 2, 2, {0: 0, 1: 1}
+    proc = agent._start_one(group, name="rank1", rank=1, local_rank=0)
+    agent._workers = {1: proc}
+    keys = protocol.Keys("fence")
+    agent._apply_announcements(group)  # nothing announced: nothing happens
+    assert proc.context.wait(0) is None
+    protocol.announce(store, keys, kind="inprocess", failed=[1], detected_at=time.time(), holders={"1": 0}, lost=[1])
+    with pytest.raises(Fenced, match="node 1 was declared lost in attempt 1"):
+        agent._apply_announcements(group)
+    assert agent._workers == {} and proc.context.wait(0) is not None  # the worker was stopped
 
 
 def test_only_peer_failures_keep_the_process():

@@ -563,31 +563,31 @@ class SpareAgent(LocalElasticAgent):
 
     def _assign(self, worker_group: WorkerGroup, attempt: int,
                 dead: list[int]) -> tuple[dict[int, tuple[int, str]], list[int], list[int]]:
-        """Give each dead rank a process: a spare of this node; for a rank this node ran, else a fresh
-        process on the dead one's device (its state is in this node's store; a warm spare elsewhere would
-        have to fetch it); else a spare another node lists. Returns ``(rank → (node, slot), ranks given
-        fresh processes, ranks left without one)``."""
+        """Give each dead rank a process as :func:`plan_replacements` orders it, claiming remote spares
+        with ``compare_set`` (one another agent claimed first is skipped). Returns ``(rank → (node, slot),
+        ranks given fresh processes, ranks left without one)``."""
         store = self._store_client(worker_group)
         remote = self._listed_spares(store)
-        others = [r for r in dead if self._holders.get(r) != self._node]  # a lost node's: spares only
-        if len(others) > len(self._spares) + len(remote):
-            return {}, [], others[len(self._spares) + len(remote):]
+        plan, missing = plan_replacements(dead, node=self._node, holders=self._holders,
+                                          local_spares=len(self._spares), free_devices=self._free_devices(worker_group),
+                                          remote_spares=len(remote))
         assignments: dict[int, tuple[int, str]] = {}
-        fresh, missing = [], []
-        for rank in others + [r for r in dead if r not in others]:
-            proc = None
-            if self._spares:
-                proc = self._spares.pop(0)
-            elif rank not in others and (free := self._free_device(worker_group)) is not None:
-                proc = self._start_spare(worker_group, free)  # imports while the others wait
-                fresh.append(rank)
-            if proc is not None:
+        fresh = []
+        for rank, source in plan:
+            if source != "remote":
+                if source == "local":
+                    proc = self._spares.pop(0)
+                else:  # a fresh process on a free device of this node: imports while the others wait
+                    device = self._free_device(worker_group)
+                    assert device is not None
+                    proc = self._start_spare(worker_group, device)
+                    fresh.append(rank)
                 protocol.claim_spare(store, self._keys, proc.slot, attempt, rank, proc.local_rank,
                                      world_size=self._world, group_rank=self._groups[self._node])
                 self._workers[rank] = proc
                 assignments[rank] = (self._node, proc.slot)
                 continue
-            while remote:  # a lost node's rank (or no device left here): a spare another node lists
+            while remote:  # a spare another node lists
                 node, slot, device = remote.pop(0)
                 if protocol.claim_spare(store, self._keys, slot, attempt, rank, device, world_size=self._world,
                                         group_rank=self._groups[node]):
@@ -597,6 +597,10 @@ class SpareAgent(LocalElasticAgent):
                 missing.append(rank)
         return assignments, fresh, missing
 
+    def _free_devices(self, worker_group: WorkerGroup) -> int:
+        used = {p.local_rank for p in [*self._workers.values(), *self._spares]}
+        return len([i for i in range(worker_group.spec.local_world_size + self._spares_per_node) if i not in used])
+
     def _listed_spares(self, store) -> list[tuple[int, str, int]]:
         """``(node, slot, device)`` of the waiting spares the other live nodes list."""
         out = []
@@ -605,6 +609,39 @@ class SpareAgent(LocalElasticAgent):
                 continue
             out += [(node, s["slot"], s["local_rank"]) for s in json.loads(store.get(self._keys.node_spares(node)))]
         return out
+
+
+def plan_replacements(dead: list[int], *, node: int, holders: dict[int, int], local_spares: int, free_devices: int,
+                      remote_spares: int) -> tuple[list[tuple[int, str]], list[int]]:
+    """Which process takes each dead rank (the policy of ``SpareAgent._assign``; pure). ``node``: the
+    deciding agent's; ``holders``: rank → the node that ran it. In order:
+
+    * the ranks of other nodes (a lost node's) first: they can go only to spares, this node's
+      (``"local"``) then those other nodes list (``"remote"``);
+    * this node's own dead ranks: a local spare, else a fresh process on a free device of this node
+      (``"fresh"``: the rank's state is in this node's store, a warm spare elsewhere would have to fetch
+      it), else a remote spare.
+
+    Returns ``([(rank, source)], ranks left without a process)``. When the spares cannot take every other
+    node's rank, nothing is planned and those left over are returned (the caller shrinks or falls back)."""
+    others = [r for r in dead if holders.get(r) != node]
+    if len(others) > local_spares + remote_spares:
+        return [], others[local_spares + remote_spares:]
+    plan: list[tuple[int, str]] = []
+    missing: list[int] = []
+    for rank in others + [r for r in dead if r not in others]:
+        if local_spares:
+            local_spares -= 1
+            plan.append((rank, "local"))
+        elif rank not in others and free_devices:
+            free_devices -= 1
+            plan.append((rank, "fresh"))
+        elif remote_spares:
+            remote_spares -= 1
+            plan.append((rank, "remote"))
+        else:
+            missing.append(rank)
+    return plan, missing
 
 
 def _round_or_pid(handler) -> str:

@@ -3,10 +3,12 @@
 The job alternates between *running* (periods of ``period_iters`` iterations costing ``period_wall_s``,
 the stall included) and *recovering*. A failure at phase ``φ`` of the period costs
 ``PolicyModel.recovery_s(φ, stage, segment)``; afterwards the job is back at the iteration it failed in.
-Concurrent and cascading failures follow MoEvement App. A: with localized recovery, failed stages that
-touch (the same or adjacent stages) recover jointly as one contiguous segment, and a later failure that
-touches an ongoing recovery restarts it with the enlarged segment, while a disjoint one recovers in
-parallel; with global rollback any failure during a recovery restarts it. Lossy policies accumulate
+Concurrent and cascading failures: with localized recovery, failed stages that touch (the same or adjacent
+stages) recover jointly as one contiguous segment, disjoint ones in parallel (MoEvement App. A). A later
+failure during a recovery restarts it with every stage failed so far (``localized=runtime``, what moe-ft
+does: the new attempt, or the restarted job, re-enters recovery on every rank with the wider scope); in
+MoEvement's model (``localized=paper``) only a failure that touches the ongoing recovery restarts it and a
+disjoint one recovers in parallel. With global rollback any failure during a recovery restarts it. Lossy policies accumulate
 lost expert updates (MoC PLT); ``pec:k=dynamic`` doubles K when the cumulative PLT passes its budget.
 """
 
@@ -125,7 +127,7 @@ class Simulator:
                 t_new = events[i].time_s
                 res.num_failures += 1
                 i += 1
-                if not pm.localized or _touches(new, failed):
+                if not pm.localized or pm.spec.localized_model == "runtime" or _touches(new, failed):
                     failed |= new
                     rec_end = t_new + self._recovery(phase, failed)
                 else:  # disjoint: recovers in parallel with the ongoing one

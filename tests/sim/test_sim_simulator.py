@@ -66,10 +66,16 @@ def test_cascading_failure_restarts_recovery(cost):
     one, _ = _lost(cost, "gemini", [FailureEvent(1000.0, (0,))])
     two, r = _lost(cost, "gemini", [FailureEvent(1000.0, (0,)), FailureEvent(1010.0, (3,))])
     assert r.num_failures == 2 and two == pytest.approx(one + 10.0, abs=1e-6)
-    # localized: a failure of a far stage during recovery runs in parallel and ends no earlier
+    # localized, MoEvement's model: a failure of a far stage during recovery runs in parallel, ends no earlier
+    paper = "sparse:localized=paper"
+    far, _ = _lost(cost, paper, [FailureEvent(1000.0, (0,)), FailureEvent(1005.0, (8,))])
+    single, _ = _lost(cost, paper, [FailureEvent(1000.0, (0,))])
+    assert single < far < single + 10.0
+    # the runtime's model: any failure during a recovery restarts it, with both stages (what moe-ft does)
     far, _ = _lost(cost, "sparse", [FailureEvent(1000.0, (0,)), FailureEvent(1005.0, (8,))])
     single, _ = _lost(cost, "sparse", [FailureEvent(1000.0, (0,))])
-    assert single < far < single + 10.0
+    both, _ = _lost(cost, "sparse", [FailureEvent(1000.0, (0, 8))])
+    assert far == pytest.approx(both + 5.0, abs=1e-6) and far > single + 5.0 - 1e-6
 
 
 def test_dynamic_k_grows_under_frequent_failures():
