@@ -157,3 +157,20 @@ def test_expert_parallel_stage_replays_as_a_group(env, fault_free_digest):
     sc = report["scope"]
     assert sc["mode"] == "localized" and sc["failed"] == [3] and sc["replaying"] == [2, 3]
     assert sc["loaded"] == [0, 1] and sc["replayed"]["2"] == sc["replayed"]["3"] == [1, 2, 3, 4]
+
+
+@pytest.mark.timeout(420)
+def test_a_corrupt_log_then_a_loss_during_the_global_fallback(env, reference):
+    """Stage 2 dies at iteration 6 after damaging the newest upstream-log entry its replay needs: the
+    localized replay finds it corrupt and every rank takes the global path. Rank 0 is killed right after
+    that path rewrote the live state: the loaders had adopted the localized target, and no rank may keep
+    that label for the rewritten state (none holds or publishes anything then). The next recovery ends
+    bitwise equal to the fault-free run."""
+    res = launch(env, "corrupt_log", faults=["2:6:forward:corrupt-log", "0:6:fallback"], max_restarts=3)
+    report = only_report(res)
+    assert res["digest"] == reference
+    assert report["scope"]["mode"] == "global" and "failed verification" in report["scope"]["reason"], report["scope"]
+    log = Path(res["log"]).read_text()
+    after = log[log.index("rank 0 fails at iteration 6 (fallback"):]
+    kept = [line for line in after.splitlines() if line.startswith("moe-ft survivor")][:3]
+    assert len(kept) == 3 and all("published nothing" in line for line in kept), kept

@@ -22,6 +22,8 @@ Phases (where :class:`moe_ft.runtime.FTRuntime` calls ``check``):
 ``recovery``   a recovery is replaying or re-executing the iteration (cascading failure)
 ``survivor``   a stopped rank is writing its survivor point of the iteration (after half of its operators;
                ``moe_ft/localized/survivor.py``): a survivor that dies during its dump is a failed rank
+``fallback``   the recovery from a failure at the iteration found the localized replay impossible and
+               its global path has just rewritten the live state (``moe_ft/recovery/driver.py``)
 =============  ================================================================================
 
 Kinds: ``exit`` (SIGKILL of the process itself: no cleanup, like a crashed worker), ``exception`` (an
@@ -31,7 +33,10 @@ point's first data file, as a torn or bit-rotted store entry, then SIGKILL so th
 detect it), ``node`` (the whole simulated node is lost at once: SIGKILL of this worker's torchrun agent, of
 every process the agent started — the other ranks of the node — and of this process; see
 :func:`kill_node`. ``moe-ft drill --nodes N --fail-node NODE:ITER[:PHASE]`` schedules it on the node's first
-rank, then deletes the node's store and starts a replacement, ``moe_ft/drills/cluster.py``).
+rank, then deletes the node's store and starts a replacement, ``moe_ft/drills/cluster.py``), ``corrupt-log``
+(flip one byte of the newest upstream-log entry another rank wrote for this one -- what this rank's stage
+will replay from, ``docs/localized.md`` -- then SIGKILL: the localized replay must detect it and fall back
+to the global path).
 """
 
 from __future__ import annotations
@@ -48,8 +53,9 @@ from typing import Iterable
 
 import psutil
 
-PHASES = ("forward", "backward", "step", "snapshot", "publish", "published", "persist", "recovery", "survivor")
-KINDS = ("exit", "exception", "hang", "corrupt", "node")
+PHASES = ("forward", "backward", "step", "snapshot", "publish", "published", "persist", "recovery", "survivor",
+          "fallback")
+KINDS = ("exit", "exception", "hang", "corrupt", "node", "corrupt-log")
 
 
 class InjectedFault(RuntimeError):
@@ -141,14 +147,15 @@ class FaultPlan:
 
     def check(self, rank: int, iteration: int, phase: str, target: str | os.PathLike | None = None) -> None:
         """Fire the fault at ``(rank, iteration, phase)`` if there is one and it has not fired yet.
-        ``target``: the published point's directory (phase ``published``: what ``corrupt`` damages)."""
+        ``target``: the published point's directory (phase ``published``: what ``corrupt`` damages), or the
+        job's upstream-log root (what ``corrupt-log`` damages)."""
         fault = self._index.get((rank, iteration, phase))
         if fault is None or (fault.kind == "node" and not _on_launch_node(rank)) or not self._claim(fault):
             return
         print(f"moe-ft fault injection: rank {rank} fails at iteration {iteration} ({phase}, {fault.kind})",
               file=sys.stderr, flush=True)
-        if fault.kind == "corrupt":
-            damaged = corrupt_point(target)
+        if fault.kind in ("corrupt", "corrupt-log"):
+            damaged = corrupt_point(target) if fault.kind == "corrupt" else corrupt_upstream_log(target, rank)
             print(f"moe-ft fault injection: corrupted {damaged}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "exit":
@@ -201,6 +208,29 @@ def kill_node() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def corrupt_upstream_log(upstream_root: str | os.PathLike | None, rank: int) -> Path:
+    """Flip one byte in the middle of the newest log entry another rank sent to ``rank``
+    (``<root>/rank<r>/it<iteration>/send.<dir>.to<rank>``); returns its path."""
+    if upstream_root is None:
+        raise ValueError("a 'corrupt-log' fault needs upstream logging (pipeline parallelism, localized scope)")
+    entries = sorted((p.parent.name, str(p), p) for p in Path(upstream_root).glob(f"rank*/it*/send.*.to{rank}")
+                     if p.parent.parent.name != f"rank{rank}" and p.stat().st_size > 0)
+    if not entries:
+        raise RuntimeError(f"no upstream-log entry for rank {rank} under {upstream_root}")
+    return _flip_middle_byte(entries[-1][2])
+
+
+def _flip_middle_byte(path: Path) -> Path:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
 def corrupt_point(directory: str | os.PathLike | None) -> Path:
     """Flip one byte in the middle of a published point's first FULL entry (by name); returns its path."""
     if directory is None:
@@ -210,11 +240,4 @@ def corrupt_point(directory: str | os.PathLike | None) -> Path:
     files = [p for _, _, p in files]  # an operator's FULL entry first (what a recovery point needs)
     if not files:
         raise RuntimeError(f"nothing to corrupt in {directory}")
-    with open(files[0], "r+b") as f:
-        f.seek(files[0].stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
-        f.flush()
-        os.fsync(f.fileno())
-    return files[0]
+    return _flip_middle_byte(files[0])

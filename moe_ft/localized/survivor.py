@@ -240,12 +240,13 @@ class SurvivorGuard:
         start = time.monotonic()
         if self.stopped_at is None:
             self.stopped_at = start
+        registry = self.registry_fn()
+        if self.last is None or registry is None:
+            return PublishResult(None, f"no completed iteration since this process (re)started or a recovery "
+                                       f"rewrote its state ({why})")
         if self.updating is not None:
             return PublishResult(None, f"stopped inside the optimizer step of iteration {self.updating} "
                                        f"({why}): the state is torn between two iterations")
-        registry = self.registry_fn()
-        if self.last is None or registry is None:
-            return PublishResult(None, f"no completed iteration since this process (re)started ({why})")
         done = self.last
         store = survivor_store(self.store_root, self.job_id, self.rank)
         previous = store.points()  # kept until the new point is published: a dump that dies leaves them
@@ -272,12 +273,13 @@ class SurvivorGuard:
         any more), so the next attempt's model can take the device memory."""
         start = time.monotonic()
         self.held = None
+        registry = self.registry_fn()
+        if self.last is None or registry is None:
+            return PublishResult(None, f"no completed iteration since this process (re)started or a recovery "
+                                       f"rewrote its state ({why})")
         if self.updating is not None:
             return PublishResult(None, f"stopped inside the optimizer step of iteration {self.updating} "
                                        f"({why}): the state is torn between two iterations")
-        registry = self.registry_fn()
-        if self.last is None or registry is None:
-            return PublishResult(None, f"no completed iteration since this process (re)started ({why})")
         done = self.last
         with torch.no_grad():
             entries = {op: {k: t.detach().to("cpu") for k, t in tensors.items()}

@@ -134,9 +134,12 @@ def recover(inputs: RecoveryInputs) -> RecoveryReport:
     scope, report = try_localized(inputs, lost_through=lost_through, since_fault=since_fault, t0=t0)
     if report is not None:
         return report
+    if inputs.survivor is not None:  # loaders adopted the target; the global path rewrites their live state
+        inputs.survivor.forget()
     plan = plan_recovery(inputs, fetched)
     plan.plan.unavailable["survivor_point"] = f"not used: {scope.reason}"
     rs, source = restore_newest_point(inputs, plan)
+    inputs.check_fault(lost_through + 1, "fallback")  # drills: lost while the global path rewrote the state
     if t_fetch > 0.0005 and fetched:
         rs.seconds["fetch"] = t_fetch
     report_skipped(inputs, rs)

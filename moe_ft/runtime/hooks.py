@@ -198,7 +198,8 @@ class FTRuntime(StepHooks):
     def check_fault(self, iteration: int, phase: str) -> None:
         """Failure drill: fire the fault scheduled at (this rank, ``iteration``, ``phase``), once."""
         if self.faults:
-            self.faults.check(self.rank, iteration, phase)
+            upstream = self.upstream.log_dir.root.parent if self.upstream is not None else None
+            self.faults.check(self.rank, iteration, phase, target=upstream)  # what corrupt-log damages
 
     def _in_recovery(self, iteration: int) -> bool:
         return self.report is not None and iteration <= self.report.failed["last_completed"]
