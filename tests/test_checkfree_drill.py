@@ -40,13 +40,14 @@ PP4 = ["--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "1
        "--ft-replicas", "0", "--ft-ranks-per-node", "1"]
 
 
-def lose_stage_1(corpus: str, work: Path, job: str, min_level: str, max_restarts: int, faults=()) -> dict:
+def lose_stage_1(corpus: str, work: Path, job: str, min_level: str, max_restarts: int, faults=(),
+                 scope: str = "global") -> dict:
     workdir = work / job
     workdir.mkdir(parents=True)
     return run_node_job(job=job, workdir=str(workdir), faults=list(faults), losses=[NodeLoss.parse("1:6")], num_nodes=4,
                         max_restarts=max_restarts, timeout=500, layout="ep2pp2", policy="sparse", iters=ITERS,
                         data=corpus, store=str(work / f"{job}_store"), window=WINDOW,
-                        extra=[*PP4, "--ft-min-recovery-level", min_level, "--ft-recovery-scope", "global"])
+                        extra=[*PP4, "--ft-min-recovery-level", min_level, "--ft-recovery-scope", scope])
 
 
 @pytest.mark.timeout(600)
@@ -107,3 +108,20 @@ def test_lost_stage_refused_below_min_level(corpus, tmp_path):
     records = [json.loads(line) for line in audit.read_text().splitlines()]
     assert records and all(r["refused"] and r["planned"] == "approximate" for r in records)
     assert not os.path.exists(tmp_path / "refused" / "refused.json")  # no final digest: training never resumed
+
+
+@pytest.mark.timeout(600)
+def test_no_point_from_before_a_rebuild_is_replayed_as_exact(corpus, tmp_path):
+    """After CheckFree rebuilt stage 1 (resuming at 6 at the latest), stage 3 is SIGKILLed at iteration 7,
+    before a window started after the rebuild is complete. Its window from before the rebuild holds the
+    old timeline (stage 2's logs since then carry the rebuilt stage's activations): replaying it would mix
+    both and be labelled exact (what happened before). Every point, replica and log of the old timeline is
+    dropped after the rebuild, and the last stage cannot be rebuilt from one neighbour, so the honest
+    answer is to start over (accepted here: ``--ft-min-recovery-level none``)."""
+    res = lose_stage_1(corpus, tmp_path, "timeline", "none", max_restarts=3, faults=["3:7"], scope="localized")
+    assert res["rc"] == 0 and res["digest"], f"the drill failed (rc {res['rc']}), see {res['logs']}"
+    first, later = res["reports"]
+    assert first["recovery_levels"]["path"] == "checkfree", first["recovery_levels"]
+    assert first["recovery_point"]["resume"] <= 7
+    assert later["recovery_levels"]["level"] == "start_over", later["recovery_levels"]
+    assert later["scope"].get("mode") != "localized", later["scope"]

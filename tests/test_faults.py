@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from moe_ft.drills.faults import Fault, FaultPlan, InjectedFault
@@ -172,6 +173,9 @@ def test_sigterm_stays_pending_on_a_paused_worker_until_it_resumes():
     try:
         assert proc.stdout.readline().strip() == "up"
         os.kill(proc.pid, signal.SIGSTOP)
+        stopped_by = time.monotonic() + 10  # on a loaded machine the stop takes effect a moment later
+        while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED and time.monotonic() < stopped_by:
+            time.sleep(0.01)
         assert not sigterm_pending(proc.pid)
         os.kill(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 10

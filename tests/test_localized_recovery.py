@@ -31,10 +31,10 @@ def env(corpus, tmp_path_factory):
             "store": str(tmp_path_factory.mktemp("localized_store"))}
 
 
-def launch(env, job, faults=(), scope="localized", max_restarts=0):
+def launch(env, job, faults=(), scope="localized", max_restarts=0, extra=()):
     return run_job(job=job, workdir=env["work"], faults=list(faults), max_restarts=max_restarts, timeout=400,
                    layout="pp4", policy="sparse", iters=ITERS, data=env["data"], store=env["store"], window=WINDOW,
-                   extra=[], scope=scope)
+                   extra=list(extra), scope=scope)
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +174,17 @@ def test_a_corrupt_log_then_a_loss_during_the_global_fallback(env, reference):
     after = log[log.index("rank 0 fails at iteration 6 (fallback"):]
     kept = [line for line in after.splitlines() if line.startswith("moe-ft survivor")][:3]
     assert len(kept) == 3 and all("published nothing" in line for line in kept), kept
+
+
+@pytest.mark.timeout(420)
+def test_a_replay_longer_than_the_distributed_timeout(env, reference):
+    """``--distributed-timeout-minutes 0.1`` (6 s): stage 2, SIGKILLed at iteration 6, replays its window with
+    slow steps (3 s each, ``slow`` faults): longer than the timeout in all. The loading ranks wait on the
+    replay's progress in the store, not in one collective bounded by the timeout: localized, bitwise."""
+    slow = [f"2:{it}:recovery:slow" for it in range(1, 6)]
+    res = launch(env, "slow_replay", faults=["2:6", *slow], max_restarts=2, extra=["--distributed-timeout-minutes", "0.1"])
+    report = only_report(res)
+    assert res["digest"] == reference
+    check_localized(report, replaying=[2], stages=[2], replayed_through=5)
+    waits = [report["scope"]["seconds"][str(r)]["wait_replay"] for r in (0, 1, 3)]
+    assert min(waits) > 6.0, waits  # the loaders waited longer than the group timeout, and got there

@@ -36,7 +36,8 @@ every process the agent started — the other ranks of the node — and of this 
 rank, then deletes the node's store and starts a replacement, ``moe_ft/drills/cluster.py``), ``corrupt-log``
 (flip one byte of the newest upstream-log entry another rank wrote for this one -- what this rank's stage
 will replay from, ``docs/localized.md`` -- then SIGKILL: the localized replay must detect it and fall back
-to the global path).
+to the global path), ``slow`` (the rank sleeps :data:`SLOW_FAULT_S` seconds, then goes on: a slow step, e.g.
+several of them in a replay that must outlast a short ``--distributed-timeout-minutes``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import random
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -55,7 +57,9 @@ import psutil
 
 PHASES = ("forward", "backward", "step", "snapshot", "publish", "published", "persist", "recovery", "survivor",
           "fallback")
-KINDS = ("exit", "exception", "hang", "corrupt", "node", "corrupt-log")
+KINDS = ("exit", "exception", "hang", "corrupt", "node", "corrupt-log", "slow")
+SLOW_FAULT_S = 3.0
+"""How long a ``slow`` fault stalls its rank (then it goes on)."""
 
 
 class InjectedFault(RuntimeError):
@@ -160,6 +164,9 @@ class FaultPlan:
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "exit":
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault.kind == "slow":
+            time.sleep(SLOW_FAULT_S)
+            return
         if fault.kind == "node":
             kill_node()
         if fault.kind == "exception":

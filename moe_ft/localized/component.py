@@ -67,7 +67,7 @@ class UpstreamLogging(Component):
             self.dropped += self.log_dir.drop_before(oldest)
 
     def after_recovery(self, report, session) -> None:
-        self.log_dir.drop_after(report.recovery_point["resume"] - 1)  # the abandoned timeline
+        self.log_dir.drop_after(report.timeline_kept_through)  # the abandoned timeline
 
     def metrics(self, record) -> dict:
         logged = self.recorder.bytes_per_iteration

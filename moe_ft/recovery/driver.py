@@ -144,7 +144,7 @@ def recover(inputs: RecoveryInputs) -> RecoveryReport:
         rs.seconds["fetch"] = t_fetch
     report_skipped(inputs, rs)
     loss = account_token_loss(inputs, rs.point)
-    drop_abandoned_timeline(inputs, rs)
+    drop_abandoned_timeline(inputs, rs, rebuilt=plan.plan.path == "checkfree")
     if rs.point is None:
         source = "checkpoint" if inputs.start_iteration else "initial"
     seconds = phase_seconds(rs.seconds, t0, since_fault)
@@ -335,11 +335,12 @@ def account_token_loss(inputs: RecoveryInputs, point) -> dict:
     return loss
 
 
-def drop_abandoned_timeline(inputs: RecoveryInputs, rs: RecoveryState) -> None:
+def drop_abandoned_timeline(inputs: RecoveryInputs, rs: RecoveryState, rebuilt: bool = False) -> None:
     """Points after the resume point belong to a timeline that will not happen again (a lossy run differs
-    from it); retention follows the restored policy's windows. Replicas and the durable tier drop theirs in
-    the runtime's components (``after_recovery``)."""
-    inputs.session.store.discard_after(rs.resume_iteration - 1)
+    from it); retention follows the restored policy's windows. After a CheckFree rebuild (``rebuilt``) every
+    point goes (``RecoveryReport.timeline_kept_through``). Replicas, upstream logs and the durable tier drop
+    theirs in the runtime's components (``after_recovery``)."""
+    inputs.session.store.discard_after(-1 if rebuilt else rs.resume_iteration - 1)
     if rs.point is not None:
         inputs.session.realign_retention()
 

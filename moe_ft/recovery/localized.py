@@ -10,8 +10,10 @@ ranks, and every rank reaches the same outcome::
                       replaying ranks: the recovery machine on their own window [s, e] over a host group of
                       their own, its step function run under LogReplay (stage inputs and the results of
                       collectives spanning stages from the logs), then the lost iterations e+1 … T the same way
-    agree on outcome  any error (a log entry missing or not matching, a replay that diverged) on any rank:
-                      every rank goes on with the global path (the report says why)
+    agree on outcome  the loading ranks first wait on the replay's progress (``heartbeat.py``: bounded by
+                      the time without progress, not by one collective's timeout); then any error (a log
+                      entry missing or not matching, a replay that diverged) on any rank: every rank
+                      goes on with the global path (the report says why)
     popularity/policy the job-wide counters and the policy's state at T come from a loading rank's point
 
 Then every rank holds the state of iteration T; training resumes at T+1. A failure while this runs
@@ -33,6 +35,7 @@ from moe_ft.localized.log_replay import LogReplay, exchange_logs
 from moe_ft.localized.log_store import LogUnavailable
 from moe_ft.localized.scope import RankReport, Scope, decide_scope
 from moe_ft.recovery.bounded import BoundedStore
+from moe_ft.recovery.heartbeat import ReplayProgress
 from moe_ft.recovery.machine import MachineConfig, Recovery, RecoveryContext, RecoveryState, restore_step_state
 
 if TYPE_CHECKING:
@@ -97,8 +100,9 @@ def _load(inputs: "RecoveryInputs", scope: Scope, out: dict) -> None:
     inputs.check_fault(scope.target, "recovery")  # drills: a loading rank lost while the others replay
 
 
-def _replay(inputs: "RecoveryInputs", scope: Scope, feed, group, out: dict) -> None:
-    """A replaying rank: its own window through the machine, then the lost iterations, all log-fed."""
+def _replay(inputs: "RecoveryInputs", scope: Scope, feed, group, out: dict, progress: ReplayProgress) -> None:
+    """A replaying rank: its own window through the machine, then the lost iterations, all log-fed; each
+    replayed iteration is a beat of ``progress`` (what the loading ranks wait on)."""
 
     t0 = time.perf_counter()
     policy = inputs.session.policy
@@ -107,7 +111,9 @@ def _replay(inputs: "RecoveryInputs", scope: Scope, feed, group, out: dict) -> N
     with LogReplay(up.seams, feed, replaying=scope.replaying, rank=inputs.rank, recorder=up.recorder) as replay:
         def step_fn(iteration, optimizer):
             with replay.iteration(iteration):
-                return inputs.step_fn(iteration, optimizer)
+                result = inputs.step_fn(iteration, optimizer)
+            progress.beat()
+            return result
 
         ctx = RecoveryContext(store=store, registry=inputs.registry,
                               rule=policy.recovery_rule(list(inputs.registry), store=store,
@@ -173,13 +179,21 @@ def run(inputs: "RecoveryInputs", scope: Scope) -> dict | None:
             return None
         out["log_bytes"] = feed.nbytes
         out["seconds"]["exchange_logs"] = round(time.perf_counter() - t0, 4)
+    progress = ReplayProgress.for_recovery(scope.target, scope.replaying,
+                                           60.0 * inputs.args.training.distributed_timeout_minutes)
     try:
         if out["role"] == "load":
             _load(inputs, scope, out)
         else:
-            _replay(inputs, scope, feed, group, out)
+            progress.start_alive()
+            try:
+                _replay(inputs, scope, feed, group, out, progress)
+            finally:
+                progress.done()
     except (LogUnavailable, RuntimeError, ValueError) as e:  # a replay that cannot go on: tell every rank
         out["error"] = f"rank {inputs.rank}: {type(e).__name__}: {e}"
+    if out["role"] == "load" and scope.replaying:  # bounded by progress, not by the group's timeout
+        out["seconds"]["wait_replay"] = round(progress.wait(), 4)
     outcomes = comm.all_gather_object(out)
     errors = [o["error"] for o in outcomes if o["error"]]
     if errors:

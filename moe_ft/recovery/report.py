@@ -57,6 +57,18 @@ class RecoveryReport:
     recovered_digest: str = ""
     message: str = ""
 
+    @property
+    def timeline_kept_through(self) -> int:
+        """The newest iteration whose stored state (snapshot points, replicas, upstream logs) still belongs
+        to the job's timeline after this recovery: the one before the resume point, or ``-1`` after a
+        CheckFree rebuild. The rebuild replayed the survivors' window with an approximate stage, so their
+        points and logs from before it describe a timeline the job left; a later replay that started from
+        them would mix the two and call the result exact (CheckFree §4 rebuilds a stage; it keeps no
+        point of the old timeline either)."""
+        if self.recovery_levels.get("path") == "checkfree":
+            return -1
+        return int(self.recovery_point["resume"]) - 1
+
     def to_json(self) -> dict:
         return asdict(self)
 

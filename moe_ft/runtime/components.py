@@ -86,7 +86,7 @@ class Replicas(Component):
 
     def after_recovery(self, report, session) -> None:
         # replicas of the abandoned timeline must not outlive it (lossy runs differ)
-        self.replication.discard_after(report.recovery_point["resume"] - 1)
+        self.replication.discard_after(report.timeline_kept_through)
 
     def metrics(self, record) -> dict:
         return self.replication.metrics(record.iteration) if record is not None else {}
