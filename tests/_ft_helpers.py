@@ -145,14 +145,14 @@ def make_corpus(directory: str) -> str:
 
 
 def torchrun(script: str, args: list[str], nproc: int = 4, timeout: float = 240, check: bool = True,
-             launcher: str = "moe_ft.drills.prelaunch"):
+             launcher: str = "moe_ft.drills.prelaunch", max_restarts: int = 0):
     """Run ``script`` (relative to the repository) under ``torchrun --standalone`` with ``nproc`` ranks of
     one thread each; with ``check``, a non-zero exit raises with the output's tail. ``launcher``: the
     ``-m`` module (default: torchrun's agent with workers forked after the imports, ``moe_ft/drills/
-    prelaunch.py``; ``torch.distributed.run`` for plain torchrun)."""
+    prelaunch.py``; ``torch.distributed.run`` for plain torchrun); ``max_restarts``: torchrun's."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", launcher, "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(ROOT, script), *args]
+           f"--max-restarts={max_restarts}", os.path.join(ROOT, script), *args]
     with subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as popen:
         try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moe_ft.localized.survivor import SURVIVOR_SUBDIR
@@ -113,6 +113,9 @@ class LayoutInventory:
 
     full: dict[int, dict[OperatorId, StoreDir]]
     meta: dict[int, list[StoreDir]]
+    candidates: dict[int, dict[OperatorId, list[StoreDir]]] = field(default_factory=dict)
+    """Every directory holding ``op`` at FULL in that point, in preference order (``full`` is the first):
+    a corrupt entry is read from the next one."""
 
     def summary(self) -> dict[int, list[str]]:
         """``{iteration: [operator names FULL]}`` for points with metadata (what the ranks exchange)."""
@@ -123,6 +126,7 @@ def node_inventory(store_dir: str, job_id: str, *, prefer_rank: int) -> LayoutIn
     """Scan this node's stores (manifests only; checksums are verified when an entry is loaded)."""
     full: dict[int, dict[OperatorId, StoreDir]] = {}
     meta: dict[int, list[StoreDir]] = {}
+    candidates: dict[int, dict[OperatorId, list[StoreDir]]] = {}
     dirs = sorted(store_dirs(store_dir, job_id), key=lambda d: (d.rank != prefer_rank, d.kind != "survivor", d.rank))
     for d in dirs:
         for point in d.open().catalog().points():
@@ -130,6 +134,7 @@ def node_inventory(store_dir: str, job_id: str, *, prefer_rank: int) -> LayoutIn
             for op, entry in point.entries.items():
                 if entry.level == Level.FULL:
                     ops.setdefault(op, d)
+                    candidates.setdefault(point.iteration, {}).setdefault(op, []).append(d)
             if point.meta is not None:
                 meta.setdefault(point.iteration, []).append(d)
-    return LayoutInventory(full, meta)
+    return LayoutInventory(full, meta, candidates)

@@ -22,6 +22,7 @@ result is close, not bitwise (``docs/elastic.md``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -37,6 +38,7 @@ from moe_ft.recovery.machine import restore_step_state
 from moe_ft.snapshot.restore import copy_checked, restore_meta
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.state.optimizer_views import ensure_optimizer_state
+from moe_ft.store.errors import CorruptEntryError
 
 META = "__meta__"
 
@@ -64,9 +66,40 @@ def copy_into(registry, op: OperatorId, tensors: dict[str, torch.Tensor]) -> int
                         fix="the model flags must be those of the run that wrote it")
 
 
+class ElasticRestoreFailed(RuntimeError):
+    """Raised on every rank alike when an operator of the agreed point has no readable copy left (every
+    copy corrupt): the points with corrupt entries were deleted from this node's stores first, so the next
+    start decides on another point instead of failing the same way."""
+
+
+MAX_ROUNDS = 4
+"""Verification rounds: each round can only remove sources, so a few settle every case seen."""
+
+
+def _read_verified(candidates: list, read, bad: set, name: str, corrupt: list) -> object | None:
+    """The first candidate directory's copy of ``name`` that reads back verified (``read(dir)``); a copy
+    that fails its checksum (or cannot be read) is marked ``bad``, recorded in ``corrupt`` and skipped."""
+    for d in candidates:
+        if (d, name) in bad:
+            continue
+        try:
+            return read(d)
+        except (CorruptEntryError, OSError, ValueError, KeyError) as e:
+            bad.add((d, name))
+            corrupt.append({"rank": d.rank, "kind": d.kind, "name": name, "error": f"{type(e).__name__}: {e}"[:300]})
+    return None
+
+
 def restore_reshaped(decision, runtime) -> dict:
     """Collective: restore this rank at ``decision.iteration`` (see the module docstring); returns the
-    report section (bytes and operators local / from peers, seconds)."""
+    report section (bytes and operators local / from peers, seconds, copies excluded as corrupt).
+
+    Every entry this rank loads or sends is read, and its checksum verified, before anything moves. A
+    corrupt copy is excluded and the next copy on the node taken; the ranks then exchange what they have
+    and need again (one all-gather per round), so an operator whose copies on one node are all corrupt comes
+    from another node. Every rank sees the same gathered state, so all of them go on or, when an operator
+    has no readable copy anywhere, all raise :class:`ElasticRestoreFailed` together (after deleting the
+    points with corrupt entries from their node's stores: the next start decides on another point)."""
 
     t0 = time.perf_counter()
     cfg, rank, point = runtime.config, runtime.rank, decision.iteration
@@ -75,11 +108,8 @@ def restore_reshaped(decision, runtime) -> dict:
     runtime.build(t_iter_s=1.0)
     registry = runtime.registry
     inventory = node_inventory(store_dir, job, prefer_rank=rank)
-    local = inventory.full.get(point, {})
-    have = {str(op) for op in local} | ({META} if point in inventory.meta else set())
-    need = [str(op) for op in registry if op not in local] + ([] if META in have else [META])
-    gathered = comm.all_gather_object({"need": need, "have": sorted(have)})
-    transfers = assign_sources([g["need"] for g in gathered], [set(g["have"]) for g in gathered])
+    candidates = {str(op): dirs for op, dirs in inventory.candidates.get(point, {}).items()}
+    candidates[META] = list(inventory.meta.get(point, []))
     opened: dict = {}
 
     def store_of(d):
@@ -87,20 +117,55 @@ def restore_reshaped(decision, runtime) -> dict:
             opened[d] = d.open()
         return opened[d]
 
+    def read(name: str):
+        def from_dir(d):
+            if name == META:
+                return restore_meta(store_of(d), point)
+            op = OperatorId.parse(name)
+            return store_of(d).load(point, op, Level.FULL)
+        return from_dir
+
+    bad: set = set()
+    loaded: dict[str, object] = {}
+    mine = [str(op) for op in registry] + [META]
+    excluded: list[dict] = []
+    for _ in range(MAX_ROUNDS):
+        have = {name for name, dirs in candidates.items() if any((d, name) not in bad for d in dirs)}
+        need = [name for name in mine if name not in have]
+        gathered = comm.all_gather_object({"need": need, "have": sorted(have), "corrupt": excluded})
+        corrupt_anywhere = [c for g in gathered for c in g["corrupt"]]
+        try:
+            transfers = assign_sources([g["need"] for g in gathered], [set(g["have"]) for g in gathered])
+        except RuntimeError as e:
+            _quarantine(bad, point)
+            raise ElasticRestoreFailed(
+                f"the agreed point {point} cannot be restored: {e}; copies excluded as corrupt: "
+                f"{_describe(corrupt_anywhere)}. Their points were deleted from the node stores: the next start "
+                "decides on another point") from None
+        wanted = [name for name in mine if name in have] + [name for src, _, name in transfers if src == rank]
+        found: list[dict] = []
+        for name in dict.fromkeys(wanted):
+            if name not in loaded:
+                payload = _read_verified(candidates.get(name, []), read(name), bad, name, found)
+                if payload is not None:
+                    loaded[name] = payload
+        excluded += found
+        if not any(comm.all_gather_object(bool(found))):
+            break
+    else:
+        raise ElasticRestoreFailed(f"copies of point {point} kept failing verification after {MAX_ROUNDS} rounds")
+
     stats = {"operators_local": 0, "bytes_local": 0, "operators_peer": 0, "bytes_peer": 0, "bytes_sent": 0}
     for op in registry:
-        if op in local:
-            stats["bytes_local"] += copy_into(registry, op, store_of(local[op]).load(point, op, Level.FULL))
+        if str(op) in have:
+            stats["bytes_local"] += copy_into(registry, op, loaded[str(op)])
             stats["operators_local"] += 1
-    meta = restore_meta(store_of(inventory.meta[point][0]), point) if META in have else None
+    meta = loaded.get(META)
     group = comm.coordination_group()
     for src, dst, name in transfers:
         if rank == src:
-            if name == META:
-                payload = meta
-            else:
-                op = OperatorId.parse(name)
-                payload = store_of(local[op]).load(point, op, Level.FULL)
+            payload = loaded[name]
+            if name != META:
                 stats["bytes_sent"] += sum(t.nbytes for t in payload.values())
             comm.send_object(payload, dst, group)
         elif rank == dst:
@@ -112,12 +177,25 @@ def restore_reshaped(decision, runtime) -> dict:
                 stats["operators_peer"] += 1
     restore_step_state(meta[0], meta[1], train_state=runtime.state, popularity=runtime.popularity)
     opened.clear()
+    loaded.clear()
     stats["seconds"] = round(time.perf_counter() - t0, 4)
-    per_rank = comm.all_gather_object(stats)  # also the barrier: every rank has read the old points
+    per_rank = comm.all_gather_object({**stats, "excluded": excluded})  # also the barrier: old points read
     discard_old_generation(runtime, store_dir, job)
     totals = {k: sum(r[k] for r in per_rank) for k in stats if k != "seconds"}
     return {**totals, "seconds": max(r["seconds"] for r in per_rank), "per_rank": per_rank,
-            "transfers": [[src, dst, name] for src, dst, name in transfers]}
+            "transfers": [[src, dst, name] for src, dst, name in transfers],
+            "excluded": [dict(c, reader=r) for r, pr in enumerate(per_rank) for c in pr["excluded"]]}
+
+
+def _describe(corrupt: list[dict]) -> str:
+    return "; ".join(f"{c['name']} of old rank {c['rank']} ({c['kind']}): {c['error']}" for c in corrupt) or "none"
+
+
+def _quarantine(bad: set, point: int) -> None:
+    """Delete ``point`` from every store directory in which this rank found a corrupt entry of it."""
+    for d in {d for d, _ in bad}:
+        with contextlib.suppress(Exception):  # already deleted by another rank of the node
+            d.open().delete_point(point)
 
 
 def discard_old_generation(runtime, store_dir: str, job_id: str) -> None:
