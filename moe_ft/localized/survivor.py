@@ -233,6 +233,16 @@ class SurvivorGuard:
             return
         raise SurvivorStop(signum)
 
+    def _nothing_to_keep(self, registry, why: str) -> PublishResult | None:
+        """Why there is no state to keep (nothing completed, or torn by the optimizer step), else ``None``."""
+        if self.last is None or registry is None:
+            return PublishResult(None, f"no completed iteration since this process (re)started or a recovery "
+                                       f"rewrote its state ({why})")
+        if self.updating is not None:
+            return PublishResult(None, f"stopped inside the optimizer step of iteration {self.updating} "
+                                       f"({why}): the state is torn between two iterations")
+        return None
+
     def publish(self, why: str) -> PublishResult:
         """Dump the state of the newest completed iteration as this rank's survivor point (dense, every
         entry checksummed, one rename at the end). Publishes nothing inside the critical section, before
@@ -241,12 +251,10 @@ class SurvivorGuard:
         if self.stopped_at is None:
             self.stopped_at = start
         registry = self.registry_fn()
-        if self.last is None or registry is None:
-            return PublishResult(None, f"no completed iteration since this process (re)started or a recovery "
-                                       f"rewrote its state ({why})")
-        if self.updating is not None:
-            return PublishResult(None, f"stopped inside the optimizer step of iteration {self.updating} "
-                                       f"({why}): the state is torn between two iterations")
+        refused = self._nothing_to_keep(registry, why)
+        if refused is not None:
+            return refused
+        assert self.last is not None
         done = self.last
         store = survivor_store(self.store_root, self.job_id, self.rank)
         previous = store.points()  # kept until the new point is published: a dump that dies leaves them
@@ -274,12 +282,10 @@ class SurvivorGuard:
         start = time.monotonic()
         self.held = None
         registry = self.registry_fn()
-        if self.last is None or registry is None:
-            return PublishResult(None, f"no completed iteration since this process (re)started or a recovery "
-                                       f"rewrote its state ({why})")
-        if self.updating is not None:
-            return PublishResult(None, f"stopped inside the optimizer step of iteration {self.updating} "
-                                       f"({why}): the state is torn between two iterations")
+        refused = self._nothing_to_keep(registry, why)
+        if refused is not None:
+            return refused
+        assert self.last is not None
         done = self.last
         with torch.no_grad():
             entries = {op: {k: t.detach().to("cpu") for k, t in tensors.items()}
