@@ -75,13 +75,13 @@ def _grads(gpt, name_of) -> dict[str, torch.Tensor]:
 
 
 def reference_worker(rank: int, init: str, corpus: str, out: str) -> None:
-    from megatron.training.training import causal_mask, forward_step
+    from megatron.training.training import forward_step
     from moe_ft.checkfree.swap import SwapForwardStep
 
     args, state, data = _setup(rank, 1, init, corpus, [], swap_layers=False)
     gpt = state.model[0].module
     batches = data.batch_for_iteration(0, 0, 0)
-    plain = partial(forward_step, mask=causal_mask(args.model.seq_length))
+    plain = partial(forward_step, seq_length=args.model.seq_length)
     swapped = SwapForwardStep(plain, num_stages=4, layers_per_stage=1)
     result = {"weights": {n: p.detach().clone() for n, p in gpt.named_parameters()}}
     for key, fstep in (("swap", swapped), ("plain", plain)):
@@ -96,7 +96,7 @@ def pipeline_worker(rank: int, init: str, corpus: str, ref: str, out: str) -> No
 
     from megatron.core import parallel_state as ps
 
-    from megatron.training.training import causal_mask, forward_step
+    from megatron.training.training import forward_step
     from moe_ft.checkfree.swap_pp import PartnerSwap
 
     args, state, data = _setup(rank, 4, init, corpus, ["--pipeline-model-parallel-size", "4"], swap_layers=True)
@@ -109,7 +109,7 @@ def pipeline_worker(rank: int, init: str, corpus: str, ref: str, out: str) -> No
             p.copy_(weights[global_name(name)])
     swap = PartnerSwap(state.model, pp_rank=stage, pp_ranks=list(range(4))).attach(state.config)
     assert swap.partner == {0: 1, 1: 0, 2: 3, 3: 2}[stage]
-    losses = _schedule(args, state, partial(forward_step, mask=causal_mask(args.model.seq_length)),
+    losses = _schedule(args, state, partial(forward_step, seq_length=args.model.seq_length),
                        data.batch_for_iteration(0, 0, 0))
     assert not swap.active and swap.borrowed == []  # gradients given back in finalize_model_grads
     torch.save({"losses": [float(x["lm loss"]) for x in losses], "grads": _grads(gpt, global_name)}, out.format(stage))

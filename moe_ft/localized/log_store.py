@@ -142,8 +142,16 @@ class LogDir:
         return sorted(int(p.name[2:]) for p in self.root.iterdir() if p.name.startswith("it") and p.name[2:].isdigit())
 
     def write(self, log: IterationLog) -> int:
-        """Publish ``log`` (replacing an older copy of the same iteration); returns the bytes written."""
+        """Publish ``log`` (replacing an older copy of the same iteration); returns the bytes written. A
+        write that fails (e.g. the file system is full) leaves no staging behind and publishes nothing."""
         staging = self.root / ".staging" / f"it{log.iteration:012d}.{os.getpid()}"
+        try:
+            return self._write(log, staging)
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    def _write(self, log: IterationLog, staging: Path) -> int:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         manifest, total = {}, 0

@@ -21,6 +21,7 @@ module global. Megatron's code is not copied: the subclass only routes the call.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 
 import torch
@@ -29,6 +30,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from moe_ft.localized.log_store import BWD, FWD, CollectiveResult, IterationLog, LogDir
 from moe_ft.localized.vstages import comm_layout, sending_vstage
+from moe_ft.store.errors import store_full
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -56,6 +58,8 @@ class LogRecorder:
         self.current: IterationLog | None = None
         self._thread: int | None = None
         self._cuda = False
+        self.paused = False
+        """The store was full at the last write: iterations are not logged until a write succeeds."""
         self.bytes_per_iteration: dict[int, int] = {}
         """Tensor bytes logged per published iteration, the newest ``KEEP_BYTES`` (the FT log line reports the
         newest)."""
@@ -84,7 +88,19 @@ class LogRecorder:
             return 0
         if self._cuda:
             torch.cuda.synchronize()  # the pinned copies were asynchronous
-        self.log_dir.write(log)
+        try:
+            self.log_dir.write(log)
+        except OSError as e:
+            if not store_full(e):
+                raise
+            if not self.paused:  # a replay that needs this iteration falls back to the global path
+                print(f"moe-ft upstream log paused (store full) at iteration {log.iteration}: {e.strerror}; "
+                      "training goes on", file=sys.stderr, flush=True)
+            self.paused = True
+            return 0
+        if self.paused:
+            print(f"moe-ft upstream log resumed at iteration {log.iteration}", file=sys.stderr, flush=True)
+            self.paused = False
         self.bytes_per_iteration[log.iteration] = log.nbytes()
         for old in sorted(self.bytes_per_iteration)[:-self.KEEP_BYTES]:
             del self.bytes_per_iteration[old]

@@ -20,6 +20,7 @@ from moe_ft.recovery.boost import record_made_up, snapshot_tensors, start_after_
 from moe_ft.recovery.progress import write_progress
 from moe_ft.replication.service import build_persistence
 from moe_ft.state.operators import Level
+from moe_ft.store.errors import store_full
 
 
 class Component:
@@ -224,7 +225,11 @@ class Progress(Component):
         self.path = path
 
     def after_iteration(self, iteration: int) -> None:
-        write_progress(self.path, iteration)
+        try:
+            write_progress(self.path, iteration)
+        except OSError as e:  # the store's file system is full: the previous record stays, training goes on
+            if not store_full(e):
+                raise
 
 
 class IterationClock(Component):

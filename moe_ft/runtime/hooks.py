@@ -23,7 +23,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from moe_ft.config import FTConfig
 from moe_ft.elastic.component import elastic_component
 from moe_ft.elastic.holders import catalogue_infos
 from moe_ft.elastic.rebalance_component import rebalance_component
-from moe_ft.launch.protocol import GROWS_ENV, REFUSED_EXIT_CODE
+from moe_ft.launch.protocol import GROWS_ENV, REFUSED_EXIT_CODE, USAGE_EXIT_CODE
 from moe_ft.launch.worker import launch_facts
 from moe_ft.localized.component import UpstreamLogging
 from moe_ft.localized.survivor import HeldPoint, Regroup, StoredPoints, SurvivorGuard, survivor_store
@@ -52,6 +52,7 @@ from moe_ft.state.catalogue import gather_catalogue
 from moe_ft.state.operators import Level
 from moe_ft.state.optimizer_views import ensure_optimizer_state
 from moe_ft.state.registry import OperatorRegistry
+from moe_ft.store.capacity import RankNeed, existing_dir, mount_point, rank_need, shortfall
 
 
 class FTRuntime(StepHooks):
@@ -174,6 +175,24 @@ class FTRuntime(StepHooks):
         if durable is not None:
             self.durable = durable
             self.components.append(durable)
+        if session is not None:
+            self._check_capacity()
+
+    def _check_capacity(self) -> None:
+        """Collective: stop every rank with one line (exit 2) when the node-local stores cannot fit what the
+        plan keeps (``moe_ft/store/capacity.py``)."""
+        cfg = self.config
+        store_dir = cfg.snapshot.store_dir
+        full = sum(t.nbytes for op in self.registry for t in self.registry[op].tensors(Level.FULL).values())
+        need = rank_need(full, localized=self.survivor is not None,
+                         replicas=cfg.replication.replicas if self.replication is not None else 0)
+        mine = RankNeed(os.stat(existing_dir(store_dir)).st_dev, mount_point(Path(store_dir)), need)
+        needs = [RankNeed(**d) for d in comm.all_gather_object(asdict(mine))]
+        errors = comm.all_gather_object(shortfall(needs, store_dir, cfg.job_dir()))
+        if any(errors):
+            if self.rank == next(r for r, e in enumerate(errors) if e):
+                print(f"error: {next(e for e in errors if e)}", file=sys.stderr, flush=True)
+            raise SystemExit(USAGE_EXIT_CODE)
 
     def reconfigure(self, iteration: int, change):
         """Collective, after ``iteration``'s optimizer step: ``change(registry)`` moves operators between
@@ -398,6 +417,8 @@ class FTRuntime(StepHooks):
             window = session.policy.window_progress(rec.iteration)
             if window is not None:
                 out["window"] = window
+        if session is not None and session.engine.paused:
+            out["snapshots_paused"] = session.engine.paused
         for component in self.components:
             out.update(component.metrics(rec))
         return out

@@ -6,6 +6,8 @@ from __future__ import annotations
 def format_line(iteration: int, m: dict) -> str:
     """``m``: :meth:`FTRuntime.metrics` (snapshot bytes, stall, window, replicas, durable tier, boost)."""
     parts = [f"ft iteration {iteration + 1:6d}", f"policy {m['policy']}"]
+    if "snapshots_paused" in m:
+        parts.append(f"snapshots paused ({m['snapshots_paused']})")
     if "bytes" in m:
         parts += [f"snapshot {m['bytes'] / 1e6:.3f} MB (FULL {m['full']}, COMPUTE {m['compute']})",
                   f"stall {m['stall_ms']:.2f} ms"]

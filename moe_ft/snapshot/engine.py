@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -51,6 +52,7 @@ from moe_ft.background import BackgroundWorker
 from moe_ft.snapshot.bubbles import BubbleSchedule  # noqa: F401  (EngineConfig.bubbles)
 from moe_ft.snapshot.buffers import HostBuffers
 from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store.errors import store_full
 
 
 @dataclass(kw_only=True)
@@ -107,6 +109,8 @@ class SnapshotRecord:
     """The part of ``thread_cpu_s`` spent until the operators' entries were written (the rest: metadata
     entry, manifest, publish, garbage collection)."""
     published: bool = False
+    skipped: str = ""
+    """Why nothing was published (``"store full"``: the store's file system had no room; training went on)."""
     remote_bytes: int = 0
     """FULL bytes hashed but not written (left to the replica peers; ``bytes`` counts what was written)."""
 
@@ -169,6 +173,9 @@ class SnapshotEngine:
         self._untimed: deque[_Job] = deque()  # GPU jobs whose device stall is not known yet
         self._entries: dict[tuple[int, OperatorId, Level], _Entry] = {}
         self.records: list[SnapshotRecord] = []
+        self.paused: str = ""
+        """Non-empty while snapshots are paused: the store's file system is full (``ENOSPC``/``EDQUOT``);
+        each later snapshot tries again, and the first that fits resumes them."""
         # No torch-function mode on the worker (unlike threads that run Megatron code): it only copies
         # CPU/pinned tensors and writes bytes, and a Python-level mode would put every tensor access of it
         # under the GIL, slowing down the training thread it is meant to overlap with.
@@ -369,6 +376,25 @@ class SnapshotEngine:
         if not self.direct:
             job.copied.set()
         start = time.perf_counter()
+        try:
+            pool_cpu = self._write(job, cpu0, start)
+        except OSError as e:
+            if not store_full(e):
+                raise
+            job.copied.set()  # nothing more will be read from the live tensors
+            self._pause(job.record, e)
+            return
+        if self.paused:
+            print(f"moe-ft snapshots resumed at iteration {job.record.iteration}: {self.store.backend.describe()} "
+                  "has room again", file=sys.stderr, flush=True)
+            self.paused = ""
+        job.record.write_s = time.perf_counter() - start
+        job.record.thread_cpu_s = time.thread_time() - cpu0 + pool_cpu
+        job.record.published = True
+
+    def _write(self, job: _Job, cpu0: float, start: float) -> float:
+        """Write and publish the job's point (a failure aborts it: nothing of it is visible); returns the
+        write pool's CPU seconds."""
         pool_cpu = 0.0
         with self.store.begin(job.record.iteration) as point:
             if self._pool is not None and len(job.items) > 1:
@@ -384,9 +410,18 @@ class SnapshotEngine:
                 job.copied.set()
             point.put_meta(job.meta, job.meta_tensors)
             point.publish()
-        job.record.write_s = time.perf_counter() - start
-        job.record.thread_cpu_s = time.thread_time() - cpu0 + pool_cpu
-        job.record.published = True
+        return pool_cpu
+
+    def _pause(self, record: SnapshotRecord, error: OSError) -> None:
+        """The store is full: this snapshot is dropped (its staging was aborted: no torn point), training
+        goes on, the next snapshots try again. Recovery meanwhile uses the newest recoverable point kept
+        (retention never deleted one for a point that was not published)."""
+        record.skipped = "store full"
+        if not self.paused:
+            print(f"moe-ft snapshots paused (store full) at iteration {record.iteration}: {self.store.backend.describe()}: "
+                  f"{error.strerror}; training goes on, snapshots resume when space returns (free space on the "
+                  "store's file system, or --ft-store-dir on a larger one)", file=sys.stderr, flush=True)
+        self.paused = "store full"
 
     def _copy_in_bubbles(self, job: _Job, schedule) -> float:
         """MoEtion Alg. 4 on the CPU path: ``W*`` at once (overlapping computation), then each entry of

@@ -3,6 +3,8 @@ that an operator reading a log line knows which file to look at."""
 
 from __future__ import annotations
 
+import errno
+
 
 class StoreError(RuntimeError):
     """Base class of every error raised by :mod:`moe_ft.store`."""
@@ -23,3 +25,9 @@ class MissingEntryError(StoreError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else "missing store entry"
+
+
+def store_full(error: BaseException) -> bool:
+    """Whether ``error`` says the store's file system has no room (``ENOSPC``, or a quota: ``EDQUOT``): the
+    writers of per-iteration state skip and go on instead of ending the run."""
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)

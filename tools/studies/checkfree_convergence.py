@@ -100,7 +100,7 @@ class Trainer:
         from megatron.training.initialize import set_seeds
         from megatron.training.model import build_train_state
         from megatron.training.pretrain import build_data
-        from megatron.training.training import causal_mask, forward_step
+        from megatron.training.training import forward_step
 
         self.cfg, self.args, self.strategy = cfg, args, strategy
         set_seeds(cfg.seed)
@@ -121,7 +121,7 @@ class Trainer:
         self.state, self.data = state, build_data(args)
         self.gpt = state.model[0].module
         self.layers = stage_layers(self.gpt)
-        self.forward = partial(forward_step, mask=causal_mask(args.model.seq_length))
+        self.forward = partial(forward_step, seq_length=args.model.seq_length)
         swap = strategy in ("checkfree+", "swap-only")
         self.fstep = SwapForwardStep(self.forward, num_stages=cfg.num_stages, layers_per_stage=lps) if swap else None
         self.boost = LrBoost(state.optimizer, state.scheduler, LrBoostConfig())

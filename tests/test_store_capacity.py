@@ -1,0 +1,104 @@
+"""The node-local store's capacity (``moe_ft/store/capacity.py``, ``moe_ft/snapshot/engine.py``): a store
+too small for the plan stops the job at start with one line (exit 2); a store another process fills during
+the run pauses the snapshots, training goes on, and they resume when space returns. Real tmpfs mounts (the
+test needs the right to mount one, as root in the CI container; skipped otherwise)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moe_ft.store.capacity import RankNeed, rank_need, shortfall
+from tests._ft_helpers import ROOT, tiny_model_flags
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+
+MODEL = tiny_model_flags("ep2", hidden_size=64, seq_length=64, log_interval=1, seed=1234)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mounted = []
+
+    def mount(size: str) -> Path:
+        path = tmp_path / f"tmpfs{len(mounted)}"
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_the_least_a_plan_keeps(small_tmpfs):
+    assert rank_need(100, localized=False, replicas=0) == 300
+    assert rank_need(100, localized=True, replicas=2) == 1000
+    fs = small_tmpfs("1m")
+    dev = os.stat(fs).st_dev
+    assert shortfall([RankNeed(dev, str(fs), 256 << 10)], str(fs / "store"), str(fs / "store" / "job")) is None
+    msg = shortfall([RankNeed(dev, str(fs), 1 << 20), RankNeed(dev, str(fs), 1 << 20)], str(fs / "store"),
+                    str(fs / "store" / "job"))
+    assert msg.startswith("the snapshot store needs at least 2.0 MiB on ") and "2 rank(s)" in msg
+    assert "--shm-size" in msg and "--ft-store-dir" in msg
+    assert shortfall([RankNeed(dev + 1, "/elsewhere", 1 << 30)], str(fs / "store"), str(fs / "job")) is None
+
+
+def _train(store: Path, iters: int, log: Path, corpus: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = [*MODEL, "--data-path", corpus, "--train-iters", str(iters), "--ft", "--ft-policy", "sparse", "--ft-sparse-window", "3",
+            "--ft-replicas", "0", "--ft-store-dir", str(store), "--ft-job-id", "cap"]
+    cmd = [sys.executable, "-m", "moe_ft.drills.prelaunch", "--standalone", "--nproc-per-node=2",
+           os.path.join(ROOT, "pretrain_gpt_moe.py"), *args]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def test_a_store_too_small_stops_at_start_with_one_line(small_tmpfs, corpus, tmp_path):
+    fs = small_tmpfs("1500k")
+    log = tmp_path / "small.log"
+    proc = _train(fs / "store", 4, log, corpus)
+    rc = proc.wait(timeout=240)
+    out = log.read_text()
+    errors = [line for line in out.splitlines() if line.startswith("error: the snapshot store needs at least")]
+    assert rc != 0 and errors, out[-3000:]
+    assert "on " + str(fs) in errors[0] and "Traceback" not in out.split(errors[0])[0][-2000:]
+    assert "ENOSPC" not in out and "No space left" not in out
+
+
+def test_a_store_filled_during_the_run_pauses_snapshots_and_training_completes(small_tmpfs, corpus, tmp_path):
+    fs = small_tmpfs("24m")
+    log = tmp_path / "fill.log"
+    proc = _train(fs / "store", 40, log, corpus)
+    filler = fs / "filler"
+    try:
+        deadline = time.monotonic() + 200
+        while "iteration      4/40" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        free = os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize
+        with open(filler, "wb") as f:  # another process takes every free byte
+            try:
+                f.write(bytes(free))
+            except OSError:
+                pass
+        while "snapshots paused (store full)" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        time.sleep(0.2)  # a few paused iterations (~60 ms each here)
+        filler.unlink()
+        rc = proc.wait(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    assert rc == 0, out[-3000:]
+    assert "moe-ft snapshots paused (store full)" in out and "moe-ft snapshots resumed at iteration" in out, out[-3000:]
+    assert "iteration     40/40" in out and "Traceback" not in out
