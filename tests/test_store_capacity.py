@@ -5,6 +5,7 @@ test needs the right to mount one, as root in the CI container; skipped otherwis
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -85,11 +86,8 @@ def test_a_store_filled_during_the_run_pauses_snapshots_and_training_completes(s
         while "iteration      4/40" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
         free = os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize
-        with open(filler, "wb") as f:  # another process takes every free byte
-            try:
-                f.write(bytes(free))
-            except OSError:
-                pass
+        with open(filler, "wb") as f, contextlib.suppress(OSError):  # another process takes every free byte
+            f.write(bytes(free))
         while "snapshots paused (store full)" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
         time.sleep(0.2)  # a few paused iterations (~60 ms each here)

@@ -233,15 +233,17 @@ class SurvivorGuard:
             return
         raise SurvivorStop(signum)
 
-    def _nothing_to_keep(self, registry, why: str) -> PublishResult | None:
-        """Why there is no state to keep (nothing completed, or torn by the optimizer step), else ``None``."""
+    def _state_to_keep(self, why: str) -> tuple[Mapping, Completed] | PublishResult:
+        """``(registry, newest completed iteration)``, or why there is no state to keep (nothing completed,
+        or torn by the optimizer step)."""
+        registry = self.registry_fn()
         if self.last is None or registry is None:
             return PublishResult(None, f"no completed iteration since this process (re)started or a recovery "
                                        f"rewrote its state ({why})")
         if self.updating is not None:
             return PublishResult(None, f"stopped inside the optimizer step of iteration {self.updating} "
                                        f"({why}): the state is torn between two iterations")
-        return None
+        return registry, self.last
 
     def publish(self, why: str) -> PublishResult:
         """Dump the state of the newest completed iteration as this rank's survivor point (dense, every
@@ -250,28 +252,21 @@ class SurvivorGuard:
         start = time.monotonic()
         if self.stopped_at is None:
             self.stopped_at = start
-        registry = self.registry_fn()
-        refused = self._nothing_to_keep(registry, why)
-        if refused is not None:
-            return refused
-        assert self.last is not None
-        done = self.last
+        kept = self._state_to_keep(why)
+        if isinstance(kept, PublishResult):
+            return kept
+        registry, done = kept
         store = survivor_store(self.store_root, self.job_id, self.rank)
-        previous = store.points()  # kept until the new point is published: a dump that dies leaves them
-        if done.iteration in previous:
-            if self.adopted == done.iteration:  # loaded from that very point: it already holds this state
-                return PublishResult(done.iteration, f"{why} (its point of iteration {done.iteration} is "
-                                                     "already published)", 0, time.monotonic() - start)
-            store.delete_point(done.iteration)
+        if self.adopted == done.iteration and done.iteration in store.points():
+            # loaded from that very point: it already holds this state
+            return PublishResult(done.iteration, f"{why} (its point of iteration {done.iteration} is "
+                                                 "already published)", 0, time.monotonic() - start)
         written = _write_point(store, done.iteration, _point_tensors(registry, done, self.fault_check),
                                _survivor_meta(done, self.rank, why), done.tensors,
                                out_of_time=lambda: time.monotonic() - self.stopped_at > self.deadline_s)
         if written is None:
             return PublishResult(None, f"the dump did not finish within {self.deadline_s:.0f} s of the "
                                        "stop (nothing published)")
-        for old in previous:  # one point per rank: the newest stop's
-            if old != done.iteration:
-                store.delete_point(old)
         return PublishResult(done.iteration, why, written, time.monotonic() - start)
 
     def hold(self, why: str) -> PublishResult:
@@ -281,12 +276,10 @@ class SurvivorGuard:
         any more), so the next attempt's model can take the device memory."""
         start = time.monotonic()
         self.held = None
-        registry = self.registry_fn()
-        refused = self._nothing_to_keep(registry, why)
-        if refused is not None:
-            return refused
-        assert self.last is not None
-        done = self.last
+        kept = self._state_to_keep(why)
+        if isinstance(kept, PublishResult):
+            return kept
+        registry, done = kept
         with torch.no_grad():
             entries = {op: {k: t.detach().to("cpu") for k, t in tensors.items()}
                        for op, tensors in _point_tensors(registry, done, self.fault_check)}
@@ -389,21 +382,19 @@ class HeldPoint:
         if self.discarded:
             return PublishResult(None, "nothing held")
         store = survivor_store(self.store_root, self.job_id, self.rank)
-        previous = store.points()
-        if self.iteration in previous:
-            store.delete_point(self.iteration)
         nbytes = _write_point(store, self.iteration, ((op, self.entries[op]) for op in sorted(self.entries, key=str)),
                               self.step_meta, self.tensors) or 0
-        for old in previous:
-            if old != self.iteration:
-                store.delete_point(old)
         return PublishResult(self.iteration, "spilled", nbytes, time.monotonic() - start)
 
 
 def _write_point(store, iteration: int, entries, meta: dict, meta_tensors: Mapping[str, torch.Tensor],
                  out_of_time: Callable[[], bool] = lambda: False) -> int | None:
-    """Publish ``entries`` (``(op, tensors)``, every operator FULL) and the metadata as the point of
-    ``iteration`` (one rename at the end); ``None`` when ``out_of_time()`` said stop (nothing published)."""
+    """Publish ``entries`` (``(op, tensors)``, every operator FULL) and the metadata as this rank's one
+    survivor point, of ``iteration`` (one rename at the end; the older points stay until it is published:
+    a dump that dies leaves them); ``None`` when ``out_of_time()`` said stop (nothing published)."""
+    previous = store.points()
+    if iteration in previous:
+        store.delete_point(iteration)
     nbytes = 0
     with torch.no_grad(), store.begin(iteration) as point:
         for op, tensors in entries:
@@ -413,6 +404,9 @@ def _write_point(store, iteration: int, entries, meta: dict, meta_tensors: Mappi
                 return None
         point.put_meta(meta, {k: v.detach().cpu().contiguous() for k, v in meta_tensors.items()})
         point.publish()
+    for old in previous:  # one point per rank: the newest stop's
+        if old != iteration:
+            store.delete_point(old)
     return nbytes
 
 
