@@ -22,8 +22,10 @@ test suite runs its drills under this one (``tests/conftest.py`` sets ``MOE_FT_D
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import runpy
+import signal
 import sys
 import uuid
 
@@ -49,7 +51,10 @@ a module the script does not need costs only this process's start-up)."""
 
 def run_script(script: str, *script_args: str) -> int:
     """A worker: run ``script`` as ``__main__`` with ``script_args`` as its command line. A ``sys.exit``
-    with a non-zero code leaves the worker with that exit status, as in a worker torchrun started."""
+    with a non-zero code leaves the worker with that exit status, as in a worker torchrun started. ``kill
+    -USR1`` prints every thread's stack (a test helper that times out sends it before killing the tree),
+    whatever the script."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     sys.argv = [script, *script_args]
     runpy.run_path(script, run_name="__main__")
     return 0
