@@ -358,3 +358,16 @@ def test_run_guarded_holds_instead_of_publishing(tmp_path):
 
     assert run_guarded(train, lambda: guard, hold=True) == 1
     assert guard.held is not None and guard.held.iteration == 5 and not (tmp_path / "job").exists()
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_run_guarded_without_a_guard_says_so(capsys, hold):
+    """A failure before the runtime built its guard (forming the process groups): exit code 1 and one line
+    saying there was no guard, whether the caller holds or publishes."""
+
+    def train():
+        raise RuntimeError("Connection closed by peer")
+
+    assert run_guarded(train, lambda: None, hold=hold) == 1
+    err = capsys.readouterr().err
+    assert "published nothing: no survivor guard" in err and "AttributeError" not in err

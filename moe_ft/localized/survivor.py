@@ -448,8 +448,10 @@ def run_guarded(train: Callable[[], object], guard_of: Callable[[], SurvivorGuar
         guard = guard_of()
         why = str(exc) if isinstance(exc, SurvivorStop) else f"{type(exc).__name__}: {exc}"[:300]
         try:
-            keep = guard.hold if hold else guard.publish
-            result = keep(why) if guard is not None else PublishResult(None, "no survivor guard")
+            if guard is None:
+                result = PublishResult(None, "no survivor guard")
+            else:
+                result = (guard.hold if hold else guard.publish)(why)
         except Exception as dump_exc:  # the rank counts as failed; say why
             result = PublishResult(None, f"the dump failed: {type(dump_exc).__name__}: {dump_exc}")
         rank = guard.rank if guard is not None else os.environ.get("RANK", "?")
