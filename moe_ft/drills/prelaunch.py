@@ -79,7 +79,7 @@ def use_preloaded_forkserver(modules: tuple[str, ...] = PRELOAD) -> str:
     the agent's first worker start: an agent blocked there for seconds sends no heartbeat and the other
     nodes' agents would declare its node lost. A module that fails to import in the server is imported
     again, with its error, by the worker that needs it."""
-    ctx = multiprocessing.get_context(START_METHOD)
+    ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(modules))
     os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers' agent is their grandparent (kill_node)
     ready = ctx.Process(target=os.getpid, name="moe-ft-forkserver-ready")
