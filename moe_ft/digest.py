@@ -29,21 +29,6 @@ def _optimizers(optimizer):
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _group_values(group: dict, prefix: str) -> dict[str, torch.Tensor]:
-    """A parameter group's numeric values (a step the optimizer counts per group, betas, eps, learning
-    rates): state a recovery must restore as it does the per-parameter tensors."""
-    out = {}
-    for key, value in group.items():
-        if key == "params" or isinstance(value, bool):
-            continue
-        if torch.is_tensor(value):
-            out[f"{prefix}.{key}"] = value.detach()
-        elif isinstance(value, (int, float)) or (
-                isinstance(value, (tuple, list)) and value and all(isinstance(v, (int, float)) for v in value)):
-            out[f"{prefix}.{key}"] = torch.tensor(value, dtype=torch.float64).reshape(-1)
-    return out
-
-
 def local_state_tensors(model_chunks, optimizer, scheduler=None, include_rng: bool = True) -> dict[str, torch.Tensor]:
     """Name → tensor for everything that makes up this rank's training state. The spare expert slots of an
     elastic layer (``--ft-rebalance-interval``: MLPs serving no expert) hold no training state: left out,
@@ -68,7 +53,6 @@ def local_state_tensors(model_chunks, optimizer, scheduler=None, include_rng: bo
         if inner is None:
             continue
         for group_idx, group in enumerate(inner.param_groups):
-            out.update(_group_values(group, f"optim{opt_idx}.g{group_idx}"))
             for param_idx, param in enumerate(group["params"]):
                 if id(param) in spare:
                     continue
