@@ -42,6 +42,11 @@ from datetime import timedelta
 from string import Template
 from typing import Any
 
+# torch elastic logs a worker's failure through torch's log formatter, which imports torch._dynamo on the
+# first exception it formats: about 1 s on a slow machine, in the monitor pass that handles the first
+# failure -- long enough to stall this node's heartbeat past a short --node-timeout (the other agents then
+# declare a live node lost) and to delay every first recovery. Imported here, before any worker starts.
+import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
