@@ -4,13 +4,13 @@
 #   bash tools/bench/gpu_suite.sh OUT_DIR            # every stage
 #   STAGES="units overhead" bash tools/bench/gpu_suite.sh OUT_DIR
 #
-# Stages: snapshot (tools/bench/gpu_snapshot.py), dispatch (gpu_dispatch.py), units (tests/gpu without the
+# Stages: snapshot (tools/bench/gpu_snapshot.py), hash (gpu_hash.py: the device checksum), dispatch (gpu_dispatch.py), units (tests/gpu without the
 # end-to-end drill, plus the gpu-marked tests elsewhere), recovery (tests/gpu/test_gpu_recovery.py),
 # overhead (gpu_overhead.py; --ft-snapshot-bandwidth from the snapshot stage's store write rate when present).
 # Each stage writes OUT_DIR/<stage>.json or .log; the tests' numbers land in OUT_DIR/results/*.json.
 set -u
 OUT=${1:-gpu_results}
-STAGES=${STAGES:-"snapshot dispatch units recovery overhead"}
+STAGES=${STAGES:-"snapshot hash dispatch units recovery overhead"}
 PY=${PYTHON:-python}
 mkdir -p "$OUT/results"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -30,9 +30,10 @@ stage() {  # stage NAME OUTFILE CMD...
 }
 
 stage snapshot gpu_snapshot.json $PY -m tools.bench.gpu_snapshot --store-root "$STORE"
+stage hash gpu_hash.json $PY -m tools.bench.gpu_hash
 stage dispatch gpu_dispatch.json $PY -m tools.bench.gpu_dispatch
 stage units units.log $PY -m pytest -q -p no:cacheprovider -rs -s --basetemp="$STORE/pt-gpu-units" \
-  -m gpu tests/gpu tests/test_popularity.py --ignore=tests/gpu/test_gpu_recovery.py
+  -m gpu tests/gpu tests/test_popularity.py tests/test_entry_hash.py --ignore=tests/gpu/test_gpu_recovery.py
 stage recovery recovery.log $PY -m pytest -q -p no:cacheprovider -rs -s --basetemp="$STORE/pt-gpu-recovery" \
   tests/gpu/test_gpu_recovery.py
 # half the store's measured write rate (SNAPSHOT_BW overrides; 2e9 without a snapshot stage)

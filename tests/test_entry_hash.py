@@ -1,0 +1,125 @@
+"""The ``mfh64`` entry checksum: its PyTorch reference against an independent pure-Python oracle written
+from the definition, the Triton kernel against the reference bit for bit (``TRITON_INTERPRET=1`` on CPU,
+set by conftest; on CUDA when there is one), and the detection guarantees the definition claims."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from moe_ft.store import entry_hash as eh
+from moe_ft.store import entry_hash_triton as et
+
+M = 0xFFFFFFFF
+
+
+def oracle(data: bytes) -> bytes:
+    """The definition, word by word, in Python integers."""
+
+    def fmix(x: int) -> int:
+        x ^= x >> 16
+        x = (x * 0x85EBCA6B) & M
+        x ^= x >> 13
+        x = (x * 0xC2B2AE35) & M
+        return x ^ (x >> 16)
+
+    padded = data + b"\0" * (-len(data) % 4)
+    sums = [0, 0]
+    for i, (w,) in enumerate(struct.iter_unpack("<I", padded)):
+        for lane, (k, s) in enumerate([(0x9E3779B1, 0x7F4A7C15), (0x85EBCA77, 0x165667B1)]):
+            sums[lane] = (sums[lane] + fmix(w ^ ((i * k + s) & M))) & M
+    return struct.pack("<QII", len(data), *sums)
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def sample(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    return torch.randint(0, 256, (n * torch.tensor([], dtype=dtype).element_size(),), generator=g,
+                         dtype=torch.uint8).view(dtype)
+
+
+CASES = [(0, torch.uint8), (1, torch.uint8), (3, torch.bool), (7, torch.int8), (4097, torch.float32),
+         (3 * 4096 + 5, torch.bfloat16), (1000, torch.int64), (2 * 4096, torch.float16)]
+
+
+@pytest.mark.parametrize("n,dtype", CASES)
+def test_reference_is_the_definition(n, dtype):
+    t = sample(n, dtype)
+    assert eh.reference_digest(t) == oracle(raw(t))
+
+
+@pytest.mark.parametrize("n,dtype", CASES)
+def test_kernel_equals_the_reference(n, dtype):
+    t = sample(n, dtype, seed=1)
+    got = et.device_digest(t, block=1024)  # several blocks and a partial one on the larger cases
+    assert got.dtype == torch.int64 and got.shape == (3,)
+    assert et.finish(got) == eh.reference_digest(t)
+
+
+def test_reference_in_chunks_equals_one_pass(monkeypatch):
+    t = sample(10_001, torch.uint8, seed=2)
+    whole = eh.reference_digest(t)
+    monkeypatch.setattr(eh, "CHUNK_WORDS", 7)
+    assert eh.reference_digest(t) == whole == oracle(raw(t))
+
+
+def test_views_and_layouts():
+    base = sample(4096 + 9, torch.uint8, seed=3)
+    shifted = base[1:]  # starts mid-word: hashed through an aligned copy
+    assert eh.reference_digest(shifted) == oracle(raw(shifted)) == et.finish(et.device_digest(shifted))
+    matrix = sample(64 * 33, torch.float32, seed=4).reshape(64, 33)
+    assert eh.reference_digest(matrix.t()) == oracle(raw(matrix.t()))  # non-contiguous: its logical order
+    with pytest.raises(TypeError, match="dense strided"):
+        eh.reference_digest(torch.eye(3).to_sparse())
+
+
+def test_every_single_bit_flip_is_detected_by_kernel_and_reference():
+    t = sample(40, torch.uint8, seed=5)  # 10 words: 320 flips
+    clean = eh.reference_digest(t)
+    flat = t.clone()
+    for byte in range(flat.numel()):
+        for bit in range(8):
+            flat[byte] ^= 1 << bit
+            kernel = et.finish(et.device_digest(flat))
+            assert kernel == eh.reference_digest(flat) != clean, (byte, bit)
+            assert kernel[8:12] != clean[8:12] and kernel[12:] != clean[12:]  # both lanes, as the proof says
+            flat[byte] ^= 1 << bit
+    assert eh.reference_digest(flat) == clean
+
+
+def test_larger_entry_flips_swaps_and_truncation():
+    t = sample(1 << 20, torch.uint8, seed=6)
+    clean = eh.reference_digest(t)
+    g = torch.Generator().manual_seed(7)
+    for pos in torch.randint(0, t.numel(), (64,), generator=g).tolist():
+        bad = t.clone()
+        bad[pos] ^= 1 << (pos % 8)
+        assert eh.reference_digest(bad) != clean, pos
+    words = t.view(torch.int32).clone()
+    words[[10, 20]] = words[[20, 10]]  # two words swapped: the sum alone would not see it
+    assert words[10] != words[20] and eh.reference_digest(words) != clean
+    assert eh.reference_digest(t[:-4]) != clean and eh.reference_digest(t[:-4])[:8] == struct.pack("<Q", t.numel() - 4)
+    zeros = torch.zeros(4096, dtype=torch.uint8)
+    assert eh.reference_digest(zeros) != eh.reference_digest(torch.zeros(4100, dtype=torch.uint8))
+
+
+def test_the_kernel_refuses_cpu_tensors_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        et.device_digest(torch.zeros(8, dtype=torch.uint8))
+
+
+@pytest.mark.gpu
+def test_kernel_on_cuda_equals_the_host_reference():
+    for n, dtype in [*CASES, (64 << 20, torch.bfloat16)]:
+        t = sample(n, dtype, seed=8)
+        assert et.finish(et.device_digest(t.cuda())) == eh.reference_digest(t), (n, dtype)
