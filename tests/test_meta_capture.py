@@ -69,7 +69,9 @@ class _Counting(TorchFunctionMode):
 
 def test_capture_bypasses_torch_function_modes():
     pop = ExpertPopularity(PopularityConfig(moe_layers=[0, 1], num_experts=4))
-    state = types.SimpleNamespace(optimizer=types.SimpleNamespace(get_loss_scale=lambda: torch.tensor(2.0)),
+    groups = [{"params": [], "lr": 1e-3, "betas": (0.9, 0.95), "step": torch.tensor(4.0)}]
+    state = types.SimpleNamespace(optimizer=types.SimpleNamespace(get_loss_scale=lambda: torch.tensor(2.0),
+                                                                  param_groups=groups),
                                   scheduler=types.SimpleNamespace(state_dict=lambda: {"num_steps": 3}),
                                   model=[_model(0, [True, True])])
     result = types.SimpleNamespace(grad_norm=torch.tensor(0.5), update_successful=True, lr=1e-3)
@@ -86,3 +88,5 @@ def test_capture_bypasses_torch_function_modes():
     assert mode.calls == 0
     assert meta["consumed_samples"] == 40 and meta["loss_scale"] == 2.0 and meta["grad_norm"] == 0.5
     assert {"expert_bias.L0", "expert_bias.L1", "popularity.hard", "rng.torch_cpu"} <= set(tensors)
+    assert meta["param_groups"] == [{"lr": 1e-3, "betas": [0.9, 0.95]}]
+    assert tensors["param_group.0.step"] == 4.0 and tensors["param_group.0.step"] is not groups[0]["step"]

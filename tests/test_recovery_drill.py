@@ -81,6 +81,24 @@ def test_sparse_ep2pp2_publish_and_replay_kills(drill_env, reference):
 
 
 @pytest.mark.timeout(600)
+def test_a_recovery_that_failed_on_its_own_is_not_repeated(drill_env, reference):
+    """Rank 3 is killed at iteration 7; the recovery restores window [3, 5] and rank 1's replay of
+    iteration 5 raises an error of its own (not a dead peer). The next recovery does not restore point 5
+    again: it takes an older one, says which decision it avoided and why, and the job ends bitwise equal to
+    the fault-free run."""
+    res = launch(drill_env, "avoid_failed", layout="ep2pp2", policy="sparse", max_restarts=2,
+                 faults=["3:7:backward", "1:5:recovery:exception"])
+    assert res["rc"] == 0, res["log"]
+    assert res["digest"] == reference("ep2pp2")
+    report = res["reports"][-1]
+    avoided = report["scope"]["avoided"]["global"]
+    (failed_point,) = (int(p) for p in avoided)
+    assert "InjectedFault" in avoided[str(failed_point)] and failed_point == 5
+    assert report["recovery_point"]["end"] < failed_point and report["recovery_point"]["source"] == "memory"
+    assert "not repeated, it failed before: restoring point" in report["message"]
+
+
+@pytest.mark.timeout(600)
 def test_sparse_dp2ep2_kill_during_snapshot_copy(drill_env, reference):
     """DP=2 x EP=2 (distributed optimizer): kill rank 0 with the copy of iteration 4 in flight (inside
     window [3, 5]): back to [0, 2], replay 1 and 2, re-execute 3 … the last completed iteration. (The

@@ -23,17 +23,22 @@ def leaf_optimizers(optimizer) -> Iterator:
 
 
 def ensure_optimizer_state(optimizer) -> None:
-    """Give an optimizer that never stepped its state tensors (Adam ``exp_avg``/``exp_avg_sq``, ``step``
-    0), so that a checkpoint or snapshot can be loaded into them; no parameter is touched.
+    """Give an optimizer that never stepped its state tensors (Adam ``exp_avg``/``exp_avg_sq``, and for
+    torch's Adam/AdamW a per-parameter ``step`` 0), so that a checkpoint or snapshot can be loaded into
+    them; no parameter is touched.
 
     Without Apex/TE, Megatron's ``DistributedOptimizer.state_dict()`` reads ``step`` from every param
     state and asserts there is one value, so loading into an optimizer that never stepped fails (a
-    Megatron bug on TE-less installs); a dummy optimizer step instead would change the parameters."""
+    Megatron bug on TE-less installs); a dummy optimizer step instead would change the parameters.
+    Transformer Engine's and Apex's ``FusedAdam`` count the step in the parameter group instead and keep
+    no per-parameter ``step``: giving them one would make the state differ from the one they snapshot."""
     for opt in leaf_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
             continue
         opt.init_state_fn(inner, opt.config)
+        if not isinstance(inner, torch.optim.Adam):  # AdamW is a subclass
+            continue
         for group in inner.param_groups:
             for param in group["params"]:
                 inner.state[param].setdefault("step", torch.tensor(0.0))

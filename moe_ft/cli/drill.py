@@ -89,12 +89,13 @@ def job_argv(*, layout: str, policy: str, iters: int, data: str, store: str, job
 
 
 def torchrun(argv: list[str], *, max_restarts: int, timeout: float, log_path: str, launcher: str = "torchrun",
-             launcher_flags: tuple[str, ...] = ()) -> int:
+             launcher_flags: tuple[str, ...] = (), script: str | None = None) -> int:
     """One job under ``launcher`` (``moe_ft.drills.launchers``: torchrun, ``preloaded``, ``inprocess`` ...)
-    on this host; ``launcher_flags``: more flags for the launcher (e.g. ``--spares-per-node=0``)."""
+    on this host; ``launcher_flags``: more flags for the launcher (e.g. ``--spares-per-node=0``); ``script``:
+    the training script (default ``pretrain_gpt_moe.py``; a test's wrapper of it)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, *launcher_argv(launcher), *launcher_flags, "--standalone", f"--nproc-per-node={WORLD_SIZE}",
-           f"--max-restarts={max_restarts}", "--monitor-interval=0.1", str(ROOT / "pretrain_gpt_moe.py"), *argv]
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.1", script or str(ROOT / "pretrain_gpt_moe.py"), *argv]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -118,14 +119,14 @@ def ensure_corpus(workdir: str) -> str:
 
 def run_job(*, job: str, workdir: str, faults: list[str] | None = None, max_restarts: int = 0,
             timeout: float = 300, launcher: str | None = None, launcher_flags: tuple[str, ...] = (),
-            **common) -> dict:
+            script: str | None = None, **common) -> dict:
     """One launch of the tiny job (``common``: the keywords of :func:`job_argv` but ``job``, ``digest_out``
     and ``faults``; ``launcher``: ``None`` is :func:`moe_ft.drills.launchers.default_launcher`); returns ``rc``,
     ``digest``, ``reports`` and the ``log`` path."""
     digest_out, log = os.path.join(workdir, f"{job}.json"), os.path.join(workdir, f"{job}.log")
     rc = torchrun(job_argv(job=job, digest_out=digest_out, faults=list(faults or []), **common),
                   max_restarts=max_restarts, timeout=timeout, log_path=log, launcher=launcher or default_launcher(),
-                  launcher_flags=launcher_flags)
+                  launcher_flags=launcher_flags, script=script)
     return {"rc": rc, "digest": read_digest(digest_out), "reports": read_reports(common["store"], job), "log": log}
 
 

@@ -50,7 +50,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import psutil
 
@@ -179,14 +179,20 @@ def check_losses(losses: list[NodeLoss], num_nodes: int) -> None:
         raise ValueError(f"--fail-node given twice for the same node and point: {[str(l) for l in losses]}")
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and everything below it (torchrun's workers run in sessions of their own)."""
+def kill_tree(pid: int, also: Sequence[int] = ()) -> None:
+    """SIGKILL a process and everything below it (torchrun's workers run in sessions of their own), and the
+    processes ``also`` (listed below it earlier: a worker whose fork server died since is no longer below)."""
 
     try:
         root = psutil.Process(pid)
         procs = [root] + root.children(recursive=True)
     except psutil.NoSuchProcess:
-        return
+        procs = []
+    pids = {p.pid for p in procs}
+    for extra in also:
+        if extra not in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                procs.append(psutil.Process(extra))
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):  # already gone
             p.kill()
@@ -194,12 +200,14 @@ def kill_tree(pid: int) -> None:
 
 def dump_stacks_then_kill(pid: int, wait_s: float = 2.0) -> None:
     """A drill that timed out: ask every process below ``pid`` for its threads' stacks (SIGUSR1; the
-    training script's workers print them into the job's log, ``pretrain_gpt_moe.py``), then :func:`kill_tree`."""
-    for child in children(pid):
+    training script's workers print them into the job's log, ``pretrain_gpt_moe.py``), then :func:`kill_tree`.
+    A fork server gets no SIGUSR1 (it has no handler: it would die and orphan its workers)."""
+    tree = children(pid)
+    for child in workers(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGUSR1)
     time.sleep(wait_s)
-    kill_tree(pid)
+    kill_tree(pid, also=tree)
 
 
 def children(pid: int) -> list[int]:
@@ -207,6 +215,26 @@ def children(pid: int) -> list[int]:
         return [p.pid for p in psutil.Process(pid).children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
+
+
+_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+
+
+def workers(agent_pid: int) -> list[int]:
+    """The worker processes below an agent: every descendant but multiprocessing's helpers (preloaded
+    launchers fork their workers from a fork server, which starts a resource tracker; both live as long as
+    their agent, across restarts). A helper is a child of the agent started with its own command line; its
+    forks (the workers) inherit that command line, so only the agent's direct children are tested."""
+    try:
+        direct = psutil.Process(agent_pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    helpers = set()
+    for p in direct:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if any(helper in part for part in p.cmdline() for helper in _HELPERS):
+                helpers.add(p.pid)
+    return [pid for pid in children(agent_pid) if pid not in helpers]
 
 
 def alive(pid: int) -> bool:
@@ -389,7 +417,7 @@ class SimulatedCluster:
         they resume long before)."""
 
         running = [pid for n, a in self.agents.items() if n != join.node and a.poll() is None
-                   for pid in children(a.pid)]
+                   for pid in workers(a.pid)]
         for pid in running:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
@@ -473,7 +501,7 @@ class SimulatedCluster:
             kill_tree(self.agents[node].pid)
             self.agents[node].wait()
         survivors = [n for n in self.agents if n not in nodes]
-        survivor_workers = [pid for n in survivors for pid in children(self.agents[n].pid)]
+        survivor_workers = [pid for n in survivors for pid in workers(self.agents[n].pid)]
         completed = last_completed([Path(self.store_of(n)) for n in self.agents])
         for node in nodes:  # the node is gone: its snapshots and the replicas it held with it
             store = Path(self.store_of(node))

@@ -195,16 +195,31 @@ def _on_launch_node(rank: int) -> bool:
     return node is None or per_node is None or rank // int(per_node) == int(node)
 
 
+AGENT_PID_ENV = "MOE_FT_AGENT_PID"
+"""Set by a launcher whose workers are not its children (forked from a fork server it started): its pid."""
+
+
+def agent_process() -> psutil.Process:
+    """This torchrun worker's agent: the ancestor named by :data:`AGENT_PID_ENV` (workers forked from a fork
+    server), else the parent."""
+    named = os.environ.get(AGENT_PID_ENV)
+    if named:
+        for ancestor in psutil.Process().parents():
+            if ancestor.pid == int(named):
+                return ancestor
+    return psutil.Process(os.getppid())
+
+
 def kill_node() -> None:
-    """SIGKILL the node this torchrun worker runs on: its agent (the parent process) first, so that it cannot
-    restart anything, then every other process the agent started (torchrun puts each worker in a session of
-    its own, so a process-group kill would miss them), then this process. Never returns.
+    """SIGKILL the node this torchrun worker runs on: its agent first (:func:`agent_process`), so that it
+    cannot restart anything, then every other process below the agent (torchrun puts each worker in a
+    session of its own, so a process-group kill would miss them), then this process. Never returns.
 
     Outside torchrun (no ``TORCHELASTIC_RUN_ID``) the parent is not an agent: only this process is killed."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         me = os.getpid()
         try:
-            agent = psutil.Process(os.getppid())
+            agent = agent_process()
             victims = [p for p in agent.children(recursive=True) if p.pid != me]  # listed before the agent dies
             agent.kill()
         except psutil.NoSuchProcess:

@@ -11,8 +11,12 @@ This launcher takes torchrun's own flags (``torch.distributed.run``'s parser: ``
 ``--nnodes``, ``--nproc-per-node``, ``--rdzv-*``, ``--max-restarts``, ``--monitor-interval`` ...), imports
 the training stack once, and hands torch elastic's launcher (``elastic_launch``, the same
 ``LocalElasticAgent``, rendezvous, restarts and worker environment as torchrun) a function entrypoint
-with the ``fork`` start method: each worker is a fork of this process that runs the script as
-``__main__`` with its flags. Failures, signals and exit codes reach the agent as with torchrun: a worker
+with the ``forkserver`` start method: each worker is a fork of one server process that imported the
+training stack (:func:`use_preloaded_forkserver`) and runs the script as ``__main__`` with its flags.
+Not a fork of the agent itself: by the time it starts workers the agent runs threads (its rendezvous
+store's server, the rendezvous keep-alive) that may hold a lock at the moment of a fork, and a child
+that inherits a held lock waits on it forever (the likely cause of a worker group once seen hanging,
+under load, while it formed its gloo group). The fork server never runs a thread. Failures, signals and exit codes reach the agent as with torchrun: a worker
 that exits non-zero or is killed fails the group, and the agent restarts it (or stops) by the same rules.
 
 The forked workers run exactly the script's code; only the import cost moves. Plain ``torchrun`` stays the
@@ -23,7 +27,8 @@ test suite runs its drills under this one (``tests/conftest.py`` sets ``MOE_FT_D
 from __future__ import annotations
 
 import faulthandler
-import importlib
+import multiprocessing
+import os
 import runpy
 import signal
 import sys
@@ -32,6 +37,8 @@ import uuid
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import elastic_launch
+
+from moe_ft.drills.faults import AGENT_PID_ENV
 
 PRELOAD = (
     "megatron.training.arguments",
@@ -60,9 +67,25 @@ def run_script(script: str, *script_args: str) -> int:
     return 0
 
 
-def preload(modules: tuple[str, ...] = PRELOAD) -> None:
-    for name in modules:
-        importlib.import_module(name)
+START_METHOD = "forkserver"
+"""The start method of preloaded workers (:func:`use_preloaded_forkserver`)."""
+
+
+def use_preloaded_forkserver(modules: tuple[str, ...] = PRELOAD) -> str:
+    """Start multiprocessing's fork server, have it import ``modules``, wait until it has, and return the
+    start method that forks workers from it. The server is single-threaded and started before the agent
+    runs a thread, so every worker (restarts and spares included) is a fork of a process that holds no
+    lock and no connection of the agent's. Waiting here, before the rendezvous, keeps the imports out of
+    the agent's first worker start: an agent blocked there for seconds sends no heartbeat and the other
+    nodes' agents would declare its node lost. A module that fails to import in the server is imported
+    again, with its error, by the worker that needs it."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(modules))
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers' agent is their grandparent (kill_node)
+    ready = ctx.Process(target=os.getpid, name="moe-ft-forkserver-ready")
+    ready.start()
+    ready.join()
+    return START_METHOD
 
 
 @record
@@ -75,8 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_python or args.module:
         raise SystemExit("error: moe_ft.drills.prelaunch runs a Python script file; drop --no-python / -m")
     config, _, _ = torchrun.config_from_args(args)
-    config.start_method = "fork"
-    preload()
+    config.start_method = use_preloaded_forkserver()
     elastic_launch(config=config, entrypoint=run_script)(args.training_script, *args.training_script_args)
 
 

@@ -14,7 +14,7 @@ derives it; only the agent differs (:class:`moe_ft.launch.agent.SpareAgent`). Ad
 ``--node-timeout S``      several nodes: seconds without a node agent's heartbeat before its ranks go to
                           spares on other nodes (default 10)
 ``--full-restart``        torchrun's behaviour: any failure restarts every worker
-``--preload``             start workers as forks of this process after it imported the training stack
+``--preload``             start workers as forks of one server process that imported the training stack
                           (saves each worker its imports; CPU jobs, tests)
 """
 
@@ -31,7 +31,7 @@ from torch.distributed.elastic.multiprocessing import Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
-from moe_ft.drills.prelaunch import preload, run_script
+from moe_ft.drills.prelaunch import run_script, use_preloaded_forkserver
 from moe_ft.launch import protocol
 from moe_ft.launch.agent import Fenced, LaunchLogs, SpareAgent
 
@@ -52,7 +52,7 @@ def build_parser():
     group.add_argument("--full-restart", action="store_true",
                        help="torchrun's behaviour: any failure restarts every worker (no in-process recovery)")
     group.add_argument("--preload", action="store_true",
-                       help="fork workers from this process once it imported the training stack")
+                       help="fork workers from one server process that imported the training stack once (CPU jobs, tests)")
     return parser
 
 
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     config, cmd, cmd_args = torchrun.config_from_args(args)
     entrypoint, entry_args, start_method = cmd, list(cmd_args), config.start_method
     if args.preload:
-        preload()
-        entrypoint, entry_args, start_method = run_script, [args.training_script, *args.training_script_args], "fork"
+        entrypoint, entry_args = run_script, [args.training_script, *args.training_script_args]
+        start_method = use_preloaded_forkserver()
     params = rendezvous.RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr, **config.rdzv_configs)

@@ -36,9 +36,11 @@ import torch.distributed as dist
 from moe_ft import comm
 from moe_ft.checkfree.recovery import boost_rebuilt_stage
 from moe_ft.digest import global_digest
+from moe_ft.launch.worker import peer_failure
 from moe_ft.persist import DurableTier
 from moe_ft.recovery import localized, planner
 from moe_ft.recovery.bounded import BoundedStore
+from moe_ft.recovery.ledger import GLOBAL, LOCALIZED, Avoided, DecisionLedger
 from moe_ft.recovery.lossy import gather_expert_full_at, token_loss
 from moe_ft.recovery.machine import MachineConfig, Phase, Recovery, RecoveryContext, RecoveryState
 from moe_ft.recovery.progress import last_completed
@@ -131,14 +133,19 @@ def recover(inputs: RecoveryInputs) -> RecoveryReport:
     t_fetch = time.perf_counter()
     fetched = fetch_lost_points(inputs)
     t_fetch = time.perf_counter() - t_fetch
-    scope, report = try_localized(inputs, lost_through=lost_through, since_fault=since_fault, t0=t0)
+    ledger = DecisionLedger(inputs.config.job_dir(), inputs.rank)
+    avoided = agreed_avoided(ledger)
+    scope, report = try_localized(inputs, lost_through=lost_through, since_fault=since_fault, t0=t0,
+                                  ledger=ledger, avoided=avoided)
     if report is not None:
+        note_avoided(report, avoided)
+        ledger.clear()
         return report
     if inputs.survivor is not None:  # loaders adopted the target; the global path rewrites their live state
         inputs.survivor.forget()
-    plan = plan_recovery(inputs, fetched)
+    plan = plan_recovery(inputs, fetched, below=avoided.below)
     plan.plan.unavailable["survivor_point"] = f"not used: {scope.reason}"
-    rs, source = restore_newest_point(inputs, plan)
+    rs, source = restore_newest_point(inputs, plan, below=avoided.below, ledger=ledger)
     inputs.check_fault(lost_through + 1, "fallback")  # drills: lost while the global path rewrote the state
     if t_fetch > 0.0005 and fetched:
         rs.seconds["fetch"] = t_fetch
@@ -153,21 +160,62 @@ def recover(inputs: RecoveryInputs) -> RecoveryReport:
     report.scope = {"mode": "global", "reason": scope.reason, "target": scope.target, "failed": scope.failed,
                     "bytes_loaded": {str(r): b for r, b in enumerate(comm.all_gather_object(rs.bytes_loaded))}}
     record_recovery_levels(inputs, plan, rs, source, report)
+    note_avoided(report, avoided)
     discard_survivor_points(inputs)
+    ledger.clear()
     return report
 
 
+# ------------------------------------------------------------------------------- failed decisions
+def agreed_avoided(ledger: DecisionLedger) -> Avoided:
+    """The decisions any rank recorded as failed (collective): every rank avoids the same ones."""
+    avoided = Avoided()
+    for data in comm.all_gather_object(ledger.load().to_json()):
+        avoided = avoided.merge(Avoided.from_json(data))
+    return avoided
+
+
+def note_avoided(report: RecoveryReport, avoided: Avoided) -> None:
+    """Say in the report which failed decisions this recovery did not repeat."""
+    if not avoided:
+        return
+    report.scope["avoided"] = avoided.to_json()
+    parts = [f"localized recovery to iteration {t} ({why})" for t, why in sorted(avoided.localized.items())]
+    parts += [f"restoring point {p} ({why})" for p, why in sorted(avoided.global_points.items())]
+    report.message = (f"{report.message}; " if report.message else "") + (
+        "not repeated, it failed before: " + "; ".join(parts))
+
+
+def _recording(ledger: DecisionLedger | None, scope: str, iteration: Callable[[], int | None], run: Callable[[], Any]):
+    """``run()``; when it raises an error of its own (not a failed collective: a peer died), record the
+    decision (``scope``, ``iteration()``) as failed before the error ends the attempt."""
+    try:
+        return run()
+    except Exception as e:
+        at = iteration()
+        if ledger is not None and at is not None and not peer_failure(e):
+            ledger.record(scope, at, f"{type(e).__name__}: {e}")
+        raise
+
+
 # ------------------------------------------------------------------------------------- localized scope
-def try_localized(inputs: RecoveryInputs, *, lost_through: int, since_fault: float | None, t0: float):
+def try_localized(inputs: RecoveryInputs, *, lost_through: int, since_fault: float | None, t0: float,
+                  ledger: DecisionLedger | None = None, avoided: Avoided | None = None):
     """Localized recovery (``localized.py``, collective): ``(scope, report)`` when it recovered the job,
-    ``(scope, None)`` when the global path must run (``scope.reason`` says why)."""
+    ``(scope, None)`` when the global path must run (``scope.reason`` says why). A localized recovery to
+    the same target failed before (``avoided``): the global path, saying so."""
 
     if inputs.survivor is not None:
         inputs.survivor.forget()  # the live state is about to be rewritten
     scope = localized.decide(inputs)
     if not scope.localized:
         return scope, None
-    mine = localized.run(inputs, scope)
+    if avoided is not None and scope.target in avoided.localized:
+        why = avoided.localized[scope.target]
+        scope.mode, scope.reason = "global", (f"a localized recovery to iteration {scope.target} failed before "
+                                              f"({why}): widened to the global scope")
+        return scope, None
+    mine = _recording(ledger, LOCALIZED, lambda: scope.target, lambda: localized.run(inputs, scope))
     if mine is None:
         return scope, None
     outcomes = mine.pop("outcomes")
@@ -241,13 +289,14 @@ def fetch_lost_points(inputs: RecoveryInputs) -> dict:
     return {"fetched": fetched} if fetched else {}
 
 
-def plan_recovery(inputs: RecoveryInputs, fetched: dict):
+def plan_recovery(inputs: RecoveryInputs, fetched: dict, below: int | None = None):
     """Where the state comes from (``planner.py``, collective): every rank's memory-tier point, the durable
     tier, ``--load``; refuses below ``--ft-min-recovery-level``; on the CheckFree path the lost stages'
-    ranks are rebuilt from their neighbours here (``moe_ft/checkfree/recovery.py``)."""
+    ranks are rebuilt from their neighbours here (``moe_ft/checkfree/recovery.py``). ``below``: the newest
+    point allowed (a newer one failed to restore before)."""
 
     lo = inputs.start_iteration - 1
-    store, policy = BoundedStore(inputs.session.store, lo=lo), inputs.session.policy
+    store, policy = BoundedStore(inputs.session.store, lo=lo, hi=below), inputs.session.policy
     rule = policy.recovery_rule(list(inputs.registry), store=store, start_iteration=inputs.start_iteration)
     find = lambda bound: store.newest_recoverable(rule, at_or_before=bound)  # noqa: E731 (verified later)
     durable = durable_store(inputs, newer_than=lo)
@@ -274,15 +323,20 @@ def _machine(inputs: RecoveryInputs, store, rs: RecoveryState, check_routing: bo
     return Recovery(MachineConfig(lossy=policy.lossy, check_routing=check_routing), ctx).run(rs)
 
 
-def restore_newest_point(inputs: RecoveryInputs, plan=None) -> tuple[RecoveryState, str]:
+def restore_newest_point(inputs: RecoveryInputs, plan=None, *, below: int | None = None,
+                         ledger: DecisionLedger | None = None) -> tuple[RecoveryState, str]:
     """Run the state machine on the memory tier (node-local store and fetched replicas; a rebuilt stage's
-    rank: its rebuilt layers, ``plan.store``), bounded below by the ``--load`` checkpoint; if no point is
-    common to every rank there, on the newest complete durable point. Returns the final state and the
-    source (``memory`` / ``durable``)."""
+    rank: its rebuilt layers, ``plan.store``), bounded below by the ``--load`` checkpoint and above by
+    ``below`` (a newer point failed to restore before); if no point is common to every rank there, on the
+    newest complete durable point. Returns the final state and the source (``memory`` / ``durable``). A
+    restore that raises an error of its own records its point in ``ledger``."""
     lo = inputs.start_iteration - 1  # a point older than the --load checkpoint would only re-execute more
     own = plan.store if plan is not None and plan.store is not None else inputs.session.store
-    rs = _machine(inputs, BoundedStore(own, lo=lo), RecoveryState(fallback_iteration=inputs.start_iteration),
-                  check_routing=plan.check_routing if plan is not None else True)
+    rs = RecoveryState(fallback_iteration=inputs.start_iteration)
+    point_end = lambda: rs.point.end if rs.point is not None else None  # noqa: E731
+    _recording(ledger, GLOBAL, point_end,
+               lambda: _machine(inputs, BoundedStore(own, lo=lo, hi=below), rs,
+                                check_routing=plan.check_routing if plan is not None else True))
     if rs.point is not None:
         return rs, "memory"
     durable = durable_store(inputs, newer_than=lo)
@@ -290,8 +344,9 @@ def restore_newest_point(inputs: RecoveryInputs, plan=None) -> tuple[RecoverySta
         return rs, "memory"
     store, complete_end = durable  # every node's memory tier lost the point: the durable tier is the last resort
     memory = rs
-    rs = _machine(inputs, BoundedStore(store, hi=complete_end),
-                  RecoveryState(fallback_iteration=inputs.start_iteration, skipped=list(memory.skipped)))
+    rs = RecoveryState(fallback_iteration=inputs.start_iteration, skipped=list(memory.skipped))
+    hi = complete_end if below is None else min(complete_end, below)
+    _recording(ledger, GLOBAL, point_end, lambda: _machine(inputs, BoundedStore(store, hi=hi), rs))
     rs.proposals = memory.proposals + rs.proposals
     rs.seconds = {k: memory.seconds.get(k, 0.0) + rs.seconds.get(k, 0.0) for k in {*memory.seconds, *rs.seconds}}
     if rs.point is None:

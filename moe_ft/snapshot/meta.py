@@ -7,9 +7,11 @@ JSON part: ``iteration``, ``consumed_samples``, ``grad_norm``, ``clip_factor`` (
 ``scheduler`` (``OptimizerParamScheduler.state_dict()``: the LR-schedule position), ``grad_scaler`` (per
 Megatron optimizer, the fp16 dynamic loss scaler's scale / growth tracker / hysteresis tracker, or ``None``:
 ``moe_ft/precision/scaler.py``), ``policy`` (the policy's ``state_dict()``), ``popularity`` (its scalar
-fields), ``rng.python``.
+fields), ``rng.python``, ``param_groups`` (every optimizer parameter group's values but its parameters:
+a step counted per group, betas, learning rates; ``moe_ft/state/param_groups.py``).
 Tensors: ``rng.torch_cpu``, ``rng.cuda`` (if CUDA), ``rng.tracker.<name>`` (Megatron's model-parallel RNG
-tracker), ``rng.numpy``, ``popularity.<counter>``, ``expert_bias.L<layer>`` (router expert bias).
+tracker), ``rng.numpy``, ``popularity.<counter>``, ``expert_bias.L<layer>`` (router expert bias),
+``param_group.<index>.<key>`` (a group's tensor values).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 from megatron.core import tensor_parallel
 
 from moe_ft.precision.scaler import grad_scaler_state, load_grad_scaler_state
+from moe_ft.state.param_groups import META_KEY as PARAM_GROUPS
+from moe_ft.state.param_groups import capture_param_groups, restore_param_groups
 
 
 def capture_rng() -> tuple[dict, dict[str, torch.Tensor]]:
@@ -64,10 +68,12 @@ def restore_grad_scaler(optimizer, meta: dict) -> None:
 
 def restore_step_meta(meta: dict, tensors: dict[str, torch.Tensor], *, optimizer=None) -> None:
     """The per-iteration state of the metadata that lives outside the operators: RNG states and, given
-    the optimizer, its loss scaler(s)."""
+    the optimizer, its loss scaler(s) and its parameter groups' values (the caller then sets the learning
+    rates from the restored schedule)."""
     restore_rng(meta, tensors)
     if optimizer is not None:
         restore_grad_scaler(optimizer, meta)
+        restore_param_groups(optimizer, meta.get(PARAM_GROUPS), tensors)
 
 
 def capture_step_meta(*, iteration: int, result, state, global_batch_size: int, clip_grad: float,
@@ -102,6 +108,8 @@ def _capture_step_meta(iteration, result, state, global_batch_size, clip_grad, p
     }
     rng_meta, tensors = capture_rng()
     meta.update(rng_meta)
+    meta[PARAM_GROUPS], group_tensors = capture_param_groups(state.optimizer)
+    tensors.update(group_tensors)
     if popularity is not None:
         pop = popularity.state_dict()
         meta["popularity"] = {k: v for k, v in pop.items() if not isinstance(v, torch.Tensor)}
