@@ -72,6 +72,14 @@ def test_reference_in_chunks_equals_one_pass(monkeypatch):
     assert eh.reference_digest(t) == whole == oracle(raw(t))
 
 
+def test_device_path_equals_the_host_path(monkeypatch):
+    """The int64 PyTorch path (tail words on a GPU) run on CPU tensors against the NumPy one."""
+    monkeypatch.setattr(eh, "CHUNK_WORDS", 1000)
+    words = sample(2500, torch.int32, seed=9)
+    for first in (0, 7, (1 << 32) - 3):  # indices wrap mod 2^32
+        assert eh._lane_sums_torch(words, first).tolist() == eh.lane_sums(words, first).tolist()
+
+
 def test_views_and_layouts():
     base = sample(4096 + 9, torch.uint8, seed=3)
     shifted = base[1:]  # starts mid-word: hashed through an aligned copy

@@ -21,6 +21,7 @@ its store; the survivors' are enough to change the decision).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -65,7 +66,7 @@ class DecisionLedger:
         self.path = os.path.join(job_dir, "failed_decisions", f"rank{rank}.json")
 
     def load(self) -> Avoided:
-        """The recorded failures; an unreadable record (torn by a kill during its write) counts as none."""
+        """The recorded failures; an unreadable record (a damaged file) counts as none."""
         try:
             with open(self.path) as f:
                 return Avoided.from_json(json.load(f))
@@ -83,7 +84,5 @@ class DecisionLedger:
         os.replace(tmp, self.path)
 
     def clear(self) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass

@@ -2,8 +2,9 @@
 
 A snapshot entry's bytes are hashed on the device that holds them (a Triton kernel on CUDA,
 ``entry_hash_triton.py``), so that the trainer's CPU never reads a payload byte to checksum it; the node
-agent or a recovery verifies the same digest on the host with the PyTorch reference below. The function is
-defined here, once, and the kernel must equal this reference bit for bit.
+agent or a recovery verifies the same digest on the host with the reference below (NumPy on the CPU,
+PyTorch on other devices). The function is defined here, once, and the kernel must equal this reference bit
+for bit.
 
 Definition. Take the entry's ``n`` bytes as little-endian 32-bit words ``w_0 .. w_{m-1}`` (``m = ceil(n /
 4)``, the last word zero-padded). For the two lanes ``l = 0, 1``::
@@ -32,7 +33,6 @@ import numpy as np
 import torch
 
 ALGO = "mfh64"
-DIGEST_SIZE = 16
 MASK = 0xFFFFFFFF
 KEYS = ((0x9E3779B1, 0x7F4A7C15), (0x85EBCA77, 0x165667B1))
 """``(K_l, S_l)`` per lane: odd multipliers (golden-ratio and xxHash primes) and offsets."""
@@ -100,14 +100,10 @@ def _lane_sums_host(words: np.ndarray, first_index: int) -> list[int]:
     return sums
 
 
-def lane_sums(words: torch.Tensor, first_index: int = 0) -> torch.Tensor:
-    """int64 ``[h_0, h_1]`` (each mod 2^32) of 32-bit ``words`` (any integer dtype; the low 32 bits count)
-    whose first word has index ``first_index``; on the words' device, in chunks (NumPy on the CPU)."""
-    flat = words.reshape(-1)
-    if flat.device.type == "cpu":
-        host = flat.numpy().astype(np.uint32) if flat.dtype != torch.int32 else flat.numpy().view(np.uint32)
-        return torch.tensor(_lane_sums_host(host, first_index), dtype=torch.int64)
-    out = torch.zeros(2, dtype=torch.int64, device=words.device)
+def _lane_sums_torch(flat: torch.Tensor, first_index: int) -> torch.Tensor:
+    """The lane sums with int64 PyTorch operations on the words' own device (a tail word on a GPU, where
+    :func:`entry_hash_triton.device_digest` must not synchronize)."""
+    out = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for start in range(0, flat.numel(), CHUNK_WORDS):
         w = flat[start:start + CHUNK_WORDS].to(torch.int64) & MASK
         i = torch.arange(w.numel(), device=w.device, dtype=torch.int64) + (first_index + start)
@@ -119,18 +115,27 @@ def lane_sums(words: torch.Tensor, first_index: int = 0) -> torch.Tensor:
     return out
 
 
-def pack(nbytes: int, sums: torch.Tensor) -> bytes:
-    """The 16-byte digest of ``nbytes`` bytes whose lane sums are ``sums`` (int64 ``[2]``, any device)."""
-    h0, h1 = (int(v) & MASK for v in sums.tolist())
+def lane_sums(words: torch.Tensor, first_index: int = 0) -> torch.Tensor:
+    """int64 ``[h_0, h_1]`` (each mod 2^32) of 32-bit ``words`` (any integer dtype; the low 32 bits count)
+    whose first word has index ``first_index``; on the words' device, in chunks (NumPy on the CPU)."""
+    flat = words.reshape(-1)
+    if flat.device.type != "cpu":
+        return _lane_sums_torch(flat, first_index)
+    host = flat.numpy().astype(np.uint32) if flat.dtype != torch.int32 else flat.numpy().view(np.uint32)
+    return torch.tensor(_lane_sums_host(host, first_index), dtype=torch.int64)
+
+
+def pack(nbytes: int, sums: list[int]) -> bytes:
+    """The 16-byte digest of ``nbytes`` bytes whose lane sums are ``sums``."""
+    h0, h1 = (int(v) & MASK for v in sums)
     return struct.pack("<QII", nbytes, h0, h1)
 
 
 def reference_digest(tensor: torch.Tensor) -> bytes:
-    """The digest of ``tensor``'s bytes, computed with PyTorch operations on the tensor's own device."""
+    """The digest of ``tensor``'s bytes, computed on the tensor's own device (NumPy for a CPU tensor)."""
     data = byte_view(tensor)
     words, tail = split_words(data)
     sums = lane_sums(words)
     if tail.numel():
         sums = (sums + lane_sums(tail, first_index=words.numel())) & MASK
-    return pack(data.numel(), sums)
-
+    return pack(data.numel(), sums.tolist())

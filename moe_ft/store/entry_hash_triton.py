@@ -89,4 +89,4 @@ def device_digest(tensor: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
 def finish(digest: torch.Tensor) -> bytes:
     """The 16-byte digest from :func:`device_digest`'s tensor (synchronizes with its stream)."""
     nbytes, *sums = digest.tolist()
-    return pack(int(nbytes), torch.tensor(sums, dtype=torch.int64))
+    return pack(nbytes, sums)
