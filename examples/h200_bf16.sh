@@ -26,6 +26,6 @@ torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node 8 \
   --micro-batch-size 1 --global-batch-size 512 \
   --train-iters 100000 --lr 4.2e-4 --min-lr 4.2e-5 --lr-decay-style cosine --lr-warmup-iters 2000 \
   --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --num-threads 4 \
-  --data-path "$DATA" --split 99 1 0 \
+  --data-path "$DATA" --split 99,1,0 \
   --log-interval 10 --eval-interval 1000 --eval-iters 10 \
   --save "$SAVE" --save-interval 1000 ${EXTRA:-}

@@ -29,7 +29,7 @@ exec torchrun --standalone --nproc-per-node "$NPROC" pretrain_gpt_moe.py \
   --micro-batch-size 2 --global-batch-size 8 \
   --train-iters "$ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 5 \
   --weight-decay 0.01 --clip-grad 1.0 --seed 1234 \
-  --data-path "$DATA" --split 98 2 0 --tokenizer-type ByteLevel \
+  --data-path "$DATA" --split 98,2,0 --tokenizer-type ByteLevel \
   --log-interval 10 --eval-interval 50 --eval-iters 2 \
   --save "$SAVE" --save-interval 50 \
   ${EXTRA:-}

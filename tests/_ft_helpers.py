@@ -140,7 +140,7 @@ def make_corpus(directory: str) -> str:
     from tools.preprocess_data import preprocess
 
     write_corpus(os.path.join(directory, "c.jsonl"), num_docs=300, seed=0)
-    preprocess(os.path.join(directory, "c.jsonl"), os.path.join(directory, "corpus"))
+    preprocess(os.path.join(directory, "c.jsonl"), os.path.join(directory, "corpus"), append_eod=True)
     return os.path.join(directory, "corpus")
 
 

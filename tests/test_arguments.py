@@ -26,7 +26,7 @@ def test_flags_map_to_dataclasses(data_prefix):
                        "--micro-batch-size", "1", "--global-batch-size", "4", "--split", "90", "9", "1",
                        "--use-distributed-optimizer", "--data-path", data_prefix], world_size=4)
     assert args.model.num_layers == 4 and args.model.ffn_hidden_size == 128
-    assert args.parallel.use_distributed_optimizer and args.data.split == [90, 9, 1]
+    assert args.parallel.use_distributed_optimizer and args.data.split == ["90", "9", "1"]
     assert args.data_parallel_size == 2 and args.num_microbatches == 2
     assert args.training.lr_decay_iters == args.training.train_iters
 

@@ -10,7 +10,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron.training.data import ReplayableData, TokenSamples, split_ranges  # noqa: E402
+from megatron.training.arguments import ArgumentError, data_blend, split_weights  # noqa: E402
+from megatron.training.data import DataConfig, ReplayableData, build_datasets, check_token_ids  # noqa: E402
 from megatron.training.tokenizer import ByteLevelTokenizer  # noqa: E402
 from tools.make_corpus import write_corpus  # noqa: E402
 from tools.preprocess_data import preprocess  # noqa: E402
@@ -20,14 +21,21 @@ from tools.preprocess_data import preprocess  # noqa: E402
 def prefix(tmp_path_factory):
     d = tmp_path_factory.mktemp("data")
     write_corpus(str(d / "c.jsonl"), num_docs=300, seed=3)
-    assert preprocess(str(d / "c.jsonl"), str(d / "corpus")) == 300
+    assert preprocess(str(d / "c.jsonl"), str(d / "corpus"), append_eod=True) == 300
+    write_corpus(str(d / "d.jsonl"), num_docs=100, seed=4)
+    assert preprocess(str(d / "d.jsonl"), str(d / "other"), append_eod=True) == 100
     return str(d / "corpus")
 
 
-def make(prefix, dp=2, mbs=2, gbs=8, seed=11):
-    samples = TokenSamples(prefix, seq_length=32, eod=ByteLevelTokenizer().eod)
-    return ReplayableData(samples, split=[90, 10, 0], seed=seed, micro_batch_size=mbs, global_batch_size=gbs,
-                          data_parallel_size=dp)
+def config(prefix, seed=11, iters=50, gbs=8, blend=None, cache=None, split="90,10,0"):
+    return DataConfig(blend=blend or ([prefix], None), split=split, seq_length=32, seed=seed,
+                      sizes=(iters * gbs, 2 * gbs, None), cache_path=cache)
+
+
+def make(prefix, dp=2, mbs=2, gbs=8, seed=11, num_workers=0, **kw):
+    datasets = build_datasets(config(prefix, seed=seed, gbs=gbs, **kw), ByteLevelTokenizer())
+    return ReplayableData(datasets, micro_batch_size=mbs, global_batch_size=gbs, data_parallel_size=dp,
+                          num_workers=num_workers)
 
 
 def test_preprocess_roundtrip(tmp_path):
@@ -55,16 +63,40 @@ def test_preprocess_plain_text_and_errors(tmp_path):
         preprocess(str(tmp_path / "missing.jsonl"), str(tmp_path / "m"))
 
 
+def batches_equal(xs, ys):
+    return all(torch.equal(getattr(x, k), getattr(y, k)) for x, y in zip(xs, ys, strict=True)
+               for k in ("tokens", "labels", "loss_mask", "position_ids", "sample_ids"))
+
+
 def test_batch_is_pure_function_of_seed_iteration_rank(prefix):
     a, b = make(prefix), make(prefix)
     # b computes iteration 37 cold; a walks there through all earlier iterations
     for t in range(37):
         a.batch_for_iteration(t, 0)
     for rank in (0, 1):
-        for x, y in zip(a.batch_for_iteration(37, rank), b.batch_for_iteration(37, rank)):
-            assert torch.equal(x.tokens, y.tokens) and torch.equal(x.labels, y.labels)
+        assert batches_equal(a.batch_for_iteration(37, rank), b.batch_for_iteration(37, rank))
     other_seed = make(prefix, seed=12).batch_for_iteration(37, 0)[0]
     assert not torch.equal(other_seed.tokens, b.batch_for_iteration(37, 0)[0].tokens)
+
+
+def test_background_workers_give_the_same_batches_in_any_order(prefix):
+    plain, ahead = make(prefix), make(prefix, num_workers=2)
+    try:
+        for t in [0, 1, 2, 3, 1, 2, 3, 4, 9, 10]:  # a replay of 1-3, then a jump
+            assert batches_equal(plain.batch_for_iteration(t, 1), ahead.batch_for_iteration(t, 1)), t
+    finally:
+        ahead.close()
+
+
+def test_elastic_data_parallel_change_keeps_the_global_batch(prefix):
+    """The same global batch whatever the data-parallel size: DP 2 with 2 micro-batches each and DP 4 with
+    one hold the same samples, and DP 4's rank r holds what DP 2's micro-batch r // 2 of rank r % 2 held."""
+    two, four = make(prefix, dp=2), make(prefix, dp=4)
+    t = 7
+    by_two = {(m, r): b for r in range(2) for m, b in enumerate(two.batch_for_iteration(t, r))}
+    for r in range(4):
+        (batch,) = four.batch_for_iteration(t, r)
+        assert batches_equal([batch], [by_two[(r // 2, r % 2)]])
 
 
 def test_layout_of_global_batch(prefix):
@@ -72,32 +104,69 @@ def test_layout_of_global_batch(prefix):
     assert data.num_microbatches == 2
     t = 5
     ids = [data.sample_ids_for(t, m, r) for m in range(2) for r in range(2)]
-    flat = [i for chunk in ids for i in chunk]
-    assert len(set(flat)) == 8  # the 8 samples of a global batch are distinct
-    # Megatron layout: micro-batch m of rank r starts at t*GBS + (m*DP + r)*MBS of the shuffled order
-    assert data.sample_ids_for(t, 1, 0) == [data.global_sample_index(t * 8 + 4 + i) for i in range(2)]
+    assert sorted(i for chunk in ids for i in chunk) == list(range(40, 48))
+    # Megatron layout: micro-batch m of rank r starts at t*GBS + (m*DP + r)*MBS
+    assert data.sample_ids_for(t, 1, 0) == [t * 8 + 4, t * 8 + 5]
     batch = data.microbatch(t, 0, 1)
     assert torch.equal(batch.tokens[:, 1:], batch.labels[:, :-1])  # labels are tokens shifted by one
-    train_start, train_end = data.ranges[0]
-    assert all(train_start <= i < train_end for i in flat)
+    assert torch.equal(batch.loss_mask, torch.ones(2, 32)) and torch.equal(batch.position_ids[1], torch.arange(32))
+    eod = ByteLevelTokenizer().eod
+    stream = torch.cat([data.microbatch(u, 0, 0).tokens.reshape(-1) for u in range(20)])
+    assert (stream == eod).any()  # documents end with the end-of-document token (--append-eod)
 
 
-def test_epochs_visit_every_train_sample_once(prefix):
+def test_samples_come_from_megatron_core_gpt_dataset(prefix):
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
     data = make(prefix)
-    start, end = data.ranges[0]
-    size = end - start
-    first = [data.global_sample_index(p) for p in range(size)]
-    second = [data.global_sample_index(size + p) for p in range(size)]
-    assert sorted(first) == list(range(start, end)) == sorted(second)
-    assert first != second  # reshuffled per epoch
+    train = data.datasets[0]
+    assert isinstance(train, GPTDataset) and len(train) >= 50 * 8
+    assert torch.equal(data.microbatch(3, 1, 1).tokens[0], train[3 * 8 + 6]["tokens"])
+
+
+def test_blend_and_cache(prefix, tmp_path):
+    other = prefix.replace("corpus", "other")
+    blend = ([prefix, other], [0.7, 0.3])
+    cache = str(tmp_path / "cache")
+    first = make(prefix, blend=blend, cache=cache)
+    assert any(f.endswith(".npy") for _, _, files in os.walk(cache) for f in files)  # indices written
+    again = make(prefix, blend=blend, cache=cache)  # read back from the cache
+    in_memory = make(prefix, blend=blend)
+    for t in (0, 13):
+        assert batches_equal(first.batch_for_iteration(t, 0), again.batch_for_iteration(t, 0))
+        assert batches_equal(first.batch_for_iteration(t, 0), in_memory.batch_for_iteration(t, 0))
+    assert not batches_equal(first.batch_for_iteration(0, 0), make(prefix).batch_for_iteration(0, 0))
 
 
 def test_validation_split_and_errors(prefix):
     data = make(prefix)
-    v0, v1 = data.ranges[1]
-    assert all(v0 <= i < v1 for i in data.sample_ids_for(0, 0, 0, split_idx=1))
+    assert data.sample_ids_for(0, 0, 0, split_idx=1) == [0, 1]
+    assert not torch.equal(data.microbatch(0, 0, 0, split_idx=1).tokens, data.microbatch(0, 0, 0).tokens)
     with pytest.raises(ValueError, match="dp_rank"):
         data.sample_ids_for(0, 0, 2)
     with pytest.raises(ValueError, match="microbatch"):
         data.sample_ids_for(0, 5, 0)
-    assert split_ranges(100, [98, 2, 0]) == [(0, 98), (98, 100), (100, 100)]
+    with pytest.raises(IndexError, match="--train-iters x --global-batch-size"):
+        data.microbatch(10_000, 0, 0)
+    no_test = make(prefix)
+    with pytest.raises(ValueError, match="test split is empty"):
+        no_test.microbatch(0, 0, 0, split_idx=2)
+
+
+def test_flag_forms():
+    assert split_weights(["949,50,1"]) == split_weights(["949", "50", "1"]) == [949, 50, 1]
+    for bad in (["1,2"], ["a,b,c"], ["0,1,1"]):
+        with pytest.raises(ArgumentError, match="--split"):
+            split_weights(bad)
+    assert data_blend(["p"]) == (["p"], None)
+    assert data_blend(["0.3", "a", "0.7", "b"]) == (["a", "b"], [0.3, 0.7])
+    with pytest.raises(ArgumentError, match="odd count"):
+        data_blend(["0.3", "a", "b"])
+    with pytest.raises(ArgumentError, match="not all numbers"):
+        data_blend(["a", "0.3", "b", "0.7"])
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused(prefix):
+    check_token_ids([prefix], 257, "ByteLevel")
+    with pytest.raises(ValueError, match=r"holds token id 256, beyond the vocabulary of 200 \(--tokenizer-type ByteLevel\)"):
+        check_token_ids([prefix], 200, "ByteLevel")

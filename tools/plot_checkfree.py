@@ -43,7 +43,7 @@ def make_data(directory: str, seed: int) -> str:
     from tools.preprocess_data import preprocess
 
     write_corpus(os.path.join(directory, "corpus.jsonl"), num_docs=2000, seed=seed)
-    preprocess(os.path.join(directory, "corpus.jsonl"), os.path.join(directory, "corpus"))
+    preprocess(os.path.join(directory, "corpus.jsonl"), os.path.join(directory, "corpus"), append_eod=True)
     return os.path.join(directory, "corpus")
 
 

@@ -44,7 +44,11 @@ def iter_documents(path: str, json_key: str):
                 yield "".join(block)
 
 
-def preprocess(input_path: str, output_prefix: str, json_key: str = "text", tokenizer_type: str = "ByteLevel") -> int:
+def preprocess(input_path: str, output_prefix: str, json_key: str = "text", tokenizer_type: str = "ByteLevel",
+               append_eod: bool = False) -> int:
+    """Tokenize every document of ``input_path`` into ``<output_prefix>.bin/.idx``; ``append_eod`` ends each
+    document with the tokenizer's end-of-document token (Megatron-LM's ``--append-eod``: the training data
+    then marks where one document stops and the next starts). Returns the number of documents."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     from megatron.training.tokenizer import build_tokenizer
@@ -59,6 +63,8 @@ def preprocess(input_path: str, output_prefix: str, json_key: str = "text", toke
         ids = tokenizer.tokenize(text)
         if not ids:
             continue
+        if append_eod:
+            ids.append(tokenizer.eod)
         builder.add_item(torch.tensor(ids, dtype=torch.int64))
         builder.end_document()
         num_docs += 1
@@ -74,9 +80,11 @@ def main(argv=None) -> int:
     parser.add_argument("--output-prefix", required=True, help="writes <prefix>.bin and <prefix>.idx")
     parser.add_argument("--json-key", default="text")
     parser.add_argument("--tokenizer-type", default="ByteLevel", choices=["ByteLevel"])
+    parser.add_argument("--append-eod", action="store_true",
+                        help="end every document with the end-of-document token (recommended for training)")
     args = parser.parse_args(argv)
     try:
-        n = preprocess(args.input, args.output_prefix, args.json_key, args.tokenizer_type)
+        n = preprocess(args.input, args.output_prefix, args.json_key, args.tokenizer_type, args.append_eod)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -126,15 +126,61 @@ class TrainingArgs:
 
 @dataclass(kw_only=True)
 class DataArgs:
-    data_path: str | None = field(
-        default=None, metadata=field_help("Prefix of a Megatron indexed dataset (<prefix>.bin/.idx).")
+    data_path: list[str] | None = field(
+        default=None, metadata=field_help(
+            "Megatron indexed dataset(s) (<prefix>.bin/.idx): PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend "
+            "several by weight (Megatron-LM's format).")
     )
-    split: list[int] = field(
-        default_factory=lambda: [98, 2, 0], metadata=field_help("Train/valid/test split weights.")
+    split: list[str] = field(
+        default_factory=lambda: ["98,2,0"], metadata=field_help(
+            "Train/valid/test split weights of each dataset's documents: 949,50,1 or 949 50 1.")
+    )
+    data_cache_path: str | None = field(
+        default=None, metadata=field_help(
+            "Directory for the datasets' shuffled indices, built once and reused by every later run and "
+            "replacement process (default: built in memory by each process).")
+    )
+    mmap_bin_files: bool = field(
+        default=True, metadata=field_help("Memory-map the .bin files (off: read each sample with a file read).")
+    )
+    num_workers: int = field(
+        default=0, metadata=field_help(
+            "Background threads that build the next iteration's micro-batches while this one trains "
+            "(0: built when needed).")
     )
     tokenizer_type: str = field(
         default="ByteLevel", metadata=field_help("Tokenizer (offline).", choices=["ByteLevel"])
     )
+
+
+def split_weights(split: list[str]) -> list[float]:
+    """``--split`` as three weights (``949,50,1``, ``949 50 1`` or a mix)."""
+    parts = [p for item in split for p in item.replace(",", " ").split()]
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        raise ArgumentError(f"--split takes three numbers, e.g. 949,50,1; got {' '.join(split)}") from None
+    if len(weights) != 3 or min(weights) < 0 or weights[0] <= 0:
+        raise ArgumentError(f"--split needs three non-negative weights with train > 0, got {' '.join(split)}")
+    return weights
+
+
+def data_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
+    """``--data-path`` as Megatron-Core's blend: ``([prefix], None)`` for one dataset, ``(prefixes,
+    weights)`` for ``W1 PREFIX1 W2 PREFIX2 ...``."""
+    if len(data_path) == 1:
+        return list(data_path), None
+    if len(data_path) % 2:
+        raise ArgumentError(f"--data-path with several datasets takes weight/prefix pairs (W1 PREFIX1 W2 "
+                            f"PREFIX2 ...), got an odd count: {' '.join(data_path)}")
+    try:
+        weights = [float(w) for w in data_path[0::2]]
+    except ValueError:
+        raise ArgumentError(f"--data-path with several datasets takes weight/prefix pairs (W1 PREFIX1 W2 "
+                            f"PREFIX2 ...); {' '.join(data_path[0::2])} are not all numbers") from None
+    if min(weights) < 0 or sum(weights) <= 0:
+        raise ArgumentError(f"--data-path weights must be non-negative with a positive sum, got {weights}")
+    return list(data_path[1::2]), weights
 
 
 @dataclass(kw_only=True)
@@ -314,12 +360,17 @@ def validate_args(args: Args) -> None:
     if d.data_path is None:
         raise ArgumentError("--data-path is required: prepare one with "
                             "`python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus`")
-    for suffix in (".bin", ".idx"):
-        if not os.path.isfile(d.data_path + suffix):
-            raise ArgumentError(f"--data-path {d.data_path}: {d.data_path + suffix} not found; create it with "
-                                f"`python tools/preprocess_data.py --output-prefix {d.data_path} ...`")
-    if len(d.split) != 3 or min(d.split) < 0 or d.split[0] <= 0:
-        raise ArgumentError(f"--split needs three non-negative weights with train > 0, got {d.split}")
+    for prefix in data_blend(d.data_path)[0]:
+        for suffix in (".bin", ".idx"):
+            if not os.path.isfile(prefix + suffix):
+                raise ArgumentError(f"--data-path {prefix}: {prefix + suffix} not found; create it with "
+                                    f"`python tools/preprocess_data.py --append-eod --output-prefix {prefix} ...`")
+    weights = split_weights(d.split)
+    if t.eval_interval and not weights[1]:
+        raise ArgumentError(f"--eval-interval {t.eval_interval} needs validation data: give --split a "
+                            "validation weight, e.g. 98,2,0")
+    if d.num_workers < 0:
+        raise ArgumentError(f"--num-workers must be >= 0, got {d.num_workers}")
     if t.load and not os.path.isdir(t.load):
         raise ArgumentError(f"--load {t.load}: no such directory")
 

@@ -1,29 +1,47 @@
 """Training data that replays exactly: the batch of iteration ``t`` is a pure function of
 ``(seed, t, data-parallel rank)``.
 
-Documents come from a Megatron indexed dataset (``<prefix>.bin/.idx``, ``megatron.core.datasets``). Their
-tokens are concatenated (each document followed by the tokenizer's end-of-document token) and cut into
-samples of ``seq_length + 1`` tokens; the samples are split into train/valid/test ranges by ``--split``
-weights. Each epoch visits the train samples in a permutation drawn from ``numpy.random.default_rng((seed,
-epoch))``. Iteration ``t`` consumes global samples ``[t*GBS, (t+1)*GBS)`` in that order; micro-batch ``m``
-of data-parallel rank ``r`` takes the ``MBS`` samples starting at ``t*GBS + (m*DP + r)*MBS`` (Megatron's
-pretraining sampler layout). Nothing depends on how many iterations ran before, so a recovering job can
-rebuild any past batch: :meth:`ReplayableData.batch_for_iteration`.
+The samples come from Megatron-Core's own datasets: ``GPTDataset`` over memory-mapped indexed datasets
+(``<prefix>.bin/.idx``, one or several blended by weight), built by ``BlendedMegatronDatasetBuilder`` with
+Megatron-LM's flags (``--data-path``, ``--split``, ``--data-cache-path``, ``--mmap-bin-files``). Sample ``i``
+of a split is a pure function of ``(seed, i)``: Megatron-Core shuffles documents and samples per epoch with
+the seed, and caches those indices (``--data-cache-path``) instead of concatenating the corpus in memory.
+
+Iteration ``t`` consumes split positions ``[t*GBS, (t+1)*GBS)``; micro-batch ``m`` of data-parallel rank
+``r`` takes the ``MBS`` samples starting at ``t*GBS + (m*DP + r)*MBS`` (Megatron's pretraining sampler
+layout). Nothing depends on how many iterations ran before, or on which process asks, so a recovering job
+rebuilds any past batch (:meth:`ReplayableData.batch_for_iteration`), and a job whose data-parallel size
+changed keeps the same global batches.
+
+The datasets are built before the process joins any process group and without collectives (Megatron-Core's
+builder synchronizes ranks with barriers once ``torch.distributed`` is initialized, which a replacement
+process joining a running job cannot take part in). With ``--data-cache-path``, the first process to take
+the directory's lock builds and writes the indices; every other one waits for the lock and reads them.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+SPLITS = ("train", "valid", "test")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Batch:
     """One micro-batch. ``tokens``/``labels``/``loss_mask``: [micro_batch, seq_length];
-    ``position_ids``: [micro_batch, seq_length]; ``sample_ids``: [micro_batch] global sample indices."""
+    ``position_ids``: [micro_batch, seq_length]; ``sample_ids``: [micro_batch] positions in the split."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
@@ -32,72 +50,99 @@ class Batch:
     sample_ids: torch.Tensor
 
 
-class TokenSamples:
-    """Fixed-length samples cut from the concatenated documents of an indexed dataset."""
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """What the datasets are built from (``DataArgs`` plus the model's sequence length and the seed)."""
 
-    def __init__(self, data_prefix: str, seq_length: int, eod: int) -> None:
-        dataset = IndexedDataset(data_prefix, mmap=True)
-        pieces = []
-        for i in range(len(dataset)):
-            pieces.append(np.asarray(dataset[i], dtype=np.int64))
-            pieces.append(np.array([eod], dtype=np.int64))
-        stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-        self.sample_length = seq_length + 1
-        self.num_samples = len(stream) // self.sample_length
-        if self.num_samples == 0:
-            raise ValueError(f"dataset {data_prefix} holds {len(stream)} tokens, fewer than one sample of "
-                             f"{self.sample_length}; use more data or a smaller --seq-length")
-        self.tokens = torch.from_numpy(stream[: self.num_samples * self.sample_length].copy()).view(
-            self.num_samples, self.sample_length)
+    blend: tuple[list[str], list[float] | None]
+    split: str
+    seq_length: int
+    seed: int
+    sizes: tuple[int | None, int | None, int | None]
+    """Samples each split must provide (``None``: the split is not used)."""
+    cache_path: str | None = None
+    mmap_bin_files: bool = True
 
 
-def split_ranges(num_samples: int, weights: list[int]) -> list[tuple[int, int]]:
-    """[start, end) sample ranges for train/valid/test in proportion to ``weights``."""
-    total = float(sum(weights))
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + int(round(num_samples * w / total)))
-    bounds[-1] = num_samples
-    return [(bounds[i], min(bounds[i + 1], num_samples)) for i in range(3)]
+def check_token_ids(prefixes: Sequence[str], vocab_size: int, tokenizer_name: str) -> None:
+    """Refuse a dataset holding a token id the model's (padded) vocabulary cannot embed: on a GPU that is a
+    device-side assert deep in the embedding, on a CPU an index error."""
+    for prefix in prefixes:
+        index = IndexedDataset(prefix, mmap=True)
+        tokens = np.memmap(prefix + ".bin", dtype=index.index.dtype, mode="r")
+        top = int(tokens.max()) if tokens.size else -1
+        del tokens, index
+        if top >= vocab_size:
+            raise ValueError(f"dataset {prefix} holds token id {top}, beyond the vocabulary of {vocab_size} "
+                             f"(--tokenizer-type {tokenizer_name}): preprocess it with the tokenizer the run "
+                             "uses, or pass that tokenizer")
+
+
+@contextmanager
+def _cache_lock(cache_path: str | None) -> Iterator[None]:
+    """Exclusive over the index cache directory (node-local: ``flock``), so that one process writes the
+    indices and the others read complete files."""
+    if cache_path is None:
+        yield
+        return
+    os.makedirs(cache_path, exist_ok=True)
+    with open(os.path.join(cache_path, ".moe_ft_build.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _alone() -> Iterator[None]:
+    """Outside a process group, ``torch.distributed.get_rank()`` answers 0 while the builder runs:
+    Megatron-Core 0.16.1's ``BlendedDataset`` calls it unguarded when it writes its cached indices (a
+    blend with ``--data-cache-path`` raised "Default process group has not been initialized"). This process
+    builds alone, under the cache lock, which is what rank 0 means there."""
+    if dist.is_initialized():
+        yield
+        return
+    real = dist.get_rank
+    dist.get_rank = lambda group=None: 0  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        dist.get_rank = real
+
+
+def build_datasets(config: DataConfig, tokenizer: Any) -> list[Any]:
+    """``[train, valid, test]`` datasets (``None`` for a split not used) from Megatron-Core's builder."""
+    gpt_config = GPTDatasetConfig(
+        random_seed=config.seed, sequence_length=config.seq_length, blend=config.blend, split=config.split,
+        path_to_cache=config.cache_path, mmap_bin_files=config.mmap_bin_files, tokenizer=tokenizer,
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
+    sizes = list(config.sizes)
+    if config.blend[1] is not None:  # a weighted blend sizes every split (an unused one: 0)
+        sizes = [size or 0 for size in sizes]
+    with _cache_lock(config.cache_path), _alone():
+        return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gpt_config).build()
 
 
 class ReplayableData:
-    """Batches as a pure function of (seed, iteration, data-parallel rank)."""
+    """Batches as a pure function of (seed, iteration, data-parallel rank) over one dataset per split."""
 
-    def __init__(self, samples: TokenSamples, *, split: list[int], seed: int, micro_batch_size: int,
-                 global_batch_size: int, data_parallel_size: int) -> None:
-        self.samples = samples
-        self.seed = seed
+    def __init__(self, datasets: Sequence[Any], *, micro_batch_size: int, global_batch_size: int,
+                 data_parallel_size: int, num_workers: int = 0) -> None:
+        self.datasets = list(datasets)
         self.micro_batch_size = micro_batch_size
         self.global_batch_size = global_batch_size
         self.data_parallel_size = data_parallel_size
-        self.ranges = split_ranges(samples.num_samples, split)
-        train_start, train_end = self.ranges[0]
-        if train_end - train_start < global_batch_size:
-            raise ValueError(f"the train split has {train_end - train_start} samples, fewer than one global "
-                             f"batch of {global_batch_size}; use more data or change --split")
-        self._perm_cache: dict[tuple[int, int], np.ndarray] = {}
+        if self.datasets[0] is None or len(self.datasets[0]) < global_batch_size:
+            raise ValueError(f"the train split has {0 if self.datasets[0] is None else len(self.datasets[0])} "
+                             f"samples, fewer than one global batch of {global_batch_size}; use more data or "
+                             "change --split")
+        self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="data") if num_workers else None
+        self._ahead: dict[tuple[int, int, int], Future] = {}
 
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
-
-    def _permutation(self, split_idx: int, epoch: int) -> np.ndarray:
-        key = (split_idx, epoch)
-        if key not in self._perm_cache:
-            start, end = self.ranges[split_idx]
-            rng = np.random.default_rng([self.seed, split_idx, epoch])
-            self._perm_cache = {key: start + rng.permutation(end - start)}  # keep one epoch cached
-        return self._perm_cache[key]
-
-    def global_sample_index(self, position: int, split_idx: int = 0) -> int:
-        """Dataset sample at position ``position`` of the (endless, per-epoch shuffled) split order."""
-        start, end = self.ranges[split_idx]
-        size = end - start
-        if size <= 0:
-            raise ValueError(f"split {split_idx} is empty; give it a positive --split weight")
-        epoch, offset = divmod(position, size)
-        return int(self._permutation(split_idx, epoch)[offset])
 
     def sample_ids_for(self, iteration: int, microbatch: int, dp_rank: int, split_idx: int = 0) -> list[int]:
         if not 0 <= dp_rank < self.data_parallel_size:
@@ -106,17 +151,42 @@ class ReplayableData:
             raise ValueError(f"microbatch {microbatch} out of range [0, {self.num_microbatches})")
         base = iteration * self.global_batch_size + (microbatch * self.data_parallel_size + dp_rank) * \
             self.micro_batch_size
-        return [self.global_sample_index(base + i, split_idx) for i in range(self.micro_batch_size)]
+        return list(range(base, base + self.micro_batch_size))
+
+    def _sample(self, split_idx: int, position: int) -> dict:
+        dataset = self.datasets[split_idx]
+        if dataset is None:
+            raise ValueError(f"the {SPLITS[split_idx]} split is empty; give it a positive --split weight")
+        if position >= len(dataset):
+            raise IndexError(f"{SPLITS[split_idx]} sample {position} asked for, the dataset was built with "
+                             f"{len(dataset)} (--train-iters x --global-batch-size for training, --eval-iters x "
+                             "--global-batch-size for validation)")
+        return dataset[position]
 
     def microbatch(self, iteration: int, microbatch: int, dp_rank: int, split_idx: int = 0) -> Batch:
         ids = self.sample_ids_for(iteration, microbatch, dp_rank, split_idx)
-        rows = self.samples.tokens[torch.tensor(ids)]
-        tokens, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-        seq = tokens.shape[1]
-        return Batch(tokens=tokens, labels=labels, loss_mask=torch.ones_like(tokens, dtype=torch.float32),
-                     position_ids=torch.arange(seq).unsqueeze(0).expand(len(ids), seq).contiguous(),
+        samples = [self._sample(split_idx, i) for i in ids]
+        return Batch(**{key: torch.stack([s[key] for s in samples])
+                        for key in ("tokens", "labels", "loss_mask", "position_ids")},
                      sample_ids=torch.tensor(ids))
 
-    def batch_for_iteration(self, iteration: int, dp_rank: int, split_idx: int = 0) -> list[Batch]:
-        """All micro-batches data-parallel rank ``dp_rank`` trains on at ``iteration`` (0-based)."""
+    def _build(self, iteration: int, dp_rank: int, split_idx: int) -> list[Batch]:
         return [self.microbatch(iteration, m, dp_rank, split_idx) for m in range(self.num_microbatches)]
+
+    def batch_for_iteration(self, iteration: int, dp_rank: int, split_idx: int = 0) -> list[Batch]:
+        """All micro-batches data-parallel rank ``dp_rank`` trains on at ``iteration`` (0-based). With
+        ``--num-workers``, the next iteration's are built in the background meanwhile (a pure function:
+        whatever order iterations are asked in, a replay included, the batches are the same)."""
+        if self._pool is None:
+            return self._build(iteration, dp_rank, split_idx)
+        key = (iteration, dp_rank, split_idx)
+        ahead = self._ahead.pop(key, None)
+        self._ahead = {}  # a replay or a jump: what was built ahead is not asked for
+        nxt = (iteration + 1, dp_rank, split_idx)
+        self._ahead[nxt] = self._pool.submit(self._build, *nxt)
+        return ahead.result() if ahead is not None else self._build(iteration, dp_rank, split_idx)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None

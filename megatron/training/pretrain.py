@@ -4,33 +4,48 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megatron.training.arguments import Args
+from megatron.training.arguments import Args, data_blend, split_weights
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
-from megatron.training.data import ReplayableData, TokenSamples
+from megatron.training.data import DataConfig, ReplayableData, build_datasets, check_token_ids
 from megatron.training.initialize import initialize_distributed, set_seeds, shutdown
-from megatron.training.model import build_train_state
+from megatron.training.model import build_train_state, vocab_size_for
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.training import train
 
 
-def build_data(args: Args):
+def data_config(args: Args) -> DataConfig:
+    t, d = args.training, args.data
+    assert d.data_path is not None  # validated
+    gbs = t.global_batch_size
+    return DataConfig(blend=data_blend(d.data_path), split=",".join(f"{w:g}" for w in split_weights(d.split)),
+                      seq_length=args.model.seq_length, seed=t.seed, cache_path=d.data_cache_path,
+                      mmap_bin_files=d.mmap_bin_files,
+                      sizes=(t.train_iters * gbs, t.eval_iters * gbs if t.eval_interval else None, None))
+
+
+def build_data(args: Args) -> ReplayableData:
+    """The job's data (Megatron-Core's ``GPTDataset``s). Build it before the process joins its process group
+    (``pretrain`` does: a replacement process then builds alone), or on every rank of the group at once
+    (Megatron-Core's builder then synchronizes them with barriers)."""
     tokenizer = build_tokenizer(args.data.tokenizer_type)
-    samples = TokenSamples(args.data.data_path, args.model.seq_length, tokenizer.eod)
+    config = data_config(args)
+    check_token_ids(config.blend[0], vocab_size_for(args), args.data.tokenizer_type)
     t = args.training
-    return ReplayableData(samples, split=args.data.split, seed=t.seed, micro_batch_size=t.micro_batch_size,
-                          global_batch_size=t.global_batch_size, data_parallel_size=args.data_parallel_size)
+    return ReplayableData(build_datasets(config, tokenizer), micro_batch_size=t.micro_batch_size,
+                          global_batch_size=t.global_batch_size, data_parallel_size=args.data_parallel_size,
+                          num_workers=args.data.num_workers)
 
 
 def pretrain(args: Args, hooks=None, join_timeout_s: float | None = None):
     """Returns the training loop's report (rank-local). ``join_timeout_s``: how long forming the process
     group may wait for every rank (:func:`initialize_distributed`)."""
 
+    data = build_data(args)  # before the process group: the dataset builder must not synchronize
     initialize_distributed(args, join_timeout_s=join_timeout_s)
     failed = True
     try:
         set_seeds(args.training.seed)
         state = build_train_state(args)
-        data = build_data(args)
         start = 0
         if args.training.load:
             start = load_checkpoint(args.training.load, state)

@@ -11,6 +11,8 @@ class ByteLevelTokenizer:
     def __init__(self) -> None:
         self.eod = 256
         self.vocab_size = 257
+        self.unique_identifiers = {"class": "ByteLevelTokenizer", "vocab_size": 257}
+        """What Megatron-Core's datasets name their cached indices by."""
 
     def tokenize(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

@@ -72,7 +72,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--seq-length", "32", "--max-position-embeddings", "32", "--num-experts", "4", "--moe-router-topk", "2",
         "--moe-aux-loss-coeff", "0.01", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
         "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "3", "--weight-decay", "0.01",
-        "--clip-grad", "1.0", "--seed", "1234", "--split", "98", "2", "0", "--tokenizer-type", "ByteLevel",
+        "--clip-grad", "1.0", "--seed", "1234", "--split", "98,2,0", "--tokenizer-type", "ByteLevel",
         "--log-interval", "100", "--eval-interval", "0"]
 
 
@@ -113,7 +113,7 @@ def ensure_corpus(workdir: str) -> str:
     from tools.preprocess_data import preprocess
 
     write_corpus(os.path.join(workdir, "c.jsonl"), num_docs=300, seed=0)
-    preprocess(os.path.join(workdir, "c.jsonl"), os.path.join(workdir, "corpus"))
+    preprocess(os.path.join(workdir, "c.jsonl"), os.path.join(workdir, "corpus"), append_eod=True)
     return os.path.join(workdir, "corpus")
 
 

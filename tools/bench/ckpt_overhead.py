@@ -344,7 +344,7 @@ def main() -> int:
             from tools.preprocess_data import preprocess
 
             write_corpus(os.path.join(tmp, "c.jsonl"), num_docs=300, seed=0)
-            preprocess(os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "corpus"))
+            preprocess(os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "corpus"), append_eod=True)
             data = os.path.join(tmp, "corpus")
         if a.warmup_cycles < 1:
             p.error("--warmup-cycles must be >= 1")

@@ -33,7 +33,7 @@ MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", 
          "--seq-length", "1024", "--max-position-embeddings", "1024", "--num-experts", "8", "--moe-router-topk", "2",
          "--moe-token-dispatcher-type", "alltoall", "--micro-batch-size", "4", "--global-batch-size", "16",
          "--bf16", "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
-         "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234", "--split", "98", "2", "0",
+         "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234", "--split", "98,2,0",
          "--tokenizer-type", "ByteLevel", "--eval-interval", "0", "--no-deterministic"]
 
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             from tools.preprocess_data import preprocess
 
             write_corpus(os.path.join(tmp, "c.jsonl"), num_docs=2000, seed=0)
-            preprocess(os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "corpus"))
+            preprocess(os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "corpus"), append_eod=True)
             data = os.path.join(tmp, "corpus")
         model = MODEL
         if a.tiny:

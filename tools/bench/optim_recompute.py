@@ -114,7 +114,7 @@ def main() -> int:
         from tools.preprocess_data import preprocess
 
         write_corpus(os.path.join(tmp, "c.jsonl"), num_docs=300, seed=0)
-        preprocess(os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "corpus"))
+        preprocess(os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "corpus"), append_eod=True)
         runs = {local: run(a, local, tmp) for local in locals_}
     report = {"_setup": {"model": a.model, "experts": a.experts, "iters": a.iters,
                          "budget": BUDGETS[(a.model, a.experts)]}, **runs}
