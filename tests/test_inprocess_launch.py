@@ -8,6 +8,7 @@ drills of the suite) and compare the final digest with the session's fault-free 
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -107,6 +108,45 @@ def test_a_node_declared_lost_fences_itself(store, tmp_path):
     with pytest.raises(Fenced, match="node 1 was declared lost in attempt 1"):
         agent._apply_announcements(group)
     assert agent._workers == {} and proc.context.wait(0) is not None  # the worker was stopped
+
+
+def test_the_process_taking_a_rank_takes_its_device(store, tmp_path):
+    """A spare (or a fresh process) that takes a rank of its own node takes the dead process's device index
+    (``LOCAL_RANK``): on a GPU node with one GPU per rank a spare's own index is no device. The spare's
+    index goes to the next spare started. Real processes under a real agent."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
+
+    handler = SimpleNamespace(_store=store, get_run_id=lambda: "devices", use_agent_store=True)
+    spec = WorkerSpec(role="trainer", local_world_size=2, rdzv_handler=handler, entrypoint="python3",
+                      args=("-c", "import time; time.sleep(120)"), max_restarts=1, monitor_interval=0.1)
+    agent = SpareAgent(spec, LaunchLogs(root=str(tmp_path)), spares_per_node=1)
+    group = WorkerGroup(spec)
+    group.master_addr, group.master_port = "127.0.0.1", store.port
+    agent._node, agent._nodes, agent._world, agent._groups = 0, 1, 2, {0: 0}
+    agent._holders = agent._home = {0: 0, 1: 0}
+    try:
+        agent._workers = {r: agent._start_one(group, name=f"rank{r}", rank=r, local_rank=r) for r in (0, 1)}
+        agent._fill_spares(group)
+        (spare,) = agent._spares
+        assert spare.local_rank == 2
+        agent._workers[1].context.close()  # rank 1 dies
+        agent._reap(1, time.time())
+        assignments, fresh, missing = agent._assign(group, 1, [1])
+        assert assignments == {1: (0, spare.slot)} and fresh == [] and missing == []
+        keys = protocol.Keys("devices")
+        assert json.loads(store.get(keys.spare(spare.slot)))["local_rank"] == 1
+        assert agent._workers[1] is spare and spare.local_rank == 1
+        assert agent._free_device(group) == 2  # the next spare gets the former spare's index
+
+        agent._spares_per_node = 0  # no spare left: a fresh process on rank 0's device
+        agent._workers[0].context.close()
+        agent._reap(0, time.time())
+        assignments, fresh, missing = agent._assign(group, 2, [0])
+        assert fresh == [0] and agent._workers[0].local_rank == 0
+    finally:
+        agent._close_all()
 
 
 def test_only_peer_failures_keep_the_process():

@@ -32,6 +32,7 @@ rendezvous round, which waits for a replacement node). Node 0's agent numbers th
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -120,8 +121,12 @@ class SpareAgent(LocalElasticAgent):
                  reform_timeout_s: float = protocol.DEFAULT_REFORM_TIMEOUT_S,
                  node_timeout_s: float = protocol.DEFAULT_NODE_TIMEOUT_S, start_method: str = "spawn",
                  shutdown_timeout: int = 30, inprocess: bool = True, min_nodes: int | None = None) -> None:
-        super().__init__(spec, logs_specs=DefaultLogsSpecs(log_dir=logs.root), start_method=start_method,
-                         shutdown_timeout=shutdown_timeout)
+        if "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters:
+            super().__init__(spec, logs_specs=DefaultLogsSpecs(log_dir=logs.root), start_method=start_method,
+                             shutdown_timeout=shutdown_timeout)
+        else:  # torch < 2.13 (the GPU images' 2.11): the agent has no shutdown timeout of its own
+            super().__init__(spec, logs_specs=DefaultLogsSpecs(log_dir=logs.root), start_method=start_method)
+            self._shutdown_timeout = shutdown_timeout
         self._logs = logs
         self._spares_per_node = spares_per_node
         self._reform_timeout_s = reform_timeout_s
@@ -147,6 +152,8 @@ class SpareAgent(LocalElasticAgent):
         """Workers that exited 0, by global rank: their return values."""
         self._dead: dict[int, float] = {}
         """Ranks known dead and not replaced yet → wall time their death was seen."""
+        self._freed: dict[int, int] = {}
+        """Dead rank of this node → the device index its process held (given to the process that takes it)."""
         self._holders: dict[int, int] = {}
         """Global rank → the node (group rank of the rendezvous round) whose process runs it."""
         self._home: dict[int, int] = {}
@@ -225,6 +232,14 @@ class SpareAgent(LocalElasticAgent):
             start_method=self._start_method)
         return _Process(context, local_rank, slot)
 
+    def _reap(self, rank: int, seen: float) -> None:
+        """A worker of this node died (seen at wall time ``seen``): its process is collected and its device
+        is free for the process that takes its rank (on GPUs the spare's own index may be no device)."""
+        proc = self._workers.pop(rank)
+        proc.context.close()
+        self._dead[rank] = seen
+        self._freed[rank] = proc.local_rank
+
     def _free_device(self, worker_group: WorkerGroup) -> int | None:
         """The lowest device index no process of this node holds (``None``: all taken)."""
         used = {p.local_rank for p in [*self._workers.values(), *self._spares]}
@@ -275,6 +290,7 @@ class SpareAgent(LocalElasticAgent):
             self._home = {rank: rank // per_node for rank in range(self._world)}
             self._holders = dict(self._home)
             self._lost, self._dead, self._watch, self._seen = set(), {}, None, self._attempt
+            self._freed = {}
             self._published_spares = ""  # listed again under this round's node number
         self._started = True
         self._finished = {}
@@ -412,8 +428,7 @@ class SpareAgent(LocalElasticAgent):
         if self._inprocess:
             now = time.time()
             for rank in failures:
-                self._workers.pop(rank).context.close()  # reap it
-                self._dead[rank] = now
+                self._reap(rank, now)
             if self._nodes > 1:
                 self._beat_and_watch(worker_group)
             if self._dead and not self._decide(worker_group):
@@ -549,7 +564,7 @@ class SpareAgent(LocalElasticAgent):
         ranks = {int(old): new for old, new in resize["ranks"].items()}
         self._workers = {ranks[r]: p for r, p in self._workers.items() if r in ranks}
         self._home = {ranks[r]: n for r, n in self._home.items() if r in ranks}
-        self._holders, self._dead = dict(self._home), {}
+        self._holders, self._dead, self._freed = dict(self._home), {}, {}
         self._world, self._groups = int(resize["world_size"]), {int(n): g for n, g in resize["nodes"].items()}
 
     def _announce_fallback(self, worker_group: WorkerGroup, failed: list[int], reason: str,
@@ -580,10 +595,13 @@ class SpareAgent(LocalElasticAgent):
         fresh = []
         for rank, source in plan:
             if source != "remote":
+                device = self._freed.pop(rank, None)  # the rank ran here: its successor takes its device
                 if source == "local":
                     proc = self._spares.pop(0)
+                    if device is not None:  # the spare's own index goes to the next spare started
+                        proc.local_rank = device
                 else:  # a fresh process on a free device of this node: imports while the others wait
-                    device = self._free_device(worker_group)
+                    device = self._free_device(worker_group) if device is None else device
                     assert device is not None
                     proc = self._start_spare(worker_group, device)
                     fresh.append(rank)

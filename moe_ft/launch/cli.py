@@ -104,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                        reform_timeout_s=args.reform_timeout, node_timeout_s=args.node_timeout,
                        min_nodes=config.min_nodes if config.min_nodes < config.max_nodes else None,
                        start_method=start_method,
-                       shutdown_timeout=int(config.shutdown_timeout or 30), inprocess=inprocess)
-    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", config.signals_to_handle)
+                       shutdown_timeout=int(getattr(config, "shutdown_timeout", None) or 30), inprocess=inprocess)
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE",
+                          getattr(config, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"))
     shutdown_rdzv = True
     try:
         result = agent.run()

@@ -25,8 +25,11 @@ ITERS, WINDOW = 9, 3
 
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
-    # one GPU: no device for a warm spare; the dead rank's device goes to a fresh process (imports paid again)
+    # no spare: the dead rank's device goes to a fresh process (imports paid again)
     "inprocess": [sys.executable, "-m", "moe_ft.launch", "--spares-per-node", "0"],
+    # a warm spare shares the one GPU while it waits (it holds no context and joins no communicator until it
+    # takes the dead rank, whose process is gone by then)
+    "inprocess_spare": [sys.executable, "-m", "moe_ft.launch", "--spares-per-node", "1"],
 }
 
 
@@ -51,15 +54,15 @@ def launch(tmp: Path, data: str, job: str, faults: list[str], max_restarts: int,
             proc.wait()
             rc = 124
     return {"rc": rc, "digest": read_digest(str(digest)), "reports": read_reports(str(tmp / "store"), job),
-            "log": log.read_text()[-6000:]}
+            "log": log.read_text()}
 
 
 def test_sparse_recovery_on_one_gpu_is_bitwise_exact(tmp_path, corpus):
     ref = launch(tmp_path, corpus, "faultfree", [], 0)
-    assert ref["rc"] == 0 and ref["digest"], ref["log"]
+    assert ref["rc"] == 0 and ref["digest"], ref["log"][-6000:]
     faults = ["0:4:forward", "0:7:snapshot"]  # inside window [3, 5]; copy of 7 in flight inside [6, 8]
     res = launch(tmp_path, corpus, "faulty", faults, 2)
-    assert res["rc"] == 0, res["log"]
+    assert res["rc"] == 0, res["log"][-6000:]
     reports = res["reports"]
     record("gpu_recovery", {"digest_equal": res["digest"] == ref["digest"],
                             "reports": [{k: r[k] for k in ("restart_count", "recovery_point", "replayed_iterations",
@@ -73,16 +76,20 @@ def test_sparse_recovery_on_one_gpu_is_bitwise_exact(tmp_path, corpus):
         assert r["routing_checked"] == len(r["replayed_iterations"])
 
 
-def test_one_gpu_recovery_under_moe_ft_launch(tmp_path, corpus):
+@pytest.mark.parametrize("launcher", ["inprocess", "inprocess_spare"])
+def test_one_gpu_recovery_under_moe_ft_launch(tmp_path, corpus, launcher):
     """The same faults under ``moe-ft launch``: the agent gives the dead rank's device to a fresh process
-    (no spare fits on one GPU), the failed attempt's NCCL communicators are aborted, and the recovery's
+    (``--spares-per-node 0``) or to a spare that waited with its imports done (``1``); the recovery's
     phases (detect, reform, restore, replay, kill-to-resume) are recorded."""
     ref = launch(tmp_path, corpus, "faultfree", [], 0)
-    res = launch(tmp_path, corpus, "faulty_inprocess", ["0:4:forward", "0:7:snapshot"], 2, launcher="inprocess")
-    assert res["rc"] == 0, res["log"]
+    res = launch(tmp_path, corpus, "faulty_inprocess", ["0:4:forward", "0:7:snapshot"], 2, launcher=launcher)
+    assert res["rc"] == 0, res["log"][-6000:]
     reports = res["reports"]
-    record("gpu_recovery_inprocess", {"digest_equal": res["digest"] == ref["digest"],
-                                      "reports": [{k: r.get(k) for k in ("restart_kind", "recovery_point",
-                                                                         "seconds")} for r in reports]})
+    record(f"gpu_recovery_{launcher}", {"digest_equal": res["digest"] == ref["digest"],
+                                        "reports": [{k: r.get(k) for k in ("restart_kind", "recovery_point",
+                                                                           "seconds")} for r in reports]})
     assert res["digest"] == ref["digest"]
     assert [r["restart_kind"] for r in reports] == ["inprocess", "inprocess"], reports
+    # who took the rank: with a spare, the spare on the dead rank's device (its own index is no device here)
+    taker = "a spare" if launcher == "inprocess_spare" else "a fresh process"
+    assert res["log"].count(f"gives it to {taker}") == 2, res["log"][-6000:]
