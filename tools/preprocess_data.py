@@ -3,8 +3,12 @@
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus [--json-key text]
     python tools/preprocess_data.py --input book.txt --output-prefix data/book   # one document per blank-line block
 
-Tokenisation is offline (byte-level); the files are written with ``megatron.core.datasets``'
-``IndexedDatasetBuilder`` and read back by ``IndexedDataset``.
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/gpt2 --tokenizer-type \\
+        GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt --append-eod --workers 8
+
+Megatron-LM's flags; every tokenizer runs offline (megatron/training/tokenizer.py; byte-level by default).
+The files are written with ``megatron.core.datasets``' ``IndexedDatasetBuilder`` (uint16 ids for a
+vocabulary of up to 65536, int32 above) and read back by ``IndexedDataset``.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import json
 import os
 import sys
 
-import numpy as np
 import torch
 
 
@@ -44,30 +47,65 @@ def iter_documents(path: str, json_key: str):
                 yield "".join(block)
 
 
+_TOKENIZER = None
+"""A worker process's tokenizer (``--workers`` > 1), built once by :func:`_start_worker`."""
+
+
+def _start_worker(spec: dict) -> None:
+    global _TOKENIZER
+    from megatron.training.tokenizer import build_tokenizer
+
+    _TOKENIZER = build_tokenizer(**spec)
+
+
+def _encode(text: str) -> list[int]:
+    assert _TOKENIZER is not None
+    return _TOKENIZER.tokenize(text)
+
+
 def preprocess(input_path: str, output_prefix: str, json_key: str = "text", tokenizer_type: str = "ByteLevel",
-               append_eod: bool = False) -> int:
+               append_eod: bool = False, *, vocab_file: str | None = None, merge_file: str | None = None,
+               tokenizer_model: str | None = None, vocab_size: int | None = None, workers: int = 1) -> int:
     """Tokenize every document of ``input_path`` into ``<output_prefix>.bin/.idx``; ``append_eod`` ends each
     document with the tokenizer's end-of-document token (Megatron-LM's ``--append-eod``: the training data
-    then marks where one document stops and the next starts). Returns the number of documents."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    then marks where one document stops and the next starts). The tokenizer flags are the training run's
+    (megatron/training/tokenizer.py). ``workers`` > 1 tokenizes in that many processes; the output is the
+    same file, documents in input order. Returns the number of documents."""
+    import multiprocessing
+
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     from megatron.training.tokenizer import build_tokenizer
 
     if not os.path.isfile(input_path):
         raise FileNotFoundError(f"--input {input_path}: no such file")
-    tokenizer = build_tokenizer(tokenizer_type)
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    spec = {"tokenizer_type": tokenizer_type, "vocab_file": vocab_file, "merge_file": merge_file,
+            "tokenizer_model": tokenizer_model, "vocab_size": vocab_size}
+    tokenizer = build_tokenizer(**spec)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    builder = IndexedDatasetBuilder(output_prefix + ".bin", dtype=np.uint16)
+    builder = IndexedDatasetBuilder(output_prefix + ".bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
+    documents = iter_documents(input_path, json_key)
+    pool = None
+    if workers > 1:
+        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_start_worker, initargs=(spec,))
+        encoded = pool.imap(_encode, documents, chunksize=64)  # in input order
+    else:
+        encoded = (tokenizer.tokenize(text) for text in documents)
     num_docs = 0
-    for text in iter_documents(input_path, json_key):
-        ids = tokenizer.tokenize(text)
-        if not ids:
-            continue
-        if append_eod:
-            ids.append(tokenizer.eod)
-        builder.add_item(torch.tensor(ids, dtype=torch.int64))
-        builder.end_document()
-        num_docs += 1
+    try:
+        for ids in encoded:
+            if not ids:
+                continue
+            if append_eod:
+                ids.append(tokenizer.eod)
+            builder.add_item(torch.tensor(ids, dtype=torch.int64))
+            builder.end_document()
+            num_docs += 1
+    finally:
+        if pool is not None:
+            pool.terminate()
     if num_docs == 0:
         raise ValueError(f"{input_path} holds no non-empty documents")
     builder.finalize(output_prefix + ".idx")
@@ -75,16 +113,26 @@ def preprocess(input_path: str, output_prefix: str, json_key: str = "text", toke
 
 
 def main(argv=None) -> int:
+    from megatron.training.tokenizer import TOKENIZER_TYPES
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True, help="JSONL (one {'text': ...} per line) or plain text")
     parser.add_argument("--output-prefix", required=True, help="writes <prefix>.bin and <prefix>.idx")
     parser.add_argument("--json-key", default="text")
-    parser.add_argument("--tokenizer-type", default="ByteLevel", choices=["ByteLevel"])
+    parser.add_argument("--tokenizer-type", default="ByteLevel", choices=TOKENIZER_TYPES)
+    parser.add_argument("--vocab-file", help="GPT2BPETokenizer's vocab.json")
+    parser.add_argument("--merge-file", help="GPT2BPETokenizer's merges.txt")
+    parser.add_argument("--tokenizer-model", help="HuggingFaceTokenizer's tokenizer.json (or its directory), "
+                        "SentencePieceTokenizer's .model, TikTokenizer's vocabulary file")
+    parser.add_argument("--vocab-size", type=int, help="NullTokenizer's ids (N: the end-of-document id)")
     parser.add_argument("--append-eod", action="store_true",
                         help="end every document with the end-of-document token (recommended for training)")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (output identical)")
     args = parser.parse_args(argv)
     try:
-        n = preprocess(args.input, args.output_prefix, args.json_key, args.tokenizer_type, args.append_eod)
+        n = preprocess(args.input, args.output_prefix, args.json_key, args.tokenizer_type, args.append_eod,
+                       vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer_model=args.tokenizer_model,
+                       vocab_size=args.vocab_size, workers=args.workers)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

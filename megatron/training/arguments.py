@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from megatron.training.argument_utils import add_dataclass_arguments, dataclass_from_args, field_help
 from megatron.training.extensions import Extension, check_extension
+from megatron.training.tokenizer import TOKENIZER_TYPES, tokenizer_from_args
 
 
 class ArgumentError(ValueError):
@@ -149,7 +150,16 @@ class DataArgs:
             "(0: built when needed).")
     )
     tokenizer_type: str = field(
-        default="ByteLevel", metadata=field_help("Tokenizer (offline).", choices=["ByteLevel"])
+        default="ByteLevel", metadata=field_help(
+            "Tokenizer the corpus was preprocessed with (megatron/training/tokenizer.py; all offline).",
+            choices=list(TOKENIZER_TYPES))
+    )
+    vocab_file: str | None = field(default=None, metadata=field_help("GPT2BPETokenizer's vocab.json."))
+    merge_file: str | None = field(default=None, metadata=field_help("GPT2BPETokenizer's merges.txt."))
+    tokenizer_model: str | None = field(
+        default=None, metadata=field_help(
+            "HuggingFaceTokenizer: tokenizer.json or its directory; SentencePieceTokenizer: the .model file; "
+            "TikTokenizer: its vocabulary file.")
     )
 
 
@@ -273,6 +283,13 @@ def validate_args(args: Args) -> None:
                             "(scale with --expert-model-parallel-size and --pipeline-model-parallel-size)")
     if m.bf16 and m.fp16:
         raise ArgumentError("--bf16 and --fp16 are exclusive; pass one of them")
+    try:  # the tokenizer's files and package, before any process starts training
+        tokenizer = tokenizer_from_args(d, m.vocab_size)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from e
+    if m.vocab_size is not None and d.tokenizer_type != "NullTokenizer" and m.vocab_size < tokenizer.vocab_size:
+        raise ArgumentError(f"--vocab-size {m.vocab_size} is smaller than --tokenizer-type {d.tokenizer_type}'s "
+                            f"{tokenizer.vocab_size} ids; leave it out (the tokenizer's size, padded)")
     emulated = any(e.emulates_fp8 for e in extensions(args))
     if m.fp8_format and m.transformer_impl != "transformer_engine" and not emulated:
         raise ArgumentError("--fp8-format needs --transformer-impl transformer_engine (or --fp8-emulation to run "

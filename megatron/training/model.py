@@ -14,14 +14,16 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.training.arguments import Args, extensions
-from megatron.training.tokenizer import build_tokenizer, padded_vocab_size
+from megatron.training.tokenizer import padded_vocab_size, tokenizer_from_args
 
 
 def vocab_size_for(args: Args) -> int:
+    """The model's vocabulary: ``--vocab-size``, else the tokenizer's padded (Megatron-LM's rule; with
+    ``NullTokenizer``, ``--vocab-size`` is the tokenizer's, and the model pads its ``N + 1`` ids)."""
     m = args.model
-    if m.vocab_size is not None:
+    if m.vocab_size is not None and args.data.tokenizer_type != "NullTokenizer":
         return m.vocab_size
-    tokenizer = build_tokenizer(args.data.tokenizer_type)
+    tokenizer = tokenizer_from_args(args.data, m.vocab_size)
     return padded_vocab_size(tokenizer.vocab_size, m.make_vocab_size_divisible_by,
                              args.parallel.tensor_model_parallel_size)
 

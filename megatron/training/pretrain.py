@@ -9,7 +9,7 @@ from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.data import DataConfig, ReplayableData, build_datasets, check_token_ids
 from megatron.training.initialize import initialize_distributed, set_seeds, shutdown
 from megatron.training.model import build_train_state, vocab_size_for
-from megatron.training.tokenizer import build_tokenizer
+from megatron.training.tokenizer import tokenizer_from_args
 from megatron.training.training import train
 
 
@@ -27,7 +27,7 @@ def build_data(args: Args) -> ReplayableData:
     """The job's data (Megatron-Core's ``GPTDataset``s). Build it before the process joins its process group
     (``pretrain`` does: a replacement process then builds alone), or on every rank of the group at once
     (Megatron-Core's builder then synchronizes them with barriers)."""
-    tokenizer = build_tokenizer(args.data.tokenizer_type)
+    tokenizer = tokenizer_from_args(args.data, args.model.vocab_size)
     config = data_config(args)
     check_token_ids(config.blend[0], vocab_size_for(args), args.data.tokenizer_type)
     t = args.training
