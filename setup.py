@@ -25,8 +25,8 @@ setup(
             "pytest>=8", "pytest-timeout>=2.3", "triton==3.9.0", "matplotlib>=3.8",
             # `make test` lints and type-checks before pytest; pinned so a new release cannot break the build.
             "ruff==0.17.6", "mypy==2.4.1",
-            # the tokenizer tests train a tiny GPT-2 BPE vocabulary and a SentencePiece model offline
-            "tokenizers==0.23.3", "sentencepiece==0.2.3",
+            # the tokenizer tests train a GPT-2 BPE vocabulary and a SentencePiece model offline, write TikToken ranks
+            "tokenizers==0.23.3", "sentencepiece==0.2.3", "tiktoken==0.12.0",
         ],
         # --tokenizer-type GPT2BPETokenizer / HuggingFaceTokenizer, SentencePieceTokenizer, TikTokenizer
         "tokenizers": ["tokenizers>=0.20", "sentencepiece>=0.2", "tiktoken>=0.7"],

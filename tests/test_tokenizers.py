@@ -68,6 +68,22 @@ def test_null_and_sentencepiece_tokenizers(bpe, tmp_path):
     assert ids and max(ids) < 300 and sp.detokenize(ids) == "the model trains"
 
 
+def test_tiktoken_tokenizer_from_a_ranks_file(tmp_path):
+    """Megatron-Core's TikToken format: ``[{"rank", "token_bytes" (base64), "token_str"}]``, the 256 bytes
+    first; here a few merges on top. Ids start after Megatron-LM's 1000 special ids."""
+    import base64
+
+    pytest.importorskip("tiktoken")
+    pieces = [bytes([i]) for i in range(256)] + [b"th", b"he", b"the", b" t", b" the"]
+    ranks = [{"rank": i, "token_bytes": base64.b64encode(p).decode(), "token_str": p.decode("latin-1")}
+             for i, p in enumerate(pieces)]
+    (tmp_path / "ranks.json").write_text(json.dumps(ranks))
+    tok = build_tokenizer("TikTokenizer", tokenizer_model=str(tmp_path / "ranks.json"), vocab_size=1261)
+    assert (tok.vocab_size, tok.eod) == (1261, 2)  # "</s>", the third special token
+    ids = tok.tokenize("the theme")
+    assert ids == [1000 + 258, 1000 + 260, 1000 + ord("m"), 1000 + ord("e")] and tok.detokenize(ids) == "the theme"
+
+
 def test_bad_tokenizer_flags_name_the_fix(bpe, tmp_path):
     _, vocab, merges, _ = bpe
     with pytest.raises(ValueError, match="GPT2BPETokenizer needs --merge-file"):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from megatron.training.argument_utils import add_dataclass_arguments, dataclass_from_args, field_help
 from megatron.training.extensions import Extension, check_extension
-from megatron.training.tokenizer import TOKENIZER_TYPES, tokenizer_from_args
+from megatron.training.tokenizer import SIZED_BY_FLAG, TOKENIZER_TYPES, tokenizer_from_args
 
 
 class ArgumentError(ValueError):
@@ -287,7 +287,7 @@ def validate_args(args: Args) -> None:
         tokenizer = tokenizer_from_args(d, m.vocab_size)
     except ValueError as e:
         raise ArgumentError(str(e)) from e
-    if m.vocab_size is not None and d.tokenizer_type != "NullTokenizer" and m.vocab_size < tokenizer.vocab_size:
+    if m.vocab_size is not None and d.tokenizer_type not in SIZED_BY_FLAG and m.vocab_size < tokenizer.vocab_size:
         raise ArgumentError(f"--vocab-size {m.vocab_size} is smaller than --tokenizer-type {d.tokenizer_type}'s "
                             f"{tokenizer.vocab_size} ids; leave it out (the tokenizer's size, padded)")
     emulated = any(e.emulates_fp8 for e in extensions(args))

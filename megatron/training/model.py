@@ -14,14 +14,14 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.training.arguments import Args, extensions
-from megatron.training.tokenizer import padded_vocab_size, tokenizer_from_args
+from megatron.training.tokenizer import SIZED_BY_FLAG, padded_vocab_size, tokenizer_from_args
 
 
 def vocab_size_for(args: Args) -> int:
     """The model's vocabulary: ``--vocab-size``, else the tokenizer's padded (Megatron-LM's rule; with
-    ``NullTokenizer``, ``--vocab-size`` is the tokenizer's, and the model pads its ``N + 1`` ids)."""
+    ``NullTokenizer`` and ``TikTokenizer``, ``--vocab-size`` is the tokenizer's, and the model pads it)."""
     m = args.model
-    if m.vocab_size is not None and args.data.tokenizer_type != "NullTokenizer":
+    if m.vocab_size is not None and args.data.tokenizer_type not in SIZED_BY_FLAG:
         return m.vocab_size
     tokenizer = tokenizer_from_args(args.data, m.vocab_size)
     return padded_vocab_size(tokenizer.vocab_size, m.make_vocab_size_divisible_by,

@@ -8,8 +8,9 @@
 * ``HuggingFaceTokenizer --tokenizer-model PATH``: a fast tokenizer's ``tokenizer.json`` (the file, or a
   directory holding it), through ``tokenizers``; the end-of-document token is the ``eos_token`` of a
   ``tokenizer_config.json`` beside it, else the first of the usual names the vocabulary has.
-* ``SentencePieceTokenizer --tokenizer-model m.model`` and ``TikTokenizer --tokenizer-model f.json``:
-  Megatron-Core's wrappers (``megatron.core.tokenizers``; ``pip install sentencepiece`` / ``tiktoken``).
+* ``SentencePieceTokenizer --tokenizer-model m.model`` and ``TikTokenizer --tokenizer-model f.json
+  [--vocab-size N]``: Megatron-Core's wrappers (``megatron.core.tokenizers``; ``pip install sentencepiece`` /
+  ``tiktoken``); TikTokenizer's ids start after 1000 special ids, ``--vocab-size`` (default 131072) cuts it.
 * ``NullTokenizer --vocab-size N``: Megatron-Core's; ids written as numbers, ``N`` is the end-of-document
   id (the tokenizer has ``N + 1`` ids, as in Megatron-LM).
 
@@ -27,6 +28,10 @@ from typing import Any, Protocol
 
 TOKENIZER_TYPES = ("ByteLevel", "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
                    "TikTokenizer", "NullTokenizer")
+SIZED_BY_FLAG = ("NullTokenizer", "TikTokenizer")
+"""Tokenizers whose size ``--vocab-size`` sets (Megatron-LM's meaning); for the others it sets the model's."""
+TIKTOKEN_SPECIAL_IDS = 1000
+"""Megatron-LM's ``--tiktoken-num-special-tokens`` default: ids below it are special, the vocabulary's ranks follow."""
 EOD_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
 """End-of-document tokens looked for in a Hugging Face vocabulary without an ``eos_token`` setting."""
 
@@ -169,10 +174,13 @@ def _megatron_core(tokenizer_type: str, model: str | None, vocab_size: int | Non
     if tokenizer_type == "SentencePieceTokenizer":
         _package("sentencepiece", tokenizer_type)
         library = importlib.import_module(f"{libraries}.sentencepiece_tokenizer").SentencePieceTokenizer(path)
-    else:  # TikTokenizer
+    else:  # TikTokenizer: Megatron-LM's defaults (1000 special ids first; --vocab-size cuts the vocabulary)
         _package("tiktoken", tokenizer_type)
-        library = importlib.import_module(f"{libraries}.tiktoken_tokenizer").TikTokenTokenizer(path)
-    return LibraryTokenizer(tokenizer_type, library, {"tokenizer_model": os.path.abspath(path)})
+        module = importlib.import_module(f"{libraries}.tiktoken_tokenizer")
+        size = vocab_size or module.DEFAULT_TIKTOKEN_MAX_VOCAB
+        library = module.TikTokenTokenizer(path, num_special_tokens=TIKTOKEN_SPECIAL_IDS, vocab_size=size)
+    return LibraryTokenizer(tokenizer_type, library, {"tokenizer_model": os.path.abspath(path),
+                                                      "vocab_size_flag": vocab_size})
 
 
 def build_tokenizer(tokenizer_type: str = "ByteLevel", *, vocab_file: str | None = None,
