@@ -167,6 +167,7 @@ def _megatron_core(tokenizer_type: str, model: str | None, vocab_size: int | Non
         if not vocab_size or vocab_size <= 0:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size N (ids 0..N-1, N the end of "
                              "document)")
+        # start-up time: megatron.core.tokenizers takes ~3 s to import; flag parsing with ByteLevel skips it
         from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
         return LibraryTokenizer(tokenizer_type, NullTokenizer(vocab_size), {"vocab_size_flag": vocab_size})
