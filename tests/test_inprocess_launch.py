@@ -85,19 +85,27 @@ def test_replacement_policy_orders_local_spares_fresh_processes_then_remote_spar
                              remote_spares=0) == ([(2, "local"), (1, "fresh")], [])
 
 
-def test_a_node_declared_lost_fences_itself(store, tmp_path):
-    """An agent that was only slow finds its node among an announcement's ``lost``: it stops its workers
-    (a real process here) and raises ``Fenced``, so that no rank runs twice."""
+def _sleeping_agent(store, tmp_path, run_id: str, local_world_size: int, **agent_flags):
+    """A real ``SpareAgent`` on ``store`` whose processes sleep, and its worker group (no rendezvous round:
+    the caller sets the agent's layout)."""
     from types import SimpleNamespace
 
     from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
 
-    handler = SimpleNamespace(_store=store, get_run_id=lambda: "fence", use_agent_store=True)
-    spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=handler, entrypoint="python3",
-                      args=("-c", "import time; time.sleep(120)"), max_restarts=1, monitor_interval=0.1)
-    agent = SpareAgent(spec, LaunchLogs(root=str(tmp_path)), node_timeout_s=1.0)
+    handler = SimpleNamespace(_store=store, get_run_id=lambda: run_id, use_agent_store=True)
+    spec = WorkerSpec(role="trainer", local_world_size=local_world_size, rdzv_handler=handler,
+                      entrypoint="python3", args=("-c", "import time; time.sleep(120)"), max_restarts=1,
+                      monitor_interval=0.1)
+    agent = SpareAgent(spec, LaunchLogs(root=str(tmp_path)), **agent_flags)
     group = WorkerGroup(spec)
     group.master_addr, group.master_port = "127.0.0.1", store.port
+    return agent, group
+
+
+def test_a_node_declared_lost_fences_itself(store, tmp_path):
+    """An agent that was only slow finds its node among an announcement's ``lost``: it stops its workers
+    (a real process here) and raises ``Fenced``, so that no rank runs twice."""
+    agent, group = _sleeping_agent(store, tmp_path, "fence", 1, node_timeout_s=1.0)
     agent._node, agent._nodes, agent._world, agent._groups = 1, 2, 2, {0: 0, 1: 1}
     proc = agent._start_one(group, name="rank1", rank=1, local_rank=0)
     agent._workers = {1: proc}
@@ -114,18 +122,9 @@ def test_the_process_taking_a_rank_takes_its_device(store, tmp_path):
     """A spare (or a fresh process) that takes a rank of its own node takes the dead process's device index
     (``LOCAL_RANK``): on a GPU node with one GPU per rank a spare's own index is no device. The spare's
     index goes to the next spare started. Real processes under a real agent."""
-    from types import SimpleNamespace
-
-    from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
-
-    handler = SimpleNamespace(_store=store, get_run_id=lambda: "devices", use_agent_store=True)
-    spec = WorkerSpec(role="trainer", local_world_size=2, rdzv_handler=handler, entrypoint="python3",
-                      args=("-c", "import time; time.sleep(120)"), max_restarts=1, monitor_interval=0.1)
-    agent = SpareAgent(spec, LaunchLogs(root=str(tmp_path)), spares_per_node=1)
-    group = WorkerGroup(spec)
-    group.master_addr, group.master_port = "127.0.0.1", store.port
+    agent, group = _sleeping_agent(store, tmp_path, "devices", 2, spares_per_node=1)
     agent._node, agent._nodes, agent._world, agent._groups = 0, 1, 2, {0: 0}
-    agent._holders = agent._home = {0: 0, 1: 0}
+    agent._holders, agent._home = {0: 0, 1: 0}, {0: 0, 1: 0}
     try:
         agent._workers = {r: agent._start_one(group, name=f"rank{r}", rank=r, local_rank=r) for r in (0, 1)}
         agent._fill_spares(group)

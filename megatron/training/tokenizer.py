@@ -20,6 +20,7 @@ Each tokenizer offers ``name``, ``vocab_size``, ``eod``, ``tokenize(text) -> lis
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -184,10 +185,12 @@ def _megatron_core(tokenizer_type: str, model: str | None, vocab_size: int | Non
                                                       "vocab_size_flag": vocab_size})
 
 
+@functools.lru_cache(maxsize=8)
 def build_tokenizer(tokenizer_type: str = "ByteLevel", *, vocab_file: str | None = None,
                     merge_file: str | None = None, tokenizer_model: str | None = None,
                     vocab_size: int | None = None) -> Tokenizer:
-    """The tokenizer the flags name; ``ValueError`` naming the missing flag, file or package."""
+    """The tokenizer the flags name; ``ValueError`` naming the missing flag, file or package. Built once per
+    set of flags in a process (the flag check, the vocabulary size, the data and the model all ask)."""
     if tokenizer_type == "ByteLevel":
         return ByteLevelTokenizer()
     if tokenizer_type == "GPT2BPETokenizer":
