@@ -43,6 +43,9 @@ def step_hooks(args, membership=None, carried=None):
 
 def main(argv=None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack
+    from megatron.training.quiet import hold
+
+    hold()  # before Megatron-Core's first import: its expected warnings become one line (--verbose: all)
     from megatron.training.arguments import ArgumentError, parse_args
     from moe_ft.launch.protocol import USAGE_EXIT_CODE
 

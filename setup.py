@@ -32,9 +32,10 @@ setup(
         "tokenizers": ["tokenizers>=0.20", "sentencepiece>=0.2", "tiktoken>=0.7"],
         "triton": ["triton==3.9.0"],
         "plot": ["matplotlib>=3.8"],
-        # GPU extras: need CUDA to build/run; import-guarded everywhere, never used on CPU.
-        "gpu": ["transformer-engine[pytorch]", "nvidia-dali-cuda120"],
-        "fp8": ["transformer-engine[pytorch]"],
+        # GPU extras: need CUDA to build/run; import-guarded everywhere, never used on CPU. Transformer Engine in
+        # the range megatron-core 0.16.1 is built and tested with (its own `dev` extra).
+        "gpu": ["transformer-engine[pytorch]>=2.9.0,<2.12.0", "nvidia-dali-cuda120"],
+        "fp8": ["transformer-engine[pytorch]>=2.9.0,<2.12.0"],
     },
     entry_points={"console_scripts": ["moe-ft=moe_ft.cli.main:main"]},
 )

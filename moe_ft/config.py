@@ -378,6 +378,10 @@ class FTConfig(LoopExtension):
         if self.ft:  # snapshots must restore this precision bit for bit
 
             check_exact_recovery(args)
+        if self.ft and args.model.moe_grouped_gemm and args.parallel.use_distributed_optimizer:
+            raise ValueError("--ft with --moe-grouped-gemm and --use-distributed-optimizer: an expert's state would be "
+                             "slices of a flat optimizer shard, which the snapshots do not capture; drop "
+                             "--moe-grouped-gemm (SequentialMLP experts) or --use-distributed-optimizer")
         if self.ft and self.recovery.capacity_boost and getattr(args.model, "moe_expert_capacity_factor", None) is None:
             raise ValueError("--ft-capacity-boost gives stale experts more *capacity*: it needs token dropping, "
                              "set --moe-expert-capacity-factor (e.g. 1.0); without it no expert drops tokens "

@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 
@@ -23,6 +24,7 @@ os.environ.setdefault("MOE_FT_DRILL_LAUNCHER", "inprocess-preloaded")
 # after the settings above: ROOT on sys.path, TRITON_INTERPRET before any kernel module
 from moe_ft.cli.drill import run_job  # noqa: E402
 from tests._ft_helpers import make_corpus, one_rank_megatron  # noqa: E402
+from tools.make_corpus import write_corpus  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -40,6 +42,22 @@ def corpus(tmp_path_factory):
     """Prefix of a small Megatron indexed dataset made from the generated corpus, written once per session
     (the one definition: every test that trains reads it)."""
     return make_corpus(str(tmp_path_factory.mktemp("corpus")))
+
+
+@pytest.fixture(scope="session")
+def bpe(tmp_path_factory):
+    """``(corpus.jsonl, vocab.json, merges.txt, tokenizer.json)`` of a GPT-2 style byte-level BPE (512 ids)
+    trained here from the generated corpus (nothing is downloaded)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    d = tmp_path_factory.mktemp("bpe")
+    corpus = str(d / "c.jsonl")
+    write_corpus(corpus, num_docs=300, seed=5)
+    texts = [json.loads(line)["text"] for line in open(corpus)]
+    trainer = tokenizers.ByteLevelBPETokenizer()
+    trainer.train_from_iterator(texts, vocab_size=512, min_frequency=2, special_tokens=["<|endoftext|>"])
+    vocab, merges = trainer.save_model(str(d))
+    trainer.save(str(d / "tokenizer.json"))
+    return corpus, vocab, merges, str(d / "tokenizer.json")
 
 
 @pytest.fixture

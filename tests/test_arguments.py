@@ -36,6 +36,7 @@ def test_flags_map_to_dataclasses(data_prefix):
     (["--pipeline-model-parallel-size", "3"], 4, "world size 4 must be divisible"),
     (["--expert-model-parallel-size", "4", "--num-experts", "4"], 2, "ranks per stage must be divisible"),
     (["--global-batch-size", "3"], 2, "--global-batch-size 3 must be a positive multiple"),
+    (["--moe-grouped-gemm"], 1, "needs the grouped_gemm package"),
     (["--pipeline-model-parallel-size", "2", "--global-batch-size", "2", "--micro-batch-size", "1"], 4,
      "pipeline parallelism needs at least 2 micro-batches"),
     (["--moe-router-topk", "5"], 1, "exceeds --num-experts"),
@@ -111,3 +112,58 @@ def test_extra_groups_implement_the_loops_hooks_and_others_are_refused():
         check_extension(Bare())
     ext = LoopExtension()
     assert (ext.emulates_fp8, ext.adjust_parallel(None), ext.customize_layer_spec("spec")) == (False, [], "spec")
+
+
+def test_deterministic_with_transformer_engine_sets_or_refuses_its_switch(data_prefix, monkeypatch):
+    """--deterministic (default) with TE: NVTE_ALLOW_NONDETERMINISTIC_ALGO unset becomes 0 (Megatron-Core's TE
+    attention refuses to build otherwise); another value is refused at parse time with the fix;
+    --no-deterministic takes any value. (TE stands in as an empty module: only its import is checked here.)"""
+    import types
+
+    from megatron.training.arguments import TE_NONDETERMINISTIC_ENV
+    from megatron.training.initialize import deterministic_environment
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    flags = ["--transformer-impl", "transformer_engine", "--data-path", data_prefix]
+    monkeypatch.setenv(TE_NONDETERMINISTIC_ENV, "1")
+    with pytest.raises(ArgumentError, match="NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, but it is '1': unset it"):
+        parse_args(flags, world_size=1)
+    assert not parse_args(flags + ["--no-deterministic"], world_size=1).training.deterministic
+    monkeypatch.delenv(TE_NONDETERMINISTIC_ENV)
+    args = parse_args(flags, world_size=1)
+    deterministic_environment(args)
+    assert os.environ[TE_NONDETERMINISTIC_ENV] == "0"
+    monkeypatch.delenv(TE_NONDETERMINISTIC_ENV)
+    deterministic_environment(parse_args(["--data-path", data_prefix], world_size=1))  # local layers: untouched
+    assert TE_NONDETERMINISTIC_ENV not in os.environ
+
+
+QUIET_PROBE = """
+import logging, sys
+from megatron.training import quiet
+quiet.hold()
+if "--verbose" in sys.argv:
+    quiet.release()
+import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs  # warn that TE and Apex are absent
+import warnings
+warnings.warn("an unexpected warning")
+logging.getLogger("megatron.core.transformer.transformer_layer").warning("Unknown MLP type: X. Using default kwargs.")
+print("SUMMARY", quiet.summary(), quiet.held_count())
+"""
+
+
+def test_expected_warnings_are_one_line_unless_verbose():
+    """Megatron-Core's import-time fallback warnings (real imports) and its 'Unknown MLP type' log are held
+    back and summed up; other warnings still print; --verbose prints them all."""
+    quiet = subprocess.run([sys.executable, "-c", QUIET_PROBE], capture_output=True, text=True, cwd=ROOT,
+                           timeout=120)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "not installed" not in quiet.stderr and "Unknown MLP type" not in quiet.stderr
+    assert "an unexpected warning" in quiet.stderr
+    summary = quiet.stdout.split("SUMMARY ", 1)[1]
+    assert "Transformer Engine and Apex absent" in summary and "default process groups (1)" in summary
+    assert int(summary.split()[-1]) >= 3
+    verbose = subprocess.run([sys.executable, "-c", QUIET_PROBE, "--verbose"], capture_output=True, text=True,
+                             cwd=ROOT, timeout=120)
+    assert "Apex" in verbose.stderr and "not installed" in verbose.stderr and "Unknown MLP type" in verbose.stderr
+    assert verbose.stdout.strip().endswith("None 0")

@@ -9,7 +9,11 @@ drills of the suite) and compare the final digest with the session's fault-free 
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -231,6 +235,22 @@ def test_launcher_flags_are_checked(capsys):
     assert "--nproc-per-node" in out  # torchrun's own flags
     args = cli.parse_args(["--standalone", "--nproc-per-node", "4", "--spares-per-node", "2", "train.py", "--lr", "1"])
     assert (args.spares_per_node, args.rdzv_backend, args.training_script_args) == (2, "c10d", ["--lr", "1"])
+
+
+def test_max_restarts_bounds_in_process_replacements(tmp_path):
+    """Workers that fail at every start (a bad build, say) are replaced in process at most --max-restarts
+    times, then the job stops with the reason: no endless replacement loop."""
+    script = tmp_path / "fail.py"
+    script.write_text("import sys, time\ntime.sleep(0.2)\nsys.exit(1)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "moe_ft", "launch", "--standalone", "--nproc-per-node", "2",
+                           "--max-restarts", "2", "--monitor-interval", "0.1", str(script)], cwd=root,
+                          capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    attempts = [int(a) for a in re.findall(r"moe-ft launch: ranks? [0-9, ]+ failed; attempt (\d+) gives", out)]
+    assert attempts == [1, 2], out[-3000:]
+    assert "--max-restarts 2 spent" in out and "the job stops" in out
 
 
 # ------------------------------------------------------------------------------------------ drills

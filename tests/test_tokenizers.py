@@ -19,25 +19,9 @@ sys.path.insert(0, ROOT)
 
 from megatron.training.arguments import ArgumentError, parse_args  # noqa: E402
 from megatron.training.tokenizer import build_tokenizer  # noqa: E402
-from tools.make_corpus import write_corpus  # noqa: E402
 from tools.preprocess_data import preprocess  # noqa: E402
 
-VOCAB = 512
-
-
-@pytest.fixture(scope="module")
-def bpe(tmp_path_factory):
-    """``(corpus.jsonl, vocab.json, merges.txt, tokenizer.json)`` of a GPT-2 style byte-level BPE trained here."""
-    tokenizers = pytest.importorskip("tokenizers")
-    d = tmp_path_factory.mktemp("bpe")
-    corpus = str(d / "c.jsonl")
-    write_corpus(corpus, num_docs=300, seed=5)
-    texts = [json.loads(line)["text"] for line in open(corpus)]
-    trainer = tokenizers.ByteLevelBPETokenizer()
-    trainer.train_from_iterator(texts, vocab_size=VOCAB, min_frequency=2, special_tokens=["<|endoftext|>"])
-    vocab, merges = trainer.save_model(str(d))
-    trainer.save(str(d / "tokenizer.json"))
-    return corpus, vocab, merges, str(d / "tokenizer.json")
+VOCAB = 512  # the conftest `bpe` fixture's vocabulary size
 
 
 def test_gpt2_bpe_and_hugging_face_tokenizers_round_trip(bpe):

@@ -6,12 +6,17 @@ Validation runs before any process-group work and stops with one actionable line
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from dataclasses import dataclass, field
 
 from megatron.training.argument_utils import add_dataclass_arguments, dataclass_from_args, field_help
 from megatron.training.extensions import Extension, check_extension
 from megatron.training.tokenizer import SIZED_BY_FLAG, TOKENIZER_TYPES, tokenizer_from_args
+
+TE_NONDETERMINISTIC_ENV = "NVTE_ALLOW_NONDETERMINISTIC_ALGO"
+"""Transformer Engine's switch for non-deterministic kernels; Megatron-Core's TE attention refuses to build in
+``deterministic_mode`` unless it is ``0`` (:func:`megatron.training.initialize.initialize_distributed` sets it)."""
 
 
 class ArgumentError(ValueError):
@@ -120,6 +125,9 @@ class TrainingArgs:
         "coordination group takes it too)."))
     num_threads: int = field(default=1, metadata=field_help("torch CPU threads per process (CPU runs)."))
     progress: bool = field(default=False, metadata=field_help("Show a progress bar on rank 0."))
+    verbose: bool = field(default=False, metadata=field_help(
+        "Print Megatron-Core's and torch's expected warnings (Transformer Engine or Apex absent, deprecations) "
+        "in every rank; default: held back, one summary line on rank 0."))
     deterministic: bool = field(
         default=True, metadata=field_help("torch.use_deterministic_algorithms (bitwise reproducible).")
     )
@@ -309,6 +317,15 @@ def validate_args(args: Args) -> None:
         except ImportError:
             raise ArgumentError("--transformer-impl transformer_engine needs Transformer Engine (CUDA): "
                                 "pip install -e '.[gpu]' on a GPU machine, or use --transformer-impl local") from None
+        allow = os.environ.get(TE_NONDETERMINISTIC_ENV)
+        if t.deterministic and allow not in (None, "0"):
+            raise ArgumentError(f"--deterministic (the default) with Transformer Engine needs "
+                                f"{TE_NONDETERMINISTIC_ENV}=0, but it is {allow!r}: unset it (moe-ft then sets 0) or "
+                                f"pass --no-deterministic (recovery is then not bitwise)")
+    if m.moe_grouped_gemm and m.transformer_impl == "local" and importlib.util.find_spec("grouped_gemm") is None:
+        raise ArgumentError("--moe-grouped-gemm with --transformer-impl local runs Megatron-Core's legacy GroupedMLP, "
+                            "which needs the grouped_gemm package (CUDA): use --transformer-impl transformer_engine "
+                            "(TEGroupedMLP) or drop --moe-grouped-gemm")
     if m.hidden_size % m.num_attention_heads:
         raise ArgumentError(f"--hidden-size {m.hidden_size} must be divisible by --num-attention-heads "
                             f"{m.num_attention_heads}")

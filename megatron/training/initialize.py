@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import warnings
 from datetime import timedelta
 
 import numpy as np
@@ -20,15 +19,18 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
-from megatron.training.arguments import Args
+from megatron.training import quiet
+from megatron.training.arguments import TE_NONDETERMINISTIC_ENV, Args
 
 log = logging.getLogger("megatron.training")
 
 
-def quiet_optional_dependency_warnings() -> None:
-    """Megatron warns at import time that Transformer Engine and Apex are absent; on CPU that is expected."""
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*not installed.*")
-    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+def quiet_optional_dependency_warnings(verbose: bool = False) -> None:
+    """Megatron-Core's expected warnings (Transformer Engine and Apex absent, ...) are held back and summed up
+    on rank 0 (``megatron/training/quiet.py``); ``verbose`` (``--verbose``) prints them instead."""
+    quiet.hold()
+    if verbose:
+        quiet.release()
 
 
 def _restart_safe_store(timeout_s: float) -> dict:
@@ -58,6 +60,15 @@ def init_default_group(backend: str, timeout_s: float, store: dict) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **store)
 
 
+def deterministic_environment(args: Args) -> None:
+    """``--deterministic``: cuBLAS's deterministic workspace and, with Transformer Engine, its deterministic
+    kernels (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``, which Megatron-Core's TE attention requires in
+    ``deterministic_mode``; a user's other value is refused at parse time). A value the user set stays."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if args.model.transformer_impl == "transformer_engine":
+        os.environ.setdefault(TE_NONDETERMINISTIC_ENV, "0")
+
+
 def require_cuda_or_cpu_layer() -> None:
     """Megatron-Core asks ``torch.cuda.current_device()`` for the device of every buffer it builds; on a
     CPU-only torch that raises unless a CPU compatibility layer answers it. Fail here, before any process
@@ -82,13 +93,13 @@ def initialize_distributed(args: Args, timeout_s: float | None = None, join_time
     ``join_timeout_s`` ``None``: ``timeout_s`` for both."""
     if timeout_s is None:
         timeout_s = 60.0 * args.training.distributed_timeout_minutes
-    quiet_optional_dependency_warnings()
+    quiet_optional_dependency_warnings(args.training.verbose)
     require_cuda_or_cpu_layer()
     use_cuda = torch.cuda.is_available()
     if not use_cuda:
         torch.set_num_threads(args.training.num_threads)
     if args.training.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        deterministic_environment(args)
         torch.use_deterministic_algorithms(True)
     if not dist.is_initialized():
         if use_cuda:

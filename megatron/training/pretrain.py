@@ -9,6 +9,7 @@ from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.data import DataConfig, ReplayableData, build_datasets, check_token_ids
 from megatron.training.initialize import initialize_distributed, set_seeds, shutdown
 from megatron.training.model import build_train_state, vocab_size_for
+from megatron.training.quiet import summary
 from megatron.training.tokenizer import tokenizer_from_args
 from megatron.training.training import train
 
@@ -60,6 +61,8 @@ def pretrain(args: Args, hooks=None, join_timeout_s: float | None = None):
                   f"VP {args.parallel.virtual_pipeline_model_parallel_size or 1} | EP "
                   f"{args.parallel.expert_model_parallel_size} | DP {args.data_parallel_size} | "
                   f"micro-batches {args.num_microbatches} | parameters on rank 0: {n_params}", flush=True)
+            if (held := summary()) is not None:  # the warnings of imports and model build (--verbose: printed)
+                print(held, flush=True)
         report = train(state, data, args, start_iteration=start, hooks=hooks, save_fn=save_fn)
         failed = False
         return report

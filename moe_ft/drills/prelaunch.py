@@ -41,6 +41,7 @@ from torch.distributed.launcher.api import elastic_launch
 from moe_ft.drills.faults import AGENT_PID_ENV
 
 PRELOAD = (
+    "moe_ft.drills.hold_warnings",  # first: before the imports that warn
     "megatron.training.arguments",
     "megatron.training.pretrain",
     "megatron.training.training",

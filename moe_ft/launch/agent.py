@@ -450,6 +450,8 @@ class SpareAgent(LocalElasticAgent):
                              "heartbeat stood still past --node-timeout); its workers are stopped so that no "
                              "rank runs twice")
             if info.get("kind") == "inprocess":
+                if info.get("failed"):  # another agent replaced failed ranks: the job's budget is spent by one
+                    self._remaining_restarts -= 1
                 self._lost.update(info.get("lost", []))
                 if "resize" in info:
                     self._apply_resize(info["resize"])
@@ -510,6 +512,14 @@ class SpareAgent(LocalElasticAgent):
             store.delete_key(self._keys.decision(attempt))
             return True
         dead, detected = sorted(self._dead), min(self._dead.values())
+        if self._remaining_restarts <= 0:  # torchrun's budget: failures the job survives, however recovered
+            reason = (f"--max-restarts {worker_group.spec.max_restarts} spent (every failure counts, replaced in "
+                      f"process or restarted); rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} failed")
+            protocol.publish(store, self._keys, attempt, kind="fallback", failed=dead, detected_at=detected,
+                             reason=reason)
+            print(f"moe-ft launch: {reason}: the job stops", flush=True)
+            self._seen = self._attempt = attempt
+            return False
         assignments, fresh, missing = self._assign(worker_group, attempt, dead)
         if missing and not assignments and self._can_shrink(dead):
             self._shrink(worker_group, attempt, dead, detected)
@@ -525,6 +535,7 @@ class SpareAgent(LocalElasticAgent):
         self._holders.update(holders)
         self._dead = {}
         self._seen = self._attempt = attempt
+        self._remaining_restarts -= 1
         givers = sorted({node for node, _ in assignments.values()})
         print(f"moe-ft launch: rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} failed; "
               f"attempt {attempt} gives {'them' if len(dead) > 1 else 'it'} to "
@@ -555,6 +566,7 @@ class SpareAgent(LocalElasticAgent):
                          detected_at=detected, lost=sorted(self._lost), resize=resize)
         self._apply_resize(json.loads(json.dumps(resize)))
         self._seen = self._attempt = attempt
+        self._remaining_restarts -= 1
         print(f"moe-ft launch: no spare for ranks {', '.join(map(str, dead))} of lost node(s) "
               f"{sorted(self._lost)}; attempt {attempt} shrinks the job to {resize['world_size']} ranks on "
               f"{len(live)} node(s), the workers keep their processes", flush=True)
