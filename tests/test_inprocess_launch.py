@@ -260,7 +260,7 @@ def drill_env(corpus, tmp_path_factory):
             "store": str(tmp_path_factory.mktemp("inprocess_store"))}
 
 
-def launch(env, job, *, layout, faults, scope, launcher_flags=(), max_restarts=0, launcher="inprocess-preloaded"):
+def launch(env, job, *, layout, faults, scope, launcher_flags=(), max_restarts=3, launcher="inprocess-preloaded"):
     return run_job(job=job, workdir=env["work"], faults=list(faults), max_restarts=max_restarts, timeout=300,
                    launcher=launcher, launcher_flags=tuple(launcher_flags), layout=layout,
                    policy="sparse", iters=ITERS, data=env["data"], store=env["store"], window=WINDOW,
@@ -325,7 +325,7 @@ def test_a_replacement_that_does_not_arrive_in_time_falls_back_to_a_full_restart
     the survivors stop waiting for the fresh process to form the new group, give up, and the agent
     restarts every worker (``restart_kind`` "job"); the job still ends bitwise."""
     res = launch(drill_env, "dp2ep2_fallback", layout="dp2ep2", faults=["1:5:forward"], scope="global",
-                 launcher="inprocess", launcher_flags=["--spares-per-node=0", "--reform-timeout=1"], max_restarts=1)
+                 launcher="inprocess", launcher_flags=["--spares-per-node=0", "--reform-timeout=1"], max_restarts=2)
     assert res["rc"] == 0, res["log"]
     assert res["digest"] == fault_free_digest("dp2ep2", ITERS)
     (report,) = res["reports"]

@@ -76,6 +76,13 @@ class ParallelArgs:
     tensor_model_parallel_size: int = field(default=1, metadata=field_help("Tensor-parallel size."))
     pipeline_model_parallel_size: int = field(default=1, metadata=field_help("Pipeline stages."))
     expert_model_parallel_size: int = field(default=1, metadata=field_help("Expert-parallel size."))
+    sequence_parallel: bool = field(default=False, metadata=field_help(
+        "Shard the activations outside attention and the dense layers along the sequence over the tensor-parallel "
+        "ranks (needed, and checked, with --tensor-model-parallel-size > 1: Megatron-Core's MoE layer does not "
+        "train without it)."))
+    expert_tensor_parallel_size: int | None = field(default=None, metadata=field_help(
+        "Tensor-parallel size of the experts (default: --tensor-model-parallel-size); EP x this must divide the "
+        "ranks of a pipeline stage."))
     use_distributed_optimizer: bool = field(
         default=False, metadata=field_help("Shard optimizer state over data-parallel ranks.")
     )
@@ -169,6 +176,35 @@ class DataArgs:
             "HuggingFaceTokenizer: tokenizer.json or its directory; SentencePieceTokenizer: the .model file; "
             "TikTokenizer: its vocabulary file.")
     )
+
+
+def _validate_tensor_parallel(args: Args) -> None:
+    """Tensor, sequence and expert-tensor parallelism: what Megatron-Core 0.16.1 trains, checked before any
+    process group (its own checks fire deep inside the model build or the first forward pass)."""
+    m, p = args.model, args.parallel
+    tp, etp = p.tensor_model_parallel_size, p.expert_tensor_parallel_size
+    if etp is not None and etp <= 0:
+        raise ArgumentError(f"--expert-tensor-parallel-size must be positive, got {etp}")
+    if p.sequence_parallel and tp == 1:
+        raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if tp == 1:
+        return
+    if not p.sequence_parallel:
+        raise ArgumentError(f"--tensor-model-parallel-size {tp} needs --sequence-parallel: Megatron-Core's MoE layer "
+                            "refuses to train with tensor parallelism without it")
+    if m.num_attention_heads % tp:
+        raise ArgumentError(f"--num-attention-heads {m.num_attention_heads} must be divisible by "
+                            f"--tensor-model-parallel-size {tp}")
+    if m.seq_length % tp:
+        raise ArgumentError(f"--seq-length {m.seq_length} must be divisible by --tensor-model-parallel-size {tp} "
+                            "(--sequence-parallel splits the sequence)")
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    for size, name in ((tp, "--tensor-model-parallel-size"), (etp or tp, "the expert tensor-parallel size")):
+        if ffn % size:
+            raise ArgumentError(f"--ffn-hidden-size {ffn} must be divisible by {name} {size}")
+    if m.moe_token_dispatcher_type == "flexible":
+        raise ArgumentError("the flexible dispatcher (replicated experts) does not cover tensor parallelism: use "
+                            "--moe-token-dispatcher-type alltoall or allgather with --tensor-model-parallel-size > 1")
 
 
 def split_weights(split: list[str]) -> list[float]:
@@ -286,9 +322,7 @@ def validate_args(args: Args) -> None:
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
         if getattr(p, name) <= 0:
             raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(p, name)}")
-    if p.tensor_model_parallel_size != 1:
-        raise ArgumentError("--tensor-model-parallel-size > 1 is not supported yet; use 1 "
-                            "(scale with --expert-model-parallel-size and --pipeline-model-parallel-size)")
+    _validate_tensor_parallel(args)
     if m.bf16 and m.fp16:
         raise ArgumentError("--bf16 and --fp16 are exclusive; pass one of them")
     try:  # the tokenizer's files and package, before any process starts training
@@ -341,10 +375,13 @@ def validate_args(args: Args) -> None:
         raise ArgumentError(f"world size {args.world_size} must be divisible by tensor x pipeline parallel "
                             f"size {mp}; change --nproc-per-node or --pipeline-model-parallel-size")
     dp = args.world_size // mp
-    if dp % p.expert_model_parallel_size:
+    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    per_stage = args.world_size // p.pipeline_model_parallel_size
+    if per_stage % (p.expert_model_parallel_size * etp):
         raise ArgumentError(
-            f"world size {args.world_size} / (TP*PP={mp}) = {dp} ranks per stage must be divisible by "
-            f"--expert-model-parallel-size {p.expert_model_parallel_size}")
+            f"world size {args.world_size} / PP {p.pipeline_model_parallel_size} = {per_stage} ranks per stage must "
+            f"be divisible by --expert-model-parallel-size {p.expert_model_parallel_size}"
+            + (f" x expert tensor-parallel size {etp}" if etp > 1 else ""))
     if m.num_layers % p.pipeline_model_parallel_size:
         raise ArgumentError(f"--num-layers {m.num_layers} must be divisible by "
                             f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}")

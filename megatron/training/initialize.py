@@ -122,6 +122,7 @@ def initialize_distributed(args: Args, timeout_s: float | None = None, join_time
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         distributed_timeout_minutes=max(1, round(timeout_s / 60)),
     )
 

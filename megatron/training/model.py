@@ -14,6 +14,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.training.arguments import Args, extensions
+from megatron.training.norm import with_sequence_parallel_norms
 from megatron.training.tokenizer import SIZED_BY_FLAG, padded_vocab_size, tokenizer_from_args
 
 
@@ -45,6 +46,8 @@ def transformer_config(args: Args) -> TransformerConfig:
         moe_token_dispatcher_type=m.moe_token_dispatcher_type,
         moe_grouped_gemm=m.moe_grouped_gemm,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
@@ -104,9 +107,12 @@ def build_gpt_model(args: Args, config: TransformerConfig | None = None, vp_stag
                          "index exactly when the model has virtual pipeline stages")
     first_chunk = vp_stage is None or vp_stage == 0
     last_chunk = vp_stage is None or vp_stage == vp - 1
+    spec = layer_spec(args)
+    if config.sequence_parallel and args.model.transformer_impl == "local":  # torch's norms refuse it
+        spec = with_sequence_parallel_norms(spec, config, vp_stage)
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args),
+        transformer_layer_spec=spec,
         vocab_size=vocab_size_for(args),
         max_sequence_length=args.model.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage() and first_chunk,

@@ -57,7 +57,9 @@ def pretrain(args: Args, hooks=None, join_timeout_s: float | None = None):
             save_fn = lambda it: save_checkpoint(args.training.save, it, state, hooks=hooks)  # noqa: E731
         if dist.get_rank() == 0:
             n_params = sum(p.numel() for chunk in state.model for p in chunk.module.parameters())
-            print(f"world {args.world_size} | PP {args.parallel.pipeline_model_parallel_size} | "
+            tp = (f"TP {args.parallel.tensor_model_parallel_size}{' SP' if args.parallel.sequence_parallel else ''} | "
+                  if args.parallel.tensor_model_parallel_size > 1 else "")
+            print(f"world {args.world_size} | {tp}PP {args.parallel.pipeline_model_parallel_size} | "
                   f"VP {args.parallel.virtual_pipeline_model_parallel_size or 1} | EP "
                   f"{args.parallel.expert_model_parallel_size} | DP {args.data_parallel_size} | "
                   f"micro-batches {args.num_microbatches} | parameters on rank 0: {n_params}", flush=True)

@@ -34,6 +34,8 @@ KNOWN = (
                      r"is deprecated")),
     Known("moe-ft's MoE layer takes Megatron-Core's default process groups",
           re.compile(r"Unknown MLP type: ")),
+    Known("set CUDA_DEVICE_MAX_CONNECTIONS=1 for sequence parallelism's speed on GPUs",
+          re.compile(r"recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1")),
 )
 """The expected warnings (``pattern`` searched in the message)."""
 

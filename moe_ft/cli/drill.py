@@ -65,6 +65,12 @@ LAYOUTS = {
     # two pipeline ranks x two virtual stages of one layer each (interleaved 1F1B), EP=2 inside each stage
     "pp2vp2": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--num-layers", "4",
                "--num-layers-per-virtual-pipeline-stage", "1", "--moe-token-dispatcher-type", "alltoall"],
+    # tensor parallel 2 with sequence parallelism, EP=2 over the two TP groups (experts tensor-parallel too)
+    "tp2ep2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+               "--moe-token-dispatcher-type", "alltoall"],
+    # tensor parallel 2 with sequence parallelism inside each of two pipeline stages
+    "tp2pp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+               "--expert-model-parallel-size", "1", "--moe-token-dispatcher-type", "alltoall"],
     # Lazarus's flexible dispatcher and plain optimizer (the elastic drill re-plans replicas)
     "dp2ep2-flexible": ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flexible"],
 }

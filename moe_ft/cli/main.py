@@ -17,6 +17,7 @@ import sys
 
 import moe_ft
 import moe_ft.cli as cli_pkg
+from megatron.training.quiet import hold
 from moe_ft.cli.errors import CliParser, UsageError, report
 
 
@@ -47,6 +48,7 @@ def passthrough(command: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    hold()  # Megatron-Core's expected import warnings: one summary line, not thirty (megatron/training/quiet.py)
     argv = sys.argv[1:] if argv is None else list(argv)
     direct = passthrough(argv[0]) if argv else None
     if direct is not None:

@@ -23,6 +23,13 @@ schedules, DDP, optimizers and dist_checkpointing run unmodified. The shims (eac
 5. The alltoall dispatcher turns split sizes into host lists only for CUDA tensors
    (``maybe_move_tensor_to_cpu``); on CPU they stay tensors, which gloo's ``all_to_all_single`` rejects.
    :func:`_split_sizes_to_host` converts them.
+6. With tensor or expert-tensor parallelism the alltoall dispatcher gathers and reduce-scatters *uneven*
+   token counts over the tensor-parallel group (``tensor_parallel.mappings._gather_along_first_dim`` /
+   ``_reduce_scatter_along_first_dim`` with split sizes): NCCL takes lists of unequal tensors, gloo rejects
+   them ("invalid tensor size") or has no list reduce-scatter. :func:`_patch_uneven_tp_collectives` does the
+   uneven cases with what gloo has: a gather of copies padded to the largest split, and a reduce-scatter as
+   an all-reduce of the whole tensor from which each rank keeps its split (the same sums; more bytes, which
+   on one CPU host cost little). The even cases keep Megatron-Core's code.
 
 Activation is explicit (:func:`activate`), idempotent, and refuses to run on a Megatron-Core version this
 layer was not written for. Nothing happens at import time. When CUDA is available :func:`activate` does
@@ -39,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 from megatron.core import package_info
+from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel import random as mp_random
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 from torch.overrides import TorchFunctionMode
@@ -276,6 +284,34 @@ def _patch_moe_utils() -> list[str]:
     return done
 
 
+def _patch_uneven_tp_collectives() -> list[str]:
+    original_gather = mappings._gather_along_first_dim
+    original_reduce_scatter = mappings._reduce_scatter_along_first_dim
+
+    @functools.wraps(original_gather)
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1 or len(set(output_split_sizes)) == 1:
+            return original_gather(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, output_split_sizes)], dim=0)
+
+    @functools.wraps(original_reduce_scatter)
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        return torch.split(total, input_split_sizes, dim=0)[group.rank()].clone()
+
+    mappings._gather_along_first_dim = gather
+    mappings._reduce_scatter_along_first_dim = reduce_scatter
+    return ["mappings._gather_along_first_dim(uneven)", "mappings._reduce_scatter_along_first_dim(uneven)"]
+
+
 def _check_version() -> str:
     version = package_info.__version__
     if version not in SUPPORTED_MCORE_VERSIONS:
@@ -301,6 +337,7 @@ def activate(force: bool = False) -> CpuLayerState:
         shims = _patch_torch_cuda()
         shims.append(_install_rng_tracker())
         shims.extend(_patch_moe_utils())
+        shims.extend(_patch_uneven_tp_collectives())
         mode = CudaToCpuMode()
         mode.__enter__()
         shims.append("CudaToCpuMode")

@@ -1,0 +1,129 @@
+"""Tensor, sequence and expert-tensor parallelism on CPU with gloo.
+
+The flag checks say which combinations Megatron-Core 0.16.1 trains; the CPU layer's uneven tensor-parallel
+collectives equal their definition; a TP2 x EP2 job with sequence parallelism trains with a falling loss;
+and a kill under ``moe-ft launch`` ends bitwise equal to the fault-free run, both with TP x EP (global
+replay) and with TP x PP (localized: the failed stage's whole tensor-parallel group replays).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron.training.arguments import ArgumentError, parse_args  # noqa: E402
+from moe_ft.cli.drill import run_job  # noqa: E402
+from tests._ft_helpers import torchrun  # noqa: E402
+
+
+@pytest.fixture()
+def data_prefix(tmp_path):
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"d{suffix}").write_bytes(b"")
+    return str(tmp_path / "d")
+
+
+@pytest.mark.parametrize("flags,world,message", [
+    (["--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
+    (["--sequence-parallel"], 2, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--num-attention-heads", "3", "--hidden-size", "48"],
+     2, "--num-attention-heads 3 must be divisible by --tensor-model-parallel-size 2"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "63"], 2,
+     "--seq-length 63 must be divisible"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"], 2,
+     "ranks per stage must be divisible by --expert-model-parallel-size 2 x expert tensor-parallel size 2"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-token-dispatcher-type", "flexible"], 2,
+     "flexible dispatcher (replicated experts) does not cover tensor parallelism"),
+    (["--expert-tensor-parallel-size", "0"], 2, "--expert-tensor-parallel-size must be positive"),
+])
+def test_tensor_parallel_flags_are_checked(flags, world, message, data_prefix):
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        parse_args(["--data-path", data_prefix, *flags], world_size=world)
+
+
+def test_tensor_parallel_layouts_megatron_trains_are_accepted(data_prefix):
+    args = parse_args(["--data-path", data_prefix, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                       "--expert-model-parallel-size", "2"], world_size=4)
+    assert args.data_parallel_size == 2 and args.parallel.sequence_parallel
+    args = parse_args(["--data-path", data_prefix, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                       "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1"], world_size=4)
+    assert args.parallel.expert_tensor_parallel_size == 1  # experts not tensor-parallel: EP over all 4 ranks
+
+
+def _uneven_collectives(rank: int, world: int, init: str, out: dict) -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    from moe_ft.compat.cpu import activate
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    activate(force=True)
+    group = dist.new_group([0, 1])
+    splits = [3, 5]
+    mine = torch.arange(splits[rank] * 2, dtype=torch.float32).reshape(-1, 2) + 100 * rank
+    gathered = mappings._gather_along_first_dim(mine, group, output_split_sizes=splits)
+    whole = torch.arange(16, dtype=torch.float32).reshape(8, 2) * (rank + 1)
+    scattered = mappings._reduce_scatter_along_first_dim(whole, group, input_split_sizes=splits)
+    even = mappings._gather_along_first_dim(torch.full((2, 2), float(rank)), group)  # Megatron-Core's own path
+    out[rank] = (gathered, scattered, even)
+    dist.destroy_process_group()
+
+
+def test_uneven_tensor_parallel_collectives_on_gloo(tmp_path):
+    """The CPU layer's uneven gather and reduce-scatter (what the alltoall dispatcher does over the
+    tensor-parallel group) equal their definitions; the even gather stays Megatron-Core's."""
+    init = f"file://{tmp_path / 'rdzv'}"
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_uneven_collectives, args=(2, init, out), nprocs=2, join=True)
+        results = dict(out)
+    parts = [torch.arange(n * 2, dtype=torch.float32).reshape(-1, 2) + 100 * r for r, n in enumerate([3, 5])]
+    total = torch.arange(16, dtype=torch.float32).reshape(8, 2) * 3
+    for rank, (gathered, scattered, even) in results.items():
+        assert torch.equal(gathered, torch.cat(parts))
+        assert torch.equal(scattered, torch.split(total, [3, 5])[rank])
+        assert torch.equal(even, torch.tensor([[0.0, 0.0]] * 2 + [[1.0, 1.0]] * 2))
+
+
+@pytest.mark.multiproc
+def test_tp2ep2_with_sequence_parallel_trains(corpus):
+    from moe_ft.cli.drill import LAYOUTS, TINY
+
+    argv = [*TINY, *LAYOUTS["tp2ep2"], "--train-iters", "20", "--log-interval", "1", "--data-path", corpus]
+    out = torchrun("pretrain_gpt_moe.py", argv, nproc=4).stdout
+    assert "world 4 | TP 2 SP | PP 1 | VP 1 | EP 2 | DP 2" in out, out[-2000:]
+    losses = [float(m) for m in re.findall(r"iteration +\d+/20 \| loss ([0-9.]+)", out)]
+    assert len(losses) == 20
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
+    print(f"tp2ep2 + SP: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+
+
+ITERS = 12
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout,faults,scope", [
+    ("tp2ep2", ["1:7"], "global"),
+    ("tp2pp2", ["3:9:backward"], "localized"),
+], ids=["tp2ep2", "tp2pp2-localized"])
+def test_kill_under_tensor_parallelism_ends_bitwise(layout, faults, scope, corpus, tmp_path, fault_free_digest):
+    res = run_job(job=f"{layout}_kill", workdir=str(tmp_path), faults=faults, max_restarts=2, timeout=400,
+                  layout=layout, policy="sparse", iters=ITERS, data=corpus, store=str(tmp_path / "store"), window=3,
+                  scope=scope, extra=[])
+    assert res["rc"] == 0, res["log"]
+    assert res["digest"] == fault_free_digest(layout, ITERS)
+    (report,) = res["reports"]
+    assert report["restart_kind"] == "inprocess" and report["token_loss"]["tokens"] == 0.0
+    assert report["scope"]["mode"] == scope
+    if scope == "localized":  # the failed stage's whole tensor-parallel group replays, fed by the logs
+        assert report["scope"]["failed_stages"] == [1] and report["scope"]["replaying"] == [2, 3]
