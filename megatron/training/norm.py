@@ -24,9 +24,10 @@ NORMS = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
 
 class SequenceParallelTorchNorm:
     """Megatron-Core's norm signature (``config, hidden_size, eps``) building torch's norm with its parameters
-    marked ``sequence_parallel`` (their gradients are summed over the tensor-parallel group)."""
+    marked ``sequence_parallel`` (their gradients are summed over the tensor-parallel group). A class whose
+    ``__new__`` returns the norm, as ``WrappedTorchNorm`` is: a layer spec instantiates a class."""
 
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused) -> torch.nn.Module:
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused) -> torch.nn.Module:  # type: ignore[misc]
         if config.normalization not in NORMS:
             raise ValueError(f"--sequence-parallel without Apex or Transformer Engine supports {sorted(NORMS)}, "
                              f"not {config.normalization}")
