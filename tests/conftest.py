@@ -44,6 +44,15 @@ def corpus(tmp_path_factory):
     return make_corpus(str(tmp_path_factory.mktemp("corpus")))
 
 
+@pytest.fixture
+def data_prefix(tmp_path):
+    """Prefix of an empty indexed dataset (``d.bin``/``d.idx``): enough for flag parsing, which checks that
+    the files exist; nothing reads them."""
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"d{suffix}").write_bytes(b"")
+    return str(tmp_path / "d")
+
+
 @pytest.fixture(scope="session")
 def bpe(tmp_path_factory):
     """``(corpus.jsonl, vocab.json, merges.txt, tokenizer.json)`` of a GPT-2 style byte-level BPE (512 ids)

@@ -13,13 +13,6 @@ from megatron.training.arguments import ArgumentError, parse_args  # noqa: E402
 from tests._ft_helpers import tiny_model_flags  # noqa: E402
 
 
-@pytest.fixture()
-def data_prefix(tmp_path):
-    for suffix in (".bin", ".idx"):
-        (tmp_path / f"d{suffix}").write_bytes(b"")
-    return str(tmp_path / "d")
-
-
 def test_flags_map_to_dataclasses(data_prefix):
     args = parse_args(["--num-layers", "4", "--hidden-size", "32", "--num-experts", "8", "--moe-router-topk", "2",
                        "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -42,7 +35,7 @@ def test_flags_map_to_dataclasses(data_prefix):
     (["--moe-router-topk", "5"], 1, "exceeds --num-experts"),
     (["--bf16", "--fp16"], 1, "exclusive"),
     (["--save-interval", "5"], 1, "--save-interval needs --save"),
-    (["--tensor-model-parallel-size", "2"], 2, "not supported yet"),
+    (["--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
     (["--moe-token-dispatcher-type", "flexible", "--use-distributed-optimizer", "--save", "ckpt"], 1,
      "need the plain optimizer"),
 ])

@@ -81,13 +81,6 @@ def test_flag_errors(tmp_path, trace):
         ElasticConfig(ft_expert_loads_window=3)
 
 
-@pytest.fixture
-def data_prefix(tmp_path):
-    for suffix in (".bin", ".idx"):
-        (tmp_path / f"d{suffix}").write_bytes(b"")
-    return str(tmp_path / "d")
-
-
 @pytest.mark.parametrize("model, match", [
     (["--num-layers", "3", "--num-experts", "4"], "counts 2 MoE layers x 4 experts but this model has 3 x 4"),
     (["--num-layers", "2", "--num-experts", "8"], "counts 2 MoE layers x 4 experts but this model has 2 x 8"),

@@ -219,13 +219,6 @@ def test_precision_config_and_exact_recovery(model, compute, problem):
             check_exact_recovery(_Args(**model))
 
 
-@pytest.fixture()
-def data_prefix(tmp_path):
-    for suffix in (".bin", ".idx"):
-        (tmp_path / f"d{suffix}").write_bytes(b"")
-    return str(tmp_path / "d")
-
-
 @pytest.mark.parametrize("flags,message", [
     (["--fp8-format", "e4m3"], "or --fp8-emulation to run FP8 weights without Transformer Engine"),
     (["--fp8-emulation"], "--fp8-emulation emulates --fp8-format"),

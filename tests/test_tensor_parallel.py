@@ -25,13 +25,6 @@ from moe_ft.cli.drill import run_job  # noqa: E402
 from tests._ft_helpers import torchrun  # noqa: E402
 
 
-@pytest.fixture()
-def data_prefix(tmp_path):
-    for suffix in (".bin", ".idx"):
-        (tmp_path / f"d{suffix}").write_bytes(b"")
-    return str(tmp_path / "d")
-
-
 @pytest.mark.parametrize("flags,world,message", [
     (["--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
     (["--sequence-parallel"], 2, "--sequence-parallel needs --tensor-model-parallel-size > 1"),

@@ -13,14 +13,6 @@ import pytest
 from megatron.training.arguments import ArgumentError, parse_args
 from tests._ft_helpers import torchrun
 
-
-@pytest.fixture()
-def data_prefix(tmp_path):
-    for suffix in (".bin", ".idx"):
-        (tmp_path / f"d{suffix}").write_bytes(b"")
-    return str(tmp_path / "d")
-
-
 BASE = ["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
         "--global-batch-size", "4"]
 
