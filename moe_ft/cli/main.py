@@ -17,7 +17,6 @@ import sys
 
 import moe_ft
 import moe_ft.cli as cli_pkg
-from megatron.training.quiet import hold
 from moe_ft.cli.errors import CliParser, UsageError, report
 
 
@@ -48,7 +47,6 @@ def passthrough(command: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    hold()  # Megatron-Core's expected import warnings: one summary line, not thirty (megatron/training/quiet.py)
     argv = sys.argv[1:] if argv is None else list(argv)
     direct = passthrough(argv[0]) if argv else None
     if direct is not None:
@@ -58,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as done:  # --help, --version, or a usage error already reported on one line
         return done.code if isinstance(done.code, int) else 0
+    # A subcommand that runs may import Megatron-Core: its expected warnings are held back (megatron/training/
+    # quiet.py). start-up time: --help imports nothing of Megatron.
+    from megatron.training.quiet import hold
+
+    hold()
     try:
         return int(args.func(args) or 0)
     except UsageError as exc:
