@@ -378,7 +378,8 @@ class FTConfig(LoopExtension):
         if self.ft:  # snapshots must restore this precision bit for bit
 
             check_exact_recovery(args)
-        if self.ft and args.model.moe_grouped_gemm and args.parallel.use_distributed_optimizer:
+        if (self.ft and getattr(args.model, "moe_grouped_gemm", False)
+                and getattr(args.parallel, "use_distributed_optimizer", False)):
             raise ValueError("--ft with --moe-grouped-gemm and --use-distributed-optimizer: an expert's state would be "
                              "slices of a flat optimizer shard, which the snapshots do not capture; drop "
                              "--moe-grouped-gemm (SequentialMLP experts) or --use-distributed-optimizer")

@@ -42,7 +42,9 @@ def _point_bytes(levels) -> int:
 
 def test_dense_points_within_budget_newest_first_with_lag():
     full = {op: Level.FULL for op in OPS}
-    budget = _point_bytes(full) // 2 + 1  # half a point per iteration: every second point fits
+    # half a point per iteration: every second point fits. Slack of 16 bytes: a point's manifest records its
+    # creation time, whose printed length varies by a digit or two between points (the test was flaky with +1)
+    budget = _point_bytes(full) // 2 + 16
     local, replica, sender, receiver = _pair(DenseRule(operators=OPS), lambda: budget)
     lags = []
     for t in range(10):
