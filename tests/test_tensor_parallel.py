@@ -120,3 +120,30 @@ def test_kill_under_tensor_parallelism_ends_bitwise(layout, faults, scope, corpu
     assert report["scope"]["mode"] == scope
     if scope == "localized":  # the failed stage's whole tensor-parallel group replays, fed by the logs
         assert report["scope"]["failed_stages"] == [1] and report["scope"]["replaying"] == [2, 3]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_tp2_checkpoint_loads_at_tp1_with_the_same_loss(corpus, tmp_path):
+    """A TP2 x EP2 ``--save`` checkpoint (iteration 4) loads at TP1 x EP2: dist_checkpointing reshards the
+    model and the optimizer, and iterations 5-6 log the TP2 run's losses (4 decimals). The padded vocabulary depends on
+    TP (--make-vocab-size-divisible-by x TP) and its padded rows enter the softmax: loading with another
+    padded size is refused with the flag to pass."""
+    from moe_ft.cli.drill import LAYOUTS, TINY
+
+    def losses(out: str) -> dict[int, float]:
+        return {int(i): float(v) for i, v in re.findall(r"iteration +(\d+)/6 \| loss ([0-9.]+)", out)}
+
+    base = [*TINY, "--log-interval", "1", "--train-iters", "6", "--data-path", corpus]
+    tp2 = torchrun("pretrain_gpt_moe.py", [*base, *LAYOUTS["tp2ep2"], "--save", str(tmp_path / "tp2"),
+                                           "--save-interval", "4"], nproc=4).stdout
+    (tmp_path / "tp2" / "latest_checkpointed_iteration.txt").write_text("4")  # resume from iteration 4
+    tp1_flags = [*base, "--expert-model-parallel-size", "2", "--load", str(tmp_path / "tp2")]
+    refused = torchrun("pretrain_gpt_moe.py", tp1_flags, nproc=2, check=False)
+    assert refused.returncode != 0
+    assert "saved with a vocabulary padded to 512 rows, this model pads it to 384" in refused.stdout + refused.stderr
+    tp1 = torchrun("pretrain_gpt_moe.py", [*tp1_flags, "--make-vocab-size-divisible-by", "256"], nproc=2).stdout
+    assert "resumed from" in tp1 and "at iteration 4" in tp1
+    want, got = losses(tp2), losses(tp1)
+    assert set(got) == {5, 6}
+    assert got == {it: want[it] for it in (5, 6)}  # equal in the 4 decimals the log line prints

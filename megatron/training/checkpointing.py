@@ -162,6 +162,7 @@ def save_checkpoint(root: str, iteration: int, state: TrainState, hooks=None) ->
     sharded["scheduler"] = state.scheduler.state_dict()
     sharded["iteration"] = iteration
     sharded["world_size"] = dist.get_world_size()  # the RNG state is one shard per rank of this world
+    sharded["padded_vocab_size"] = padded_vocab(state)
     request = dist_checkpointing.save(sharded, path, async_sharded_save=True)
     if hooks is not None:
         request.finalize_fns.insert(0, lambda: hooks.during_checkpoint_write(iteration))
@@ -190,6 +191,12 @@ def torn_checkpoints(root: str, latest: int | None) -> list[str]:
     return out
 
 
+def padded_vocab(state: TrainState) -> int:
+    """The model's padded vocabulary (Megatron pads it to --make-vocab-size-divisible-by x TP): a checkpoint
+    loads into another tensor-parallel size only with the same padded size."""
+    return int(state.model[0].module.vocab_size)
+
+
 def load_checkpoint(root: str, state: TrainState) -> int:
     """Load the newest complete checkpoint under ``root`` into ``state``; returns its iteration.
     Collective. Raises :class:`CheckpointError` naming the problem."""
@@ -213,6 +220,13 @@ def load_checkpoint(root: str, state: TrainState) -> int:
         if dist.get_rank() == 0:
             log.warning("%s was saved by %d ranks, loading on %d: the RNG state is not restored (as Megatron-LM "
                         "with a changed world size); everything else is", path, saved_world, dist.get_world_size())
+    saved_vocab, vocab = common.get("padded_vocab_size"), padded_vocab(state)
+    if saved_vocab is not None and saved_vocab != vocab:
+        raise CheckpointError(
+            f"{path} was saved with a vocabulary padded to {saved_vocab} rows, this model pads it to {vocab} (the "
+            f"padding is --make-vocab-size-divisible-by x --tensor-model-parallel-size): the padded rows' logits "
+            f"enter the softmax, so the loaded model would compute another loss; pass --make-vocab-size-divisible-by "
+            f"so that the padded size is {saved_vocab} again (e.g. 128 x the saving run's TP over this run's TP)")
     _keep_absent_optional(sharded, path)
     try:
         loaded = dist_checkpointing.load(sharded, path)
