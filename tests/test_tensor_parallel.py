@@ -105,16 +105,18 @@ ITERS = 12
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout,faults,scope", [
-    ("tp2ep2", ["1:7"], "global"),
-    ("tp2pp2", ["3:9:backward"], "localized"),
-], ids=["tp2ep2", "tp2pp2-localized"])
-def test_kill_under_tensor_parallelism_ends_bitwise(layout, faults, scope, corpus, tmp_path, fault_free_digest):
+@pytest.mark.parametrize("layout,faults,scope,extra", [
+    ("tp2ep2", ["1:7"], "global", ["--use-distributed-optimizer"]),
+    ("tp2pp2", ["3:9:backward"], "localized", ["--expert-tensor-parallel-size", "1"]),
+], ids=["tp2ep2-distributed-optimizer", "tp2pp2-etp1-localized"])
+def test_kill_under_tensor_parallelism_ends_bitwise(layout, faults, scope, extra, corpus, tmp_path, fault_free_digest):
+    """TP x EP with the distributed optimizer (its shards are per TP x DP rank), and TP x PP with experts that
+    are not tensor-parallel (ETP 1 != TP 2) under localized recovery."""
     res = run_job(job=f"{layout}_kill", workdir=str(tmp_path), faults=faults, max_restarts=2, timeout=400,
                   layout=layout, policy="sparse", iters=ITERS, data=corpus, store=str(tmp_path / "store"), window=3,
-                  scope=scope, extra=[])
+                  scope=scope, extra=extra)
     assert res["rc"] == 0, res["log"]
-    assert res["digest"] == fault_free_digest(layout, ITERS)
+    assert res["digest"] == fault_free_digest(layout, ITERS, extra=tuple(extra))
     (report,) = res["reports"]
     assert report["restart_kind"] == "inprocess" and report["token_loss"]["tokens"] == 0.0
     assert report["scope"]["mode"] == scope
