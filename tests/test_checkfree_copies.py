@@ -91,6 +91,10 @@ def _worker(rank: int, init: str, copies_dir: str, min_level: str, out: str) -> 
         json.dump(result, f)
     comm.barrier()  # both ranks done with the group before either tears it down
     dist.destroy_process_group()
+    # The results are on disk: leave without the interpreter's teardown, in which a gloo thread of the
+    # coordination group now and then aborted the process ("terminate called without an active exception",
+    # SIGABRT after the test's work was done: a flake of this test on a loaded machine).
+    os._exit(0)
 
 
 @pytest.mark.timeout(240)
