@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -132,6 +133,13 @@ def wait_until(predicate: Callable[[], object], timeout: float = 10.0, interval:
 
 
 # ------------------------------------------------------------------------------------ corpus, torchrun
+def free_port() -> int:
+    """A TCP port of this host that no process listens on now (for a store or a rendezvous endpoint)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def make_corpus(directory: str) -> str:
     """Prefix of a small Megatron indexed dataset (300 generated documents) written under ``directory``."""
     if ROOT not in sys.path:

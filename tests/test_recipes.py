@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import types
@@ -23,6 +22,7 @@ sys.path.insert(0, ROOT)
 
 from megatron.training.arguments import TE_NONDETERMINISTIC_ENV, parse_args  # noqa: E402
 from pretrain_gpt_moe import extra_argument_groups  # noqa: E402
+from tests._ft_helpers import free_port  # noqa: E402
 from tools.preprocess_data import preprocess  # noqa: E402
 
 RECIPES = ("h200_bf16", "h100_fp8")
@@ -91,12 +91,6 @@ def test_recipe_parses_at_full_scale(recipe, gpt2_data, tmp_path, monkeypatch):
     assert (m.fp8_format, m.fp8_recipe) == (("hybrid", "delayed") if recipe == "h100_fp8" else (None, "delayed"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_trains_on_cpu_at_reduced_size(recipe, gpt2_data, tmp_path):
     """4 ranks (EP=2 inside each of 2 simulated nodes, PP=2 over them), the recipe's flags otherwise:
@@ -104,7 +98,7 @@ def test_recipe_trains_on_cpu_at_reduced_size(recipe, gpt2_data, tmp_path):
     iterations, Megatron checkpoint at the end. The FP8 recipe runs moe-ft's FP8 emulation, which keeps whole
     fp32 masters (no distributed optimizer)."""
     extra = "--ft-ranks-per-node 2" + (" --fp8-emulation" if recipe == "h100_fp8" else "")
-    launcher, flags = dry_run(recipe, NPROC="4", EP="2", PP="2", IMPL="local", MASTER_PORT=str(_free_port()),
+    launcher, flags = dry_run(recipe, NPROC="4", EP="2", PP="2", IMPL="local", MASTER_PORT=str(free_port()),
                               SAVE=str(tmp_path / "save"), STORE=str(tmp_path / "store"), PERSIST="2",
                               EXTRA=extra, **gpt2_data)
     for i, flag in enumerate(flags):

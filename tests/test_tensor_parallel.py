@@ -37,6 +37,7 @@ from tests._ft_helpers import torchrun  # noqa: E402
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-token-dispatcher-type", "flexible"], 2,
      "flexible dispatcher (replicated experts) does not cover tensor parallelism"),
     (["--expert-tensor-parallel-size", "0"], 2, "--expert-tensor-parallel-size must be positive"),
+    (["--expert-tensor-parallel-size", "3"], 3, "--ffn-hidden-size 256 must be divisible by the expert tensor-parallel size 3"),
 ])
 def test_tensor_parallel_flags_are_checked(flags, world, message, data_prefix):
     with pytest.raises(ArgumentError, match=re.escape(message)):

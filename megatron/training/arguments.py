@@ -16,7 +16,8 @@ from megatron.training.tokenizer import SIZED_BY_FLAG, TOKENIZER_TYPES, tokenize
 
 TE_NONDETERMINISTIC_ENV = "NVTE_ALLOW_NONDETERMINISTIC_ALGO"
 """Transformer Engine's switch for non-deterministic kernels; Megatron-Core's TE attention refuses to build in
-``deterministic_mode`` unless it is ``0`` (:func:`megatron.training.initialize.initialize_distributed` sets it)."""
+``deterministic_mode`` unless it is ``0`` (:func:`megatron.training.initialize.deterministic_environment`
+sets it)."""
 
 
 class ArgumentError(ValueError):
@@ -187,6 +188,10 @@ def _validate_tensor_parallel(args: Args) -> None:
         raise ArgumentError(f"--expert-tensor-parallel-size must be positive, got {etp}")
     if p.sequence_parallel and tp == 1:
         raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    for size, name in ((tp, "--tensor-model-parallel-size"), (etp or tp, "the expert tensor-parallel size")):
+        if ffn % size:
+            raise ArgumentError(f"--ffn-hidden-size {ffn} must be divisible by {name} {size}")
     if tp == 1:
         return
     if not p.sequence_parallel:
@@ -198,10 +203,6 @@ def _validate_tensor_parallel(args: Args) -> None:
     if m.seq_length % tp:
         raise ArgumentError(f"--seq-length {m.seq_length} must be divisible by --tensor-model-parallel-size {tp} "
                             "(--sequence-parallel splits the sequence)")
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
-    for size, name in ((tp, "--tensor-model-parallel-size"), (etp or tp, "the expert tensor-parallel size")):
-        if ffn % size:
-            raise ArgumentError(f"--ffn-hidden-size {ffn} must be divisible by {name} {size}")
     if m.moe_token_dispatcher_type == "flexible":
         raise ArgumentError("the flexible dispatcher (replicated experts) does not cover tensor parallelism: use "
                             "--moe-token-dispatcher-type alltoall or allgather with --tensor-model-parallel-size > 1")

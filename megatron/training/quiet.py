@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 
 
@@ -101,8 +102,6 @@ def summary() -> str | None:
     """One line naming what the held warnings said (``None``: nothing held)."""
     if not _held:
         return None
-    counts: dict[str, int] = {}
-    for known, _ in _held:
-        counts[known.meaning] = counts.get(known.meaning, 0) + 1
+    counts = Counter(known.meaning for known, _ in _held)
     parts = "; ".join(f"{meaning} ({n})" for meaning, n in counts.items())
     return f"expected warnings held back: {parts}; --verbose prints them"

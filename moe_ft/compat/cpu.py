@@ -303,9 +303,9 @@ def _patch_uneven_tp_collectives() -> list[str]:
     def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
         if input_split_sizes is None or group.size() == 1:
             return original_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
-        total = input_.contiguous().clone()
+        total = input_.clone(memory_format=torch.contiguous_format)  # all_reduce works in place
         torch.distributed.all_reduce(total, group=group)
-        return torch.split(total, input_split_sizes, dim=0)[group.rank()].clone()
+        return torch.split(total, input_split_sizes, dim=0)[group.rank()]
 
     mappings._gather_along_first_dim = gather
     mappings._reduce_scatter_along_first_dim = reduce_scatter

@@ -513,12 +513,10 @@ class SpareAgent(LocalElasticAgent):
             return True
         dead, detected = sorted(self._dead), min(self._dead.values())
         if self._remaining_restarts <= 0:  # torchrun's budget: failures the job survives, however recovered
-            reason = (f"--max-restarts {worker_group.spec.max_restarts} spent (every failure counts, replaced in "
-                      f"process or restarted); rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} failed")
-            protocol.publish(store, self._keys, attempt, kind="fallback", failed=dead, detected_at=detected,
-                             reason=reason)
-            print(f"moe-ft launch: {reason}: the job stops", flush=True)
-            self._seen = self._attempt = attempt
+            self._announce_fallback(worker_group, dead, (
+                f"--max-restarts {worker_group.spec.max_restarts} spent (every failure counts, replaced in process "
+                f"or restarted); rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} failed"), attempt,
+                then="the job stops")
             return False
         assignments, fresh, missing = self._assign(worker_group, attempt, dead)
         if missing and not assignments and self._can_shrink(dead):
@@ -580,7 +578,7 @@ class SpareAgent(LocalElasticAgent):
         self._world, self._groups = int(resize["world_size"]), {int(n): g for n, g in resize["nodes"].items()}
 
     def _announce_fallback(self, worker_group: WorkerGroup, failed: list[int], reason: str,
-                           attempt: int | None = None) -> None:
+                           attempt: int | None = None, then: str = "every worker starts again") -> None:
         """Tell every worker to leave for a full restart (kind ``"fallback"``); ``attempt``: the decision
         lock already held. Another agent deciding meanwhile: its attempt stands, the restart follows anyway."""
         store = self._store_client(worker_group)
@@ -590,7 +588,7 @@ class SpareAgent(LocalElasticAgent):
             return
         protocol.publish(store, self._keys, attempt, kind="fallback", failed=failed,
                          detected_at=min(self._dead.values(), default=time.time()), reason=reason)
-        print(f"moe-ft launch: {reason}: every worker starts again", flush=True)
+        print(f"moe-ft launch: {reason}: {then}", flush=True)
         self._seen = self._attempt = attempt
 
     def _assign(self, worker_group: WorkerGroup, attempt: int,

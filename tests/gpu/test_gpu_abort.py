@@ -14,7 +14,6 @@ pending by a dead peer cannot be staged here; the multi-rank pending case runs o
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -23,15 +22,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests._ft_helpers import free_port
 from tests.gpu._results import record
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _form(store, generation: int) -> None:
@@ -61,7 +55,7 @@ def test_nccl_groups_aborted_from_another_thread_then_reformed_in_the_same_proce
     from moe_ft.launch.worker import abort_device_communicators
 
     torch.cuda.set_device(0)
-    store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True, timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timedelta(seconds=60))
     _form(store, 0)
     assert _sum_on_every_group(2.0) == [2.0, 2.0, 2.0]
 
