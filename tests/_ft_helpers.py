@@ -186,3 +186,43 @@ def check_restart_kind(report: dict, launcher: str | None = None) -> None:
         assert (report["restart_kind"], report["survivor_pids_kept"]) == ("inprocess", True), report["restart_kind"]
     else:
         assert (report["restart_kind"], report["survivor_pids_kept"]) == ("job", None), report["restart_kind"]
+
+
+def damage_arena_blob(backend, iteration: int, blob: str, fn: Callable[[bytes], bytes | None]) -> None:
+    """Edit blob ``blob`` of an arena store's published point in place: ``fn`` gets its bytes and returns
+    the new ones (same length or shorter: a torn blob) or ``None`` (the blob is gone from the index)."""
+    import json
+
+    index = backend.points_dir / f"{iteration:012d}.json"
+    data = json.loads(index.read_text())
+    seg, off, n = data["blobs"][blob]
+    path = backend.arena_dir / f"{seg:04d}"
+    with open(path, "r+b") as f:
+        f.seek(off)
+        new = fn(f.read(n))
+        if new is not None:
+            assert len(new) <= n, "an arena blob can be damaged in place, not grown"
+            f.seek(off)
+            f.write(new)
+    if new is None:
+        del data["blobs"][blob]
+    else:
+        data["blobs"][blob][2] = len(new)
+    index.write_text(json.dumps(data))
+
+
+def damage_blob(store, iteration: int, blob: str, fn: Callable[[bytes], bytes | None]) -> None:
+    """Damage blob ``blob`` of published point ``iteration`` of ``store`` (a ``SnapshotStore`` of either
+    node-local layout); see :func:`damage_arena_blob`."""
+    from moe_ft.store import ArenaBackend
+
+    if isinstance(store.backend, ArenaBackend):
+        damage_arena_blob(store.backend, iteration, blob, fn)
+        return
+    path = store.backend.points_dir / f"{iteration:012d}" / blob
+    new = fn(path.read_bytes())
+    path.unlink() if new is None else path.write_bytes(new)
+
+
+def flip_middle_byte(data: bytes) -> bytes:
+    return data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:]

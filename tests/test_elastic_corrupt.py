@@ -14,12 +14,10 @@ store is damaged too: excluded, another copy read) and trains to the end.
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
-from moe_ft.drills.faults import _flip_middle_byte
+from moe_ft.drills.faults import flip_middle_byte
 from moe_ft.state.operators import OperatorId
 from moe_ft.store import StoreConfig
 from tests._ft_helpers import tiny_model_flags, torchrun
@@ -43,7 +41,7 @@ def _damage(store_root: str, job: str, iteration: int, op: OperatorId, only: int
         if point is None or op not in point.entries:
             continue
         entry = point.entries[op]
-        _flip_middle_byte(store.backend.points_dir / f"{iteration:012d}" / entry.blob)
+        flip_middle_byte(*store.backend.blob_location(iteration, entry.blob))
         damaged.append(rank)
     return damaged
 
@@ -70,4 +68,4 @@ def test_corrupt_copies_are_excluded_and_a_lost_operator_fails_every_rank_togeth
     assert [(c["name"], c["rank"], c["reader"]) for c in elastic["excluded"]] == [("embedding", 0, 0)], elastic["excluded"]
     trained = [line for line in proc.stdout.splitlines() if line.startswith("iteration ")]
     assert trained[-1].startswith("iteration      6/6"), trained
-    assert not os.path.exists(Path(store) / "corrupt" / "rank0" / "points" / f"{3:012d}")  # damaged: deleted
+    assert 3 not in StoreConfig(root=store, job_id="corrupt", rank=0).build().points()  # damaged: deleted

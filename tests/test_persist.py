@@ -1,9 +1,9 @@
 """Durable tier (MoC §5.1): completeness across ranks, retention, verification, sparse windows."""
 
-from pathlib import Path
 
 import pytest
 import torch
+from _ft_helpers import damage_blob
 
 from moe_ft.persist import DurableTier, PersistConfig, PersistWriter
 from moe_ft.state.operators import Level, OperatorId
@@ -87,10 +87,7 @@ def test_corrupt_local_entry_is_never_made_durable(tmp_path):
     writer = PersistWriter(config, stores[0], tier, rule, rank=0)
     for it in range(2):
         _write(stores[0], 0, it, {op: Level.FULL for op in OPS})
-    blob = Path(stores[0].backend.describe()) / "points" / f"{1:012d}" / "expert.L0.E0.full.ent"
-    data = bytearray(blob.read_bytes())
-    data[300] ^= 1
-    blob.write_bytes(bytes(data))
+    damage_blob(stores[0], 1, "expert.L0.E0.full.ent", lambda data: data[:300] + bytes([data[300] ^ 1]) + data[301:])
     record = writer.persist(1)
     assert record.end == 0  # fell back to the older, intact point
     assert tier.store(0).points() == [0]

@@ -89,14 +89,14 @@ def test_remote_entry_is_hashed_not_written_and_can_be_added_once_verified():
     assert all(got[k].equal(v) for k, v in FULL.items())
 
 
-def test_local_fs_add_blob_is_atomic_and_refuses_an_existing_blob(tmp_path):
-    store = StoreConfig(root=str(tmp_path), job_id="j", rank=0).build()
+@pytest.mark.parametrize("layout", ["arena", "files"])
+def test_local_fs_add_blob_is_atomic_and_refuses_an_existing_blob(tmp_path, layout):
+    store = StoreConfig(root=str(tmp_path), job_id="j", rank=0, layout=layout).build()
     _point(store, 1, remote=True)
     entry = store.catalog().point(1).entries[E[0]]
     data = _encoded(1, E[0], FULL)
     store.add_blob(1, entry, data)
-    assert sorted(p.name for p in (tmp_path / "j" / "rank0" / "points" / f"{1:012d}").iterdir()
-                  if p.name.startswith(".")) == []
+    assert [p.name for p in (tmp_path / "j" / "rank0" / "points").iterdir() if p.name.startswith(".")] == []
     with pytest.raises(FileExistsError):
         store.add_blob(1, entry, data)
     assert not store.verify().problems and not store.verify().holes

@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+from _ft_helpers import damage_blob
 
 from moe_ft.replication import InProcessHub, ReceiverConfig, ReplicaReceiver, ReplicaSender, SenderConfig
 from moe_ft.replication.fetch import FetchTopology, Inventory, PeerFetch, inventory_of, needs_fetch, plan_fetch
@@ -152,10 +153,7 @@ def test_corrupt_replica_falls_back_to_the_other_holder(tmp_path, job):
     bad_holder = plan.peers[4][0]
     store = replica_store(tmp_path, bad_holder, 4)
     blob = store.catalog().point(6).entries[OperatorId.expert_op(0, 4)].blob
-    path = store.backend.points_dir / f"{6:012d}" / blob
-    data = bytearray(path.read_bytes())
-    data[-20] ^= 0xFF
-    path.write_bytes(bytes(data))
+    damage_blob(store, 6, blob, lambda data: data[:-20] + bytes([data[-20] ^ 0xFF]) + data[-19:])
     fetch_plan = plan_fetch(inventories(tmp_path, plan), topo)
     expert6 = [t for t in fetch_plan.transfers if t.dst == 4 and t.iteration == 6 and
                any(b.startswith("expert") for b in t.blobs)]
@@ -172,7 +170,7 @@ def test_point_without_a_source_is_skipped_with_the_reason(tmp_path, job):
     for holder in plan.peers[4]:  # no copy of rank 4's expert at iteration 7 anywhere
         store = replica_store(tmp_path, holder, 4)
         entry = store.catalog().point(7).entries[OperatorId.expert_op(0, 4)]
-        (store.backend.points_dir / f"{7:012d}" / entry.blob).unlink()
+        damage_blob(store, 7, entry.blob, lambda data: None)
     fetch_plan = plan_fetch(inventories(tmp_path, plan), topo)
     assert fetch_plan.points[4] == [4, 5, 6]
     assert "iteration 7" in fetch_plan.skipped[4][0] and "expert" in fetch_plan.skipped[4][0]

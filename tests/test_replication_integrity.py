@@ -1,9 +1,9 @@
 """Integrity: lookup order with verified fallback, torn-point refusal, expert-completeness validator."""
 
-from pathlib import Path
 
 import pytest
 import torch
+from _ft_helpers import damage_blob
 
 from moe_ft.persist.validate import refuse_mixed_iterations, validate_experts
 from moe_ft.replication import (
@@ -24,10 +24,7 @@ OP = OperatorId.expert_op(1, 3)
 
 
 def _flip(store, it, blob):
-    path = Path(store.backend.describe()) / "points" / f"{it:012d}" / blob
-    data = bytearray(path.read_bytes())
-    data[-40] ^= 0x01
-    path.write_bytes(bytes(data))
+    damage_blob(store, it, blob, lambda data: data[:-40] + bytes([data[-40] ^ 0x01]) + data[-39:])
 
 
 @pytest.fixture

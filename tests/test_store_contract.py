@@ -11,9 +11,11 @@ from typing import Callable
 
 import pytest
 import torch
+from _ft_helpers import damage_arena_blob
 
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import (
+    ArenaBackend,
     CorruptEntryError,
     DenseRule,
     KeepNewestRecoverable,
@@ -42,6 +44,18 @@ class LocalHarness:
         path.unlink() if new is None else path.write_bytes(new)
 
 
+class ArenaHarness:
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path, self._n = tmp_path, 0
+
+    def backend(self, **kw) -> ArenaBackend:
+        self._n += 1
+        return ArenaBackend(self.tmp_path / f"arena{self._n}", **kw)
+
+    def damage(self, store: SnapshotStore, iteration: int, blob: str, fn: Damage) -> None:
+        damage_arena_blob(store.backend, iteration, blob, fn)
+
+
 class MemoryHarness:
     def __init__(self, tmp_path: Path) -> None:
         pass
@@ -55,7 +69,7 @@ class MemoryHarness:
         blobs.pop(blob) if new is None else blobs.__setitem__(blob, new)
 
 
-@pytest.fixture(params=[LocalHarness, MemoryHarness], ids=["local", "memory"])
+@pytest.fixture(params=[LocalHarness, ArenaHarness, MemoryHarness], ids=["local", "arena", "memory"])
 def harness(request, tmp_path):
     return request.param(tmp_path)
 

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from _ft_helpers import damage_blob, flip_middle_byte
 
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import StoreConfig
@@ -106,7 +107,7 @@ def test_store_written_with_crc32_reads_under_the_new_default(tmp_path):
         point.put(OP, Level.FULL, tensors)
         point.put_meta({"grad_norm": 1.5}, {"rng": torch.arange(4)})
         point.publish()
-    manifest = json.loads((old.backend.points_dir / f"{3:012d}" / "MANIFEST.json").read_text())
+    manifest = json.loads(old.backend.read_blob(3, "MANIFEST.json"))
     assert manifest["checksum_algo"] == "crc32" and len(manifest["entries"][0]["checksum"]) == 8
 
     new = StoreConfig(root=str(tmp_path), job_id="j").build()
@@ -125,10 +126,7 @@ def test_store_written_with_crc32_reads_under_the_new_default(tmp_path):
     assert not new.verify().problems
 
     # a flipped bit in the old point's entry is still caught by its own algorithm
-    blob = old.backend.points_dir / f"{3:012d}" / "expert.L1.E3.full.ent"
-    raw = bytearray(blob.read_bytes())
-    raw[len(raw) // 2] ^= 1
-    blob.write_bytes(bytes(raw))
+    damage_blob(old, 3, "expert.L1.E3.full.ent", flip_middle_byte)
     assert [p.what for p in new.verify().problems] == ["expert.L1.E3@FULL"]
     with pytest.raises(CorruptEntryError, match="crc32"):
         new.load(3, OP, Level.FULL)
@@ -139,9 +137,8 @@ def test_unknown_algorithm_in_a_manifest_is_a_clear_error(tmp_path):
     with store.begin(1) as point:
         point.put_meta({"x": 1})
         point.publish()
-    path = store.backend.points_dir / f"{1:012d}" / "MANIFEST.json"
-    body = json.loads(path.read_text())
+    body = json.loads(store.backend.read_blob(1, "MANIFEST.json"))
     body["checksum_algo"] = "md4"
-    path.write_text(json.dumps(body))
+    damage_blob(store, 1, "MANIFEST.json", lambda data: json.dumps(body, separators=(",", ":")).encode().ljust(len(data)))
     problems = StoreConfig(root=str(tmp_path), job_id="j").build().catalog().problems
     assert len(problems) == 1 and "unknown checksum 'md4'" in problems[0].reason

@@ -10,10 +10,11 @@ import sys
 
 import pytest
 import torch
+from _ft_helpers import damage_blob
 
 from moe_ft.cli.main import main
 from moe_ft.state.operators import Level, OperatorId
-from moe_ft.store import StoreConfig
+from moe_ft.store import SnapshotStore, StoreConfig, open_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 E0, D0 = OperatorId.expert_op(1, 5), OperatorId.dense(1)
@@ -37,10 +38,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def flip_byte(path, offset: int = 200) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
+def flip_byte(store_dir, iteration: int, blob: str, offset: int = 200) -> None:
+    store = SnapshotStore(open_backend(store_dir, create=False))
+    damage_blob(store, iteration, blob, lambda data: data[:offset] + bytes([data[offset] ^ 0xFF]) + data[offset + 1:])
 
 
 @pytest.mark.timeout(240)
@@ -53,7 +53,7 @@ def test_cli_lists_points_and_fails_on_corruption(store_dir):
     assert any(line.split()[:4] == ["4", "1", "1", "yes"] for line in lines)
     assert any("expert.L1.E5" in line and "FULL" in line and "bfloat16[64, 32]" in line for line in lines)
 
-    flip_byte(store_dir / "points" / f"{5:012d}" / "expert.L1.E5.full.ent")
+    flip_byte(store_dir, 5, "expert.L1.E5.full.ent")
     broken = run_cli(store_dir, "--verify", "--json")
     assert broken.returncode == 1
     report = json.loads(broken.stdout)
@@ -65,15 +65,15 @@ def test_cli_lists_points_and_fails_on_corruption(store_dir):
 
 
 def test_checksums_only_with_verify_but_sizes_always(store_dir, capsys):
-    flip_byte(store_dir / "points" / f"{4:012d}" / "dense.L1.compute.ent")
+    flip_byte(store_dir, 4, "dense.L1.compute.ent")
     assert main(["inspect", str(store_dir)]) == 0  # same size: only a checksum can tell
     assert main(["inspect", str(store_dir), "--verify"]) == 1
     assert "CORRUPT: iteration 4 dense.L1@COMPUTE: checksum mismatch" in capsys.readouterr().out
-    entry = store_dir / "points" / f"{5:012d}" / "dense.L1.compute.ent"
-    entry.write_bytes(entry.read_bytes()[:100])  # torn: detected by size without reading
+    store = SnapshotStore(open_backend(store_dir, create=False))
+    damage_blob(store, 5, "dense.L1.compute.ent", lambda data: data[:100])  # torn: detected by size without reading
     assert main(["inspect", str(store_dir)]) == 1
     assert "CORRUPT: iteration 5 dense.L1@COMPUTE: size 100" in capsys.readouterr().out
-    (store_dir / "points" / f"{5:012d}" / "MANIFEST.json").write_text("{")
+    damage_blob(store, 5, "MANIFEST.json", lambda data: b"{")
     assert main(["inspect", str(store_dir), "--json"]) == 1
     problems = json.loads(capsys.readouterr().out)["problems"]
     assert {"iteration": 5, "what": "point"} == {k: problems[-1][k] for k in ("iteration", "what")}

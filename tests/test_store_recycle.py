@@ -115,8 +115,9 @@ def test_recycling_off_frees_the_files_and_a_previous_pool_is_freed_on_open(tmp_
 def test_store_config_switch(tmp_path):
     from moe_ft.store import StoreConfig
 
-    assert StoreConfig().recycle is False and StoreConfig(root=str(tmp_path)).build().backend.recycle is False
-    assert StoreConfig(root=str(tmp_path), job_id="r", recycle=True).build().backend.recycle is True
+    files = dict(root=str(tmp_path), layout="files")
+    assert StoreConfig().recycle is False and StoreConfig(**files).build().backend.recycle is False
+    assert StoreConfig(**files, job_id="r", recycle=True).build().backend.recycle is True
 
 
 def test_a_pooled_file_removed_behind_the_pools_back_gives_a_new_file(tmp_path):

@@ -178,7 +178,7 @@ def test_corrupt_survivor_point_is_not_usable(tmp_path):
     guard.completed(2, META, {})
     assert guard.publish("x").iteration == 2
     store = survivor_store(str(tmp_path), "job", 3)
-    corrupt_point(store.backend.points_dir / f"{2:012d}")
+    corrupt_point((store.backend, 2))
     it, why = newest_survivor_point(store, list(reg))
     assert it == -1 and "corrupt" in why
 

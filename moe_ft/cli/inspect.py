@@ -108,13 +108,13 @@ def _validate(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     # start-up time: `moe-ft` imports every subcommand module for --help; torch only when this command runs
-    from moe_ft.store import LocalFSBackend, SnapshotStore, StoreError
+    from moe_ft.store import SnapshotStore, StoreError, open_backend
 
     logging.getLogger("moe_ft.store").setLevel(logging.ERROR)  # problems are reported below, once
     if args.validate:
         return _validate(args)
     with user_input(StoreError, OSError, ValueError):
-        store = SnapshotStore(LocalFSBackend(args.store_dir, create=False))
+        store = SnapshotStore(open_backend(args.store_dir, create=False))
     with user_input(OSError):  # an unreadable store directory; damaged entries are findings, not errors
         report = _report(store, args.verify)
     if args.json:

@@ -51,9 +51,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import psutil
+
+if TYPE_CHECKING:
+    from moe_ft.store.backend import StoreBackend
 
 PHASES = ("forward", "backward", "step", "snapshot", "publish", "published", "persist", "recovery", "survivor",
           "fallback")
@@ -149,9 +152,9 @@ class FaultPlan:
         """The faults whose marker exists (fired in this or an earlier incarnation of the job)."""
         return [f for f in self.faults if self.marker_dir is not None and (self.marker_dir / f.marker_name).exists()]
 
-    def check(self, rank: int, iteration: int, phase: str, target: str | os.PathLike | None = None) -> None:
+    def check(self, rank: int, iteration: int, phase: str, target: Any = None) -> None:
         """Fire the fault at ``(rank, iteration, phase)`` if there is one and it has not fired yet.
-        ``target``: the published point's directory (phase ``published``: what ``corrupt`` damages), or the
+        ``target``: the published point, (store backend, iteration) (phase ``published``: what ``corrupt`` damages), or the
         job's upstream-log root (what ``corrupt-log`` damages)."""
         fault = self._index.get((rank, iteration, phase))
         if fault is None or (fault.kind == "node" and not _on_launch_node(rank)) or not self._claim(fault):
@@ -239,12 +242,14 @@ def corrupt_upstream_log(upstream_root: str | os.PathLike | None, rank: int) -> 
                      if p.parent.parent.name != f"rank{rank}" and p.stat().st_size > 0)
     if not entries:
         raise RuntimeError(f"no upstream-log entry for rank {rank} under {upstream_root}")
-    return _flip_middle_byte(entries[-1][2])
+    return flip_middle_byte(entries[-1][2])
 
 
-def _flip_middle_byte(path: Path) -> Path:
+def flip_middle_byte(path: str | os.PathLike, offset: int = 0, nbytes: int | None = None) -> Path:
+    """Flip the middle byte of ``nbytes`` bytes at ``offset`` of file ``path`` (default: the whole file)."""
+    path = Path(path)
     with open(path, "r+b") as f:
-        f.seek(path.stat().st_size // 2)
+        f.seek(offset + (path.stat().st_size - offset if nbytes is None else nbytes) // 2)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
@@ -253,13 +258,17 @@ def _flip_middle_byte(path: Path) -> Path:
     return path
 
 
-def corrupt_point(directory: str | os.PathLike | None) -> Path:
-    """Flip one byte in the middle of a published point's first FULL entry (by name); returns its path."""
-    if directory is None:
-        raise ValueError("a 'corrupt' fault needs the published point's directory")
-    files = sorted((not p.name.endswith(".full.ent"), p.name, p) for p in Path(directory).iterdir()
-                   if p.is_file() and p.stat().st_size > 0 and p.name != "MANIFEST.json")
-    files = [p for _, _, p in files]  # an operator's FULL entry first (what a recovery point needs)
-    if not files:
-        raise RuntimeError(f"nothing to corrupt in {directory}")
-    return _flip_middle_byte(files[0])
+def corrupt_point(point: "tuple[StoreBackend, int] | None") -> str:
+    """Flip one byte in the middle of a published point's first FULL entry (by name), in place, whatever
+    the store's layout; ``point``: (the store's backend, iteration). Returns what was damaged."""
+    if point is None:
+        raise ValueError("a 'corrupt' fault needs the published point: (store backend, iteration)")
+    backend, iteration = point
+    names = sorted((not n.endswith(".full.ent"), n) for n in backend.blob_names(iteration)
+                   if n != "MANIFEST.json" and backend.blob_size(iteration, n))
+    if not names:
+        raise RuntimeError(f"nothing to corrupt in point {iteration} of {backend.describe()}")
+    name = names[0][1]  # an operator's FULL entry first (what a recovery point needs)
+    path, offset, nbytes = backend.blob_location(iteration, name)
+    flip_middle_byte(path, offset, nbytes)
+    return f"{backend.describe()} iteration {iteration} {name}"

@@ -364,8 +364,8 @@ class FTRuntime(StepHooks):
         if phase == "before_commit" and not self._in_recovery(iteration):
             self.check_fault(iteration, "publish")  # everything written, the rename not yet done
         if phase == "after_commit" and self.faults and not self._in_recovery(iteration):
-            points_dir = self.active.store.backend.points_dir  # the point just renamed into place
-            self.faults.check(self.rank, iteration, "published", target=points_dir / f"{iteration:012d}")
+            # the point just published
+            self.faults.check(self.rank, iteration, "published", target=(self.active.store.backend, iteration))
 
     def on_train_end(self, report) -> None:
         self.clock.stop(report.last_iteration - 1)

@@ -106,6 +106,12 @@ class StoreBackend(abc.ABC):
         with self.open_blob(iteration, name) as stream:
             return stream.read()
 
+    def blob_location(self, iteration: int, name: str) -> tuple[str, int, int]:
+        """Where a published blob's bytes lie: (file, offset, length), for tools and failure injection
+        that damage a blob in place. Raises ``FileNotFoundError``; backends without files raise
+        ``NotImplementedError``."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no files")
+
     @abc.abstractmethod
     def add_blob(self, iteration: int, name: str, data: bytes) -> None:
         """Add blob ``name`` to published point ``iteration`` atomically (it appears whole or not at all);

@@ -316,6 +316,10 @@ class LocalFSBackend(StoreBackend):
         except FileNotFoundError:
             return None
 
+    def blob_location(self, iteration: int, name: str) -> tuple[str, int, int]:
+        path = f"{self._point_path(iteration)}/{_valid_name(name)}"
+        return path, 0, os.stat(path).st_size
+
     def open_blob(self, iteration: int, name: str) -> BinaryIO:
         return open(f"{self._point_path(iteration)}/{_valid_name(name)}", "rb")
 

@@ -30,7 +30,7 @@ from moe_ft.store.backend import MANIFEST, FaultHook, StagingInfo, StoreBackend
 from moe_ft.store.catalog import Catalog, Problem
 from moe_ft.store.codec import DEFAULT_CHECKSUM, encode_meta, new_checksum, read_entry, write_entry
 from moe_ft.store.errors import CorruptEntryError, MissingEntryError, StoreError
-from moe_ft.store.local import LocalFSBackend
+from moe_ft.store.layouts import open_backend
 from moe_ft.store.manifest import (
     META_BLOB,
     EntryRecord,
@@ -62,6 +62,11 @@ class StoreConfig:
     recycle: bool = False
     """Write new entries over the files of deleted points of the same size (tmpfs pages overwritten
     instead of freed and allocated again; ``docs/store.md`` "Recycled entry files")."""
+    layout: str = "arena"
+    """``arena`` (regions of preallocated files, one index file per point: ``moe_ft/store/arena.py``) or
+    ``files`` (a directory of files per point). An existing store is opened as what it is."""
+    initial_bytes: int = 0
+    """Arena layout: size of its first segment (0: grown as needed)."""
     checksum: str = DEFAULT_CHECKSUM
     """Entry checksum: ``xxh3_64`` (default: fastest, 64-bit), ``crc32`` (the former default, zlib) or
     ``blake2b``. Points written with any of them stay readable (the manifest names the algorithm)."""
@@ -71,7 +76,8 @@ class StoreConfig:
         return Path(self.root) / self.job_id / f"rank{self.rank}"
 
     def build(self, retention: RetentionPolicy | None = None, fault_hook: FaultHook | None = None) -> "SnapshotStore":
-        backend = LocalFSBackend(self.directory, fsync=self.fsync, fault_hook=fault_hook, recycle=self.recycle)
+        backend = open_backend(self.directory, layout=self.layout, fsync=self.fsync, fault_hook=fault_hook,
+                               recycle=self.recycle, initial_bytes=self.initial_bytes)
         return SnapshotStore(backend, checksum=self.checksum, retention=retention)
 
 
