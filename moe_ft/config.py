@@ -70,9 +70,14 @@ class SnapshotConfig:
         "CPU engine: write the live tensors straight into the store's entry files (one copy; the next "
         "optimizer step waits until they are written) instead of copying them into slot buffers first. "
         "Bubble-aware snapshots and the GPU path always copy into buffers."))
+    store_layout: str = field(default="arena", metadata=field_help(
+        "Node-local store layout: 'arena' (each rank's points in regions of a few preallocated files on the "
+        "tmpfs, reused point after point; publishing writes one index file) or 'files' (a directory of "
+        "entry files per point). A store directory that exists is read as what it holds.",
+        choices=["arena", "files"]))
     store_recycle: bool = field(default=True, metadata=field_help(
-        "Write new entries over the files of deleted points of the same size (tmpfs pages reused instead "
-        "of freed and allocated again; the pool holds at most one round of deleted points)."))
+        "'files' layout: write new entries over the files of deleted points of the same size (tmpfs pages "
+        "reused instead of freed and allocated again; the pool holds at most one round of deleted points)."))
     snapshot_write_threads: int = field(default=0, metadata=field_help(
         "Threads writing one snapshot's entries into the store (0 = 1 on CPU, 4 on CUDA: one thread writes "
         "~1.3 GB/s on an H100 host, far below the device-to-host copy)."))

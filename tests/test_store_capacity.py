@@ -100,3 +100,34 @@ def test_a_store_filled_during_the_run_pauses_snapshots_and_training_completes(s
     assert rc == 0, out[-3000:]
     assert "moe-ft snapshots paused (store full)" in out and "moe-ft snapshots resumed at iteration" in out, out[-3000:]
     assert "iteration     40/40" in out and "Traceback" not in out
+
+
+def test_an_arena_that_cannot_grow_fails_whole_and_keeps_its_points(small_tmpfs):
+    """Growth takes its pages at once (``posix_fallocate``): a full tmpfs is an ``ENOSPC`` there, never a
+    ``SIGBUS`` at a later page fault; the point in flight is aborted and the published ones stay readable."""
+    import torch
+
+    from moe_ft.state.operators import Level, OperatorId
+    from moe_ft.store import ArenaBackend, SnapshotStore
+    from moe_ft.store.errors import store_full
+
+    fs = small_tmpfs("9m")
+    store = SnapshotStore(ArenaBackend(fs / "store"))
+    op = OperatorId.expert_op(0, 0)
+    big = {"w": torch.arange(3 << 18, dtype=torch.float32)}  # 3 MiB: the first 4 MiB segment holds one
+    with store.begin(1) as point:
+        point.put(op, Level.FULL, big)
+        point.publish()
+    with pytest.raises(OSError) as err, store.begin(2) as point:
+        point.put(op, Level.FULL, big)  # a second 4 MiB segment; the next entry needs a third: no room
+        point.put(OperatorId.expert_op(0, 1), Level.FULL, big)
+        point.publish()
+    assert store_full(err.value), err.value
+    assert store.points() == [1] and store.staging() == [] and store.verify().problems == ()
+    assert sorted(os.listdir(fs / "store" / "arena")) == ["0000", "0001", "LOCK"]  # the failed one removed
+    assert torch.equal(store.load(1, op, Level.FULL)["w"], big["w"])
+    store.delete_point(1)  # space returns: the next point reuses the regions
+    with store.begin(3) as point:
+        point.put(op, Level.FULL, big)
+        point.publish()
+    assert torch.equal(store.load(3, op, Level.FULL)["w"], big["w"])

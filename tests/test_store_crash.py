@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from moe_ft.state.operators import Level, OperatorId
-from moe_ft.store import DenseRule, KeepAll, LocalFSBackend, SnapshotStore, codec
+from moe_ft.store import DenseRule, KeepAll, SnapshotStore, codec, open_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPS = [OperatorId.dense(0), OperatorId.gate(0), OperatorId.expert_op(0, 0), OperatorId.expert_op(0, 1)]
@@ -44,7 +44,7 @@ def publish_point(store: SnapshotStore, iteration: int) -> None:
         point.publish()
 
 
-def _writer(directory: str, phase: str, nth: int, conn) -> None:
+def _writer(directory: str, layout: str, phase: str, nth: int, conn) -> None:
     codec.CHUNK = 16 << 10  # several chunks per entry, so "mid-entry" is a real partial file
     seen = 0
 
@@ -56,16 +56,16 @@ def _writer(directory: str, phase: str, nth: int, conn) -> None:
                 conn.send(name)
                 time.sleep(120)  # killed here
 
-    store = SnapshotStore(LocalFSBackend(directory, fault_hook=hook), retention=KeepAll())
+    store = SnapshotStore(open_backend(directory, layout=layout, fault_hook=hook), retention=KeepAll())
     for iteration in range(1, KILL_AT + 1):
         publish_point(store, iteration)
     conn.send(None)
 
 
-def kill_writer_at(directory, phase: str, nth: int) -> str:
+def kill_writer_at(directory, phase: str, nth: int, layout: str = "arena") -> str:
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_writer, args=(str(directory), phase, nth, child))
+    proc = ctx.Process(target=_writer, args=(str(directory), layout, phase, nth, child))
     proc.start()
     try:
         assert parent.poll(60), "writer never reached the kill point"
@@ -89,16 +89,22 @@ def check_points(store: SnapshotStore, iterations) -> None:
         assert store.load_meta(it).meta == {"iteration": it, "loss_scale": 2.0**it}
 
 
+@pytest.fixture(params=["arena", "files"])
+def layout(request) -> str:
+    return request.param
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("phase,nth", [("blob_write", 1), ("blob_write", 20), ("blob_closed", 2), ("before_commit", 1)])
-def test_killed_writer_leaves_previous_points_and_no_torn_point(tmp_path, phase, nth):
-    where = kill_writer_at(tmp_path, phase, nth)
+def test_killed_writer_leaves_previous_points_and_no_torn_point(tmp_path, layout, phase, nth):
+    where = kill_writer_at(tmp_path, phase, nth, layout)
     if phase == "blob_write" and nth > 1:
         assert where == f"{OPS[1]}.full.ent"  # died inside the second entry: a partial file exists
-    store = SnapshotStore(LocalFSBackend(tmp_path), retention=KeepAll())
+    store = SnapshotStore(open_backend(tmp_path), retention=KeepAll())
     assert store.points() == [1, 2]
     (torn,) = store.staging()
-    assert torn.iteration == KILL_AT and not torn.live and torn.nbytes > 0
+    # the arena: a dead writer's regions are free space again (nothing of them is held)
+    assert torn.iteration == KILL_AT and not torn.live and (torn.nbytes > 0) == (layout == "files")
     catalog = store.verify()
     assert catalog.problems == () and catalog.iterations == [1, 2]
     assert store.newest_recoverable(DenseRule(operators=frozenset(OPS)), verify=True).end == 2
@@ -111,17 +117,17 @@ def test_killed_writer_leaves_previous_points_and_no_torn_point(tmp_path, phase,
 
 
 @pytest.mark.timeout(120)
-def test_kill_after_commit_keeps_the_point(tmp_path):
-    kill_writer_at(tmp_path, "after_commit", 1)
-    store = SnapshotStore(LocalFSBackend(tmp_path))
+def test_kill_after_commit_keeps_the_point(tmp_path, layout):
+    kill_writer_at(tmp_path, "after_commit", 1, layout)
+    store = SnapshotStore(open_backend(tmp_path))
     assert store.points() == [1, 2, 3] and store.staging() == []
     assert store.verify().problems == ()
     check_points(store, [1, 2, 3])
 
 
 @pytest.mark.timeout(120)
-def test_inspect_reports_torn_point_without_failing(tmp_path):
-    kill_writer_at(tmp_path, "blob_closed", 1)
+def test_inspect_reports_torn_point_without_failing(tmp_path, layout):
+    kill_writer_at(tmp_path, "blob_closed", 1, layout)
     result = subprocess.run([sys.executable, "-m", "moe_ft", "inspect", str(tmp_path), "--verify"],
                             cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -49,7 +49,7 @@ def test_cli_lists_points_and_fails_on_corruption(store_dir):
     healthy = run_cli(store_dir, "--entries")
     assert healthy.returncode == 0, healthy.stderr
     lines = healthy.stdout.splitlines()
-    assert "2 published point(s)" in lines[0]
+    assert "2 published point(s)" in lines[0] and "(arena of " in lines[0]
     assert any(line.split()[:4] == ["4", "1", "1", "yes"] for line in lines)
     assert any("expert.L1.E5" in line and "FULL" in line and "bfloat16[64, 32]" in line for line in lines)
 

@@ -53,8 +53,11 @@ def _report(store, verify: bool) -> dict:
                          "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in e.tensors]}
                         for e in point.all_entries() if e.op is not None],
         })
+    arena = getattr(store.backend, "arena_bytes", None)
     return {
         "store": store.backend.describe(),
+        "layout": "files" if arena is None else "arena",
+        "arena_bytes": arena,
         "verified": verify,
         "points": points,
         "unpublished": [{"iteration": s.iteration, "name": s.label, "bytes": s.nbytes, "writer_pid": s.writer_pid,
@@ -64,7 +67,8 @@ def _report(store, verify: bool) -> dict:
 
 
 def _print_text(report: dict, entries: bool) -> None:
-    print(f"store {report['store']}: {len(report['points'])} published point(s)"
+    arena = "" if report["arena_bytes"] is None else f" (arena of {_human(report['arena_bytes'])})"
+    print(f"store {report['store']}{arena}: {len(report['points'])} published point(s)"
           f"{', checksums verified' if report['verified'] else ''}")
     if report["points"]:
         print(f"{'iteration':>10} {'FULL':>6} {'COMPUTE':>8} {'meta':>5} {'bytes':>11}")
@@ -79,7 +83,7 @@ def _print_text(report: dict, entries: bool) -> None:
                 shapes = ", ".join(f"{t['name']}:{t['dtype']}{t['shape']}" for t in e["tensors"])
                 print(f"{'':>12}{e['operator']:<20} {e['level']:<8} {_human(e['bytes']):>10}  {shapes}")
     for s in report["unpublished"]:
-        state = "in flight" if s["writer_alive"] else "torn, writer gone"
+        state = "in flight" if s["writer_alive"] else "torn, writer gone"  # arena: its regions are free again
         print(f"unpublished iteration {s['iteration']} ({state}, pid {s['writer_pid']}, {_human(s['bytes'])}): "
               f"invisible to readers")
     for p in report["problems"]:

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING
 from moe_ft.policy import build_policy
 from moe_ft.snapshot import EngineConfig, SnapshotEngine
 from moe_ft.snapshot.bubbles import BubbleGate, BubbleSchedule
+from moe_ft.state.operators import Level
 from moe_ft.store import StoreConfig
+from moe_ft.store.capacity import SNAPSHOT_POINTS
 from moe_ft.store.retention import KeepTwoRecoverable
 
 if TYPE_CHECKING:
@@ -65,7 +67,10 @@ def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: 
     operators = list(ctx.registry)
     retention = KeepTwoRecoverable(rule=policy.retention_rule(operators))
     job_id = config.job_id + job_suffix
-    store = StoreConfig(root=config.store_dir, job_id=job_id, rank=ctx.rank, recycle=config.store_recycle).build(
+    # the arena's first segment holds what retention keeps at the least (moe_ft/store/capacity.py)
+    full = sum(t.nbytes for op in operators for t in ctx.registry[op].tensors(Level.FULL).values())
+    store = StoreConfig(root=config.store_dir, job_id=job_id, rank=ctx.rank, recycle=config.store_recycle,
+                        layout=config.store_layout, initial_bytes=SNAPSHOT_POINTS * full).build(
         retention=retention, fault_hook=ctx.store_fault_hook)
     bubbles = None
     if config.snapshot_bubble_aware:

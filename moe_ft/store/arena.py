@@ -46,7 +46,17 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from moe_ft.store.backend import MANIFEST, BlobSink, FaultHook, PointWriter, StagingInfo, StoreBackend
+from moe_ft.store.backend import (
+    MANIFEST,
+    BlobSink,
+    FaultHook,
+    PointWriter,
+    StagingInfo,
+    StoreBackend,
+    format_file,
+    pid_alive,
+    valid_blob_name,
+)
 from moe_ft.store.errors import StoreError
 
 FORMAT = {"format": "moe-ft-store", "version": 2, "layout": "arena"}
@@ -65,22 +75,6 @@ Region = tuple[int, int, int]  # (segment, offset, nbytes)
 
 def _align(n: int) -> int:
     return max(ALIGN, -(-n // ALIGN) * ALIGN)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _valid_name(name: str) -> str:
-    if not name or "/" in name or name.startswith(".") or "\0" in name:
-        raise ValueError(f"invalid blob name {name!r}: must be a plain file name")
-    return name
 
 
 def _pwrite_all(fd: int, buf: Any, offset: int) -> None:
@@ -122,6 +116,9 @@ class _Allocator:
         self.fsync = fsync
         self.lock = threading.RLock()
         self._lock_fd = self._take_lock()
+        st = os.fstat(self._lock_fd)
+        self._lock_id: tuple[int, int] | None = (st.st_dev, st.st_ino)
+        self._pid = os.getpid()  # a forked child inherits this object, not the lock
         self.fds: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
         self._free: list[list[int]] = []  # [segment, offset, nbytes], sorted, coalesced
@@ -139,15 +136,17 @@ class _Allocator:
         self._rebuild_free(used)
 
     def current(self) -> bool:
-        """Whether the directory is still the one this allocator opened."""
+        """Whether the directory is still the one this allocator opened, in the process that opened it."""
+        if os.getpid() != self._pid:
+            return False
         try:
             st = os.stat(self.arena_dir / "LOCK")
         except FileNotFoundError:
             return False
-        mine = os.fstat(self._lock_fd)
-        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+        return (st.st_dev, st.st_ino) == self._lock_id
 
     def close(self) -> None:
+        self._lock_id = None
         for fd in [*self.fds.values(), self._lock_fd]:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -347,9 +346,21 @@ class _RegionReader:
     def read(self, size: int = -1) -> bytes:
         left = self._end - self._pos
         n = left if size is None or size < 0 else min(size, left)
-        buf = bytearray(n)
-        got = self.readinto(buf)
-        return bytes(buf[:got])
+        data = os.pread(self._fd, n, self._pos)  # one copy, into the bytes returned
+        if len(data) < n:  # a short read (signals): finish it
+            rest = bytearray(n - len(data))
+            data += bytes(memoryview(rest)[:self.readinto_at(rest, self._pos + len(data))])
+        self._pos += len(data)
+        return data
+
+    def readinto_at(self, buf: bytearray, pos: int) -> int:
+        got = 0
+        while got < len(buf):
+            n = os.preadv(self._fd, [memoryview(buf)[got:]], pos + got)
+            if n == 0:
+                break
+            got += n
+        return got
 
     def close(self) -> None:
         pass
@@ -426,16 +437,12 @@ class _ArenaWriter(PointWriter):
             self.blobs[name] = region
 
     def open_blob(self, name: str) -> BlobSink:
-        if self._done:
-            raise RuntimeError(f"point {self.iteration} was already committed or aborted")
-        if _valid_name(name) == MANIFEST:
-            raise ValueError(f"blob name {MANIFEST!r} is reserved for the manifest")
+        self._check_open(name)
         return _RegionSink(self, name)
 
     def commit(self, manifest: bytes) -> None:
         backend = self.backend
-        if self._done:
-            raise RuntimeError(f"point {self.iteration} was already committed or aborted")
+        self._check_open()
         sink = _RegionSink(self, MANIFEST)
         sink.expect(len(manifest))
         sink.write(manifest)
@@ -478,20 +485,10 @@ class ArenaBackend(StoreBackend):
         self._read_fds: dict[int, int] = {}
         self._read_lock = threading.Lock()
         self._index_cache: dict[int, tuple[tuple[int, int], dict[str, Region]]] = {}
-        fmt = self.directory / FORMAT_FILE
-        if not fmt.exists():
-            if not create:
-                raise StoreError(f"{self.directory} is not a moe-ft store (no {FORMAT_FILE}); pass the "
-                                 f"per-rank directory, e.g. /dev/shm/moe_ft/<job>/rank0")
-            for d in (self.points_dir, self.staging_dir, self.arena_dir):
-                d.mkdir(parents=True, exist_ok=True)
-            tmp = self.directory / f".{FORMAT_FILE}.{os.getpid()}"
-            tmp.write_text(json.dumps(FORMAT))
-            os.replace(tmp, fmt)
-        found = json.loads(fmt.read_text())
+        found = format_file(self.directory, FORMAT, (self.points_dir, self.staging_dir, self.arena_dir), create)
         if found != FORMAT:
-            raise StoreError(f"{fmt}: store format {found} is not an arena store ({FORMAT}); open it with "
-                             "moe_ft.store.open_backend, which reads either layout")
+            raise StoreError(f"{self.directory / FORMAT_FILE}: store format {found} is not an arena store "
+                             f"({FORMAT}); open it with moe_ft.store.open_backend, which reads either layout")
 
     # -- writing -----------------------------------------------------------------------------------------
     def _writer_allocator(self) -> _Allocator:
@@ -520,7 +517,7 @@ class ArenaBackend(StoreBackend):
         return _ArenaWriter(self, iteration)
 
     def add_blob(self, iteration: int, name: str, data: bytes) -> None:
-        if _valid_name(name) == MANIFEST:
+        if valid_blob_name(name) == MANIFEST:
             raise ValueError(f"blob name {MANIFEST!r} is reserved for the manifest")
         alloc = self._writer_allocator()
         with alloc.lock:  # read, extend and replace the index without another writer in between
@@ -560,7 +557,7 @@ class ArenaBackend(StoreBackend):
                 os.unlink(self.staging_dir / info.label)
             removed += 1
         for name in os.listdir(self.points_dir) if self.points_dir.exists() else ():
-            if name.startswith(".") and name.endswith(".tmp") and not _pid_alive(int(name.split(".")[2])):
+            if name.startswith(".") and name.endswith(".tmp") and not pid_alive(int(name.split(".")[2])):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.points_dir / name)
         return removed
@@ -586,7 +583,7 @@ class ArenaBackend(StoreBackend):
             pid = int(parts[1])
             writer = self._open.get(name)
             nbytes = writer.alloc.allocated(writer.token) if writer is not None else 0
-            result.append(StagingInfo(int(parts[0]), name, nbytes, pid, _pid_alive(pid)))
+            result.append(StagingInfo(int(parts[0]), name, nbytes, pid, pid_alive(pid)))
         return result
 
     def _index(self, iteration: int) -> dict[str, Region] | None:
@@ -621,7 +618,7 @@ class ArenaBackend(StoreBackend):
 
     def blob_size(self, iteration: int, name: str) -> int | None:
         blobs = self._index(iteration)
-        region = None if blobs is None else blobs.get(_valid_name(name))
+        region = None if blobs is None else blobs.get(valid_blob_name(name))
         return None if region is None else region[2]
 
     def _fd(self, seg: int) -> int:
@@ -635,7 +632,7 @@ class ArenaBackend(StoreBackend):
 
     def open_blob(self, iteration: int, name: str) -> BinaryIO:
         blobs = self._index(iteration)
-        region = None if blobs is None else blobs.get(_valid_name(name))
+        region = None if blobs is None else blobs.get(valid_blob_name(name))
         if region is None:
             raise FileNotFoundError(f"{self.directory} point {iteration} has no blob {name}")
         seg, off, n = region

@@ -16,7 +16,10 @@ The contract is pinned down by ``tests/test_store_contract.py``, which every bac
 from __future__ import annotations
 
 import abc
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 FaultHook = Callable[[str, int, str], None]
@@ -26,6 +29,42 @@ each chunk of a blob reaches the backend, ``"blob_closed"``, ``"before_commit"``
 manifest are written, the point is still invisible) and ``"after_commit"``."""
 
 MANIFEST = "MANIFEST.json"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (the writer of a staging point, the holder of a lock)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def format_file(directory: Path, fmt: dict, dirs: tuple[Path, ...], create: bool) -> dict:
+    """Read the ``FORMAT.json`` of store ``directory``; without one, create the store (``dirs`` and the
+    file, atomically) or, with ``create=False``, raise ``StoreError``. Returns what the file says."""
+    from moe_ft.store.errors import StoreError
+
+    path = directory / "FORMAT.json"
+    if not path.exists():
+        if not create:
+            raise StoreError(f"{directory} is not a moe-ft store (no FORMAT.json); pass the per-rank "
+                             f"directory, e.g. /dev/shm/moe_ft/<job>/rank0")
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".FORMAT.json.{os.getpid()}"
+        tmp.write_text(json.dumps(fmt))
+        os.replace(tmp, path)
+    return json.loads(path.read_text())
+
+
+def valid_blob_name(name: str) -> str:
+    """``name`` if it can name a blob (a plain file name, not hidden), else ``ValueError``."""
+    if not name or "/" in name or name.startswith(".") or "\0" in name:
+        raise ValueError(f"invalid blob name {name!r}: must be a plain file name")
+    return name
 
 
 @dataclass(frozen=True)
@@ -59,6 +98,14 @@ class PointWriter(abc.ABC):
     """Staging area of one point. Blobs may be written from several threads at once (one sink each)."""
 
     iteration: int
+    _done: bool = False
+
+    def _check_open(self, name: str | None = None) -> None:
+        """Raise unless the point is still being written and ``name`` (if given) can name an entry blob."""
+        if self._done:
+            raise RuntimeError(f"point {self.iteration} was already committed or aborted")
+        if name is not None and valid_blob_name(name) == MANIFEST:
+            raise ValueError(f"blob name {MANIFEST!r} is reserved for the manifest")
 
     @abc.abstractmethod
     def open_blob(self, name: str) -> BlobSink: ...

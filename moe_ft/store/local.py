@@ -32,14 +32,23 @@ import contextlib
 import errno
 import io
 import itertools
-import json
 import os
 import shutil
 import threading
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from moe_ft.store.backend import MANIFEST, BlobSink, FaultHook, PointWriter, StagingInfo, StoreBackend
+from moe_ft.store.backend import (
+    MANIFEST,
+    BlobSink,
+    FaultHook,
+    PointWriter,
+    StagingInfo,
+    StoreBackend,
+    format_file,
+    pid_alive,
+    valid_blob_name,
+)
 from moe_ft.store.errors import StoreError
 
 FORMAT = {"format": "moe-ft-store", "version": 1}
@@ -52,22 +61,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _valid_name(name: str) -> str:
-    if not name or "/" in name or name.startswith(".") or "\0" in name:
-        raise ValueError(f"invalid blob name {name!r}: must be a plain file name")
-    return name
 
 
 class _RecyclePool:
@@ -183,16 +176,12 @@ class _LocalWriter(PointWriter):
         self._done = False
 
     def open_blob(self, name: str) -> BlobSink:
-        if self._done:
-            raise RuntimeError(f"point {self.iteration} was already committed or aborted")
-        if _valid_name(name) == MANIFEST:
-            raise ValueError(f"blob name {MANIFEST!r} is reserved for the manifest")
+        self._check_open(name)
         return _FileSink(self, name)
 
     def commit(self, manifest: bytes) -> None:
         backend = self.backend
-        if self._done:
-            raise RuntimeError(f"point {self.iteration} was already committed or aborted")
+        self._check_open()
         with open(self.path / MANIFEST, "xb") as f:
             f.write(manifest)
             if backend.fsync:
@@ -236,19 +225,10 @@ class LocalFSBackend(StoreBackend):
         self._lock = threading.Lock()
         self._open: set[Path] = set()
         self._counter = itertools.count()
-        fmt = self.directory / FORMAT_FILE
-        if not fmt.exists():
-            if not create:
-                raise StoreError(f"{self.directory} is not a moe-ft store (no {FORMAT_FILE}); pass the "
-                                 f"per-rank directory, e.g. /dev/shm/moe_ft/<job>/rank0")
-            for d in (self.points_dir, self.staging_dir, self.trash_dir):
-                d.mkdir(parents=True, exist_ok=True)
-            tmp = self.directory / f".{FORMAT_FILE}.{os.getpid()}"
-            tmp.write_text(json.dumps(FORMAT))
-            os.replace(tmp, fmt)
-        found = json.loads(fmt.read_text())
+        found = format_file(self.directory, FORMAT, (self.points_dir, self.staging_dir, self.trash_dir), create)
         if found.get("format") != FORMAT["format"] or found.get("version") != FORMAT["version"]:
-            raise StoreError(f"{fmt}: unsupported store format {found}; this moe-ft reads {FORMAT}")
+            raise StoreError(f"{self.directory / FORMAT_FILE}: unsupported store format {found}; this moe-ft "
+                             f"reads {FORMAT}")
         self._pool = _RecyclePool(str(self.directory / "recycle")) if recycle else None
 
     @property
@@ -300,7 +280,7 @@ class LocalFSBackend(StoreBackend):
             except FileNotFoundError:  # committed or aborted while we looked
                 continue
             pid = int(parts[1])
-            result.append(StagingInfo(int(parts[0]), entry.name, nbytes, pid, _pid_alive(pid)))
+            result.append(StagingInfo(int(parts[0]), entry.name, nbytes, pid, pid_alive(pid)))
         return result
 
     def _point_path(self, iteration: int) -> str:
@@ -312,20 +292,20 @@ class LocalFSBackend(StoreBackend):
 
     def blob_size(self, iteration: int, name: str) -> int | None:
         try:
-            return os.stat(f"{self._point_path(iteration)}/{_valid_name(name)}").st_size
+            return os.stat(f"{self._point_path(iteration)}/{valid_blob_name(name)}").st_size
         except FileNotFoundError:
             return None
 
     def blob_location(self, iteration: int, name: str) -> tuple[str, int, int]:
-        path = f"{self._point_path(iteration)}/{_valid_name(name)}"
+        path = f"{self._point_path(iteration)}/{valid_blob_name(name)}"
         return path, 0, os.stat(path).st_size
 
     def open_blob(self, iteration: int, name: str) -> BinaryIO:
-        return open(f"{self._point_path(iteration)}/{_valid_name(name)}", "rb")
+        return open(f"{self._point_path(iteration)}/{valid_blob_name(name)}", "rb")
 
     def add_blob(self, iteration: int, name: str, data: bytes) -> None:
         point = self._point_path(iteration)
-        final = f"{point}/{_valid_name(name)}"
+        final = f"{point}/{valid_blob_name(name)}"
         if name == MANIFEST:
             raise ValueError(f"blob name {MANIFEST!r} is reserved for the manifest")
         if os.path.exists(final):

@@ -1,5 +1,5 @@
-"""The snapshot data path alone: engine thread CPU per point for the four combinations of
-slot-buffer copy vs direct write and new vs recycled entry files, side by side in one process.
+"""The snapshot data path alone: engine thread CPU per point for slot-buffer copy vs direct write into
+each store layout (new entry files, recycled entry files, the arena), side by side in one process.
 
     python tools/bench/data_path.py [--points 30] [--json]      # ~20 s on 2 cores
 
@@ -29,11 +29,13 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VARIANTS = {  # name: (direct_write, recycle)
-    "slot copy, new files": (False, False),
-    "slot copy, recycled files": (False, True),
-    "direct, new files": (True, False),
-    "direct, recycled files": (True, True),
+VARIANTS = {  # name: (direct_write, layout, recycle)
+    "slot copy, new files": (False, "files", False),
+    "slot copy, recycled files": (False, "files", True),
+    "slot copy, arena": (False, "arena", False),
+    "direct, new files": (True, "files", False),
+    "direct, recycled files": (True, "files", True),
+    "direct, arena": (True, "arena", False),
 }
 WINDOW = 5
 WARMUP = 10
@@ -71,9 +73,9 @@ def run(shape: str, points: int, root: str) -> dict:
     reg = registry()
     ops = list(reg)
     engines = {}
-    for i, (name, (direct, recycle)) in enumerate(VARIANTS.items()):
+    for i, (name, (direct, layout, recycle)) in enumerate(VARIANTS.items()):
         rule = DenseRule(operators=frozenset(ops)) if shape == "dense" else SparseWindowRule.aligned(ops, WINDOW)
-        store = StoreConfig(root=root, job_id=f"{shape}{i}", rank=0, recycle=recycle).build(
+        store = StoreConfig(root=root, job_id=f"{shape}{i}", rank=0, recycle=recycle, layout=layout).build(
             retention=KeepTwoRecoverable(rule=rule))
         engines[name] = SnapshotEngine(EngineConfig(direct_write=direct), reg, store)
     try:
@@ -88,7 +90,7 @@ def run(shape: str, points: int, root: str) -> dict:
     result = {}
     for name, engine in engines.items():
         recs = engine.records[WARMUP:]
-        pool = engine.store.backend.pool
+        pool = getattr(engine.store.backend, "pool", None)
         result[name] = {"mb_per_point": round(recs[0].bytes / 1e6, 1),
                         "thread_cpu_ms": round(1e3 * statistics.median(r.thread_cpu_s for r in recs), 2),
                         "copy_ms": round(1e3 * statistics.median(r.copy_s for r in recs), 2),

@@ -1,0 +1,133 @@
+"""The arena layout's own promises (``moe_ft/store/arena.py``), beyond the backend contract that
+``test_store_contract.py`` and ``test_store_crash.py`` run against it: regions are reused point after point
+(the arena stops growing), one process allocates, deletions by another process are reclaimed, and a
+directory removed and created again under a running process is a new arena."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+
+import pytest
+import torch
+
+from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store import ArenaBackend, DenseRule, KeepNewestRecoverable, SnapshotStore, StoreError, open_backend
+from moe_ft.store.layouts import layout_of
+
+pytestmark = pytest.mark.timeout(60)
+OPS = [OperatorId.dense(0), OperatorId.expert_op(0, 0), OperatorId.expert_op(0, 1)]
+
+
+def _tensors(iteration: int, op: OperatorId, rows: int = 96) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(iteration * 31 + hash(str(op)) % 1000)
+    return {"weight": torch.randn(rows, 64, generator=gen), "exp_avg.weight": torch.randn(rows, 64, generator=gen)}
+
+
+def _publish(store: SnapshotStore, iteration: int, rows: int = 96) -> None:
+    with store.begin(iteration) as point:
+        for op in OPS:
+            point.put(op, Level.FULL, _tensors(iteration, op, rows))
+        point.put_meta({"iteration": iteration})
+        point.publish()
+
+
+def _check(store: SnapshotStore, iteration: int, rows: int = 96) -> None:
+    for op in OPS:
+        got = store.load(iteration, op, Level.FULL)
+        assert all(torch.equal(got[k], v) for k, v in _tensors(iteration, op, rows).items())
+
+
+def _keep_newest(store_dir) -> SnapshotStore:
+    return SnapshotStore(ArenaBackend(store_dir), retention=KeepNewestRecoverable(rule=DenseRule(operators=frozenset(OPS))))
+
+
+def test_regions_are_reused_and_the_arena_stops_growing(tmp_path):
+    store = _keep_newest(tmp_path / "s")
+    sizes = []
+    for it in range(30):
+        _publish(store, it)
+        sizes.append(store.backend.arena_bytes)
+        assert store.points() == [it]
+    assert len(set(sizes)) == 1  # the first segment holds one point and the one in flight: never grown
+    _check(store, 29)
+    # entries of another size: reused where they fit, one more segment at most
+    for it in range(30, 40):
+        _publish(store, it, rows=200)
+    assert store.backend.arena_bytes <= 2 * sizes[0] + (8 << 20)
+    _check(store, 39, rows=200)
+    assert store.verify().problems == ()
+
+
+def test_open_backend_reads_either_layout_whatever_is_asked(tmp_path):
+    files = open_backend(tmp_path / "f", layout="files")
+    arena = open_backend(tmp_path / "a")
+    assert layout_of(tmp_path / "f") == "files" and layout_of(tmp_path / "a") == "arena" and layout_of(tmp_path) is None
+    assert isinstance(open_backend(tmp_path / "f"), type(files)) and isinstance(open_backend(tmp_path / "a", layout="files"), ArenaBackend)
+    assert isinstance(arena, ArenaBackend)
+    with pytest.raises(StoreError, match="not an arena store"):
+        ArenaBackend(tmp_path / "f")
+    with pytest.raises(StoreError, match="not a moe-ft store"):
+        open_backend(tmp_path / "none", create=False)
+
+
+def _try_write(store_dir: str, conn) -> None:
+    try:
+        store = SnapshotStore(ArenaBackend(store_dir))
+        _publish(store, 7)
+        conn.send("wrote")
+    except StoreError as exc:
+        conn.send(str(exc))
+
+
+def test_one_process_allocates_and_others_read(tmp_path, monkeypatch):
+    monkeypatch.setattr("moe_ft.store.arena.LOCK_WAIT_S", 0.2)
+    store = SnapshotStore(ArenaBackend(tmp_path / "s"))
+    _publish(store, 1)
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_try_write, args=(str(tmp_path / "s"), child))
+    proc.start()
+    proc.join(30)
+    said = parent.recv()
+    assert f"written by another process (pid {os.getpid()})" in said and "one process writes a store" in said
+    reader = SnapshotStore(open_backend(tmp_path / "s", create=False))  # reading needs no lock
+    _check(reader, 1)
+    assert store.points() == [1] and store.staging() == []
+
+
+def _delete(store_dir: str, iteration: int) -> None:
+    ArenaBackend(store_dir, create=False).delete_point(iteration)
+
+
+def test_points_deleted_by_another_process_are_reclaimed(tmp_path):
+    store = SnapshotStore(ArenaBackend(tmp_path / "s"))
+    _publish(store, 1)
+    _publish(store, 2)
+    size = store.backend.arena_bytes
+    ctx = multiprocessing.get_context("fork")
+    for it in (1, 2):
+        proc = ctx.Process(target=_delete, args=(str(tmp_path / "s"), it))
+        proc.start()
+        proc.join(30)
+        assert proc.exitcode == 0
+    assert store.points() == []
+    for it in range(3, 12):  # fits in the space points 1 and 2 held: no new segment
+        _publish(store, it)
+    assert store.backend.arena_bytes <= max(size, 4 << 20) + 2 * (4 << 20)
+    assert store.verify().problems == ()
+    _check(store, 11)
+
+
+def test_a_directory_created_again_is_a_new_arena(tmp_path):
+    store = SnapshotStore(ArenaBackend(tmp_path / "s"))
+    _publish(store, 1)
+    shutil.rmtree(tmp_path / "s")
+    again = SnapshotStore(ArenaBackend(tmp_path / "s"))
+    _publish(again, 2)
+    assert again.points() == [2] and again.verify().problems == ()
+    _check(again, 2)
+    _publish(store, 3)  # an object of the old directory writes into the new one (a store is its path)
+    assert again.points() == [2, 3] and again.verify().problems == ()
+    _check(again, 3)
