@@ -128,7 +128,7 @@ def worker(argv: list[str]) -> int:
                 variants[BUBBLES] = dict(policy="sparse", sparse_window=WINDOW, snapshot_bubble_aware=True)
             if two_copies:
                 variants[TWO_COPIES] = dict(policy="sparse", sparse_window=WINDOW, snapshot_direct_write=False,
-                                            store_recycle=False)
+                                            store_recycle=False, store_layout="files")
             for s in self.sessions:
                 s.close()
             self.by_label = {name: self.build_session(dataclasses.replace(base.snapshot, **kw), job_suffix=f"-{i}")
