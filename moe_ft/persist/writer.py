@@ -14,7 +14,6 @@ from moe_ft.background import BackgroundWorker
 from moe_ft.persist.durable import DurableTier
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import SnapshotStore
-from moe_ft.store.errors import CorruptEntryError
 from moe_ft.store.manifest import build_manifest
 from moe_ft.store.rules import EntryRef, RecoveryPoint, RecoveryRule
 
@@ -130,15 +129,12 @@ class PersistWriter:
             if held is not None and {(e.op, e.level) for e in held.all_entries()} >= wanted:
                 return 0  # already durable (a sparse window shared by consecutive flushes)
             self.durable.delete_point(iteration)
-        backend = self.store.backend
         writer = self.durable.backend.begin_point(iteration)
         nbytes = 0
         try:
             for entry in entries + ([meta] if meta else []):
-                reason = self.store.verify_entry(entry, source.checksum_algo)
-                if reason is not None:  # never make a corrupt entry durable
-                    raise CorruptEntryError(f"{backend.describe()} iteration {iteration} {entry.blob}", reason)
-                data = backend.read_blob(iteration, entry.blob)
+                # read once, verified: never make a corrupt entry durable, nor bytes other than those checked
+                data = self.store.read_verified(entry, source.checksum_algo)
                 sink = writer.open_blob(entry.blob)
                 sink.write(data)
                 sink.close()

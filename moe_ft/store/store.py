@@ -95,6 +95,13 @@ def _records(iteration: int, op: OperatorId | None, level: Level | None, blob: s
     return EntryRecord(iteration, op, level, blob, written.nbytes, written.checksum, tensors)
 
 
+def _check_bytes(data: bytes, entry: EntryRecord, algo: str, where: str, what: str) -> None:
+    """Raise :class:`CorruptEntryError` unless ``data`` is ``entry``'s bytes (size, checksum, key)."""
+    if len(data) != entry.nbytes:
+        raise CorruptEntryError(where, f"{len(data)} bytes {what}, manifest says {entry.nbytes}")
+    read_entry(io.BytesIO(data), size=entry.nbytes, checksum=entry.checksum, algo=algo, key=entry.key, where=where)
+
+
 def _discard(buf) -> None:
     """A sink that keeps nothing (``put_remote`` hashes an entry without storing it)."""
 
@@ -371,12 +378,20 @@ class SnapshotStore:
         listed = None if record is None or entry.op is None else record.entries.get(entry.op)
         if record is None or listed is None or not listed.remote or listed != entry:
             raise ValueError(f"{entry.name} is not a remote entry of point {iteration} in {self.backend.describe()}")
-        where = self._where(iteration, entry.blob)
-        if len(data) != entry.nbytes:
-            raise CorruptEntryError(where, f"{len(data)} bytes fetched, manifest says {entry.nbytes}")
-        read_entry(io.BytesIO(data), size=entry.nbytes, checksum=entry.checksum, algo=record.checksum_algo,
-                   key=entry.key, where=where)
+        _check_bytes(data, entry, record.checksum_algo, self._where(iteration, entry.blob), "fetched")
         self.backend.add_blob(iteration, entry.blob, data)
+
+    def read_verified(self, entry: EntryRecord, algo: str) -> bytes:
+        """The stored bytes of ``entry``, read once and checked against its checksum: what is returned is
+        what was verified, even if the space is reused right after (a copy to another tier). Raises
+        :class:`CorruptEntryError`."""
+        where = self._where(entry.iteration, entry.blob)
+        try:
+            data = self.backend.read_blob(entry.iteration, entry.blob)
+        except FileNotFoundError:
+            raise CorruptEntryError(where, "file missing") from None
+        _check_bytes(data, entry, algo, where, "stored")
+        return data
 
     def verify(self, iterations: Iterable[int] | None = None) -> Catalog:
         """Checksum every entry; the returned catalog holds only verified entries, with all problems."""
