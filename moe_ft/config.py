@@ -212,6 +212,12 @@ class DurableConfig:
         "Copy the newest recovery point to durable storage every N iterations in the background (0 = off)."))
     dir: str = field(default="", metadata=field_help(
         "Durable tier root (<dir>/moe_ft/<job>); empty = --save."))
+    agent: bool = field(default=False, metadata=field_help(
+        "The node agent (one niced process per node, started by the first rank that needs it, outliving the "
+        "workers) copies the points to the durable tier; the trainers only tell it which iteration."))
+    agent_idle_exit: float = field(default=600.0, metadata=field_help(
+        "The node agent exits after this many seconds without a connected trainer (the job died and did not "
+        "come back); at a clean end it exits once every rank is done."))
 
     def __post_init__(self) -> None:
         _non_negative(self, ("interval",), "ft_persist_")
@@ -228,7 +234,8 @@ class DurableConfig:
         # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
         from moe_ft.runtime.components import Durable
 
-        return Durable.build(self.interval, self.root(ctx.args.training.save), ctx, session)
+        return Durable.build(self.interval, self.root(ctx.args.training.save), ctx, session, agent=self.agent,
+                             agent_idle_exit_s=self.agent_idle_exit)
 
 
 @dataclass(kw_only=True)

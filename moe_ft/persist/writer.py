@@ -72,6 +72,12 @@ class PersistWriter:
     def flush(self) -> None:
         self._worker.drain()
 
+    def settle(self) -> None:
+        """Before the runtime discards an abandoned timeline from the tier. The in-process writer does not
+        wait here: a queued copy may wait for a point that will never be published (up to
+        ``publish_timeout_s``); the node agent's writer (``moe_ft/agent/persist.py``) is sent published
+        points only and does wait."""
+
     def close(self) -> None:
         self._worker.close()
 

@@ -8,13 +8,16 @@ that lives elsewhere (``replication/``, ``persist/``, ``recovery/boost.py``, ``r
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 
 from moe_ft import comm
+from moe_ft.agent.persist import AgentPersistence
 from moe_ft.checkfree.average import local_grad_sq
 from moe_ft.checkfree.recovery import GRAD_SQ
+from moe_ft.persist import DurableTier, PersistConfig, PersistWriter
 from moe_ft.persist.megatron_dense import MegatronDenseWriter
 from moe_ft.recovery.boost import record_made_up, snapshot_tensors, start_after_recovery
 from moe_ft.recovery.progress import write_progress
@@ -109,10 +112,20 @@ class Durable(Component):
         self.writer, self.megatron_dense, self.rank = writer, megatron_dense, rank
 
     @classmethod
-    def build(cls, interval: int, root: str, ctx, session) -> "Durable":
-        writer = build_persistence(interval=interval, persist_dir=root, store=session.store,
-                                   rule=session.retention_rule, rank=ctx.rank, world_size=ctx.world_size,
-                                   job_id=session.job_id)
+    def build(cls, interval: int, root: str, ctx, session, *, agent: bool = False,
+              agent_idle_exit_s: float = 600.0) -> "Durable":
+        writer: PersistWriter | AgentPersistence | None
+        if agent:  # the node agent copies; the trainer sends iteration numbers
+            writer = AgentPersistence(PersistConfig(interval=interval, persist_dir=root), session.store,
+                                      DurableTier(root, session.job_id, ctx.world_size), session.retention_rule,
+                                      rank=ctx.rank, job_id=session.job_id,
+                                      agent_dir=os.path.join(session.store_root, session.job_id, "agent"),
+                                      idle_exit_s=agent_idle_exit_s)
+        else:
+            writer = build_persistence(interval=interval, persist_dir=root, store=session.store,
+                                       rule=session.retention_rule, rank=ctx.rank, world_size=ctx.world_size,
+                                       job_id=session.job_id)
+        assert writer is not None, "Durable is built only with an interval"
         dense = None
         if session.policy.dense_points:
             dense = MegatronDenseWriter(writer.config.persist_dir, ctx.state)
@@ -137,6 +150,7 @@ class Durable(Component):
             write_progress(self.directory / "progress", iteration)
 
     def after_recovery(self, report, session) -> None:
+        self.writer.settle()
         self.writer.tier.discard_after(self.rank, report.recovery_point["resume"] - 1)
         self.writer.rule = session.retention_rule  # the restored policy's windows
 

@@ -479,6 +479,7 @@ class ArenaBackend(StoreBackend):
         self.points_dir = self.directory / "points"
         self.staging_dir = self.directory / "staging"
         self.arena_dir = self.directory / "arena"
+        self.pins_dir = self.directory / "pins"
         self.initial_bytes = initial_bytes
         self._open: dict[str, _ArenaWriter] = {}
         self._alloc: _Allocator | None = None

@@ -16,11 +16,15 @@ The contract is pinned down by ``tests/test_store_contract.py``, which every bac
 from __future__ import annotations
 
 import abc
+import contextlib
+import itertools
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
+
+from moe_ft.store.errors import StoreError
 
 FaultHook = Callable[[str, int, str], None]
 """Called as ``hook(phase, iteration, blob_name)`` at deterministic points of a write, for failure
@@ -29,6 +33,7 @@ each chunk of a blob reaches the backend, ``"blob_closed"``, ``"before_commit"``
 manifest are written, the point is still invisible) and ``"after_commit"``."""
 
 MANIFEST = "MANIFEST.json"
+_PIN_TOKENS = itertools.count()
 
 
 def pid_alive(pid: int) -> bool:
@@ -45,8 +50,6 @@ def pid_alive(pid: int) -> bool:
 def format_file(directory: Path, fmt: dict, dirs: tuple[Path, ...], create: bool) -> dict:
     """Read the ``FORMAT.json`` of store ``directory``; without one, create the store (``dirs`` and the
     file, atomically) or, with ``create=False``, raise ``StoreError``. Returns what the file says."""
-    from moe_ft.store.errors import StoreError
-
     path = directory / "FORMAT.json"
     if not path.exists():
         if not create:
@@ -169,6 +172,42 @@ class StoreBackend(abc.ABC):
     @abc.abstractmethod
     def delete_point(self, iteration: int) -> None:
         """Make a published point invisible (atomically), then reclaim it. Missing points are ignored."""
+
+    pins_dir: Path | None = None
+    """Where other processes pin points (:meth:`pin_elsewhere`); ``None``: a backend no other process reads."""
+
+    @contextlib.contextmanager
+    def pin_elsewhere(self, iterations: Iterable[int]) -> Iterator[None]:
+        """Keep ``iterations`` from the writing process's garbage collection while the block runs: for a
+        reader in another process (the node agent copying a point to the durable tier). One file per point
+        in :attr:`pins_dir`, named with the reader's pid (a pin of a dead reader does not count)."""
+        if self.pins_dir is None:
+            yield
+            return
+        self.pins_dir.mkdir(parents=True, exist_ok=True)
+        token = next(_PIN_TOKENS)
+        paths = [self.pins_dir / f"{it:012d}.{os.getpid()}.{token}" for it in iterations]
+        try:
+            for path in paths:
+                path.touch()
+            yield
+        finally:
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+
+    def pinned_elsewhere(self) -> set[int]:
+        """Iterations that live processes pinned with :meth:`pin_elsewhere`."""
+        try:
+            names = os.listdir(self.pins_dir) if self.pins_dir is not None else []
+        except FileNotFoundError:
+            return set()
+        out = set()
+        for name in names:
+            parts = name.split(".")
+            if len(parts) == 3 and all(p.isdigit() for p in parts) and pid_alive(int(parts[1])):
+                out.add(int(parts[0]))
+        return out
 
     @abc.abstractmethod
     def sweep_staging(self) -> int:

@@ -222,6 +222,7 @@ class LocalFSBackend(StoreBackend):
         self._points_str = str(self.points_dir)
         self.staging_dir = self.directory / "staging"
         self.trash_dir = self.directory / "trash"
+        self.pins_dir = self.directory / "pins"
         self._lock = threading.Lock()
         self._open: set[Path] = set()
         self._counter = itertools.count()

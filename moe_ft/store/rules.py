@@ -188,3 +188,13 @@ def newest_recoverable(catalog: Catalog, rule: RecoveryRule, at_or_before: int |
         if point is not None:
             return point
     return None
+
+
+def portable(rule: RecoveryRule, ends: Iterable[int]) -> RecoveryRule:
+    """``rule`` as a value another process can be sent (pickled): a :class:`SparseWindowRule` whose
+    ``window_of`` reads live policy state becomes the explicit windows it gives for ``ends`` (the points
+    the receiver may consider); the other rules are plain data already."""
+    if isinstance(rule, SparseWindowRule):
+        windows = [w for end in ends if (w := rule.window_of(end)) is not None]
+        return SparseWindowRule.explicit(rule.operators, windows, require_meta=rule.require_meta)
+    return rule

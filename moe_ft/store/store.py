@@ -21,7 +21,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -215,9 +215,14 @@ class PendingPoint:
 
 class SnapshotStore:
     def __init__(self, backend: StoreBackend, *, checksum: str = DEFAULT_CHECKSUM,
-                 retention: RetentionPolicy | None = None) -> None:
+                 retention: RetentionPolicy | None = None, shared_pins: bool = False) -> None:
         new_checksum(checksum)  # validates the name
         self.backend = backend
+        self.shared_pins = shared_pins
+        """:meth:`pin` also pins for the writing process (this object reads another process's store)."""
+        self.on_publish: list[Callable[[int], None]] = []
+        """Called with the iteration after each publish and its garbage collection, on the publishing thread
+        (the node agent's durable copies are requested from here: no wait for the next iteration)."""
         self.checksum = checksum
         self.retention = retention
         self._lock = threading.Lock()
@@ -255,6 +260,8 @@ class SnapshotStore:
     def _after_publish(self, iteration: int) -> None:
         if self.retention is not None:
             self.gc()
+        for listener in self.on_publish:
+            listener(iteration)
 
     # -- listing ---------------------------------------------------------------------------------------
     def points(self) -> list[int]:
@@ -445,7 +452,8 @@ class SnapshotStore:
         with self._lock:
             self._pins.update(its)
         try:
-            yield
+            with self.backend.pin_elsewhere(its) if self.shared_pins else contextlib.nullcontext():
+                yield
         finally:
             with self._lock:
                 self._pins.subtract(its)
@@ -492,6 +500,7 @@ class SnapshotStore:
         keep = self.retention.keep(catalog)
         with self._lock:
             pinned = {it for it, n in self._pins.items() if n > 0}
+        pinned |= self.backend.pinned_elsewhere()
         # Unreadable points are not in the catalog: the policy cannot vouch for them, and they must not
         # pile up, so they go once older than the oldest kept point.
         oldest_kept = min(keep | pinned, default=None)

@@ -1,0 +1,233 @@
+"""The node agent process (``python -m moe_ft.agent --dir <agent dir>``; see ``moe_ft/agent/__init__.py``).
+
+It listens on an abstract Unix socket named after its directory (``multiprocessing.connection``, with a
+key only the job's files hold), writes its pid file once it listens, and serves each connected trainer on
+a thread of its own. Requests are tuples:
+
+* ``("persist", PersistRequest)``: queue a durable copy of rank ``r``'s point (``moe_ft.persist.writer``,
+  run here over a *reader* of the rank's store, pinning what it reads against the trainer's garbage
+  collection; the trainer sends only published iterations, so nothing waits for a publish); answers the
+  rank's records so far, or the error that stopped the rank's writer;
+* ``("flush", rank)``: wait until the rank's queued copies are done; answers their records;
+* ``("bye", rank)``: the rank ends its run (its copies flushed first);
+* ``("hello", rank)``: a trainer rank connected (sent by every client when it connects); answers the pid;
+* ``("ping",)``: answers the agent's pid.
+
+It exits once every rank that said hello has said bye and its queues are empty, or when no trainer has been
+connected for ``--idle-exit`` seconds (the job died and did not come back), or on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moe_ft.persist import PersistWriter
+    from moe_ft.store.rules import RecoveryRule
+
+logger = logging.getLogger("moe_ft.agent")
+
+PID_FILE = "agent.pid"
+KEY_FILE = "agent.key"
+LOG_FILE = "agent.log"
+
+
+def socket_address(agent_dir: str | os.PathLike) -> str:
+    """The agent's abstract socket name: no file to go stale, unique per directory on the node (its path
+    and inode: a directory deleted and created again, e.g. a lost node's store, gets another name)."""
+    ident = f"{os.path.realpath(agent_dir)}:{os.stat(agent_dir).st_ino}"
+    return f"\0moe-ft-agent-{hashlib.sha1(ident.encode()).hexdigest()[:20]}"
+
+
+def _same_dir(path: Path, inode: int) -> bool:
+    try:
+        return os.stat(path).st_ino == inode and (path / KEY_FILE).exists()
+    except FileNotFoundError:
+        return False
+
+
+@dataclass(frozen=True)
+class PersistRequest:
+    """One due durable copy: what ``moe_ft.persist.PersistWriter.submit`` takes, and where."""
+
+    rank: int
+    iteration: int
+    store_dir: str
+    persist_dir: str
+    job_id: str
+    world_size: int
+    rule: "RecoveryRule"
+    """The rank's recovery rule (which points are complete)."""
+    plan: dict | None = None
+    """``pec``: the entries of point ``iteration`` to copy (``OperatorId -> Level``), else ``None``."""
+    keep: int = 2
+
+
+@dataclass
+class _Rank:
+    writer: "PersistWriter"
+    key: tuple
+
+
+@dataclass
+class NodeAgent:
+    directory: Path
+    idle_exit_s: float = 600.0
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    """Ranks with a durable writer here."""
+    active: set[int] = field(default_factory=set)
+    """Ranks that said hello and not bye since."""
+    ever: set[int] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _connected: int = 0
+    _last_seen: float = field(default_factory=time.monotonic)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def serve(self) -> None:
+        key = (self.directory / KEY_FILE).read_bytes()
+        home = os.stat(self.directory).st_ino
+        listener = Listener(socket_address(self.directory), family="AF_UNIX", authkey=key)
+        pid_tmp = self.directory / f".{PID_FILE}.{os.getpid()}"
+        pid_tmp.write_text(f"{os.getpid()}\n")
+        os.replace(pid_tmp, self.directory / PID_FILE)  # found by the trainers from here on
+        print(f"moe-ft agent {os.getpid()}: serving {self.directory}", flush=True)
+        threading.Thread(target=self._accept, args=(listener,), name="moe-ft-agent-accept", daemon=True).start()
+        while not self._stop.wait(0.2):
+            with self._lock:
+                idle = self._connected == 0 and time.monotonic() - self._last_seen > self.idle_exit_s
+                done = bool(self.ever) and not self.active and self._connected == 0
+            gone = not _same_dir(self.directory, home)  # the store was wiped (a lost node's, or by hand)
+            if idle or done or gone:
+                why = ("every rank said bye" if done else "its directory is gone" if gone
+                       else f"no trainer for {self.idle_exit_s:.0f} s")
+                print(f"moe-ft agent {os.getpid()}: exiting ({why})", flush=True)
+                break
+        self._close()
+        with_pid = self.directory / PID_FILE
+        with contextlib.suppress(FileNotFoundError):
+            if with_pid.read_text().strip() == str(os.getpid()):
+                with_pid.unlink()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _close(self) -> None:
+        for rank in list(self.ranks.values()):
+            rank.writer.close()
+
+    def _accept(self, listener: Listener) -> None:
+        while not self._stop.is_set():
+            try:
+                conn = listener.accept()
+            except Exception as exc:  # a client that fails authentication: refuse it, keep serving
+                logger.warning("moe-ft agent: refused a connection: %r", exc)
+                continue
+            with self._lock:
+                self._connected += 1
+            threading.Thread(target=self._serve_one, args=(conn,), name="moe-ft-agent-conn", daemon=True).start()
+
+    def _serve_one(self, conn: Connection) -> None:
+        try:
+            while True:
+                try:
+                    request = conn.recv()
+                except (EOFError, OSError):
+                    return
+                conn.send(self._handle(request))
+        finally:
+            conn.close()
+            with self._lock:
+                self._connected -= 1
+                self._last_seen = time.monotonic()
+
+    def _handle(self, request: tuple):
+        kind = request[0]
+        if kind == "ping":
+            return os.getpid()
+        if kind == "hello":
+            with self._lock:
+                self.active.add(request[1])
+                self.ever.add(request[1])
+            return os.getpid()
+        if kind == "persist":
+            return self._persist(request[1])
+        rank = self.ranks.get(request[1])
+        if kind == "flush":
+            if rank is None:
+                return []
+            try:
+                rank.writer.flush()
+            except RuntimeError as exc:
+                return exc
+            return list(rank.writer.records)
+        if kind == "bye":
+            if rank is not None:
+                try:
+                    rank.writer.flush()
+                except RuntimeError as exc:
+                    logger.error("moe-ft agent: %s", exc)
+            with self._lock:
+                self.active.discard(request[1])
+            return None
+        return ValueError(f"unknown request {kind!r}")
+
+    def _persist(self, req: PersistRequest):
+        # start-up time of the agent: the store and durable tier are imported with the first request
+        from moe_ft.persist import DurableTier, PersistConfig, PersistWriter
+        from moe_ft.store import SnapshotStore, open_backend
+
+        key = (req.store_dir, req.persist_dir, req.job_id, req.world_size, req.keep)
+        with self._lock:
+            rank = self.ranks.get(req.rank)
+            if rank is None or rank.key != key:
+                if rank is not None:
+                    rank.writer.close()
+                store = SnapshotStore(open_backend(req.store_dir, create=False), shared_pins=True)
+                config = PersistConfig(interval=1, persist_dir=req.persist_dir, keep=req.keep, publish_timeout_s=0.0)
+                writer = PersistWriter(config, store,
+                                       DurableTier(req.persist_dir, req.job_id, req.world_size), req.rule,
+                                       rank=req.rank)
+                rank = self.ranks[req.rank] = _Rank(writer, key)
+            self.active.add(req.rank)
+            self.ever.add(req.rank)
+        writer = rank.writer
+        writer.rule = req.rule
+        try:
+            writer.submit(req.iteration, req.plan)
+        except RuntimeError as exc:
+            return exc
+        return list(writer.records)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_ft.agent", description="moe-ft node agent")
+    parser.add_argument("--dir", required=True, help="agent directory (<store dir>/<job>/agent)")
+    parser.add_argument("--idle-exit", type=float, default=600.0,
+                        help="exit after this many seconds without a connected trainer")
+    parser.add_argument("--nice", type=int, default=10, help="added niceness (the trainers come first)")
+    parser.add_argument("--daemonize", action="store_true",
+                        help="fork and leave the parent at once (the agent is then no trainer's child)")
+    args = parser.parse_args(argv)
+    if args.daemonize and os.fork():
+        os._exit(0)  # the starter reaps this parent; the child is adopted by init (or the node's subreaper)
+    os.nice(args.nice)
+    import torch  # start-up time: imported after the nice (most of the agent's start-up)
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
+    agent = NodeAgent(Path(args.dir), idle_exit_s=args.idle_exit)
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    agent.serve()
+    return 0

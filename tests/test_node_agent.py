@@ -1,0 +1,132 @@
+"""The node agent (``moe_ft/agent/``) as real processes: a trainer starts it, it outlives that trainer, it
+writes the durable tier from the ranks' node-local stores (verified, pinned against their garbage
+collection), a killed agent is started again by the next call, and it exits once every rank said bye."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import zlib
+
+import pytest
+import torch
+from _ft_helpers import wait_until
+
+from moe_ft.agent.client import AgentClient, agent_pid
+from moe_ft.agent.server import PersistRequest
+from moe_ft.persist import DurableTier
+from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store import DenseRule, KeepNewestRecoverable, StoreConfig
+
+pytestmark = pytest.mark.timeout(180)
+OPS = [OperatorId.dense(0), OperatorId.expert_op(0, 0)]
+RULE = DenseRule(operators=frozenset(OPS))
+
+
+def _tensors(rank: int, it: int, op: OperatorId) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{rank}/{it}/{op}".encode()))
+    return {"weight": torch.randn(256, 64, generator=gen), "exp_avg.weight": torch.randn(256, 64, generator=gen)}
+
+
+def _store(tmp_path, rank):
+    return StoreConfig(root=str(tmp_path / "shm"), job_id="j", rank=rank).build(
+        retention=KeepNewestRecoverable(rule=RULE))
+
+
+def _publish(store, rank, it):
+    with store.begin(it) as point:
+        for op in OPS:
+            point.put(op, Level.FULL, _tensors(rank, it, op))
+        point.put_meta({"it": it})
+        point.publish()
+
+
+def _request(tmp_path, rank, it) -> PersistRequest:
+    return PersistRequest(rank=rank, iteration=it, store_dir=str(tmp_path / "shm" / "j" / f"rank{rank}"),
+                          persist_dir=str(tmp_path / "durable"), job_id="j", world_size=2, rule=RULE)
+
+
+def _trainer_that_leaves(agent_dir: str, tmp_path, conn) -> None:
+    """Rank 0: asks for a durable copy, waits for it, and exits without saying bye (a killed worker)."""
+    client = AgentClient(agent_dir, 0, idle_exit_s=30)
+    client.persist(_request(tmp_path, 0, 3))
+    conn.send((client.pid, [r.end for r in client.flush()]))
+    os._exit(0)
+
+
+def _check_durable(tmp_path, end):
+    tier = DurableTier(tmp_path / "durable", "j", 2)
+    assert tier.newest_complete().end == end
+    for rank in (0, 1):
+        durable = tier.store(rank)
+        assert durable.verify().problems == ()
+        for op in OPS:
+            got = durable.load(end, op, Level.FULL)
+            assert all(torch.equal(got[k], v) for k, v in _tensors(rank, end, op).items())
+
+
+def test_the_agent_writes_the_durable_tier_outlives_a_trainer_and_leaves_after_the_last_bye(tmp_path):
+    agent_dir = tmp_path / "shm" / "j" / "agent"
+    stores = [_store(tmp_path, r) for r in (0, 1)]
+    for it in range(4):
+        for r, s in enumerate(stores):
+            _publish(s, r, it)
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_trainer_that_leaves, args=(str(agent_dir), tmp_path, child))
+    proc.start()
+    pid, ends = parent.recv()
+    proc.join(30)
+    assert ends == [3] and agent_pid(agent_dir) == pid != os.getpid()  # the trainer is gone, the agent is not
+    other = AgentClient(agent_dir, 1, idle_exit_s=30)
+    other.persist(_request(tmp_path, 1, 3))
+    assert [r.complete for r in other.flush()] == [True] and other.pid == pid  # the same agent
+    _check_durable(tmp_path, 3)
+    # the agent read the trainer's points pinned, never through their deletion: the store is untouched
+    assert stores[0].points() == [3] and stores[0].verify().problems == ()
+    other.bye()
+    assert agent_pid(agent_dir) == pid  # rank 0 never said bye
+    AgentClient(agent_dir, 0).bye()
+    wait_until(lambda: agent_pid(agent_dir) is None, timeout=20)
+
+
+def test_a_killed_agent_is_started_again_and_a_torn_copy_is_never_complete(tmp_path):
+    agent_dir = tmp_path / "shm" / "j" / "agent"
+    stores = [_store(tmp_path, r) for r in (0, 1)]
+    for it in range(2):
+        for r, s in enumerate(stores):
+            _publish(s, r, it)
+    clients = [AgentClient(agent_dir, r, idle_exit_s=30) for r in (0, 1)]
+    for r, c in enumerate(clients):
+        c.persist(_request(tmp_path, r, 1))
+        c.flush()
+    first = clients[0].pid
+    _publish(stores[0], 0, 2)
+    clients[0].persist(_request(tmp_path, 0, 2))
+    os.kill(first, signal.SIGKILL)  # during or after rank 0's copy of 2: rank 1 never copied 2 anyway
+    wait_until(lambda: agent_pid(agent_dir) is None, timeout=10)
+    tier = DurableTier(tmp_path / "durable", "j", 2)
+    assert tier.newest_complete().end == 1  # nothing half-written counts
+    _publish(stores[1], 1, 2)
+    for r, c in enumerate(clients):
+        c.persist(_request(tmp_path, r, 2))  # the broken connection: a new agent, the request resent
+        assert [rec.end for rec in c.flush()][-1] == 2
+    assert clients[0].pid == clients[1].pid != first and clients[0].restarts == 1
+    _check_durable(tmp_path, 2)
+    for c in clients:
+        c.bye()
+    wait_until(lambda: agent_pid(agent_dir) is None, timeout=20)
+
+
+def test_a_sparse_rule_travels_as_its_windows():
+    import pickle
+
+    from moe_ft.store.rules import SparseWindowRule, portable
+
+    live = SparseWindowRule.aligned(OPS, window_size=4)  # a closure: not picklable as it is
+    with pytest.raises((AttributeError, pickle.PicklingError, TypeError)):
+        pickle.dumps(live)
+    sent = pickle.loads(pickle.dumps(portable(live, range(12))))
+    assert [sent.window_of(e) for e in range(12)] == [live.window_of(e) for e in range(12)]
+    assert sent.operators == live.operators and portable(RULE, [1]) is RULE
