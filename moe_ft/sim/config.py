@@ -161,6 +161,11 @@ class HardwareSpec:
     nvlink_bandwidth: float  # per GPU, intra-node, bytes/s
     network_bandwidth: float  # per GPU, inter-node (node NIC bandwidth / gpus_per_node), bytes/s
     storage_bandwidth: float = 5e9  # aggregate bandwidth of the whole job to durable storage, bytes/s
+    host_s_per_byte: float = 1.5e-10
+    """Training time lost per snapshot byte to the trainer process's own host work on it (checksum and
+    store write on its threads, competing with the training thread): the T_ckpt that remains when the
+    copy itself is hidden. Measured on one H100 with the store written by the trainer: 0.13-0.16 ms per MB
+    (docs/benchmarks.md, "GPU (H100)"); 0 models a trainer that touches no snapshot byte."""
     collective_latency_s: float = 20e-6  # α of derived collectives
     collectives: Mapping[str, CollectiveCost] = field(default_factory=dict)  # overrides by name
 
@@ -169,6 +174,8 @@ class HardwareSpec:
                      "network_bandwidth", "storage_bandwidth", "hbm_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"hardware.{name} must be > 0, got {getattr(self, name)}")
+        if self.host_s_per_byte < 0:
+            raise ValueError(f"hardware.host_s_per_byte must be >= 0, got {self.host_s_per_byte}")
         if not 0 < self.mfu <= 1:
             raise ValueError(f"hardware.mfu must be in (0, 1], got {self.mfu}")
         unknown = set(self.collectives) - set(COLLECTIVES)

@@ -216,7 +216,8 @@ def dense_model(cost: CostModel, spec: PolicySpec, interval: int) -> PolicyModel
     it = cost.iteration
     nbytes = max(cost.snapshot_bytes(s, "full") for s in range(cost.config.parallel.pp))
     d2h, second = _phase_times(cost, nbytes, spec.store)
-    stall = snapshot_stall_s(d2h, it.t_pipeline_s) + snapshot_stall_s(second, interval * it.t_iter_s)
+    stall = (snapshot_stall_s(d2h, it.t_pipeline_s) + snapshot_stall_s(second, interval * it.t_iter_s)
+             + nbytes * cost.config.hardware.host_s_per_byte)
     return PolicyModel(spec=spec, cost=cost, period_iters=interval, stall_s=stall, t_snapshot_s=d2h + second,
                        checkpoint_bytes=nbytes, knobs={"interval": interval, "store": spec.store})
 
@@ -232,9 +233,12 @@ def _budget_bytes(cost: CostModel) -> float:
 
 
 def _per_iter_stall(cost: CostModel, nbytes: float) -> tuple[float, float]:
+    """The stall a snapshot of ``nbytes`` per rank adds to its iteration (the copies' unhidden part, plus the
+    trainer's host work on the bytes: ``HardwareSpec.host_s_per_byte``), and the copies' time."""
     it = cost.iteration
     d2h, second = _phase_times(cost, nbytes, "memory")
-    return snapshot_stall_s(d2h, it.t_pipeline_s) + snapshot_stall_s(second, it.t_iter_s), d2h + second
+    host = nbytes * cost.config.hardware.host_s_per_byte
+    return snapshot_stall_s(d2h, it.t_pipeline_s) + snapshot_stall_s(second, it.t_iter_s) + host, d2h + second
 
 
 def sparse_model(cost: CostModel, spec: PolicySpec) -> PolicyModel:

@@ -16,7 +16,7 @@ from moe_ft.sim.config import (
     config_from_dict,
 )
 from moe_ft.sim.costmodel import CostModel
-from moe_ft.sim.policies import _budget_bytes, _checkpoint_order, parse_policy, sparse_model
+from moe_ft.sim.policies import _budget_bytes, _checkpoint_order, dense_model, parse_policy, sparse_model
 from moe_ft.state.operators import OperatorId
 
 ZERO = CollectiveCost(alpha_s=0.0, beta_s_per_byte=0.0)
@@ -86,8 +86,25 @@ def test_sparse_window_shrinks_with_bandwidth():
         cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, network_bandwidth=1e15))
         windows.append(sparse_model(CostModel(cfg), parse_policy("sparse")))
     assert [w.period_iters for w in windows] == sorted((w.period_iters for w in windows), reverse=True)
-    assert windows[-1].period_iters == 1 and windows[-1].stall_s == 0
+    # copies hidden: what remains is the trainer's host work on the bytes (HardwareSpec.host_s_per_byte)
+    host = windows[-1].cost.config.hardware.host_s_per_byte
+    assert windows[-1].period_iters == 1 and windows[-1].stall_s == pytest.approx(windows[-1].checkpoint_bytes * host)
     assert windows[0].stall_s > 0  # even one operator per iteration cannot be hidden
+
+
+def test_t_ckpt_is_the_trainers_host_work_when_the_copies_are_hidden():
+    """The simulator's T_ckpt is not 0 where the copy fits: the trainer still hashes and writes every snapshot
+    byte on its host (measured on an H100: 0.13-0.16 ms per MB); a trainer that touches no byte costs 0."""
+    def model(host_s_per_byte):
+        cfg = tiny(d2h=1e12)
+        hw = dataclasses.replace(cfg.hardware, network_bandwidth=1e15, host_s_per_byte=host_s_per_byte)
+        return dense_model(CostModel(dataclasses.replace(cfg, hardware=hw)), parse_policy("dense:interval=1"), 1)
+
+    assert model(0.0).stall_s == 0
+    measured = model(1.5e-10)
+    assert measured.stall_s == pytest.approx(measured.checkpoint_bytes * 1.5e-10) and measured.overhead > 0
+    with pytest.raises(ValueError, match="host_s_per_byte"):
+        model(-1.0)
 
 
 def test_config_validation_messages():
