@@ -13,12 +13,14 @@ per-iteration popularity counters (``--ft-trace-out``), and Dynamic-K doubles K 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from moe_ft.cli.drill import run_job
-from tests._ft_helpers import check_restart_kind
+from moe_ft.persist.validate import validate_durable
+from tests._ft_helpers import check_restart_kind, wait_until
 
 pytestmark = pytest.mark.multiproc
 
@@ -70,9 +72,18 @@ def test_sparse_ep2pp2_publish_and_replay_kills(drill_env, reference):
     """Kill rank 1 while it publishes iteration 5 (window [3, 5] never completes on it: back to [0, 2]),
     then rank 2 while it replays iteration 2 (a cascading failure during recovery)."""
     faults = ["1:5:publish", "2:2:recovery"]
-    res = launch(drill_env, "sparse_ep2pp2", layout="ep2pp2", policy="sparse", faults=faults, max_restarts=2)
+    durable = os.path.join(drill_env["work"], "sparse_ep2pp2_durable")
+    res = launch(drill_env, "sparse_ep2pp2", layout="ep2pp2", policy="sparse", faults=faults, max_restarts=2,
+                 extra=["--ft-persist-interval", "3", "--ft-persist-dir", durable, "--ft-persist-agent",
+                        "--ft-persist-agent-idle-exit", "60"])
     assert res["rc"] == 0, res["log"]
     assert res["digest"] == reference("ep2pp2")
+    # the node agent wrote the durable tier across both recoveries (each rank's pending copies settled
+    # before the abandoned timeline was discarded): its newest complete point verifies and holds every expert
+    end, problems = validate_durable(os.path.join(durable, "moe_ft", "sparse_ep2pp2"), num_layers=2, num_experts=4)
+    assert problems == [] and end == ITERS - 2, (end, problems)  # window [6, 8]: persisted at 8 (interval 3)
+    agent_log = Path(drill_env["store"], "sparse_ep2pp2", "agent", "agent.log")
+    wait_until(lambda: "exiting (every rank said bye)" in agent_log.read_text(), timeout=30, message=agent_log.read_text())
     # restart 1's recovery was killed while replaying (no report); restart 2 redid it from [0, 2]
     check_exact_reports(res["reports"], ends={2: 2}, fired=[f + ":exit" for f in faults])
     (report,) = res["reports"]

@@ -158,3 +158,25 @@ def test_no_torch_function_is_a_null_context_when_disabled():
         assert torch.ones(2).sum().item() == 2.0
     with _no_torch_function(True):
         assert torch.ones(2).sum().item() == 2.0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("direct,passes", [(True, 2), (False, 3)])
+def test_the_trainers_host_passes_over_the_snapshot_bytes_are_counted(tmp_path, direct, passes):
+    """``trainer_payload_bytes_per_byte``: the CPU direct path checksums and writes each byte (2 passes), the
+    slot path copies it into a buffer first (3); headers add a few bytes on large entries."""
+    gen = torch.Generator().manual_seed(1)
+    registry = OperatorRegistry({op: OperatorState(op=op, compute={"weight": torch.randn(256, 256, generator=gen)},
+                                                   master={}, optim={"exp_avg.weight": torch.randn(256, 256, generator=gen)})
+                                 for op in OPS}, pp_rank=0, ep_rank=0)
+    store = StoreConfig(root=str(tmp_path), job_id="j", rank=0).build(retention=KeepAll())
+    engine = SnapshotEngine(EngineConfig(direct_write=direct), registry, store)
+    try:
+        for it in range(2):
+            engine.submit(it, {op: Level.FULL for op in OPS}, {"iteration": it}, {})
+            engine.wait_copied()
+        engine.flush()
+    finally:
+        engine.close()
+    for record in engine.records:
+        assert record.published and passes <= record.trainer_payload_bytes_per_byte < passes + 0.01, record

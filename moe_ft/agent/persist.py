@@ -81,5 +81,6 @@ class AgentPersistence:
             self.flush()
         finally:
             with self._lock:
-                self.store.on_publish.remove(self._published)
+                if self._published in self.store.on_publish:  # closed twice (an abandoned attempt, then its end)
+                    self.store.on_publish.remove(self._published)
                 self.client.bye()

@@ -33,6 +33,8 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moe_ft.background import BackgroundWorker
+
 if TYPE_CHECKING:
     from moe_ft.persist import PersistWriter
     from moe_ft.store.rules import RecoveryRule
@@ -77,8 +79,25 @@ class PersistRequest:
 
 @dataclass
 class _Rank:
+    """One rank's durable copies: ``writer`` copies (synchronously), ``worker`` runs the requests in order.
+    A copy that fails (a point deleted under it by a recovery, a full disk) is logged with its traceback
+    and skipped (``writer.skipped``); the next request copies again: the agent outlives such moments."""
+
     writer: "PersistWriter"
     key: tuple
+    worker: BackgroundWorker = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.worker = BackgroundWorker(f"moe-ft-agent-persist{self.writer.rank}", self.run,
+                                       describe=lambda e: f"durable copies failed: {e!r}")
+
+    def run(self, job: tuple) -> None:
+        iteration, plan = job
+        try:
+            self.writer.persist(iteration, plan)
+        except Exception as exc:  # kept going: see the class docstring
+            logger.exception("moe-ft agent: rank %d: durable copy of iteration %d skipped", self.writer.rank, iteration)
+            self.writer.skipped.append((iteration, repr(exc)))
 
 
 @dataclass
@@ -125,7 +144,7 @@ class NodeAgent:
 
     def _close(self) -> None:
         for rank in list(self.ranks.values()):
-            rank.writer.close()
+            rank.worker.close(timeout=60)
 
     def _accept(self, listener: Listener) -> None:
         while not self._stop.is_set():
@@ -167,17 +186,11 @@ class NodeAgent:
         if kind == "flush":
             if rank is None:
                 return []
-            try:
-                rank.writer.flush()
-            except RuntimeError as exc:
-                return exc
+            rank.worker.drain()
             return list(rank.writer.records)
         if kind == "bye":
             if rank is not None:
-                try:
-                    rank.writer.flush()
-                except RuntimeError as exc:
-                    logger.error("moe-ft agent: %s", exc)
+                rank.worker.drain()
             with self._lock:
                 self.active.discard(request[1])
             return None
@@ -193,7 +206,7 @@ class NodeAgent:
             rank = self.ranks.get(req.rank)
             if rank is None or rank.key != key:
                 if rank is not None:
-                    rank.writer.close()
+                    rank.worker.close()
                 store = SnapshotStore(open_backend(req.store_dir, create=False), shared_pins=True)
                 config = PersistConfig(interval=1, persist_dir=req.persist_dir, keep=req.keep, publish_timeout_s=0.0)
                 writer = PersistWriter(config, store,
@@ -202,13 +215,9 @@ class NodeAgent:
                 rank = self.ranks[req.rank] = _Rank(writer, key)
             self.active.add(req.rank)
             self.ever.add(req.rank)
-        writer = rank.writer
-        writer.rule = req.rule
-        try:
-            writer.submit(req.iteration, req.plan)
-        except RuntimeError as exc:
-            return exc
-        return list(writer.records)
+        rank.writer.rule = req.rule
+        rank.worker.submit((req.iteration, req.plan))
+        return list(rank.writer.records)
 
 
 def main(argv: list[str] | None = None) -> int:

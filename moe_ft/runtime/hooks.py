@@ -414,6 +414,8 @@ class FTRuntime(StepHooks):
                        slot_wait_ms=1e3 * (prev.slot_wait_s if prev else 0.0))
             if prev is not None and prev.device_stall_s is not None:  # CUDA: the compute stream's wait
                 out["device_stall_ms"] = 1e3 * prev.device_stall_s
+            if prev is not None and prev.published:  # written while this iteration ran
+                out.update(touched_per_byte=prev.trainer_payload_bytes_per_byte, thread_cpu_ms=1e3 * prev.thread_cpu_s)
             window = session.policy.window_progress(rec.iteration)
             if window is not None:
                 out["window"] = window

@@ -15,6 +15,8 @@ def format_line(iteration: int, m: dict) -> str:
             parts.append(f"slot wait {m['slot_wait_ms']:.2f} ms")
         if "device_stall_ms" in m:
             parts.append(f"device stall {m['device_stall_ms']:.2f} ms")
+        if "touched_per_byte" in m:  # the trainer's own host work on the snapshot's bytes
+            parts.append(f"trainer {m['touched_per_byte']:.2f} B/B, {m['thread_cpu_ms']:.1f} ms CPU")
     if "window" in m:
         parts.append(f"window {m['window']}")
     if "replication_lag" in m:

@@ -113,6 +113,16 @@ class SnapshotRecord:
     """Why nothing was published (``"store full"``: the store's file system had no room; training went on)."""
     remote_bytes: int = 0
     """FULL bytes hashed but not written (left to the replica peers; ``bytes`` counts what was written)."""
+    host_bytes_touched: int = 0
+    """Payload bytes the trainer process's threads passed over on the host for this snapshot: a host copy
+    into slot buffers (CPU path; a device-to-host DMA costs none), the checksum and the store write."""
+
+    @property
+    def trainer_payload_bytes_per_byte(self) -> float:
+        """:attr:`host_bytes_touched` per snapshot byte (written or only hashed): 2 on the CPU direct path
+        (checksum + write), 3 through slot buffers; the goal is the copy alone."""
+        payload = self.bytes + self.remote_bytes
+        return self.host_bytes_touched / payload if payload else 0.0
 
 
 @dataclass(frozen=True)
@@ -370,9 +380,11 @@ class SnapshotEngine:
             job.record.copy_s = job.start_event.elapsed_time(job.cuda_event) / 1e3
         elif self.config.bubbles is not None:
             job.record.copy_s = self._copy_in_bubbles(job, self.config.bubbles)
+            job.record.host_bytes_touched += sum(e.nbytes for e in job.items)
         elif not self.direct:
             _copy_entries(job.items)
             job.record.copy_s = time.perf_counter() - start
+            job.record.host_bytes_touched += sum(e.nbytes for e in job.items)
         if not self.direct:
             job.copied.set()
         start = time.perf_counter()
@@ -410,6 +422,7 @@ class SnapshotEngine:
                 job.copied.set()
             point.put_meta(job.meta, job.meta_tensors)
             point.publish()
+            job.record.host_bytes_touched += point.touched
         return pool_cpu
 
     def _pause(self, record: SnapshotRecord, error: OSError) -> None:

@@ -128,6 +128,8 @@ class WrittenEntry:
     nbytes: int
     checksum: str
     tensors: tuple[dict, ...]
+    hashed: int = 0
+    """Bytes the checksum read (everything before the digest: the writer's host pass over the payload)."""
 
 
 def write_entry(
@@ -203,7 +205,7 @@ def write_entry(
     final = digest.digest()
     write(final + _TAIL.pack(pos, END_MAGIC))
     assert pos == body, (pos, body)  # the layout above is what was written
-    return WrittenEntry(size, final.hex(), tuple(dict(r) for r in table))
+    return WrittenEntry(size, final.hex(), tuple(dict(r) for r in table), hashed=pos)
 
 
 def _dumps(obj: Any) -> str:

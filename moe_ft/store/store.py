@@ -121,6 +121,9 @@ class PendingPoint:
         self._remote: dict[OperatorId, EntryRecord] = {}
         self._reserved: set[str] = set()
         self._state = "open"
+        self.touched = 0
+        """Payload bytes this process's threads passed over for the operators' entries: hashed, plus written
+        into the store (a put hashes and writes each byte: 2 passes; a remote entry is only hashed)."""
 
     def _reserve(self, what: str) -> None:
         with self._lock:
@@ -131,13 +134,16 @@ class PendingPoint:
                                  f"one level per iteration)")
             self._reserved.add(what)
 
-    def _write(self, blob: str, key: dict, tensors: Mapping[str, torch.Tensor], meta_json=None):
+    def _write(self, blob: str, key: dict, tensors: Mapping[str, torch.Tensor], meta_json=None, *, count=True):
         sink = self._writer.open_blob(blob)
         try:
             written = write_entry(sink.write, key, tensors, self._store.checksum, meta_json=meta_json,
                                   expect=sink.expect)
         finally:
             sink.close()
+        if count:
+            with self._lock:
+                self.touched += written.hashed + written.nbytes
         return written
 
     def put(self, op: OperatorId, level: Level, tensors: Mapping[str, torch.Tensor]) -> EntryRecord:
@@ -168,6 +174,7 @@ class PendingPoint:
         record = replace(_records(self.iteration, op, Level.FULL, blob, written), remote=True)
         with self._lock:
             self._remote[op] = record
+            self.touched += written.hashed
         return record
 
     def put_meta(self, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None) -> EntryRecord:
@@ -178,7 +185,8 @@ class PendingPoint:
             raise ValueError(f"metadata of iteration {self.iteration} is not JSON-serialisable: {exc}") from None
         self._reserve("meta")
         record = _records(self.iteration, None, None, META_BLOB,
-                          self._write(META_BLOB, entry_key(self.iteration, None, None), tensors or {}, meta_json))
+                          self._write(META_BLOB, entry_key(self.iteration, None, None), tensors or {}, meta_json,
+                                      count=False))
         with self._lock:
             self._meta = record
         return record

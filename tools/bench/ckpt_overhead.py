@@ -29,6 +29,9 @@ cycling, so every policy sees the same machine noise; the first cycle (``--warmu
   checksum, write, publish, garbage collection) — CPU the 2 shared cores lose to the training processes;
 * ``entries_cpu_ms``: the part of ``thread_cpu_ms`` spent until the operators' entries were written (the
   rest: metadata entry, manifest, publish, garbage collection);
+* ``trainer_payload_bytes_per_byte``: payload bytes the trainer process's threads pass over on the host per
+  snapshot byte (``SnapshotRecord.trainer_payload_bytes_per_byte``; bytes-weighted over the measured
+  snapshots): 2 on the CPU direct path (checksum + store write), 3 through slot buffers;
 * ``meta_cpu_ms``: median CPU time of the metadata capture (``capture_step_meta``) on the training thread;
 * ``bytes_per_iter``: mean bytes snapshotted per iteration per rank (max over ranks);
 * ``floor_ms``: the physical floor of that policy: the time to copy (``memcpy``) and checksum (the store's
@@ -225,6 +228,8 @@ def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1
                          "stall_ms": 1e3 * statistics.median([r.stall_s for r in recs]) if recs else 0.0,
                          "entries_cpu_ms": 1e3 * statistics.median([r.entries_cpu_s for r in recs]) if recs else 0.0,
                          "bytes_per_iter": sum(r.bytes for r in recs) / max(len(its), 1),
+                         "touched": sum(r.host_bytes_touched for r in recs),
+                         "payload": sum(r.bytes + r.remote_bytes for r in recs),
                          "bytes_per_recovery_point": rp,
                          "pool": _pool_stats(s)}
     gathered = [None] * dist.get_world_size()
@@ -253,6 +258,8 @@ def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1
                             "thread_cpu_ms": round(statistics.median(g[name]["thread_cpu_ms"] for g in gathered), 3),
                             "entries_cpu_ms": round(statistics.median(g[name]["entries_cpu_ms"] for g in gathered), 3),
                             "bytes_per_iter": int(max(g[name]["bytes_per_iter"] for g in gathered)),
+                            "trainer_payload_bytes_per_byte": round(sum(g[name]["touched"] for g in gathered)
+                                                                    / max(sum(g[name]["payload"] for g in gathered), 1), 3),
                             "bytes_per_recovery_point": int(max(g[name]["bytes_per_recovery_point"] for g in gathered)),
                             "recycled_files": gathered[0][name]["pool"]}
         report["_setup"] = {"window": WINDOW, "warmup_cycles": warmup, "dense_k": DENSE_K, "iterations": args.training.train_iters,
