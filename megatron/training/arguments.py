@@ -119,6 +119,11 @@ class TrainingArgs:
     eval_iters: int = field(default=2, metadata=field_help("Iterations per evaluation."))
     save: str | None = field(default=None, metadata=field_help("Directory to save checkpoints to."))
     load: str | None = field(default=None, metadata=field_help("Directory to resume from."))
+    no_load_optim: bool = field(default=False, metadata=field_help(
+        "--load the model but not the optimizer state (Adam moments start at zero; the iteration and the LR "
+        "schedule still resume): for a checkpoint whose optimizer state does not map onto this run's, e.g. "
+        "saved with another expert-parallel size."))
+    no_load_rng: bool = field(default=False, metadata=field_help("--load without the saved RNG states."))
     save_interval: int = field(default=0, metadata=field_help("Iterations between saves (0: end only)."))
     loss_scale: float | None = field(default=None, metadata=field_help(
         "--fp16: static loss scale (default: dynamic loss scaling)."))

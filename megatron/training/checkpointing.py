@@ -22,6 +22,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.training.model import TrainState
 from megatron.training.optimizer_state import ensure_optimizer_state
@@ -197,9 +198,11 @@ def padded_vocab(state: TrainState) -> int:
     return int(state.model[0].module.vocab_size)
 
 
-def load_checkpoint(root: str, state: TrainState) -> int:
+def load_checkpoint(root: str, state: TrainState, *, load_optim: bool = True, load_rng: bool = True) -> int:
     """Load the newest complete checkpoint under ``root`` into ``state``; returns its iteration.
-    Collective. Raises :class:`CheckpointError` naming the problem."""
+    Collective. Raises :class:`CheckpointError` naming the problem. ``load_optim=False``
+    (``--no-load-optim``): the model, the iteration and the LR schedule, not the optimizer state;
+    ``load_rng=False`` (``--no-load-rng``): not the RNG states."""
     iteration = read_latest_iteration(root)
     if iteration is None:
         raise CheckpointError(f"--load {root}: no {TRACKER_FILE}; nothing was saved there "
@@ -213,9 +216,13 @@ def load_checkpoint(root: str, state: TrainState) -> int:
                     ", ".join(torn), root, TRACKER_FILE, iteration)
     ensure_optimizer_state(state.optimizer)  # a fresh optimizer has no state to load into
     sharded = _sharded_state_dict(state, is_loading=True)
+    if not load_optim:
+        del sharded["optimizer"]
+    if not load_rng:
+        del sharded["rng_state"]
     common = dist_checkpointing.load_common_state_dict(path)
     saved_world = common.get("world_size", dist.get_world_size())
-    if saved_world != dist.get_world_size():  # per-rank RNG streams do not map onto another world size
+    if saved_world != dist.get_world_size() and "rng_state" in sharded:  # per-rank streams: not across sizes
         del sharded["rng_state"]
         if dist.get_rank() == 0:
             log.warning("%s was saved by %d ranks, loading on %d: the RNG state is not restored (as Megatron-LM "
@@ -230,13 +237,19 @@ def load_checkpoint(root: str, state: TrainState) -> int:
     _keep_absent_optional(sharded, path)
     try:
         loaded = dist_checkpointing.load(sharded, path)
-    except Exception as e:  # dist_checkpointing raises many types; name the checkpoint in the error
-        raise CheckpointError(f"cannot load {path}: {e}") from e
+    except (Exception, CheckpointException) as e:  # many types (torch's CheckpointException is a BaseException)
+        hint = ""
+        if load_optim and "optimizer" in str(e):
+            hint = ("; the optimizer state does not map onto this run's optimizer (e.g. saved with another "
+                    "--expert-model-parallel-size): pass --no-load-optim to load the model alone")
+        what = str(e) if len(str(e)) <= 600 else f"{str(e)[:600]}... ({len(str(e)) - 600} more characters)"
+        raise CheckpointError(f"cannot load {path}: {type(e).__name__}: {what}{hint}") from e
     with torch.no_grad():  # fp32 + distributed optimizer: main params are views of leaf parameters
         for key, chunk in zip(_model_keys(state), state.model):
             chunk.module.load_state_dict(loaded[key])
-        state.optimizer.load_state_dict(loaded["optimizer"])
-        _restore_adam_steps(state.optimizer)
+        if load_optim:
+            state.optimizer.load_state_dict(loaded["optimizer"])
+            _restore_adam_steps(state.optimizer)
     state.scheduler.load_state_dict(common["scheduler"])
     if "rng_state" in loaded:
         set_rng_state(loaded["rng_state"])

@@ -49,7 +49,8 @@ def pretrain(args: Args, hooks=None, join_timeout_s: float | None = None):
         state = build_train_state(args)
         start = 0
         if args.training.load:
-            start = load_checkpoint(args.training.load, state)
+            start = load_checkpoint(args.training.load, state, load_optim=not args.training.no_load_optim,
+                                    load_rng=not args.training.no_load_rng)
             if dist.get_rank() == 0:
                 print(f"resumed from {args.training.load} at iteration {start}", flush=True)
         save_fn = None
