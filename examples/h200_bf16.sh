@@ -22,7 +22,7 @@
 # Layout: EP=8 inside a node, PP=NNODES stages, DP fills the rest. Experts are SequentialMLP (no
 # --moe-grouped-gemm): with the distributed optimizer the snapshots need each expert's own tensors.
 # Fault tolerance: sparse per-iteration snapshots (MoEvement), one replica on another node, a durable copy every
-# PERSIST iterations, localized recovery. `moe-ft launch` keeps the surviving processes and gives a failed rank
+# PERSIST iterations written by one node agent process per node (not by the trainers), localized recovery. `moe-ft launch` keeps the surviving processes and gives a failed rank
 # to a warm spare: SPARES spare workers per node, each needs a GPU of its own (nodes with more GPUs than NPROC),
 # else a fresh worker takes the failed rank. LAUNCHER=torchrun restarts every worker instead.
 # DRY_RUN=1 prints the command, one argument per line, instead of running it.
@@ -69,7 +69,7 @@ CMD=("${LAUNCH[@]}" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node
   --log-interval 10 --eval-interval 1000 --eval-iters 10
   --save "$SAVE" --save-interval 1000
   --ft --ft-policy sparse --ft-store-dir "$STORE" --ft-replicas 1 --ft-ranks-per-node "$NPROC"
-  --ft-persist-interval "$PERSIST" --ft-persist-dir "$SAVE/ft" --ft-report-dir "$SAVE/ft_reports"
+  --ft-persist-interval "$PERSIST" --ft-persist-dir "$SAVE/ft" --ft-persist-agent --ft-report-dir "$SAVE/ft_reports"
   "${EXTRA_ARGS[@]}")
 if [[ -n "${DRY_RUN:-}" ]]; then
   printf '%s\n' "${CMD[@]}"

@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 
 from megatron.training.arguments import TE_NONDETERMINISTIC_ENV, parse_args  # noqa: E402
 from pretrain_gpt_moe import extra_argument_groups  # noqa: E402
-from tests._ft_helpers import free_port  # noqa: E402
+from tests._ft_helpers import free_port, wait_until  # noqa: E402
 from tools.preprocess_data import preprocess  # noqa: E402
 
 RECIPES = ("h200_bf16", "h100_fp8")
@@ -87,7 +87,7 @@ def test_recipe_parses_at_full_scale(recipe, gpt2_data, tmp_path, monkeypatch):
     assert d.data_path == gpt2_data["DATA"].split() and d.data_cache_path == f"{tmp_path}/data_cache"
     ft = args.extra["FTConfig"]
     assert ft.ft and ft.snapshot.policy == "sparse" and ft.replication.replicas == 1
-    assert ft.persist.interval == 100 and args.training.deterministic
+    assert ft.persist.interval == 100 and ft.persist.agent and args.training.deterministic
     assert (m.fp8_format, m.fp8_recipe) == (("hybrid", "delayed") if recipe == "h100_fp8" else (None, "delayed"))
 
 
@@ -116,6 +116,8 @@ def test_recipe_trains_on_cpu_at_reduced_size(recipe, gpt2_data, tmp_path):
     assert len(losses) == 6 and all(x == x for x in losses), out[-3000:]
     assert "world 4 | PP 2 | VP 1 | EP 2 | DP 2" in out
     assert (tmp_path / "save" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
-    assert any((tmp_path / "save" / "ft").rglob("*")), "no durable copy written"
+    assert any((tmp_path / "save" / "ft").rglob("complete/*.json")), "no complete durable point written"
+    (agent_log,) = (tmp_path / "store").rglob("agent.log")  # the node agent wrote it, then left
+    wait_until(lambda: "exiting (every rank said bye)" in agent_log.read_text(), timeout=30, message=agent_log.read_text())
     assert "not installed" not in out, "expected warnings must be held back (one summary line)"
     print(f"{recipe} on CPU at reduced size: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
