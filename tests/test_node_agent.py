@@ -51,7 +51,7 @@ def _trainer_that_leaves(agent_dir: str, tmp_path, conn) -> None:
     """Rank 0: asks for a durable copy, waits for it, and exits without saying bye (a killed worker)."""
     client = AgentClient(agent_dir, 0, idle_exit_s=30)
     client.persist(_request(tmp_path, 0, 3))
-    conn.send((client.pid, [r.end for r in client.flush()]))
+    conn.send((client.pid, [r.end for r in client.flush()["records"]]))
     os._exit(0)
 
 
@@ -81,7 +81,9 @@ def test_the_agent_writes_the_durable_tier_outlives_a_trainer_and_leaves_after_t
     assert ends == [3] and agent_pid(agent_dir) == pid != os.getpid()  # the trainer is gone, the agent is not
     other = AgentClient(agent_dir, 1, idle_exit_s=30)
     other.persist(_request(tmp_path, 1, 3))
-    assert [r.complete for r in other.flush()] == [True] and other.pid == pid  # the same agent
+    state = other.flush()
+    assert [r.complete for r in state["records"]] == [True] and other.pid == pid  # the same agent
+    assert state["cpu_s"] > 0  # the agent's own CPU, which the trainers report per iteration
     _check_durable(tmp_path, 3)
     # the agent read the trainer's points pinned, never through their deletion: the store is untouched
     assert stores[0].points() == [3] and stores[0].verify().problems == ()
@@ -111,7 +113,7 @@ def test_a_killed_agent_is_started_again_and_a_torn_copy_is_never_complete(tmp_p
     _publish(stores[1], 1, 2)
     for r, c in enumerate(clients):
         c.persist(_request(tmp_path, r, 2))  # the broken connection: a new agent, the request resent
-        assert [rec.end for rec in c.flush()][-1] == 2
+        assert [rec.end for rec in c.flush()["records"]][-1] == 2
     assert clients[0].pid == clients[1].pid != first and clients[0].restarts == 1
     _check_durable(tmp_path, 2)
     for c in clients:

@@ -117,6 +117,8 @@ def test_recipe_trains_on_cpu_at_reduced_size(recipe, gpt2_data, tmp_path):
     assert "world 4 | PP 2 | VP 1 | EP 2 | DP 2" in out
     assert (tmp_path / "save" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     assert any((tmp_path / "save" / "ft").rglob("complete/*.json")), "no complete durable point written"
+    assert re.search(r"\| trainer 2\.\d\d B/B, [0-9.]+ ms CPU \|", out), out[-3000:]  # checksum + write per byte
+    assert re.search(r"\| agent [0-9.]+ ms CPU/it \|", out), out[-3000:]  # the agent's CPU, apart
     (agent_log,) = (tmp_path / "store").rglob("agent.log")  # the node agent wrote it, then left
     wait_until(lambda: "exiting (every rank said bye)" in agent_log.read_text(), timeout=30, message=agent_log.read_text())
     assert "not installed" not in out, "expected warnings must be held back (one summary line)"

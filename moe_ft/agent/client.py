@@ -121,11 +121,12 @@ class AgentClient:
             raise RuntimeError(f"node agent {self.pid}: {answer}") from answer
         return answer
 
-    def persist(self, request: PersistRequest) -> list:
-        """Queue a durable copy; returns the rank's finished copies so far (``PersistRecord``)."""
+    def persist(self, request: PersistRequest) -> dict:
+        """Queue a durable copy; returns ``{"records": the rank's finished copies, "cpu_s": the agent's CPU}``."""
         return self.call("persist", request)
 
-    def flush(self) -> list:
+    def flush(self) -> dict:
+        """Wait for the rank's copies; returns what :meth:`persist` does."""
         return self.call("flush", self.rank)
 
     def bye(self) -> None:

@@ -31,6 +31,9 @@ class AgentPersistence:
         self.client = AgentClient(agent_dir, rank, idle_exit_s=idle_exit_s)
         self.client.call("ping")  # start (or find) the agent now, not at the first due snapshot
         self.records: list[PersistRecord] = []
+        self.agent_cpu: list[tuple[int, float]] = []
+        """(iteration, the agent's CPU seconds) at the last two requests: its CPU per iteration."""
+        self._iteration = -1
         self._due: deque[tuple[int, Mapping[OperatorId, Level] | None]] = deque()
         self._lock = threading.Lock()  # the training thread and the engine's publishing thread both send
         store.on_publish.append(self._published)
@@ -43,6 +46,7 @@ class AgentPersistence:
         iteration is sent when its point is published (:meth:`_published`) or, at the latest, here at the
         next snapshot."""
         with self._lock:
+            self._iteration = iteration
             if self.due(iteration):
                 self._due.append((iteration, persist_plan))
         self._send_published()
@@ -57,23 +61,34 @@ class AgentPersistence:
             newest = max(points, default=-1)
             while self._due and self._due[0][0] <= newest:  # published, or a newer point is: never will be
                 iteration, plan = self._due.popleft()
-                self.records = self.client.call("persist", PersistRequest(
+                self._take(self.client.persist(PersistRequest(
                     rank=self.rank, iteration=iteration, store_dir=self.store.backend.describe(),
                     persist_dir=self.config.persist_dir, job_id=self.job_id, world_size=self.tier.world_size,
                     rule=portable(self.rule, points), plan=None if plan is None else dict(plan),
-                    keep=self.config.keep))
+                    keep=self.config.keep)))
+
+    def _take(self, state: dict) -> None:
+        self.records = state["records"]
+        self.agent_cpu = [*self.agent_cpu[-1:], (self._iteration, state["cpu_s"])]
+
+    def agent_cpu_ms_per_iteration(self) -> float | None:
+        """The agent process's CPU per training iteration between the last two requests (``None`` before)."""
+        if len(self.agent_cpu) < 2 or self.agent_cpu[1][0] <= self.agent_cpu[0][0]:
+            return None
+        (i0, c0), (i1, c1) = self.agent_cpu
+        return 1e3 * (c1 - c0) / (i1 - i0)
 
     def settle(self) -> None:
         """Wait until the agent finished this rank's copies (before the runtime discards an abandoned
         timeline from the tier: no copy of it lands afterwards)."""
         with self._lock:
             self._due.clear()  # iterations of the abandoned timeline
-            self.records = self.client.flush()
+            self._take(self.client.flush())
 
     def flush(self) -> None:
         self._send_published()
         with self._lock:
-            self.records = self.client.flush()
+            self._take(self.client.flush())
 
     def close(self) -> None:
         """End of training (the snapshots are all published by now): the last copies, then bye."""

@@ -7,8 +7,8 @@ a thread of its own. Requests are tuples:
 * ``("persist", PersistRequest)``: queue a durable copy of rank ``r``'s point (``moe_ft.persist.writer``,
   run here over a *reader* of the rank's store, pinning what it reads against the trainer's garbage
   collection; the trainer sends only published iterations, so nothing waits for a publish); answers the
-  rank's records so far, or the error that stopped the rank's writer;
-* ``("flush", rank)``: wait until the rank's queued copies are done; answers their records;
+  rank's state (:meth:`NodeAgent._state`: its finished copies and the agent's CPU seconds so far);
+* ``("flush", rank)``: wait until the rank's queued copies are done; answers the rank's state;
 * ``("bye", rank)``: the rank ends its run (its copies flushed first);
 * ``("hello", rank)``: a trainer rank connected (sent by every client when it connects); answers the pid;
 * ``("ping",)``: answers the agent's pid.
@@ -184,10 +184,9 @@ class NodeAgent:
             return self._persist(request[1])
         rank = self.ranks.get(request[1])
         if kind == "flush":
-            if rank is None:
-                return []
-            rank.worker.drain()
-            return list(rank.writer.records)
+            if rank is not None:
+                rank.worker.drain()
+            return self._state(rank)
         if kind == "bye":
             if rank is not None:
                 rank.worker.drain()
@@ -217,7 +216,15 @@ class NodeAgent:
             self.ever.add(req.rank)
         rank.writer.rule = req.rule
         rank.worker.submit((req.iteration, req.plan))
-        return list(rank.writer.records)
+        return self._state(rank)
+
+    @staticmethod
+    def _state(rank: "_Rank | None") -> dict:
+        """A rank's finished copies (``PersistRecord``) and the agent process's CPU seconds so far (user +
+        system, every thread: what the node pays for the agent, reported per iteration by the trainers)."""
+        times = os.times()
+        return {"records": list(rank.writer.records) if rank is not None else [],
+                "cpu_s": times.user + times.system}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -158,11 +158,14 @@ class Durable(Component):
         self.writer.rule = session.retention_rule  # the operators this rank holds now
 
     def metrics(self, record) -> dict:
+        out = {}
+        if isinstance(self.writer, AgentPersistence) and (ms := self.writer.agent_cpu_ms_per_iteration()) is not None:
+            out["agent_cpu_ms"] = ms  # the node agent's CPU, not the trainer's
         ends = self.writer.tier.complete_points() if self.writer.records else []
         if not ends:
-            return {}
+            return out
         p = self.writer.records[-1]  # the newest point every rank finished, not this rank's newest flush
-        return {"persist_end": ends[-1], "persist_mb_s": p.nbytes / 1e6 / max(p.seconds, 1e-9)}
+        return {**out, "persist_end": ends[-1], "persist_mb_s": p.nbytes / 1e6 / max(p.seconds, 1e-9)}
 
     def close(self) -> None:
         self.writer.close()
