@@ -55,6 +55,15 @@ def _trainer_that_leaves(agent_dir: str, tmp_path, conn) -> None:
     os._exit(0)
 
 
+def _two_ranks(tmp_path, iterations: int):
+    """The agent directory and two ranks' stores holding points 0 .. iterations - 1."""
+    stores = [_store(tmp_path, r) for r in (0, 1)]
+    for it in range(iterations):
+        for r, s in enumerate(stores):
+            _publish(s, r, it)
+    return tmp_path / "shm" / "j" / "agent", stores
+
+
 def _check_durable(tmp_path, end):
     tier = DurableTier(tmp_path / "durable", "j", 2)
     assert tier.newest_complete().end == end
@@ -67,11 +76,7 @@ def _check_durable(tmp_path, end):
 
 
 def test_the_agent_writes_the_durable_tier_outlives_a_trainer_and_leaves_after_the_last_bye(tmp_path):
-    agent_dir = tmp_path / "shm" / "j" / "agent"
-    stores = [_store(tmp_path, r) for r in (0, 1)]
-    for it in range(4):
-        for r, s in enumerate(stores):
-            _publish(s, r, it)
+    agent_dir, stores = _two_ranks(tmp_path, 4)
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_trainer_that_leaves, args=(str(agent_dir), tmp_path, child))
@@ -94,11 +99,7 @@ def test_the_agent_writes_the_durable_tier_outlives_a_trainer_and_leaves_after_t
 
 
 def test_a_killed_agent_is_started_again_and_a_torn_copy_is_never_complete(tmp_path):
-    agent_dir = tmp_path / "shm" / "j" / "agent"
-    stores = [_store(tmp_path, r) for r in (0, 1)]
-    for it in range(2):
-        for r, s in enumerate(stores):
-            _publish(s, r, it)
+    agent_dir, stores = _two_ranks(tmp_path, 2)
     clients = [AgentClient(agent_dir, r, idle_exit_s=30) for r in (0, 1)]
     for r, c in enumerate(clients):
         c.persist(_request(tmp_path, r, 1))
