@@ -131,3 +131,26 @@ def test_a_directory_created_again_is_a_new_arena(tmp_path):
     _publish(store, 3)  # an object of the old directory writes into the new one (a store is its path)
     assert again.points() == [2, 3] and again.verify().problems == ()
     _check(again, 3)
+
+
+def test_a_blob_shorter_than_announced_keeps_its_region(tmp_path):
+    """The size hint reserves the region; a blob that ends short is recorded with its length, and its
+    whole region stays the point's (never handed out again while the point lives)."""
+    backend = ArenaBackend(tmp_path / "s")
+    point = backend.begin_point(1)
+    sink = point.open_blob("short")
+    sink.expect(100_000)
+    sink.write(b"x" * 100)
+    sink.close()
+    point.commit(b"{}")
+    for it in range(2, 40):  # many points of announced-size blobs around it, deleted again
+        point = backend.begin_point(it)
+        sink = point.open_blob("full")
+        sink.expect(100_000)
+        sink.write(bytes([it]) * 100_000)
+        sink.close()
+        point.commit(b"{}")
+        if it > 3:
+            backend.delete_point(it - 2)
+    assert backend.read_blob(1, "short") == b"x" * 100 and backend.blob_size(1, "short") == 100
+    assert backend.read_blob(39, "full") == bytes([39]) * 100_000

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from moe_ft.drills.faults import flip_middle_byte
 from moe_ft.localized.collective_log import CollectiveSeam
 from moe_ft.localized.component import UpstreamLogging, oldest_needed
 from moe_ft.localized.log_replay import LogFeed, LogReplay, LogSeams
@@ -38,7 +39,7 @@ from moe_ft.localized.log_store import (
     MissingLogEntry,
 )
 from moe_ft.localized.upstream_log import P2PSeam
-from tests._ft_helpers import one_rank_gloo
+from tests._ft_helpers import damage_arena_blob, one_rank_gloo
 
 
 def _log(t: int) -> IterationLog:
@@ -63,29 +64,29 @@ def test_log_dir_round_trip_bitwise(tmp_path):
     calls = d.read(7, "coll.0-1-2-3")
     assert [c.fn for c in calls] == ["all_reduce", "all_gather"] and len(calls[1].outputs) == 2
     assert torch.equal(calls[0].outputs[0], log.collectives[(0, 1, 2, 3)][0].outputs[0])
-    d.write(_log(7))  # a replay logs the iteration again: replaced atomically
-    assert d.iterations() == [7] and not list((tmp_path / "rank1" / ".staging").iterdir())
-    (tmp_path / "rank1" / ".staging" / "it000000000008.999999999").mkdir()  # a killed writer's leftover
+    arena = d._store().arena_bytes
+    for _ in range(3):
+        d.write(_log(7))  # a replay logs the iteration again: replaced atomically, in the same regions
+    assert d.iterations() == [7] and not list((tmp_path / "rank1" / "staging").iterdir())
+    assert d._store().arena_bytes == arena  # iterations reuse the arena's pages
+    (tmp_path / "rank1" / "staging" / "000000000008.999999999.0").touch()  # a killed writer's leftover
     assert d.drop_before(7) == [] and d.iterations() == [7]
-    assert not list((tmp_path / "rank1" / ".staging").iterdir())
+    assert not list((tmp_path / "rank1" / "staging").iterdir())
 
 
 def test_corrupt_and_missing_entries_name_the_entry_and_the_fix(tmp_path):
     d = LogDir(tmp_path / "rank0")
     d.write(_log(3))
-    path = tmp_path / "rank0" / "it000000000003" / "send.bwd.to0"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    path.write_bytes(bytes(data))
+    flip_middle_byte(*d.location(3, "send.bwd.to0"))
     with pytest.raises(CorruptLogEntry, match=r"send\.bwd\.to0.*global replay \(--ft-recovery-scope global\)"):
         d.read(3, "send.bwd.to0")
     assert d.read(3, "send.fwd.to2")  # the other entries stay readable
     with pytest.raises(MissingLogEntry, match=r"no iteration 4 .*--ft-recovery-scope global"):
         d.read(4, "send.fwd.to2")
-    os.remove(tmp_path / "rank0" / "it000000000003" / "coll.0-1-2-3")
-    with pytest.raises(MissingLogEntry, match=r"coll\.0-1-2-3 is missing \(iteration 3\)"):
+    damage_arena_blob(d._store(), 3, "coll.0-1-2-3", lambda data: None)
+    with pytest.raises(MissingLogEntry, match=r"iteration 3 coll\.0-1-2-3 is missing"):
         d.read(3, "coll.0-1-2-3")
-    (tmp_path / "rank0" / "it000000000003" / "MANIFEST.json").write_text("{not json")
+    damage_arena_blob(d._store(), 3, "MANIFEST.json", lambda data: b"{not json")
     with pytest.raises(CorruptLogEntry, match="manifest .* unreadable"):
         d.read(3, "send.fwd.to2")
     assert issubclass(CorruptLogEntry, LogUnavailable) and issubclass(MissingLogEntry, LogUnavailable)

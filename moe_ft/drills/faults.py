@@ -55,6 +55,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import psutil
 
+from moe_ft.localized.log_store import LogDir
+
 if TYPE_CHECKING:
     from moe_ft.store.backend import StoreBackend
 
@@ -233,16 +235,25 @@ def kill_node() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def corrupt_upstream_log(upstream_root: str | os.PathLike | None, rank: int) -> Path:
-    """Flip one byte in the middle of the newest log entry another rank sent to ``rank``
-    (``<root>/rank<r>/it<iteration>/send.<dir>.to<rank>``); returns its path."""
+def corrupt_upstream_log(upstream_root: str | os.PathLike | None, rank: int) -> str:
+    """Flip one byte in the middle of the newest log entry another rank sent to ``rank`` (entry
+    ``send.<dir>.to<rank>`` of ``<root>/rank<r>``'s newest iteration holding one), in place; returns what was
+    damaged."""
     if upstream_root is None:
         raise ValueError("a 'corrupt-log' fault needs upstream logging (pipeline parallelism, localized scope)")
-    entries = sorted((p.parent.name, str(p), p) for p in Path(upstream_root).glob(f"rank*/it*/send.*.to{rank}")
-                     if p.parent.parent.name != f"rank{rank}" and p.stat().st_size > 0)
-    if not entries:
+    found = []
+    for rank_dir in sorted(Path(upstream_root).glob("rank*")):
+        if rank_dir.name == f"rank{rank}":
+            continue
+        log = LogDir(rank_dir)
+        for it in log.iterations():
+            found += [(it, str(rank_dir), name, log) for name in log.entry_names(it)
+                      if name.startswith("send.") and name.endswith(f".to{rank}")]
+    if not found:
         raise RuntimeError(f"no upstream-log entry for rank {rank} under {upstream_root}")
-    return flip_middle_byte(entries[-1][2])
+    it, where, name, log = max(found, key=lambda f: (f[0], f[1], f[2]))
+    flip_middle_byte(*log.location(it, name))
+    return f"{where} iteration {it} {name}"
 
 
 def flip_middle_byte(path: str | os.PathLike, offset: int = 0, nbytes: int | None = None) -> Path:

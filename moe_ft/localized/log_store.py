@@ -2,19 +2,19 @@
 rank *sent* to its pipeline neighbours and the results of the collectives it took part in on groups that
 span pipeline stages.
 
-Layout (``docs/localized.md``), beside the snapshot store, on its tmpfs (outlives the worker process)::
+Layout (``docs/localized.md``), beside the snapshot store, on its tmpfs (outlives the worker process): an
+arena store (``moe_ft/store/arena.py``) at ``<store_dir>/<job>/upstream/rank<r>/`` with one point per
+logged iteration, whose blobs are
 
-    <store_dir>/<job>/upstream/rank<r>/it<iteration:012d>/
-        MANIFEST.json             {"iteration", "algo", "entries": {name: {"size", "checksum"}}}
-        send.fwd.to<peer>         activations sent downstream, tensors "000000", "000001", ... (send order)
-        send.bwd.to<peer>         gradients sent upstream
-        coll.<r0>-<r1>-...        results of the collectives on the group of those global ranks, in call
-                                  order: tensors "<seq:06d>.<i>" (output i of call seq)
-    <...>/.staging/...            iterations being written (or left by a killed writer)
+    MANIFEST.json             {"iteration", "algo", "entries": {name: {"size", "checksum"}}}
+    send.fwd.to<peer>         activations sent downstream, tensors "000000", "000001", ... (send order)
+    send.bwd.to<peer>         gradients sent upstream
+    coll.<r0>-<r1>-...        results of the collectives on the group of those global ranks, in call
+                              order: tensors "<seq:06d>.<i>" (output i of call seq)
 
-Each file is one entry of the store's codec (``moe_ft/store/codec.py``: checksummed header and tensors);
-an iteration is written into ``.staging`` and renamed into place in one ``rename(2)``: a reader sees all
-of an iteration or none of it. The manifest names every entry's size and checksum; reading verifies both.
+Each entry is one entry of the store's codec (``moe_ft/store/codec.py``: checksummed header and tensors);
+an iteration is published by one index file (the arena's atomic publish): a reader sees all of an iteration
+or none of it. The manifest names every entry's size and checksum; reading verifies both.
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
+from moe_ft.store.arena import ArenaBackend
+from moe_ft.store.backend import MANIFEST
 from moe_ft.store.codec import DEFAULT_CHECKSUM, read_entry, write_entry
 from moe_ft.store.errors import CorruptEntryError
 
-MANIFEST = "MANIFEST.json"
 FWD, BWD = "fwd", "bwd"
 """Directions: ``fwd`` activations sent to the next stage, ``bwd`` gradients sent to the previous one."""
 
@@ -127,64 +127,71 @@ def decode_blob(data: bytes, *, checksum: str, algo: str, key: dict, where: str)
 
 
 class LogDir:
-    """One rank's upstream log directory (see the module docstring)."""
+    """One rank's upstream log (see the module docstring): each logged iteration is a point of an arena store
+    (``moe_ft/store/arena.py``) whose blobs are the entries and whose manifest is this log's. Iterations
+    dropped by retention give their regions to the next ones: logging an iteration writes into tmpfs pages
+    that exist already, and each entry is encoded straight into its region (no intermediate buffer)."""
 
     def __init__(self, root: str | os.PathLike, *, algo: str = DEFAULT_CHECKSUM) -> None:
         self.root = Path(root)
         self.algo = algo
+        self._backend: ArenaBackend | None = None
 
-    def _it_dir(self, iteration: int) -> Path:
-        return self.root / f"it{iteration:012d}"
+    def _store(self, create: bool = False) -> ArenaBackend | None:
+        """The arena of this log (``None`` when nothing was logged here and ``create`` is false)."""
+        if self._backend is None:
+            if not create and not (self.root / "FORMAT.json").exists():
+                return None
+            self._backend = ArenaBackend(self.root)
+        return self._backend
 
     def iterations(self) -> list[int]:
-        if not self.root.is_dir():
-            return []
-        return sorted(int(p.name[2:]) for p in self.root.iterdir() if p.name.startswith("it") and p.name[2:].isdigit())
+        store = self._store()
+        return store.list_points() if store is not None else []
 
     def write(self, log: IterationLog) -> int:
         """Publish ``log`` (replacing an older copy of the same iteration); returns the bytes written. A
-        write that fails (e.g. the file system is full) leaves no staging behind and publishes nothing."""
-        staging = self.root / ".staging" / f"it{log.iteration:012d}.{os.getpid()}"
-        try:
-            return self._write(log, staging)
-        except OSError:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-
-    def _write(self, log: IterationLog, staging: Path) -> int:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        write that fails (e.g. the file system is full) publishes nothing and leaves nothing behind."""
+        store = self._store(create=True)
+        assert store is not None
+        store.delete_point(log.iteration)  # a replay logs the iteration again: same bytes for an exact replay
+        writer = store.begin_point(log.iteration)
         manifest, total = {}, 0
-        for name, (key, tensors, meta) in log.entries().items():
-            data, checksum = encode_blob(key, tensors, meta, self.algo)
-            (staging / name).write_bytes(data)
-            manifest[name] = {"size": len(data), "checksum": checksum}
-            total += len(data)
-        (staging / MANIFEST).write_text(json.dumps({"iteration": log.iteration, "algo": self.algo,
-                                                    "entries": manifest}, sort_keys=True))
-        final = self._it_dir(log.iteration)
-        if final.exists():  # a replay logs the iteration again: same bytes for an exact replay
-            old = self.root / ".staging" / f"old.{log.iteration:012d}.{os.getpid()}"
-            os.rename(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.rename(staging, final)
+        try:
+            for name, (key, tensors, meta) in log.entries().items():
+                sink = writer.open_blob(name)
+                try:
+                    written = write_entry(sink.write, key, tensors, self.algo, meta, expect=sink.expect)
+                finally:
+                    sink.close()
+                manifest[name] = {"size": written.nbytes, "checksum": written.checksum}
+                total += written.nbytes
+            writer.commit(json.dumps({"iteration": log.iteration, "algo": self.algo, "entries": manifest},
+                                     sort_keys=True).encode())
+        except BaseException:
+            writer.abort()
+            raise
         return total
 
     def manifest(self, iteration: int) -> dict:
-        path = self._it_dir(iteration) / MANIFEST
-        if not path.is_file():
-            raise MissingLogEntry(
-                f"upstream log {self._it_dir(iteration)} has no iteration {iteration} (dropped by retention, "
-                "never written, or the node's store was lost): fall back to a global replay "
-                "(--ft-recovery-scope global)")
+        store = self._store()
+        where = self.root / f"iteration {iteration}"
         try:
-            manifest = json.loads(path.read_text())
+            if store is None:
+                raise FileNotFoundError
+            data = store.read_blob(iteration, MANIFEST)
+        except FileNotFoundError:
+            raise MissingLogEntry(
+                f"upstream log {self.root} has no iteration {iteration} (dropped by retention, never written, "
+                "or the node's store was lost): fall back to a global replay (--ft-recovery-scope global)") from None
+        try:
+            manifest = json.loads(data)
             ok = manifest["iteration"] == iteration and isinstance(manifest["entries"], dict) and manifest["algo"]
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:
-            raise CorruptLogEntry(f"upstream log manifest {path} is unreadable or names another iteration: fall "
-                                  "back to a global replay (--ft-recovery-scope global)")
+            raise CorruptLogEntry(f"upstream log manifest of {where} is unreadable or names another iteration: "
+                                  "fall back to a global replay (--ft-recovery-scope global)")
         return manifest
 
     def entry_names(self, iteration: int) -> list[str]:
@@ -194,48 +201,56 @@ class LogDir:
         """The bytes of one entry (checksum verified unless ``verify=False``: the caller decodes them, which
         verifies) and its manifest record ``{"size", "checksum", "algo"}``."""
         manifest = self.manifest(iteration)
-        path = self._it_dir(iteration) / name
+        where = f"{self.root} iteration {iteration} {name}"
         rec = manifest["entries"].get(name)
-        if rec is None or not path.is_file():
-            raise MissingLogEntry(f"upstream log entry {path} is missing (iteration {iteration}): fall back to "
-                                  "a global replay (--ft-recovery-scope global)")
-        data = path.read_bytes()
+        try:
+            if rec is None:
+                raise FileNotFoundError
+            data = self._store().read_blob(iteration, name)  # type: ignore[union-attr]  # manifest() found it
+        except FileNotFoundError:
+            raise MissingLogEntry(f"upstream log entry {where} is missing: fall back to a global replay "
+                                  "(--ft-recovery-scope global)") from None
         rec = {**rec, "algo": manifest["algo"]}
         if len(data) != rec["size"]:
-            raise CorruptLogEntry(f"upstream log entry {path} is {len(data)} bytes, its manifest says "
+            raise CorruptLogEntry(f"upstream log entry {where} is {len(data)} bytes, its manifest says "
                                   f"{rec['size']}: fall back to a global replay (--ft-recovery-scope global)")
         if verify:
             decode_blob(data, checksum=rec["checksum"], algo=rec["algo"],
-                        key={"iteration": iteration, "entry": name}, where=str(path))
+                        key={"iteration": iteration, "entry": name}, where=where)
         return data, rec
 
     def read(self, iteration: int, name: str):
         """One verified entry, decoded (a send list or a collective list)."""
         data, rec = self.read_raw(iteration, name, verify=False)
         tensors, meta = decode_blob(data, checksum=rec["checksum"], algo=rec["algo"],
-                                    key={"iteration": iteration, "entry": name}, where=str(self._it_dir(iteration) / name))
+                                    key={"iteration": iteration, "entry": name},
+                                    where=f"{self.root} iteration {iteration} {name}")
         return decode_entry(name, tensors, meta)
 
     def nbytes(self, iteration: int) -> int:
         return sum(r["size"] for r in self.manifest(iteration)["entries"].values())
 
     def drop_before(self, iteration: int) -> list[int]:
-        """Delete every logged iteration older than ``iteration`` (retention) and what killed writers left in
-        ``.staging``; returns the iterations deleted."""
+        """Delete every logged iteration older than ``iteration`` (retention) and what killed writers left
+        behind; returns the iterations deleted."""
         doomed = [it for it in self.iterations() if it < iteration]
+        store = self._store()
         for it in doomed:
-            shutil.rmtree(self._it_dir(it), ignore_errors=True)
-        staging = self.root / ".staging"
-        if staging.is_dir():
-            mine = f".{os.getpid()}"
-            for leftover in staging.iterdir():
-                if not leftover.name.endswith(mine):  # one writing process per rank directory
-                    shutil.rmtree(leftover, ignore_errors=True)
+            store.delete_point(it)  # type: ignore[union-attr]  # iterations() listed them
+        if store is not None:
+            store.sweep_staging()
         return doomed
 
     def drop_after(self, iteration: int) -> list[int]:
         """Delete every logged iteration newer than ``iteration`` (an abandoned timeline after a rollback)."""
         doomed = [it for it in self.iterations() if it > iteration]
         for it in doomed:
-            shutil.rmtree(self._it_dir(it), ignore_errors=True)
+            self._store().delete_point(it)  # type: ignore[union-attr]
         return doomed
+
+    def location(self, iteration: int, name: str) -> tuple[str, int, int]:
+        """Where an entry's bytes lie (file, offset, length): what a ``corrupt-log`` fault damages."""
+        store = self._store()
+        if store is None:
+            raise FileNotFoundError(f"no upstream log in {self.root}")
+        return store.blob_location(iteration, name)

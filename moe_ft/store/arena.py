@@ -263,9 +263,9 @@ class _Allocator:
         and never closed, go back)."""
         with self.lock:
             mine = self.pending.pop(token, [])
-            kept = set(regions)
-            self._release([r for r in mine if r not in kept])
-            self.points.setdefault(iteration, []).extend(regions)
+            kept = {(seg, off) for seg, off, _ in regions}  # by place: a blob may be shorter than reserved
+            self._release([r for r in mine if (r[0], r[1]) not in kept])
+            self.points.setdefault(iteration, []).extend(r for r in mine if (r[0], r[1]) in kept)
 
     def delete(self, index: Path, iteration: int) -> bool:
         with self.lock:
