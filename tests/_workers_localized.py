@@ -136,9 +136,7 @@ def log_worker(rank: int, world: int, init: str, corpus: str, extra: list[str], 
     victim = replay_sets[0]
     holder = min(r for r in range(world) if r not in victim)
     if rank == holder:
-        import shutil
-
-        shutil.rmtree(logging_.log_dir.root / f"it{k:012d}")
+        logging_.log_dir.drop_after(k - 1)  # the holder's log loses iteration k (and what follows)
     try:
         exchange_logs(logging_.log_dir, replaying=victim, iterations=range(k, num_iters))
         result["missing_error"] = ""

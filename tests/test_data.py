@@ -170,3 +170,17 @@ def test_token_ids_beyond_the_vocabulary_are_refused(prefix):
     check_token_ids([prefix], 257, "ByteLevel")
     with pytest.raises(ValueError, match=r"holds token id 256, beyond the vocabulary of 200 \(--tokenizer-type ByteLevel\)"):
         check_token_ids([prefix], 200, "ByteLevel")
+
+
+def test_builders_lock_the_cache_they_write_even_without_data_cache_path(prefix, tmp_path):
+    """Without --data-cache-path Megatron-Core caches the indices beside each dataset (shared by every job
+    that reads it); the build locks that directory as it locks --data-cache-path, so two processes never
+    read each other's half-written index (seen: "mmap length is greater than file size")."""
+    from megatron.training.data import _cache_dirs
+
+    other = os.path.join(os.path.dirname(prefix), "other")
+    assert _cache_dirs(config(prefix, cache=str(tmp_path / "c"))) == [str(tmp_path / "c")]
+    blend = config(prefix, blend=([other, prefix], [0.5, 0.5]))
+    assert _cache_dirs(blend) == sorted(os.path.join(p, "cache", "GPTDataset_indices") for p in (prefix, other))
+    make(prefix)
+    assert os.path.exists(os.path.join(prefix, "cache", "GPTDataset_indices", ".moe_ft_build.lock"))

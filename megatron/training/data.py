@@ -21,6 +21,7 @@ the directory's lock builds and writes the indices; every other one waits for th
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -120,8 +121,22 @@ def build_datasets(config: DataConfig, tokenizer: Any) -> list[Any]:
     sizes = list(config.sizes)
     if config.blend[1] is not None:  # a weighted blend sizes every split (an unused one: 0)
         sizes = [size or 0 for size in sizes]
-    with _cache_lock(config.cache_path), _alone():
+    with contextlib.ExitStack() as stack:
+        for directory in _cache_dirs(config):  # sorted: processes take them in one order
+            stack.enter_context(_cache_lock(directory))
+        stack.enter_context(_alone())
         return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, gpt_config).build()
+
+
+def _cache_dirs(config: DataConfig) -> list[str]:
+    """Where the builder writes its cached indices: ``--data-cache-path``, or without it Megatron-Core's
+    default beside each dataset, ``<prefix>/cache/GPTDataset_indices`` (shared by every job that reads the
+    same data: unlocked, two processes building at once let one read the other's half-written index)."""
+    if config.cache_path is not None:
+        return [config.cache_path]
+    if dist.is_initialized():  # Megatron-Core's builder orders the ranks itself (a barrier that
+        return []  # would deadlock under a lock one rank holds); moe-ft's processes build before any group
+    return sorted({os.path.join(prefix, "cache", f"{GPTDataset.__name__}_indices") for prefix in config.blend[0]})
 
 
 class ReplayableData:
