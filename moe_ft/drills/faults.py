@@ -55,8 +55,6 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import psutil
 
-from moe_ft.localized.log_store import LogDir
-
 if TYPE_CHECKING:
     from moe_ft.store.backend import StoreBackend
 
@@ -239,6 +237,9 @@ def corrupt_upstream_log(upstream_root: str | os.PathLike | None, rank: int) -> 
     """Flip one byte in the middle of the newest log entry another rank sent to ``rank`` (entry
     ``send.<dir>.to<rank>`` of ``<root>/rank<r>``'s newest iteration holding one), in place; returns what was
     damaged."""
+    # start-up time: `moe-ft --help` imports the drills and must not import torch (the log store does)
+    from moe_ft.localized.log_store import LogDir
+
     if upstream_root is None:
         raise ValueError("a 'corrupt-log' fault needs upstream logging (pipeline parallelism, localized scope)")
     found = []
