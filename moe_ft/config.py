@@ -67,9 +67,11 @@ class SnapshotConfig:
         "Bubble-aware snapshots (MoEtion §5.3, Alg. 4; CPU engine, pipeline parallelism): the part of each "
         "copy that fits the profiled pipeline bubbles waits for the stage to idle in a p2p exchange."))
     snapshot_direct_write: bool = field(default=True, metadata=field_help(
-        "CPU engine: write the live tensors straight into the store's entry files (one copy; the next "
-        "optimizer step waits until they are written) instead of copying them into slot buffers first. "
-        "Bubble-aware snapshots and the GPU path always copy into buffers."))
+        "One copy per snapshot byte. CPU: write the live tensors straight into the store (the next optimizer "
+        "step waits until they are written) instead of copying them into slot buffers first. GPU with the "
+        "arena layout: the device-to-host copy lands in the store's page-locked regions and the checksum is "
+        "computed on the device (mfh64), so the trainer's host threads touch no payload byte; off: pinned "
+        "slot buffers, then a host checksum and store write. Bubble-aware snapshots always use buffers."))
     store_layout: str = field(default="arena", metadata=field_help(
         "Node-local store layout: 'arena' (each rank's points in regions of a few preallocated files on the "
         "tmpfs, reused point after point; publishing writes one index file) or 'files' (a directory of "

@@ -131,3 +131,32 @@ def test_kernel_on_cuda_equals_the_host_reference():
     for n, dtype in [*CASES, (64 << 20, torch.bfloat16)]:
         t = sample(n, dtype, seed=8)
         assert et.finish(et.device_digest(t.cuda())) == eh.reference_digest(t), (n, dtype)
+
+
+def test_one_launch_for_many_tensors_equals_the_reference_at_their_offsets():
+    """``TensorTable``: every tensor's share of its entry's digest (words keyed from its first index), in one
+    launch over blocks of all tensors; the single-tensor path for what the table does not take."""
+    ts = [sample(n, dtype, seed=i) for i, (n, dtype) in enumerate(CASES) if n and n * torch.tensor(
+        [], dtype=dtype).element_size() % 4 == 0]
+    firsts = [0, 17, (1 << 32) - 5, 1000][:len(ts)] + [3] * max(0, len(ts) - 4)
+    got = et.TensorTable(ts, firsts, block=512).launch()
+    for t, f, g in zip(ts, firsts, got):
+        assert g.tolist() == eh.lane_sums_of(t, f), (t.dtype, t.numel(), f)
+    odd = sample(7, torch.int8, seed=5)
+    assert not et.tableable(odd)
+    assert et.device_lane_sums(odd, 9).tolist() == eh.lane_sums_of(odd, 9)
+    with pytest.raises(ValueError, match="aligned"):
+        et.TensorTable([odd], [0])
+
+
+@pytest.mark.gpu
+def test_one_launch_on_cuda_equals_the_host_reference():
+    ts = [sample(n, dtype, seed=i) for i, (n, dtype) in enumerate(CASES)]
+    firsts = [7 * i + (1 << 32) - 40 for i in range(len(ts))]
+    table = [i for i, t in enumerate(ts) if et.tableable(t.cuda())]
+    dev = [ts[i].cuda() for i in table]
+    got = et.TensorTable(dev, [firsts[i] for i in table]).launch().cpu()
+    for k, i in enumerate(table):
+        assert got[k].tolist() == eh.lane_sums_of(ts[i], firsts[i]), CASES[i]
+    for i, t in enumerate(ts):
+        assert et.device_lane_sums(t.cuda(), firsts[i]).tolist() == eh.lane_sums_of(t, firsts[i]), CASES[i]

@@ -155,6 +155,8 @@ class _Job:
     meta_device: list = field(default_factory=list)  # [(host buffer, device clone)] copied on the stream
     copied: threading.Event = field(default_factory=threading.Event)
     deadline: threading.Event = field(default_factory=threading.Event)  # wait_copied: copy what is left now
+    mapped: object = None  # MappedJob: the copies went straight into the store's regions (moe_ft/snapshot/mapped.py)
+    skip: OSError | None = None  # the store had no room for the regions: nothing was copied
     cuda_event: object = None  # side stream: copies done
     start_event: object = None  # side stream: copies start
     reached_event: object = None  # compute stream: reached wait_copied
@@ -170,14 +172,22 @@ class SnapshotEngine:
         layout = {f"{op}/{name}": t.detach() for op in registry for name, t in registry[op].tensors(Level.FULL).items()}
         self.cuda = torch.cuda.is_available() and any(t.is_cuda for t in layout.values())
         self.direct = _direct_write(config, self.cuda, layout)
+        self._stream = torch.cuda.Stream() if self.cuda else None
+        self.mapped = None
+        """GPU: a :class:`moe_ft.snapshot.mapped.MappedCopier` when the copies land in the store's regions
+        (``mapped_off`` says why not)."""
+        self.mapped_off = _mapped_off(config, self.cuda, store)
+        if not self.mapped_off:
+            from moe_ft.snapshot.mapped import MappedCopier
+
+            self.mapped = MappedCopier(store, self._stream)
         pin = self.cuda if config.pin_memory is None else config.pin_memory
         # every operator FULL (the largest plan); direct writes need buffers for the metadata only
-        self.buffers = HostBuffers(config.num_slots, pin, None if self.direct else layout)
+        self.buffers = HostBuffers(config.num_slots, pin, None if self.direct or self.mapped else layout)
         self._free = queue.Queue()
         for slot in range(config.num_slots):
             self._free.put(slot)
         self._inflight: _Job | None = None
-        self._stream = torch.cuda.Stream() if self.cuda else None
         threads = config.write_threads or (4 if self.cuda else 1)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="moe-ft-snapshot-write") if threads > 1 else None
         self._untimed: deque[_Job] = deque()  # GPU jobs whose device stall is not known yet
@@ -234,7 +244,9 @@ class SnapshotEngine:
             job = _Job(record=record, slot=slot, items=items, meta=dict(meta), meta_tensors={},
                        remote=frozenset(remote))
             self._stage_meta(job, meta_tensors)
-        if self.cuda:
+        if self.mapped is not None:
+            self._issue_mapped(job)
+        elif self.cuda:
             self._copy_on_stream(job)
         self._inflight = job
         self.records.append(record)
@@ -245,12 +257,14 @@ class SnapshotEngine:
         entry = self._entries.get((slot, op, level))
         if entry is None:
             tensors = {name: src.detach() for name, src in self.registry[op].tensors(level).items()}
-            if self.direct:  # the store writes the live tensors; nothing to copy first
+            if self.mapped is not None:  # copied into the store's regions (mapped.py)
+                out, srcs, bufs = tensors, list(tensors.values()), []
+            elif self.direct:  # the store writes the live tensors; nothing to copy first
                 out, srcs, bufs = tensors, [], []
             else:
                 out = {name: self.buffers.view(slot, f"{op}/{name}") for name in tensors}
                 srcs, bufs = list(tensors.values()), list(out.values())
-            dev = [self.cuda and s.is_cuda for s in srcs]
+            dev = [self.cuda and self.mapped is None and s.is_cuda for s in srcs]
             entry = _Entry(op=op, level=level, srcs=srcs, bufs=bufs, out=out,
                            nbytes=sum(t.nbytes for t in out.values()),
                            dev_srcs=[s for s, d in zip(srcs, dev) if d], dev_bufs=[b for b, d in zip(bufs, dev) if d],
@@ -321,6 +335,8 @@ class SnapshotEngine:
                 self._pool.shutdown()
             if self._stream is not None:
                 self._stream.synchronize()
+            if self.mapped is not None:
+                self.mapped.close()
             self.buffers.release()
 
     def _raise_if_failed(self) -> None:
@@ -351,6 +367,30 @@ class SnapshotEngine:
         job.meta_device = []
         job.record.issue_s = time.perf_counter() - start
 
+    def _issue_mapped(self, job: _Job) -> None:
+        """GPU into the store (``moe_ft/snapshot/mapped.py``): reserve the point's regions, queue the copies
+        into them and the device checksums on the side stream, after the compute stream's work so far."""
+        start = time.perf_counter()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        job.start_event = torch.cuda.Event(enable_timing=True)
+        job.cuda_event = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._stream):
+            job.start_event.record(self._stream)
+            try:
+                job.mapped = self.mapped.issue(job.record.iteration, job.slot, job.items, job.remote)
+            except OSError as e:
+                if not store_full(e):
+                    raise
+                job.skip = e
+            if job.meta_device:
+                torch._foreach_copy_([b for b, _ in job.meta_device], [c for _, c in job.meta_device],
+                                     non_blocking=True)
+            job.cuda_event.record(self._stream)
+        for _, clone in job.meta_device:
+            clone.record_stream(self._stream)
+        job.meta_device = []
+        job.record.issue_s = time.perf_counter() - start
+
     def _resolve_device_stalls(self, block: bool) -> None:
         """Fill ``device_stall_s`` of GPU jobs whose events completed (all of them with ``block``)."""
         while self._untimed:
@@ -369,6 +409,8 @@ class SnapshotEngine:
         its copy (``wait_copied`` raises the error instead)."""
         if error is not None:
             job.copied.set()
+            if job.mapped is not None:
+                job.mapped.point.abort()  # type: ignore[attr-defined]
         self._free.put(job.slot)
 
     @torch.no_grad()
@@ -389,6 +431,8 @@ class SnapshotEngine:
             job.copied.set()
         start = time.perf_counter()
         try:
+            if job.skip is not None:
+                raise job.skip
             pool_cpu = self._write(job, cpu0, start)
         except OSError as e:
             if not store_full(e):
@@ -407,6 +451,14 @@ class SnapshotEngine:
     def _write(self, job: _Job, cpu0: float, start: float) -> float:
         """Write and publish the job's point (a failure aborts it: nothing of it is visible); returns the
         write pool's CPU seconds."""
+        if job.mapped is not None:
+            with job.mapped.point as point:  # type: ignore[attr-defined]
+                self.mapped.seal(job.mapped)
+                job.record.entries_cpu_s = time.thread_time() - cpu0
+                point.put_meta(job.meta, job.meta_tensors)
+                point.publish()
+                job.record.host_bytes_touched += point.touched + job.mapped.host_bytes  # type: ignore[attr-defined]
+            return 0.0
         pool_cpu = 0.0
         with self.store.begin(job.record.iteration) as point:
             if self._pool is not None and len(job.items) > 1:
@@ -472,6 +524,19 @@ def _direct_write(config: EngineConfig, cuda: bool, layout: Mapping[str, torch.T
                          "schedule (the GPU path copies into pinned buffers, bubble-aware copies into slot "
                          "buffers); leave it None to choose automatically")
     return config.direct_write
+
+
+def _mapped_off(config: EngineConfig, cuda: bool, store) -> str:
+    """Why the GPU path does not copy into the store's regions (``""``: it does)."""
+    if not cuda:
+        return "the registry is not on CUDA"
+    if config.direct_write is False:
+        return "direct writes are off (EngineConfig.direct_write)"
+    if config.bubbles is not None:
+        return "bubble-aware copies go through slot buffers"
+    from moe_ft.snapshot.mapped import available
+
+    return available(store, cuda)
 
 
 def _copy_entries(entries) -> None:

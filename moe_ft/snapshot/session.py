@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 from moe_ft.policy import build_policy
 from moe_ft.snapshot import EngineConfig, SnapshotEngine
 from moe_ft.snapshot.bubbles import BubbleGate, BubbleSchedule
+from moe_ft.snapshot.mapped import store_checksum
 from moe_ft.state.operators import Level
 from moe_ft.store import StoreConfig
 from moe_ft.store.capacity import SNAPSHOT_POINTS
+from moe_ft.store.codec import DEFAULT_CHECKSUM
 from moe_ft.store.retention import KeepTwoRecoverable
 
 if TYPE_CHECKING:
@@ -68,9 +70,13 @@ def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: 
     retention = KeepTwoRecoverable(rule=policy.retention_rule(operators))
     job_id = config.job_id + job_suffix
     # the arena's first segment holds what retention keeps at the least (moe_ft/store/capacity.py)
-    full = sum(t.nbytes for op in operators for t in ctx.registry[op].tensors(Level.FULL).values())
+    state = [t for op in operators for t in ctx.registry[op].tensors(Level.FULL).values()]
+    full = sum(t.nbytes for t in state)
+    # a CUDA registry copies straight into the arena and hashes on the device (moe_ft/snapshot/mapped.py)
+    checksum = store_checksum(any(t.is_cuda for t in state), config.store_layout, config.snapshot_direct_write,
+                              config.snapshot_bubble_aware) or DEFAULT_CHECKSUM
     store = StoreConfig(root=config.store_dir, job_id=job_id, rank=ctx.rank, recycle=config.store_recycle,
-                        layout=config.store_layout, initial_bytes=SNAPSHOT_POINTS * full).build(
+                        layout=config.store_layout, initial_bytes=SNAPSHOT_POINTS * full, checksum=checksum).build(
         retention=retention, fault_hook=ctx.store_fault_hook)
     bubbles = None
     if config.snapshot_bubble_aware:

@@ -40,11 +40,12 @@ import errno
 import fcntl
 import itertools
 import json
+import mmap
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from moe_ft.store.backend import (
     MANIFEST,
@@ -58,6 +59,9 @@ from moe_ft.store.backend import (
     valid_blob_name,
 )
 from moe_ft.store.errors import StoreError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = {"format": "moe-ft-store", "version": 2, "layout": "arena"}
 FORMAT_FILE = "FORMAT.json"
@@ -124,6 +128,7 @@ class _Allocator:
         self._free: list[list[int]] = []  # [segment, offset, nbytes], sorted, coalesced
         self.points: dict[int, list[Region]] = {}  # published points this allocator knows of
         self.pending: dict[int, list[Region]] = {}  # writer token -> regions not published yet
+        self.maps: dict[int, torch.Tensor] = {}  # segment -> its bytes, mapped shared (map_blob), never unmapped
         for name in sorted(os.listdir(self.arena_dir)):
             if name.isdigit():
                 seg = int(name)
@@ -253,6 +258,19 @@ class _Allocator:
             raise
         self.fds[seg], self.sizes[seg] = fd, size
         self._release([(seg, 0, size)])
+
+    def mapping(self, seg: int) -> torch.Tensor:
+        """Segment ``seg``'s bytes as a ``uint8`` tensor over a shared mapping of its file, mapped once
+        and kept for the process's life (a page-locked mapping must never go away under a device copy;
+        segments are never truncated)."""
+        with self.lock:
+            view = self.maps.get(seg)
+            if view is None:
+                import torch  # here: readers of the arena (the node agent, moe-ft inspect) never need it
+
+                mm = mmap.mmap(self.fds[seg], self.sizes[seg], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                view = self.maps[seg] = torch.frombuffer(mm, dtype=torch.uint8)
+            return view
 
     def abort(self, token: int) -> None:
         with self.lock:
@@ -440,6 +458,18 @@ class _ArenaWriter(PointWriter):
         self._check_open(name)
         return _RegionSink(self, name)
 
+    def map_blob(self, name: str, nbytes: int) -> torch.Tensor:
+        self._check_open(name)
+        seg, off, _ = region = self.allocate(nbytes)
+        self.closed(name, region)
+        return self.alloc.mapping(seg)[off:off + nbytes]
+
+    def mapped_done(self, name: str) -> None:
+        if self.backend.fsync:
+            seg = self.blobs[name][0]
+            os.fsync(self.alloc.fds[seg])
+        self.backend._hook("blob_closed", self.iteration, name)
+
     def commit(self, manifest: bytes) -> None:
         backend = self.backend
         self._check_open()
@@ -499,6 +529,17 @@ class ArenaBackend(StoreBackend):
                 with self._alloc.lock:
                     self._alloc._grow(self.initial_bytes - self._alloc.arena_bytes())
         return self._alloc
+
+    maps_regions = True
+
+    def mapped_segments(self) -> dict[int, torch.Tensor]:
+        """This process's writable mappings of the arena's segments (every segment mapped: the snapshot
+        engine page-locks them once for device copies)."""
+        alloc = self._writer_allocator()
+        with alloc.lock:
+            for seg in alloc.sizes:
+                alloc.mapping(seg)
+            return dict(alloc.maps)
 
     @property
     def arena_bytes(self) -> int:

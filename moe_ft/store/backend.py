@@ -113,6 +113,15 @@ class PointWriter(abc.ABC):
     @abc.abstractmethod
     def open_blob(self, name: str) -> BlobSink: ...
 
+    def map_blob(self, name: str, nbytes: int) -> Any:
+        """A writable ``uint8`` tensor over the ``nbytes`` the blob will hold, in the store's own memory (a
+        mapped region), for a writer that fills it in place (a device-to-host copy) and then calls
+        :meth:`mapped_done`. Only backends with ``maps_regions`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot map blobs; write them with open_blob")
+
+    def mapped_done(self, name: str) -> None:
+        """The blob from :meth:`map_blob` is filled (its bytes are final)."""
+
     @abc.abstractmethod
     def commit(self, manifest: bytes) -> None:
         """Store ``manifest`` as blob :data:`MANIFEST` and make the point visible, atomically. Raises
@@ -125,6 +134,9 @@ class PointWriter(abc.ABC):
 
 class StoreBackend(abc.ABC):
     """Storage of points and blobs; see the module docstring for the guarantees."""
+
+    maps_regions: bool = False
+    """Whether writers can fill blobs in place (:meth:`PointWriter.map_blob`; the arena)."""
 
     @abc.abstractmethod
     def describe(self) -> str:

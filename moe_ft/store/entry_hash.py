@@ -139,3 +139,66 @@ def reference_digest(tensor: torch.Tensor) -> bytes:
     if tail.numel():
         sums = (sums + lane_sums(tail, first_index=words.numel())) & MASK
     return pack(data.numel(), sums.tolist())
+
+
+def lane_sums_of(tensor: torch.Tensor, first_index: int) -> list[int]:
+    """The lane sums of ``tensor``'s bytes (the last word zero-padded) whose first word has index
+    ``first_index`` in its entry (a tensor's share of the entry's digest)."""
+    words, tail = split_words(byte_view(tensor))
+    sums = lane_sums(words, first_index)
+    if tail.numel():
+        sums = (sums + lane_sums(tail, first_index=first_index + words.numel())) & MASK
+    return [int(v) for v in sums.tolist()]
+
+
+def zero_word_sums(first_index: int, count: int) -> list[int]:
+    """The lane sums of ``count`` zero words starting at word ``first_index`` (an entry's alignment padding
+    between tensors, which the device hashes of the tensors leave out)."""
+    if count <= 0:
+        return [0, 0]
+    return _lane_sums_host(np.zeros(count, dtype=np.uint32), first_index)
+
+
+class Mfh64:
+    """Streaming ``mfh64`` over bytes fed in pieces of any length (the ``hashlib`` interface the store's
+    codec uses: ``update``, ``digest``, ``digest_size``): the host side of an entry's digest, which a
+    reader recomputes to verify an entry whose payload was hashed on the device."""
+
+    digest_size = 16
+
+    def __init__(self) -> None:
+        self._sums = [0, 0]
+        self._words = 0  # whole words hashed so far
+        self._carry = b""  # 0-3 bytes of an unfinished word
+
+    def update(self, buf) -> None:
+        view = memoryview(buf).cast("B")
+        if self._carry:
+            need = 4 - len(self._carry)
+            self._carry += bytes(view[:need])
+            view = view[need:]
+            if len(self._carry) < 4:
+                return
+            self._add(np.frombuffer(self._carry, dtype="<u4"))
+            self._carry = b""
+        whole = len(view) // 4 * 4
+        if whole:
+            self._add(np.frombuffer(view[:whole], dtype="<u4"))
+        self._carry = bytes(view[whole:])
+
+    def _add(self, words: np.ndarray) -> None:
+        sums = _lane_sums_host(words, self._words)
+        self._sums = [(a + b) & MASK for a, b in zip(self._sums, sums)]
+        self._words += words.size
+
+    def sums(self) -> list[int]:
+        """The lane sums of the whole words fed so far (not the unfinished one)."""
+        return list(self._sums)
+
+    def digest(self) -> bytes:
+        sums, n = self._sums, self._words * 4
+        if self._carry:
+            tail = np.frombuffer(self._carry.ljust(4, b"\0"), dtype="<u4")
+            sums = [(a + b) & MASK for a, b in zip(sums, _lane_sums_host(tail, self._words))]
+            n += len(self._carry)
+        return pack(n, sums)

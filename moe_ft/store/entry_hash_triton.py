@@ -59,6 +59,30 @@ if HAVE_TRITON:
         tl.store(partial_ptr + block * 2, s0)
         tl.store(partial_ptr + block * 2 + 1, s1)
 
+    @triton.jit
+    def _table_lane_sums_kernel(addr_ptr, nwords_ptr, first_ptr, blk_tensor_ptr, blk_start_ptr, partial_ptr,
+                                K0: tl.constexpr, S0: tl.constexpr, K1: tl.constexpr, S1: tl.constexpr,
+                                BLOCK: tl.constexpr):
+        # program b hashes words [start, start + BLOCK) of tensor t = blk_tensor[b], whose word j has the
+        # index first[t] + j in its entry; the tensor's address comes from a table (one launch for all)
+        block = tl.program_id(0)
+        t = tl.load(blk_tensor_ptr + block)
+        start = tl.load(blk_start_ptr + block)
+        words_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.int32))
+        n_words = tl.load(nwords_ptr + t)
+        first = tl.load(first_ptr + t)
+        offs = start + tl.arange(0, BLOCK).to(tl.int64)
+        inside = offs < n_words
+        w = tl.load(words_ptr + offs, mask=inside, other=0).to(tl.uint32, bitcast=True)
+        i = ((offs + first) & 0xFFFFFFFF).to(tl.uint32)
+        x0 = _fmix32(w ^ (i * tl.full((), K0, tl.uint32) + tl.full((), S0, tl.uint32)))
+        x1 = _fmix32(w ^ (i * tl.full((), K1, tl.uint32) + tl.full((), S1, tl.uint32)))
+        zero = tl.zeros((BLOCK,), dtype=tl.int64)
+        s0 = tl.sum(tl.where(inside, x0.to(tl.int64), zero), axis=0)
+        s1 = tl.sum(tl.where(inside, x1.to(tl.int64), zero), axis=0)
+        tl.store(partial_ptr + block * 2, s0)
+        tl.store(partial_ptr + block * 2 + 1, s1)
+
 
 def _require_runnable(t: torch.Tensor) -> None:
     if not HAVE_TRITON:
@@ -84,6 +108,75 @@ def device_digest(tensor: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     if tail.numel():
         sums = (sums + lane_sums(tail, first_index=words.numel())) & MASK
     return torch.cat([torch.full((1,), data.numel(), dtype=torch.int64, device=data.device), sums])
+
+
+def tableable(tensor: torch.Tensor) -> bool:
+    """Whether :class:`TensorTable` can hash ``tensor`` in place: contiguous, whole 32-bit words, 4-byte
+    aligned (others go through :func:`device_lane_sums`)."""
+    return tensor.is_contiguous() and tensor.nbytes % 4 == 0 and tensor.data_ptr() % 4 == 0
+
+
+class TensorTable:
+    """One kernel launch for the lane sums of many tensors (a snapshot's entries, ~200 tensors): each
+    tensor's word ``j`` has the index ``first_index + j`` in its entry (the tensor's byte offset / 4), so
+    the sums are the tensor's share of its entry's digest. Built once per set of tensors (the tables live
+    on the device); :meth:`launch` queues the kernel on the current stream without synchronizing.
+    Tensors must be :func:`tableable` and keep their storage while the table is used."""
+
+    def __init__(self, tensors: list[torch.Tensor], first_indices: list[int], block: int = BLOCK) -> None:
+        import numpy as np
+
+        if not tensors:
+            raise ValueError("TensorTable needs at least one tensor")
+        _require_runnable(tensors[0])
+        for t in tensors:
+            if not tableable(t):
+                raise ValueError(f"TensorTable takes contiguous, 4-byte aligned tensors of whole words, got "
+                                 f"{t.dtype} {tuple(t.shape)} at {t.data_ptr():#x}")
+        device = tensors[0].device
+        nwords = np.array([t.nbytes // 4 for t in tensors], dtype=np.int64)
+        counts = np.maximum(-(-nwords // block), 0)
+        blk_tensor = np.repeat(np.arange(len(tensors), dtype=np.int64), counts)
+        first_blk = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        blk_start = (np.arange(blk_tensor.size, dtype=np.int64) - np.repeat(first_blk, counts)) * block
+
+        def dev(a) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
+        self.tensors = list(tensors)  # keeps the storages alive while their addresses are in the table
+        self.block = block
+        self.num_blocks = int(blk_tensor.size)
+        self._addr = dev([t.data_ptr() for t in tensors])
+        self._nwords, self._first = dev(nwords), dev(first_indices)
+        self._blk_tensor, self._blk_start = dev(blk_tensor), dev(blk_start)
+        self._partial = torch.empty((max(self.num_blocks, 1), 2), dtype=torch.int64, device=device)
+        self._out = torch.empty((len(tensors), 2), dtype=torch.int64, device=device)
+
+    def launch(self) -> torch.Tensor:
+        """int64 ``[len(tensors), 2]``: each tensor's lane sums (mod 2^32), on the device, queued on the
+        current stream. The result buffer is reused by the next launch."""
+        self._out.zero_()
+        if self.num_blocks:
+            (k0, s0), (k1, s1) = KEYS
+            _table_lane_sums_kernel[(self.num_blocks,)](
+                self._addr, self._nwords, self._first, self._blk_tensor, self._blk_start, self._partial,
+                K0=k0, S0=s0, K1=k1, S1=s1, BLOCK=self.block)
+            self._out.index_add_(0, self._blk_tensor, self._partial[:self.num_blocks])
+        return self._out.bitwise_and_(MASK)
+
+
+def device_lane_sums(tensor: torch.Tensor, first_index: int) -> torch.Tensor:
+    """int64 ``[h_0, h_1]`` of ``tensor``'s bytes (the last word zero-padded) whose first word has index
+    ``first_index``, on its device without synchronizing: for the tensors :class:`TensorTable` does not take."""
+    _require_runnable(tensor)
+    data = byte_view(tensor)
+    words, tail = split_words(data)
+    sums = torch.zeros(2, dtype=torch.int64, device=data.device)
+    if words.numel():
+        sums = TensorTable([words], [first_index]).launch()[0].clone()
+    if tail.numel():
+        sums = (sums + lane_sums(tail, first_index=first_index + words.numel())) & MASK
+    return sums
 
 
 def finish(digest: torch.Tensor) -> bytes:

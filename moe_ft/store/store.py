@@ -26,9 +26,25 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 
 from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store import entry_hash
 from moe_ft.store.backend import MANIFEST, FaultHook, StagingInfo, StoreBackend
 from moe_ft.store.catalog import Catalog, Problem
-from moe_ft.store.codec import DEFAULT_CHECKSUM, encode_meta, new_checksum, read_entry, write_entry
+from moe_ft.store.codec import (
+    DEFAULT_CHECKSUM,
+    DTYPES,
+    EntryLayout,
+    WrittenEntry,
+    encode_meta,
+    entry_digest,
+    entry_head,
+    layout_entry,
+    new_checksum,
+    raw_bytes,
+    read_entry,
+    seal_entry,
+    tensor_specs,
+    write_entry,
+)
 from moe_ft.store.errors import CorruptEntryError, MissingEntryError, StoreError
 from moe_ft.store.layouts import open_backend
 from moe_ft.store.manifest import (
@@ -106,6 +122,35 @@ def _discard(buf) -> None:
     """A sink that keeps nothing (``put_remote`` hashes an entry without storing it)."""
 
 
+class ReservedEntry:
+    """An operator's entry laid out in a mapped store region (:meth:`PendingPoint.reserve`): copy the
+    tensors' bytes into :attr:`views` (a device-to-host copy lands there directly), then :meth:`seal`."""
+
+    def __init__(self, point: "PendingPoint", op: OperatorId, level: Level, blob: str, layout: EntryLayout,
+                 head: bytes, region: torch.Tensor) -> None:
+        self._point, self.op, self.level, self.blob = point, op, level, blob
+        self.layout, self._head, self._region = layout, head, region
+        self.views = {rec["name"]: region[rec["offset"]:rec["offset"] + rec["nbytes"]].view(DTYPES[rec["dtype"]])
+                      .view(rec["shape"]) for rec in layout.table}
+        """Name -> a tensor over the entry's bytes for it, in the store's memory."""
+        self.first_words = [rec["offset"] // 4 for rec in layout.table]
+        """Each tensor's first word index in the entry (what its device digest is keyed by)."""
+
+    def seal(self, tensor_sums: list[list[int]] | None = None) -> EntryRecord:
+        """The views hold the tensors' final bytes: write the entry's header, padding and digest around
+        them. ``tensor_sums``: each tensor's ``mfh64`` lane sums, computed on the device from the bytes that
+        were copied (the host then reads no payload byte); ``None``: hash the region on the host."""
+        point = self._point
+        written = seal_entry(raw_bytes(self._region), self.layout, self._head, point._store.checksum, tensor_sums)
+        point._writer.mapped_done(self.blob)
+        with point._lock:
+            point.touched += written.hashed if tensor_sums is None else 0
+        record = _records(point.iteration, self.op, self.level, self.blob, written)
+        with point._lock:
+            point._entries[self.op] = record
+        return record
+
+
 class PendingPoint:
     """A point being written. ``put``/``put_meta`` may be called from several threads at once (one entry
     each); tensors are written straight from their memory (e.g. pinned host buffers) and may be reused as
@@ -161,7 +206,48 @@ class PendingPoint:
             self._entries[op] = record
         return record
 
-    def put_remote(self, op: OperatorId, tensors: Mapping[str, torch.Tensor]) -> EntryRecord:
+    def _layout(self, blob: str, key: dict, tensors: Mapping[str, torch.Tensor]) -> tuple[EntryLayout, bytes]:
+        """The entry's layout (cached per blob and tensor shapes; a key that outgrows the cached header is
+        laid out again) and its head."""
+        algo = self._store.checksum
+        specs = tensor_specs(tensors)
+        cache_key = (blob, tuple((n, d, tuple(sh)) for n, d, sh, _ in specs))
+        layout = self._store._layouts.get(cache_key)
+        if layout is not None:
+            with contextlib.suppress(ValueError):
+                return layout, entry_head(layout, key, algo)
+        layout = self._store._layouts[cache_key] = layout_entry(key, specs, algo, slack=32)
+        return layout, entry_head(layout, key, algo)
+
+    def reserve(self, op: OperatorId, level: Level, like: Mapping[str, torch.Tensor]) -> ReservedEntry:
+        """Lay out the entry (iteration, ``op``, ``level``) of tensors shaped and typed like ``like`` (any
+        device) in a region of the store's own memory, for a copy in place; needs a backend that maps
+        regions (``maps_regions``: the arena)."""
+        if not isinstance(op, OperatorId):
+            raise TypeError(f"op must be an OperatorId, got {type(op).__name__}")
+        level = Level(level)
+        if level == Level.NONE:
+            raise ValueError(f"{op}: level NONE saves nothing; leave the operator out instead")
+        if not self._store.backend.maps_regions:
+            raise ValueError(f"{self._store.backend.describe()}: this store layout cannot map regions "
+                             "(use the arena layout, or put())")
+        self._reserve(str(op))
+        blob = entry_blob(op, level)
+        layout, head = self._layout(blob, entry_key(self.iteration, op, level), like)
+        return ReservedEntry(self, op, level, blob, layout, head, self._writer.map_blob(blob, layout.size))
+
+    def remote_layout(self, op: OperatorId, like: Mapping[str, torch.Tensor]) -> tuple[EntryLayout, bytes]:
+        """The layout and head of ``op``'s FULL entry as :meth:`put_remote` records it (for hashing its
+        tensors on their device first: each tensor's words are keyed by its offset in this layout). It is
+        the layout ``write_entry`` gives, with no slack: the peers that rebuild the entry encode it so, and
+        its bytes must match the digest recorded here."""
+        key, algo = entry_key(self.iteration, op, Level.FULL), self._store.checksum
+        layout = layout_entry(key, tensor_specs(like), algo)
+        return layout, entry_head(layout, key, algo)
+
+    def put_remote(self, op: OperatorId, tensors: Mapping[str, torch.Tensor],
+                   tensor_sums: list[list[int]] | None = None,
+                   layout: tuple[EntryLayout, bytes] | None = None) -> EntryRecord:
         """Record ``op``'s FULL entry without writing it: its size and checksum (the bytes are hashed, not
         stored), listed in the manifest as held by the replica peers (:attr:`EntryRecord.remote`), which
         rebuild it from the step's gradients (MoEtion §5.2). Goes with a :meth:`put` of the operator's
@@ -170,11 +256,21 @@ class PendingPoint:
             raise TypeError(f"op must be an OperatorId, got {type(op).__name__}")
         self._reserve(f"remote {op}")
         blob = entry_blob(op, Level.FULL)
-        written = write_entry(_discard, entry_key(self.iteration, op, Level.FULL), tensors, self._store.checksum)
+        key = entry_key(self.iteration, op, Level.FULL)
+        if tensor_sums is None:
+            written = write_entry(_discard, key, tensors, self._store.checksum)
+            payload = written.hashed
+        else:  # the tensors' mfh64 lane sums, computed on their device by :meth:`remote_layout`'s layout
+            if self._store.checksum != entry_hash.ALGO:
+                raise ValueError(f"tensor digests computed on the device are {entry_hash.ALGO}, the store uses "
+                                 f"{self._store.checksum}")
+            laid, head = layout if layout is not None else self.remote_layout(op, tensors)
+            digest, _ = entry_digest(laid, head, tensor_sums)
+            written, payload = WrittenEntry(laid.size, digest.hex(), laid.table), 0
         record = replace(_records(self.iteration, op, Level.FULL, blob, written), remote=True)
         with self._lock:
             self._remote[op] = record
-            self.touched += written.hashed
+            self.touched += payload
         return record
 
     def put_meta(self, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None) -> EntryRecord:
@@ -239,6 +335,7 @@ class SnapshotStore:
         # is most of garbage collection's cost, and GC runs after every publish. A cached record is used
         # only while the manifest on storage is still byte-for-byte what was written (see _decode).
         self._written: dict[int, tuple[bytes, PointRecord]] = {}
+        self._layouts: dict[tuple, EntryLayout] = {}  # entries laid out for copies in place, by blob and shapes
 
     def __repr__(self) -> str:
         return f"SnapshotStore({self.backend.describe()})"

@@ -58,8 +58,11 @@ class _Timed:
         records = [dict(vars(r)) for r in engine.records] if engine is not None else []
         policy = getattr(session, "policy", None)
         with open(self.out, "w") as f:
+            mapped = getattr(engine, "mapped", None)
             json.dump({"iteration_s": [b - a for a, b in zip(self.starts, self.starts[1:])], "records": records,
-                       "window": getattr(policy, "window_length", None)}, f)
+                       "window": getattr(policy, "window_length", None),
+                       "path": "mapped" if mapped is not None else f"staged ({getattr(engine, 'mapped_off', '')})",
+                       "pinning": mapped.pinned.failed or "ok" if mapped is not None else ""}, f)
 
 
 def worker(argv: list[str]) -> int:
@@ -80,7 +83,8 @@ def worker(argv: list[str]) -> int:
 def _summary(run: dict, warmup: int) -> dict:
     times = run["iteration_s"][warmup:]
     recs = [r for r in run["records"] if r["iteration"] >= warmup]
-    out = {"median_iter_s": statistics.median(times), "iterations": len(times), "window": run["window"]}
+    out = {"median_iter_s": statistics.median(times), "iterations": len(times), "window": run["window"],
+           "path": run.get("path"), "pinning": run.get("pinning")}
     if recs:
         dev = [r["device_stall_s"] for r in recs if r.get("device_stall_s") is not None]
         out.update(bytes_per_iter=int(statistics.mean(r["bytes"] for r in recs)),
@@ -90,7 +94,11 @@ def _summary(run: dict, warmup: int) -> dict:
                    device_stall_max_ms=1e3 * max(dev) if dev else None,
                    copy_ms=1e3 * statistics.median(r["copy_s"] for r in recs),
                    issue_ms=1e3 * statistics.median(r.get("issue_s", 0.0) for r in recs),
-                   store_write_ms=1e3 * statistics.median(r["write_s"] for r in recs))
+                   store_write_ms=1e3 * statistics.median(r["write_s"] for r in recs),
+                   thread_cpu_ms=1e3 * statistics.median(r.get("thread_cpu_s", 0.0) for r in recs),
+                   trainer_payload_bytes_per_byte=max(
+                       r.get("host_bytes_touched", 0) / max(1, r["bytes"] + r.get("remote_bytes", 0)) for r in recs),
+                   published=sum(bool(r.get("published")) for r in recs))
     return out
 
 
@@ -105,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-path", default=None)
     p.add_argument("--store-root", default="/dev/shm")
     p.add_argument("--log-dir", default=None, help="keep each launch's log here")
+    p.add_argument("--staged", action="store_true",
+                   help="also each sparse window on the staged path (--no-ft-snapshot-direct-write: pinned slot "
+                        "buffers, host checksum and store write), alternating with the default path")
     p.add_argument("--tiny", action="store_true", help="the drill's tiny model instead (a CPU check of this script)")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="gpu_overhead_") as tmp, \
@@ -123,18 +134,22 @@ def main(argv: list[str] | None = None) -> int:
             from moe_ft.cli.drill import TINY
 
             model = [*TINY, "--moe-token-dispatcher-type", "alltoall"]
-        variants = [("none", "none", 0)] + [("sparse", f"sparse(W={w or 'auto'})", w) for w in a.windows]
-        runs: dict[str, list[dict]] = {name: [] for _, name, _ in variants}
+        variants = [("none", "none", 0, [])]
+        for w in a.windows:
+            variants.append(("sparse", f"sparse(W={w or 'auto'})", w, []))
+            if a.staged:
+                variants.append(("sparse", f"sparse(W={w or 'auto'},staged)", w, ["--no-ft-snapshot-direct-write"]))
+        runs: dict[str, list[dict]] = {name: [] for _, name, _, _ in variants}
         for rep in range(a.repeats):
-            for policy, name, window in variants:
-                tag = f"{policy}{window or ''}_{rep}"
+            for policy, name, window, extra in variants:
+                tag = f"{policy}{window or ''}{'s' if extra else ''}_{rep}"
                 out = os.path.join(tmp, f"{tag}.json")
                 log = os.path.join(a.log_dir or tmp, f"gpu_overhead_{tag}.log")
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", __file__,
                        "--worker", "--out", out, *model, "--train-iters", str(a.iters), "--log-interval", str(a.iters),
                        "--data-path", data, "--ft", "--ft-policy", policy, "--ft-store-dir", store,
                        "--ft-job-id", tag, "--ft-sparse-window", str(window),
-                       "--ft-snapshot-bandwidth", str(a.snapshot_bandwidth)]
+                       "--ft-snapshot-bandwidth", str(a.snapshot_bandwidth), *extra]
                 env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
                 with open(log, "w") as f:
                     rc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode

@@ -126,19 +126,28 @@ def _keep_newest():
     return KeepNewest()
 
 
-def _engine(registry, root: str, job: str, slots: int, write_threads: int | None = None):
+def _engine(registry, root: str, job: str, slots: int, write_threads: int | None = None, mapped: bool = False):
+    """``mapped``: copies straight into the store's regions, hashed on the device (moe_ft/snapshot/mapped.py);
+    else the staged path (pinned slot buffers, host checksum and store write)."""
     from moe_ft.snapshot import EngineConfig, SnapshotEngine
     from moe_ft.store import StoreConfig
 
-    store = StoreConfig(root=root, job_id=job, rank=0).build(retention=_keep_newest())
-    return SnapshotEngine(EngineConfig(num_slots=slots, write_threads=write_threads), registry, store)
+    full = sum(t.nbytes for op in registry for t in registry[op].tensors(Level.FULL).values())
+    store = StoreConfig(root=root, job_id=job, rank=0, checksum="mfh64" if mapped else "xxh3_64",
+                        initial_bytes=3 * full if mapped else 0).build(retention=_keep_newest())
+    engine = SnapshotEngine(EngineConfig(num_slots=slots, write_threads=write_threads,
+                                         direct_write=None if mapped else False), registry, store)
+    assert (engine.mapped is not None) == mapped, engine.mapped_off
+    return engine
 
 
-def engine_bandwidth(registry: OperatorRegistry, root: str, iters: int, write_threads: int | None = None) -> dict:
+def engine_bandwidth(registry: OperatorRegistry, root: str, iters: int, write_threads: int | None = None,
+                     mapped: bool = False) -> dict:
     """The engine's FULL snapshot, one at a time (flushed in between: the store write is not in the copy
     time; it is reported as ``store_write_gbps``)."""
     start = time.perf_counter()
-    engine = _engine(registry, root, "bw", 2, write_threads)  # allocates and page-locks 2 arenas of all FULL bytes
+    # staged: allocates and page-locks 2 arenas of all FULL bytes; mapped: maps and page-locks the store's
+    engine = _engine(registry, root, "bwm" if mapped else "bw", 2, write_threads, mapped)
     build_s = time.perf_counter() - start
     plan = {op: Level.FULL for op in registry}
     try:
@@ -151,13 +160,15 @@ def engine_bandwidth(registry: OperatorRegistry, root: str, iters: int, write_th
         return {"engine_gbps": device_bytes / statistics.median(r.copy_s for r in recs) / 1e9,
                 "engine_issue_ms": 1e3 * statistics.median(r.issue_s for r in recs),
                 "store_write_gbps": recs[0].bytes / statistics.median(r.write_s for r in recs) / 1e9,
-                "pinned_arena_bytes_per_slot": engine.buffers.arena_bytes, "engine_build_s": round(build_s, 3)}
+                "pinned_arena_bytes_per_slot": engine.buffers.arena_bytes, "engine_build_s": round(build_s, 3),
+                "thread_cpu_ms": 1e3 * statistics.median(r.thread_cpu_s for r in recs),
+                "trainer_payload_bytes_per_byte": max(r.trainer_payload_bytes_per_byte for r in recs)}
     finally:
         engine.close()
 
 
 def stall_loop(registry: OperatorRegistry, root: str, *, iters: int, compute_ms: float, window: int,
-               full: bool, slots: int) -> dict:
+               full: bool, slots: int, mapped: bool = False) -> dict:
     """Training stand-in with and without snapshots (see the module docstring)."""
     ops = list(registry)
     live = [t for op in ops for t in registry[op].tensors(Level.FULL).values() if t.is_cuda]
@@ -190,7 +201,8 @@ def stall_loop(registry: OperatorRegistry, root: str, *, iters: int, compute_ms:
 
     warm = max(2, window)
     base = run(None)[warm:]
-    engine = _engine(registry, root, "full" if full else "sparse", slots)
+    engine = _engine(registry, root, ("full" if full else "sparse") + ("_mapped" if mapped else ""), slots,
+                     mapped=mapped)
     try:
         with_ft = run(engine)[warm:]
         engine.flush()
@@ -198,7 +210,10 @@ def stall_loop(registry: OperatorRegistry, root: str, *, iters: int, compute_ms:
     finally:
         engine.close()
     base += run(None)[warm:]  # without, with, without: cancels a drift of the clock over the run
-    return {"plan": "full" if full else f"sparse(W={window})", "iterations": len(recs),
+    return {"plan": "full" if full else f"sparse(W={window})", "path": "mapped" if mapped else "staged",
+            "iterations": len(recs),
+            "thread_cpu_ms": 1e3 * statistics.median(r.thread_cpu_s for r in recs),
+            "trainer_payload_bytes_per_byte": max(r.trainer_payload_bytes_per_byte for r in recs),
             "compute_ms": round(1e3 * one * n_mm, 2),
             "bytes_per_iter": int(statistics.mean(r.bytes for r in recs)),
             "host_wait_copied_ms": 1e3 * statistics.median(r.stall_s - r.slot_wait_s for r in recs),
@@ -226,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=4)
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--store-root", default="/dev/shm")
+    p.add_argument("--thread-sweep", action="store_true", help="also the staged store write with 1 and 8 threads")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gpu_snapshot needs CUDA (the CPU path is measured by tools/bench/ckpt_overhead.py)")
@@ -238,10 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="moe_ft_gpu_bench_", dir=a.store_root) as root:
         out.update(engine_bandwidth(registry, root, a.iters))
         out["engine_vs_pinned"] = out["engine_gbps"] / out["pinned_copy_gbps"]
-        out["store_write_gbps_by_threads"] = {
-            n: round(engine_bandwidth(registry, root, 2, write_threads=n)["store_write_gbps"], 3) for n in (1, 8)}
+        out["mapped"] = engine_bandwidth(registry, root, a.iters, mapped=True)
+        out["mapped"]["engine_vs_pinned"] = out["mapped"]["engine_gbps"] / out["pinned_copy_gbps"]
+        if a.thread_sweep:
+            out["store_write_gbps_by_threads"] = {
+                n: round(engine_bandwidth(registry, root, 2, write_threads=n)["store_write_gbps"], 3) for n in (1, 8)}
         out["stall"] = [stall_loop(registry, root, iters=a.stall_iters, compute_ms=a.compute_ms, window=a.window,
-                                   full=full, slots=a.slots) for full in (False, True)]
+                                   full=full, slots=a.slots, mapped=mapped)
+                        for full in (False, True) for mapped in (False, True)]
     print(json.dumps(out))
     return 0
 

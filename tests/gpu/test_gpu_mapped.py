@@ -1,0 +1,128 @@
+"""GPU snapshots into the store's own regions (moe_ft/snapshot/mapped.py): the device-to-host copy lands
+in the arena's page-locked mapping, the mfh64 digest is computed on the device, and the trainer's host
+threads touch no payload byte. The snapshot of ``t`` holds the state at ``submit(t)`` bitwise, reads back
+verified, a remote entry records the digest its peers will rebuild, a flipped bit is caught, and neither
+``submit`` nor ``wait_copied`` synchronises the host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_ft.snapshot import EngineConfig, SnapshotEngine
+from moe_ft.state.operators import Level
+from moe_ft.store import KeepAll, StoreConfig
+from moe_ft.store.codec import write_entry
+from moe_ft.store.errors import CorruptEntryError
+from moe_ft.store.manifest import entry_key
+from tests.gpu._results import record
+from tests.gpu.test_gpu_snapshot import host_state, no_host_sync, optimizer_step, small_registry
+from tools.bench.gpu_snapshot import sparse_plan
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+
+def mapped_engine(tmp_path, registry, job="j"):
+    store = StoreConfig(root=str(tmp_path), job_id=job, rank=0, checksum="mfh64").build(retention=KeepAll())
+    engine = SnapshotEngine(EngineConfig(num_slots=2), registry, store)
+    assert engine.mapped is not None, engine.mapped_off
+    return engine, store
+
+
+def test_mapped_snapshots_hold_the_state_at_submit(tmp_path):
+    registry = small_registry()
+    ops = list(registry)
+    engine, store = mapped_engine(tmp_path, registry)
+    assert engine.buffers.arena_bytes == 0  # no slot buffers: the store's regions are the buffers
+    x = torch.randn(4096, 4096, device="cuda")
+    expected, remote = {}, {}
+    try:
+        for it in range(8):
+            plan = sparse_plan(ops, it, 3)
+            fulls = [op for op, lvl in plan.items() if lvl == Level.FULL]
+            rem = frozenset(fulls[:2]) if it % 2 else frozenset()  # FULL entries left to the peers
+            expected[it] = host_state(registry, plan)
+            remote[it] = {op: {n: t.detach().cpu().clone() for n, t in registry[op].tensors(Level.FULL).items()}
+                          for op in rem}
+            counter = torch.full((4,), float(it), device="cuda")
+            engine.submit(it, plan, {"iteration": it}, {"counter": counter}, remote=rem)
+            counter.fill_(-1.0)
+            for _ in range(10):
+                x @ x
+            engine.wait_copied()
+            optimizer_step(registry)
+        engine.flush()
+    finally:
+        engine.close()
+    for it, state in expected.items():
+        assert store.verify([it]).problems == ()
+        point = store.catalog([it]).point(it)
+        for op, tensors in state.items():
+            if op in remote[it]:  # the digest the peers' rebuilt entry must match (written on the host here)
+                want = write_entry(lambda b: None, entry_key(it, op, Level.FULL), remote[it][op], "mfh64")
+                got = point.entries[op]
+                assert got.remote and got.checksum == want.checksum, (it, op)
+                continue
+            level = Level.FULL if any(n.startswith("master.") for n in tensors) else Level.COMPUTE
+            loaded = store.load(it, op, level)
+            for name, t in tensors.items():
+                assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), (it, op, name)
+        assert torch.equal(store.load_meta(it).tensors["counter"], torch.full((4,), float(it)))
+    recs = engine.records
+    host_state_bytes = sum(t.nbytes for op in ops for t in registry[op].tensors(Level.FULL).values() if not t.is_cuda)
+    assert all(r.published and r.device_stall_s is not None for r in recs)
+    assert max(r.host_bytes_touched for r in recs) <= 2 * host_state_bytes  # the CPU step counters only
+    record("mapped_correctness", {
+        "trainer_payload_bytes_per_byte_max": max(r.trainer_payload_bytes_per_byte for r in recs),
+        "host_stall_max_ms": 1e3 * max(r.stall_s for r in recs),
+        "device_stall_max_ms": 1e3 * max(r.device_stall_s for r in recs),
+        "issue_ms_median": 1e3 * sorted(r.issue_s for r in recs)[len(recs) // 2],
+        "thread_cpu_ms_median": 1e3 * sorted(r.thread_cpu_s for r in recs)[len(recs) // 2]})
+
+
+def test_mapped_submit_and_wait_copied_never_block_the_host(tmp_path):
+    registry = small_registry()
+    ops = list(registry)
+    engine, _ = mapped_engine(tmp_path, registry)
+    meta_dev = torch.arange(8, device="cuda", dtype=torch.float64)
+    try:
+        for it in range(12):  # every (slot, plan) pair once: their tables and pinned rows are built once
+            check = no_host_sync() if it >= 8 else _null()
+            with check:
+                engine.submit(it, sparse_plan(ops, it, 2), {"iteration": it}, {"dev": meta_dev})
+                engine.wait_copied()
+                optimizer_step(registry)
+            engine.flush()
+    finally:
+        engine.close()
+    assert max(r.stall_s for r in engine.records[8:]) < 0.05
+
+
+def test_a_flipped_bit_in_a_mapped_region_is_caught(tmp_path):
+    registry = small_registry()
+    ops = list(registry)
+    engine, store = mapped_engine(tmp_path, registry)
+    try:
+        engine.submit(0, {op: Level.FULL for op in ops}, {}, {})
+        engine.wait_copied()
+        engine.flush()
+    finally:
+        engine.close()
+    op = ops[-1]
+    entry = store.catalog([0]).point(0).entries[op]
+    path, off, n = store.backend.blob_location(0, entry.blob)
+    with open(path, "r+b") as f:
+        f.seek(off + n // 2)
+        b = f.read(1)[0]
+        f.seek(off + n // 2)
+        f.write(bytes([b ^ 0x10]))
+    with pytest.raises(CorruptEntryError):
+        store.load(0, op, Level.FULL)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,164 @@
+"""Entries filled in place in the arena's mapped regions (the GPU snapshot path's store side, run here on
+CPU tensors): byte for byte the entry ``put`` writes, whether the payload is hashed on the host or its
+``mfh64`` share comes from the kernel (``TRITON_INTERPRET=1``, set by conftest), and every damaged byte
+is caught when the point is read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store import KeepAll, StoreConfig
+from moe_ft.store import entry_hash as eh
+from moe_ft.store import entry_hash_triton as et
+from moe_ft.store.errors import CorruptEntryError
+
+OP = OperatorId.expert_op(0, 1)
+
+
+def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"weight": torch.randn(37, 19, generator=g).to(torch.bfloat16),  # 1406 B: a half word at the end
+            "master.weight": torch.randn(37, 19, generator=g),
+            "flags": torch.randint(0, 2, (3,), generator=g).bool(),  # 3 B: a partial word
+            "odd": torch.randint(-9, 9, (7,), generator=g, dtype=torch.int8),
+            "step": torch.tensor(5.0),
+            "empty": torch.empty(0, 4)}
+
+
+def store(tmp_path, name, checksum="mfh64", layout="arena"):
+    return StoreConfig(root=str(tmp_path), job_id=name, rank=0, checksum=checksum, layout=layout).build(
+        retention=KeepAll())
+
+
+def flip_bit(path: str, pos: int, bit: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([byte ^ (1 << bit)]))
+
+
+def blob_bytes(st, it, blob):
+    with st.backend.open_blob(it, blob) as f:
+        return f.read()
+
+
+def device_sums(reserved, src: dict[str, torch.Tensor]) -> list[list[int]]:
+    """What the GPU path computes: the table for the tensors it takes, one by one for the rest."""
+    srcs = list(src.values())
+    rows = [i for i, t in enumerate(srcs) if et.tableable(t) and t.numel()]
+    out: list = [None] * len(srcs)
+    if rows:
+        got = et.TensorTable([srcs[i] for i in rows], [reserved.first_words[i] for i in rows], block=64).launch()
+        for k, i in enumerate(rows):
+            out[i] = got[k].tolist()
+    for i, t in enumerate(srcs):
+        if out[i] is None:
+            out[i] = et.device_lane_sums(t, reserved.first_words[i]).tolist()
+    return out
+
+
+def sealed_point(st, it, src, how):
+    with st.begin(it) as p:
+        reserved = p.reserve(OP, Level.FULL, src)
+        for name, t in src.items():
+            reserved.views[name].copy_(t)
+        reserved.seal(None if how == "host" else device_sums(reserved, src))
+        p.put_meta({"i": it})
+        p.publish()
+        assert p.touched == (0 if how == "device" else reserved.layout.body)
+    return reserved
+
+
+def test_an_entry_sealed_in_place_reads_back_as_put_writes_it(tmp_path):
+    """Hashed on the host or on the device: the same bytes, the same digest, the tensors ``put`` stores."""
+    src = tensors()
+    ref = store(tmp_path, "ref")
+    with ref.begin(3) as p:
+        p.put(OP, Level.FULL, src)
+        p.put_meta({"i": 3})
+        p.publish()
+    host, dev = store(tmp_path, "host"), store(tmp_path, "dev")
+    r = sealed_point(host, 3, src, "host")
+    sealed_point(dev, 3, src, "device")
+    assert blob_bytes(host, 3, r.blob) == blob_bytes(dev, 3, r.blob)
+    for st in (ref, host, dev):
+        assert st.verify([3]).problems == ()
+        loaded = st.load(3, OP, Level.FULL)
+        assert all(torch.equal(loaded[n], t) and loaded[n].dtype == t.dtype for n, t in src.items())
+    assert host.load_meta(3).meta == ref.load_meta(3).meta
+
+
+def test_a_layout_is_reused_and_laid_out_again_when_the_key_outgrows_it(tmp_path):
+    st = store(tmp_path, "s")
+    src = tensors(1)
+    reserves = []
+    for it in (1, 2, 10 ** 150):  # the third key's header is longer than the first layout's slack
+        with st.begin(it) as p:
+            r = p.reserve(OP, Level.COMPUTE, src)
+            for name, t in src.items():
+                r.views[name].copy_(t)
+            r.seal(device_sums(r, src))
+            p.put_meta({})
+            p.publish()
+        assert st.verify([it]).problems == ()
+        reserves.append(r.layout.reserve)
+    assert reserves[0] == reserves[1] < reserves[2]
+
+
+def test_every_damaged_byte_of_a_mapped_entry_is_caught(tmp_path):
+    src = tensors(2)
+    st = store(tmp_path, "s")
+    with st.begin(0) as p:
+        r = p.reserve(OP, Level.FULL, src)
+        for name, t in src.items():
+            r.views[name].copy_(t)
+        r.seal(device_sums(r, src))
+        p.put_meta({})
+        p.publish()
+    path, off, n = st.backend.blob_location(0, r.blob)
+    # head, padding, each tensor, the digest, the trailer: one flipped bit anywhere
+    for pos in sorted({0, 20, r.layout.table[0]["offset"] - 1, *(t["offset"] for t in r.layout.table if t["nbytes"]),
+                       r.layout.body - 1, r.layout.body + 3, n - 1}):
+        flip_bit(path, off + pos, pos % 8)
+        with pytest.raises(CorruptEntryError):
+            st.load(0, OP, Level.FULL)
+        flip_bit(path, off + pos, pos % 8)  # restore
+        st.load(0, OP, Level.FULL)
+
+
+def test_a_remote_entry_hashed_on_the_device_records_the_host_digest(tmp_path):
+    src = tensors(3)
+    ref, st = store(tmp_path, "ref"), store(tmp_path, "dev")
+    with ref.begin(2) as p:
+        want = p.put_remote(OP, src)
+    with st.begin(2) as p:
+        layout, head = p.remote_layout(OP, src)
+        firsts = [rec["offset"] // 4 for rec in layout.table]
+        sums = [eh.lane_sums_of(t, f) for t, f in zip(src.values(), firsts)]
+        got = p.put_remote(OP, src, tensor_sums=sums, layout=(layout, head))
+        assert p.touched == 0
+    assert got.checksum == want.checksum and got.nbytes == want.nbytes
+
+
+def test_only_the_arena_maps_regions_and_device_digests_need_mfh64(tmp_path):
+    files = store(tmp_path, "files", layout="files")
+    with files.begin(0) as p, pytest.raises(ValueError, match="cannot map regions"):
+        p.reserve(OP, Level.FULL, tensors())
+    xxh = store(tmp_path, "xxh", checksum="xxh3_64")
+    with xxh.begin(0) as p:
+        r = p.reserve(OP, Level.FULL, tensors())
+        with pytest.raises(ValueError, match="mfh64"):
+            r.seal([[0, 0]] * len(r.views))
+
+
+def test_streaming_mfh64_equals_the_reference_for_any_split():
+    data = bytes(torch.randint(0, 256, (1001,), dtype=torch.uint8).numpy())
+    want = eh.reference_digest(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    for step in (1, 3, 4, 5, 64, 1001):
+        h = eh.Mfh64()
+        for i in range(0, len(data), step):
+            h.update(data[i:i + step])
+        assert h.digest() == want, step
