@@ -12,6 +12,7 @@ from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import KeepAll, StoreConfig
 from moe_ft.store import entry_hash as eh
 from moe_ft.store import entry_hash_triton as et
+from moe_ft.store.codec import tensor_specs
 from moe_ft.store.errors import CorruptEntryError
 
 OP = OperatorId.expert_op(0, 1)
@@ -73,7 +74,7 @@ def sealed_point(st, it, src, how):
 
 
 def test_an_entry_sealed_in_place_reads_back_as_put_writes_it(tmp_path):
-    """Hashed on the host or on the device: the same bytes, the same digest, the tensors ``put`` stores."""
+    """Hashed on the host or on the device: byte for byte the entry ``put`` writes."""
     src = tensors()
     ref = store(tmp_path, "ref")
     with ref.begin(3) as p:
@@ -83,7 +84,7 @@ def test_an_entry_sealed_in_place_reads_back_as_put_writes_it(tmp_path):
     host, dev = store(tmp_path, "host"), store(tmp_path, "dev")
     r = sealed_point(host, 3, src, "host")
     sealed_point(dev, 3, src, "device")
-    assert blob_bytes(host, 3, r.blob) == blob_bytes(dev, 3, r.blob)
+    assert blob_bytes(host, 3, r.blob) == blob_bytes(dev, 3, r.blob) == blob_bytes(ref, 3, r.blob)
     for st in (ref, host, dev):
         assert st.verify([3]).problems == ()
         loaded = st.load(3, OP, Level.FULL)
@@ -91,11 +92,11 @@ def test_an_entry_sealed_in_place_reads_back_as_put_writes_it(tmp_path):
     assert host.load_meta(3).meta == ref.load_meta(3).meta
 
 
-def test_a_layout_is_reused_and_laid_out_again_when_the_key_outgrows_it(tmp_path):
+def test_a_layout_is_reused_until_the_iteration_gains_a_digit(tmp_path):
     st = store(tmp_path, "s")
     src = tensors(1)
     reserves = []
-    for it in (1, 2, 10 ** 150):  # the third key's header is longer than the first layout's slack
+    for it in (1, 2, 10):  # 10: the key's header is one byte longer, the layout is another
         with st.begin(it) as p:
             r = p.reserve(OP, Level.COMPUTE, src)
             for name, t in src.items():
@@ -104,8 +105,9 @@ def test_a_layout_is_reused_and_laid_out_again_when_the_key_outgrows_it(tmp_path
             p.put_meta({})
             p.publish()
         assert st.verify([it]).problems == ()
-        reserves.append(r.layout.reserve)
-    assert reserves[0] == reserves[1] < reserves[2]
+        reserves.append(r.layout)
+    assert reserves[0] == reserves[1] and reserves[2] is not reserves[0]
+    assert len(st._layouts) == 2
 
 
 def test_every_damaged_byte_of_a_mapped_entry_is_caught(tmp_path):
@@ -135,10 +137,9 @@ def test_a_remote_entry_hashed_on_the_device_records_the_host_digest(tmp_path):
     with ref.begin(2) as p:
         want = p.put_remote(OP, src)
     with st.begin(2) as p:
-        layout, head = p.remote_layout(OP, src)
-        firsts = [rec["offset"] // 4 for rec in layout.table]
-        sums = [eh.lane_sums_of(t, f) for t, f in zip(src.values(), firsts)]
-        got = p.put_remote(OP, src, tensor_sums=sums, layout=(layout, head))
+        layout = p.layout(OP, Level.FULL, tensor_specs(src))
+        sums = [eh.lane_sums_of(t, f) for t, f in zip(src.values(), layout.first_words)]
+        got = p.put_remote(OP, src, tensor_sums=sums, layout=layout)
         assert p.touched == 0
     assert got.checksum == want.checksum and got.nbytes == want.nbytes
 

@@ -93,11 +93,22 @@ class PinnedSegments:
 
 
 @dataclass
+class _Prep:
+    """What the copier keeps per engine entry (its tensors are fixed): the tensors' specs (the store's
+    layout cache key) and flat byte views of the sources (one split of the region gives the destinations)."""
+
+    entry: Any  # the engine's _Entry (kept: its id keys the plans)
+    like: dict
+    specs: tuple
+    byte_srcs: list | None  # None: a source is not contiguous, copy through typed views
+
+
+@dataclass
 class _Plan:
     """How a composition of entries (a sparse plan repeats every window) is hashed: one table for the
     device tensors it can take, the rest one by one, the host-resident ones at seal time."""
 
-    table: object  # TensorTable | None
+    table: Any  # TensorTable | None
     slots: list  # per entry: [(kind, index)] per tensor: ("table", row) | ("single", i) | ("host", -1)
     singles: list  # [(device tensor, first word)]
     pinned: torch.Tensor  # host copy of the table's sums and the singles' sums, rows in that order
@@ -105,12 +116,12 @@ class _Plan:
 
 @dataclass
 class MappedJob:
-    """What :func:`issue` queued for one snapshot: the point, its reserved entries, the remote entries and
-    where the tensors' sums land."""
+    """What :meth:`MappedCopier.issue` queued for one snapshot: the point, its reserved entries, the remote
+    entries and where the tensors' sums land."""
 
     point: Any  # PendingPoint
-    reserved: list  # [(ReservedEntry, [src tensors])]
-    remote: list = field(default_factory=list)  # [(op, like tensors, layout first words)]
+    reserved: list  # [(ReservedEntry, _Prep)]
+    remote: list = field(default_factory=list)  # [(EntryLayout, _Prep)]
     plan: _Plan | None = None
     host_bytes: int = 0
 
@@ -122,7 +133,20 @@ class MappedCopier:
         self.store, self.stream = store, stream
         self.pinned = PinnedSegments(store.backend)
         self.pinned.refresh()
+        self._preps: dict[int, _Prep] = {}
         self._plans: dict[tuple, _Plan] = {}
+
+    def _prep(self, entry) -> _Prep:
+        prep = self._preps.get(id(entry))
+        if prep is None:
+            from moe_ft.store.codec import tensor_specs
+
+            like = dict(zip(entry.out, entry.srcs))
+            flat = all(s.is_contiguous() for s in entry.srcs)
+            prep = self._preps[id(entry)] = _Prep(
+                entry=entry, like=like, specs=tensor_specs(like),
+                byte_srcs=[s.reshape(-1).view(torch.uint8) for s in entry.srcs] if flat else None)
+        return prep
 
     def issue(self, iteration: int, slot: int, items, remote_ops) -> MappedJob:
         """Training thread, inside ``torch.cuda.stream(self.stream)`` after it waited for the compute
@@ -133,24 +157,27 @@ class MappedCopier:
         job = MappedJob(point=point, reserved=[])
         try:
             for entry in items:
-                like = dict(zip(entry.out, entry.srcs))
+                prep = self._prep(entry)
                 if entry.level == Level.FULL and entry.op in remote_ops:
-                    layout, head = point.remote_layout(entry.op, like)
-                    job.remote.append((entry.op, like, layout, head))
+                    job.remote.append((point.layout(entry.op, Level.FULL, prep.specs), prep))
                 else:
-                    job.reserved.append((point.reserve(entry.op, entry.level, like), entry.srcs))
+                    job.reserved.append((point.reserve(entry.op, entry.level, prep.like, prep.specs), prep))
         except BaseException:
             point.abort()
             raise
         self.pinned.refresh()  # a segment the arena just added
         dst, src, host_dst, host_src = [], [], [], []
-        for reserved, srcs in job.reserved:
-            for view, s in zip(reserved.views.values(), srcs):
+        for reserved, prep in job.reserved:
+            if prep.byte_srcs is not None:
+                pairs = zip(reserved.byte_views(), prep.byte_srcs)
+            else:
+                pairs = zip(reserved.views.values(), prep.entry.srcs)
+            for d, s in pairs:
                 if s.is_cuda:
-                    dst.append(view)
+                    dst.append(d)
                     src.append(s)
                 else:
-                    host_dst.append(view)
+                    host_dst.append(d)
                     host_src.append(s)
                     job.host_bytes += s.nbytes
         if host_dst:
@@ -161,18 +188,19 @@ class MappedCopier:
         self._hash(job.plan)
         return job
 
-    def _entries_of(self, job: MappedJob):
-        """(srcs, first words) of every entry whose digest is needed, in a fixed order."""
-        out = [(srcs, r.first_words) for r, srcs in job.reserved]
-        out += [(list(like.values()), [rec["offset"] // 4 for rec in layout.table]) for _, like, layout, _ in job.remote]
-        return out
+    @staticmethod
+    def _entries_of(job: MappedJob):
+        """(sources, layout) of every entry whose digest is needed, in a fixed order."""
+        return [(p.entry.srcs, r.layout) for r, p in job.reserved] + [(p.entry.srcs, lay) for lay, p in job.remote]
 
     def _plan(self, job: MappedJob, slot: int) -> _Plan:
         from moe_ft.store.entry_hash_triton import TensorTable, tableable
 
         entries = self._entries_of(job)
-        # per slot: a plan's pinned rows and table outputs are reused only once its slot's job is done
-        key = (slot, *((tuple(s.data_ptr() for s in srcs), tuple(firsts)) for srcs, firsts in entries))
+        # per slot: a plan's pinned rows and table outputs are reused only once its slot's job is done;
+        # the engine's entries are fixed (their ids name the sources) and cached layouts are immutable
+        key = (slot, *((id(p.entry), id(r.layout)) for r, p in job.reserved),
+               *((id(p.entry), id(lay)) for lay, p in job.remote))
         plan = self._plans.get(key)
         if plan is not None:
             return plan
@@ -180,9 +208,9 @@ class MappedCopier:
         firsts_t: list[int] = []
         singles: list[tuple[torch.Tensor, int]] = []
         slots: list[list[tuple[str, int]]] = []
-        for srcs, firsts in entries:
+        for srcs, layout in entries:
             kinds: list[tuple[str, int]] = []
-            for s, first in zip(srcs, firsts):
+            for s, first in zip(srcs, layout.first_words):
                 if not s.is_cuda:
                     kinds.append(("host", -1))
                 elif tableable(s):
@@ -204,7 +232,7 @@ class MappedCopier:
         current stream: the snapshot stream, ordered after the optimizer step that made the tensors)."""
         from moe_ft.store.entry_hash_triton import device_lane_sums
 
-        parts = [plan.table.launch()] if plan.table is not None else []  # type: ignore[attr-defined]
+        parts = [plan.table.launch()] if plan.table is not None else []
         parts += [device_lane_sums(s, first).reshape(1, 2) for s, first in plan.singles]
         if parts:
             plan.pinned.copy_(torch.cat(parts) if len(parts) > 1 else parts[0], non_blocking=True)
@@ -214,12 +242,11 @@ class MappedCopier:
         plan = job.plan
         assert plan is not None
         rows = plan.pinned.tolist()
-        n_table = len(plan.table.tensors) if plan.table is not None else 0  # type: ignore[attr-defined]
-        entries = self._entries_of(job)
+        n_table = len(plan.table.tensors) if plan.table is not None else 0
         sums_per_entry = []
-        for (srcs, firsts), kinds in zip(entries, plan.slots):
+        for (srcs, layout), kinds in zip(self._entries_of(job), plan.slots):
             sums = []
-            for s, first, (kind, i) in zip(srcs, firsts, kinds):
+            for s, first, (kind, i) in zip(srcs, layout.first_words, kinds):
                 if kind == "table":
                     sums.append(rows[i])
                 elif kind == "single":
@@ -230,8 +257,8 @@ class MappedCopier:
             sums_per_entry.append(sums)
         for (reserved, _), sums in zip(job.reserved, sums_per_entry):
             reserved.seal(sums)
-        for (op, like, layout, head), sums in zip(job.remote, sums_per_entry[len(job.reserved):]):
-            job.point.put_remote(op, like, tensor_sums=sums, layout=(layout, head))
+        for (layout, prep), sums in zip(job.remote, sums_per_entry[len(job.reserved):]):
+            job.point.put_remote(prep.entry.op, prep.like, tensor_sums=sums, layout=layout)
 
     def close(self) -> None:
         self.pinned.release()

@@ -148,6 +148,21 @@ class EntryLayout:
     body: int
     size: int
 
+    @property
+    def first_words(self) -> list[int]:
+        """Each tensor's first word index in the entry (what its device digest is keyed by)."""
+        return [rec["offset"] // 4 for rec in self.table]
+
+    @property
+    def splits(self) -> list[int]:
+        """Sizes that cut ``[0, body)`` into head, tensor, gap, tensor, ... (``torch.split``: the tensors'
+        byte views are the odd pieces)."""
+        sizes, pos = [], 0
+        for rec in self.table:
+            sizes += [rec["offset"] - pos, rec["nbytes"]]
+            pos = rec["offset"] + rec["nbytes"]
+        return sizes
+
 
 def _head_json(key: Mapping[str, Any], algo: str, meta_json: str | None) -> str:
     # The header is the canonical JSON (sorted keys, no spaces) of {"checksum", "key", "meta", "tensors"};
@@ -156,7 +171,7 @@ def _head_json(key: Mapping[str, Any], algo: str, meta_json: str | None) -> str:
             + (f'"meta":{meta_json},' if meta_json is not None else "") + '"tensors":')
 
 
-def layout_entry(key: Mapping[str, Any], specs: list[tuple[str, str, list[int], int]], algo: str,
+def layout_entry(key: Mapping[str, Any], specs, algo: str,
                  meta_json: str | None = None, *, slack: int = 0) -> EntryLayout:
     """The layout of an entry of ``specs`` (``(name, dtype name, shape, nbytes)`` in order); ``slack``
     extra header bytes let later keys (a longer iteration number) reuse it."""
@@ -188,9 +203,11 @@ def entry_head(layout: EntryLayout, key: Mapping[str, Any], algo: str, meta_json
     return _PREFIX.pack(MAGIC, VERSION, layout.reserve) + header.ljust(layout.reserve, b" ")  # JSON allows spaces
 
 
-def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, str, list[int], int]]:
-    """``(name, dtype name, shape, nbytes)`` of each tensor, in order (what :func:`layout_entry` takes)."""
-    return [(name, dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size()) for name, t in tensors.items()]
+def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[str, str, tuple[int, ...], int], ...]:
+    """``(name, dtype name, shape, nbytes)`` of each tensor, in order (what :func:`layout_entry` takes;
+    hashable, so that layouts can be cached by it)."""
+    return tuple((name, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size())
+                 for name, t in tensors.items())
 
 
 def write_entry(

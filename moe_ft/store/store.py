@@ -124,29 +124,42 @@ def _discard(buf) -> None:
 
 class ReservedEntry:
     """An operator's entry laid out in a mapped store region (:meth:`PendingPoint.reserve`): copy the
-    tensors' bytes into :attr:`views` (a device-to-host copy lands there directly), then :meth:`seal`."""
+    tensors' bytes into their places (:meth:`byte_views`, or the typed :attr:`views`; a device-to-host copy
+    lands there directly), then :meth:`seal`."""
 
     def __init__(self, point: "PendingPoint", op: OperatorId, level: Level, blob: str, layout: EntryLayout,
-                 head: bytes, region: torch.Tensor) -> None:
+                 region: torch.Tensor) -> None:
         self._point, self.op, self.level, self.blob = point, op, level, blob
-        self.layout, self._head, self._region = layout, head, region
-        self.views = {rec["name"]: region[rec["offset"]:rec["offset"] + rec["nbytes"]].view(DTYPES[rec["dtype"]])
-                      .view(rec["shape"]) for rec in layout.table}
-        """Name -> a tensor over the entry's bytes for it, in the store's memory."""
-        self.first_words = [rec["offset"] // 4 for rec in layout.table]
-        """Each tensor's first word index in the entry (what its device digest is keyed by)."""
+        self.layout, self._region = layout, region
+
+    def byte_views(self) -> list[torch.Tensor]:
+        """Each tensor's bytes in the region, as flat ``uint8`` tensors (one split for all of them)."""
+        if not self.layout.table:
+            return []
+        return list(torch.split(self._region[:self.layout.body], self.layout.splits)[1::2])
+
+    @property
+    def views(self) -> dict[str, torch.Tensor]:
+        """Name -> a tensor of the entry's dtype and shape over its bytes in the region."""
+        return {rec["name"]: b.view(DTYPES[rec["dtype"]]).view(rec["shape"])
+                for rec, b in zip(self.layout.table, self.byte_views())}
+
+    @property
+    def first_words(self) -> list[int]:
+        return self.layout.first_words
 
     def seal(self, tensor_sums: list[list[int]] | None = None) -> EntryRecord:
-        """The views hold the tensors' final bytes: write the entry's header, padding and digest around
-        them. ``tensor_sums``: each tensor's ``mfh64`` lane sums, computed on the device from the bytes that
-        were copied (the host then reads no payload byte); ``None``: hash the region on the host."""
+        """The tensors' bytes are final: write the entry's header, padding and digest around them.
+        ``tensor_sums``: each tensor's ``mfh64`` lane sums, computed on the device from the bytes that were
+        copied (the host then reads no payload byte); ``None``: hash the region on the host."""
         point = self._point
-        written = seal_entry(raw_bytes(self._region), self.layout, self._head, point._store.checksum, tensor_sums)
+        algo = point._store.checksum
+        head = entry_head(self.layout, entry_key(point.iteration, self.op, self.level), algo)
+        written = seal_entry(raw_bytes(self._region), self.layout, head, algo, tensor_sums)
         point._writer.mapped_done(self.blob)
-        with point._lock:
-            point.touched += written.hashed if tensor_sums is None else 0
         record = _records(point.iteration, self.op, self.level, self.blob, written)
         with point._lock:
+            point.touched += written.hashed if tensor_sums is None else 0
             point._entries[self.op] = record
         return record
 
@@ -206,23 +219,23 @@ class PendingPoint:
             self._entries[op] = record
         return record
 
-    def _layout(self, blob: str, key: dict, tensors: Mapping[str, torch.Tensor]) -> tuple[EntryLayout, bytes]:
-        """The entry's layout (cached per blob and tensor shapes; a key that outgrows the cached header is
-        laid out again) and its head."""
-        algo = self._store.checksum
-        specs = tensor_specs(tensors)
-        cache_key = (blob, tuple((n, d, tuple(sh)) for n, d, sh, _ in specs))
+    def layout(self, op: OperatorId, level: Level, specs) -> EntryLayout:
+        """The layout of ``op``'s entry at ``level`` in this point, from :func:`~moe_ft.store.codec.tensor_specs`
+        of its tensors: the one ``write_entry`` gives (no slack), cached by blob, specs and the number of
+        digits of the iteration (the only part of the header that changes)."""
+        blob = entry_blob(op, level)
+        cache_key = (blob, len(str(self.iteration)), specs)
         layout = self._store._layouts.get(cache_key)
-        if layout is not None:
-            with contextlib.suppress(ValueError):
-                return layout, entry_head(layout, key, algo)
-        layout = self._store._layouts[cache_key] = layout_entry(key, specs, algo, slack=32)
-        return layout, entry_head(layout, key, algo)
+        if layout is None:
+            layout = layout_entry(entry_key(self.iteration, op, level), specs, self._store.checksum)
+            self._store._layouts[cache_key] = layout
+        return layout
 
-    def reserve(self, op: OperatorId, level: Level, like: Mapping[str, torch.Tensor]) -> ReservedEntry:
+    def reserve(self, op: OperatorId, level: Level, like: Mapping[str, torch.Tensor], specs=None) -> ReservedEntry:
         """Lay out the entry (iteration, ``op``, ``level``) of tensors shaped and typed like ``like`` (any
-        device) in a region of the store's own memory, for a copy in place; needs a backend that maps
-        regions (``maps_regions``: the arena)."""
+        device; ``specs``: their :func:`~moe_ft.store.codec.tensor_specs`, if the caller keeps them) in a
+        region of the store's own memory, for a copy in place; needs a backend that maps regions
+        (``maps_regions``: the arena)."""
         if not isinstance(op, OperatorId):
             raise TypeError(f"op must be an OperatorId, got {type(op).__name__}")
         level = Level(level)
@@ -233,25 +246,17 @@ class PendingPoint:
                              "(use the arena layout, or put())")
         self._reserve(str(op))
         blob = entry_blob(op, level)
-        layout, head = self._layout(blob, entry_key(self.iteration, op, level), like)
-        return ReservedEntry(self, op, level, blob, layout, head, self._writer.map_blob(blob, layout.size))
-
-    def remote_layout(self, op: OperatorId, like: Mapping[str, torch.Tensor]) -> tuple[EntryLayout, bytes]:
-        """The layout and head of ``op``'s FULL entry as :meth:`put_remote` records it (for hashing its
-        tensors on their device first: each tensor's words are keyed by its offset in this layout). It is
-        the layout ``write_entry`` gives, with no slack: the peers that rebuild the entry encode it so, and
-        its bytes must match the digest recorded here."""
-        key, algo = entry_key(self.iteration, op, Level.FULL), self._store.checksum
-        layout = layout_entry(key, tensor_specs(like), algo)
-        return layout, entry_head(layout, key, algo)
+        layout = self.layout(op, level, specs if specs is not None else tensor_specs(like))
+        return ReservedEntry(self, op, level, blob, layout, self._writer.map_blob(blob, layout.size))
 
     def put_remote(self, op: OperatorId, tensors: Mapping[str, torch.Tensor],
-                   tensor_sums: list[list[int]] | None = None,
-                   layout: tuple[EntryLayout, bytes] | None = None) -> EntryRecord:
+                   tensor_sums: list[list[int]] | None = None, layout: EntryLayout | None = None) -> EntryRecord:
         """Record ``op``'s FULL entry without writing it: its size and checksum (the bytes are hashed, not
         stored), listed in the manifest as held by the replica peers (:attr:`EntryRecord.remote`), which
         rebuild it from the step's gradients (MoEtion §5.2). Goes with a :meth:`put` of the operator's
-        COMPUTE entry (the owner's own copy of the compute weights)."""
+        COMPUTE entry (the owner's own copy of the compute weights). ``tensor_sums``: the tensors' mfh64
+        lane sums computed on their device, keyed by their offsets in ``layout`` (:meth:`layout` of the FULL
+        entry: the layout ``write_entry`` gives, which the peers' rebuilt entry has too)."""
         if not isinstance(op, OperatorId):
             raise TypeError(f"op must be an OperatorId, got {type(op).__name__}")
         self._reserve(f"remote {op}")
@@ -260,12 +265,12 @@ class PendingPoint:
         if tensor_sums is None:
             written = write_entry(_discard, key, tensors, self._store.checksum)
             payload = written.hashed
-        else:  # the tensors' mfh64 lane sums, computed on their device by :meth:`remote_layout`'s layout
+        else:  # the tensors' mfh64 lane sums, computed on their device (keyed by their offsets in ``layout``)
             if self._store.checksum != entry_hash.ALGO:
                 raise ValueError(f"tensor digests computed on the device are {entry_hash.ALGO}, the store uses "
                                  f"{self._store.checksum}")
-            laid, head = layout if layout is not None else self.remote_layout(op, tensors)
-            digest, _ = entry_digest(laid, head, tensor_sums)
+            laid = layout if layout is not None else self.layout(op, Level.FULL, tensor_specs(tensors))
+            digest, _ = entry_digest(laid, entry_head(laid, key, self._store.checksum), tensor_sums)
             written, payload = WrittenEntry(laid.size, digest.hex(), laid.table), 0
         record = replace(_records(self.iteration, op, Level.FULL, blob, written), remote=True)
         with self._lock:
