@@ -96,7 +96,7 @@ def test_a_layout_is_reused_until_the_iteration_gains_a_digit(tmp_path):
     st = store(tmp_path, "s")
     src = tensors(1)
     reserves = []
-    for it in (1, 2, 10):  # 10: the key's header is one byte longer, the layout is another
+    for it in (1, 10, 10 ** 12):  # laid out for 12 digits: 10^12 has 13
         with st.begin(it) as p:
             r = p.reserve(OP, Level.COMPUTE, src)
             for name, t in src.items():
@@ -163,3 +163,52 @@ def test_streaming_mfh64_equals_the_reference_for_any_split():
         for i in range(0, len(data), step):
             h.update(data[i:i + step])
         assert h.digest() == want, step
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel-hashes", "host-hashes"])
+def test_the_mapped_copier_writes_the_entries_put_writes(tmp_path, kernel):
+    """The GPU snapshot path's copier (moe_ft/snapshot/mapped.py) on CPU tensors: regions reserved, bytes
+    copied in place, sums from the kernel (every tensor taken as a device tensor) or the host, entries
+    sealed; a second snapshot of another composition and one of the first again (its cached plan)."""
+    from types import SimpleNamespace
+
+    from moe_ft.snapshot.mapped import MappedCopier
+
+    ops = [OperatorId.expert_op(0, e) for e in range(3)]
+    state = {op: tensors(i) for i, op in enumerate(ops)}
+    entries = {(op, lvl): SimpleNamespace(op=op, level=lvl, out=dict(state[op]), srcs=list(state[op].values()))
+               for op in ops for lvl in (Level.FULL, Level.COMPUTE)}
+    st = store(tmp_path, "mapped")
+    copier = MappedCopier(st, None, on_device=(lambda t: True) if kernel else None)
+    plans = [({ops[0]: Level.FULL, ops[1]: Level.COMPUTE}, frozenset()),
+             ({ops[1]: Level.FULL, ops[2]: Level.FULL}, frozenset({ops[2]})),
+             ({ops[0]: Level.FULL, ops[1]: Level.COMPUTE}, frozenset())]
+    for it, (plan, remote) in enumerate(plans):
+        items = [entries[(op, lvl)] for op, lvl in plan.items()]
+        if remote:
+            items.append(entries[(ops[2], Level.COMPUTE)])
+        job = copier.issue(it, it % 2, items, remote)
+        with job.point as point:
+            copier.seal(job)
+            point.put_meta({"i": it})
+            point.publish()
+        assert (job.host_bytes == 0) == kernel and point.touched == 0
+        ref = store(tmp_path, f"ref{it}")
+        with ref.begin(it) as p:
+            for item in items:
+                if item.op in remote and item.level == Level.FULL:
+                    want = p.put_remote(item.op, item.out)
+                else:
+                    p.put(item.op, item.level, item.out)
+            p.put_meta({"i": it})
+            p.publish()
+        assert st.verify([it]).problems == ()
+        names = [b for b in ref.backend.blob_names(it) if b.endswith(".ent") and "meta" not in b]
+        assert len(names) == len(items) - len(remote)
+        for b in names:
+            assert blob_bytes(st, it, b) == blob_bytes(ref, it, b), (it, b)
+        if remote:
+            got = st.catalog([it]).point(it).entries[ops[2]]
+            assert got.remote and got.checksum == want.checksum
+    assert len(copier._plans) == 2  # the third snapshot reused the first one's plan
+    copier.close()

@@ -180,7 +180,7 @@ class SnapshotEngine:
         if not self.mapped_off:
             from moe_ft.snapshot.mapped import MappedCopier
 
-            self.mapped = MappedCopier(store, self._stream)
+            self.mapped = MappedCopier(store, self._stream, capacity=2 * len(layout))
         pin = self.cuda if config.pin_memory is None else config.pin_memory
         # every operator FULL (the largest plan); direct writes need buffers for the metadata only
         self.buffers = HostBuffers(config.num_slots, pin, None if self.direct or self.mapped else layout)

@@ -73,7 +73,9 @@ class PinnedSegments:
         self.failed = ""
 
     def refresh(self) -> None:
-        """Register every mapping not registered yet."""
+        """Register every mapping not registered yet (nothing to do without CUDA)."""
+        if not torch.cuda.is_available():
+            return
         cudart = torch.cuda.cudart()
         for view in self.backend.mapped_segments().values():
             ptr = view.data_ptr()
@@ -86,6 +88,8 @@ class PinnedSegments:
                 self._registered[ptr] = view
 
     def release(self) -> None:
+        if not self._registered:
+            return
         cudart = torch.cuda.cudart()
         while self._registered:
             ptr, _ = self._registered.popitem()
@@ -111,7 +115,11 @@ class _Plan:
     table: Any  # TensorTable | None
     slots: list  # per entry: [(kind, index)] per tensor: ("table", row) | ("single", i) | ("host", -1)
     singles: list  # [(device tensor, first word)]
-    pinned: torch.Tensor  # host copy of the table's sums and the singles' sums, rows in that order
+
+    @property
+    def rows(self) -> int:
+        """Rows of sums it copies to the host: the table's, then the singles'."""
+        return (len(self.table.tensors) if self.table is not None else 0) + len(self.singles)
 
 
 @dataclass
@@ -123,18 +131,25 @@ class MappedJob:
     reserved: list  # [(ReservedEntry, _Prep)]
     remote: list = field(default_factory=list)  # [(EntryLayout, _Prep)]
     plan: _Plan | None = None
+    rows: torch.Tensor | None = None  # pinned host rows the plan's sums are copied into
     host_bytes: int = 0
 
 
 class MappedCopier:
     """Issues a snapshot's copies into mapped store regions and seals them (module docstring)."""
 
-    def __init__(self, store, stream) -> None:
+    def __init__(self, store, stream, *, capacity: int = 64, on_device=None) -> None:
+        """``capacity``: rows of sums a job may need (two per tensor of the registry covers any plan, remote
+        entries included); ``on_device(tensor)``: whether a source is hashed by the kernel (default: it is on
+        CUDA; the CPU tests hash CPU tensors with the kernel under ``TRITON_INTERPRET=1``)."""
         self.store, self.stream = store, stream
+        self.capacity = capacity
+        self.on_device = on_device or (lambda t: t.is_cuda)
         self.pinned = PinnedSegments(store.backend)
         self.pinned.refresh()
         self._preps: dict[int, _Prep] = {}
         self._plans: dict[tuple, _Plan] = {}
+        self._rows: dict[int, torch.Tensor] = {}  # slot -> pinned rows for its job's sums
 
     def _prep(self, entry) -> _Prep:
         prep = self._preps.get(id(entry))
@@ -173,7 +188,7 @@ class MappedCopier:
             else:
                 pairs = zip(reserved.views.values(), prep.entry.srcs)
             for d, s in pairs:
-                if s.is_cuda:
+                if self.on_device(s):
                     dst.append(d)
                     src.append(s)
                 else:
@@ -184,23 +199,33 @@ class MappedCopier:
             torch._foreach_copy_(host_dst, host_src)
         if dst:
             torch._foreach_copy_(dst, src, non_blocking=True)
-        job.plan = self._plan(job, slot)
-        self._hash(job.plan)
+        job.plan = self._plan(job)
+        job.rows = self._slot_rows(slot, job.plan.rows)
+        self._hash(job.plan, job.rows)
         return job
+
+    def _slot_rows(self, slot: int, n: int) -> torch.Tensor:
+        """``n`` pinned rows of ``slot`` (a slot's job is sealed before the slot is used again; a plan's
+        device buffers are reused by the next launch on the same stream, after this copy)."""
+        rows = self._rows.get(slot)
+        if rows is None or rows.shape[0] < n:
+            rows = self._rows[slot] = torch.empty((max(n, self.capacity), 2), dtype=torch.int64,
+                                                  pin_memory=torch.cuda.is_available())
+        return rows[:n]
 
     @staticmethod
     def _entries_of(job: MappedJob):
         """(sources, layout) of every entry whose digest is needed, in a fixed order."""
         return [(p.entry.srcs, r.layout) for r, p in job.reserved] + [(p.entry.srcs, lay) for lay, p in job.remote]
 
-    def _plan(self, job: MappedJob, slot: int) -> _Plan:
+    def _plan(self, job: MappedJob) -> _Plan:
         from moe_ft.store.entry_hash_triton import TensorTable, tableable
 
         entries = self._entries_of(job)
-        # per slot: a plan's pinned rows and table outputs are reused only once its slot's job is done;
-        # the engine's entries are fixed (their ids name the sources) and cached layouts are immutable
-        key = (slot, *((id(p.entry), id(r.layout)) for r, p in job.reserved),
-               *((id(p.entry), id(lay)) for lay, p in job.remote))
+        # the engine's entries are fixed (their ids name the sources) and cached layouts are immutable: a
+        # sparse window's plans are built in its first window, then reused
+        key = (*((id(p.entry), id(r.layout)) for r, p in job.reserved),
+               None, *((id(p.entry), id(lay)) for lay, p in job.remote))
         plan = self._plans.get(key)
         if plan is not None:
             return plan
@@ -211,7 +236,7 @@ class MappedCopier:
         for srcs, layout in entries:
             kinds: list[tuple[str, int]] = []
             for s, first in zip(srcs, layout.first_words):
-                if not s.is_cuda:
+                if not self.on_device(s):
                     kinds.append(("host", -1))
                 elif tableable(s):
                     kinds.append(("table", len(rows)))
@@ -222,26 +247,25 @@ class MappedCopier:
                     singles.append((s, first))
             slots.append(kinds)
         table = TensorTable(rows, firsts_t) if rows else None
-        pinned = torch.empty((len(rows) + len(singles), 2), dtype=torch.int64, pin_memory=True)
-        plan = self._plans[key] = _Plan(table=table, slots=slots, singles=singles, pinned=pinned)
+        plan = self._plans[key] = _Plan(table=table, slots=slots, singles=singles)
         return plan
 
     @staticmethod
-    def _hash(plan: _Plan) -> None:
-        """Queue the lane sums of every device tensor and their copy into the plan's pinned rows (on the
-        current stream: the snapshot stream, ordered after the optimizer step that made the tensors)."""
+    def _hash(plan: _Plan, out: torch.Tensor) -> None:
+        """Queue the lane sums of every device tensor and their copy into ``out`` (pinned rows) on the
+        current stream: the snapshot stream, ordered after the optimizer step that made the tensors."""
         from moe_ft.store.entry_hash_triton import device_lane_sums
 
         parts = [plan.table.launch()] if plan.table is not None else []
         parts += [device_lane_sums(s, first).reshape(1, 2) for s, first in plan.singles]
         if parts:
-            plan.pinned.copy_(torch.cat(parts) if len(parts) > 1 else parts[0], non_blocking=True)
+            out.copy_(torch.cat(parts) if len(parts) > 1 else parts[0], non_blocking=True)
 
     def seal(self, job: MappedJob) -> None:
         """Background thread, after the copy event completed: seal every entry with its tensors' sums."""
         plan = job.plan
-        assert plan is not None
-        rows = plan.pinned.tolist()
+        assert plan is not None and job.rows is not None
+        rows = job.rows.tolist()
         n_table = len(plan.table.tensors) if plan.table is not None else 0
         sums_per_entry = []
         for (srcs, layout), kinds in zip(self._entries_of(job), plan.slots):

@@ -171,10 +171,19 @@ def _head_json(key: Mapping[str, Any], algo: str, meta_json: str | None) -> str:
             + (f'"meta":{meta_json},' if meta_json is not None else "") + '"tensors":')
 
 
+WIDE_ITERATION = 10 ** 12 - 1
+"""Headers are laid out as if the iteration had at least this many digits (12): an entry's tensors sit at
+the same offsets at every iteration below 10^12, so a layout, and what is keyed by its offsets (the
+device digests of ``moe_ft/snapshot/mapped.py``), is computed once per entry shape, not again at 10, 100,
+1000 ... (the header is padded with spaces, which JSON ignores)."""
+
+
 def layout_entry(key: Mapping[str, Any], specs, algo: str,
                  meta_json: str | None = None, *, slack: int = 0) -> EntryLayout:
     """The layout of an entry of ``specs`` (``(name, dtype name, shape, nbytes)`` in order); ``slack``
-    extra header bytes let later keys (a longer iteration number) reuse it."""
+    extra header bytes beyond :data:`WIDE_ITERATION`'s."""
+    if isinstance(key.get("iteration"), int) and key["iteration"] < WIDE_ITERATION:
+        key = dict(key, iteration=WIDE_ITERATION)
     head = _head_json(key, algo, meta_json)
     table: list[dict] = []
     # Offsets depend on the header length and the header contains the offsets: lay out with a guess of

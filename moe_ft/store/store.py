@@ -32,6 +32,7 @@ from moe_ft.store.catalog import Catalog, Problem
 from moe_ft.store.codec import (
     DEFAULT_CHECKSUM,
     DTYPES,
+    WIDE_ITERATION,
     EntryLayout,
     WrittenEntry,
     encode_meta,
@@ -221,10 +222,10 @@ class PendingPoint:
 
     def layout(self, op: OperatorId, level: Level, specs) -> EntryLayout:
         """The layout of ``op``'s entry at ``level`` in this point, from :func:`~moe_ft.store.codec.tensor_specs`
-        of its tensors: the one ``write_entry`` gives (no slack), cached by blob, specs and the number of
-        digits of the iteration (the only part of the header that changes)."""
+        of its tensors: the one ``write_entry`` gives, cached by blob and specs (headers are laid out for a
+        12-digit iteration, :data:`~moe_ft.store.codec.WIDE_ITERATION`; a longer one is laid out anew)."""
         blob = entry_blob(op, level)
-        cache_key = (blob, len(str(self.iteration)), specs)
+        cache_key = (blob, self.iteration > WIDE_ITERATION and len(str(self.iteration)), specs)
         layout = self._store._layouts.get(cache_key)
         if layout is None:
             layout = layout_entry(entry_key(self.iteration, op, level), specs, self._store.checksum)
