@@ -36,9 +36,10 @@ stage units units.log $PY -m pytest -q -p no:cacheprovider -rs -s --basetemp="$S
   -m gpu tests/gpu tests/test_popularity.py tests/test_entry_hash.py --ignore=tests/gpu/test_gpu_recovery.py
 stage recovery recovery.log $PY -m pytest -q -p no:cacheprovider -rs -s --basetemp="$STORE/pt-gpu-recovery" \
   tests/gpu/test_gpu_recovery.py
-# half the store's measured write rate (SNAPSHOT_BW overrides; 2e9 without a snapshot stage)
-BW=${SNAPSHOT_BW:-$($PY -c "import json,sys; print(0.5e9 * json.load(open(sys.argv[1]))['store_write_gbps'])" \
+# half the rate of the default snapshot path, a copy into the arena (SNAPSHOT_BW overrides; 2e9 without a
+# snapshot stage); each sparse window on both paths (arena, staged), alternating, twice
+BW=${SNAPSHOT_BW:-$($PY -c "import json,sys; print(0.5e9 * json.load(open(sys.argv[1]))['mapped']['engine_gbps'])" \
   "$OUT/gpu_snapshot.json" 2>/dev/null || echo 2e9)}
 stage overhead gpu_overhead.json $PY -m tools.bench.gpu_overhead --store-root "$STORE" --log-dir "$OUT" \
-  --snapshot-bandwidth "$BW"
+  --snapshot-bandwidth "$BW" --windows 8 0 --staged --repeats 2
 exit 0
