@@ -115,6 +115,7 @@ def log_worker(rank: int, world: int, init: str, corpus: str, extra: list[str], 
         train_step(state, data, t, args)
         logging_.on_iteration_end(t, replaying=False)
     final = log_save(state)["tensors"]
+    logging_.drain()  # the writer thread publishes the iterations behind the training thread
     result = {"rank": rank, "log_bytes": logging_.recorder.bytes_per_iteration,
               "logged": logging_.log_dir.iterations(), "changed": len(log_differences(saved["tensors"], final)),
               "replays": []}

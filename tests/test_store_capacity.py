@@ -131,3 +131,41 @@ def test_an_arena_that_cannot_grow_fails_whole_and_keeps_its_points(small_tmpfs)
         point.put(op, Level.FULL, big)
         point.publish()
     assert torch.equal(store.load(3, op, Level.FULL)["w"], big["w"])
+
+
+def test_a_copy_into_the_arena_that_finds_no_room_reserves_nothing(small_tmpfs):
+    """The GPU path reserves a snapshot's regions on the training thread (``MappedCopier.issue``; run here on
+    CPU tensors): a full tmpfs is an ``ENOSPC`` from ``issue``, the point is aborted with every region it
+    had, nothing is staged, and the next snapshot that fits goes through."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from moe_ft.snapshot.mapped import MappedCopier
+    from moe_ft.state.operators import Level, OperatorId
+    from moe_ft.store import ArenaBackend, SnapshotStore
+    from moe_ft.store.errors import store_full
+
+    fs = small_tmpfs("9m")
+    store = SnapshotStore(ArenaBackend(fs / "store"), checksum="mfh64")
+    copier = MappedCopier(store, None)
+    ops = [OperatorId.expert_op(0, e) for e in range(3)]
+    big = {op: {"w": torch.full((3 << 18,), float(e))} for e, op in enumerate(ops)}  # 3 MiB each
+    entries = [SimpleNamespace(op=op, level=Level.FULL, out=big[op], srcs=list(big[op].values())) for op in ops]
+
+    def snapshot(it, items):
+        job = copier.issue(it, 0, items, frozenset())
+        with job.point as point:
+            copier.seal(job)
+            point.put_meta({})
+            point.publish()
+
+    snapshot(1, entries[:1])
+    with pytest.raises(OSError) as err:
+        copier.issue(2, 0, entries, frozenset())  # 9 MiB more on a 9 MiB tmpfs
+    assert store_full(err.value), err.value
+    assert store.points() == [1] and store.staging() == [] and store.verify().problems == ()
+    store.delete_point(1)
+    snapshot(3, entries[1:3])  # the regions came back
+    assert store.verify().problems == ()
+    assert torch.equal(store.load(3, ops[2], Level.FULL)["w"], big[ops[2]]["w"])

@@ -113,6 +113,7 @@ def test_retention_drops_exactly_when_a_newer_recovery_point_completes(tmp_path)
             point.publish()
         before = list(comp.dropped)
         comp.after_snapshot(t, {}, session, replaying=False)
+        comp.drain()  # retention runs on the log's writer thread, behind the writes
         if comp.dropped != before:
             drops[t] = comp.dropped[len(before):]
         assert comp.log_dir.iterations() == list(range(oldest_needed(store), t + 1))
@@ -340,3 +341,29 @@ def test_transfer_plan_serves_each_replayer_once_and_names_what_is_missing():
                                             inv([(4, "send.bwd.to2"), (4, coll)])], frozenset([1, 2]), [4])
     assert missing == [] and {(s, d, n) for s, d, _, n, *_ in transfers} == {
         (0, 1, "send.fwd.to1"), (3, 2, "send.bwd.to2"), (0, 1, coll), (0, 2, coll)}
+
+
+def test_a_background_recorder_publishes_in_order_behind_the_training_thread(tmp_path):
+    """The runtime's recorder: ``end`` queues the iteration (the bytes it logged are known at once), retention
+    queued with ``run_after`` runs after the writes before it, ``flush`` waits for all of it, a failed write
+    surfaces on the training thread's next call, ``close`` publishes what is queued."""
+    from moe_ft.localized.upstream_log import LogRecorder
+    rec = LogRecorder(LogDir(tmp_path / "rank0"), background=True)
+    sizes = []
+    for t in range(5):
+        rec.begin(t)
+        rec.record_send("fwd", 1, 0, torch.full((8,), float(t)))
+        sizes.append(rec.end())
+    rec.run_after(lambda: rec.log_dir.drop_before(3))
+    rec.flush()
+    assert sizes == [32] * 5 and rec.log_dir.iterations() == [3, 4]
+    assert torch.equal(rec.log_dir.read(4, "send.fwd.to1")[0][1], torch.full((8,), 4.0))
+    rec.run_after(lambda: 1 / 0)
+    with pytest.raises(RuntimeError, match="upstream log writer failed"):
+        rec.flush()
+    rec2 = LogRecorder(LogDir(tmp_path / "rank1"), background=True)
+    rec2.begin(7)
+    rec2.record_send("bwd", 0, 1, torch.ones(2))
+    rec2.end()
+    rec2.close()
+    assert LogDir(tmp_path / "rank1").iterations() == [7]

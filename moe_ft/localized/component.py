@@ -36,7 +36,7 @@ class UpstreamLogging(Component):
 
     def __init__(self, log_dir: LogDir, seams: LogSeams, *, owns_p2p_seam: bool = True) -> None:
         self.log_dir, self.seams, self.owns_p2p_seam = log_dir, seams, owns_p2p_seam
-        self.recorder = LogRecorder(log_dir)
+        self.recorder = LogRecorder(log_dir, background=True)  # no device sync, no write on the training thread
         seams.p2p.recorder = seams.collectives.recorder = self.recorder
         self.dropped: list[int] = []
 
@@ -63,10 +63,14 @@ class UpstreamLogging(Component):
         if session is None:
             return
         oldest = oldest_needed(session.store)
-        if oldest is not None:
-            self.dropped += self.log_dir.drop_before(oldest)
+        if oldest is not None:  # behind the writes queued so far (one thread changes the log directory)
+            self.recorder.run_after(lambda: self.dropped.extend(self.log_dir.drop_before(oldest)))
+
+    def drain(self) -> None:
+        self.recorder.flush()
 
     def after_recovery(self, report, session) -> None:
+        self.recorder.flush()
         self.log_dir.drop_after(report.timeline_kept_through)  # the abandoned timeline
 
     def metrics(self, record) -> dict:
@@ -75,6 +79,7 @@ class UpstreamLogging(Component):
 
     def close(self) -> None:
         self.seams.p2p.recorder = self.seams.collectives.recorder = None
+        self.recorder.close()
         if self.owns_p2p_seam:
             self.seams.p2p.uninstall()
         self.seams.collectives.uninstall()

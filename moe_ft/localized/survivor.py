@@ -155,6 +155,9 @@ class SurvivorGuard:
         self.fault_check = fault_check
         """Drills: called as ``(iteration, "survivor")`` after half of the entries are written."""
         self.deadline_s = deadline_s
+        self.drain: Callable[[], None] | None = None
+        """Called before the state is kept (the runtime's components finish their queued background work:
+        the upstream log of the completed iterations must be published before the process goes)."""
         """Seconds after the stop beyond which the dump gives up unpublished (``--ft-survivor-deadline``;
         torch elastic sends SIGKILL its shutdown timeout, 30 s by default, after SIGTERM)."""
         self.last: Completed | None = None
@@ -233,6 +236,15 @@ class SurvivorGuard:
             return
         raise SurvivorStop(signum)
 
+    def _drain(self) -> None:
+        if self.drain is None:
+            return
+        try:
+            self.drain()
+        except Exception as e:  # noqa: BLE001 - the point is still worth keeping; say what was lost
+            print(f"moe-ft survivor: rank {self.rank}: finishing background work before the dump failed: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
     def _state_to_keep(self, why: str) -> tuple[Mapping, Completed] | PublishResult:
         """``(registry, newest completed iteration)``, or why there is no state to keep (nothing completed,
         or torn by the optimizer step)."""
@@ -252,6 +264,7 @@ class SurvivorGuard:
         start = time.monotonic()
         if self.stopped_at is None:
             self.stopped_at = start
+        self._drain()
         kept = self._state_to_keep(why)
         if isinstance(kept, PublishResult):
             return kept
@@ -276,6 +289,7 @@ class SurvivorGuard:
         any more), so the next attempt's model can take the device memory."""
         start = time.monotonic()
         self.held = None
+        self._drain()
         kept = self._state_to_keep(why)
         if isinstance(kept, PublishResult):
             return kept

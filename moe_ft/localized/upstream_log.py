@@ -10,7 +10,8 @@ whose ``_communicate`` hands every call to the seam:
 
 * with a :class:`LogRecorder` attached, the tensors this stage *sends* are copied to host memory, keyed
   (iteration, direction, peer, send order) with the virtual stage of the sending chunk, and published to the
-  rank's :class:`~moe_ft.localized.log_store.LogDir` at the end of the iteration;
+  rank's :class:`~moe_ft.localized.log_store.LogDir` at the end of the iteration (by a background thread
+  for the runtime: the training thread neither waits for the device copies nor writes);
 * with a replay handler attached (:class:`moe_ft.localized.log_replay.LogReplay`), receives from ranks that
   do not replay are filled from their logs and sends to them are dropped.
 
@@ -23,19 +24,21 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+from typing import Callable
 
 import torch
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from moe_ft.background import BackgroundWorker
 from moe_ft.localized.log_store import BWD, FWD, CollectiveResult, IterationLog, LogDir
 from moe_ft.localized.vstages import comm_layout, sending_vstage
 from moe_ft.store.errors import store_full
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``tensor`` (pinned and asynchronous on CUDA; the recorder synchronises at the end of
-    the iteration, before publishing)."""
+    """A host copy of ``tensor`` (pinned and asynchronous on CUDA; the recorder waits for the copies, on an
+    event recorded at the end of the iteration, before publishing)."""
     t = tensor.detach()
     if t.device.type == "cpu":
         return t.clone(memory_format=torch.contiguous_format)
@@ -48,13 +51,22 @@ class LogRecorder:
     """Collects one iteration's sends and stage-spanning collective results and publishes them.
 
     Only calls made on the thread that began the iteration are recorded (background threads of the
-    replication or persistence tiers have their own groups and must not shift the call order)."""
+    replication or persistence tiers have their own groups and must not shift the call order).
+
+    ``background``: :meth:`end` hands the iteration to a writer thread, which waits for its device copies
+    (a CUDA event recorded at :meth:`end`, not a device synchronize) and publishes it; :meth:`run_after`
+    queues other work on the log directory behind the writes (retention), :meth:`flush` waits for all of
+    it. Without it, :meth:`end` publishes before returning."""
 
     KEEP_BYTES = 64
     """Iterations whose logged byte counts are remembered (metrics)."""
 
-    def __init__(self, log_dir: LogDir) -> None:
+    def __init__(self, log_dir: LogDir, *, background: bool = False) -> None:
         self.log_dir = log_dir
+        self._worker: BackgroundWorker | None = None
+        if background:
+            self._worker = BackgroundWorker("moe-ft-upstream-log", self._handle,
+                                            describe=lambda e: f"upstream log writer failed: {e!r}")
         self.current: IterationLog | None = None
         self._thread: int | None = None
         self._cuda = False
@@ -82,12 +94,49 @@ class LogRecorder:
         self.current.collectives.setdefault(ranks, []).append(CollectiveResult(fn, [_host_copy(t) for t in outputs]))
 
     def end(self) -> int:
-        """Publish the current iteration (tensor bytes logged; 0 when nothing was begun)."""
+        """Publish the current iteration, or queue it (``background``); tensor bytes logged (0 when nothing
+        was begun, or when the store is full)."""
         log, self.current = self.current, None
         if log is None:
             return 0
-        if self._cuda:
-            torch.cuda.synchronize()  # the pinned copies were asynchronous
+        if self._worker is None:
+            if self._cuda:
+                torch.cuda.synchronize()  # the pinned copies were asynchronous
+            return self._publish(log)
+        self._worker.raise_if_failed()
+        event = None
+        if self._cuda:  # the copies were queued on the current stream: publish once they are done
+            event = torch.cuda.Event()
+            event.record()
+        self._worker.submit(lambda: self._publish(log, event))
+        return log.nbytes()
+
+    def run_after(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` after the iterations ended so far are published (at once without ``background``)."""
+        if self._worker is None:
+            fn()
+        else:
+            self._worker.raise_if_failed()
+            self._worker.submit(fn)
+
+    def flush(self) -> None:
+        """Wait until every ended iteration is published (raises the writer's error, if any)."""
+        if self._worker is not None:
+            self._worker.drain()
+
+    def close(self) -> None:
+        """Publish what is queued, then stop the writer thread."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker.raise_if_failed()
+
+    @staticmethod
+    def _handle(task: Callable[[], object]) -> None:
+        task()
+
+    def _publish(self, log: IterationLog, event=None) -> int:
+        if event is not None:
+            event.synchronize()
         try:
             self.log_dir.write(log)
         except OSError as e:

@@ -90,7 +90,11 @@ class RecoveryInputs:
 
     @property
     def log_dir(self):
-        return self.upstream.log_dir if self.upstream is not None else None
+        """The upstream log directory, every iteration queued for it published (``None``: no logs)."""
+        if self.upstream is None:
+            return None
+        self.upstream.drain()
+        return self.upstream.log_dir
 
 
 def phase_seconds(phases: dict, t0: float, since_fault: float | None) -> dict:

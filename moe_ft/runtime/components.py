@@ -61,6 +61,10 @@ class Component:
         """Fields of the FT log line; ``record``: the engine's newest :class:`SnapshotRecord` or ``None``."""
         return {}
 
+    def drain(self) -> None:
+        """Finish the background work queued so far (the process is about to stop and publish its survivor
+        point: what the component owes the recovery must be on the store)."""
+
     def close(self) -> None:
         """End of training: flush and stop background threads."""
 

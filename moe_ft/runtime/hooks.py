@@ -124,6 +124,7 @@ class FTRuntime(StepHooks):
                                           deadline_s=cfg.recovery.survivor_deadline_s())
             self.survivor.watch_optimizer(state.optimizer)  # the critical section starts with the update
             self.survivor.carried = self.carried
+            self.survivor.drain = lambda: [c.drain() for c in self.components]  # e.g. queued upstream logs
 
             if UpstreamLogging.wanted(args, cfg):  # collective: every rank decides alike
                 self.upstream = UpstreamLogging.build(job_dir, self.rank)

@@ -51,6 +51,7 @@ import torch
 from moe_ft.background import BackgroundWorker
 from moe_ft.snapshot.bubbles import BubbleSchedule  # noqa: F401  (EngineConfig.bubbles)
 from moe_ft.snapshot.buffers import HostBuffers
+from moe_ft.snapshot.mapped import MappedCopier, available
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store.errors import store_full
 
@@ -178,8 +179,6 @@ class SnapshotEngine:
         (``mapped_off`` says why not)."""
         self.mapped_off = _mapped_off(config, self.cuda, store)
         if not self.mapped_off:
-            from moe_ft.snapshot.mapped import MappedCopier
-
             self.mapped = MappedCopier(store, self._stream, capacity=2 * len(layout))
         pin = self.cuda if config.pin_memory is None else config.pin_memory
         # every operator FULL (the largest plan); direct writes need buffers for the metadata only
@@ -534,8 +533,6 @@ def _mapped_off(config: EngineConfig, cuda: bool, store) -> str:
         return "direct writes are off (EngineConfig.direct_write)"
     if config.bubbles is not None:
         return "bubble-aware copies go through slot buffers"
-    from moe_ft.snapshot.mapped import available
-
     return available(store, cuda)
 
 

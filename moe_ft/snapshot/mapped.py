@@ -35,6 +35,7 @@ import torch
 
 from moe_ft.state.operators import Level
 from moe_ft.store import entry_hash
+from moe_ft.store.codec import tensor_specs
 
 
 def available(store, cuda: bool) -> str:
@@ -45,7 +46,7 @@ def available(store, cuda: bool) -> str:
         return f"the store layout of {store.backend.describe()} cannot map regions (use --ft-store-layout arena)"
     if store.checksum != entry_hash.ALGO:
         return f"the store checksum is {store.checksum}, not {entry_hash.ALGO} (the one a device computes)"
-    from moe_ft.store import entry_hash_triton
+    from moe_ft.store import entry_hash_triton  # start-up time: imports triton (CUDA registries only)
 
     if not entry_hash_triton.HAVE_TRITON:
         return "triton is not installed"
@@ -57,7 +58,7 @@ def store_checksum(on_cuda: bool, layout: str, direct_write: bool, bubble_aware:
     registry on the arena layout); ``None``: the store's default."""
     if not (on_cuda and layout == "arena" and direct_write and not bubble_aware):
         return None
-    from moe_ft.store import entry_hash_triton
+    from moe_ft.store import entry_hash_triton  # start-up time: imports triton (CUDA registries only)
 
     return entry_hash.ALGO if entry_hash_triton.HAVE_TRITON else None
 
@@ -154,8 +155,6 @@ class MappedCopier:
     def _prep(self, entry) -> _Prep:
         prep = self._preps.get(id(entry))
         if prep is None:
-            from moe_ft.store.codec import tensor_specs
-
             like = dict(zip(entry.out, entry.srcs))
             flat = all(s.is_contiguous() for s in entry.srcs)
             prep = self._preps[id(entry)] = _Prep(
@@ -219,7 +218,7 @@ class MappedCopier:
         return [(p.entry.srcs, r.layout) for r, p in job.reserved] + [(p.entry.srcs, lay) for lay, p in job.remote]
 
     def _plan(self, job: MappedJob) -> _Plan:
-        from moe_ft.store.entry_hash_triton import TensorTable, tableable
+        from moe_ft.store.entry_hash_triton import TensorTable, tableable  # start-up time: triton, CUDA only
 
         entries = self._entries_of(job)
         # the engine's entries are fixed (their ids name the sources) and cached layouts are immutable: a
@@ -254,7 +253,7 @@ class MappedCopier:
     def _hash(plan: _Plan, out: torch.Tensor) -> None:
         """Queue the lane sums of every device tensor and their copy into ``out`` (pinned rows) on the
         current stream: the snapshot stream, ordered after the optimizer step that made the tensors."""
-        from moe_ft.store.entry_hash_triton import device_lane_sums
+        from moe_ft.store.entry_hash_triton import device_lane_sums  # start-up time: triton, CUDA only
 
         parts = [plan.table.launch()] if plan.table is not None else []
         parts += [device_lane_sums(s, first).reshape(1, 2) for s, first in plan.singles]

@@ -266,7 +266,7 @@ class _Allocator:
         with self.lock:
             view = self.maps.get(seg)
             if view is None:
-                import torch  # here: readers of the arena (the node agent, moe-ft inspect) never need it
+                import torch  # start-up time: readers of the arena (the node agent, moe-ft inspect) never need it
 
                 mm = mmap.mmap(self.fds[seg], self.sizes[seg], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 view = self.maps[seg] = torch.frombuffer(mm, dtype=torch.uint8)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from moe_ft.store.entry_hash import FMIX, KEYS, MASK, byte_view, lane_sums, pack, split_words
@@ -124,8 +125,6 @@ class TensorTable:
     Tensors must be :func:`tableable` and keep their storage while the table is used."""
 
     def __init__(self, tensors: list[torch.Tensor], first_indices: list[int], block: int = BLOCK) -> None:
-        import numpy as np
-
         if not tensors:
             raise ValueError("TensorTable needs at least one tensor")
         _require_runnable(tensors[0])

@@ -18,16 +18,18 @@ from moe_ft.localized.upstream_log import LogRecorder, P2PSeam
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
 
-def test_cuda_sends_logged_with_their_bytes_at_send_time_and_fed_back_on_device(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "writer-thread"])
+def test_cuda_sends_logged_with_their_bytes_at_send_time_and_fed_back_on_device(tmp_path, background):
     dev = torch.device("cuda", torch.cuda.current_device())
-    rec = LogRecorder(LogDir(tmp_path / "rank1"))
+    rec = LogRecorder(LogDir(tmp_path / "rank1"), background=background)
     rec.begin(0)
     sent = [torch.randn(256, 4, 1024, device=dev) for _ in range(4)]
     expected = [t.cpu() for t in sent]
     for t in sent:
         rec.record_send(FWD, 2, 1, t)
         t.mul_(3.0)  # the next kernel on the same stream reuses the buffer
-    assert rec.end() == 4 * sent[0].numel() * 4
+    assert rec.end() == 4 * sent[0].numel() * 4  # background: the writer waits for an event, not a device sync
+    rec.flush()
     logged = LogDir(tmp_path / "rank1").read(0, "send.fwd.to2")
     assert all(torch.equal(got, want) for (_, got), want in zip(logged, expected))
 
