@@ -180,6 +180,10 @@ class SnapshotEngine:
         self.mapped_off = _mapped_off(config, self.cuda, store)
         if not self.mapped_off:
             self.mapped = MappedCopier(store, self._stream, capacity=2 * len(layout))
+            if self.mapped.pinned.failed:  # a copy into pageable memory would block the host: stage instead
+                self.mapped_off = f"page-locking the store's arena failed: {self.mapped.pinned.failed}"
+                self.mapped.close()
+                self.mapped = None
         pin = self.cuda if config.pin_memory is None else config.pin_memory
         # every operator FULL (the largest plan); direct writes need buffers for the metadata only
         self.buffers = HostBuffers(config.num_slots, pin, None if self.direct or self.mapped else layout)

@@ -28,6 +28,7 @@ whole words: small integer tensors) are hashed on the device one by one.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,10 @@ class PinnedSegments:
                 continue
             err = cudart.cudaHostRegister(ptr, view.nbytes, 0)
             if err != cudart.cudaError.success:  # the copy still works, at pageable speed and synchronously
+                if not self.failed:
+                    print(f"moe-ft snapshots: cudaHostRegister of a {view.nbytes} B arena segment of "
+                          f"{self.backend.describe()} failed ({err}): copies into it block the host",
+                          file=sys.stderr, flush=True)
                 self.failed = f"cudaHostRegister of {view.nbytes} B failed ({err})"
             else:
                 self._registered[ptr] = view
