@@ -5,6 +5,8 @@ is caught when the point is read."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -212,3 +214,51 @@ def test_the_mapped_copier_writes_the_entries_put_writes(tmp_path, kernel):
             assert got.remote and got.checksum == want.checksum
     assert len(copier._plans) == 2  # the third snapshot reused the first one's plan
     copier.close()
+
+
+_KILLED_WRITER = r"""
+import os, signal, sys
+from types import SimpleNamespace
+import torch
+from moe_ft.snapshot.mapped import MappedCopier
+from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store import KeepAll, StoreConfig
+st = StoreConfig(root=sys.argv[1], job_id="j", rank=0, checksum="mfh64").build(retention=KeepAll())
+op = OperatorId.expert_op(0, 0)
+w = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+entry = SimpleNamespace(op=op, level=Level.FULL, out=w, srcs=list(w.values()))
+copier = MappedCopier(st, None)
+for it in (1, 2):
+    job = copier.issue(it, 0, [entry], frozenset())
+    if it == 2 and sys.argv[2] == "copied":
+        os.kill(os.getpid(), signal.SIGKILL)  # the bytes are in the region, nothing is sealed
+    copier.seal(job)
+    if it == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # sealed, the index not linked
+    job.point.put_meta({})
+    job.point.publish()
+"""
+
+
+@pytest.mark.parametrize("phase", ["copied", "sealed"])
+def test_a_writer_killed_between_the_copy_and_the_publish_leaves_no_point(tmp_path, phase):
+    """SIGKILL after the copy into the regions (and after sealing them): the point never becomes visible,
+    the published one stays verified, and the next writer reuses the regions."""
+    import subprocess
+    import sys
+
+    from tests._ft_helpers import ROOT
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(tmp_path), phase], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9, done.stderr
+    st = StoreConfig(root=str(tmp_path), job_id="j", rank=0, checksum="mfh64").build(retention=KeepAll())
+    assert st.points() == [1] and st.verify().problems == ()
+    size = st.backend.arena_bytes
+    with st.begin(2) as p:
+        r = p.reserve(OperatorId.expert_op(0, 0), Level.FULL, {"w": torch.zeros(1 << 16)})
+        r.seal(None)
+        p.put_meta({})
+        p.publish()
+    assert st.verify().problems == () and st.backend.arena_bytes == size  # the killed writer's regions reused
