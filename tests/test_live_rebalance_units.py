@@ -87,7 +87,9 @@ def test_rebalance_refuses_policies_without_a_dense_point(policy, recompute):
     """Lossy policies (and so --ft-optimizer-recompute, which needs selective) cannot follow a rebalance."""
     from types import SimpleNamespace
 
-    from moe_ft.config import FTConfig, ReplicationConfig, SnapshotConfig
+    from moe_ft.config import FTConfig
+    from moe_ft.replication.config import ReplicationConfig
+    from moe_ft.snapshot.config import SnapshotConfig
 
     ft = FTConfig(ft=True, snapshot=SnapshotConfig(policy=policy),
                   replication=ReplicationConfig(replicas=1 if recompute else 0, optimizer_recompute=recompute))

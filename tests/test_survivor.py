@@ -283,7 +283,7 @@ def test_the_previous_point_stays_until_the_new_one_is_published(tmp_path):
 
 
 def test_dump_deadline_follows_the_launchers_grace_or_the_flag(monkeypatch):
-    from moe_ft.config import RecoverConfig
+    from moe_ft.recovery.config import RecoverConfig
 
     monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
     assert RecoverConfig().survivor_deadline_s() == 25.0  # torch elastic's 30 s grace, minus 5 s

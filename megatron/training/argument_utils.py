@@ -97,6 +97,13 @@ def dataclass_from_flags(cls: type[T], **flags: Any) -> T:
     return dataclass_from_args(cls, namespace)
 
 
+def non_negative(obj: Any, names: tuple[str, ...], prefix: str) -> None:
+    """``ValueError`` naming the flag (``--<prefix><name>``) of the first field in ``names`` below 0."""
+    for name in names:
+        if getattr(obj, name) < 0:
+            raise ValueError(f"--{(prefix + name).replace('_', '-')} must be >= 0, got {getattr(obj, name)}")
+
+
 def field_help(help_text: str, **extra: Any) -> dict[str, Any]:
     """Metadata for a config field: ``field(default=..., metadata=field_help("..."))``."""
     return {"help": help_text, **extra}

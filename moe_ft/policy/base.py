@@ -23,8 +23,9 @@ from moe_ft.state.operators import Level, OperatorId, OperatorInfo, SnapshotPlan
 from moe_ft.store.rules import DenseRule, RecoveryRule
 
 if TYPE_CHECKING:  # only for annotations: policies read counters, they never build them
-    from moe_ft.config import FTConfig, SnapshotConfig
+    from moe_ft.config import FTConfig
     from moe_ft.popularity import ExpertPopularity
+    from moe_ft.snapshot.config import SnapshotConfig
 
 RankKey = tuple[int, int]
 """``(pp_rank, ep_rank)``: the device whose link an operator's snapshot bytes cross."""

@@ -20,8 +20,8 @@ from moe_ft.store.codec import DEFAULT_CHECKSUM
 from moe_ft.store.retention import KeepTwoRecoverable
 
 if TYPE_CHECKING:
-    from moe_ft.config import SnapshotConfig
     from moe_ft.runtime.context import BuildContext
+    from moe_ft.snapshot.config import SnapshotConfig
 
 
 class SnapshotSession:

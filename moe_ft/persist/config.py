@@ -1,0 +1,47 @@
+"""The durable tier's flags (``--ft-persist-*``) and its build: background copies of recovery points to
+shared storage, by the trainers or by the node agent (``moe_ft/runtime/components.py`` ``Durable``).
+:class:`moe_ft.persist.PersistConfig` is the writer's own configuration, derived from these flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from megatron.training.argument_utils import field_help, non_negative
+
+if TYPE_CHECKING:
+    from moe_ft.runtime.context import BuildContext
+
+
+@dataclass(kw_only=True)
+class DurableConfig:
+    """The durable tier: background copies of recovery points to shared storage (MoC §5.1 two-level)."""
+
+    interval: int = field(default=0, metadata=field_help(
+        "Copy the newest recovery point to durable storage every N iterations in the background (0 = off)."))
+    dir: str = field(default="", metadata=field_help(
+        "Durable tier root (<dir>/moe_ft/<job>); empty = --save."))
+    agent: bool = field(default=False, metadata=field_help(
+        "The node agent (one niced process per node, started by the first rank that needs it, outliving the "
+        "workers) copies the points to the durable tier; the trainers only tell it which iteration."))
+    agent_idle_exit: float = field(default=600.0, metadata=field_help(
+        "The node agent exits after this many seconds without a connected trainer (the job died and did not "
+        "come back); at a clean end it exits once every rank is done."))
+
+    def __post_init__(self) -> None:
+        non_negative(self, ("interval",), "ft_persist_")
+
+    def root(self, save_dir: str | None) -> str:
+        return self.dir or save_dir or ""
+
+    def build(self, ctx: "BuildContext", session):
+        """The durable writer of ``session``'s store (plus Megatron-format copies when the policy's points
+        are dense), or ``None``."""
+        if session is None or not self.interval:
+            return None
+
+        # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
+        from moe_ft.runtime.components import Durable
+
+        return Durable.build(self.interval, self.root(ctx.args.training.save), ctx, session, agent=self.agent,
+                             agent_idle_exit_s=self.agent_idle_exit)
