@@ -35,6 +35,7 @@ import torch
 from moe_ft import comm
 from moe_ft.elastic.inventory import node_inventory, store_dirs
 from moe_ft.recovery.machine import restore_step_state
+from moe_ft.runtime.components import Replicas
 from moe_ft.snapshot.restore import copy_checked, restore_meta
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.state.optimizer_views import ensure_optimizer_state
@@ -202,8 +203,9 @@ def discard_old_generation(runtime, store_dir: str, job_id: str) -> None:
     """After a reshape restore: empty this rank's snapshot store (old plan) and drop the replicas it holds,
     then :func:`discard_node_points` for the rest."""
     runtime.active.store.discard_after(-1)
-    if runtime.replication is not None:
-        runtime.replication.discard_after(-1)
+    replicas = runtime.find(Replicas)
+    if replicas is not None:
+        replicas.replication.discard_after(-1)
     discard_node_points(store_dir, job_id, runtime.rank, runtime.world_size)
 
 

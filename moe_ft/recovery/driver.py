@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from moe_ft import comm
 from moe_ft.checkfree.recovery import boost_rebuilt_stage
 from moe_ft.digest import global_digest
 from moe_ft.launch.worker import peer_failure
+from moe_ft.localized.component import UpstreamLogging
 from moe_ft.persist import DurableTier
 from moe_ft.recovery import localized, planner
 from moe_ft.recovery.bounded import BoundedStore
@@ -45,6 +46,7 @@ from moe_ft.recovery.lossy import gather_expert_full_at, token_loss
 from moe_ft.recovery.machine import MachineConfig, Phase, Recovery, RecoveryContext, RecoveryState
 from moe_ft.recovery.progress import last_completed
 from moe_ft.recovery.report import RecoveryReport
+from moe_ft.runtime.components import Durable, Replicas
 from moe_ft.state.operators import Level
 
 if TYPE_CHECKING:
@@ -55,10 +57,13 @@ if TYPE_CHECKING:
     from moe_ft.snapshot.session import SnapshotSession
     from moe_ft.state.registry import OperatorRegistry
 
+T = TypeVar("T")
 
-@dataclass(kw_only=True)
+
+@dataclass(kw_only=True, frozen=True)
 class RecoveryInputs:
-    """Everything one recovery reads or changes."""
+    """Everything one recovery reads or changes, read-only: the runtime's components are looked up by type
+    (:meth:`find`), never passed as named handles."""
 
     config: "FTConfig"
     state: Any
@@ -75,9 +80,8 @@ class RecoveryInputs:
     registry: "OperatorRegistry"
     popularity: "ExpertPopularity"
     session: "SnapshotSession"
-    replication: Optional["Replication"] = None
-    durable_dir: Optional[Path] = None
-    """The durable tier's job directory (rank 0's progress record there outlives every node)."""
+    components: tuple = ()
+    """The runtime's components (``moe_ft/runtime/components.py`` and the packages' ``component.py``)."""
     faults: Optional["FaultPlan"] = None
     check_fault: Callable[[int, str], None] = lambda iteration, phase: None
     survivor: Any = None
@@ -85,16 +89,35 @@ class RecoveryInputs:
     survivor_points: Any = None
     """This rank's survivor point, held in memory (``moe_ft.localized.survivor.HeldPoint``: the process
     stayed) or in its node store (``StoredPoints``), or ``None`` (localized scope off)."""
-    upstream: Any = None
-    """The runtime's upstream-logging component (``moe_ft/localized/component.py``; ``None``: no logs)."""
+
+    def find(self, cls: type[T]) -> T | None:
+        """The runtime's component of type ``cls`` (``None``: the job runs without it)."""
+        return next((c for c in self.components if isinstance(c, cls)), None)
+
+    @property
+    def replication(self) -> "Replication | None":
+        replicas = self.find(Replicas)
+        return replicas.replication if replicas is not None else None
+
+    @property
+    def durable_dir(self) -> Path | None:
+        """The durable tier's job directory (rank 0's progress record there outlives every node)."""
+        durable = self.find(Durable)
+        return durable.directory if durable is not None else None
+
+    @property
+    def upstream(self) -> UpstreamLogging | None:
+        """The upstream-logging component (``moe_ft/localized/component.py``; ``None``: no logs)."""
+        return self.find(UpstreamLogging)
 
     @property
     def log_dir(self):
         """The upstream log directory, every iteration queued for it published (``None``: no logs)."""
-        if self.upstream is None:
+        upstream = self.upstream
+        if upstream is None:
             return None
-        self.upstream.drain()
-        return self.upstream.log_dir
+        upstream.drain()
+        return upstream.log_dir
 
 
 def phase_seconds(phases: dict, t0: float, since_fault: float | None) -> dict:

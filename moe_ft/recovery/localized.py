@@ -108,6 +108,7 @@ def _replay(inputs: "RecoveryInputs", scope: Scope, feed, group, out: dict, prog
     policy = inputs.session.policy
     store = BoundedStore(inputs.session.store, lo=inputs.start_iteration - 1, hi=scope.target)
     up = inputs.upstream
+    assert up is not None, "a localized replay needs the upstream logs (the scope was chosen from them)"
     with LogReplay(up.seams, feed, replaying=scope.replaying, rank=inputs.rank, recorder=up.recorder) as replay:
         def step_fn(iteration, optimizer):
             with replay.iteration(iteration):

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -54,6 +55,8 @@ from moe_ft.state.optimizer_views import ensure_optimizer_state
 from moe_ft.state.registry import OperatorRegistry
 from moe_ft.store.capacity import RankNeed, existing_dir, mount_point, rank_need, shortfall
 
+T = TypeVar("T")
+
 
 class FTRuntime(StepHooks):
     """Builds the components from :class:`FTConfig` and runs the per-iteration sequence."""
@@ -75,14 +78,16 @@ class FTRuntime(StepHooks):
         self.clock = C.IterationClock()
         self.faults = None
         self.report = None
-        self.replication = None
-        self.durable: C.Durable | None = None
         self._boost = None
         self._recovered_at = None
         self.survivor = None
         """The survivor guard (``moe_ft/localized/survivor.py``; localized scope with snapshots), else ``None``."""
-        self.upstream = None
         """Upstream logging (``moe_ft/localized/component.py``; pipeline parallelism, localized scope)."""
+
+    def find(self, cls: type[T]) -> T | None:
+        """The component of type ``cls`` (``None``: this job runs without it); the runtime keeps no named
+        handles to its components."""
+        return next((c for c in self.components if isinstance(c, cls)), None)
 
     @property
     def iteration_seconds(self) -> dict[int, float]:
@@ -127,8 +132,7 @@ class FTRuntime(StepHooks):
             self.survivor.drain = lambda: [c.drain() for c in self.components]  # e.g. queued upstream logs
 
             if UpstreamLogging.wanted(args, cfg):  # collective: every rank decides alike
-                self.upstream = UpstreamLogging.build(job_dir, self.rank)
-                self.components.append(self.upstream)
+                self.components.append(UpstreamLogging.build(job_dir, self.rank))
 
         elastic = elastic_component(args, self)  # --ft-elastic: layout records; a changed world is re-planned
         if elastic is not None:
@@ -170,11 +174,9 @@ class FTRuntime(StepHooks):
                 trace_out=self.config.drill.trace_out, rank=self.rank))
         replication = self.config.replication.build(ctx, session)
         if replication is not None:
-            self.replication = replication
             self.components.append(C.Replicas(replication))
         durable = self.config.persist.build(ctx, session)
         if durable is not None:
-            self.durable = durable
             self.components.append(durable)
         if session is not None:
             self._check_capacity()
@@ -186,7 +188,7 @@ class FTRuntime(StepHooks):
         store_dir = cfg.snapshot.store_dir
         full = sum(t.nbytes for op in self.registry for t in self.registry[op].tensors(Level.FULL).values())
         need = rank_need(full, localized=self.survivor is not None,
-                         replicas=cfg.replication.replicas if self.replication is not None else 0)
+                         replicas=cfg.replication.replicas if self.find(C.Replicas) is not None else 0)
         mine = RankNeed(os.stat(existing_dir(store_dir)).st_dev, mount_point(Path(store_dir)), need)
         needs = [RankNeed(**d) for d in comm.all_gather_object(asdict(mine))]
         errors = comm.all_gather_object(shortfall(needs, store_dir, cfg.job_dir()))
@@ -218,7 +220,8 @@ class FTRuntime(StepHooks):
     def check_fault(self, iteration: int, phase: str) -> None:
         """Failure drill: fire the fault scheduled at (this rank, ``iteration``, ``phase``), once."""
         if self.faults:
-            upstream = self.upstream.log_dir.root.parent if self.upstream is not None else None
+            logs = self.find(UpstreamLogging)
+            upstream = logs.log_dir.root.parent if logs is not None else None
             self.faults.check(self.rank, iteration, phase, target=upstream)  # what corrupt-log damages
 
     def _in_recovery(self, iteration: int) -> bool:
@@ -235,9 +238,8 @@ class FTRuntime(StepHooks):
                 config=self.config, state=state, args=args, rank=self.rank, world_size=self.world_size,
                 start_iteration=start_iteration, restart_count=restart_count, step_fn=step_fn,
                 registry=self.registry, popularity=self.popularity, session=self.active,
-                replication=self.replication, durable_dir=self.durable.directory if self.durable is not None else None,
-                faults=self.faults, check_fault=self.check_fault, survivor=self.survivor, upstream=self.upstream,
-                survivor_points=self._survivor_points()))
+                components=tuple(self.components), faults=self.faults, check_fault=self.check_fault,
+                survivor=self.survivor, survivor_points=self._survivor_points()))
         except RecoveryRefused as e:  # every rank refuses alike (--ft-min-recovery-level): one line, no traceback
             if self.rank == 0:
                 print(f"error: {e}", file=sys.stderr, flush=True)
