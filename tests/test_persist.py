@@ -5,7 +5,8 @@ import pytest
 import torch
 from _ft_helpers import damage_blob
 
-from moe_ft.persist import DurableTier, PersistConfig, PersistWriter
+from moe_ft.persist import DurableTier, PersistWriter
+from moe_ft.persist.config import DurableConfig
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import DenseRule, SparseWindowRule, StoreConfig
 
@@ -29,14 +30,14 @@ def _write(store, rank, it, plan):
 def _setup(tmp_path, world=2, **kw):
     stores = [StoreConfig(root=str(tmp_path / "shm"), job_id="j", rank=r).build() for r in range(world)]
     tier = DurableTier(tmp_path / "durable", "j", world)
-    config = PersistConfig(interval=2, persist_dir=str(tmp_path / "durable"), **kw)
+    config = dict(interval=2, **kw)  # PersistWriter keywords
     return stores, tier, config
 
 
 def test_dense_point_complete_only_when_every_rank_wrote_it(tmp_path):
     stores, tier, config = _setup(tmp_path)
     rule = DenseRule(operators=frozenset(OPS))
-    writers = [PersistWriter(config, s, tier, rule, rank=r) for r, s in enumerate(stores)]
+    writers = [PersistWriter(s, tier, rule, rank=r, **config) for r, s in enumerate(stores)]
     for it in range(4):
         for r, s in enumerate(stores):
             _write(s, r, it, {op: Level.FULL for op in OPS})
@@ -61,7 +62,7 @@ def test_dense_point_complete_only_when_every_rank_wrote_it(tmp_path):
 def test_retention_keeps_newest_complete_while_next_in_flight(tmp_path):
     stores, tier, config = _setup(tmp_path, keep=1)
     rule = DenseRule(operators=frozenset(OPS))
-    writers = [PersistWriter(config, s, tier, rule, rank=r) for r, s in enumerate(stores)]
+    writers = [PersistWriter(s, tier, rule, rank=r, **config) for r, s in enumerate(stores)]
     for it in range(6):
         for r, s in enumerate(stores):
             _write(s, r, it, {op: Level.FULL for op in OPS})
@@ -84,7 +85,7 @@ def test_retention_keeps_newest_complete_while_next_in_flight(tmp_path):
 def test_corrupt_local_entry_is_never_made_durable(tmp_path):
     stores, tier, config = _setup(tmp_path, world=1)
     rule = DenseRule(operators=frozenset(OPS))
-    writer = PersistWriter(config, stores[0], tier, rule, rank=0)
+    writer = PersistWriter(stores[0], tier, rule, rank=0, **config)
     for it in range(2):
         _write(stores[0], 0, it, {op: Level.FULL for op in OPS})
     damage_blob(stores[0], 1, "expert.L0.E0.full.ent", lambda data: data[:300] + bytes([data[300] ^ 1]) + data[301:])
@@ -98,7 +99,7 @@ def test_sparse_window_and_background_thread(tmp_path):
     stores, tier, config = _setup(tmp_path, world=1, keep=1)
     ops = frozenset(OPS)
     rule = SparseWindowRule.aligned(ops, 2)
-    writer = PersistWriter(config, stores[0], tier, rule, rank=0)
+    writer = PersistWriter(stores[0], tier, rule, rank=0, **config)
     order = sorted(OPS)
     for it in range(4):  # window of 2: first slice FULL for order[:2] at w0, the rest at w0+1
         i = it % 2
@@ -118,9 +119,10 @@ def test_sparse_window_and_background_thread(tmp_path):
 
 def test_config_errors():
     with pytest.raises(ValueError, match="--ft-persist-dir or --save"):
-        PersistConfig(interval=5)
+        DurableConfig(interval=5).resolved(None)
+    assert DurableConfig(interval=5).resolved("/ckpt").dir == "/ckpt"  # --save
     with pytest.raises(ValueError, match="never deleted"):
-        PersistConfig(keep=0)
+        DurableConfig(keep=0)
     from moe_ft.config import FTConfig
 
     with pytest.raises(ValueError, match="--ft-persist-interval 1"):  # would never complete (aliasing)
@@ -133,7 +135,7 @@ def test_inspect_validate_durable_point(tmp_path, capsys):
 
     stores, tier, config = _setup(tmp_path)
     ops = {0: [OPS[0], OPS[1]], 1: [OPS[0], OPS[2]]}  # EP=2: expert 0 on rank 0, expert 1 on rank 1
-    writers = [PersistWriter(config, s, tier, DenseRule(operators=frozenset(ops[r])), rank=r)
+    writers = [PersistWriter(s, tier, DenseRule(operators=frozenset(ops[r])), rank=r, **config)
                for r, s in enumerate(stores)]
     for r, s in enumerate(stores):
         _write(s, r, 1, {op: Level.FULL for op in ops[r]})
@@ -161,7 +163,7 @@ def test_pec_incremental_k_persist(tmp_path):
     from moe_ft.store import NewestFullRule
 
     stores, tier, config = _setup(tmp_path, world=1, keep=1)
-    writer = PersistWriter(config, stores[0], tier, NewestFullRule(operators=frozenset(OPS)), rank=0)
+    writer = PersistWriter(stores[0], tier, NewestFullRule(operators=frozenset(OPS)), rank=0, **config)
     dense, e0, e1 = OPS
     for it in range(6):
         _write(stores[0], 0, it, {op: Level.FULL for op in OPS})

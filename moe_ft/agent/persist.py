@@ -15,7 +15,7 @@ from typing import Mapping
 
 from moe_ft.agent.client import AgentClient
 from moe_ft.agent.server import PersistRequest
-from moe_ft.persist import DurableTier, PersistConfig
+from moe_ft.persist.durable import DurableTier
 from moe_ft.persist.writer import PersistRecord
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import SnapshotStore
@@ -25,9 +25,10 @@ from moe_ft.store.rules import RecoveryRule, portable
 class AgentPersistence:
     """Rank ``rank``'s durable copies, done by the node agent of ``agent_dir``."""
 
-    def __init__(self, config: PersistConfig, store: SnapshotStore, tier: DurableTier, rule: RecoveryRule, *,
+    def __init__(self, store: SnapshotStore, tier: DurableTier, rule: RecoveryRule, *, interval: int, keep: int = 2,
                  rank: int, job_id: str, agent_dir: str, idle_exit_s: float = 600.0) -> None:
-        self.config, self.store, self.tier, self.rule, self.rank, self.job_id = config, store, tier, rule, rank, job_id
+        self.interval, self.keep = interval, keep
+        self.store, self.tier, self.rule, self.rank, self.job_id = store, tier, rule, rank, job_id
         self.client = AgentClient(agent_dir, rank, idle_exit_s=idle_exit_s)
         self.client.call("ping")  # start (or find) the agent now, not at the first due snapshot
         self.records: list[PersistRecord] = []
@@ -39,7 +40,7 @@ class AgentPersistence:
         store.on_publish.append(self._published)
 
     def due(self, iteration: int) -> bool:
-        return bool(self.config.interval) and (iteration + 1) % self.config.interval == 0
+        return bool(self.interval) and (iteration + 1) % self.interval == 0
 
     def submit(self, iteration: int, persist_plan: Mapping[OperatorId, Level] | None = None) -> None:
         """Called right after the snapshot of ``iteration`` is submitted (before it is published): a due
@@ -63,9 +64,9 @@ class AgentPersistence:
                 iteration, plan = self._due.popleft()
                 self._take(self.client.persist(PersistRequest(
                     rank=self.rank, iteration=iteration, store_dir=self.store.backend.describe(),
-                    persist_dir=self.config.persist_dir, job_id=self.job_id, world_size=self.tier.world_size,
+                    persist_dir=str(self.tier.root), job_id=self.job_id, world_size=self.tier.world_size,
                     rule=portable(self.rule, points), plan=None if plan is None else dict(plan),
-                    keep=self.config.keep)))
+                    keep=self.keep)))
 
     def _take(self, state: dict) -> None:
         self.records = state["records"]

@@ -197,7 +197,7 @@ class NodeAgent:
 
     def _persist(self, req: PersistRequest):
         # start-up time of the agent: the store and durable tier are imported with the first request
-        from moe_ft.persist import DurableTier, PersistConfig, PersistWriter
+        from moe_ft.persist import DurableTier, PersistWriter
         from moe_ft.store import SnapshotStore, open_backend
 
         key = (req.store_dir, req.persist_dir, req.job_id, req.world_size, req.keep)
@@ -207,10 +207,8 @@ class NodeAgent:
                 if rank is not None:
                     rank.worker.close()
                 store = SnapshotStore(open_backend(req.store_dir, create=False), shared_pins=True)
-                config = PersistConfig(interval=1, persist_dir=req.persist_dir, keep=req.keep, publish_timeout_s=0.0)
-                writer = PersistWriter(config, store,
-                                       DurableTier(req.persist_dir, req.job_id, req.world_size), req.rule,
-                                       rank=req.rank)
+                writer = PersistWriter(store, DurableTier(req.persist_dir, req.job_id, req.world_size), req.rule,
+                                       rank=req.rank, interval=1, keep=req.keep, publish_timeout=0.0)
                 rank = self.ranks[req.rank] = _Rank(writer, key)
             self.active.add(req.rank)
             self.ever.add(req.rank)

@@ -1,10 +1,10 @@
-"""The durable tier's flags (``--ft-persist-*``) and its build: background copies of recovery points to
-shared storage, by the trainers or by the node agent (``moe_ft/runtime/components.py`` ``Durable``).
-:class:`moe_ft.persist.PersistConfig` is the writer's own configuration, derived from these flags."""
+"""The durable tier's flags (``--ft-persist-*``), which are also its writers' configuration, and its build:
+background copies of recovery points to shared storage, by the trainers or by the node agent
+(``moe_ft/persist/component.py``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from megatron.training.argument_utils import field_help, non_negative
@@ -28,11 +28,27 @@ class DurableConfig:
         "The node agent exits after this many seconds without a connected trainer (the job died and did not "
         "come back); at a clean end it exits once every rank is done."))
 
+    keep: int = field(default=2, metadata=field_help(
+        "Complete durable points kept (the newest complete one is never deleted)."))
+    publish_timeout: float = field(default=300.0, metadata=field_help(
+        "Seconds the writer waits for the node-local point of a due iteration to be published."))
+
     def __post_init__(self) -> None:
-        non_negative(self, ("interval",), "ft_persist_")
+        non_negative(self, ("interval", "publish_timeout"), "ft_persist_")
+        if self.keep < 1:
+            raise ValueError(f"--ft-persist-keep must be >= 1 (the newest complete point is never deleted), got "
+                             f"{self.keep}")
 
     def root(self, save_dir: str | None) -> str:
         return self.dir or save_dir or ""
+
+    def resolved(self, save_dir: str | None) -> "DurableConfig":
+        """This configuration with its root decided (``--ft-persist-dir``, else ``--save``); a ``ValueError``
+        naming the fix when an interval has nowhere to write."""
+        out = replace(self, dir=self.root(save_dir))
+        if out.interval and not out.dir:
+            raise ValueError("--ft-persist-interval needs a durable directory: pass --ft-persist-dir or --save")
+        return out
 
     def build(self, ctx: "BuildContext", session):
         """The durable writer of ``session``'s store (plus Megatron-format copies when the policy's points
@@ -41,7 +57,6 @@ class DurableConfig:
             return None
 
         # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
-        from moe_ft.runtime.components import Durable
+        from moe_ft.persist.component import Durable
 
-        return Durable.build(self.interval, self.root(ctx.args.training.save), ctx, session, agent=self.agent,
-                             agent_idle_exit_s=self.agent_idle_exit)
+        return Durable.build(self.resolved(ctx.args.training.save), ctx, session)

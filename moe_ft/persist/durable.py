@@ -71,7 +71,9 @@ class DurableTier:
     def __init__(self, persist_dir: str | os.PathLike, job_id: str, world_size: int) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        self.directory = Path(persist_dir) / "moe_ft" / job_id
+        self.root = Path(persist_dir)
+        """The tier's root (``--ft-persist-dir`` or ``--save``)."""
+        self.directory = self.root / "moe_ft" / job_id
         self.world_size = world_size
 
     def store(self, rank: int) -> SnapshotStore:

@@ -18,26 +18,6 @@ from moe_ft.store.manifest import build_manifest
 from moe_ft.store.rules import EntryRef, RecoveryPoint, RecoveryRule
 
 
-@dataclass(kw_only=True)
-class PersistConfig:
-    interval: int = 0
-    """``--ft-persist-interval``: persist every N iterations (0 = off)."""
-    persist_dir: str = ""
-    """``--ft-persist-dir``: root of the durable tier (default ``--save``)."""
-    keep: int = 2
-    """Complete durable points kept (the newest one is never deleted)."""
-    publish_timeout_s: float = 300.0
-    """How long the writer waits for the node-local point of a due iteration to be published."""
-
-    def __post_init__(self) -> None:
-        if self.interval < 0:
-            raise ValueError(f"--ft-persist-interval must be >= 0, got {self.interval}")
-        if self.interval and not self.persist_dir:
-            raise ValueError("--ft-persist-interval needs a durable directory: pass --ft-persist-dir or --save")
-        if self.keep < 1:
-            raise ValueError(f"keep must be >= 1 (the newest complete point is never deleted), got {self.keep}")
-
-
 @dataclass(frozen=True)
 class PersistRecord:
     end: int
@@ -47,9 +27,15 @@ class PersistRecord:
 
 
 class PersistWriter:
-    def __init__(self, config: PersistConfig, store: SnapshotStore, tier: DurableTier, rule: RecoveryRule, *,
-                 rank: int) -> None:
-        self.config, self.store, self.tier, self.rule, self.rank = config, store, tier, rule, rank
+    def __init__(self, store: SnapshotStore, tier: DurableTier, rule: RecoveryRule, *, rank: int, interval: int,
+                 keep: int = 2, publish_timeout: float = 300.0) -> None:
+        """Every ``interval`` iterations into ``tier``, keeping ``keep`` complete points, waiting at most
+        ``publish_timeout`` seconds for a due point to be published (``DurableConfig`` holds the flags)."""
+        if interval < 0 or keep < 1 or publish_timeout < 0:
+            raise ValueError(f"durable writer: interval {interval} >= 0, keep {keep} >= 1 (the newest complete point "
+                             f"is never deleted) and publish timeout {publish_timeout} >= 0 needed")
+        self.interval, self.keep, self.publish_timeout = interval, keep, publish_timeout
+        self.store, self.tier, self.rule, self.rank = store, tier, rule, rank
         self.durable = tier.store(rank)
         self.records: list[PersistRecord] = []
         self.skipped: list[tuple[int, str]] = []
@@ -58,7 +44,7 @@ class PersistWriter:
             describe=lambda e: f"durable persistence of rank {self.rank} failed: {e!r}")
 
     def due(self, iteration: int) -> bool:
-        return bool(self.config.interval) and (iteration + 1) % self.config.interval == 0
+        return bool(self.interval) and (iteration + 1) % self.interval == 0
 
     def submit(self, iteration: int, persist_plan: Mapping[OperatorId, Level] | None = None) -> None:
         """If ``iteration`` is due, persist (in the background) the newest recovery point at or before it —
@@ -75,7 +61,7 @@ class PersistWriter:
     def settle(self) -> None:
         """Before the runtime discards an abandoned timeline from the tier. The in-process writer does not
         wait here: a queued copy may wait for a point that will never be published (up to
-        ``publish_timeout_s``); the node agent's writer (``moe_ft/agent/persist.py``) is sent published
+        ``publish_timeout``); the node agent's writer (``moe_ft/agent/persist.py``) is sent published
         points only and does wait."""
 
     def close(self) -> None:
@@ -88,7 +74,7 @@ class PersistWriter:
     def _wait_published(self, iteration: int) -> None:
         """The engine publishes on its own thread; persist the point of ``iteration`` once it is there
         (if it never comes, the newest older point is persisted)."""
-        deadline = time.monotonic() + self.config.publish_timeout_s
+        deadline = time.monotonic() + self.publish_timeout
         while iteration not in self.store.points() and time.monotonic() < deadline:
             time.sleep(0.002)
 
@@ -118,7 +104,7 @@ class PersistWriter:
 
     def _finish(self, point: RecoveryPoint, nbytes: int, start: float) -> PersistRecord:
         complete = self.tier.mark_done(self.rank, point)
-        self.tier.gc(self.rank, self.config.keep)
+        self.tier.gc(self.rank, self.keep)
         record = PersistRecord(point.end, nbytes, time.perf_counter() - start, complete)
         self.records.append(record)
         return record

@@ -39,6 +39,7 @@ from moe_ft.digest import global_digest
 from moe_ft.launch.worker import peer_failure
 from moe_ft.localized.component import UpstreamLogging
 from moe_ft.persist import DurableTier
+from moe_ft.persist.component import Durable
 from moe_ft.recovery import localized, planner
 from moe_ft.recovery.bounded import BoundedStore
 from moe_ft.recovery.ledger import GLOBAL, LOCALIZED, Avoided, DecisionLedger
@@ -46,7 +47,7 @@ from moe_ft.recovery.lossy import gather_expert_full_at, token_loss
 from moe_ft.recovery.machine import MachineConfig, Phase, Recovery, RecoveryContext, RecoveryState
 from moe_ft.recovery.progress import last_completed
 from moe_ft.recovery.report import RecoveryReport
-from moe_ft.runtime.components import Durable, Replicas
+from moe_ft.runtime.components import Replicas
 from moe_ft.state.operators import Level
 
 if TYPE_CHECKING:

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from moe_ft import comm
-from moe_ft.persist import DurableTier, PersistConfig, PersistWriter
 from moe_ft.replication.fetch import FetchResult, FetchTopology, fetch_from_peers
 from moe_ft.replication.placement import (
     ReplicaPlacementConfig,
@@ -209,11 +208,3 @@ class Replication:
                                 f"({sum(r.entries_cpu_s for r in snapshots):.3f} s on entries)" if snapshots else "")
                              + "\n")
             sys.stdout.flush()
-
-
-def build_persistence(*, interval: int, persist_dir: str, store, rule, rank: int, world_size: int,
-                      job_id: str) -> PersistWriter | None:
-    if not interval:
-        return None
-    config = PersistConfig(interval=interval, persist_dir=persist_dir)
-    return PersistWriter(config, store, DurableTier(persist_dir, job_id, world_size), rule, rank=rank)

@@ -8,20 +8,15 @@ that lives elsewhere (``replication/``, ``persist/``, ``recovery/boost.py``, ``r
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
 from moe_ft import comm
-from moe_ft.agent.persist import AgentPersistence
 from moe_ft.checkfree.average import local_grad_sq
 from moe_ft.checkfree.recovery import GRAD_SQ
-from moe_ft.persist import DurableTier, PersistConfig, PersistWriter
-from moe_ft.persist.megatron_dense import MegatronDenseWriter
 from moe_ft.recovery.boost import record_made_up, snapshot_tensors, start_after_recovery
 from moe_ft.recovery.progress import write_progress
-from moe_ft.replication.service import build_persistence
 from moe_ft.state.operators import Level
 from moe_ft.store.errors import store_full
 
@@ -106,75 +101,6 @@ class Replicas(Component):
         """Closing would wait for every source to end its stream, and a source that died never does: the
         streams' threads are left to the failed attempt's groups (they end when a peer's connection
         closes, or block on a group nothing uses any more)."""
-
-
-class Durable(Component):
-    """The durable tier (MoC §5.1 two-level): background copies of recovery points, plus Megatron-format
-    copies when every point of the policy is dense (plain Megatron loads them)."""
-
-    def __init__(self, writer, megatron_dense, rank: int) -> None:
-        self.writer, self.megatron_dense, self.rank = writer, megatron_dense, rank
-
-    @classmethod
-    def build(cls, interval: int, root: str, ctx, session, *, agent: bool = False,
-              agent_idle_exit_s: float = 600.0) -> "Durable":
-        writer: PersistWriter | AgentPersistence | None
-        if agent:  # the node agent copies; the trainer sends iteration numbers
-            writer = AgentPersistence(PersistConfig(interval=interval, persist_dir=root), session.store,
-                                      DurableTier(root, session.job_id, ctx.world_size), session.retention_rule,
-                                      rank=ctx.rank, job_id=session.job_id,
-                                      agent_dir=os.path.join(session.store_root, session.job_id, "agent"),
-                                      idle_exit_s=agent_idle_exit_s)
-        else:
-            writer = build_persistence(interval=interval, persist_dir=root, store=session.store,
-                                       rule=session.retention_rule, rank=ctx.rank, world_size=ctx.world_size,
-                                       job_id=session.job_id)
-        assert writer is not None, "Durable is built only with an interval"
-        dense = None
-        if session.policy.dense_points:
-            dense = MegatronDenseWriter(writer.config.persist_dir, ctx.state)
-        return cls(writer, dense, ctx.rank)
-
-    @property
-    def directory(self) -> Path:
-        return self.writer.tier.directory
-
-    def after_snapshot(self, iteration, plan, session, replaying) -> None:
-        due = self.writer.due(iteration)
-        self.writer.submit(iteration, session.policy.persist_plan(iteration, plan) if due else None)
-        if self.megatron_dense is not None:
-            dense = bool(plan) and all(lvl == Level.FULL for lvl in plan.values())
-            if dense and due and not replaying:
-                self.megatron_dense.save(iteration + 1)  # collective; the write runs in the background
-            self.megatron_dense.poll()
-
-    def after_iteration(self, iteration: int) -> None:
-        if self.rank == 0:  # outlives every node (one small file, rank 0)
-
-            write_progress(self.directory / "progress", iteration)
-
-    def after_recovery(self, report, session) -> None:
-        self.writer.settle()
-        self.writer.tier.discard_after(self.rank, report.recovery_point["resume"] - 1)
-        self.writer.rule = session.retention_rule  # the restored policy's windows
-
-    def after_reconfigure(self, session) -> None:
-        self.writer.rule = session.retention_rule  # the operators this rank holds now
-
-    def metrics(self, record) -> dict:
-        out = {}
-        if isinstance(self.writer, AgentPersistence) and (ms := self.writer.agent_cpu_ms_per_iteration()) is not None:
-            out["agent_cpu_ms"] = ms  # the node agent's CPU, not the trainer's
-        ends = self.writer.tier.complete_points() if self.writer.records else []
-        if not ends:
-            return out
-        p = self.writer.records[-1]  # the newest point every rank finished, not this rank's newest flush
-        return {**out, "persist_end": ends[-1], "persist_mb_s": p.nbytes / 1e6 / max(p.seconds, 1e-9)}
-
-    def close(self) -> None:
-        self.writer.close()
-        if self.megatron_dense is not None:
-            self.megatron_dense.close()
 
 
 class Boost(Component):
