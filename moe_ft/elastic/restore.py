@@ -35,7 +35,7 @@ import torch
 from moe_ft import comm
 from moe_ft.elastic.inventory import node_inventory, store_dirs
 from moe_ft.recovery.machine import restore_step_state
-from moe_ft.runtime.components import Replicas
+from moe_ft.replication.component import Replicas
 from moe_ft.snapshot.restore import copy_checked, restore_meta
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.state.optimizer_views import ensure_optimizer_state

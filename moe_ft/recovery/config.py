@@ -58,24 +58,24 @@ class RecoverConfig:
             raise ValueError(f"--ft-min-recovery-level must be exact, durable, lossy, approximate or none, got "
                              f"{self.min_recovery_level!r}")
 
-    def build_watchdog(self, rank: int):
-        if not self.hang_timeout:
-            return None
-
-        # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
-        from moe_ft.recovery.watchdog import Watchdog
-
-        return Watchdog(self.hang_timeout, rank)
-
-    def build_boost(self, state, popularity):
-        """The MoEtion §6 capacity boost attached to the routers, or ``None``."""
-        if not self.capacity_boost:
-            return None
+    def build(self, state, popularity, *, rank: int, runtime) -> list:
+        """The recovery components this start needs: the hang watchdog (``--ft-hang-timeout``) and the
+        MoEtion §6 capacity boost attached to the routers (``--ft-capacity-boost``); ``runtime`` gives the
+        boost the recovery report it updates."""
+        out: list = []
+        if not (self.hang_timeout or self.capacity_boost):
+            return out
 
         # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
         from moe_ft.recovery.boost import build_capacity_boost
+        from moe_ft.recovery.component import Boost, HangWatch
+        from moe_ft.recovery.watchdog import Watchdog
 
-        return build_capacity_boost(self.capacity_boost, state, popularity)
+        if self.hang_timeout:
+            out.append(HangWatch(Watchdog(self.hang_timeout, rank)))
+        if self.capacity_boost:
+            out.append(Boost(build_capacity_boost(self.capacity_boost, state, popularity), runtime))
+        return out
 
     def survivor_deadline_s(self) -> float:
         """``--ft-survivor-deadline``, or the launcher's grace between SIGTERM and SIGKILL minus 5 s (the

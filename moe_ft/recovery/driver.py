@@ -47,7 +47,7 @@ from moe_ft.recovery.lossy import gather_expert_full_at, token_loss
 from moe_ft.recovery.machine import MachineConfig, Phase, Recovery, RecoveryContext, RecoveryState
 from moe_ft.recovery.progress import last_completed
 from moe_ft.recovery.report import RecoveryReport
-from moe_ft.runtime.components import Replicas
+from moe_ft.replication.component import Replicas
 from moe_ft.state.operators import Level
 
 if TYPE_CHECKING:

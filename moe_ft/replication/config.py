@@ -62,20 +62,22 @@ class ReplicationConfig:
                              "selective or drop --ft-optimizer-recompute")
 
     def build(self, ctx: "BuildContext", session):
-        """The replication service of ``session``'s store (collective), or ``None`` (no store, r = 0, or a
+        """The replication component of ``session``'s store (collective), or ``None`` (no store, r = 0, or a
         single-node job)."""
         if session is None:
             return None
 
         # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
+        from moe_ft.replication.component import Replicas
         from moe_ft.replication.service import Layout, Replication
 
         layout = Layout.gather(ranks_per_node=self.ranks_per_node,
                                distributed_optimizer=ctx.args.parallel.use_distributed_optimizer)
-        return Replication.build(num_replicas=self.replicas, layout=layout, store=session.store,
-                                 store_root=session.store_root, job_id=session.job_id,
-                                 remote_budget=self.remote_budget(ctx), recompute=self.recompute(ctx),
-                                 compute_only=self.optimizer_recompute_local == "compute")
+        service = Replication.build(num_replicas=self.replicas, layout=layout, store=session.store,
+                                    store_root=session.store_root, job_id=session.job_id,
+                                    remote_budget=self.remote_budget(ctx), recompute=self.recompute(ctx),
+                                    compute_only=self.optimizer_recompute_local == "compute")
+        return Replicas(service) if service is not None else None
 
     def recompute(self, ctx: "BuildContext"):
         """The gradient capture of ``--ft-optimizer-recompute`` as a factory (built only when replicating),

@@ -2,7 +2,8 @@
 
 The runtime (``hooks.py``) calls every built component at the same points of an iteration and never asks
 which ones exist. A component that does not care about a hook inherits the no-op. Each wraps a mechanism
-that lives elsewhere (``replication/``, ``persist/``, ``recovery/boost.py``, ``recovery/watchdog.py``).
+that lives elsewhere; the components of the replication, the durable tier and recovery are in their
+packages (``replication/component.py``, ``persist/component.py``, ``recovery/component.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from pathlib import Path
 from moe_ft import comm
 from moe_ft.checkfree.average import local_grad_sq
 from moe_ft.checkfree.recovery import GRAD_SQ
-from moe_ft.recovery.boost import record_made_up, snapshot_tensors, start_after_recovery
 from moe_ft.recovery.progress import write_progress
 from moe_ft.state.operators import Level
 from moe_ft.store.errors import store_full
@@ -67,85 +67,6 @@ class Component:
         """The attempt failed and this process goes on to the next one (``moe-ft launch``): stop background
         work without waiting on peers. Default: :meth:`close`."""
         self.close()
-
-
-class Replicas(Component):
-    """Peer replicas (MoEtion Alg. 2) of the session's store: enqueue after each snapshot."""
-
-    def __init__(self, replication) -> None:
-        self.replication = replication
-        self._engine = None
-
-    def on_step_begin(self, iteration: int) -> None:
-        self.replication.begin_iteration(iteration)  # optimizer recomputation labels the step's gradients
-
-    def remote_full(self, iteration: int, plan) -> frozenset:
-        return self.replication.remote_full(iteration, plan)  # --ft-optimizer-recompute-local compute
-
-    def after_snapshot(self, iteration, plan, session, replaying) -> None:
-        self._engine = session.engine if session is not None else None
-        self.replication.track(plan)  # optimizer recomputation: whose gradients the next step captures
-        self.replication.submit(iteration)  # enqueue only: the copies run on their own threads
-
-    def after_recovery(self, report, session) -> None:
-        # replicas of the abandoned timeline must not outlive it (lossy runs differ)
-        self.replication.discard_after(report.timeline_kept_through)
-
-    def metrics(self, record) -> dict:
-        return self.replication.metrics(record.iteration) if record is not None else {}
-
-    def close(self) -> None:
-        self.replication.close(self._engine.records if self._engine is not None else ())
-
-    def abandon(self) -> None:
-        """Closing would wait for every source to end its stream, and a source that died never does: the
-        streams' threads are left to the failed attempt's groups (they end when a peer's connection
-        closes, or block on a group nothing uses any more)."""
-
-
-class Boost(Component):
-    """MoEtion §6 capacity boost after a lossy recovery (``recovery/boost.py``)."""
-
-    def __init__(self, boost, runtime) -> None:
-        self.boost, self.runtime = boost, runtime
-
-    def on_iteration_end(self, iteration: int, replaying: bool) -> None:
-        """Pay the boosted experts' extra tokens off (collective while a boost is active); note in the
-        recovery report when each expert made its lost tokens up."""
-
-        made_up = self.boost.end_iteration(iteration)
-        report = self.runtime.report
-        section = report.capacity_boost if report is not None else None
-        if made_up and section and record_made_up(section, made_up, iteration, self.boost.active):
-            if self.runtime.rank == 0 and section.get("ended_at") is not None:
-                print(f"moe-ft capacity boost: {len(section['experts'])} experts made up "
-                      f"{section['tokens_to_make_up']:.0f} lost tokens by iteration {iteration}", flush=True)
-            if not replaying:  # while re-executing, the final report write follows
-                self.runtime.write_report(final=False)
-
-    def snapshot_tensors(self) -> dict:
-        return snapshot_tensors(self.boost)
-
-    def after_recovery(self, report, session) -> None:
-        report.capacity_boost = start_after_recovery(self.boost, report, session.store)
-
-    def metrics(self, record) -> dict:
-        if not self.boost.active:
-            return {}
-        return {"boost_experts": int((self.boost.deficit > 0).sum()), "boost_deficit": float(self.boost.deficit.sum())}
-
-
-class Watchdog(Component):
-    """Hang detection: a rank without progress for ``--ft-hang-timeout`` seconds exits (torchrun restarts)."""
-
-    def __init__(self, watchdog) -> None:
-        self.watchdog = watchdog
-
-    def on_step_begin(self, iteration: int) -> None:
-        self.watchdog.beat(iteration)
-
-    def close(self) -> None:
-        self.watchdog.close()
 
 
 class Trace(Component):

@@ -42,8 +42,10 @@ from moe_ft.localized.component import UpstreamLogging
 from moe_ft.localized.survivor import HeldPoint, Regroup, StoredPoints, SurvivorGuard, survivor_store
 from moe_ft.megatron_ext.router import attach_popularity
 from moe_ft.popularity import ExpertPopularity, PopularityConfig
+from moe_ft.recovery.component import Boost
 from moe_ft.recovery.driver import RecoveryInputs, last_fault_time, recover, should_recover
 from moe_ft.recovery.planner import RecoveryRefused
+from moe_ft.replication.component import Replicas
 from moe_ft.runtime import components as C
 from moe_ft.runtime.context import BuildContext
 from moe_ft.runtime.log import format_line
@@ -78,7 +80,6 @@ class FTRuntime(StepHooks):
         self.clock = C.IterationClock()
         self.faults = None
         self.report = None
-        self._boost = None
         self._recovered_at = None
         self.survivor = None
         """The survivor guard (``moe_ft/localized/survivor.py``; localized scope with snapshots), else ``None``."""
@@ -113,15 +114,13 @@ class FTRuntime(StepHooks):
         job_dir.mkdir(parents=True, exist_ok=True)  # --ft-policy none builds no store that would create it
         self.faults = cfg.drill.build(str(job_dir))
         cfg.check_args(args)
-        self._boost = cfg.recovery.build_boost(state, self.popularity)
-        watchdog = cfg.recovery.build_watchdog(self.rank)
-        self.components = [self.clock, *([C.Watchdog(watchdog)] if watchdog else []),
-                           *([C.Boost(self._boost, self)] if self._boost else []),
+        self.components = [self.clock, *cfg.recovery.build(state, self.popularity, rank=self.rank, runtime=self),
                            C.Progress(job_dir / f"progress_rank{self.rank}"),
                            *([C.CheckFreeNorms(state.model)] if C.CheckFreeNorms.wanted(args, cfg) else []),
                            *cfg.checkfree.build_components(state, rank=self.rank, job_dir=str(job_dir))]
         if cfg.drill.trace_out and self.rank == 0:
-            self.components.append(C.Trace(cfg.drill.trace_out, self.popularity, self._boost))
+            boost = self.find(Boost)
+            self.components.append(C.Trace(cfg.drill.trace_out, self.popularity, boost.boost if boost else None))
         if cfg.snapshot.enabled and cfg.recovery.recovery_scope == "localized":
             self.survivor = SurvivorGuard(store_root=cfg.snapshot.store_dir, job_id=cfg.snapshot.job_id,
                                           rank=self.rank, registry_fn=lambda: self.registry,
@@ -172,12 +171,9 @@ class FTRuntime(StepHooks):
             self.components.append(BubbleScheduling.build(
                 session, pipeline_size=self.args.parallel.pipeline_model_parallel_size,
                 trace_out=self.config.drill.trace_out, rank=self.rank))
-        replication = self.config.replication.build(ctx, session)
-        if replication is not None:
-            self.components.append(C.Replicas(replication))
-        durable = self.config.persist.build(ctx, session)
-        if durable is not None:
-            self.components.append(durable)
+        for built in (self.config.replication.build(ctx, session), self.config.persist.build(ctx, session)):
+            if built is not None:
+                self.components.append(built)
         if session is not None:
             self._check_capacity()
 
@@ -188,7 +184,7 @@ class FTRuntime(StepHooks):
         store_dir = cfg.snapshot.store_dir
         full = sum(t.nbytes for op in self.registry for t in self.registry[op].tensors(Level.FULL).values())
         need = rank_need(full, localized=self.survivor is not None,
-                         replicas=cfg.replication.replicas if self.find(C.Replicas) is not None else 0)
+                         replicas=cfg.replication.replicas if self.find(Replicas) is not None else 0)
         mine = RankNeed(os.stat(existing_dir(store_dir)).st_dev, mount_point(Path(store_dir)), need)
         needs = [RankNeed(**d) for d in comm.all_gather_object(asdict(mine))]
         errors = comm.all_gather_object(shortfall(needs, store_dir, cfg.job_dir()))
