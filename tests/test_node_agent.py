@@ -4,6 +4,7 @@ collection), a killed agent is started again by the next call, and it exits once
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -133,3 +134,34 @@ def test_a_sparse_rule_travels_as_its_windows():
     sent = pickle.loads(pickle.dumps(portable(live, range(12))))
     assert [sent.window_of(e) for e in range(12)] == [live.window_of(e) for e in range(12)]
     assert sent.operators == live.operators and portable(RULE, [1]) is RULE
+
+
+def test_moe_ft_launch_starts_the_node_agent_the_training_flags_ask_for(tmp_path):
+    """``moe-ft launch`` reads the training flags (``--ft --ft-persist-interval N --ft-persist-agent``), starts
+    the node's agent where the trainers look for it, before any worker; trainers then find it running."""
+    from pathlib import Path
+
+    from moe_ft.launch.cli import node_agent_of, start_node_agent
+
+    store = str(tmp_path / "shm")
+    flags = ["--num-layers", "2", "--ft", "--ft-store-dir", store, "--ft-job-id", "j", "--ft-persist-interval", "4",
+             "--ft-persist-agent", "--ft-persist-agent-idle-exit", "5"]
+    assert node_agent_of(flags) == (os.path.join(store, "j", "agent"), 5.0)
+    assert node_agent_of([f for f in flags if f != "--ft-persist-agent"]) is None
+    assert node_agent_of(["--ft-persist-agent", "--ft-persist-interval", "4"]) is None  # no --ft
+    assert node_agent_of(["--ft", "--ft-persist-agent"]) is None  # no durable tier
+    assert node_agent_of(["--ft", "--ft-persist-interval", "2", "--ft-persist-agent"])[0] == \
+        "/dev/shm/moe_ft/default/agent"  # the training flags' defaults
+    pid = start_node_agent(flags)
+    agent_dir = Path(store, "j", "agent")
+    try:
+        assert pid is not None and agent_pid(agent_dir) == pid
+        client = AgentClient(agent_dir, 0)
+        client.call("ping")
+        assert client.pid == pid  # the trainer found the launcher's agent
+        log = (agent_dir / "agent.log").read_text()
+        assert f"moe-ft agent {pid}: serving {agent_dir} (started by moe-ft launch)" in log
+        client.bye()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)

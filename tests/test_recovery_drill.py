@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from moe_ft.cli.drill import run_job
+from moe_ft.drills.launchers import default_launcher
 from moe_ft.persist.validate import validate_durable
 from tests._ft_helpers import check_restart_kind, wait_until
 
@@ -84,6 +85,8 @@ def test_sparse_ep2pp2_publish_and_replay_kills(drill_env, reference):
     assert problems == [] and end == ITERS - 2, (end, problems)  # window [6, 8]: persisted at 8 (interval 3)
     agent_log = Path(drill_env["store"], "sparse_ep2pp2", "agent", "agent.log")
     wait_until(lambda: "exiting (every rank said bye)" in agent_log.read_text(), timeout=30, message=agent_log.read_text())
+    if default_launcher().startswith("inprocess"):  # moe-ft launch starts the node agent before the workers
+        assert "(started by moe-ft launch)" in agent_log.read_text(), agent_log.read_text()
     # restart 1's recovery was killed while replaying (no report); restart 2 redid it from [0, 2]
     check_exact_reports(res["reports"], ends={2: 2}, fired=[f + ":exit" for f in faults])
     (report,) = res["reports"]

@@ -1,8 +1,10 @@
 """A trainer's side of the node agent: find it, start it if the node has none, and talk to it.
 
-Every trainer of a node calls :func:`connect`; under an ``flock`` of the agent directory the first one that
-finds no live agent (no pid file, or a dead pid) starts ``python -m moe_ft.agent`` detached (its own
-session, so that it outlives the workers and torchrun's process-group kill), and waits for its pid file.
+``moe-ft launch`` starts the node's agent before the workers (``moe_ft/launch/cli.py``). Under plain torchrun,
+or when the agent died, every trainer of a node calls :func:`connect`; under an ``flock`` of the agent
+directory the first one that finds no live agent (no pid file, or a dead pid) starts ``python -m moe_ft.agent``
+detached (its own session, so that it outlives the workers and torchrun's process-group kill), and waits for
+its pid file.
 A connection that breaks (the agent was killed) is made again on the next call, starting a new agent.
 """
 
@@ -45,7 +47,7 @@ def agent_pid(agent_dir: Path) -> int | None:
     return pid if _running(pid) else None
 
 
-def _start(agent_dir: Path, idle_exit_s: float) -> None:
+def _start(agent_dir: Path, idle_exit_s: float, started_by: str) -> None:
     key = agent_dir / KEY_FILE
     if not key.exists():
         tmp = agent_dir / f".{KEY_FILE}.{os.getpid()}"
@@ -59,12 +61,12 @@ def _start(agent_dir: Path, idle_exit_s: float) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
     with open(agent_dir / LOG_FILE, "ab") as log:
         starter = subprocess.Popen([sys.executable, "-m", "moe_ft.agent", "--daemonize", "--dir", str(agent_dir),
-                                    "--idle-exit", str(idle_exit_s)], stdin=subprocess.DEVNULL, stdout=log,
+                                    "--idle-exit", str(idle_exit_s), "--started-by", started_by], stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, env=env, cwd=root)
     starter.wait(timeout=60)  # the daemonizing parent leaves at once
 
 
-def ensure_agent(agent_dir: str | os.PathLike, *, idle_exit_s: float = 600.0) -> int:
+def ensure_agent(agent_dir: str | os.PathLike, *, idle_exit_s: float = 600.0, started_by: str = "a trainer") -> int:
     """The pid of the node's agent, started if there is none (see the module docstring)."""
     agent_dir = Path(agent_dir)
     agent_dir.mkdir(parents=True, exist_ok=True)
@@ -72,7 +74,7 @@ def ensure_agent(agent_dir: str | os.PathLike, *, idle_exit_s: float = 600.0) ->
         fcntl.flock(lock, fcntl.LOCK_EX)
         pid = agent_pid(agent_dir)
         if pid is None:
-            _start(agent_dir, idle_exit_s)
+            _start(agent_dir, idle_exit_s, started_by)
             deadline = time.monotonic() + START_TIMEOUT_S
             while (pid := agent_pid(agent_dir)) is None:
                 if time.monotonic() > deadline:

@@ -104,6 +104,8 @@ class _Rank:
 class NodeAgent:
     directory: Path
     idle_exit_s: float = 600.0
+    started_by: str = "a trainer"
+    """Who started it (``moe-ft launch``, or the first trainer of the node under plain torchrun)."""
     ranks: dict[int, _Rank] = field(default_factory=dict)
     """Ranks with a durable writer here."""
     active: set[int] = field(default_factory=set)
@@ -121,7 +123,7 @@ class NodeAgent:
         pid_tmp = self.directory / f".{PID_FILE}.{os.getpid()}"
         pid_tmp.write_text(f"{os.getpid()}\n")
         os.replace(pid_tmp, self.directory / PID_FILE)  # found by the trainers from here on
-        print(f"moe-ft agent {os.getpid()}: serving {self.directory}", flush=True)
+        print(f"moe-ft agent {os.getpid()}: serving {self.directory} (started by {self.started_by})", flush=True)
         threading.Thread(target=self._accept, args=(listener,), name="moe-ft-agent-accept", daemon=True).start()
         while not self._stop.wait(0.2):
             with self._lock:
@@ -233,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nice", type=int, default=10, help="added niceness (the trainers come first)")
     parser.add_argument("--daemonize", action="store_true",
                         help="fork and leave the parent at once (the agent is then no trainer's child)")
+    parser.add_argument("--started-by", default="a trainer", help="who started it (its log says so)")
     args = parser.parse_args(argv)
     if args.daemonize and os.fork():
         os._exit(0)  # the starter reaps this parent; the child is adopted by init (or the node's subreaper)
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
-    agent = NodeAgent(Path(args.dir), idle_exit_s=args.idle_exit)
+    agent = NodeAgent(Path(args.dir), idle_exit_s=args.idle_exit, started_by=args.started_by)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     agent.serve()
     return 0

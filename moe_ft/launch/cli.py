@@ -16,10 +16,14 @@ derives it; only the agent differs (:class:`moe_ft.launch.agent.SpareAgent`). Ad
 ``--full-restart``        torchrun's behaviour: any failure restarts every worker
 ``--preload``             start workers as forks of one server process that imported the training stack
                           (saves each worker its imports; CPU jobs, tests)
+
+When the training flags have the node agent write the durable tier (``--ft-persist-agent``), the launcher
+starts it before the workers, one per node (``moe_ft/agent/``).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import uuid
@@ -31,9 +35,12 @@ from torch.distributed.elastic.multiprocessing import Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
+from moe_ft.agent.client import ensure_agent
 from moe_ft.drills.prelaunch import run_script, use_preloaded_forkserver
 from moe_ft.launch import protocol
 from moe_ft.launch.agent import Fenced, LaunchLogs, SpareAgent
+from moe_ft.persist.config import DurableConfig
+from moe_ft.snapshot.config import SnapshotConfig
 
 
 def build_parser():
@@ -75,6 +82,35 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
+def node_agent_of(script_args: list[str]) -> tuple[str, float] | None:
+    """``(agent directory, idle exit seconds)`` when the training flags have the node agent write the durable
+    tier (``--ft --ft-persist-interval N --ft-persist-agent``), else ``None``; the directory is the one the
+    trainers use (``<--ft-store-dir>/<--ft-job-id>/agent``), the defaults those of the training flags."""
+    snap, durable = SnapshotConfig(), DurableConfig()
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--ft", action="store_true")
+    p.add_argument("--ft-store-dir", default=snap.store_dir)
+    p.add_argument("--ft-job-id", default=snap.job_id)
+    p.add_argument("--ft-persist-interval", type=int, default=durable.interval)
+    p.add_argument("--ft-persist-agent", action="store_true")
+    p.add_argument("--ft-persist-agent-idle-exit", type=float, default=durable.agent_idle_exit)
+    flags, _ = p.parse_known_args(script_args)
+    if not (flags.ft and flags.ft_persist_agent and flags.ft_persist_interval > 0):
+        return None
+    return os.path.join(flags.ft_store_dir, flags.ft_job_id, "agent"), flags.ft_persist_agent_idle_exit
+
+
+def start_node_agent(script_args: list[str]) -> int | None:
+    """Start this node's agent before the workers (they find it by its pid file); its pid, or ``None`` when
+    the job has none. A job on several nodes gets one per node: every launcher starts its own."""
+    where = node_agent_of(script_args)
+    if where is None:
+        return None
+    pid = ensure_agent(where[0], idle_exit_s=where[1], started_by="moe-ft launch")
+    print(f"moe-ft launch: node agent {pid} ({where[0]})", file=sys.stderr, flush=True)
+    return pid
+
+
 def _logs(args) -> LaunchLogs:
     return LaunchLogs(root=args.log_dir or None, redirects=Std.from_str(args.redirects), tee=Std.from_str(args.tee),
                       line_prefix_template=getattr(args, "log_line_prefix_template", None))
@@ -107,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                        shutdown_timeout=int(getattr(config, "shutdown_timeout", None) or 30), inprocess=inprocess)
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE",
                           getattr(config, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"))
+    start_node_agent(list(args.training_script_args))
     shutdown_rdzv = True
     try:
         result = agent.run()
