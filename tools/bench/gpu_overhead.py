@@ -12,7 +12,8 @@ the loop's own host syncs (``float(loss)``, grad norm) end each iteration. The f
 iterations are dropped. Prints one JSON object: per policy the median iteration seconds and the
 snapshot engine's records (bytes, host wait, device stall, copy and store-write times), and
 ``overhead_ratio`` = median(sparse) / median(none) (medians over launches when ``--repeats`` > 1), one
-per sparse window of ``--windows`` (keyed ``sparse(W=…)``). ``--windows 0`` lets FindWindowSize (MoEvement Alg. 1) pick W from ``--snapshot-bandwidth``: pass the
+per sparse window of ``--windows`` (keyed ``sparse(W=…)``). ``ft_hooks_ms``: the median host time the
+training thread spent inside the FT hooks per iteration (plan, metadata, submit, waits, the log line). ``--windows 0`` lets FindWindowSize (MoEvement Alg. 1) pick W from ``--snapshot-bandwidth``: pass the
 bandwidth the snapshot path sustains end to end on this machine (the store write, not PCIe, is the
 narrow part: ``tools/bench/gpu_snapshot.py`` reports both).
 """
@@ -38,17 +39,37 @@ MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", 
 
 
 class _Timed:
-    """The runtime's hooks plus a clock at every ``on_step_begin`` (duck-typed ``StepHooks``)."""
+    """The runtime's hooks plus a clock at every ``on_step_begin`` (duck-typed ``StepHooks``), and the host
+    time the training thread spends inside the FT hooks of each iteration (``hook_s``: where an overhead that
+    is not the snapshot threads' comes from)."""
 
     def __init__(self, runtime, out: str) -> None:
-        self.runtime, self.out, self.starts = runtime, out, []
+        self.runtime, self.out, self.starts, self.hook_s = runtime, out, [], []
 
     def __getattr__(self, name):
         return getattr(self.runtime, name)
 
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            if self.hook_s:
+                self.hook_s[-1] += time.perf_counter() - t0
+
     def on_step_begin(self, iteration: int) -> None:
         self.starts.append(time.perf_counter())
-        self.runtime.on_step_begin(iteration)
+        self.hook_s.append(0.0)
+        self._timed(self.runtime.on_step_begin, iteration)
+
+    def before_optimizer_step(self, iteration: int) -> None:
+        self._timed(self.runtime.before_optimizer_step, iteration)
+
+    def on_step_end(self, iteration: int, result) -> None:
+        self._timed(self.runtime.on_step_end, iteration, result)
+
+    def after_log(self, iteration: int) -> None:
+        self._timed(self.runtime.after_log, iteration)
 
     def on_train_end(self, report) -> None:
         self.starts.append(time.perf_counter())
@@ -60,6 +81,7 @@ class _Timed:
         with open(self.out, "w") as f:
             mapped = getattr(engine, "mapped", None)
             json.dump({"iteration_s": [b - a for a, b in zip(self.starts, self.starts[1:])], "records": records,
+                       "hook_s": self.hook_s,
                        "window": getattr(policy, "window_length", None),
                        "path": "mapped" if mapped is not None else f"staged ({getattr(engine, 'mapped_off', '')})",
                        "pinning": mapped.pinned.failed or "ok" if mapped is not None else ""}, f)
@@ -83,8 +105,10 @@ def worker(argv: list[str]) -> int:
 def _summary(run: dict, warmup: int) -> dict:
     times = run["iteration_s"][warmup:]
     recs = [r for r in run["records"] if r["iteration"] >= warmup]
+    hooks = run.get("hook_s", [])[warmup:len(run["iteration_s"])]
     out = {"median_iter_s": statistics.median(times), "iterations": len(times), "window": run["window"],
-           "path": run.get("path"), "pinning": run.get("pinning")}
+           "path": run.get("path"), "pinning": run.get("pinning"),
+           "ft_hooks_ms": 1e3 * statistics.median(hooks) if hooks else None}
     if recs:
         dev = [r["device_stall_s"] for r in recs if r.get("device_stall_s") is not None]
         out.update(bytes_per_iter=int(statistics.mean(r["bytes"] for r in recs)),
