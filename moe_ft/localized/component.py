@@ -69,6 +69,12 @@ class UpstreamLogging(Component):
     def drain(self) -> None:
         self.recorder.flush()
 
+    def stored_bytes_per_iteration(self) -> int:
+        """What the newest logged iteration occupies in the log directory (0: nothing logged yet)."""
+        self.drain()
+        logged = self.log_dir.iterations()
+        return self.log_dir.nbytes(logged[-1]) if logged else 0
+
     def after_recovery(self, report, session) -> None:
         self.recorder.flush()
         self.log_dir.drop_after(report.timeline_kept_through)  # the abandoned timeline

@@ -8,7 +8,10 @@ A node-local store lives on a tmpfs (``/dev/shm`` by default), often small: a co
   operator of the rank at FULL at least once (a sparse window spreads them over its iterations, and adds
   COMPUTE entries on top), so at least ``3 x F`` per rank (``F``: the rank's operators at FULL);
 * a survivor point (localized scope): ``F``;
-* replicas held for peers (``--ft-replicas r``): the same ``3 x F`` for each peer whose points it holds.
+* replicas held for peers (``--ft-replicas r``): the same ``3 x F`` for each peer whose points it holds;
+* the upstream log (pipeline parallelism, localized scope): every iteration from the oldest point kept, at
+  least a window plus one iteration (``L x (W + 1)``, ``L`` the stored bytes of the first logged iteration;
+  known once it is logged, so a recovery's start, which checks before any iteration, counts none).
 
 Every rank whose store is on the same file system (same ``st_dev``) counts. When the sum exceeds what the
 file system has for this job (its free space plus what this job's stores already use there), the job
@@ -35,9 +38,10 @@ class RankNeed:
     need_bytes: int
 
 
-def rank_need(full_bytes: int, *, localized: bool, replicas: int) -> int:
-    """The least a rank's stores occupy (see the module docstring)."""
-    return full_bytes * (SNAPSHOT_POINTS * (1 + replicas) + (1 if localized else 0))
+def rank_need(full_bytes: int, *, localized: bool, replicas: int, log_bytes: int = 0, window: int = 1) -> int:
+    """The least a rank's stores occupy (see the module docstring): ``log_bytes`` per logged iteration,
+    ``window`` iterations per recovery point."""
+    return full_bytes * (SNAPSHOT_POINTS * (1 + replicas) + (1 if localized else 0)) + log_bytes * (window + 1)
 
 
 def existing_dir(path: str | Path) -> Path:
