@@ -210,7 +210,7 @@ def test_owner_keeps_compute_weights_and_the_peer_rebuilds_the_full_state(tmp_pa
 
 
 def _fetch(tmp_path, owner_store, replica):
-    topo = FetchTopology(holders={0: [1], 1: []}, dp_group={0: [0], 1: [1]}, expert_dp_group={0: [0], 1: [1]},
+    topo = FetchTopology(dp_group={0: [0], 1: [1]}, expert_dp_group={0: [0], 1: [1]},
                          distributed_optimizer=False)
     invs = [Inventory(rank=0, local=inventory_of(owner_store), replicas={}),
             Inventory(rank=1, local={}, replicas={0: inventory_of(replica, replica=True)})]

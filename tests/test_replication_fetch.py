@@ -87,7 +87,7 @@ def job(tmp_path):
         s.close()
     for rec in receivers:
         rec.join(30)
-    topo = FetchTopology(holders=plan.peers, dp_group={r: g for g in DP for r in g},
+    topo = FetchTopology(dp_group={r: g for g in DP for r in g},
                          expert_dp_group={r: [r] for r in range(6)}, distributed_optimizer=False)
     return plan, topo
 
@@ -175,7 +175,7 @@ def test_point_without_a_source_is_skipped_with_the_reason(tmp_path, job):
     assert fetch_plan.points[4] == [4, 5, 6]
     assert "iteration 7" in fetch_plan.skipped[4][0] and "expert" in fetch_plan.skipped[4][0]
     # with the distributed optimizer a peer's FULL dense entry is another shard: never a source
-    topo_dist = FetchTopology(holders=topo.holders, dp_group=topo.dp_group, expert_dp_group=topo.expert_dp_group,
+    topo_dist = FetchTopology(dp_group=topo.dp_group, expert_dp_group=topo.expert_dp_group,
                               distributed_optimizer=True)
     skipped = plan_fetch(inventories(tmp_path, plan), topo_dist).skipped[4]
     assert any(s.startswith("iteration 4") and "dense" in s for s in skipped)
@@ -208,3 +208,35 @@ def test_peer_copy_that_differs_from_the_owners_is_rejected(tmp_path, job):
     assert any(s.startswith("iteration 7") and "dense.L0@COMPUTE" in s for s in results[4].skipped), results[4].skipped
     assert 7 not in local_store(tmp_path, 4).points()
 
+
+
+def test_holders_are_whoever_offers_the_copies_not_the_plan(tmp_path, job):
+    """A rank that a spare on another node took over, or a placement that changed since: the replicas of a
+    lost rank are served by the ranks whose node holds them, found by what they offer (every rank offers its
+    node's replica stores), not by the current placement. Here each node's both ranks offer the node's copies."""
+    plan, topo = job
+    lose_node(tmp_path, 1)
+    invs = [Inventory(rank=r, local=inventory_of(local_store(tmp_path, r)),
+                      replicas={o: inventory_of(replica_store(tmp_path, r, o), replica=True)
+                                for node_rank in range(6) if NODE_OF[node_rank] == NODE_OF[r]
+                                for o in plan.sources[node_rank] if o != r})
+            for r in range(6)]
+    fetch_plan = plan_fetch(invs, topo)
+    for r in (2, 3):  # node 1's ranks: everything they had comes back, from ranks on nodes 0 and 2
+        srcs = {t.src for t in fetch_plan.transfers if t.dst == r}
+        assert srcs and srcs <= {0, 1, 4, 5}, (r, srcs)
+        assert fetch_plan.points[r] == list(ITERS), fetch_plan.points[r]
+    results = run_fetch(tmp_path, plan, fetch_plan)
+    for r in (2, 3):
+        assert results[r].points == list(ITERS)
+        assert local_store(tmp_path, r).verify().problems == ()
+
+
+def test_nodes_are_where_ranks_run():
+    from moe_ft.replication.placement import nodes_from_places
+
+    assert nodes_from_places([0, 0, 1, 1], ranks_per_node=2) == [0, 0, 1, 1]
+    assert nodes_from_places([0, 0, 0, 1], ranks_per_node=2) == [0, 0, 0, 1]  # rank 2 now runs on node 0
+    assert nodes_from_places([5, 5, 3, 3], ranks_per_node=0) == [1, 1, 0, 0]  # any numbering of the groups
+    assert nodes_from_places([0, 0, 0, 0], ranks_per_node=2) == [0, 0, 1, 1]  # one agent: simulated by blocks
+    assert nodes_from_places([0, 0, 0, 0], ranks_per_node=0) == [0, 0, 0, 0]

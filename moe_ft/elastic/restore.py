@@ -204,7 +204,7 @@ def discard_old_generation(runtime, store_dir: str, job_id: str) -> None:
     then :func:`discard_node_points` for the rest."""
     runtime.active.store.discard_after(-1)
     replicas = runtime.find(Replicas)
-    if replicas is not None:
+    if replicas is not None and replicas.replication is not None:
         replicas.replication.discard_after(-1)
     discard_node_points(store_dir, job_id, runtime.rank, runtime.world_size)
 

@@ -54,7 +54,6 @@ if TYPE_CHECKING:
     from moe_ft.config import FTConfig
     from moe_ft.drills.faults import FaultPlan
     from moe_ft.popularity import ExpertPopularity
-    from moe_ft.replication.service import Replication
     from moe_ft.snapshot.session import SnapshotSession
     from moe_ft.state.registry import OperatorRegistry
 
@@ -95,10 +94,6 @@ class RecoveryInputs:
         """The runtime's component of type ``cls`` (``None``: the job runs without it)."""
         return next((c for c in self.components if isinstance(c, cls)), None)
 
-    @property
-    def replication(self) -> "Replication | None":
-        replicas = self.find(Replicas)
-        return replicas.replication if replicas is not None else None
 
     @property
     def durable_dir(self) -> Path | None:
@@ -309,9 +304,10 @@ def fetch_lost_points(inputs: RecoveryInputs) -> dict:
     """Node loss: rebuild node-local stores from replica holders and data-parallel peers (collective;
     ``moe_ft/replication/fetch.py``). Returns the report's ``{"fetched": {rank: …}}`` (ranks that fetched
     or could not), or ``{}`` without replication."""
-    if inputs.replication is None:
+    replicas = inputs.find(Replicas)
+    if replicas is None or replicas.fetch is None:
         return {}
-    mine = inputs.replication.fetch_missing(inputs.session.store)
+    mine = replicas.fetch.fetch_missing(inputs.session.store)
     gathered = comm.all_gather_object(mine.to_json())
     fetched = {str(r): f for r, f in enumerate(gathered) if f["points"] or f["skipped"] or f.get("completed")}
     return {"fetched": fetched} if fetched else {}

@@ -63,13 +63,14 @@ class ReplicationConfig:
 
     def build(self, ctx: "BuildContext", session):
         """The replication component of ``session``'s store (collective), or ``None`` (no store, r = 0, or a
-        single-node job)."""
-        if session is None:
+        job that runs on one node and never replicated: nothing to send, nothing to fetch)."""
+        if session is None or not self.replicas:
             return None
 
         # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
+        from moe_ft import comm
         from moe_ft.replication.component import Replicas
-        from moe_ft.replication.service import Layout, Replication
+        from moe_ft.replication.service import Layout, ReplicaFetch, Replication
 
         layout = Layout.gather(ranks_per_node=self.ranks_per_node,
                                distributed_optimizer=ctx.args.parallel.use_distributed_optimizer)
@@ -77,7 +78,11 @@ class ReplicationConfig:
                                     store_root=session.store_root, job_id=session.job_id,
                                     remote_budget=self.remote_budget(ctx), recompute=self.recompute(ctx),
                                     compute_only=self.optimizer_recompute_local == "compute")
-        return Replicas(service) if service is not None else None
+        fetch = ReplicaFetch(layout, store_root=session.store_root, job_id=session.job_id)
+        # collective: the ranks now on one node still fetch what earlier generations replicated
+        if service is None and not comm.max_over_ranks(int(bool(fetch.owners_here()))):
+            return None
+        return Replicas(service, fetch)
 
     def recompute(self, ctx: "BuildContext"):
         """The gradient capture of ``--ft-optimizer-recompute`` as a factory (built only when replicating),

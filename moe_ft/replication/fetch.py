@@ -136,8 +136,6 @@ class FetchPlan:
 class FetchTopology:
     """The job layout the plan needs (identical on every rank)."""
 
-    holders: Mapping[int, Sequence[int]]
-    """``ReplicaPlan.peers``: the ranks holding each rank's replicas."""
     dp_group: Mapping[int, Sequence[int]]
     """Each rank's data-parallel group (dense operators)."""
     expert_dp_group: Mapping[int, Sequence[int]]
@@ -163,7 +161,7 @@ def plan_fetch(inventories: Sequence[Inventory], topo: FetchTopology) -> FetchPl
     skipped: dict[int, list[str]] = {}
     for inv in sorted(inventories, key=lambda i: i.rank):
         r = inv.rank
-        holders = [h for h in topo.holders.get(r, ()) if h in by_rank]
+        holders = [h for h in sorted(by_rank) if h != r and r in by_rank[h].replicas]  # whoever holds copies
         offered = {t for h in holders for t in by_rank[h].replicas.get(r, {})}
         for t in needs_fetch(inv, offered):
             choice, why = _source_point(inv, t, holders, by_rank, topo, sent_bytes)
@@ -377,11 +375,14 @@ class PeerFetch:
 
 def fetch_from_peers(*, local: SnapshotStore, rank: int, world_size: int,
                      topo: FetchTopology, replica_store_of: Callable[[int], SnapshotStore],
+                     replica_owners: Sequence[int] = (),
                      group_config: GlooTransportConfig | None = None) -> FetchResult:
     """Collective over all ranks (host path, ``moe_ft.comm``): exchange inventories, plan, and (only if some
-    rank needs anything) move the entries on a dedicated gloo group. Returns this rank's :class:`FetchResult`."""
+    rank needs anything) move the entries on a dedicated gloo group. ``replica_owners``: the ranks whose
+    replica stores this rank can serve (its node's); the holders of a rank's copies are whoever offers them.
+    Returns this rank's :class:`FetchResult`."""
 
-    holding = {owner for owner, holders in topo.holders.items() if rank in holders}
+    holding = set(replica_owners) - {rank}
     mine = Inventory(rank=rank, local=inventory_of(local),
                      replicas={owner: inventory_of(replica_store_of(owner), replica=True) for owner in sorted(holding)})
     everyone = comm.all_gather_object(mine)

@@ -52,6 +52,18 @@ def nodes_from_local_world_size(*, world_size: int, local_world_size: int) -> li
     return [rank // local_world_size for rank in range(world_size)]
 
 
+def nodes_from_places(groups: Sequence[int], *, ranks_per_node: int) -> list[int]:
+    """``rank -> node`` from the launcher group (``GROUP_RANK``: the torch elastic agent, one per node) each
+    rank runs in, so that a rank a spare on another node took over counts on the node it runs on now. A job
+    of one agent (``len(set(groups)) == 1``) simulates nodes by rank blocks of ``ranks_per_node`` (``0``: one
+    node), as ``--ft-ranks-per-node`` asks."""
+    if len(set(groups)) > 1:
+        ids = {g: i for i, g in enumerate(sorted(set(groups)))}
+        return [ids[g] for g in groups]
+    per_node = ranks_per_node or len(groups)
+    return [rank // per_node for rank in range(len(groups))]
+
+
 def _group_of(dp_groups: Sequence[Sequence[int]], world_size: int) -> list[tuple[int, ...]]:
     group_of: list[tuple[int, ...] | None] = [None] * world_size
     for group in dp_groups:

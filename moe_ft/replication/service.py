@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -21,7 +22,7 @@ from moe_ft.replication.placement import (
     ReplicaPlan,
     has_copy_off_node,
     needs_replication,
-    nodes_from_local_world_size,
+    nodes_from_places,
     place_replicas,
 )
 from moe_ft.replication.receiver import ReceiverConfig, ReplicaReceiver, replica_store_config
@@ -45,20 +46,60 @@ class Layout:
 
     @staticmethod
     def gather(*, ranks_per_node: int, distributed_optimizer: bool) -> "Layout":
-        """Collective over all ranks (host path). ``ranks_per_node`` 0 = ``LOCAL_WORLD_SIZE``."""
+        """Collective over all ranks (host path). Nodes are where the ranks run now (each rank's launcher
+        group, ``GROUP_RANK``: a rank a spare of another node took over counts there); a job of one launcher
+        group simulates nodes by ``ranks_per_node`` (0 = ``LOCAL_WORLD_SIZE``) rank blocks."""
 
         world, rank = dist.get_world_size(), dist.get_rank()
         per_node = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
         mine = (dist.get_process_group_ranks(ps.get_data_parallel_group()),
-                dist.get_process_group_ranks(ps.get_expert_data_parallel_group()))
+                dist.get_process_group_ranks(ps.get_expert_data_parallel_group()),
+                int(os.environ.get("GROUP_RANK", "0")))
         everyone = comm.all_gather_object(mine)
         unique = lambda groups: [list(g) for g in sorted({tuple(g) for g in groups})]
-        return Layout(rank=rank, node_of=nodes_from_local_world_size(world_size=world, local_world_size=per_node),
+        return Layout(rank=rank, node_of=nodes_from_places([e[2] for e in everyone], ranks_per_node=per_node),
                       dp_groups=unique(e[0] for e in everyone), expert_dp_groups=unique(e[1] for e in everyone),
                       distributed_optimizer=distributed_optimizer)
 
     def group_of(self, groups: list[list[int]]) -> list[int]:
         return next(g for g in groups if self.rank in g)
+
+
+class ReplicaFetch:
+    """Rebuilds node-local stores from the replicas other ranks hold and from data-parallel peers after a
+    node loss (``fetch.py``), whatever placement put the replicas where they are: every rank offers the
+    replica stores its node holds, so a rank that a spare on another node took over in an earlier
+    generation, or a placement that changed since, still finds its copies."""
+
+    def __init__(self, layout: Layout, *, store_root: str, job_id: str) -> None:
+        self.layout, self.store_root, self.job_id = layout, store_root, job_id
+        self._stores: dict[int, object] = {}
+
+    def owners_here(self) -> list[int]:
+        """Owners whose replica store this node holds."""
+        root = Path(replica_store_config(root=self.store_root, job_id=self.job_id, owner=0).directory).parent
+        found = []
+        for d in root.iterdir() if root.is_dir() else ():
+            if d.is_dir() and d.name.startswith("rank") and d.name[4:].isdigit():
+                found.append(int(d.name[4:]))
+        return sorted(found)
+
+    def store(self, owner: int):
+        store = self._stores.get(owner)
+        if store is None:
+            store = self._stores[owner] = replica_store_config(root=self.store_root, job_id=self.job_id,
+                                                               owner=owner).build()
+        return store
+
+    def fetch_missing(self, local) -> FetchResult:
+        """Rebuild this rank's node-local store from replica holders and data-parallel peers when it lost
+        points they hold (a replaced node). Collective; call before recovery agrees."""
+        lay = self.layout
+        group = lambda groups: {r: g for g in groups for r in g}  # noqa: E731
+        topo = FetchTopology(dp_group=group(lay.dp_groups), expert_dp_group=group(lay.expert_dp_groups),
+                             distributed_optimizer=lay.distributed_optimizer)
+        return fetch_from_peers(local=local, rank=lay.rank, world_size=len(lay.node_of), topo=topo,
+                                replica_store_of=self.store, replica_owners=self.owners_here())
 
 
 class Replication:
@@ -71,17 +112,6 @@ class Replication:
         """``--ft-optimizer-recompute-local compute``: see :meth:`remote_full`."""
         self.remote_chosen = 0
         """Expert snapshots whose FULL state was left to the peers so far."""
-
-    def fetch_missing(self, local) -> FetchResult:
-        """Rebuild this rank's node-local store from its replica holders and data-parallel peers when it
-        lost points they hold (a replaced node; ``fetch.py``). Collective; call before recovery agrees."""
-        lay = self.layout
-        group = lambda groups: {r: g for g in groups for r in g}  # noqa: E731
-        topo = FetchTopology(holders=self.plan.peers, dp_group=group(lay.dp_groups),
-                             expert_dp_group=group(lay.expert_dp_groups),
-                             distributed_optimizer=lay.distributed_optimizer)
-        return fetch_from_peers(local=local, rank=lay.rank, world_size=len(lay.node_of),
-                                topo=topo, replica_store_of=self.receiver.store)
 
     @staticmethod
     def build(*, num_replicas: int, layout: Layout, store, store_root: str, job_id: str,

@@ -183,9 +183,10 @@ class FTRuntime(StepHooks):
         cfg = self.config
         store_dir = cfg.snapshot.store_dir
         full = sum(t.nbytes for op in self.registry for t in self.registry[op].tensors(Level.FULL).values())
-        logs = self.find(UpstreamLogging)
+        logs, replicas = self.find(UpstreamLogging), self.find(Replicas)
+        replicating = replicas is not None and replicas.replication is not None
         need = rank_need(full, localized=self.survivor is not None,
-                         replicas=cfg.replication.replicas if self.find(Replicas) is not None else 0,
+                         replicas=cfg.replication.replicas if replicating else 0,
                          log_bytes=logs.stored_bytes_per_iteration() if logs is not None else 0,
                          window=getattr(self.active.policy, "window_length", None) or 1)
         mine = RankNeed(os.stat(existing_dir(store_dir)).st_dev, mount_point(Path(store_dir)), need)
