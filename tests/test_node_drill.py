@@ -78,7 +78,9 @@ def check_one_node_lost(res, *, lost: int, iteration: int, phase: str, point_end
     fetched = rp["fetched"]
     assert {int(r) for r in fetched} == NODE_RANKS[lost], fetched  # the replacement's ranks, and only they
     for rank, f in fetched.items():
-        assert f["sources"] and set(f["sources"]) <= NODE_RANKS[1 - lost], (rank, f)  # peers on the survivor
+        # peers on the survivor node: its own ranks and, in-process, the lost ranks its spares run now
+        here = NODE_RANKS[1 - lost] | (NODE_RANKS[lost] - {int(rank)} if inprocess else set())
+        assert f["sources"] and set(f["sources"]) <= here, (rank, f)
         assert f["bytes"] > 0 and f["skipped"] == [] and point_end in f["points"]
     assert "fetch" in report["seconds"]
     assert event["iterations_redone"] == len(report["replayed_iterations"]) + len(report["reexecuted_iterations"])
