@@ -78,7 +78,10 @@ class ReplicationConfig:
                                     store_root=session.store_root, job_id=session.job_id,
                                     remote_budget=self.remote_budget(ctx), recompute=self.recompute(ctx),
                                     compute_only=self.optimizer_recompute_local == "compute")
-        fetch = ReplicaFetch(layout, store_root=session.store_root, job_id=session.job_id)
+        planned = None
+        if layout.simulated:  # one store root for every simulated node: the plan says what each holds
+            planned = service.plan.sources[layout.rank] if service is not None else ()
+        fetch = ReplicaFetch(layout, store_root=session.store_root, job_id=session.job_id, planned=planned)
         # collective: the ranks now on one node still fetch what earlier generations replicated
         if service is None and not comm.max_over_ranks(int(bool(fetch.owners_here()))):
             return None

@@ -43,6 +43,9 @@ class Layout:
     dp_groups: list[list[int]]
     expert_dp_groups: list[list[int]]
     distributed_optimizer: bool
+    simulated: bool = False
+    """Nodes simulated by rank blocks in a job of one launcher agent (``--ft-ranks-per-node``): the ranks
+    share one store root, so only the placement says which simulated node holds which replicas."""
 
     @staticmethod
     def gather(*, ranks_per_node: int, distributed_optimizer: bool) -> "Layout":
@@ -57,9 +60,10 @@ class Layout:
                 int(os.environ.get("GROUP_RANK", "0")))
         everyone = comm.all_gather_object(mine)
         unique = lambda groups: [list(g) for g in sorted({tuple(g) for g in groups})]
-        return Layout(rank=rank, node_of=nodes_from_places([e[2] for e in everyone], ranks_per_node=per_node),
+        groups = [e[2] for e in everyone]
+        return Layout(rank=rank, node_of=nodes_from_places(groups, ranks_per_node=per_node),
                       dp_groups=unique(e[0] for e in everyone), expert_dp_groups=unique(e[1] for e in everyone),
-                      distributed_optimizer=distributed_optimizer)
+                      distributed_optimizer=distributed_optimizer, simulated=len(set(groups)) == 1)
 
     def group_of(self, groups: list[list[int]]) -> list[int]:
         return next(g for g in groups if self.rank in g)
@@ -71,12 +75,17 @@ class ReplicaFetch:
     replica stores its node holds, so a rank that a spare on another node took over in an earlier
     generation, or a placement that changed since, still finds its copies."""
 
-    def __init__(self, layout: Layout, *, store_root: str, job_id: str) -> None:
+    def __init__(self, layout: Layout, *, store_root: str, job_id: str, planned=None) -> None:
+        """``planned``: the owners the placement gives this rank, for simulated nodes (``Layout.simulated``),
+        whose replica stores share one root: there the plan, not the directory, says what a node holds."""
         self.layout, self.store_root, self.job_id = layout, store_root, job_id
+        self.planned = None if planned is None else sorted(planned)
         self._stores: dict[int, object] = {}
 
     def owners_here(self) -> list[int]:
         """Owners whose replica store this node holds."""
+        if self.planned is not None:
+            return list(self.planned)
         root = Path(replica_store_config(root=self.store_root, job_id=self.job_id, owner=0).directory).parent
         found = []
         for d in root.iterdir() if root.is_dir() else ():
