@@ -45,6 +45,17 @@ if HAVE_TRITON:
         return x ^ (x >> 16)
 
     @triton.jit
+    def _store_block_sums(partial_ptr, block, w, i, inside, K0: tl.constexpr, S0: tl.constexpr,
+                          K1: tl.constexpr, S1: tl.constexpr, BLOCK: tl.constexpr):
+        # both lanes' sum over the block's words ``w`` (indices ``i`` mod 2^32, ``inside`` the valid ones),
+        # widened to int64 so that no reduction wraps, into ``partial[block]``
+        x0 = _fmix32(w ^ (i * tl.full((), K0, tl.uint32) + tl.full((), S0, tl.uint32)))
+        x1 = _fmix32(w ^ (i * tl.full((), K1, tl.uint32) + tl.full((), S1, tl.uint32)))
+        zero = tl.zeros((BLOCK,), dtype=tl.int64)
+        tl.store(partial_ptr + block * 2, tl.sum(tl.where(inside, x0.to(tl.int64), zero), axis=0))
+        tl.store(partial_ptr + block * 2 + 1, tl.sum(tl.where(inside, x1.to(tl.int64), zero), axis=0))
+
+    @triton.jit
     def _lane_sums_kernel(words_ptr, partial_ptr, n_words, K0: tl.constexpr, S0: tl.constexpr,
                           K1: tl.constexpr, S1: tl.constexpr, BLOCK: tl.constexpr):
         block = tl.program_id(0)
@@ -52,13 +63,7 @@ if HAVE_TRITON:
         inside = offs < n_words
         w = tl.load(words_ptr + offs, mask=inside, other=0).to(tl.uint32, bitcast=True)
         i = (offs & 0xFFFFFFFF).to(tl.uint32)  # the word index mod 2^32
-        x0 = _fmix32(w ^ (i * tl.full((), K0, tl.uint32) + tl.full((), S0, tl.uint32)))
-        x1 = _fmix32(w ^ (i * tl.full((), K1, tl.uint32) + tl.full((), S1, tl.uint32)))
-        zero = tl.zeros((BLOCK,), dtype=tl.int64)
-        s0 = tl.sum(tl.where(inside, x0.to(tl.int64), zero), axis=0)
-        s1 = tl.sum(tl.where(inside, x1.to(tl.int64), zero), axis=0)
-        tl.store(partial_ptr + block * 2, s0)
-        tl.store(partial_ptr + block * 2 + 1, s1)
+        _store_block_sums(partial_ptr, block, w, i, inside, K0, S0, K1, S1, BLOCK)
 
     @triton.jit
     def _table_lane_sums_kernel(addr_ptr, nwords_ptr, first_ptr, blk_tensor_ptr, blk_start_ptr, partial_ptr,
@@ -76,13 +81,7 @@ if HAVE_TRITON:
         inside = offs < n_words
         w = tl.load(words_ptr + offs, mask=inside, other=0).to(tl.uint32, bitcast=True)
         i = ((offs + first) & 0xFFFFFFFF).to(tl.uint32)
-        x0 = _fmix32(w ^ (i * tl.full((), K0, tl.uint32) + tl.full((), S0, tl.uint32)))
-        x1 = _fmix32(w ^ (i * tl.full((), K1, tl.uint32) + tl.full((), S1, tl.uint32)))
-        zero = tl.zeros((BLOCK,), dtype=tl.int64)
-        s0 = tl.sum(tl.where(inside, x0.to(tl.int64), zero), axis=0)
-        s1 = tl.sum(tl.where(inside, x1.to(tl.int64), zero), axis=0)
-        tl.store(partial_ptr + block * 2, s0)
-        tl.store(partial_ptr + block * 2 + 1, s1)
+        _store_block_sums(partial_ptr, block, w, i, inside, K0, S0, K1, S1, BLOCK)
 
 
 def _require_runnable(t: torch.Tensor) -> None:
