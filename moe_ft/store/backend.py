@@ -116,8 +116,9 @@ class PointWriter(abc.ABC):
     def map_blob(self, name: str, nbytes: int) -> Any:
         """A writable ``uint8`` tensor over the ``nbytes`` the blob will hold, in the store's own memory (a
         mapped region), for a writer that fills it in place (a device-to-host copy) and then calls
-        :meth:`mapped_done`. Only backends with ``maps_regions`` implement it."""
-        raise NotImplementedError(f"{type(self).__name__} cannot map blobs; write them with open_blob")
+        :meth:`mapped_done`. Only backends with ``maps_regions`` have regions to map; the others refuse."""
+        raise ValueError(f"{type(self).__name__} keeps blobs in files it writes, not in regions it maps: "
+                         "write them with open_blob, or use the arena layout (--ft-store-layout arena)")
 
     def mapped_done(self, name: str) -> None:
         """The blob from :meth:`map_blob` is filled (its bytes are final)."""

@@ -23,6 +23,7 @@ scales, which ``moe_ft.precision.quantized`` decomposes into plain tensors.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -148,12 +149,12 @@ class EntryLayout:
     body: int
     size: int
 
-    @property
+    @functools.cached_property
     def first_words(self) -> list[int]:
         """Each tensor's first word index in the entry (what its device digest is keyed by)."""
         return [rec["offset"] // 4 for rec in self.table]
 
-    @property
+    @functools.cached_property
     def splits(self) -> list[int]:
         """Sizes that cut ``[0, body)`` into head, tensor, gap, tensor, ... (``torch.split``: the tensors'
         byte views are the odd pieces)."""

@@ -150,12 +150,7 @@ def pack(nbytes: int, sums: list[int]) -> bytes:
 
 def reference_digest(tensor: torch.Tensor) -> bytes:
     """The digest of ``tensor``'s bytes, computed on the tensor's own device (NumPy for a CPU tensor)."""
-    data = byte_view(tensor)
-    words, tail = split_words(data)
-    sums = lane_sums(words)
-    if tail.numel():
-        sums = (sums + lane_sums(tail, first_index=words.numel())) & MASK
-    return pack(data.numel(), sums.tolist())
+    return pack(byte_view(tensor).numel(), lane_sums_of(tensor, 0))
 
 
 def lane_sums_of(tensor: torch.Tensor, first_index: int) -> list[int]:
