@@ -55,6 +55,19 @@ def test_protocol_announces_attempts_and_assigns_spares(store):
     assert worker.pids_kept(store, keys, 1, 4) is True
     store.set(keys.pid(1, 2), "77")
     assert worker.pids_kept(store, keys, 1, 4) is False
+    store.set(keys.pid(1, 2), "12")
+    # two failures close together: attempt 2 (rank 1 failed) announced before the survivors rejoined
+    # attempt 1, so they recorded their pids in attempt 0 and 2 only; rank 3's replacement joined attempt 1
+    skip = protocol.Keys("skip")
+    protocol.announce(store, skip, kind="inprocess", failed=[3], detected_at=1.0)
+    protocol.announce(store, skip, kind="inprocess", failed=[1], detected_at=2.0)
+    for rank, pids in {0: (10, None, 10), 1: (11, None, 88), 2: (12, None, 12), 3: (13, 99, 99)}.items():
+        for at, pid in enumerate(pids):
+            if pid is not None:
+                store.set(skip.pid(at, rank), str(pid))
+    assert worker.pids_kept(store, skip, 2, 4) is True
+    store.delete_key(skip.pid(1, 3))  # rank 3's replacement had not joined attempt 1: compared with the dead pid
+    assert worker.pids_kept(store, skip, 2, 4) is False
     # a shrink renumbers the survivors: ranks 2, 3 (their node lost) are gone, 0 and 1 keep their numbers
     # here, and their pids are compared under the new ones
     protocol.announce(store, keys, kind="inprocess", failed=[2, 3], detected_at=13.0,

@@ -310,21 +310,33 @@ def join() -> Membership:
 
 
 def pids_kept(store, keys: protocol.Keys, attempt: int, world_size: int) -> bool | None:
-    """Whether every rank the agent did not replace in ``attempt`` kept the pid it had in the attempt
-    before (``None``: not an in-process attempt)."""
+    """Whether every rank the agent did not replace in ``attempt`` kept the pid it had when it last joined
+    an attempt before (``None``: not an in-process attempt). Two failures close together can announce two
+    attempts before a survivor rejoins: it then joins only the newer one, so the pid it is compared with is
+    its latest recorded one; a rank replaced in one of the attempts it skipped was not kept."""
     info = protocol.announcement(store, keys, attempt)
     if info.get("kind") != "inprocess":
         return None
     failed = set(info.get("failed", []))
     if "resize" in info:  # a shrink: the survivors' numbers changed
         moved = [(int(old), new) for old, new in info["resize"]["ranks"].items()]
-    else:
-        moved = [(rank, rank) for rank in range(world_size) if rank not in failed]
-    for old, new in moved:
-        before, after = keys.pid(attempt - 1, old), keys.pid(attempt, new)
-        if not store.check([before, after]) or store.get(before) != store.get(after):
+        return all(_same_pid(store, keys.pid(attempt - 1, old), keys.pid(attempt, new)) for old, new in moved)
+    for rank in range(world_size):
+        if rank in failed:
+            continue
+        before = attempt - 1
+        while before > 0 and not store.check([keys.pid(before, rank)]):
+            skipped = protocol.announcement(store, keys, before)
+            if "resize" in skipped or rank in skipped.get("failed", []):
+                return False
+            before -= 1
+        if not _same_pid(store, keys.pid(before, rank), keys.pid(attempt, rank)):
             return False
     return True
+
+
+def _same_pid(store, before: str, after: str) -> bool:
+    return store.check([before, after]) and store.get(before) == store.get(after)
 
 
 def launch_facts(world_size: int) -> dict | None:
