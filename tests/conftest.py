@@ -1,9 +1,12 @@
+import hashlib
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -77,6 +80,13 @@ def megatron_world():
         yield
 
 
+def _shared_dir(tmp_path_factory) -> Path:
+    """A directory every worker of this session sees: the base temporary directory, or under ``pytest -n``
+    (pytest-xdist) its parent, which holds the workers' base directories."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def fault_free_digest(corpus, tmp_path_factory):
     """``fault_free_digest(layout, iters=8, extra=())`` -> the training-state digest of the fault-free tiny
@@ -88,17 +98,20 @@ def fault_free_digest(corpus, tmp_path_factory):
     taking snapshots, logging and replicating never change the training state, so the plain fault-free run
     is the reference for all of them. ``extra`` holds only flags that change training."""
     work = tmp_path_factory.mktemp("fault_free")
-    cache: dict[tuple, str] = {}
+    shared = _shared_dir(tmp_path_factory) / "fault_free_digests"
+    shared.mkdir(exist_ok=True)
 
     def get(layout: str, iters: int = 8, extra: tuple[str, ...] = ()) -> str:
-        key = (layout, iters, tuple(extra))
-        if key not in cache:
-            job = f"ref{len(cache)}_{layout}_{iters}"
-            res = run_job(job=job, workdir=str(work), timeout=300, layout=layout, policy="sparse", iters=iters,
-                          data=corpus, store=str(work / "store"), window=3, extra=list(extra))
-            assert res["rc"] == 0 and res["digest"], f"fault-free {layout} run failed, see {res['log']}"
-            assert res["reports"] == []
-            cache[key] = res["digest"]
-        return cache[key]
+        name = hashlib.sha1(json.dumps([layout, iters, list(extra)]).encode()).hexdigest()[:16]
+        known = shared / f"{name}.digest"
+        with FileLock(str(shared / f"{name}.lock")):  # the workers of ``pytest -n`` launch each reference once
+            if not known.exists():
+                job = f"ref_{name}_{layout}_{iters}"
+                res = run_job(job=job, workdir=str(work), timeout=300, layout=layout, policy="sparse", iters=iters,
+                              data=corpus, store=str(work / f"store_{name}"), window=3, extra=list(extra))
+                assert res["rc"] == 0 and res["digest"], f"fault-free {layout} run failed, see {res['log']}"
+                assert res["reports"] == []
+                known.write_text(res["digest"])
+            return known.read_text()
 
     return get
