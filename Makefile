@@ -14,9 +14,12 @@ setup: $(VENV)/.installed
 demo: setup
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/quickstart.sh
 
-# ruff (ruff.toml) and mypy (mypy.ini) run before the tests, and must pass.
+# ruff (ruff.toml) and mypy (mypy.ini) run before the tests, and must pass. The tests run on TEST_WORKERS
+# pytest-xdist workers, one module per worker at a time (module fixtures are built once); the longest
+# modules start first (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m ruff check . && $(PY) -m mypy && $(PY) -m pytest -q --durations=15 tests
+	$(PY) -m ruff check . && $(PY) -m mypy && $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 clean:
 	rm -rf $(VENV) data runs .mypy_cache .ruff_cache

@@ -23,6 +23,9 @@ setup(
     extras_require={
         "test": [
             "pytest>=8", "pytest-timeout>=2.3", "triton==3.9.0", "matplotlib>=3.8",
+            # `make test` runs the suite on two workers (its drills wait on peers, timeouts and imports: one
+            # worker leaves a core idle most of the time)
+            "pytest-xdist==3.8.0",
             # `make test` lints and type-checks before pytest; pinned so a new release cannot break the build.
             "ruff==0.17.6", "mypy==2.4.1",
             # the tokenizer tests train a GPT-2 BPE vocabulary and a SentencePiece model offline, write TikToken ranks

@@ -211,6 +211,7 @@ def test_a_newer_attempt_ends_a_wait_in_the_store_at_once(store, monkeypatch):
     the worker then joins attempt 2. A fallback announcement makes it give up instead."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # rejoin sets it: restored after the test
     monkeypatch.setattr(worker, "_KEPT", set(worker._endpoints()))
     keys = protocol.Keys("watch")
     protocol.announce(store, keys, kind="inprocess", failed=[1], detected_at=0.0)

@@ -93,7 +93,9 @@ def test_adjacent_stages_lost_together_and_a_survivor_lost_during_their_replay(e
     res = launch(env, "adjacent", faults=["1:5", "2:5", "0:4:recovery"], max_restarts=3)
     report = only_report(res)
     assert res["digest"] == reference
-    assert report["restart_count"] == 2 and len(report["failed"]["faults_fired"]) == 3
+    # 2 attempts, or 3 when the launcher saw the two kills of iteration 5 in two polls (a loaded machine):
+    # either way each kill fired once and the last recovery replays the same component
+    assert report["restart_count"] in (2, 3) and len(report["failed"]["faults_fired"]) == 3
     replaying = [0, 1, 2] if default_launcher().startswith("inprocess") else [1, 2]
     check_localized(report, replaying=replaying, stages=replaying, replayed_through=4)
     assert report["scope"]["components"] == [replaying]

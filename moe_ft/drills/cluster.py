@@ -223,16 +223,20 @@ _HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
 def workers(agent_pid: int) -> list[int]:
     """The worker processes below an agent: every descendant but multiprocessing's helpers (preloaded
     launchers fork their workers from a fork server, which starts a resource tracker; both live as long as
-    their agent, across restarts). A helper is a child of the agent started with its own command line; its
-    forks (the workers) inherit that command line, so only the agent's direct children are tested."""
+    their agent, across restarts). A helper is a child of the agent: the resource tracker has its own
+    command line, the fork server is a fork of the agent (``moe_ft/drills/prelaunch.py``) and has the
+    agent's; their forks (the workers) inherit those command lines, so only the agent's direct children are
+    tested."""
     try:
-        direct = psutil.Process(agent_pid).children()
+        agent = psutil.Process(agent_pid)
+        direct, own = agent.children(), agent.cmdline()
     except psutil.NoSuchProcess:
         return []
     helpers = set()
     for p in direct:
         with contextlib.suppress(psutil.NoSuchProcess):
-            if any(helper in part for part in p.cmdline() for helper in _HELPERS):
+            line = p.cmdline()
+            if line == own or any(helper in part for part in line for helper in _HELPERS):
                 helpers.add(p.pid)
     return [pid for pid in children(agent_pid) if pid not in helpers]
 
