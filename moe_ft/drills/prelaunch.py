@@ -37,6 +37,7 @@ import sys
 import uuid
 from multiprocessing import forkserver
 from multiprocessing import util as mp_util
+from typing import Any
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -72,6 +73,7 @@ def run_script(script: str, *script_args: str) -> int:
     return 0
 
 
+_SPAWNV_PASSFDS = mp_util.spawnv_passfds
 START_METHOD = "forkserver"
 """The start method of preloaded workers (:func:`use_preloaded_forkserver`)."""
 
@@ -91,23 +93,26 @@ def use_preloaded_forkserver(modules: tuple[str, ...] = PRELOAD) -> str:
             importlib.import_module(name)
     ctx = multiprocessing.get_context("forkserver")
     os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers' agent is their grandparent (kill_node)
-    spawn = mp_util.spawnv_passfds
     mp_util.spawnv_passfds = _fork_server  # type: ignore[assignment]
     try:
         ready = ctx.Process(target=os.getpid, name="moe-ft-forkserver-ready")
         ready.start()
         ready.join()
     finally:
-        mp_util.spawnv_passfds = spawn
+        mp_util.spawnv_passfds = _SPAWNV_PASSFDS
     return START_METHOD
 
 
-def _fork_server(path: str, args: list, passfds: list[int]) -> int:
+def _fork_server(path: Any, args: Any, passfds: Any) -> int:
     """What ``multiprocessing.forkserver`` calls to start its server (``util.spawnv_passfds``), done by a
     fork: the child keeps only the standard streams and the two descriptors the server is handed (its
     listening socket and the read end of the clients' liveness pipe) and runs the server loop, with
     nothing left to preload."""
+    if len(passfds) != 2:  # another Python's server protocol (3.11 and 3.12 pass these two): spawn it
+        return _SPAWNV_PASSFDS(path, args, passfds)
     listener_fd, alive_r = passfds
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered here may be written again by the server's forks
+        stream.flush()
     pid = os.fork()
     if pid:
         return pid
