@@ -41,8 +41,9 @@ LONGEST_FIRST = (
     "test_replication_transport", "test_loop_independent", "test_checkfree_comm",
 )
 """The modules that take longest (10-95 s each on one worker of the CI machine, mostly multi-process
-drills), longest first. ``make test`` runs the suite on several workers (pytest-xdist, one module per worker at a time):
-starting these first lets the short modules fill the end instead of one long module running alone."""
+drills), longest first. ``make test`` runs the suite on several workers (pytest-xdist, one module per
+worker at a time): starting these first lets the short modules fill the end instead of one long module
+running alone."""
 
 
 def pytest_collection_modifyitems(config, items):

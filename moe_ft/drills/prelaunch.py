@@ -83,7 +83,7 @@ def use_preloaded_forkserver(modules: tuple[str, ...] = PRELOAD) -> str:
     serves, and return the start method that forks workers from it. The server is single-threaded and
     forked before the agent runs a thread, so every worker (restarts and spares included) is a fork of a
     process that holds no lock and no connection of the agent's. Forking the server, rather than starting
-    a new interpreter that imports the stack again, saves the second import of torch (~1 s of CPU per
+    a new interpreter that imports the stack again, saves the second import of torch (~1.5 s of CPU per
     launch). Importing here, before the rendezvous, keeps the imports out of the agent's first worker
     start: an agent blocked there for seconds sends no heartbeat and the other nodes' agents would declare
     its node lost. A module that fails to import here is imported again, with its error, by the worker
