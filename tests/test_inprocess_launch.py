@@ -165,6 +165,92 @@ def test_the_process_taking_a_rank_takes_its_device(store, tmp_path):
         agent._close_all()
 
 
+def test_a_lost_node_without_spares_waits_for_a_replacement_node(store, tmp_path):
+    """A fixed ``--nnodes 2``, no spare anywhere, node 1 lost: node 0's agent announces an ``"await"``
+    attempt instead of a full restart (its workers keep running). A second failure while it waits cannot be
+    planned on top: a fallback. Then the replacement round, where the joining node sorts *first* (round
+    node 0) and the survivor is round node 1: the survivor's workers keep ranks 0, 1 and the joining node
+    starts ranks 2, 3 under group rank 1 (real agents, real processes, a real store)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import Worker
+
+    agent, group = _sleeping_agent(store, tmp_path, "await", 2)
+    agent._node, agent._nodes, agent._world, agent._groups = 0, 2, 4, {0: 0, 1: 1}
+    agent._home = agent._holders = {0: 0, 1: 0, 2: 1, 3: 1}
+    agent._lost, agent._dead = {1}, {2: 10.0, 3: 10.0}
+    keys = protocol.Keys("await")
+    joiner = None
+    try:
+        agent._workers = {r: agent._start_one(group, name=f"rank{r}", rank=r, local_rank=r) for r in (0, 1)}
+        kept = dict(agent._workers)
+        assert agent._can_await([2, 3]) and not agent._can_await([1, 2, 3])  # a survivor's rank: no
+        assert agent._decide(group)
+        info = protocol.announcement(store, keys, 1)
+        assert (info["kind"], info["failed"], info["lost"], info["wait_s"]) == ("await", [2, 3], [1], 600.0)
+        assert agent._awaiting == {2, 3} and all(p.context.wait(0) is None for p in kept.values())
+
+        # the replacement round: the joining node is round node 0, the survivor round node 1
+        def placed(a, g, node):
+            g.group_rank, g.group_world_size = node, 2
+            g.workers = [Worker(local_rank=i, global_rank=node * 2 + i, role_rank=node * 2 + i, world_size=4,
+                                role_world_size=4) for i in range(2)]
+            g.spec.rdzv_handler._state_holder = SimpleNamespace(state=SimpleNamespace(round=3))
+
+        joiner, joiner_group = _sleeping_agent(store, tmp_path / "joiner", "await", 2)
+        placed(joiner, joiner_group, 0)
+        placed(agent, group, 1)
+        pids = {}
+        thread = threading.Thread(target=lambda: pids.update(joiner=joiner._start_workers(joiner_group)))
+        thread.start()
+        agent._regrouping = True
+        pids["survivor"] = agent._start_workers(group)
+        thread.join(30)
+        info = protocol.announcement(store, keys, 2)
+        assert (info["kind"], info["failed"], info["replaced"], info["nodes"]) == ("inprocess", [2, 3], [1],
+                                                                                   {"0": 1, "1": 0})
+        assert agent._workers == kept and agent._attempt == joiner._attempt == 2 and agent._awaiting == set()
+        assert pids["survivor"] == {0: kept[0].pid, 1: kept[1].pid}
+        assert sorted(joiner._workers) == [2, 3] and joiner._groups == agent._groups == {0: 1, 1: 0}
+        assert agent._home == joiner._home == {0: 1, 1: 1, 2: 0, 3: 0}  # rank → round node that runs it
+
+        # a further failure while the survivors wait: no plan on top of the wait, a full restart
+        agent._awaiting, agent._dead, agent._lost = {2, 3}, {1: 11.0, 2: 10.0, 3: 10.0}, {1}
+        agent._node, agent._home, agent._holders = 0, {0: 0, 1: 0, 2: 1, 3: 1}, {0: 0, 1: 0, 2: 1, 3: 1}
+        agent._remaining_restarts = 1  # the await spent the spec's one
+        assert not agent._decide(group)
+        info = protocol.announcement(store, keys, 3)
+        assert info["kind"] == "fallback" and "rank 1 failed while the job waited for a replacement" in info["reason"]
+    finally:
+        agent._close_all()
+        if joiner is not None:
+            joiner._close_all()
+
+
+def test_a_survivor_waits_through_an_await_attempt(store, monkeypatch):
+    """A survivor that sees an ``"await"`` attempt keeps waiting (up to its ``wait_s`` plus the re-form
+    timeout) and joins the attempt that follows; a rank the await lists stops; no attempt in time: it gives
+    up (the agents then restart the job)."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # rejoin sets it: restored after the test
+    monkeypatch.setenv(protocol.REFORM_TIMEOUT_ENV, "0.2")
+    keys = protocol.Keys("wait")
+    member = worker.Membership(worker._client(10), keys, attempt=0, rank=0)
+    protocol.announce(store, keys, kind="await", failed=[2, 3], detected_at=0.0, lost=[1], wait_s=5.0)
+    threading.Timer(1.0, lambda: protocol.announce(store, keys, kind="inprocess", failed=[2, 3],
+                                                   detected_at=0.0, nodes={"0": 0, "1": 1})).start()
+    assert member.rejoin("RuntimeError: Connection closed by peer", True)  # waited past the re-form timeout
+    assert member.attempt == 2 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "2"
+    protocol.announce(store, keys, kind="await", failed=[0, 1], detected_at=0.0, lost=[0], wait_s=5.0)
+    assert not member.rejoin("RuntimeError: Connection closed by peer", True) and not member.gave_up
+    other = worker.Membership(worker._client(10), keys, attempt=3, rank=2)
+    protocol.announce(store, keys, kind="await", failed=[0, 1], detected_at=0.0, lost=[0], wait_s=0.1)
+    t0 = time.monotonic()
+    assert not other.rejoin("RuntimeError: Connection closed by peer", True) and other.gave_up
+    assert time.monotonic() - t0 < 5
+
+
 def test_only_peer_failures_keep_the_process():
     gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4495")
     assert worker.peer_failure(gloo)

@@ -57,19 +57,21 @@ def lose(env, job: str, *, layout: str, losses: list[str], max_restarts: int = 2
     return res
 
 
-def check_one_node_lost(res, *, lost: int, iteration: int, phase: str, point_end: int, inprocess: bool = False):
+def check_one_node_lost(res, *, lost: int, iteration: int, phase: str, point_end: int, kept: bool = False,
+                        spares: bool = False):
     """One loss, one report: the lost node's ranks fetched their entries, each from ranks on the other node,
-    then the whole job recovered the memory point ``point_end`` exactly. ``inprocess``: spares on the other
-    node took the lost ranks, the survivors kept their processes and no replacement node started;
-    otherwise every worker started again on a replacement node and the survivor."""
+    then the whole job recovered the memory point ``point_end`` exactly. ``kept``: the survivors kept their
+    processes (``moe-ft launch``); ``spares``: spares on the other node took the lost ranks and no replacement
+    node started (else a replacement node ran them: every worker started again on it and the survivor under
+    torchrun, only the replacement's under ``moe-ft launch``)."""
     (event,) = res["node_losses"]
     assert (event["nodes"], event["iteration"], event["phase"]) == ([lost], iteration, phase)
-    assert event["survivors"] == [1 - lost] and event["survivor_workers_exited"] is not inprocess
-    assert event["replaced"] == ("inprocess" if inprocess else "node")
-    assert res["launches"] == ({"0": 1, "1": 1} if inprocess else {"0": 1 + (lost == 0), "1": 1 + (lost == 1)})
+    assert event["survivors"] == [1 - lost] and event["survivor_workers_exited"] is not kept
+    assert event["replaced"] == ("inprocess" if spares else "node")
+    assert res["launches"] == ({"0": 1, "1": 1} if spares else {"0": 1 + (lost == 0), "1": 1 + (lost == 1)})
     (report,) = res["reports"]
-    assert report["restart_kind"] == ("inprocess" if inprocess else "job")
-    assert report["survivor_pids_kept"] is (True if inprocess else None)
+    assert report["restart_kind"] == ("inprocess" if kept else "job")
+    assert report["survivor_pids_kept"] is (True if kept else None)
     rp = report["recovery_point"]
     assert rp["source"] == "memory" and rp["end"] == point_end and rp["resume"] == point_end + 1
     assert report["replayed_iterations"] == list(range(rp["start"] + 1, point_end + 1))
@@ -79,7 +81,7 @@ def check_one_node_lost(res, *, lost: int, iteration: int, phase: str, point_end
     assert {int(r) for r in fetched} == NODE_RANKS[lost], fetched  # the replacement's ranks, and only they
     for rank, f in fetched.items():
         # peers on the survivor node: its own ranks and, in-process, the lost ranks its spares run now
-        here = NODE_RANKS[1 - lost] | (NODE_RANKS[lost] - {int(rank)} if inprocess else set())
+        here = NODE_RANKS[1 - lost] | (NODE_RANKS[lost] - {int(rank)} if spares else set())
         assert f["sources"] and set(f["sources"]) <= here, (rank, f)
         assert f["bytes"] > 0 and f["skipped"] == [] and point_end in f["points"]
     assert "fetch" in report["seconds"]
@@ -105,7 +107,7 @@ def test_dp2ep2_node0_lost_during_snapshot_copy(env, reference):
     [0, 3]."""
     res = lose(env, "dp2ep2_node0", layout="dp2ep2", losses=["0:5:snapshot"], launcher_flags=("--spares-per-node=2",))
     assert res["digest"] == reference("dp2ep2")
-    check_one_node_lost(res, lost=0, iteration=5, phase="snapshot", point_end=3, inprocess=True)
+    check_one_node_lost(res, lost=0, iteration=5, phase="snapshot", point_end=3, kept=True, spares=True)
 
 
 @pytest.mark.timeout(600)
@@ -118,15 +120,18 @@ def test_dp2ep2_node1_lost_while_persisting(env, reference):
     and each is checked exactly: [4, 7] reached node 0 (replay 5 … 7, nothing re-executed), or it did not
     (back to [0, 3], replay 1 … 3, re-execute 4 … 7).
 
-    ``moe-ft launch`` without spares: no process can take the lost ranks, the agents fall back to a full
-    restart (the report says why) and a replacement node joins."""
+    ``moe-ft launch`` without spares and a fixed ``--nnodes 2``: no process can take the lost ranks, so node
+    0's workers keep their processes and wait; a replacement node joins the rendezvous and takes ranks 2, 3
+    (fetched from node 0), and nobody restarts but the lost node."""
     res = lose(env, "dp2ep2_persist", layout="dp2ep2", losses=["1:7:persist"], launcher_flags=("--spares-per-node=0",))
     assert res["digest"] == reference("dp2ep2")
     end = res["reports"][0]["recovery_point"]["end"]
     assert end in (3, 7), res["reports"][0]["recovery_point"]
-    check_one_node_lost(res, lost=1, iteration=7, phase="persist", point_end=end)
+    check_one_node_lost(res, lost=1, iteration=7, phase="persist", point_end=end, kept=True)
     assert res["node_losses"][0]["last_completed"] == 7
-    assert "no spare left for ranks 2, 3 of lost node(s) [1]" in res["reports"][0]["fallback_reason"]
+    assert res["reports"][0]["fallback_reason"] == ""
+    log = "".join(Path(p).read_text() for p in res["logs"])
+    assert "wait up to" in log and "replacement node(s) [1] joined" in log, res["logs"]
 
 
 @pytest.mark.timeout(600)

@@ -21,8 +21,9 @@ A node loss ``NODE:ITER[:PHASE]`` becomes the fault ``R:ITER:PHASE:node`` on the
 (``moe_ft.drills.faults.kill_node``: agent and workers SIGKILLed at once). When the driver sees that agent die it
 kills the other nodes lost at the same ``(ITER, PHASE)`` (a multi-node loss), deletes the lost nodes'
 store directories (their snapshots and the replicas they held are gone), waits until the survivors'
-workers have exited (their gloo peers vanished; their agents restart them and count the restart), and
-starts replacement agents with the same ``--node-rank``. If no node survived, the replacements join a new
+workers have exited (torchrun: their gloo peers vanished; their agents restart them and count the restart)
+or, under ``moe-ft launch``, until the agents announced that the survivors wait for a replacement in their
+processes (no spare left), and starts replacement agents with the same ``--node-rank``. If no node survived, the replacements join a new
 rendezvous (``<job>.g<n>``): the job is relaunched and can only recover from the durable tier.
 
 **Elastic mode** (``ClusterConfig.elastic``; ``moe-ft drill --elastic``): the agents run with ``--nnodes
@@ -512,15 +513,19 @@ class SimulatedCluster:
             self.fired.update(self._fired(node))
             shutil.rmtree(store, ignore_errors=True)
         lost_ranks = {n * self.config.ranks_per_node + r for n in nodes for r in range(self.config.ranks_per_node)}
-        taken = None
+        taken = awaited = None
         while any(alive(pid) for pid in survivor_workers) and time.monotonic() - t0 < self.config.survivor_exit_timeout:
             if survivors and self.config.inprocess:
-                for info in self._new_announcements(rdzv):  # spares took every lost rank, or a fallback
+                # spares took every lost rank, the survivors wait in their processes for a replacement node,
+                # or a fallback
+                for info in self._new_announcements(rdzv):
                     if info.get("kind") == "fallback":
-                        taken = False
+                        taken = awaited = False
                     elif info.get("kind") == "inprocess" and lost_ranks <= set(info.get("failed", [])):
                         taken = True
-                if taken:
+                    elif info.get("kind") == "await" and lost_ranks <= set(info.get("failed", [])):
+                        awaited = True
+                if taken or awaited:
                     break
             time.sleep(0.05)
         survivors_exited = not any(alive(pid) for pid in survivor_workers)
@@ -540,7 +545,8 @@ class SimulatedCluster:
         self.events.append(dict(event, rendezvous=self._rdzv_id(),
                                 seconds_to_replacement=round(time.monotonic() - t0, 3)))
         print(f"moe-ft node drill: lost node(s) {nodes} at iteration {iteration} ({phase}); stores deleted; "
-              f"replacement started (rendezvous {self._rdzv_id()})", file=sys.stderr, flush=True)
+              f"replacement started (rendezvous {self._rdzv_id()}){'; the survivors wait for it in their processes' if awaited else ''}",
+              file=sys.stderr, flush=True)
         return True
 
 

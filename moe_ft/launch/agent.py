@@ -163,6 +163,9 @@ class SpareAgent(LocalElasticAgent):
         """Node → the ``GROUP_RANK`` its workers see: its index among the live nodes (an in-process shrink
         renumbers the nodes for the workers; the agents keep the round's numbers among themselves)."""
         self._lost: set[int] = set()
+        self._awaiting: set[int] = set()
+        """Ranks of lost nodes that wait for a replacement node (a fixed ``--nnodes N`` with no spare left): the
+        survivors keep their processes meanwhile (an ``"await"`` attempt)."""
         self._watch: _NodeWatch | None = None
         self._node = 0
         self._nodes = 1
@@ -279,7 +282,10 @@ class SpareAgent(LocalElasticAgent):
         self._node, self._nodes = worker_group.group_rank or 0, worker_group.group_world_size or 1
         self._slot_prefix = f"{_round_or_pid(spec.rdzv_handler)}.{self._node}"
         self._groups, self._world = {n: n for n in range(self._nodes)}, worker_group.workers[0].world_size
-        renumber = {old: self._node * per_node + proc.local_rank for old, proc in kept.items()}
+        if keep and self._awaiting:  # a replacement node joins: the survivors keep their ranks, whatever
+            renumber = {old: old for old in kept}  # number the new round gives their node
+        else:
+            renumber = {old: self._node * per_node + proc.local_rank for old, proc in kept.items()}
         if not self._inprocess:  # torch elastic's numbering (each agent counts its restarts)
             self._attempt = spec.max_restarts - self._remaining_restarts
         else:
@@ -287,21 +293,26 @@ class SpareAgent(LocalElasticAgent):
                 raise RuntimeError("moe-ft launch needs the same --nproc-per-node on every node")
             self._attempt = (self._round_attempt(worker_group, renumber) if self._nodes > 1 or keep
                              else self._job_attempt(worker_group))
-            self._home = {rank: rank // per_node for rank in range(self._world)}
+            nodes = protocol.announcement(self._store_client(worker_group), self._keys, self._attempt).get("nodes")
+            if nodes and self._nodes > 1:  # a replacement node took a lost node's place in the layout
+                self._groups = {int(n): int(g) for n, g in nodes.items()}
+            place = {g: n for n, g in self._groups.items()}
+            self._home = {rank: place[rank // per_node] for rank in range(self._world)}
             self._holders = dict(self._home)
             self._lost, self._dead, self._watch, self._seen = set(), {}, None, self._attempt
-            self._freed = {}
+            self._awaiting, self._freed = set(), {}
             self._published_spares = ""  # listed again under this round's node number
         self._started = True
         self._finished = {}
         self._workers = {renumber[old]: proc for old, proc in kept.items()}
+        first = self._groups.get(self._node, self._node) * per_node  # this node's first rank in the layout
         for worker in worker_group.workers:
-            if worker.global_rank not in self._workers:
-                self._workers[worker.global_rank] = self._start_one(
-                    worker_group, name=f"rank{worker.global_rank}_attempt{self._attempt}",
-                    rank=worker.global_rank, local_rank=worker.local_rank)
+            if first + worker.local_rank not in self._workers:
+                self._workers[first + worker.local_rank] = self._start_one(
+                    worker_group, name=f"rank{first + worker.local_rank}_attempt{self._attempt}",
+                    rank=first + worker.local_rank, local_rank=worker.local_rank)
         self._fill_spares(worker_group)
-        return {w.local_rank: self._workers[w.global_rank].pid for w in worker_group.workers}
+        return {w.local_rank: self._workers[first + w.local_rank].pid for w in worker_group.workers}
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         """torch elastic calls this after a failure (every worker stops and starts again) and, with the
@@ -311,6 +322,16 @@ class SpareAgent(LocalElasticAgent):
         and waits; the agents form the new rendezvous round, node 0's announces the round's attempt
         (``resize``: every kept worker's rank in the grown layout), the joining nodes start their workers,
         and the kept ones re-plan in their processes as after a shrink."""
+        if self._inprocess and worker_group.state == WorkerState.HEALTHY and self._awaiting:
+            # the replacement node for a lost one: the survivors already left their attempt and wait
+            print(f"moe-ft launch: a replacement node is waiting; the workers of node {self._node} keep their "
+                  "processes", flush=True)
+            self._regrouping = True
+            try:
+                self._initialize_workers(worker_group)  # the rendezvous; node 0 announces the replacement
+            finally:
+                self._regrouping = False
+            return
         if not (self._inprocess and worker_group.state == WorkerState.HEALTHY and self._layout_intact(worker_group)):
             super()._restart_workers(worker_group)
             return
@@ -344,8 +365,11 @@ class SpareAgent(LocalElasticAgent):
             return int(store.get(key))  # waits for node 0's agent
         posts = [json.loads(store.get(self._keys.member(rdzv_round, n))) for n in range(self._nodes)]
         ranks = {old: new for post in posts for old, new in post.items()}
+        previous = protocol.announcement(store, self._keys, protocol.current_attempt(store, self._keys))
         if not ranks:
             attempt = self._job_attempt(worker_group)
+        elif previous.get("kind") == "await":
+            attempt = self._replacement_attempt(worker_group, posts, previous)
         else:
             grown = [n for n, post in enumerate(posts) if not post]
             resize = {"ranks": ranks, "world_size": self._world, "nodes": {str(n): n for n in range(self._nodes)}}
@@ -354,6 +378,29 @@ class SpareAgent(LocalElasticAgent):
             print(f"moe-ft launch: node(s) {grown} joined; attempt {attempt} grows the job to {self._world} ranks "
                   f"on {self._nodes} nodes, the other workers keep their processes", flush=True)
         store.set(key, str(attempt))
+        return attempt
+
+    def _replacement_attempt(self, worker_group: WorkerGroup, posts: list[dict], waited: dict) -> int:
+        """Node 0's agent, in the round a replacement node joined after an ``"await"`` attempt (``waited``):
+        announce the attempt in which the joining nodes run the lost nodes' ranks. Every survivor node keeps
+        its place in the layout (its posted ranks); the joining nodes (empty posts) take the places left, in
+        round order (``nodes``: round node → the group rank its workers see)."""
+        per_node = worker_group.spec.local_world_size
+        places = {n: {int(old) // per_node for old in post} for n, post in enumerate(posts) if post}
+        joining = [n for n, post in enumerate(posts) if not post]
+        free = sorted(set(range(self._nodes)) - {p for ps in places.values() for p in ps})
+        if any(len(ps) != 1 for ps in places.values()) or len(joining) != len(free):
+            raise RuntimeError(f"moe-ft launch: the round after the wait for a replacement node has survivor "
+                               f"places {places} and joining nodes {joining} for free places {free}: the layout "
+                               "cannot be kept; restart the job")
+        nodes = {**{n: next(iter(ps)) for n, ps in places.items()}, **dict(zip(joining, free))}
+        holders = {rank: n for n, g in nodes.items() for rank in range(g * per_node, (g + 1) * per_node)}
+        attempt = protocol.announce(self._store_client(worker_group), self._keys, kind="inprocess",
+                                    failed=waited.get("failed", []), detected_at=waited.get("detected_at", time.time()),
+                                    by="node0", nodes=nodes, holders=holders, replaced=free)
+        print(f"moe-ft launch: replacement node(s) {joining} joined; attempt {attempt} gives them the ranks "
+              f"{', '.join(map(str, waited.get('failed', [])))} of the lost node(s), the other workers keep their "
+              "processes", flush=True)
         return attempt
 
     def _job_attempt(self, worker_group: WorkerGroup) -> int:
@@ -431,7 +478,7 @@ class SpareAgent(LocalElasticAgent):
                 self._reap(rank, now)
             if self._nodes > 1:
                 self._beat_and_watch(worker_group)
-            if self._dead and not self._decide(worker_group):
+            if set(self._dead) - self._awaiting and not self._decide(worker_group):
                 return RunResult(state=WorkerState.FAILED, failures=failures)
         self._fill_spares(worker_group)
         return RunResult(state=WorkerState.HEALTHY)
@@ -449,6 +496,10 @@ class SpareAgent(LocalElasticAgent):
                 raise Fenced(f"moe-ft launch: node {self._node} was declared lost in attempt {attempt} (its "
                              "heartbeat stood still past --node-timeout); its workers are stopped so that no "
                              "rank runs twice")
+            if info.get("kind") == "await":  # another agent saw the loss: its ranks wait for a replacement node
+                self._remaining_restarts -= 1
+                self._lost.update(info.get("lost", []))
+                self._awaiting = set(info.get("failed", []))
             if info.get("kind") == "inprocess":
                 if info.get("failed"):  # another agent replaced failed ranks: the job's budget is spent by one
                     self._remaining_restarts -= 1
@@ -518,9 +569,18 @@ class SpareAgent(LocalElasticAgent):
                 f"or restarted); rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} failed"), attempt,
                 then="the job stops")
             return False
+        if self._awaiting:  # the survivors already wait for a replacement node: no second plan on top
+            new = sorted(set(dead) - self._awaiting)
+            self._announce_fallback(worker_group, dead, (
+                f"rank{'s' if len(new) > 1 else ''} {', '.join(map(str, new))} failed while the job waited for "
+                f"a replacement of node(s) {sorted(self._lost)}"), attempt)
+            return False
         assignments, fresh, missing = self._assign(worker_group, attempt, dead)
         if missing and not assignments and self._can_shrink(dead):
             self._shrink(worker_group, attempt, dead, detected)
+            return True
+        if missing and not assignments and self._can_await(dead):
+            self._await_node(worker_group, attempt, dead, detected)
             return True
         if missing:
             self._announce_fallback(worker_group, dead, (
@@ -550,6 +610,30 @@ class SpareAgent(LocalElasticAgent):
         live = [n for n in range(self._nodes) if n not in self._lost]
         return (len(live) >= max(self._min_nodes, 1) and all(self._home.get(r) in self._lost for r in dead)
                 and all(self._holders[r] == n for r, n in self._home.items() if n not in self._lost))
+
+    def _can_await(self, dead: list[int]) -> bool:
+        """A fixed ``--nnodes N`` whose lost nodes' ranks no spare can take: the survivors wait in their
+        processes for replacement nodes when every dead rank is a lost node's and every live rank runs on its
+        layout node (the replacement then takes exactly the lost nodes' places)."""
+        return (self._min_nodes is None and self._nodes > 1 and bool(self._lost)
+                and all(self._home.get(r) in self._lost for r in dead)
+                and {r for r, n in self._home.items() if n in self._lost} <= set(dead)
+                and all(self._holders[r] == n for r, n in self._home.items() if n not in self._lost))
+
+    def _await_node(self, worker_group: WorkerGroup, attempt: int, dead: list[int], detected: float) -> None:
+        """Announce that the lost nodes' ranks wait for replacement nodes (kind ``"await"``): the survivors
+        leave the attempt, keep their processes and state, and wait up to the rendezvous's join timeout; the
+        replacement's agent joins the rendezvous, torch elastic sees a waiting node and ``_restart_workers``
+        forms the next round with the survivors' workers kept (``_replacement_attempt``)."""
+        wait_s = _join_timeout_s(worker_group.spec.rdzv_handler)
+        protocol.publish(self._store_client(worker_group), self._keys, attempt, kind="await", failed=dead,
+                         detected_at=detected, lost=sorted(self._lost), wait_s=wait_s)
+        self._awaiting = set(dead)
+        self._seen = self._attempt = attempt
+        self._remaining_restarts -= 1
+        print(f"moe-ft launch: no spare for ranks {', '.join(map(str, dead))} of lost node(s) {sorted(self._lost)}; "
+              f"attempt {attempt}: the other workers keep their processes and wait up to {wait_s:.0f} s for a "
+              "replacement node", flush=True)
 
     def _shrink(self, worker_group: WorkerGroup, attempt: int, dead: list[int], detected: float) -> None:
         """Announce the job without the lost nodes: the live nodes keep their order, their ranks are
@@ -683,6 +767,15 @@ def _round_or_pid(handler) -> str:
         return f"r{_rendezvous_round(handler)}"
     except RuntimeError:
         return f"p{os.getpid()}"
+
+
+def _join_timeout_s(handler) -> float:
+    """The rendezvous's join timeout (``--rdzv-conf join_timeout``, torch's default 600 s): how long the
+    survivors wait for a replacement node."""
+    try:
+        return float(handler._settings.timeout.join.total_seconds())
+    except AttributeError:
+        return 600.0
 
 
 def _rendezvous_round(handler) -> int:

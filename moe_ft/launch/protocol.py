@@ -12,12 +12,16 @@ elastic's agent store), under ``moe_ft/launch/<run id>/``:
                             looks again once the announcement is out).
 ``attempt/<a>``             JSON written before the counter reaches ``a``: ``kind`` (``"job"``: every worker
                             started again; ``"inprocess"``: failed ranks given to spares; ``"fallback"``: the
-                            survivors must exit so that the agents restart everyone, for ``reason``),
+                            survivors must exit so that the agents restart everyone, for ``reason``;
+                            ``"await"``: a lost node's ranks wait for a replacement node, the survivors
+                            keep their processes and wait up to ``wait_s`` for the attempt that follows),
                             ``failed`` (global ranks replaced), ``detected_at`` (wall time the agent saw the
                             death), ``holders`` (rank → node that runs it), ``lost`` (nodes declared lost),
                             ``reason`` (fallbacks, and the full restart that follows one), ``resize``
                             (an in-process shrink: ``ranks`` old → new, ``world_size``, ``nodes`` → their
-                            new group ranks).
+                            new group ranks), ``nodes`` (a replacement node joined after an ``"await"``:
+                            each node of the new rendezvous round → the group rank its workers keep, the
+                            replacement taking the lost node's).
 ``spare/<slot>``            (slot ``r<round>.<node>.<n>``: unique across replacement agents) JSON
                             assignment of a spare: ``rank``, ``local_rank``, ``attempt``,
                             ``world_size``, ``group_rank`` (set with ``compare_set``: a spare is given once).
@@ -25,10 +29,12 @@ elastic's agent store), under ``moe_ft/launch/<run id>/``:
                             rewrites it when it changes; another node's agent may give them lost ranks).
 ``beat/<node>``             counter the node's agent bumps every monitor pass (its liveness).
 ``round/<r>``               the attempt of rendezvous round ``r`` (node 0's agent announces it, the others
-                            read it): a full restart (kind ``"job"``), or a node joined and the job grew
-                            in-process (kind ``"inprocess"`` with ``resize`` and ``grown``: the new nodes).
+                            read it): a full restart (kind ``"job"``), a node joined and the job grew
+                            in-process (kind ``"inprocess"`` with ``resize`` and ``grown``: the new nodes),
+                            or a replacement node took a lost node's ranks (``"inprocess"`` with ``nodes``).
 ``member/<r>/<node>``       JSON an agent posts once round ``r`` formed: its workers that stayed, old rank →
-                            rank in the round's layout (``{}``: it starts every worker afresh).
+                            rank in the round's layout (``{}``: it starts every worker afresh; after an
+                            ``"await"`` the survivors' ranks stay: old rank → old rank).
 ``regroup/<a>``             set by the agents when a node joins: the workers of attempt ``a`` leave it at
                             the end of an iteration they agree on, keep their processes (they hold their
                             state), wait for the round's attempt and take their ranks in it.

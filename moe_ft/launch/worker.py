@@ -86,6 +86,18 @@ class Membership:
             self.gave_up = True
             return False
         info = protocol.announcement(self.store, self.keys, attempt)
+        while info.get("kind") == "await" and self.rank not in info.get("failed", []):
+            # a lost node's ranks wait for a replacement node: this process keeps its state and waits on
+            wait_s = float(info.get("wait_s", timeout)) + timeout
+            print(f"moe-ft launch: rank {self.rank} keeps its process and waits up to {wait_s:.0f} s for a "
+                  f"replacement of node(s) {info.get('lost', [])} (attempt {attempt})", file=sys.stderr, flush=True)
+            waited = protocol.wait_for_attempt_after(self.store, self.keys, attempt, wait_s)
+            if waited is None:
+                print(f"moe-ft launch: rank {self.rank} saw no replacement node within {wait_s:.0f} s; falling back "
+                      "to a full restart", file=sys.stderr, flush=True)
+                self.gave_up = True
+                return False
+            attempt, info = waited, protocol.announcement(self.store, self.keys, waited)
         if self.rank in info.get("failed", []) and "resize" not in info:  # given to another process
             print(f"moe-ft launch: rank {self.rank} was given to another process in attempt {attempt} (its "
                   "node was declared lost): this process stops", file=sys.stderr, flush=True)

@@ -50,7 +50,9 @@ class PolicySpec:
     """sparse (runtime model): how the job gets its processes back. ``inprocess``: ``moe-ft launch`` with
     spares, the survivors keep their processes, spares take the lost node's ranks (``recovery.
     inprocess_detect_s`` + ``inprocess_reform_s``); ``torchrun``: every process starts again (the global
-    ``restart_s``; also ``moe-ft launch``'s fallback when no spare is left)."""
+    ``restart_s``; also ``moe-ft launch``'s fallback to a full restart). Not modelled: ``moe-ft launch`` with
+    no spare left on a fixed node count, where the survivors keep their processes and wait for a replacement
+    node (its provisioning and start are the cluster's, not the launcher's)."""
     plt_budget: float = 0.0375  # pec: MoC's PLT threshold (§3, Dynamic-K)
     k0: int = 0  # pec k=dynamic: K the simulated run starts from (0: the largest K that fits, MoC §5.3)
 

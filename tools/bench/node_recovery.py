@@ -1,5 +1,5 @@
-"""A lost node: a replacement node under torchrun's agent vs warm spares on the surviving node under
-``moe-ft launch``, side by side in one run.
+"""A lost node: a replacement node under torchrun's agent vs warm spares on the surviving node, or a
+replacement node with the survivors kept, under ``moe-ft launch``, side by side in one run.
 
     python tools/bench/node_recovery.py [--layout dp2ep2] [--iters 10] [--window 4] [--loss 1:6] [--json]
 
@@ -14,13 +14,18 @@ deleted):
 * ``inprocess``: ``moe-ft launch --spares-per-node 2 --node-timeout T``. The surviving node's agent sees the
   lost node's heartbeat stop after ``T`` seconds and gives its ranks to its two warm spares; the surviving
   workers keep their processes; no replacement node starts.
+* ``replacement``: ``moe-ft launch --spares-per-node 0`` (a fixed ``--nnodes 2``, no spare anywhere). The
+  surviving node's agent announces that the lost ranks wait for a replacement node; its workers keep their
+  processes and wait; the replacement agent joins the rendezvous and starts ranks 2, 3, which fetch their
+  state from the survivor's replicas.
 
 Both must end bitwise equal to the fault-free run. Reported per launcher, from the recovery report
 (``moe_ft/recovery/report.py``) and the driver's loss event: ``kill_to_resume_s`` (the SIGKILL to the
 moment every rank starts its first resumed iteration), ``detect_s``/``reform_s`` (in-process: the kill to
 the agent's announcement, then to every rank having its groups and model), ``recovery_s`` (in-job
 recovery), ``restart_kind``, ``survivor_pids_kept`` and the agent launches per node. ``inprocess_speedup``
-is the torchrun run's kill-to-resume over the in-process one's. The in-process detection is bounded below
+(``replacement_speedup``) is the torchrun run's kill-to-resume over the in-process (replacement) one's; the
+replacement's includes the drill driver's start of the new agent and its workers' imports. The in-process detection is bounded below
 by ``--node-timeout`` (the heartbeat); the torchrun path detects the dead peers at once but restarts every
 process.
 """
@@ -38,7 +43,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-LAUNCHERS = {"torchrun": ("torchrun", ()), "inprocess": ("inprocess", ("--spares-per-node=2",))}
+LAUNCHERS = {"torchrun": ("torchrun", ()), "inprocess": ("inprocess", ("--spares-per-node=2",)),
+             "replacement": ("inprocess", ("--spares-per-node=0",))}
 
 
 def main(argv=None) -> int:
@@ -82,9 +88,10 @@ def main(argv=None) -> int:
                      "restart_kind": report["restart_kind"], "survivor_pids_kept": report["survivor_pids_kept"],
                      "replaced": event["replaced"], "launches": res["launches"],
                      "recovery_point": {k: report["recovery_point"][k] for k in ("source", "start", "end", "resume")}}
-    tr, inp = out["torchrun"], out["inprocess"]
-    if tr["kill_to_resume_s"] and inp["kill_to_resume_s"]:
-        out["inprocess_speedup"] = round(tr["kill_to_resume_s"] / inp["kill_to_resume_s"], 2)
+    tr = out["torchrun"]
+    for name in ("inprocess", "replacement"):
+        if tr["kill_to_resume_s"] and out[name]["kill_to_resume_s"]:
+            out[f"{name}_speedup"] = round(tr["kill_to_resume_s"] / out[name]["kill_to_resume_s"], 2)
     out["wall_s"] = round(time.time() - t0, 1)
     if args.json:
         print(json.dumps(out, indent=1))
@@ -94,10 +101,11 @@ def main(argv=None) -> int:
             print(f"{name:9s} kill-to-resume {r['kill_to_resume_s']} s  detect {r['detect_s']}  reform "
                   f"{r['reform_s']}  recovery {r['recovery_s']} s  {r['restart_kind']}, survivor pids kept "
                   f"{r['survivor_pids_kept']}, agents per node {r['launches']}, bitwise {r['bitwise_equal']}")
-        print(f"in-process (moe-ft launch, 2 spares per node) vs torchrun with a replacement node: kill-to-resume "
-              f"{out.get('inprocess_speedup', 'n/a')}x")
+        print(f"vs torchrun with a replacement node, kill-to-resume: moe-ft launch with 2 spares per node "
+              f"{out.get('inprocess_speedup', 'n/a')}x, moe-ft launch with a replacement node "
+              f"{out.get('replacement_speedup', 'n/a')}x")
     shutil.rmtree(store, ignore_errors=True)
-    return 0 if tr["bitwise_equal"] and inp["bitwise_equal"] else 1
+    return 0 if all(out[name]["bitwise_equal"] for name in LAUNCHERS) else 1
 
 
 if __name__ == "__main__":
