@@ -63,18 +63,23 @@ def main(argv=None) -> int:
     except RuntimeError as e:  # a Megatron-Core version the shims were not written for
         print(f"error: {e}", file=sys.stderr)
         return USAGE_EXIT_CODE
+    from moe_ft.elastic import standby
     from moe_ft.launch.protocol import GAVE_UP_EXIT_CODE
     from moe_ft.launch.worker import join
 
     membership = join()  # under moe-ft launch a spare waits here, imports done, until it is given a rank
     held = None  # a survivor's state of its last completed iteration, kept in memory across attempts
     while True:
+        left_out = standby.enter(args, membership)  # --ft-elastic: the global batch may leave this rank out
+        if left_out is not None:
+            return left_out
         hooks = step_hooks(args, membership, held)
         if hooks is None:
             pretrain(args)
             return 0
         code, failure = _train_guarded(args, hooks, membership)
         if code == 0:
+            standby.mark_done(args, membership)
             return 0
         held = hooks.survivor_point()
         hooks.abandon()  # this attempt's threads and files; the process groups are gone already

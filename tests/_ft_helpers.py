@@ -226,3 +226,15 @@ def damage_blob(store, iteration: int, blob: str, fn: Callable[[bytes], bytes | 
 
 def flip_middle_byte(data: bytes) -> bytes:
     return data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:]
+
+
+def held_replica_store(store_root, job_id: str, owner: int):
+    """The replica store of rank ``owner`` in a job of nodes simulated in one store root (``--ft-ranks-per-node``,
+    one replica): each holder keeps its replicas in a directory of its own (``replicas/holder<rank>``)."""
+    from pathlib import Path
+
+    from moe_ft.replication import replica_store_config
+
+    (held,) = (Path(store_root) / job_id / "replicas").glob(f"holder*/rank{owner}")
+    return replica_store_config(root=str(store_root), job_id=job_id, owner=owner,
+                               holder=int(held.parent.name.removeprefix("holder"))).build()

@@ -82,3 +82,44 @@ def test_shrink_then_grow_keeps_training(corpus, tmp_path):
           f"{e['max_abs_param_diff']:.3g} ({e['worst_param']}, max |param| {e['max_abs_param']:.3g})")
     assert e["max_abs_loss_diff"] <= LOSS_TOLERANCE
     assert math.isfinite(e["max_abs_param_diff"]) and e["max_abs_param_diff"] <= PARAM_BOUND
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_a_world_the_global_batch_does_not_split_over_leaves_a_spare(corpus, tmp_path):
+    """4 simulated nodes x 1 rank, a global batch of 8 in micro-batches of 2 (4 per iteration), no warm
+    spare. Node 3 is lost at iteration 5: 3 ranks are left, and 4 micro-batches do not split over 3, so
+    the job keeps the global batch and trains on 2 ranks (2 micro-batches each); rank 2 waits as a spare
+    (under ``moe-ft launch`` its process stands by and a spare starts on its device). Node 1 is lost at
+    iteration 12: the spare on node 2 takes rank 1 (under torchrun every worker restarts on the 2 nodes
+    left). The job ends within the elastic tolerances of the fault-free run."""
+    from moe_ft.cli.drill import drill
+    from moe_ft.drills.launchers import default_launcher
+
+    inprocess = default_launcher().startswith("inprocess")
+    args = SimpleNamespace(
+        layout="dp2ep2-flexible", policy="sparse", iters=16, window=3, recovery_scope="localized", fail=[],
+        nodes=4, fail_node=["3:5", "1:12"], join_node=[], elastic=True, replicas=0, persist_interval=-1,
+        persist_dir="", max_restarts=3, data=corpus, workdir=str(tmp_path / "work"), store_dir=str(tmp_path / "store"),
+        keep_store=False, timeout=500, json=True, launcher_flags=("--spares-per-node=0",) if inprocess else (),
+        extra=["--ft-expert-replicas", "3", "1", "2", "2", "--ft-expert-slots", "4"])
+    out = drill(args)
+    assert out["faultfree_rc"] == 0 and out["faulty_rc"] == 0, out.get("faulty_logs")
+    assert [loss["nodes"] for loss in out["node_losses"]] == [[3], [1]]
+    log = "".join(open(p).read() for p in out["faulty_logs"])
+    assert "world size 3 -> 2" in log and "rank 2 waits as a spare" in log, out["faulty_logs"]
+    shrink = out["elastic"]["reports"][0]
+    assert (shrink["kind"], shrink["previous_world_size"], shrink["world_size"]) == ("reshape", 4, 2), shrink
+    assert shrink["lost_iterations"] == [] and shrink["point"] == shrink["last_completed"]
+    if inprocess:
+        assert (shrink["restart_kind"], shrink["survivor_pids_kept"]) == ("inprocess", True), shrink
+        assert "rank 2 stood by" in log and "attempt 2 gives it to a spare on node(s) 2" in log
+        (taken,) = out["reports"]  # node 1's loss: the spare that stood by runs rank 1, exactly recovered
+        assert (taken["restart_kind"], taken["survivor_pids_kept"]) == ("inprocess", True), taken
+        assert taken["recovery_point"]["source"] == "memory" and list(taken["recovery_point"]["fetched"]) == ["1"]
+    e = out["elastic"]
+    assert e["iterations_compared"] == 16
+    print(f"standby drill: max |loss diff| {e['max_abs_loss_diff']:.4g}, max |param diff| "
+          f"{e['max_abs_param_diff']:.3g}")
+    assert e["max_abs_loss_diff"] <= LOSS_TOLERANCE
+    assert math.isfinite(e["max_abs_param_diff"]) and e["max_abs_param_diff"] <= PARAM_BOUND

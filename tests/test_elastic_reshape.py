@@ -8,7 +8,14 @@ import random
 
 import pytest
 
-from moe_ft.elastic.reshape import Fetch, held_after_restart, rederive_expert_parallel, replan, replica_rows
+from moe_ft.elastic.reshape import (
+    Fetch,
+    held_after_restart,
+    rederive_expert_parallel,
+    replan,
+    replica_rows,
+    usable_world_size,
+)
 from moe_ft.placement.allocation import allocate_replicas
 from moe_ft.placement.layers import ExpertPlacementConfig
 
@@ -103,10 +110,11 @@ def test_elastic_config_adjusts_the_expert_parallel_size_for_the_new_world():
 
     from moe_ft.elastic.config import ElasticConfig
 
-    def args(world):
+    def args(world, global_batch=None):
         return SimpleNamespace(world_size=world, model=SimpleNamespace(num_experts=4),
                                parallel=SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                                        expert_model_parallel_size=4))
+                                                        expert_model_parallel_size=4),
+                               training=SimpleNamespace(global_batch_size=global_batch, micro_batch_size=2))
 
     cfg = ElasticConfig(ft_elastic=True, ft_expert_slots=2)
     same = args(4)
@@ -119,3 +127,29 @@ def test_elastic_config_adjusts_the_expert_parallel_size_for_the_new_world():
         ElasticConfig(ft_elastic=True).adjust_parallel(args(2))
     off = args(2)
     assert ElasticConfig().adjust_parallel(off) == [] and off.parallel.expert_model_parallel_size == 4
+    # a global batch of 8 (4 micro-batches of 2) does not split over 3 ranks: 2 train, rank 2 waits
+    cfg = ElasticConfig(ft_elastic=True, ft_expert_slots=4)
+    three = args(3, global_batch=8)
+    notes = cfg.adjust_parallel(three)
+    assert (three.world_size, cfg.launched_world, three.parallel.expert_model_parallel_size) == (2, 3, 2)
+    assert "world size 3 -> 2" in notes[0] and "rank 2 wait as spares" in notes[0], notes
+    four = args(4, global_batch=8)
+    assert cfg.adjust_parallel(four) == [] and (four.world_size, cfg.launched_world) == (4, 4)
+
+
+def test_the_usable_world_keeps_the_global_batch():
+    sizes = dict(tp=1, ep=1, num_experts=4, slots=4)
+    assert usable_world_size(4, pp=1, global_batch=8, micro_batch=2, **sizes).usable == 4
+    three = usable_world_size(3, pp=1, global_batch=8, micro_batch=2, **sizes)
+    assert (three.usable, three.standby) == (2, [2])
+    assert usable_world_size(7, pp=1, global_batch=12, micro_batch=1, **sizes).usable == 6
+    # PP 2: 3 stage ranks each; 6 micro-batches split over 3 data-parallel ranks (2 each, >= PP)
+    assert usable_world_size(7, pp=2, global_batch=6, micro_batch=1, **sizes).usable == 6
+    # 4 micro-batches over 2 DP ranks leaves 2 per rank: enough for PP 2, not for PP 4
+    assert usable_world_size(8, pp=2, global_batch=4, micro_batch=1, **sizes).usable == 4
+    assert usable_world_size(8, pp=4, global_batch=4, micro_batch=1, **sizes).usable == 4
+    # EP 4 needs 4 ranks per stage holding 4 experts: none of 3 and fewer ranks fits with 1 slot each
+    with pytest.raises(ValueError, match="no world of at most 3 ranks keeps the global batch of 8"):
+        usable_world_size(3, pp=1, global_batch=8, micro_batch=1, tp=1, ep=4, num_experts=4, slots=1)
+    with pytest.raises(ValueError, match="multiple of --micro-batch-size"):
+        usable_world_size(4, pp=1, global_batch=9, micro_batch=2, **sizes)

@@ -285,8 +285,8 @@ def test_peer_state_equals_owner_state_in_a_real_run(tmp_path, corpus):
     rank's 4 experts FULL per iteration, so experts enter, stay and leave the selection. Every entry of
     every replicated point — the FULL entries the peers rebuilt from gradients included — is the owner's
     file byte for byte (param, Adam moments and step of the owner's optimizer after that step)."""
-    from moe_ft.replication import replica_store_config
     from moe_ft.store import StoreConfig
+    from tests._ft_helpers import held_replica_store
 
     store = tmp_path / "store"
     proc = torchrun("pretrain_gpt_moe.py", ["--data-path", corpus, *RUN, "--ft-selective-local-budget", BUDGET,
@@ -300,7 +300,7 @@ def test_peer_state_equals_owner_state_in_a_real_run(tmp_path, corpus):
     compared = 0
     for rank in range(4):
         own = StoreConfig(root=str(store), job_id="job", rank=rank).build()
-        replica = replica_store_config(root=str(store), job_id="job", owner=rank).build()
+        replica = held_replica_store(store, "job", rank)
         assert not replica.verify().problems
         common = sorted(set(own.points()) & set(replica.points()))
         assert common, (rank, own.points(), replica.points())
@@ -346,7 +346,7 @@ def test_lost_node_recovers_from_the_peers_recomputed_state(tmp_path, corpus, fa
                       timeout=150, check=False)
     assert killed.returncode != 0
     job = store / "job"
-    for lost in ["rank2", "rank3", "replicas/rank0", "replicas/rank1", "survivor/rank2", "survivor/rank3",
+    for lost in ["rank2", "rank3", "replicas/holder2", "replicas/holder3", "survivor/rank2", "survivor/rank3",
                  "upstream/rank2", "upstream/rank3"]:  # node 1 is gone, with everything it held
         shutil.rmtree(job / lost, ignore_errors=lost.startswith("survivor/"))
     for rank in (2, 3):

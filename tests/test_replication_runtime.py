@@ -12,9 +12,8 @@ import pytest
 
 from moe_ft.persist import DurableTier
 from moe_ft.persist.validate import validate_durable
-from moe_ft.replication import replica_store_config
 from moe_ft.store import StoreConfig
-from tests._ft_helpers import torchrun
+from tests._ft_helpers import held_replica_store, torchrun
 from tests.test_runtime import FLAGS
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(280)]
@@ -30,7 +29,7 @@ def test_runtime_replicates_and_persists(tmp_path, corpus):
     assert "| replica " in proc.stdout and " lag " in proc.stdout, proc.stdout[-2000:]
     for rank in range(4):
         own = StoreConfig(root=str(store), job_id="job", rank=rank).build()
-        replica = replica_store_config(root=str(store), job_id="job", owner=rank).build()
+        replica = held_replica_store(store, "job", rank)
         common = sorted(set(own.points()) & set(replica.points()))
         assert common and common[-1] == 7, (rank, own.points(), replica.points())
         catalog = replica.verify()

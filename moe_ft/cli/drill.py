@@ -278,7 +278,7 @@ def drill(args) -> dict:
             bad = run_node_job(job="faulty", workdir=work, faults=faults, losses=losses, num_nodes=args.nodes,
                                max_restarts=args.max_restarts, timeout=args.timeout,
                                elastic=getattr(args, "elastic", False),
-                               joins=joins, **common)
+                               joins=joins, launcher_flags=tuple(getattr(args, "launcher_flags", ())), **common)
             out["nodes"] = args.nodes
             out["fail_node"] = [str(l) for l in losses]
             out["node_losses"] = bad["node_losses"]

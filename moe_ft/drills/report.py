@@ -144,6 +144,19 @@ def elastic_reports(report_dirs: list[str]) -> list[dict]:
     return sorted(out, key=lambda r: r["generation"])
 
 
+def _final_dumps(dump: str) -> list[str]:
+    """The parameter dumps of the ranks of the run's final world (the digest file lists one digest per rank;
+    a rank that left the world earlier, e.g. one standing by as a spare, may have left a dump of its own)."""
+    path = Path(dump)
+    world = len(json.loads(path.read_text()).get("per_rank", [])) if path.exists() else None
+    out = []
+    for p in sorted(path.parent.glob(path.name + ".params_rank*.pt")):
+        rank = int(p.name.rsplit("params_rank", 1)[1].removesuffix(".pt"))
+        if world is None or rank < world:
+            out.append(str(p))
+    return out
+
+
 def summary(*, reference_log: str, faulty_logs: list[str], reference_dump: str, faulty_dump: str,
             report_dirs: list[str]) -> dict:
     """The drill's ``elastic`` section (see the module docstring)."""
@@ -154,8 +167,7 @@ def summary(*, reference_log: str, faulty_logs: list[str], reference_dump: str, 
            "iterations_compared": len(common),
            "max_abs_loss_diff": max((abs(ref_losses[i] - bad_losses[i]) for i in common), default=None),
            "reports": elastic_reports(report_dirs)}
-    ref_paths = sorted(str(p) for p in Path(reference_dump).parent.glob(Path(reference_dump).name + ".params_rank*.pt"))
-    bad_paths = sorted(str(p) for p in Path(faulty_dump).parent.glob(Path(faulty_dump).name + ".params_rank*.pt"))
+    ref_paths, bad_paths = _final_dumps(reference_dump), _final_dumps(faulty_dump)
     if ref_paths and bad_paths:
         out.update(param_deviation(load_parameters(ref_paths), load_parameters(bad_paths)))
     return out

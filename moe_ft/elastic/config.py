@@ -78,6 +78,10 @@ class ElasticConfig(LoopExtension):
     """Per-layer loads read from ``ft_expert_loads_from`` (not a flag)."""
     restart: object = field(default=None, init=False, repr=False)
     """``--ft-elastic``: the ``RestartDecision`` agreed at model build (``None`` before; not a flag)."""
+    launched_world: int = field(default=0, init=False, repr=False)
+    """``--ft-elastic``: the world the launcher started (``WORLD_SIZE``); ``args.world_size`` is the part of it
+    that trains (:func:`~moe_ft.elastic.reshape.usable_world_size`), the ranks beyond wait as spares (not a
+    flag; 0 before :meth:`adjust_parallel`)."""
     _ft: object = field(default=None, init=False, repr=False)
     _num_layers: int = field(default=0, init=False, repr=False)
 
@@ -116,17 +120,23 @@ class ElasticConfig(LoopExtension):
         a shrunken world may no longer be divisible by the flag's EP size). Meant to run before Megatron's
         argument validation; returns the log lines of what changed (none when nothing did)."""
         # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
-        from moe_ft.elastic.reshape import rederive_expert_parallel
+        from moe_ft.elastic.reshape import rederive_expert_parallel, usable_world_size
 
         if not self.ft_elastic:
             return []
 
-        p, m = args.parallel, args.model
+        p, m, t = args.parallel, args.model, args.training
         ep = p.expert_model_parallel_size
         slots = self.ft_expert_slots if self.ft_expert_slots is not None else m.num_experts // ep
-        change = rederive_expert_parallel(args.world_size, tp=p.tensor_model_parallel_size,
-                                          pp=p.pipeline_model_parallel_size, ep=ep, num_experts=m.num_experts,
-                                          slots=slots, min_replicas=self.ft_fault_threshold)
+        sizes = dict(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, ep=ep,
+                     num_experts=m.num_experts, slots=slots, min_replicas=self.ft_fault_threshold)
+        if t.global_batch_size is None:  # Megatron then takes one micro-batch per data-parallel rank
+            change = rederive_expert_parallel(args.world_size, **sizes)
+        else:  # the global batch stays: a world it does not split over trains on fewer ranks
+            usable = usable_world_size(args.world_size, global_batch=t.global_batch_size,
+                                       micro_batch=t.micro_batch_size, **sizes)
+            change, self.launched_world = usable.change, args.world_size
+            args.world_size = usable.usable
         if change.ep_size != ep:
             p.expert_model_parallel_size = change.ep_size
             if self.ft_expert_slots is None:

@@ -74,6 +74,56 @@ def rederive_expert_parallel(world_size: int, *, tp: int, pp: int, ep: int, num_
     return ParallelChange(new_ep, f, tuple(notes))
 
 
+@dataclass(frozen=True)
+class UsableWorld:
+    """The ranks that train in a world of ``world_size`` (the first ``usable``; the others wait as spares),
+    and the expert-parallel change for it."""
+
+    world_size: int
+    usable: int
+    change: ParallelChange
+
+    @property
+    def standby(self) -> list[int]:
+        return list(range(self.usable, self.world_size))
+
+
+def usable_world_size(world_size: int, *, tp: int, pp: int, ep: int, num_experts: int, slots: int,
+                      global_batch: int, micro_batch: int, min_replicas: int = 1) -> UsableWorld:
+    """The largest world ``U <= world_size`` that keeps the global batch: ``U`` a multiple of TP x PP whose
+    data-parallel size ``d = U / (TP x PP)`` divides ``global_batch / micro_batch`` (each rank runs
+    ``global_batch / (micro_batch x d)`` micro-batches; with PP > 1 at least PP of them) and for which
+    :func:`rederive_expert_parallel` finds an EP size. The global batch is never changed: it is the
+    optimisation's hyper-parameter (Lazarus §5 keeps it too), so a world that no data-parallel size fits
+    trains on fewer ranks, and the ranks ``U … world_size - 1`` wait as spares. Raises ``ValueError`` when
+    no world fits (the message names the smallest one that would)."""
+    if global_batch < 1 or micro_batch < 1 or global_batch % micro_batch:
+        raise ValueError(f"--global-batch-size {global_batch} must be a positive multiple of --micro-batch-size "
+                         f"{micro_batch}")
+    micro_batches = global_batch // micro_batch
+    reasons = []
+    for usable in range(world_size - world_size % (tp * pp), 0, -tp * pp):
+        dp = usable // (tp * pp)
+        if micro_batches % dp or (pp > 1 and micro_batches // dp < pp):
+            continue
+        try:
+            change = rederive_expert_parallel(usable, tp=tp, pp=pp, ep=ep, num_experts=num_experts, slots=slots,
+                                              min_replicas=min_replicas)
+        except ValueError as e:
+            reasons.append(str(e))
+            continue
+        if usable < world_size:
+            change = ParallelChange(change.ep_size, change.min_replicas, (
+                f"world size {world_size} -> {usable}: the global batch of {global_batch} ({micro_batches} "
+                f"micro-batches of {micro_batch}) splits over {dp} data-parallel ranks but not over "
+                f"{world_size // (tp * pp)}; rank{'s' if world_size - usable > 1 else ''} "
+                f"{', '.join(map(str, range(usable, world_size)))} wait as spares", *change.notes))
+        return UsableWorld(world_size, usable, change)
+    raise ValueError(f"no world of at most {world_size} ranks keeps the global batch of {global_batch} "
+                     f"({micro_batches} micro-batches of {micro_batch}) with tensor x pipeline parallel size "
+                     f"{tp} x {pp}" + (f" ({reasons[-1]})" if reasons else "") + "; restart on more nodes")
+
+
 def held_after_restart(previous: Mapping[int, Sequence[Sequence[int]]], old_node_of_ep: Sequence[int],
                        new_node_of_ep: Sequence[int], surviving_nodes: Sequence[int]) -> dict[int, dict[int, set[int]]]:
     """``{layer: {new EP rank: experts in its node's stores}}``.

@@ -163,6 +163,9 @@ class SpareAgent(LocalElasticAgent):
         """Node → the ``GROUP_RANK`` its workers see: its index among the live nodes (an in-process shrink
         renumbers the nodes for the workers; the agents keep the round's numbers among themselves)."""
         self._lost: set[int] = set()
+        self._surplus: set[int] = set()
+        """Ranks whose workers the global batch left out (``--ft-elastic``, exit ``STANDBY_EXIT_CODE``): not dead,
+        not replaced; a spare runs on their devices."""
         self._awaiting: set[int] = set()
         """Ranks of lost nodes that wait for a replacement node (a fixed ``--nnodes N`` with no spare left): the
         survivors keep their processes meanwhile (an ``"await"`` attempt)."""
@@ -300,7 +303,8 @@ class SpareAgent(LocalElasticAgent):
             self._home = {rank: place[rank // per_node] for rank in range(self._world)}
             self._holders = dict(self._home)
             self._lost, self._dead, self._watch, self._seen = set(), {}, None, self._attempt
-            self._awaiting, self._freed = set(), {}
+            self._awaiting, self._surplus, self._freed = set(), set(), {}
+            self._store_client(worker_group).set(self._keys.surplus(self._node), "[]")
             self._published_spares = ""  # listed again under this round's node number
         self._started = True
         self._finished = {}
@@ -450,18 +454,27 @@ class SpareAgent(LocalElasticAgent):
             if result is None:
                 continue
             if result.is_failed():
-                failures[rank] = next(iter(result.failures.values()))
+                failure = next(iter(result.failures.values()))
+                if self._inprocess and failure.exitcode == protocol.STANDBY_EXIT_CODE:
+                    self._stand_by(worker_group, rank)
+                    continue
+                failures[rank] = failure
             else:
                 self._finished[rank] = next(iter(result.return_values.values()), None)
         for spare in list(self._spares):  # a spare that died while waiting is replaced by a new one
             if spare.context.wait(0) is not None:
                 log.warning("moe-ft launch: spare %s exited while waiting; starting another", spare.slot)
                 self._spares.remove(spare)
-        if self._finished and len(self._finished) == len(self._workers) and not self._dead:
+        if not self._workers and self._surplus and self._store_client(worker_group).check([self._keys.done]):
+            self._finished = {r: None for r in self._surplus}  # this node's workers all stood by; the job ended
+        if self._finished and len(self._finished) >= len(self._workers) and not self._dead:
             for spare in self._spares:
                 spare.context.close()
             self._spares = []
-            return RunResult(state=WorkerState.SUCCEEDED, return_values=dict(self._finished))
+            # torch elastic records an event per worker of the group (its round's ranks), which this node may
+            # no longer run (another node's spare took them, or they stood by)
+            values = {w.global_rank: None for w in worker_group.workers}
+            return RunResult(state=WorkerState.SUCCEEDED, return_values={**values, **self._finished})
         gave_up = any(f.exitcode == protocol.GAVE_UP_EXIT_CODE for f in failures.values())
         stopped = any(f.exitcode in protocol.STOP_EXIT_CODES for f in failures.values())
         if failures and (not self._inprocess or self._finished or gave_up or stopped):  # finished: nobody to rejoin
@@ -602,10 +615,30 @@ class SpareAgent(LocalElasticAgent):
               "the other workers keep their processes", flush=True)
         return True
 
+    def _stand_by(self, worker_group: WorkerGroup, rank: int) -> None:
+        """Rank ``rank``'s worker stood by (the global batch trains on fewer ranks, ``moe_ft/elastic/standby.py``):
+        its process is collected and a warm spare starts on its device, for the next failed rank."""
+        proc = self._workers.pop(rank)
+        proc.context.close()
+        self._surplus.add(rank)
+        self._store_client(worker_group).set(self._keys.surplus(self._node), json.dumps(sorted(self._surplus)))
+        self._spares.append(self._start_spare(worker_group, proc.local_rank))
+        print(f"moe-ft launch: rank {rank} stood by (the global batch trains on fewer ranks): a spare waits on its "
+              "device", flush=True)
+
+    def _stood_by(self) -> list[int]:
+        """Ranks of the live nodes whose workers stood by (``surplus/<node>``)."""
+        store = self._launch_store
+        out: list[int] = []
+        for node in range(self._nodes):
+            if node not in self._lost and store is not None and store.check([self._keys.surplus(node)]):
+                out += json.loads(store.get(self._keys.surplus(node)))
+        return out
+
     def _can_shrink(self, dead: list[int]) -> bool:
         """A shrink keeps the layout contiguous: every dead rank is a lost node's, every live rank runs on
         its layout node (no earlier cross-node take-over), and enough nodes are left."""
-        if self._min_nodes is None:
+        if self._min_nodes is None or self._stood_by():  # a stood-by rank has no process to renumber
             return False
         live = [n for n in range(self._nodes) if n not in self._lost]
         return (len(live) >= max(self._min_nodes, 1) and all(self._home.get(r) in self._lost for r in dead)
@@ -615,7 +648,7 @@ class SpareAgent(LocalElasticAgent):
         """A fixed ``--nnodes N`` whose lost nodes' ranks no spare can take: the survivors wait in their
         processes for replacement nodes when every dead rank is a lost node's and every live rank runs on its
         layout node (the replacement then takes exactly the lost nodes' places)."""
-        return (self._min_nodes is None and self._nodes > 1 and bool(self._lost)
+        return (self._min_nodes is None and self._nodes > 1 and bool(self._lost) and not self._stood_by()
                 and all(self._home.get(r) in self._lost for r in dead)
                 and {r for r, n in self._home.items() if n in self._lost} <= set(dead)
                 and all(self._holders[r] == n for r, n in self._home.items() if n not in self._lost))

@@ -41,6 +41,13 @@ elastic's agent store), under ``moe_ft/launch/<run id>/``:
 ``suspect/<a>``             counter: workers of attempt ``a`` whose collectives failed because a peer died
                             (the agents then declare a silent node lost sooner).
 ``exit/<a>``                counter: agents whose workers finished in attempt ``a`` (the exit barrier).
+``standby/<a>/<rank>``      written by a worker of attempt ``a`` that the global batch leaves out (``--ft-elastic``:
+                            the job trains on fewer ranks than it has) once its held state is in the node
+                            store: JSON ``{"usable"}``; it then exits :data:`STANDBY_EXIT_CODE` and its agent
+                            starts a spare on its device. The training ranks wait for these keys.
+``surplus/<node>``          JSON list of the node's ranks whose workers stood by (no process runs them; an agent
+                            deciding a shrink or a wait for a replacement node reads every node's).
+``done``                    set by rank 0 once training ended: an agent left with spares only finishes then.
 ``pid/<a>/<rank>``          the pid that holds ``rank`` in attempt ``a`` (written by the worker).
 
 The store is the rendezvous's own (the c10d backend's ``TCPStore``, at ``--rdzv-endpoint``): it outlives
@@ -78,6 +85,11 @@ WATCH_POLL_S = 0.1
 GAVE_UP_EXIT_CODE = 75
 """A survivor that could not join a new attempt in time exits with this code (``EX_TEMPFAIL``): the agent
 then stops replacing ranks one by one and restarts the whole group."""
+
+
+STANDBY_EXIT_CODE = 76
+"""A worker that the global batch leaves out (``--ft-elastic``: the world's data-parallel size does not divide
+it, the job trains on fewer ranks) exits with this code: not a failure; its agent starts a spare in its place."""
 
 
 USAGE_EXIT_CODE = 2
@@ -135,6 +147,16 @@ class Keys:
 
     def pid(self, attempt: int, rank: int) -> str:
         return prefix(self.run_id) + f"pid/{attempt}/{rank}"
+
+    def standby(self, attempt: int, rank: int) -> str:
+        return prefix(self.run_id) + f"standby/{attempt}/{rank}"
+
+    def surplus(self, node: int) -> str:
+        return prefix(self.run_id) + f"surplus/{node}"
+
+    @property
+    def done(self) -> str:
+        return prefix(self.run_id) + "done"
 
 
 def current_attempt(store, keys: Keys) -> int:

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import socket
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -120,6 +122,34 @@ class Membership:
             os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
         self.record_pid()
         return True
+
+    def stand_by(self, usable: int) -> None:
+        """The global batch leaves this rank out of the attempt (``moe_ft/elastic/standby.py``): say so, its
+        held state being in the node store already; the process then exits
+        :data:`~moe_ft.launch.protocol.STANDBY_EXIT_CODE` and its agent starts a spare in its place."""
+        if self.store is not None and self.keys is not None:
+            self.store.set(self.keys.standby(self.attempt, self.rank), json.dumps({"usable": usable}))
+
+    def wait_for_standbys(self, ranks: list[int], timeout_s: float) -> bool:
+        """Wait until the ranks the global batch leaves out of this attempt have written their held state
+        (:meth:`stand_by`); ``False`` after ``timeout_s`` (their points are then missing from the node stores
+        and the reshape uses what is there)."""
+        if self.store is None or self.keys is None:
+            return True
+        keys = [self.keys.standby(self.attempt, r) for r in ranks]
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check(keys):
+            if time.monotonic() > deadline:
+                print(f"moe-ft launch: rank {self.rank}: ranks {ranks} did not stand by within {timeout_s:.0f} s",
+                      file=sys.stderr, flush=True)
+                return False
+            time.sleep(0.02)
+        return True
+
+    def mark_done(self) -> None:
+        """Rank 0, training ended: agents left with spares only (their workers stood by) finish too."""
+        if self.store is not None and self.keys is not None:
+            self.store.set(self.keys.done, "1")
 
     def regroup_requested(self) -> bool:
         """The agents asked this attempt's workers to leave it because a node joins (seen by

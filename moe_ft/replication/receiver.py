@@ -27,9 +27,12 @@ OWNER_MANIFEST = "OWNER_MANIFEST.json"
 by MoEtion §5.1 too; a rebuilt node-local point is published under it, ``fetch.py``)."""
 
 
-def replica_store_config(*, root: str, job_id: str, owner: int) -> StoreConfig:
-    """Where this node keeps rank ``owner``'s replicas."""
-    return StoreConfig(root=root, job_id=f"{job_id}/replicas", rank=owner)
+def replica_store_config(*, root: str, job_id: str, owner: int, holder: int | None = None) -> StoreConfig:
+    """Where this node keeps rank ``owner``'s replicas. ``holder``: the holding rank, for nodes simulated in
+    one store root (``--ft-ranks-per-node``), where two holders of one owner would otherwise share (and both
+    write) one directory."""
+    return StoreConfig(root=root, job_id=f"{job_id}/replicas" + ("" if holder is None else f"/holder{holder}"),
+                       rank=owner)
 
 
 @dataclass(kw_only=True)

@@ -96,8 +96,9 @@ class ReplicaFetch:
     def store(self, owner: int):
         store = self._stores.get(owner)
         if store is None:
+            holder = self.layout.rank if self.planned is not None else None  # simulated nodes: per holder
             store = self._stores[owner] = replica_store_config(root=self.store_root, job_id=self.job_id,
-                                                               owner=owner).build()
+                                                               owner=owner, holder=holder).build()
         return store
 
     def fetch_missing(self, local) -> FetchResult:
@@ -156,9 +157,10 @@ class Replication:
         receiver_cls, sender_cls, sender_extra = ReplicaReceiver, ReplicaSender, {}
         if recompute is not None:
             receiver_cls, sender_cls, sender_extra = RecomputeReceiver, RecomputeSender, {"capture": recompute()}
+        holder = layout.rank if layout.simulated else None  # simulated nodes share one root: a dir per holder
         receiver = receiver_cls(ReceiverConfig(), transport, plan.sources[layout.rank],
-                                lambda owner: replica_store_config(root=store_root, job_id=job_id,
-                                                                   owner=owner).build())
+                                lambda owner: replica_store_config(root=store_root, job_id=job_id, owner=owner,
+                                                                   holder=holder).build())
         sender = sender_cls(SenderConfig(), store, transport, plan.peers[layout.rank], owner=layout.rank,
                             select=select, budget=remote_budget, **sender_extra)
         return Replication(sender, receiver, plan, layout, compute_only=compute_only and recompute is not None)
