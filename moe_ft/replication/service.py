@@ -96,9 +96,15 @@ class ReplicaFetch:
     def store(self, owner: int):
         store = self._stores.get(owner)
         if store is None:
-            holder = self.layout.rank if self.planned is not None else None  # simulated nodes: per holder
-            store = self._stores[owner] = replica_store_config(root=self.store_root, job_id=self.job_id,
-                                                               owner=owner, holder=holder).build()
+            shared = replica_store_config(root=self.store_root, job_id=self.job_id, owner=owner)
+            store = shared.build() if self.planned is None or shared.directory.is_dir() else None
+            if self.planned is not None:  # simulated nodes share a root: each holder's copies are its own (the
+                # shared directory holds what real nodes received before their ranks met on one node)
+                mine = replica_store_config(root=self.store_root, job_id=self.job_id, owner=owner,
+                                            holder=self.layout.rank).build()
+                if store is None or max(mine.points(), default=-1) > max(store.points(), default=-1):
+                    store = mine
+            self._stores[owner] = store
         return store
 
     def fetch_missing(self, local) -> FetchResult:
