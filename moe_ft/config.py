@@ -55,6 +55,10 @@ class FTConfig(LoopExtension):
         if cls is not None:
             cls.check_flags(self)
         self.replication.check_policy(cls)
+        if self.snapshot.checksum_by == "agent" and self.persist.interval and not self.persist.agent:
+            raise ValueError("--ft-checksum-by agent leaves the digests to the node agent, which records them after "
+                             "publish; the durable copies must be made after that, by the agent too: add "
+                             "--ft-persist-agent")
         if self.replication.optimizer_recompute_local == "compute" and self.persist.interval:
             raise ValueError("--ft-optimizer-recompute-local compute leaves experts' FULL states to the replica "
                              "peers, and the durable tier copies this node's store (--ft-persist-interval): "

@@ -123,6 +123,47 @@ def test_a_killed_agent_is_started_again_and_a_torn_copy_is_never_complete(tmp_p
     wait_until(lambda: agent_pid(agent_dir) is None, timeout=20)
 
 
+def test_the_agent_hashes_deferred_points_and_a_killed_one_leaves_them_unverified_never_wrong(tmp_path, caplog):
+    """``--ft-checksum-by agent``: points written without digests are hashed by the real agent, which records
+    the digests beside them; a durable copy queued after the hashing carries them. The agent SIGKILLed with
+    hashing requests queued: the next call starts another; the points it never hashed stay unverified (their
+    structure is checked, and the store says so), never marked verified with wrong digests."""
+    from moe_ft.agent.server import VerifyRequest
+    from moe_ft.store.codec import PENDING
+
+    store = StoreConfig(root=str(tmp_path / "shm"), job_id="j", rank=0, checksum_by="agent").build()  # no GC
+    agent_dir = tmp_path / "shm" / "j" / "agent"
+    client = AgentClient(agent_dir, 0, idle_exit_s=30)
+    verify = lambda it: client.call("verify", VerifyRequest(0, it, store.backend.describe()))  # noqa: E731
+    _publish(store, 0, 0)
+    verify(0)
+    client.persist(_request(tmp_path, 0, 0))
+    assert client.flush()["verified"] == 1
+    point = store.catalog().point(0)
+    assert all(e.checksum != PENDING for e in point.entries.values()) and not store.verify().problems
+    durable = DurableTier(tmp_path / "durable", "j", 2).store(0)
+    assert all(e.checksum == point.entries[op].checksum for op, e in durable.catalog().point(0).entries.items())
+
+    first = client.pid
+    os.kill(first, signal.SIGSTOP)  # the agent cannot run: the request waits in its socket, then it dies
+    for it in (1, 2):
+        _publish(store, 0, it)
+    client._connect().send(("verify", VerifyRequest(0, 1, store.backend.describe())))  # never answered
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: agent_pid(agent_dir) is None, timeout=10)
+    verify(2)  # a new agent
+    assert client.flush()["verified"] == 1 and client.pid != first
+    resolved = store.catalog()
+    assert all(e.checksum != PENDING for e in resolved.point(2).entries.values())
+    assert {e.checksum for e in resolved.point(1).entries.values()} == {PENDING}
+    assert store.newest_recoverable(RULE, verify=True).end == 2
+    assert all(torch.equal(store.load(1, op, Level.FULL)[k], v) for op in OPS for k, v in _tensors(0, 1, op).items())
+    assert "iteration 1 is not verified yet" in caplog.text
+    client.bye()
+    AgentClient(agent_dir, 0).bye()
+    wait_until(lambda: agent_pid(agent_dir) is None, timeout=20)
+
+
 def test_a_sparse_rule_travels_as_its_windows():
     import pickle
 

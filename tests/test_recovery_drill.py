@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -71,18 +72,30 @@ def check_exact_reports(reports, *, ends: dict[int, int], fired: list[str], laun
 @pytest.mark.timeout(600)
 def test_sparse_ep2pp2_publish_and_replay_kills(drill_env, reference):
     """Kill rank 1 while it publishes iteration 5 (window [3, 5] never completes on it: back to [0, 2]),
-    then rank 2 while it replays iteration 2 (a cascading failure during recovery)."""
+    then rank 2 while it replays iteration 2 (a cascading failure during recovery). The node agent hashes
+    every published point (``--ft-checksum-by agent``: the trainers write each byte once) and writes the
+    durable tier."""
     faults = ["1:5:publish", "2:2:recovery"]
     durable = os.path.join(drill_env["work"], "sparse_ep2pp2_durable")
     res = launch(drill_env, "sparse_ep2pp2", layout="ep2pp2", policy="sparse", faults=faults, max_restarts=2,
                  extra=["--ft-persist-interval", "3", "--ft-persist-dir", durable, "--ft-persist-agent",
-                        "--ft-persist-agent-idle-exit", "60"])
+                        "--ft-persist-agent-idle-exit", "60", "--ft-checksum-by", "agent", "--ft-log-interval", "1"])
     assert res["rc"] == 0, res["log"]
     assert res["digest"] == reference("ep2pp2")
+    log = Path(res["log"]).read_text()
+    assert re.search(r"agent verified [1-9]\d* points", log) and "is not verified yet" not in log, log[-3000:]
+    verified = sorted(Path(drill_env["store"], "sparse_ep2pp2").glob("rank*/verified/*.json"))
+    assert verified and all(json.loads(p.read_text())["digests"] for p in verified)
     # the node agent wrote the durable tier across both recoveries (each rank's pending copies settled
     # before the abandoned timeline was discarded): its newest complete point verifies and holds every expert
     end, problems = validate_durable(os.path.join(durable, "moe_ft", "sparse_ep2pp2"), num_layers=2, num_experts=4)
     assert problems == [] and end == ITERS - 2, (end, problems)  # window [6, 8]: persisted at 8 (interval 3)
+    from moe_ft.persist import DurableTier
+    from moe_ft.store.codec import PENDING
+
+    tier = DurableTier(durable, "sparse_ep2pp2", 4)  # the agent hashed each point before it copied it
+    assert all(e.checksum != PENDING for r in range(4) for p in tier.store(r).catalog().points()
+               for e in p.all_entries())
     agent_log = Path(drill_env["store"], "sparse_ep2pp2", "agent", "agent.log")
     wait_until(lambda: "exiting (every rank said bye)" in agent_log.read_text(), timeout=30, message=agent_log.read_text())
     if default_launcher().startswith("inprocess"):  # moe-ft launch starts the node agent before the workers

@@ -84,6 +84,24 @@ def ensure_agent(agent_dir: str | os.PathLike, *, idle_exit_s: float = 600.0, st
         return pid
 
 
+class AgentCpu:
+    """The node agent's CPU per training iteration, from the CPU seconds it answers each request with."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[int, float]] = []
+        """(iteration, the agent's CPU seconds) at the last two answers."""
+
+    def take(self, iteration: int, cpu_s: float) -> None:
+        self.samples = [*self.samples[-1:], (iteration, cpu_s)]
+
+    def ms_per_iteration(self) -> float | None:
+        """Between the last two answers (``None`` before, or when they came in the same iteration)."""
+        if len(self.samples) < 2 or self.samples[1][0] <= self.samples[0][0]:
+            return None
+        (i0, c0), (i1, c1) = self.samples
+        return 1e3 * (c1 - c0) / (i1 - i0)
+
+
 class AgentClient:
     """One trainer rank's connection to its node's agent."""
 

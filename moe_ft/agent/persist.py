@@ -13,7 +13,7 @@ import threading
 from collections import deque
 from typing import Mapping
 
-from moe_ft.agent.client import AgentClient
+from moe_ft.agent.client import AgentClient, AgentCpu
 from moe_ft.agent.server import PersistRequest
 from moe_ft.persist.durable import DurableTier
 from moe_ft.persist.writer import PersistRecord
@@ -32,8 +32,7 @@ class AgentPersistence:
         self.client = AgentClient(agent_dir, rank, idle_exit_s=idle_exit_s)
         self.client.call("ping")  # start (or find) the agent now, not at the first due snapshot
         self.records: list[PersistRecord] = []
-        self.agent_cpu: list[tuple[int, float]] = []
-        """(iteration, the agent's CPU seconds) at the last two requests: its CPU per iteration."""
+        self.agent_cpu = AgentCpu()
         self._iteration = -1
         self._due: deque[tuple[int, Mapping[OperatorId, Level] | None]] = deque()
         self._lock = threading.Lock()  # the training thread and the engine's publishing thread both send
@@ -70,14 +69,11 @@ class AgentPersistence:
 
     def _take(self, state: dict) -> None:
         self.records = state["records"]
-        self.agent_cpu = [*self.agent_cpu[-1:], (self._iteration, state["cpu_s"])]
+        self.agent_cpu.take(self._iteration, state["cpu_s"])
 
     def agent_cpu_ms_per_iteration(self) -> float | None:
         """The agent process's CPU per training iteration between the last two requests (``None`` before)."""
-        if len(self.agent_cpu) < 2 or self.agent_cpu[1][0] <= self.agent_cpu[0][0]:
-            return None
-        (i0, c0), (i1, c1) = self.agent_cpu
-        return 1e3 * (c1 - c0) / (i1 - i0)
+        return self.agent_cpu.ms_per_iteration()
 
     def settle(self) -> None:
         """Wait until the agent finished this rank's copies (before the runtime discards an abandoned

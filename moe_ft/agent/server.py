@@ -4,6 +4,10 @@ It listens on an abstract Unix socket named after its directory (``multiprocessi
 key only the job's files hold), writes its pid file once it listens, and serves each connected trainer on
 a thread of its own. Requests are tuples:
 
+* ``("verify", VerifyRequest)``: queue the hashing of rank ``r``'s published point (its operator entries were
+  written with their digests deferred, ``--ft-checksum-by agent``); the digests are recorded beside the
+  point (``SnapshotStore.record_verified``). A rank's requests run in order, so a durable copy requested after
+  a verification copies verified entries; answers the rank's state;
 * ``("persist", PersistRequest)``: queue a durable copy of rank ``r``'s point (``moe_ft.persist.writer``,
   run here over a *reader* of the rank's store, pinning what it reads against the trainer's garbage
   collection; the trainer sends only published iterations, so nothing waits for a publish); answers the
@@ -37,6 +41,7 @@ from moe_ft.background import BackgroundWorker
 
 if TYPE_CHECKING:
     from moe_ft.persist import PersistWriter
+    from moe_ft.store import SnapshotStore
     from moe_ft.store.rules import RecoveryRule
 
 logger = logging.getLogger("moe_ft.agent")
@@ -77,27 +82,48 @@ class PersistRequest:
     keep: int = 2
 
 
+@dataclass(frozen=True)
+class VerifyRequest:
+    """Hash the deferred digests of rank ``rank``'s published point ``iteration`` in ``store_dir``."""
+
+    rank: int
+    iteration: int
+    store_dir: str
+
+
 @dataclass
 class _Rank:
-    """One rank's durable copies: ``writer`` copies (synchronously), ``worker`` runs the requests in order.
-    A copy that fails (a point deleted under it by a recovery, a full disk) is logged with its traceback
-    and skipped (``writer.skipped``); the next request copies again: the agent outlives such moments."""
+    """One rank's work here, run in order by ``worker``: verifications of its points (``store``, a reader of
+    its store) and durable copies (``writer``, once it asked for one). A job that fails (a point deleted
+    under it by a recovery, a full disk, a damaged entry) is logged with its traceback and skipped; the next
+    request runs again: the agent outlives such moments."""
 
-    writer: "PersistWriter"
-    key: tuple
+    rank: int
+    store: "SnapshotStore"
+    writer: "PersistWriter | None" = None
+    key: tuple = ()
+    """The durable copies' settings (``writer`` is made again when they change)."""
+    verified: int = 0
+    """Points whose deferred digests this agent recorded."""
     worker: BackgroundWorker = field(init=False)
 
     def __post_init__(self) -> None:
-        self.worker = BackgroundWorker(f"moe-ft-agent-persist{self.writer.rank}", self.run,
-                                       describe=lambda e: f"durable copies failed: {e!r}")
+        self.worker = BackgroundWorker(f"moe-ft-agent-rank{self.rank}", self.run,
+                                       describe=lambda e: f"rank {self.rank}'s jobs failed: {e!r}")
 
     def run(self, job: tuple) -> None:
-        iteration, plan = job
+        kind, iteration, plan = job
         try:
-            self.writer.persist(iteration, plan)
+            if kind == "verify":
+                if self.store.record_verified(iteration):
+                    self.verified += 1
+            elif self.writer is not None:
+                self.writer.persist(iteration, plan)
         except Exception as exc:  # kept going: see the class docstring
-            logger.exception("moe-ft agent: rank %d: durable copy of iteration %d skipped", self.writer.rank, iteration)
-            self.writer.skipped.append((iteration, repr(exc)))
+            logger.exception("moe-ft agent: rank %d: %s of iteration %d skipped", self.rank,
+                             "hashing" if kind == "verify" else "durable copy", iteration)
+            if kind != "verify" and self.writer is not None:
+                self.writer.skipped.append((iteration, repr(exc)))
 
 
 @dataclass
@@ -184,6 +210,8 @@ class NodeAgent:
             return os.getpid()
         if kind == "persist":
             return self._persist(request[1])
+        if kind == "verify":
+            return self._verify(request[1])
         rank = self.ranks.get(request[1])
         if kind == "flush":
             if rank is not None:
@@ -197,25 +225,42 @@ class NodeAgent:
             return None
         return ValueError(f"unknown request {kind!r}")
 
-    def _persist(self, req: PersistRequest):
-        # start-up time of the agent: the store and durable tier are imported with the first request
-        from moe_ft.persist import DurableTier, PersistWriter
+    def _rank(self, number: int, store_dir: str) -> _Rank:
+        """Rank ``number``'s work (made, or made again for another store directory); with the lock held."""
+        # start-up time of the agent: the store is imported with the first request
         from moe_ft.store import SnapshotStore, open_backend
 
-        key = (req.store_dir, req.persist_dir, req.job_id, req.world_size, req.keep)
+        rank = self.ranks.get(number)
+        if rank is None or rank.store.backend.describe() != store_dir:
+            if rank is not None:
+                rank.worker.close()
+            store = SnapshotStore(open_backend(store_dir, create=False), shared_pins=True)
+            rank = self.ranks[number] = _Rank(number, store)
+        self.active.add(number)
+        self.ever.add(number)
+        return rank
+
+    def _verify(self, req: VerifyRequest):
         with self._lock:
-            rank = self.ranks.get(req.rank)
-            if rank is None or rank.key != key:
-                if rank is not None:
-                    rank.worker.close()
-                store = SnapshotStore(open_backend(req.store_dir, create=False), shared_pins=True)
-                writer = PersistWriter(store, DurableTier(req.persist_dir, req.job_id, req.world_size), req.rule,
-                                       rank=req.rank, interval=1, keep=req.keep, publish_timeout=0.0)
-                rank = self.ranks[req.rank] = _Rank(writer, key)
-            self.active.add(req.rank)
-            self.ever.add(req.rank)
+            rank = self._rank(req.rank, req.store_dir)
+        rank.worker.submit(("verify", req.iteration, None))
+        return self._state(rank)
+
+    def _persist(self, req: PersistRequest):
+        # start-up time of the agent: the durable tier is imported with the first request for it
+        from moe_ft.persist import DurableTier, PersistWriter
+
+        key = (req.persist_dir, req.job_id, req.world_size, req.keep)
+        with self._lock:
+            rank = self._rank(req.rank, req.store_dir)
+            if rank.writer is None or rank.key != key:
+                if rank.writer is not None:
+                    rank.worker.drain()  # the previous settings' copies first
+                rank.writer = PersistWriter(rank.store, DurableTier(req.persist_dir, req.job_id, req.world_size),
+                                            req.rule, rank=req.rank, interval=1, keep=req.keep, publish_timeout=0.0)
+                rank.key = key
         rank.writer.rule = req.rule
-        rank.worker.submit((req.iteration, req.plan))
+        rank.worker.submit(("persist", req.iteration, req.plan))
         return self._state(rank)
 
     @staticmethod
@@ -223,8 +268,8 @@ class NodeAgent:
         """A rank's finished copies (``PersistRecord``) and the agent process's CPU seconds so far (user +
         system, every thread: what the node pays for the agent, reported per iteration by the trainers)."""
         times = os.times()
-        return {"records": list(rank.writer.records) if rank is not None else [],
-                "cpu_s": times.user + times.system}
+        return {"records": list(rank.writer.records) if rank is not None and rank.writer is not None else [],
+                "verified": rank.verified if rank is not None else 0, "cpu_s": times.user + times.system}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,6 +59,12 @@ class SnapshotConfig:
     store_recycle: bool = field(default=True, metadata=field_help(
         "'files' layout: write new entries over the files of deleted points of the same size (tmpfs pages "
         "reused instead of freed and allocated again; the pool holds at most one round of deleted points)."))
+    checksum_by: str = field(default="writer", metadata=field_help(
+        "Who hashes the snapshot entries: 'writer' (the trainer's snapshot threads, as they write) or 'agent' "
+        "(the trainer writes each byte once; the node agent hashes each published point and records its "
+        "digests beside it, and readers verify against those; a point it has not hashed yet is checked for "
+        "its structure only). 'agent' needs the durable copies, if any, made by the agent too "
+        "(--ft-persist-agent) and no replication across nodes.", choices=["writer", "agent"]))
     snapshot_write_threads: int = field(default=0, metadata=field_help(
         "Threads writing one snapshot's entries into the store (0 = 1 on CPU, 4 on CUDA: one thread writes "
         "~1.3 GB/s on an H100 host, far below the device-to-host copy)."))

@@ -76,7 +76,8 @@ def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: 
     checksum = store_checksum(any(t.is_cuda for t in state), config.store_layout, config.snapshot_direct_write,
                               config.snapshot_bubble_aware) or DEFAULT_CHECKSUM
     store = StoreConfig(root=config.store_dir, job_id=job_id, rank=ctx.rank, recycle=config.store_recycle,
-                        layout=config.store_layout, initial_bytes=SNAPSHOT_POINTS * full, checksum=checksum).build(
+                        layout=config.store_layout, initial_bytes=SNAPSHOT_POINTS * full, checksum=checksum,
+                        checksum_by=config.checksum_by).build(
         retention=retention, fault_hook=ctx.store_fault_hook)
     bubbles = None
     if config.snapshot_bubble_aware:

@@ -91,6 +91,11 @@ CHECKSUMS: dict[str, Callable[[], Any]] = {
     "mfh64": entry_hash.Mfh64,
 }
 DEFAULT_CHECKSUM = "xxh3_64"
+PENDING = ""
+"""The checksum of an entry written with its digest deferred (``write_entry(defer=True)``): the trailer holds
+zeros in the digest's place and the manifest this; the node agent hashes the published entry and records its
+digest beside the point (``SnapshotStore.record_verified``). Until then the entry is *unverified*: readers
+check its structure only."""
 
 
 def new_checksum(algo: str) -> Any:
@@ -223,12 +228,13 @@ def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[str, str, t
 def write_entry(
     write: Callable[[Any], Any], key: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
     algo: str, meta: Mapping[str, Any] | None = None, *, meta_json: str | None = None,
-    expect: Callable[[int], Any] | None = None,
+    expect: Callable[[int], Any] | None = None, defer: bool = False,
 ) -> WrittenEntry:
     """Stream one entry through ``write`` (called with byte buffers, in order) and return its record.
     ``meta_json``: ``meta`` already encoded with :func:`encode_meta` (instead of ``meta``). ``expect``: called
     once with the entry's exact size in bytes before the first ``write`` (a sink can take a recycled file of
-    that size, :class:`moe_ft.store.local.LocalFSBackend`)."""
+    that size, :class:`moe_ft.store.local.LocalFSBackend`). ``defer``: do not hash (the writer passes over
+    each byte once): the digest's place in the trailer holds zeros and the checksum is :data:`PENDING`."""
     checked = [(name, _check_tensor(name, t)) for name, t in tensors.items()]
     if meta is not None:
         meta_json = encode_meta(meta)
@@ -245,7 +251,8 @@ def write_entry(
 
     def flush() -> None:
         if pending:
-            digest.update(pending)
+            if not defer:
+                digest.update(pending)
             write(pending)
             pending.clear()
 
@@ -258,7 +265,8 @@ def write_entry(
                 flush()
         else:
             flush()
-            digest.update(buf)
+            if not defer:
+                digest.update(buf)
             write(buf)
         pos += n
 
@@ -269,10 +277,11 @@ def write_entry(
         for start in range(0, len(data), CHUNK):
             emit(data[start:start + CHUNK])
     flush()
-    final = digest.digest()
+    final = bytes(digest.digest_size) if defer else digest.digest()
     write(final + _TAIL.pack(pos, END_MAGIC))
     assert pos == layout.body, (pos, layout.body)  # the layout above is what was written
-    return WrittenEntry(layout.size, final.hex(), tuple(dict(r) for r in layout.table), hashed=pos)
+    return WrittenEntry(layout.size, PENDING if defer else final.hex(), tuple(dict(r) for r in layout.table),
+                        hashed=0 if defer else pos)
 
 
 def entry_digest(layout: EntryLayout, head: bytes, tensor_sums: list[list[int]]) -> tuple[bytes, int]:
@@ -346,13 +355,16 @@ def _read_exact(stream: BinaryIO, buf: memoryview, where: str) -> None:
 class DecodedEntry:
     header: dict
     tensors: dict[str, torch.Tensor]
+    digest: str = ""
+    """The digest computed from the bytes read (hex): what the node agent records for a :data:`PENDING` entry."""
 
 
 def read_entry(
     stream: BinaryIO, *, size: int, checksum: str, algo: str, key: Mapping[str, Any], where: str,
     out: Mapping[str, torch.Tensor] | None = None,
 ) -> DecodedEntry:
-    """Read and verify an entry of ``size`` bytes whose digest must equal ``checksum`` (hex).
+    """Read and verify an entry of ``size`` bytes whose digest must equal ``checksum`` (hex; :data:`PENDING`:
+    an entry whose digest is not recorded yet, checked for its structure only, its digest computed).
 
     Without ``out`` the file is read into one fresh buffer that the returned tensors share. With ``out``
     (name → pre-allocated contiguous CPU tensor of the stored dtype and shape, e.g. pinned buffers) the
@@ -377,9 +389,10 @@ def read_entry(
         _read_exact(stream, memoryview(body), where)
         split = size - tail - _PREFIX.size
         digest.update(memoryview(body)[:split])
-        _check_trailer(digest.digest(), bytes(body[split:]), size - tail, checksum, algo, where)
+        final = digest.digest()
+        _check_trailer(final, bytes(body[split:]), size - tail, checksum, algo, where)
         header = _parse_header(bytes(body[:header_len]), key, where)
-        return DecodedEntry(header, _views(body, header["tensors"], where))
+        return DecodedEntry(header, _views(body, header["tensors"], where), final.hex())
     header_bytes = bytearray(header_len)
     _read_exact(stream, memoryview(header_bytes), where)
     digest.update(header_bytes)
@@ -407,9 +420,10 @@ def read_entry(
     rest = bytearray(size - pos)
     _read_exact(stream, memoryview(rest), where)
     digest.update(memoryview(rest)[: len(rest) - tail])
-    _check_trailer(digest.digest(), bytes(rest[len(rest) - tail:]), size - tail, checksum, algo, where)
+    final = digest.digest()
+    _check_trailer(final, bytes(rest[len(rest) - tail:]), size - tail, checksum, algo, where)
     header = _parse_header(bytes(header_bytes), key, where)
-    return DecodedEntry(header, {rec["name"]: out[rec["name"]] for rec in table})
+    return DecodedEntry(header, {rec["name"]: out[rec["name"]] for rec in table}, final.hex())
 
 
 class _Unusable(Exception):
@@ -460,7 +474,10 @@ def _check_trailer(final: bytes, trailer: bytes, body_len: int, checksum: str, a
     stored, (stored_len, end_magic) = trailer[: len(final)], _TAIL.unpack(trailer[len(final):])
     if end_magic != END_MAGIC or stored_len != body_len:
         raise CorruptEntryError(where, "bad trailer (torn or truncated write)")
-    if final != stored or final.hex() != checksum:
+    deferred = stored == bytes(len(final))  # written with the digest deferred: the recorded one counts
+    if checksum == PENDING and (deferred or final == stored):
+        return  # not hashed by anyone yet: the structure holds
+    if (final != stored and not deferred) or final.hex() != checksum:
         raise CorruptEntryError(where, f"checksum mismatch ({algo}: computed {final.hex()}, "
                                        f"file {stored.hex()}, manifest {checksum})")
 

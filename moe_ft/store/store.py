@@ -15,8 +15,11 @@ Reader side (recovery, ``moe-ft inspect``)::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
+import json
 import logging
+import os
 import threading
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -32,6 +35,7 @@ from moe_ft.store.catalog import Catalog, Problem
 from moe_ft.store.codec import (
     DEFAULT_CHECKSUM,
     DTYPES,
+    PENDING,
     WIDE_ITERATION,
     EntryLayout,
     WrittenEntry,
@@ -87,6 +91,9 @@ class StoreConfig:
     checksum: str = DEFAULT_CHECKSUM
     """Entry checksum: ``xxh3_64`` (default: fastest, 64-bit), ``crc32`` (the former default, zlib) or
     ``blake2b``. Points written with any of them stay readable (the manifest names the algorithm)."""
+    checksum_by: str = "writer"
+    """``writer``: the writing process hashes each operator entry as it writes it; ``agent``: it writes
+    each byte once and the node agent hashes the published point (:meth:`SnapshotStore.record_verified`)."""
 
     @property
     def directory(self) -> Path:
@@ -95,7 +102,10 @@ class StoreConfig:
     def build(self, retention: RetentionPolicy | None = None, fault_hook: FaultHook | None = None) -> "SnapshotStore":
         backend = open_backend(self.directory, layout=self.layout, fsync=self.fsync, fault_hook=fault_hook,
                                recycle=self.recycle, initial_bytes=self.initial_bytes)
-        return SnapshotStore(backend, checksum=self.checksum, retention=retention)
+        if self.checksum_by not in ("writer", "agent"):
+            raise ValueError(f"checksum_by must be 'writer' or 'agent', got {self.checksum_by!r}")
+        return SnapshotStore(backend, checksum=self.checksum, retention=retention,
+                             defer_checksums=self.checksum_by == "agent")
 
 
 @dataclass(frozen=True)
@@ -195,9 +205,9 @@ class PendingPoint:
 
     def _write(self, blob: str, key: dict, tensors: Mapping[str, torch.Tensor], meta_json=None, *, count=True):
         sink = self._writer.open_blob(blob)
-        try:
+        try:  # operator entries may leave their digest to the node agent; the (small) metadata is hashed here
             written = write_entry(sink.write, key, tensors, self._store.checksum, meta_json=meta_json,
-                                  expect=sink.expect)
+                                  expect=sink.expect, defer=count and self._store.defer_checksums)
         finally:
             sink.close()
         if count:
@@ -325,9 +335,16 @@ class PendingPoint:
 
 class SnapshotStore:
     def __init__(self, backend: StoreBackend, *, checksum: str = DEFAULT_CHECKSUM,
-                 retention: RetentionPolicy | None = None, shared_pins: bool = False) -> None:
+                 retention: RetentionPolicy | None = None, shared_pins: bool = False,
+                 defer_checksums: bool = False) -> None:
         new_checksum(checksum)  # validates the name
         self.backend = backend
+        self.defer_checksums = defer_checksums
+        """Operator entries are written with their digest deferred (:data:`~moe_ft.store.codec.PENDING`): the
+        node agent hashes each published point and records the digests beside it (:meth:`record_verified`)."""
+        directory = getattr(backend, "directory", None)
+        self._verified_dir = None if directory is None else Path(directory) / "verified"
+        self._unverified_warned: set[int] = set()
         self.shared_pins = shared_pins
         """:meth:`pin` also pins for the writing process (this object reads another process's store)."""
         self.on_publish: list[Callable[[int], None]] = []
@@ -361,12 +378,84 @@ class SnapshotStore:
 
     def _decode(self, iteration: int, data: bytes) -> PointRecord:
         """``decode_manifest`` of ``data``, skipped when ``data`` is exactly the manifest this store wrote
-        for ``iteration`` (then decoding would give the remembered record: same bytes, same result)."""
+        for ``iteration`` (then decoding would give the remembered record: same bytes, same result); entries
+        written with their digest deferred get the digests the node agent recorded, when it has."""
         with self._lock:
             written = self._written.get(iteration)
         if written is not None and written[0] == data:
-            return written[1]
-        return decode_manifest(data, iteration, self._where(iteration, MANIFEST))
+            record = written[1]
+        else:
+            record = decode_manifest(data, iteration, self._where(iteration, MANIFEST))
+        return self._resolved(iteration, data, record)
+
+    # -- digests recorded after publish (the node agent) -------------------------------------------------
+    def _verified_path(self, iteration: int) -> Path | None:
+        return None if self._verified_dir is None else self._verified_dir / f"{iteration}.json"
+
+    def _resolved(self, iteration: int, manifest: bytes, record: PointRecord) -> PointRecord:
+        """``record`` with the digests the node agent recorded for its :data:`PENDING` entries (those it has
+        not hashed yet stay pending: readers check their structure only). A record written for another
+        point of the same iteration (a timeline abandoned by a recovery) does not apply: it names the
+        manifest it was made for."""
+        pending = [e for e in record.all_entries() if e.checksum == PENDING]
+        path = self._verified_path(iteration)
+        if not pending or path is None:
+            return record
+        try:
+            recorded = json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            return record
+        if recorded.get("manifest") != hashlib.sha256(manifest).hexdigest():
+            return record
+        digests = recorded.get("digests", {})
+
+        def fill(entry: EntryRecord) -> EntryRecord:
+            return replace(entry, checksum=digests[entry.blob]) if entry.checksum == PENDING and entry.blob in digests \
+                else entry
+
+        meta = None if record.meta is None else fill(record.meta)
+        return replace(record, entries={op: fill(e) for op, e in record.entries.items()}, meta=meta)
+
+    def record_verified(self, iteration: int) -> dict[str, str]:
+        """The node agent's side: hash every :data:`PENDING` entry of published point ``iteration`` (read
+        once, its structure and key checked) and record the digests beside the point, atomically, for the
+        manifest they were computed under. Returns ``{blob: digest}`` (empty when nothing was pending).
+        Raises :class:`CorruptEntryError` for an entry that is already damaged (nothing is recorded then:
+        the entry stays unverified and recovery finds it wrong by its structure or uses another point)."""
+        path = self._verified_path(iteration)
+        if path is None:
+            raise ValueError(f"{self.backend.describe()}: digests are recorded beside points of a store on disk")
+        with self.pin([iteration]):
+            manifest = self.backend.read_blob(iteration, MANIFEST)
+            record = decode_manifest(manifest, iteration, self._where(iteration, MANIFEST))
+            digests = {}
+            for entry in record.all_entries():
+                if entry.checksum != PENDING:
+                    continue
+                with self.backend.open_blob(iteration, entry.blob) as stream:
+                    decoded = read_entry(stream, size=entry.nbytes, checksum=PENDING, algo=record.checksum_algo,
+                                         key=entry.key, where=self._where(iteration, entry.blob))
+                digests[entry.blob] = decoded.digest
+        if digests:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+            tmp.write_text(json.dumps({"manifest": hashlib.sha256(manifest).hexdigest(), "digests": digests}))
+            os.replace(tmp, path)
+        return digests
+
+    def _drop_verified(self, iterations: Iterable[int] | None = None) -> None:
+        """Delete the recorded digests of ``iterations`` (``None``: of every point no longer listed)."""
+        if self._verified_dir is None or not self._verified_dir.is_dir():
+            return
+        if iterations is None:
+            listed = set(self.points())
+            names = [n for n in os.listdir(self._verified_dir) if n.endswith(".json") and n[:-5].isdigit()
+                     and int(n[:-5]) not in listed]
+        else:
+            names = [f"{it}.json" for it in iterations]
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._verified_dir / name)
 
     def _after_publish(self, iteration: int) -> None:
         if self.retention is not None:
@@ -458,6 +547,11 @@ class SnapshotStore:
         if size != entry.nbytes:
             raise CorruptEntryError(where, "file missing" if size is None
                                     else f"file is {size} bytes, manifest says {entry.nbytes} (torn write?)")
+        if entry.checksum == PENDING and entry.iteration not in self._unverified_warned:
+            self._unverified_warned.add(entry.iteration)
+            logger.warning("moe-ft store %s: iteration %d is not verified yet (its digests are the node agent's "
+                           "to record, and it has not): its entries' structure is checked, not their bytes",
+                           self.backend.describe(), entry.iteration)
         try:
             with self.backend.open_blob(entry.iteration, entry.blob) as stream:
                 return read_entry(stream, size=entry.nbytes, checksum=entry.checksum, algo=algo,
@@ -576,6 +670,7 @@ class SnapshotStore:
                 raise StoreError(f"point {iteration} is pinned (being read); unpin before deleting it")
         self.backend.delete_point(iteration)
         self._forget(iteration)
+        self._drop_verified([iteration])
 
     def _forget(self, iteration: int) -> None:
         with self._lock:
@@ -621,5 +716,7 @@ class SnapshotStore:
         for it in doomed:
             self.backend.delete_point(it)
             self._forget(it)
+        if self.defer_checksums or doomed:
+            self._drop_verified(None if self.defer_checksums else doomed)
         self.backend.sweep_staging()
         return doomed
