@@ -191,6 +191,7 @@ def test_moe_ft_launch_starts_the_node_agent_the_training_flags_ask_for(tmp_path
     assert node_agent_of([f for f in flags if f != "--ft-persist-agent"]) is None
     assert node_agent_of(["--ft-persist-agent", "--ft-persist-interval", "4"]) is None  # no --ft
     assert node_agent_of(["--ft", "--ft-persist-agent"]) is None  # no durable tier
+    assert node_agent_of(["--ft", "--ft-checksum-by", "agent"])[0] == "/dev/shm/moe_ft/default/agent"  # hashing
     assert node_agent_of(["--ft", "--ft-persist-interval", "2", "--ft-persist-agent"])[0] == \
         "/dev/shm/moe_ft/default/agent"  # the training flags' defaults
     pid = start_node_agent(flags)

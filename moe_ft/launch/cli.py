@@ -17,8 +17,8 @@ derives it; only the agent differs (:class:`moe_ft.launch.agent.SpareAgent`). Ad
 ``--preload``             start workers as forks of one server process that imported the training stack
                           (saves each worker its imports; CPU jobs, tests)
 
-When the training flags have the node agent write the durable tier (``--ft-persist-agent``), the launcher
-starts it before the workers, one per node (``moe_ft/agent/``).
+When the training flags have the node agent write the durable tier (``--ft-persist-agent``) or hash the
+snapshots (``--ft-checksum-by agent``), the launcher starts it before the workers, one per node (``moe_ft/agent/``).
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def parse_args(argv: list[str] | None = None):
 
 def node_agent_of(script_args: list[str]) -> tuple[str, float] | None:
     """``(agent directory, idle exit seconds)`` when the training flags have the node agent write the durable
-    tier (``--ft --ft-persist-interval N --ft-persist-agent``), else ``None``; the directory is the one the
-    trainers use (``<--ft-store-dir>/<--ft-job-id>/agent``), the defaults those of the training flags."""
+    tier (``--ft --ft-persist-interval N --ft-persist-agent``) or hash the snapshots (``--ft --ft-checksum-by
+    agent``), else ``None``; the directory is the one the trainers use (``<--ft-store-dir>/<--ft-job-id>/agent``),
+    the defaults those of the training flags."""
     snap, durable = SnapshotConfig(), DurableConfig()
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("--ft", action="store_true")
@@ -94,8 +95,10 @@ def node_agent_of(script_args: list[str]) -> tuple[str, float] | None:
     p.add_argument("--ft-persist-interval", type=int, default=durable.interval)
     p.add_argument("--ft-persist-agent", action="store_true")
     p.add_argument("--ft-persist-agent-idle-exit", type=float, default=durable.agent_idle_exit)
+    p.add_argument("--ft-checksum-by", default=snap.checksum_by)
     flags, _ = p.parse_known_args(script_args)
-    if not (flags.ft and flags.ft_persist_agent and flags.ft_persist_interval > 0):
+    persists = flags.ft_persist_agent and flags.ft_persist_interval > 0
+    if not (flags.ft and (persists or flags.ft_checksum_by == "agent")):
         return None
     return os.path.join(flags.ft_store_dir, flags.ft_job_id, "agent"), flags.ft_persist_agent_idle_exit
 

@@ -426,6 +426,29 @@ def read_entry(
     return DecodedEntry(header, {rec["name"]: out[rec["name"]] for rec in table}, final.hex())
 
 
+def digest_view(view: memoryview, *, checksum: str, algo: str, key: Mapping[str, Any], where: str) -> str:
+    """The digest (hex) of the entry whose bytes are ``view`` (all of them: e.g. a mapped store region),
+    after the checks :func:`read_entry` makes (magic, header length, trailer, key; ``checksum`` compared unless
+    :data:`PENDING`), without copying a byte: what the node agent runs over a published entry."""
+    size = len(view)
+    digest = new_checksum(algo)
+    tail = digest.digest_size + _TAIL.size
+    if size < _PREFIX.size + tail:
+        raise CorruptEntryError(where, f"entry is {size} bytes, too small to be an entry")
+    magic, version, header_len = _PREFIX.unpack(view[:_PREFIX.size])
+    if magic != MAGIC or version != VERSION:
+        raise CorruptEntryError(where, f"bad magic/version {magic!r}/{version}")
+    if _PREFIX.size + header_len + tail > size:
+        raise CorruptEntryError(where, f"header length {header_len} exceeds file size {size}")
+    body = size - tail
+    for start in range(0, body, CHUNK):
+        digest.update(view[start:min(start + CHUNK, body)])
+    final = digest.digest()
+    _check_trailer(final, bytes(view[body:]), body, checksum, algo, where)
+    _parse_header(bytes(view[_PREFIX.size:_PREFIX.size + header_len]), key, where)
+    return final.hex()
+
+
 class _Unusable(Exception):
     """The (unverified) header cannot be read into the caller's buffers; ``caller``: it is readable and
     names tensors the buffers do not match (the caller's mistake, if the checksum then holds)."""

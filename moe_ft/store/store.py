@@ -19,6 +19,7 @@ import hashlib
 import io
 import json
 import logging
+import mmap
 import os
 import threading
 from collections import Counter
@@ -39,6 +40,7 @@ from moe_ft.store.codec import (
     WIDE_ITERATION,
     EntryLayout,
     WrittenEntry,
+    digest_view,
     encode_meta,
     entry_digest,
     entry_head,
@@ -127,6 +129,29 @@ def _check_bytes(data: bytes, entry: EntryRecord, algo: str, where: str, what: s
     if len(data) != entry.nbytes:
         raise CorruptEntryError(where, f"{len(data)} bytes {what}, manifest says {entry.nbytes}")
     read_entry(io.BytesIO(data), size=entry.nbytes, checksum=entry.checksum, algo=algo, key=entry.key, where=where)
+
+
+@contextlib.contextmanager
+def _mapped(backend: StoreBackend, iteration: int, blob: str) -> Iterator[memoryview | None]:
+    """A read-only view of a published blob's bytes where the backend keeps them (a file region, mapped),
+    or ``None`` (a backend without files)."""
+    try:
+        path, start, length = backend.blob_location(iteration, blob)
+    except NotImplementedError:
+        yield None
+        return
+    aligned = start - start % mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb") as f:
+        if length == 0:
+            yield memoryview(b"")
+            return
+        region = mmap.mmap(f.fileno(), length + start - aligned, offset=aligned, access=mmap.ACCESS_READ)
+        view = memoryview(region)[start - aligned:]
+        try:
+            yield view
+        finally:
+            view.release()
+            region.close()
 
 
 def _discard(buf) -> None:
@@ -432,9 +457,15 @@ class SnapshotStore:
             for entry in record.all_entries():
                 if entry.checksum != PENDING:
                     continue
+                where = self._where(iteration, entry.blob)
+                with _mapped(self.backend, iteration, entry.blob) as view:
+                    if view is not None and len(view) == entry.nbytes:  # hashed in place: no copy
+                        digests[entry.blob] = digest_view(view, checksum=PENDING, algo=record.checksum_algo,
+                                                          key=entry.key, where=where)
+                        continue
                 with self.backend.open_blob(iteration, entry.blob) as stream:
                     decoded = read_entry(stream, size=entry.nbytes, checksum=PENDING, algo=record.checksum_algo,
-                                         key=entry.key, where=self._where(iteration, entry.blob))
+                                         key=entry.key, where=where)
                 digests[entry.blob] = decoded.digest
         if digests:
             path.parent.mkdir(parents=True, exist_ok=True)

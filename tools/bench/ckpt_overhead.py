@@ -158,6 +158,8 @@ def worker(argv: list[str]) -> int:
                 self.agent_hash = AgentChecksums(s.store, rank=self.rank,
                                                  agent_dir=os.path.join(s.store_root, s.job_id, "agent"))
                 self.components.append(self.agent_hash)
+                self.agent_cpu: list[tuple[int, float]] = []  # (iteration, the agent's CPU s) at each publish
+                self.agent_hash.agent_cpu.take = lambda it, cpu: self.agent_cpu.append((it, cpu))
             if pp > 1:
                 from moe_ft.snapshot.bubble_component import BubbleScheduling
 
@@ -250,10 +252,11 @@ def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1
                          "payload": sum(r.bytes + r.remote_bytes for r in recs),
                          "bytes_per_recovery_point": rp,
                          "pool": _pool_stats(s)}
-        if label == AGENT_HASH:  # the node agent's CPU over the run (it hashes only this session's points)
+        if label == AGENT_HASH:  # the node agent's CPU over the measured cycles (it hashes this session's points)
             state = runtime.agent_hash.client.call("flush", runtime.rank)
-            local[label]["agent_cpu_ms_per_iter"] = 1e3 * state["cpu_s"] / max(
-                sum(1 for n in runtime.owner.values() if n == label), 1)
+            start = next((cpu for it, cpu in runtime.agent_cpu if it >= first_measured), state["cpu_s"])
+            measured = [t for t in its if t >= first_measured]
+            local[label]["agent_cpu_ms_per_iter"] = 1e3 * (state["cpu_s"] - start) / max(len(measured) - 1, 1)
             local[label]["agent_verified"] = state["verified"]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
