@@ -31,6 +31,8 @@ class AgentChecksums(Component):
         self.verified = 0
         """Points of this rank the agent recorded digests for (as of its last answer)."""
         self.agent_cpu = AgentCpu()
+        self.final: dict | None = None
+        """The agent's last answer to this rank, once :meth:`close` waited for its hashing."""
         self.store = store
         store.on_publish.append(self._published)
 
@@ -56,7 +58,8 @@ class AgentChecksums(Component):
     def close(self) -> None:
         """End of training: wait for the agent's hashing of this rank's points, then bye."""
         try:
-            self.verified = self.client.call("flush", self.rank)["verified"]
+            self.final = self.client.call("flush", self.rank)
+            self.verified = self.final["verified"]
         finally:
             if self._published in self.store.on_publish:
                 self.store.on_publish.remove(self._published)

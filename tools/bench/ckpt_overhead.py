@@ -253,7 +253,7 @@ def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1
                          "bytes_per_recovery_point": rp,
                          "pool": _pool_stats(s)}
         if label == AGENT_HASH:  # the node agent's CPU over the measured cycles (it hashes this session's points)
-            state = runtime.agent_hash.client.call("flush", runtime.rank)
+            state = runtime.agent_hash.final  # closed with the runtime (it said bye: the agent may be gone)
             start = next((cpu for it, cpu in runtime.agent_cpu if it >= first_measured), state["cpu_s"])
             measured = [t for t in its if t >= first_measured]
             local[label]["agent_cpu_ms_per_iter"] = 1e3 * (state["cpu_s"] - start) / max(len(measured) - 1, 1)
