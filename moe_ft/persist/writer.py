@@ -14,6 +14,7 @@ from moe_ft.background import BackgroundWorker
 from moe_ft.persist.durable import DurableTier
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import SnapshotStore
+from moe_ft.store.codec import PENDING
 from moe_ft.store.manifest import build_manifest
 from moe_ft.store.rules import EntryRef, RecoveryPoint, RecoveryRule
 
@@ -112,8 +113,12 @@ class PersistWriter:
     def _copy(self, point: RecoveryPoint, iteration: int) -> int:
         """Copy the entries of ``point`` at ``iteration`` (verified) into the durable store."""
         wanted = {(ref.op, ref.level) for ref in point.entries if ref.iteration == iteration}
-        catalog = self.store.catalog([iteration])
-        source = catalog.point(iteration)
+        source = self.store.catalog([iteration]).point(iteration)
+        if self.store.records_digests and any(e.checksum == PENDING for e in source.all_entries()):
+            # digests deferred to the node agent (this process, on a copy requested before the point's
+            # hashing ran): hash it now, so that the durable manifest carries digests, never pending ones
+            self.store.record_verified(iteration)
+            source = self.store.catalog([iteration]).point(iteration)
         entries = [e for e in source.entries.values() if (e.op, e.level) in wanted]
         meta = source.meta if (None, None) in wanted else None
         if iteration in self.durable.points():

@@ -417,6 +417,11 @@ class SnapshotStore:
         return self._resolved(iteration, data, record)
 
     # -- digests recorded after publish (the node agent) -------------------------------------------------
+    @property
+    def records_digests(self) -> bool:
+        """Digests can be recorded beside this store's points (:meth:`record_verified`: a store on disk)."""
+        return self._verified_dir is not None
+
     def _verified_path(self, iteration: int) -> Path | None:
         return None if self._verified_dir is None else self._verified_dir / f"{iteration}.json"
 
