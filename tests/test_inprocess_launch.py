@@ -309,6 +309,13 @@ def test_a_newer_attempt_ends_a_wait_in_the_store_at_once(store, monkeypatch):
     with pytest.raises(dist.DistError) as raised:
         forming.get("rank 1 never writes this")
     assert time.monotonic() - t0 < 5 and member.superseded
+    # a connection made after the notice, before this process rejoined (a store client's constructor retries
+    # its connect when its handshake was severed), is shut down too: its wait ends within a poll
+    late = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30))
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistError):
+        late.get("a peer of the old attempt never writes this")
+    assert time.monotonic() - t0 < 5
     assert member.rejoin(f"{raised.type.__name__}: {raised.value}", worker.peer_failure(raised.value))
     assert member.attempt == 2 and not member.superseded
     # this process's rank was given to another process (its node was declared lost): it must not rejoin

@@ -188,9 +188,12 @@ class Membership:
                     self.regroup_seen = attempt
                 with self.lock:
                     # a node joins: every worker leaves at the end of an iteration they agree on instead
-                    if newest > self.attempt and not self.superseded and not regroup:
+                    if newest > self.attempt and not regroup:
+                        # and again at every poll until this process moved on: a connection made since (a
+                        # store client's constructor retries its connect when its handshake was severed)
+                        # would otherwise wait out the re-form timeout for peers of the old attempt
+                        sever_peer_connections(devices=not self.superseded)
                         self.superseded = True
-                        sever_peer_connections()
 
         thread = threading.Thread(target=run, name="moe-ft-attempt-watch", daemon=True)
         thread.start()
@@ -226,7 +229,7 @@ def _client(timeout_s: float):
                          timeout=timedelta(seconds=timeout_s))
 
 
-def sever_peer_connections() -> int:
+def sever_peer_connections(devices: bool = True) -> int:
     """Shut down every TCP connection of this process except the kept ones (:data:`_KEPT`); returns how
     many. Called when a peer failed, before this process leaves the attempt's process groups, and when a
     newer attempt is announced (:meth:`Membership.watch`).
@@ -238,7 +241,8 @@ def sever_peer_connections() -> int:
     (not closing the descriptors: their owners still hold them) makes every pending and future operation
     of the failed attempt fail at once, here and on the peers at the other end, which then leave too.
     The attempt's connections to the store go too (a wait there for a rank that died ends). The next
-    attempt's groups connect afresh."""
+    attempt's groups connect afresh. ``devices``: abort the NCCL communicators too (the notice's first
+    sever; its later ones, at every poll until the process rejoins, only shut down connections made since)."""
     count = 0
     for conn in _tcp_connections():
         if (conn.laddr, conn.raddr) in _KEPT:
@@ -253,7 +257,8 @@ def sever_peer_connections() -> int:
                 count += 1
         finally:
             sock.detach()  # the descriptor stays open, owned by gloo
-    abort_device_communicators()
+    if devices:
+        abort_device_communicators()
     return count
 
 
