@@ -54,7 +54,7 @@ def test_a_deferred_point_is_verified_once_the_agent_recorded_its_digests(tmp_pa
     assert set(digests) == {e.blob for e in point.entries.values()}
     resolved = store.catalog().point(0)
     assert all(e.checksum == digests[e.blob] for e in resolved.entries.values())
-    assert reader.record_verified(0) == digests  # the manifest is unchanged: hashing again finds the same
+    assert reader.record_verified(0) == digests  # recorded for this manifest already: not hashed again
 
     # from now on any flipped bit of a payload is found, as for a point hashed by its writer
     _flip(store, 0, blob, point.entries[OPS[0]].nbytes // 2)

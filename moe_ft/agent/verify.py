@@ -34,7 +34,7 @@ class AgentChecksums(Component):
         self.final: dict | None = None
         """The agent's last answer to this rank, once :meth:`close` waited for its hashing."""
         self.store = store
-        store.on_publish.append(self._published)
+        store.on_publish.insert(0, self._published)  # first: the agent hashes a point before it copies it
 
     def _published(self, iteration: int) -> None:
         """The store published ``iteration`` (the engine's thread): queue its hashing in the agent."""
@@ -47,7 +47,7 @@ class AgentChecksums(Component):
         if self._published in self.store.on_publish:
             self.store.on_publish.remove(self._published)
         self.store = session.store
-        self.store.on_publish.append(self._published)
+        self.store.on_publish.insert(0, self._published)
 
     def metrics(self, record) -> dict:
         out: dict[str, float] = {"agent_verified": self.verified}

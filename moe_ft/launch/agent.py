@@ -296,9 +296,9 @@ class SpareAgent(LocalElasticAgent):
                 raise RuntimeError("moe-ft launch needs the same --nproc-per-node on every node")
             self._attempt = (self._round_attempt(worker_group, renumber) if self._nodes > 1 or keep
                              else self._job_attempt(worker_group))
-            nodes = protocol.announcement(self._store_client(worker_group), self._keys, self._attempt).get("nodes")
-            if nodes and self._nodes > 1:  # a replacement node took a lost node's place in the layout
-                self._groups = {int(n): int(g) for n, g in nodes.items()}
+            if self._nodes > 1:  # a replacement node may have taken a lost node's place in the layout
+                nodes = protocol.announcement(self._store_client(worker_group), self._keys, self._attempt).get("nodes")
+                self._groups = {int(n): int(g) for n, g in nodes.items()} if nodes else self._groups
             place = {g: n for n, g in self._groups.items()}
             self._home = {rank: place[rank // per_node] for rank in range(self._world)}
             self._holders = dict(self._home)
@@ -641,7 +641,12 @@ class SpareAgent(LocalElasticAgent):
         if self._min_nodes is None or self._stood_by():  # a stood-by rank has no process to renumber
             return False
         live = [n for n in range(self._nodes) if n not in self._lost]
-        return (len(live) >= max(self._min_nodes, 1) and all(self._home.get(r) in self._lost for r in dead)
+        return len(live) >= max(self._min_nodes, 1) and self._only_lost_nodes(dead)
+
+    def _only_lost_nodes(self, dead: list[int]) -> bool:
+        """Every dead rank is a lost node's, and every live rank runs on its layout node (no earlier cross-node
+        take-over): the lost nodes' places can be dropped (shrink) or refilled (replacement node) whole."""
+        return (all(self._home.get(r) in self._lost for r in dead)
                 and all(self._holders[r] == n for r, n in self._home.items() if n not in self._lost))
 
     def _can_await(self, dead: list[int]) -> bool:
@@ -649,9 +654,7 @@ class SpareAgent(LocalElasticAgent):
         processes for replacement nodes when every dead rank is a lost node's and every live rank runs on its
         layout node (the replacement then takes exactly the lost nodes' places)."""
         return (self._min_nodes is None and self._nodes > 1 and bool(self._lost) and not self._stood_by()
-                and all(self._home.get(r) in self._lost for r in dead)
-                and {r for r, n in self._home.items() if n in self._lost} <= set(dead)
-                and all(self._holders[r] == n for r, n in self._home.items() if n not in self._lost))
+                and self._only_lost_nodes(dead) and {r for r, n in self._home.items() if n in self._lost} <= set(dead))
 
     def _await_node(self, worker_group: WorkerGroup, attempt: int, dead: list[int], detected: float) -> None:
         """Announce that the lost nodes' ranks wait for replacement nodes (kind ``"await"``): the survivors

@@ -167,8 +167,6 @@ class FTRuntime(StepHooks):
         session = self.config.snapshot.build(ctx)
         self.sessions = [session] if session is not None else []
         self.active = session
-        if session is not None and self.config.snapshot.checksum_by == "agent":  # before the durable copies:
-            self.components.append(self._agent_checksums(session))  # the agent hashes a point, then copies it
         if session is not None and self.config.snapshot.snapshot_bubble_aware:
             self.components.append(BubbleScheduling.build(
                 session, pipeline_size=self.args.parallel.pipeline_model_parallel_size,
@@ -176,20 +174,20 @@ class FTRuntime(StepHooks):
         for built in (self.config.replication.build(ctx, session), self.config.persist.build(ctx, session)):
             if built is not None:
                 self.components.append(built)
+        if session is not None and self.config.snapshot.checksum_by == "agent":
+            self.components.append(self._agent_checksums(session))
         if session is not None:
             self._check_capacity()
 
     def _agent_checksums(self, session):
         """``--ft-checksum-by agent``: the node agent hashes the published points (``moe_ft/agent/verify.py``).
         Replicas are verified on arrival against the owner's digests, which this mode records only after
-        publish: refused (every rank alike, before the replication group forms) while replication is on."""
+        publish: refused (every rank alike: replication is on or off for the whole job) while replicating."""
         # start-up time: the agent's client is imported only when the mode is on
         from moe_ft.agent.verify import AgentChecksums
 
-        cfg = self.config
-        nodes = len({n for n in comm.all_gather_object(os.environ.get("GROUP_RANK", "0"))})
-        simulated = cfg.replication.ranks_per_node and self.world_size > cfg.replication.ranks_per_node
-        if cfg.replication.replicas and (nodes > 1 or simulated):
+        replicas = self.find(Replicas)
+        if replicas is not None and replicas.replication is not None:
             if self.rank == 0:
                 print("error: --ft-checksum-by agent with replicas on other nodes: a replica is verified on arrival "
                       "against the owner's digests, which the node agent records only after publish; pass "
@@ -197,7 +195,7 @@ class FTRuntime(StepHooks):
             raise SystemExit(USAGE_EXIT_CODE)
         return AgentChecksums(session.store, rank=self.rank,
                               agent_dir=os.path.join(session.store_root, session.job_id, "agent"),
-                              idle_exit_s=cfg.persist.agent_idle_exit)
+                              idle_exit_s=self.config.persist.agent_idle_exit)
 
     def _check_capacity(self) -> None:
         """Collective: stop every rank with one line (exit 2) when the node-local stores cannot fit what the

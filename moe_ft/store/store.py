@@ -430,17 +430,11 @@ class SnapshotStore:
         not hashed yet stay pending: readers check their structure only). A record written for another
         point of the same iteration (a timeline abandoned by a recovery) does not apply: it names the
         manifest it was made for."""
-        pending = [e for e in record.all_entries() if e.checksum == PENDING]
-        path = self._verified_path(iteration)
-        if not pending or path is None:
+        if not any(e.checksum == PENDING for e in record.all_entries()):
             return record
-        try:
-            recorded = json.loads(path.read_text())
-        except (FileNotFoundError, ValueError):
+        digests = self._recorded(iteration, manifest)
+        if not digests:
             return record
-        if recorded.get("manifest") != hashlib.sha256(manifest).hexdigest():
-            return record
-        digests = recorded.get("digests", {})
 
         def fill(entry: EntryRecord) -> EntryRecord:
             return replace(entry, checksum=digests[entry.blob]) if entry.checksum == PENDING and entry.blob in digests \
@@ -448,6 +442,15 @@ class SnapshotStore:
 
         meta = None if record.meta is None else fill(record.meta)
         return replace(record, entries={op: fill(e) for op, e in record.entries.items()}, meta=meta)
+
+    def _recorded(self, iteration: int, manifest: bytes) -> dict[str, str]:
+        """The digests recorded beside point ``iteration`` for exactly this ``manifest`` (``{}``: none)."""
+        path = self._verified_path(iteration)
+        try:
+            recorded = json.loads(path.read_text()) if path is not None else {}
+        except (FileNotFoundError, ValueError):
+            return {}
+        return recorded.get("digests", {}) if recorded.get("manifest") == hashlib.sha256(manifest).hexdigest() else {}
 
     def record_verified(self, iteration: int) -> dict[str, str]:
         """The node agent's side: hash every :data:`PENDING` entry of published point ``iteration`` (read
@@ -461,6 +464,10 @@ class SnapshotStore:
         with self.pin([iteration]):
             manifest = self.backend.read_blob(iteration, MANIFEST)
             record = decode_manifest(manifest, iteration, self._where(iteration, MANIFEST))
+            pending = [e.blob for e in record.all_entries() if e.checksum == PENDING]
+            recorded = self._recorded(iteration, manifest)
+            if pending and set(pending) <= set(recorded):  # hashed already (a durable copy asked first)
+                return {blob: recorded[blob] for blob in pending}
             digests = {}
             for entry in record.all_entries():
                 if entry.checksum != PENDING:
