@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--snapshot-bandwidth", type=float, default=25e9, help="--ft-snapshot-bandwidth (bytes/s)")
     p.add_argument("--data-path", default=None)
     p.add_argument("--store-root", default="/dev/shm")
-    p.add_argument("--log-dir", default=None, help="keep each launch's log here")
+    p.add_argument("--log-dir", default=None, help="keep each launch's log and summary here")
     p.add_argument("--staged", action="store_true",
                    help="also each sparse window on the staged path (--no-ft-snapshot-direct-write: pinned slot "
                         "buffers, host checksum and store write), alternating with the default path")
@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                     return rc
                 with open(out) as f:
                     runs[name].append(_summary(json.load(f), a.warmup))
+                if a.log_dir:  # each launch's summary as it ends: a run cut short keeps what it measured
+                    with open(os.path.join(a.log_dir, f"gpu_overhead_{tag}.json"), "w") as f:
+                        json.dump({"variant": name, **runs[name][-1]}, f)
     med = {k: statistics.median(r["median_iter_s"] for r in v) for k, v in runs.items()}
     print(json.dumps({"model": " ".join(model), "iters": a.iters, "warmup": a.warmup, "runs": runs,
                       "snapshot_bandwidth": a.snapshot_bandwidth,
