@@ -85,6 +85,28 @@ def test_elastic_restart_rederives_expert_parallel_before_validation(data_prefix
                    extra_groups=pretrain_gpt_moe.extra_argument_groups())
 
 
+def test_elastic_takes_pipeline_parallelism_and_the_pipeline_first_rank_order(data_prefix):
+    """``--ft-elastic`` with PP=2 parses (one model chunk per rank; virtual stages and the distributed
+    optimizer are refused with the flag to drop), and ``--use-tp-pp-dp-mapping`` is refused where
+    Megatron-Core would refuse its order (experts with another data-parallel size than the dense layers)."""
+    import pretrain_gpt_moe
+
+    groups = pretrain_gpt_moe.extra_argument_groups()
+    flags = ["--num-layers", "2", "--num-experts", "4", "--moe-token-dispatcher-type", "flexible",
+             "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--micro-batch-size", "2",
+             "--ft", "--ft-elastic", "--ft-expert-slots", "4", "--data-path", data_prefix]
+    args = parse_args([*flags, "--use-tp-pp-dp-mapping"], world_size=4, extra_groups=groups)
+    assert args.parallel.use_tp_pp_dp_mapping and args.parallel.pipeline_model_parallel_size == 2
+    with pytest.raises(ArgumentError, match="one model chunk per pipeline rank"):
+        parse_args([*flags, "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"], world_size=4,
+                   extra_groups=groups)
+    with pytest.raises(ArgumentError, match="drop --use-distributed-optimizer"):
+        parse_args([*flags, "--use-distributed-optimizer"], world_size=4, extra_groups=groups)
+    with pytest.raises(ArgumentError, match="use-tp-pp-dp-mapping with pipeline parallelism"):
+        parse_args([*flags, "--use-tp-pp-dp-mapping", "--expert-model-parallel-size", "2"], world_size=4,
+                   extra_groups=groups)
+
+
 def test_extra_groups_implement_the_loops_hooks_and_others_are_refused():
     """The loop calls five declared hooks on every extra argument group (megatron/training/extensions.py),
     never probing with ``hasattr``: each group of the entry script implements them, anything else is refused

@@ -124,3 +124,39 @@ def test_a_world_the_global_batch_does_not_split_over_leaves_a_spare(corpus, tmp
         assert (taken["restart_kind"], taken["survivor_pids_kept"]) == ("inprocess", True), taken
         assert taken["recovery_point"]["source"] == "memory" and list(taken["recovery_point"]["fetched"]) == ["1"]
     check_within_tolerance(out, iterations=16, name="standby drill")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_a_pipeline_parallel_job_loses_a_data_parallel_replica_then_grows_back(corpus, tmp_path):
+    """PP=2 on 2 simulated nodes x 2 ranks, ranks numbered pipeline before data parallel
+    (``--use-tp-pp-dp-mapping``: each node holds a whole pipeline, stage 0 and stage 1). Node 1 is lost at
+    iteration 5: the job keeps the stage layout and goes on with one data-parallel replica (PP=2 x DP=1, 4
+    micro-batches per rank instead of 2), node 0's two stages restoring from their own survivor points; node 1
+    joins after iteration 10 and its stages fetch their operators from node 0's. Within the elastic
+    tolerances of the fault-free run."""
+    from moe_ft.cli.drill import drill
+    from moe_ft.drills.launchers import default_launcher
+
+    args = SimpleNamespace(
+        layout="pp2-flexible", policy="sparse", iters=16, window=3, recovery_scope="localized", fail=[],
+        nodes=2, fail_node=["1:5"], join_node=["1:10"], elastic=True, replicas=0, persist_interval=-1,
+        persist_dir="", max_restarts=3, data=corpus, workdir=str(tmp_path / "work"), store_dir=str(tmp_path / "store"),
+        keep_store=False, timeout=500, json=True,
+        extra=["--ft-expert-replicas", "2", "2", "2", "2", "--ft-expert-slots", "8"])
+    out = drill(args)
+    assert out["faultfree_rc"] == 0 and out["faulty_rc"] == 0, out.get("faulty_logs")
+    shrink, grow = out["elastic"]["reports"]
+    assert (shrink["kind"], shrink["previous_world_size"], shrink["world_size"]) == ("reshape", 4, 2), shrink
+    assert (grow["kind"], grow["previous_world_size"], grow["world_size"]) == ("reshape", 2, 4), grow
+    for report in (shrink, grow):
+        assert report["lost_iterations"] == [] and report["point"] == report["last_completed"], report
+        assert sorted(report["plans"]) == ["0", "1"], "both stages' layers re-planned"
+    assert shrink["operators_peer"] == 0, "node 0 holds both stages: nothing crosses the network"
+    assert grow["operators_peer"] == 14 and grow["per_rank"][2]["operators_peer"] == 7, grow["transfers"]
+    stage_of = {name: dst for _, dst, name in grow["transfers"] if name != "__meta__"}
+    assert stage_of["embedding"] == 2 and stage_of["output"] == 3, "each joining rank gets its own stage's state"
+    if default_launcher().startswith("inprocess"):
+        for report in (shrink, grow):
+            assert (report["restart_kind"], report["survivor_pids_kept"]) == ("inprocess", True), report
+    check_within_tolerance(out, iterations=16, name="pipeline elastic drill")

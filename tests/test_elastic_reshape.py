@@ -153,3 +153,27 @@ def test_the_usable_world_keeps_the_global_batch():
         usable_world_size(3, pp=1, global_batch=8, micro_batch=1, tp=1, ep=4, num_experts=4, slots=1)
     with pytest.raises(ValueError, match="multiple of --micro-batch-size"):
         usable_world_size(4, pp=1, global_batch=9, micro_batch=2, **sizes)
+
+
+def test_pipeline_stages_record_their_own_layers_and_the_decision_merges_them():
+    """With PP > 1 each rank's layout record holds its stage's layers: the previous plan of every layer is
+    the newest record of the newest generation that has it, and a layer belongs to the stage whose first
+    MoE layer is the largest not above it (the experts a stage's EP rank holds are looked up there)."""
+    from moe_ft.elastic.inventory import LayoutRecord, newest_record
+    from moe_ft.elastic.restart import stage_of_layers
+
+    def rec(gen, it, layers):
+        return LayoutRecord(generation=gen, world_size=4, ep_size=1, iteration=it,
+                            plans={layer: [[layer + 1]] for layer in layers},
+                            loads={layer: [float(it)] for layer in layers})
+
+    stage0_old, stage0, stage1 = rec(1, 9, [0, 1]), rec(1, 7, [0, 1]), rec(1, 8, [2, 3])
+    merged = newest_record([rec(0, 20, [0, 1, 2, 3, 4]), stage0, stage0_old, stage1])
+    assert (merged.generation, merged.iteration) == (1, 9)
+    assert sorted(merged.plans) == [0, 1, 2, 3], "an older generation's layer must not leak in"
+    assert merged.loads[0] == [9.0] and merged.loads[2] == [8.0], "each layer from its newest record"
+    assert newest_record([]) is None
+    assert stage_of_layers({0: 0, 1: 2}, [0, 1, 2, 3]) == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert stage_of_layers({1: 3, 0: 1}, [1, 2, 3, 5]) == {1: 0, 2: 0, 3: 1, 5: 1}  # stage 0 starts dense
+    with pytest.raises(ValueError, match="before every stage"):
+        stage_of_layers({0: 1, 1: 3}, [0])

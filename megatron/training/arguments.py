@@ -87,6 +87,12 @@ class ParallelArgs:
     use_distributed_optimizer: bool = field(
         default=False, metadata=field_help("Shard optimizer state over data-parallel ranks.")
     )
+    use_tp_pp_dp_mapping: bool = field(default=False, metadata=field_help(
+        "Number the ranks tensor-, then pipeline-, then data-parallel (Megatron-Core's 'tp-cp-ep-pp-dp' order) "
+        "instead of pipeline-parallel last: consecutive ranks, hence one node, hold a whole pipeline, so a lost "
+        "node costs data-parallel replicas, not a stage. Megatron-Core then needs the same data-parallel size "
+        "for the dense layers and the experts (expert-parallel x expert tensor-parallel size = tensor-parallel "
+        "size)."))
     num_layers_per_virtual_pipeline_stage: int | None = field(default=None, metadata=field_help(
         "Layers per virtual pipeline stage: each rank holds num-layers / (PP x this) model chunks and trains "
         "with Megatron's interleaved 1F1B schedule (default: one chunk per rank, plain 1F1B)."))
@@ -388,6 +394,13 @@ def validate_args(args: Args) -> None:
             f"world size {args.world_size} / PP {p.pipeline_model_parallel_size} = {per_stage} ranks per stage must "
             f"be divisible by --expert-model-parallel-size {p.expert_model_parallel_size}"
             + (f" x expert tensor-parallel size {etp}" if etp > 1 else ""))
+    if p.use_tp_pp_dp_mapping and p.pipeline_model_parallel_size > 1 and \
+            p.expert_model_parallel_size * etp != p.tensor_model_parallel_size:
+        raise ArgumentError(f"--use-tp-pp-dp-mapping with pipeline parallelism needs expert-parallel x expert "
+                            f"tensor-parallel size = tensor-parallel size (Megatron-Core: the dense layers and the "
+                            f"experts must have one data-parallel size), got {p.expert_model_parallel_size} x {etp}"
+                            f" != {p.tensor_model_parallel_size}; drop --use-tp-pp-dp-mapping or set "
+                            f"--expert-model-parallel-size {p.tensor_model_parallel_size // etp or 1}")
     if m.num_layers % p.pipeline_model_parallel_size:
         raise ArgumentError(f"--num-layers {m.num_layers} must be divisible by "
                             f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}")

@@ -124,6 +124,7 @@ def initialize_distributed(args: Args, timeout_s: float | None = None, join_time
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         distributed_timeout_minutes=max(1, round(timeout_s / 60)),
+        order="tp-cp-ep-pp-dp" if p.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",
     )
 
 

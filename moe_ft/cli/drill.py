@@ -73,6 +73,10 @@ LAYOUTS = {
                "--expert-model-parallel-size", "1", "--moe-token-dispatcher-type", "alltoall"],
     # Lazarus's flexible dispatcher and plain optimizer (the elastic drill re-plans replicas)
     "dp2ep2-flexible": ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flexible"],
+    # two pipeline stages, ranks numbered pipeline before data parallel: one node holds a whole pipeline
+    # (the elastic drill loses a data-parallel replica, not a stage)
+    "pp2-flexible": ["--pipeline-model-parallel-size", "2", "--use-tp-pp-dp-mapping", "--expert-model-parallel-size",
+                     "1", "--moe-token-dispatcher-type", "flexible"],
 }
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
         "--seq-length", "32", "--max-position-embeddings", "32", "--num-experts", "4", "--moe-router-topk", "2",

@@ -78,7 +78,8 @@ def last_completed(stores: Iterable[Path]) -> int:
 
 
 def dump_parameters(path: str, model_chunks) -> None:
-    """Every parameter of this rank, experts renamed ``...mlp.experts.E<global id>.<param>``."""
+    """Every parameter of this rank, layers by their global index (pipeline stages number their layers from
+    0) and experts renamed ``...mlp.experts.E<global id>.<param>``."""
     import torch  # start-up time: the moe-ft console script imports this module for its readers
 
     from moe_ft.state.naming import global_expert_indices  # start-up time: imports torch
@@ -94,6 +95,9 @@ def dump_parameters(path: str, model_chunks) -> None:
                 if expert < 0:  # a spare slot (in-run rebalancing): no expert's parameters
                     continue
                 name = f"{m.group(1)}E{expert}.{m.group(3)}"
+            if name.startswith("decoder.layers."):
+                local, rest = name[len("decoder.layers."):].split(".", 1)
+                name = f"decoder.layers.{gpt.decoder.layers[int(local)].layer_number - 1}.{rest}"
             out[name] = param.detach().float().cpu().clone()
     torch.save(out, path)
 

@@ -84,6 +84,7 @@ class ElasticConfig(LoopExtension):
     flag; 0 before :meth:`adjust_parallel`)."""
     _ft: object = field(default=None, init=False, repr=False)
     _num_layers: int = field(default=0, init=False, repr=False)
+    _pipeline_size: int = field(default=1, init=False, repr=False)
 
     def __post_init__(self):
         r = self.ft_expert_replicas
@@ -156,11 +157,14 @@ class ElasticConfig(LoopExtension):
                                  "policy other than none)")
             if args.model.moe_token_dispatcher_type != FLEXIBLE:
                 raise ValueError(f"--ft-elastic re-plans expert replicas: add --moe-token-dispatcher-type {FLEXIBLE}")
-            if args.parallel.pipeline_model_parallel_size != 1 or args.parallel.use_distributed_optimizer:
-                raise ValueError("--ft-elastic supports pipeline parallel size 1 and the plain optimizer (the "
-                                 "distributed optimizer's shards change with the data-parallel size); drop "
-                                 "--pipeline-model-parallel-size / --use-distributed-optimizer")
+            if args.parallel.use_distributed_optimizer:
+                raise ValueError("--ft-elastic supports the plain optimizer only (the distributed optimizer's "
+                                 "shards change with the data-parallel size); drop --use-distributed-optimizer")
+            if args.parallel.num_layers_per_virtual_pipeline_stage or args.parallel.virtual_pipeline_model_parallel_size:
+                raise ValueError("--ft-elastic keeps one model chunk per pipeline rank; drop "
+                                 "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size")
             self._ft, self._num_layers = ft, args.model.num_layers
+            self._pipeline_size = args.parallel.pipeline_model_parallel_size
         if self.ft_rebalance_interval:
             ft = args.extra.get("FTConfig")
             if not getattr(ft.snapshot.policy_cls, "starts_dense", False):
@@ -199,7 +203,7 @@ class ElasticConfig(LoopExtension):
         slots = self.ft_expert_slots if self.ft_expert_slots is not None else num_experts // ep_size
         if self.ft_elastic:
             if self.restart is None:  # first layer built: agree on this start's plans (collective)
-                self.restart = self._decide(num_experts, ep_size, slots)
+                self.restart = self._decide(num_experts, ep_size, slots, layer_idx)
             plans = self.restart.plans
             if plans:
                 if layer_idx is None or layer_idx not in plans:
@@ -235,7 +239,7 @@ class ElasticConfig(LoopExtension):
             plan = place(counts, ep_size, ExpertPlacementConfig(slots_per_node=slots, strategy=self.ft_placement))
         return replica_map_from_plan(plan, num_experts)
 
-    def _decide(self, num_experts: int, ep_size: int, slots: int):
+    def _decide(self, num_experts: int, ep_size: int, slots: int, first_layer: int | None):
         # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
         from moe_ft.elastic.restart import decide
 
@@ -244,7 +248,8 @@ class ElasticConfig(LoopExtension):
             raise RuntimeError("--ft-elastic needs ElasticConfig.check_args(args) before the model is built")
         decision = decide(store_dir=ft.snapshot.store_dir, job_id=ft.snapshot.job_id, num_layers=self._num_layers,
                           num_experts=num_experts, ep_size=ep_size, slots=slots,
-                          min_replicas=self.ft_fault_threshold, strategy=self.ft_placement)
+                          min_replicas=self.ft_fault_threshold, strategy=self.ft_placement,
+                          pipeline_size=self._pipeline_size, first_layer=first_layer)
 
         if dist.get_rank() == 0 and decision.kind in ("reshape", "fallback"):
             for line in decision.notes + ([decision.reason] if decision.reason else []):

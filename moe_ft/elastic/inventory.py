@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from moe_ft.localized.survivor import SURVIVOR_SUBDIR
@@ -76,8 +76,17 @@ def read_records(store_dir: str, job_id: str) -> list[LayoutRecord]:
 
 
 def newest_record(records: list[LayoutRecord]) -> LayoutRecord | None:
-    """The record of the newest generation, newest iteration within it."""
-    return max(records, key=lambda r: (r.generation, r.iteration), default=None)
+    """The record of the newest generation, newest iteration within it, with the plans and loads of every
+    MoE layer: with pipeline parallelism a rank records its own stage's layers only, so each layer's plan
+    and loads come from the newest record of that generation that has the layer."""
+    newest = max(records, key=lambda r: (r.generation, r.iteration), default=None)
+    if newest is None:
+        return None
+    plans, loads = {}, {}
+    for r in sorted((r for r in records if r.generation == newest.generation), key=lambda r: r.iteration):
+        plans.update(r.plans)
+        loads.update(r.loads)
+    return replace(newest, plans=dict(sorted(plans.items())), loads=dict(sorted(loads.items())))
 
 
 @dataclass(frozen=True)

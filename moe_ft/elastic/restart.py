@@ -59,7 +59,7 @@ class RestartDecision:
 
 
 def required_operators(num_layers: int, num_experts: int) -> set[OperatorId]:
-    """Every operator of the model (PP=1: every rank holds every non-expert operator)."""
+    """Every operator of the model (with pipeline parallelism the union of the stages')."""
     ops = {OperatorId.embedding(), OperatorId.output()}
     for layer in range(num_layers):
         ops |= {OperatorId.dense(layer), OperatorId.gate(layer)}
@@ -87,29 +87,42 @@ def newest_complete_point(inventories: dict[int, dict[int, list[str]]], required
                 f"was lost needs the durable tier")
 
 
+def stage_of_layers(first_layers: dict[int, int], layers) -> dict[int, int]:
+    """``{layer: pipeline stage}`` from the first MoE layer each stage builds (``first_layers``: stage ->
+    layer; one model chunk per rank): a layer belongs to the stage with the largest first layer not above it."""
+    starts = sorted((first, stage) for stage, first in first_layers.items())
+    out = {}
+    for layer in layers:
+        owners = [stage for first, stage in starts if first <= layer]
+        if not owners:
+            raise ValueError(f"MoE layer {layer} lies before every stage's first MoE layer {first_layers}")
+        out[layer] = owners[-1]
+    return out
+
+
 def decide(*, store_dir: str, job_id: str, num_layers: int, num_experts: int, ep_size: int, slots: int,
-           min_replicas: int, strategy: str, pipeline_size: int = 1) -> RestartDecision:
-    """Collective: the plan of this start (see the module docstring)."""
+           min_replicas: int, strategy: str, pipeline_size: int = 1,
+           first_layer: int | None = None) -> RestartDecision:
+    """Collective: the plan of this start (see the module docstring). ``first_layer``: the first MoE layer
+    this rank builds (with pipeline parallelism it places each layer's experts within its stage)."""
 
     comm.init_coordination()
     rank, world = dist.get_rank(), dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    mine = newest_record(read_records(store_dir, job_id))
-    inventory = node_inventory(store_dir, job_id, prefer_rank=rank).summary() if mine is not None else {}
+    mine = read_records(store_dir, job_id)  # every record of the node: stages record their own layers
+    inventory = node_inventory(store_dir, job_id, prefer_rank=rank).summary() if mine else {}
     entry = {"rank": rank, "node": rank // local_world, "ep_rank": ps.get_expert_model_parallel_rank(),
-             "record": asdict(mine) if mine is not None else None, "inventory": inventory}
+             "pp_rank": ps.get_pipeline_model_parallel_rank(), "first_layer": first_layer,
+             "records": [asdict(r) for r in mine], "inventory": inventory}
     gathered = comm.all_gather_object(entry)
-    records = [LayoutRecord.from_dict(g["record"]) for g in gathered if g["record"]]
+    records = [LayoutRecord.from_dict(r) for g in gathered for r in g["records"]]
     previous = newest_record(records)
-    ranks = [{k: g[k] for k in ("rank", "node", "ep_rank")} for g in gathered]
+    ranks = [{k: g[k] for k in ("rank", "node", "ep_rank", "pp_rank")} for g in gathered]
     if previous is None:
         return RestartDecision("fresh", 0, world_size=world, ep_size=ep_size, ranks=ranks)
     if (previous.world_size, previous.ep_size) == (world, ep_size):
         return RestartDecision("same", previous.generation, previous, dict(previous.plans), world_size=world,
                                ep_size=ep_size, ranks=ranks)
-    if pipeline_size != 1:
-        raise ValueError("--ft-elastic re-plans expert replicas with pipeline parallel size 1 only (a stage's "
-                         "layers would have to move); drop --pipeline-model-parallel-size or --ft-elastic")
     generation = previous.generation + 1
     notes = [f"world {previous.world_size} -> {world} ranks (EP {previous.ep_size} -> {ep_size})"]
     inventories = {g["node"]: {int(k): v for k, v in g["inventory"].items()} for g in gathered}
@@ -121,9 +134,13 @@ def decide(*, store_dir: str, job_id: str, num_layers: int, num_experts: int, ep
                                       slots=slots, min_replicas=min_replicas)
     notes += list(change.notes)
     held: dict[int, dict[int, set[int]]] = {}
+    firsts = {g["pp_rank"]: g["first_layer"] for g in gathered if g["first_layer"] is not None}
+    stage = stage_of_layers(firsts, previous.plans) if pipeline_size > 1 else dict.fromkeys(previous.plans, 0)
     for layer in previous.plans:
         per_ep: dict[int, set[int]] = {}
         for g in ranks:
+            if g["pp_rank"] != stage[layer]:  # an EP rank of another stage does not build this layer
+                continue
             on_node = {int(name.split(".E")[1]) for name in inventories[g["node"]].get(point, ())
                        if name.startswith(f"expert.L{layer}.E")}
             per_ep[g["ep_rank"]] = per_ep.get(g["ep_rank"], set()) | on_node
