@@ -160,3 +160,28 @@ def test_a_pipeline_parallel_job_loses_a_data_parallel_replica_then_grows_back(c
         for report in (shrink, grow):
             assert (report["restart_kind"], report["survivor_pids_kept"]) == ("inprocess", True), report
     check_within_tolerance(out, iterations=16, name="pipeline elastic drill")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_a_lost_pipeline_stage_falls_back_with_the_reason_and_trains_on(corpus, tmp_path):
+    """PP=2 x DP=2 x EP=2 numbered pipeline last (Megatron-Core's default): node 1 holds stage 1 of both
+    data-parallel replicas. Losing it loses that stage's state from memory, so no point holds every operator:
+    the decision falls back, names the stage's missing operators, and training goes on from the newest
+    complete recovery point (none here: the initial state, 5 iterations redone) on the smaller world, whose
+    EP size (1) the flags' replica counts (for EP 2) no longer fit: eq. 1 re-allocates the slots."""
+    from moe_ft.cli.drill import drill
+
+    args = SimpleNamespace(
+        layout="dp2ep2-flexible", policy="sparse", iters=10, window=3, recovery_scope="localized", fail=[],
+        nodes=2, fail_node=["1:5"], join_node=[], elastic=True, replicas=0, persist_interval=-1,
+        persist_dir="", max_restarts=3, data=corpus, workdir=str(tmp_path / "work"), store_dir=str(tmp_path / "store"),
+        keep_store=False, timeout=500, json=True,
+        extra=["--ft-expert-replicas", "2", "2", "2", "2", "--ft-expert-slots", "4", "--pipeline-model-parallel-size", "2"])
+    out = drill(args)
+    assert out["faultfree_rc"] == 0 and out["faulty_rc"] == 0, out.get("faulty_logs")
+    (fallback,) = out["elastic"]["reports"]
+    assert (fallback["kind"], fallback["previous_world_size"], fallback["world_size"]) == ("fallback", 4, 2)
+    assert "newest point 4 lacks 7: dense.L1, expert.L1.E0" in fallback["reason"], fallback["reason"]
+    (loss,) = out["node_losses"]
+    assert (loss["recovery_source"], loss["iterations_redone"]) == ("initial", 5), loss

@@ -233,6 +233,12 @@ class ElasticConfig(LoopExtension):
             counts = [int(x) for x in self.ft_expert_replicas]
             if len(counts) != num_experts:
                 raise ValueError(f"--ft-expert-replicas has {len(counts)} counts for {num_experts} experts")
+            fallback = self.restart if self.ft_elastic and self.restart is not None else None
+            if sum(counts) != ep_size * slots and fallback is not None and fallback.kind == "fallback":
+                # the counts were the launched world's; eq. 1 re-allocates the slots of this one (Lazarus §4.1)
+                loads = fallback.previous.loads.get(layer_idx, [float(c) for c in counts])
+                config = ExpertPlacementConfig(slots_per_node=slots, min_replicas=1, strategy=self.ft_placement)
+                return replica_map_from_plan(plan_layer(loads, ep_size, config).plan, num_experts)
             if sum(counts) != ep_size * slots:
                 raise ValueError(f"--ft-expert-replicas sums to {sum(counts)} but EP size {ep_size} x "
                                  f"--ft-expert-slots {slots} = {ep_size * slots} slots; make them agree")
