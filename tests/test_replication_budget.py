@@ -117,3 +117,24 @@ def test_plan_restricts_what_is_sent_and_budget_follows_its_callable():
     receiver.join(timeout=10)
     point = replica.catalog().point(0)
     assert set(point.entries) == {E0, D0} and point.meta is not None
+
+
+def test_a_point_collected_before_the_sender_reads_it_is_skipped_at_once():
+    """The sender waits for a submitted point's publish; when a newer point is published and this one is not
+    (the store's garbage collection took it, or it was never published) it skips it at once instead of
+    waiting out ``publish_timeout_s`` (a node agent that replicates behind the trainer meets this often)."""
+    import time
+
+    full = {op: Level.FULL for op in OPS}
+    local, replica, sender, receiver = _pair(DenseRule(operators=OPS), None)
+    sender.config.publish_timeout_s = 60.0
+    for t in range(4):  # the newest two recoverable points are kept: 0 and 1 are gone before the sender looks
+        _publish(local, t, full)
+    start = time.monotonic()
+    for t in range(4):
+        sender.submit(t)
+    sender.flush()
+    assert time.monotonic() - start < 10
+    assert [s.iteration for s in sender.sent] == [2, 3]
+    assert [it for it, _ in sender.skipped] == [0, 1] and all("superseded" in why for _, why in sender.skipped)
+    sender.close()

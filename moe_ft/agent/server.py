@@ -12,6 +12,13 @@ a thread of its own. Requests are tuples:
   run here over a *reader* of the rank's store, pinning what it reads against the trainer's garbage
   collection; the trainer sends only published iterations, so nothing waits for a publish); answers the
   rank's state (:meth:`NodeAgent._state`: its finished copies and the agent's CPU seconds so far);
+* ``("replicate", ReplicateRequest)``: send rank ``r``'s published point to its replica peers' agents
+  (``moe_ft/agent/replicas.py``: a ``ReplicaSender`` per rank, here, over sockets); answers the rank's
+  replication state. ``("replica_listen",)`` starts the listener that receives the peers' replicas and
+  answers its ``(host, port)``; ``("replica_open", holder)`` starts a holder's streams afresh (a new run);
+  ``("replica_state", holder)`` answers what arrived for it; ``("replica_flush" | "replica_close" |
+  "replica_abandon", rank)`` waits for the rank's sends / also ends its streams to the peers / drops its
+  sender without ending them (a failed attempt);
 * ``("flush", rank)``: wait until the rank's queued copies are done; answers the rank's state;
 * ``("bye", rank)``: the rank ends its run (its copies flushed first);
 * ``("hello", rank)``: a trainer rank connected (sent by every client when it connects); answers the pid;
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import hashlib
 import logging
 import os
@@ -40,7 +48,9 @@ from typing import TYPE_CHECKING
 from moe_ft.background import BackgroundWorker
 
 if TYPE_CHECKING:
+    from moe_ft.agent.replicas import ReplicaListener, ReplicateRequest
     from moe_ft.persist import PersistWriter
+    from moe_ft.replication.sender import ReplicaSender
     from moe_ft.store import SnapshotStore
     from moe_ft.store.rules import RecoveryRule
 
@@ -105,6 +115,10 @@ class _Rank:
     """The durable copies' settings (``writer`` is made again when they change)."""
     verified: int = 0
     """Points whose deferred digests this agent recorded."""
+    sender: "ReplicaSender | None" = None
+    """Its replication to the peers' agents (``--ft-replicate-by agent``), once it asked for one."""
+    sender_key: tuple = ()
+    """The replication's store and peers (``sender`` is made again when they change: a new run)."""
     worker: BackgroundWorker = field(init=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +155,8 @@ class NodeAgent:
     _connected: int = 0
     _last_seen: float = field(default_factory=time.monotonic)
     _stop: threading.Event = field(default_factory=threading.Event)
+    listener: "ReplicaListener | None" = None
+    """Receives the peers' replicas (started by the first ``replica_listen``)."""
 
     def serve(self) -> None:
         key = (self.directory / KEY_FILE).read_bytes()
@@ -173,6 +189,10 @@ class NodeAgent:
     def _close(self) -> None:
         for rank in list(self.ranks.values()):
             rank.worker.close(timeout=60)
+            if rank.sender is not None:
+                rank.sender.abandon()
+        if self.listener is not None:
+            self.listener.close()
 
     def _accept(self, listener: Listener) -> None:
         while not self._stop.is_set():
@@ -192,7 +212,12 @@ class NodeAgent:
                     request = conn.recv()
                 except (EOFError, OSError):
                     return
-                conn.send(self._handle(request))
+                try:
+                    answer = self._handle(request)
+                except Exception as exc:  # answered: the client raises it (a send to a lost peer, ...)
+                    logger.warning("moe-ft agent: %s request failed: %r", request[0], exc)
+                    answer = exc
+                conn.send(answer)
         finally:
             conn.close()
             with self._lock:
@@ -212,6 +237,8 @@ class NodeAgent:
             return self._persist(request[1])
         if kind == "verify":
             return self._verify(request[1])
+        if kind.startswith("replica"):
+            return self._replica(kind, request[1:])
         rank = self.ranks.get(request[1])
         if kind == "flush":
             if rank is not None:
@@ -263,6 +290,65 @@ class NodeAgent:
         rank.worker.submit(("persist", req.iteration, req.plan))
         return self._state(rank)
 
+    def _replica(self, kind: str, args: tuple):
+        # start-up time of the agent: replication is imported with the first request for it
+        from moe_ft.agent.replicas import ReplicaListener, SocketSink, agent_host
+        from moe_ft.replication.sender import ReplicaSender, SenderConfig
+
+        if kind == "replica_listen":
+            with self._lock:
+                if self.listener is None:
+                    self.listener = ReplicaListener(agent_host())
+                return self.listener.host, self.listener.port
+        if kind in ("replica_open", "replica_state"):
+            if self.listener is None:
+                raise RuntimeError("no replica listener: the holder's trainer asks replica_listen first")
+            if kind == "replica_open":
+                self.listener.reopen(args[0])
+                return None
+            return {"streams": self.listener.state(args[0]), "torn": self.listener.torn}
+        if kind == "replicate":
+            req: "ReplicateRequest" = args[0]
+            key = (req.store_dir, req.peers, req.select)
+            with self._lock:
+                work = self._rank(req.rank, req.store_dir)
+                if work.sender is None or work.sender_key != key:
+                    if work.sender is not None:  # another run's: dropped without ending its streams
+                        work.sender.abandon()
+                    work.sender = ReplicaSender(SenderConfig(), work.store, SocketSink(req.rank, req.peers),
+                                                [p.rank for p in req.peers], owner=req.rank, select=req.select)
+                    work.sender_key = key
+            sender = work.sender
+            sender.budget = None if req.budget is None else (lambda: req.budget)
+            sender.submit(req.iteration, req.plan)
+            return self._replica_state(work)
+        rank = self.ranks.get(args[0])
+        if rank is None or rank.sender is None:
+            return self._replica_state(rank)
+        if kind == "replica_flush":
+            rank.sender.flush()
+        elif kind == "replica_close":
+            rank.sender.close()
+            rank.sender = None
+        elif kind == "replica_abandon":
+            rank.sender.abandon()
+            rank.sender = None
+        else:
+            raise ValueError(f"unknown request {kind!r}")
+        return self._replica_state(rank)
+
+    @staticmethod
+    def _replica_state(rank: "_Rank | None") -> dict:
+        """A rank's replication: the newest point on every peer, the last message sent, points deferred and
+        skipped, and the agent's CPU seconds so far."""
+        times = os.times()
+        sender = rank.sender if rank is not None else None
+        last = sender.sent[-1] if sender is not None and sender.sent else None
+        return {"replicated_iteration": sender.replicated_iteration if sender is not None else None,
+                "sent": None if last is None else (last.iteration, last.nbytes, last.num_entries, last.seconds),
+                "deferred": list(sender.deferred) if sender is not None else [],
+                "skipped": len(sender.skipped) if sender is not None else 0, "cpu_s": times.user + times.system}
+
     @staticmethod
     def _state(rank: "_Rank | None") -> dict:
         """A rank's finished copies (``PersistRecord``) and the agent process's CPU seconds so far (user +
@@ -285,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.daemonize and os.fork():
         os._exit(0)  # the starter reaps this parent; the child is adopted by init (or the node's subreaper)
     os.nice(args.nice)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack, to the log
     import torch  # start-up time: imported after the nice (most of the agent's start-up)
 
     torch.set_num_threads(1)

@@ -40,6 +40,7 @@ from moe_ft.drills.prelaunch import run_script, use_preloaded_forkserver
 from moe_ft.launch import protocol
 from moe_ft.launch.agent import Fenced, LaunchLogs, SpareAgent
 from moe_ft.persist.config import DurableConfig
+from moe_ft.replication.config import ReplicationConfig
 from moe_ft.snapshot.config import SnapshotConfig
 
 
@@ -84,8 +85,8 @@ def parse_args(argv: list[str] | None = None):
 
 def node_agent_of(script_args: list[str]) -> tuple[str, float] | None:
     """``(agent directory, idle exit seconds)`` when the training flags have the node agent write the durable
-    tier (``--ft --ft-persist-interval N --ft-persist-agent``) or hash the snapshots (``--ft --ft-checksum-by
-    agent``), else ``None``; the directory is the one the trainers use (``<--ft-store-dir>/<--ft-job-id>/agent``),
+    tier (``--ft --ft-persist-interval N --ft-persist-agent``), hash the snapshots (``--ft --ft-checksum-by
+    agent``) or move the replicas (``--ft --ft-replicate-by agent``), else ``None``; the directory is the one the trainers use (``<--ft-store-dir>/<--ft-job-id>/agent``),
     the defaults those of the training flags."""
     snap, durable = SnapshotConfig(), DurableConfig()
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -96,9 +97,12 @@ def node_agent_of(script_args: list[str]) -> tuple[str, float] | None:
     p.add_argument("--ft-persist-agent", action="store_true")
     p.add_argument("--ft-persist-agent-idle-exit", type=float, default=durable.agent_idle_exit)
     p.add_argument("--ft-checksum-by", default=snap.checksum_by)
+    p.add_argument("--ft-replicate-by", default=ReplicationConfig().replicate_by)
+    p.add_argument("--ft-replicas", type=int, default=ReplicationConfig().replicas)
     flags, _ = p.parse_known_args(script_args)
     persists = flags.ft_persist_agent and flags.ft_persist_interval > 0
-    if not (flags.ft and (persists or flags.ft_checksum_by == "agent")):
+    replicates = flags.ft_replicate_by == "agent" and flags.ft_replicas > 0
+    if not (flags.ft and (persists or replicates or flags.ft_checksum_by == "agent")):
         return None
     return os.path.join(flags.ft_store_dir, flags.ft_job_id, "agent"), flags.ft_persist_agent_idle_exit
 

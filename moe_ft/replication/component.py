@@ -51,4 +51,7 @@ class Replicas(Component):
     def abandon(self) -> None:
         """Closing would wait for every source to end its stream, and a source that died never does: the
         streams' threads are left to the failed attempt's groups (they end when a peer's connection
-        closes, or block on a group nothing uses any more)."""
+        closes, or block on a group nothing uses any more). The node agent, if it sends them, drops the
+        attempt's sender."""
+        if self.replication is not None:
+            self.replication.abandon()

@@ -24,6 +24,12 @@ class ReplicationConfig:
     replication_bandwidth: float = field(default=0.0, metadata=field_help(
         "Network bytes/s one rank may spend on replicas: B_remote = this x the measured iteration time "
         "(MoEtion §4.2); the newest recovery point goes first, older ones are skipped (0 = unlimited)."))
+    replicate_by: str = field(default="trainer", metadata=field_help(
+        "Who moves the replicas: 'trainer' (threads of the training process, over a dedicated gloo group) or "
+        "'agent' (the node agents: the trainer names each published point to its node's agent, which reads it "
+        "from the store and sends it over TCP to the peers' agents, which verify and publish it; no payload "
+        "byte passes through a trainer). The agents listen on $MOE_FT_AGENT_HOST (default: the host name's "
+        "address). Not with --ft-optimizer-recompute.", choices=("trainer", "agent")))
     optimizer_recompute: bool = field(default=False, metadata=field_help(
         "Asynchronous optimizer recomputation (MoEtion §5.2, Alg. 3): an expert FULL in consecutive points is "
         "sent to the peers as the gradients of its step, and each peer replays the optimizer update to keep "
@@ -42,6 +48,11 @@ class ReplicationConfig:
         if self.optimizer_recompute and not self.replicas:
             raise ValueError("--ft-optimizer-recompute recomputes optimizer steps on replica peers; it needs "
                              "--ft-replicas >= 1")
+        if self.replicate_by not in ("trainer", "agent"):
+            raise ValueError(f"--ft-replicate-by must be 'trainer' or 'agent', got {self.replicate_by!r}")
+        if self.replicate_by == "agent" and self.optimizer_recompute:
+            raise ValueError("--ft-optimizer-recompute replays optimizer steps in the receiving trainer; the node "
+                             "agents only move bytes: pass --ft-replicate-by trainer or drop --ft-optimizer-recompute")
         if self.optimizer_recompute_local not in ("full", "compute"):
             raise ValueError(f"--ft-optimizer-recompute-local must be 'full' or 'compute', got "
                              f"{self.optimizer_recompute_local!r}")
@@ -77,7 +88,8 @@ class ReplicationConfig:
         service = Replication.build(num_replicas=self.replicas, layout=layout, store=session.store,
                                     store_root=session.store_root, job_id=session.job_id,
                                     remote_budget=self.remote_budget(ctx), recompute=self.recompute(ctx),
-                                    compute_only=self.optimizer_recompute_local == "compute")
+                                    compute_only=self.optimizer_recompute_local == "compute",
+                                    agent=self.agent_client(ctx, session))
         planned = None
         if layout.simulated:  # one store root for every simulated node: the plan says what each holds
             planned = service.plan.sources[layout.rank] if service is not None else ()
@@ -86,6 +98,21 @@ class ReplicationConfig:
         if service is None and not comm.max_over_ranks(int(bool(fetch.owners_here()))):
             return None
         return Replicas(service, fetch)
+
+    def agent_client(self, ctx: "BuildContext", session):
+        """``--ft-replicate-by agent``: this rank's connection to its node agent (started if the node has
+        none), else ``None``."""
+        if self.replicate_by != "agent":
+            return None
+
+        # start-up time: the agent's client is imported only when the mode is on
+        import os
+
+        from moe_ft.agent.client import AgentClient
+
+        ft = ctx.args.extra.get("FTConfig")
+        idle = ft.persist.agent_idle_exit if ft is not None else 600.0
+        return AgentClient(os.path.join(session.store_root, session.job_id, "agent"), ctx.rank, idle_exit_s=idle)
 
     def recompute(self, ctx: "BuildContext"):
         """The gradient capture of ``--ft-optimizer-recompute`` as a factory (built only when replicating),

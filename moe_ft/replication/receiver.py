@@ -124,31 +124,40 @@ class ReplicaReceiver:
             logger.error("moe-ft replica receiver (from rank %d): %r", src, exc)
 
     def _accept(self, store: SnapshotStore, message: PointMessage) -> None:
-        algo, entries, meta, rejected = verify_message(message)
-        for rejection in rejected:
-            logger.warning("moe-ft replica of rank %d iteration %d: rejected %s: %s", rejection.owner,
-                           rejection.iteration, rejection.entry, rejection.reason)
+        published, rejected = publish_replica(store, message, keep_points=self.config.keep_points)
         with self._lock:
             self.rejections.extend(rejected)
-        if not algo:
-            return
-        it, backend = message.iteration, store.backend
-        if it in backend.list_points():  # re-snapshotted after a rollback: the newer bytes win
-            store.delete_point(it)
-        writer = backend.begin_point(it)
-        try:
-            for entry in entries + ([meta] if meta else []):
-                sink = writer.open_blob(entry.blob)
-                sink.write(message.blobs[entry.blob])
-                sink.close()
-            sink = writer.open_blob(OWNER_MANIFEST)  # every entry the owner had: what a rebuild must restore
-            sink.write(message.manifest)
+            if published:
+                self.received.append((message.owner, message.iteration, message.nbytes))
+
+
+def publish_replica(store: SnapshotStore, message: PointMessage, *, keep_points: int) -> tuple[bool, list[Rejection]]:
+    """Verify ``message`` (:func:`verify_message`) and publish its verified entries into ``store`` (the
+    owner's replicas on this node), then keep the newest ``keep_points`` points; returns (published, the
+    entries rejected, each logged). A damaged manifest publishes nothing. Used by the trainer's receiver and
+    by the node agent (``moe_ft/agent/replicas.py``)."""
+    algo, entries, meta, rejected = verify_message(message)
+    for rejection in rejected:
+        logger.warning("moe-ft replica of rank %d iteration %d: rejected %s: %s", rejection.owner,
+                       rejection.iteration, rejection.entry, rejection.reason)
+    if not algo:
+        return False, rejected
+    it, backend = message.iteration, store.backend
+    if it in backend.list_points():  # re-snapshotted after a rollback: the newer bytes win
+        store.delete_point(it)
+    writer = backend.begin_point(it)
+    try:
+        for entry in entries + ([meta] if meta else []):
+            sink = writer.open_blob(entry.blob)
+            sink.write(message.blobs[entry.blob])
             sink.close()
-            writer.commit(build_manifest(it, algo, entries, meta)[0])  # the owner's per-entry checksums
-        except BaseException:
-            writer.abort()
-            raise
-        with self._lock:
-            self.received.append((message.owner, it, message.nbytes))
-        for old in backend.list_points()[:-self.config.keep_points]:
-            store.delete_point(old)
+        sink = writer.open_blob(OWNER_MANIFEST)  # every entry the owner had: what a rebuild must restore
+        sink.write(message.manifest)
+        sink.close()
+        writer.commit(build_manifest(it, algo, entries, meta)[0])  # the owner's per-entry checksums
+    except BaseException:
+        writer.abort()
+        raise
+    for old in backend.list_points()[:-keep_points]:
+        store.delete_point(old)
+    return True, rejected

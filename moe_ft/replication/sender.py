@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 from moe_ft.background import BackgroundWorker
-from moe_ft.replication.transport import PointMessage, Transport
+from moe_ft.replication.transport import PointMessage, PointSink
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import SnapshotStore
 from moe_ft.store.backend import MANIFEST
@@ -59,7 +59,7 @@ class ReplicaSender:
     ``B_remote`` in bytes per iteration (called at each submit, so it may follow ``T_iter``), ``None`` for
     no limit; see the module docstring."""
 
-    def __init__(self, config: SenderConfig, store: SnapshotStore, transport: Transport, peers: Sequence[int], *,
+    def __init__(self, config: SenderConfig, store: SnapshotStore, transport: PointSink, peers: Sequence[int], *,
                  owner: int, select: Callable[[EntryRecord], bool] | None = None,
                  budget: Callable[[], Optional[int]] | None = None) -> None:
         self.config, self.store, self.transport = config, store, transport
@@ -115,6 +115,11 @@ class ReplicaSender:
             self.transport.close_to(peer)
         self._raise_if_failed()
 
+    def abandon(self) -> None:
+        """Stop after what is queued without ending the peers' streams (a failed attempt's sender, which a
+        new one replaces; returns at once)."""
+        self._worker.close(timeout=0)
+
     def _raise_if_failed(self) -> None:
         self._worker.raise_if_failed()
 
@@ -125,13 +130,19 @@ class ReplicaSender:
         else:
             self._replicate_budgeted(iteration)
 
-    def _wait_published(self, iteration: int) -> bool:
+    def _wait_published(self, iteration: int) -> str:
+        """'' once point ``iteration`` is published, else why it will not be sent: a newer point is published
+        and ``iteration`` is not (garbage collection took it first, or it was never published), or the
+        timeout passed."""
         deadline = time.monotonic() + self.config.publish_timeout_s
-        while iteration not in self.store.points():
+        while iteration not in (points := self.store.points()):
+            if points and max(points) > iteration:
+                return (f"superseded: point {max(points)} is published and {iteration} is not (deleted by garbage "
+                        "collection before it was read, or never published)")
             if time.monotonic() > deadline:
-                return False
+                return f"not published within {self.config.publish_timeout_s:.0f} s"
             time.sleep(self.config.poll_s)
-        return True
+        return ""
 
     def _skip(self, iteration: int, why: str) -> None:
         self.skipped.append((iteration, why))
@@ -160,8 +171,8 @@ class ReplicaSender:
         return nbytes
 
     def _replicate(self, iteration: int) -> None:
-        if not self._wait_published(iteration):
-            return self._skip(iteration, f"not published within {self.config.publish_timeout_s:.0f} s")
+        if why := self._wait_published(iteration):
+            return self._skip(iteration, why)
         start = time.perf_counter()
         try:
             message = self._read(iteration)
@@ -185,8 +196,8 @@ class ReplicaSender:
         return sorted(wanted, reverse=True), point.end
 
     def _replicate_budgeted(self, iteration: int) -> None:
-        if not self._wait_published(iteration):
-            return self._skip(iteration, f"not published within {self.config.publish_timeout_s:.0f} s")
+        if why := self._wait_published(iteration):
+            return self._skip(iteration, why)
         if self._worker.has_pending():  # behind: a newer point is queued, plan from the newest one
             return
         wanted, end = self._wanted(iteration)

@@ -16,12 +16,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from moe_ft import comm
+from moe_ft.agent.replicas import ReplicaSelect
+from moe_ft.agent.replication import AgentReceiver, AgentSender, agent_endpoints
 from moe_ft.replication.fetch import FetchResult, FetchTopology, fetch_from_peers
 from moe_ft.replication.placement import (
     ReplicaPlacementConfig,
     ReplicaPlan,
     has_copy_off_node,
-    needs_replication,
     nodes_from_places,
     place_replicas,
 )
@@ -131,11 +132,13 @@ class Replication:
 
     @staticmethod
     def build(*, num_replicas: int, layout: Layout, store, store_root: str, job_id: str,
-              remote_budget=None, recompute=None, compute_only: bool = False) -> "Replication | None":
+              remote_budget=None, recompute=None, compute_only: bool = False,
+              agent=None) -> "Replication | None":
         """Collective (the dedicated group). ``None`` when there is nothing to replicate to: ``r = 0``, or a
         single-node job (no other failure domain; logged). ``remote_budget``: a callable returning
         ``B_remote`` (bytes per iteration this rank may send, MoEtion §4.2; read at every submit so it may
-        follow ``T_iter``), or ``None`` for no limit (``sender.py``). ``recompute``: a callable returning the
+        follow ``T_iter``), or ``None`` for no limit (``sender.py``). ``agent``: the node agent's client, when
+        the agents move the replicas (``moe_ft/agent/replication.py``; no gloo group then). ``recompute``: a callable returning the
         :class:`~moe_ft.replication.optim_recompute.GradCapture` of this rank, to send continuing experts as
         gradients and recompute their optimizer step on the peers (MoEtion §5.2, ``recompute_stream.py``)."""
         if num_replicas == 0:
@@ -154,19 +157,26 @@ class Replication:
             num_replicas = num_nodes - 1
         plan = place_replicas(ReplicaPlacementConfig(num_replicas=num_replicas), node_of=layout.node_of,
                               dp_groups=layout.dp_groups)
-        config = GlooTransportConfig()
-        transport = GlooTransport(config, config.build_group())
         dp_off = has_copy_off_node(layout.rank, layout.group_of(layout.dp_groups), layout.node_of)
         edp_off = has_copy_off_node(layout.rank, layout.group_of(layout.expert_dp_groups), layout.node_of)
-        select = lambda e: needs_replication(e.op, e.level, dp_copy_off_node=dp_off, expert_dp_copy_off_node=edp_off,
-                                             distributed_optimizer=layout.distributed_optimizer)
+        select = ReplicaSelect(dp_copy_off_node=dp_off, expert_dp_copy_off_node=edp_off,
+                               distributed_optimizer=layout.distributed_optimizer)
+        holder = layout.rank if layout.simulated else None  # simulated nodes share one root: a dir per holder
+        store_for = lambda owner: replica_store_config(root=store_root, job_id=job_id, owner=owner,  # noqa: E731
+                                                       holder=holder).build()
+        if agent is not None:
+            ends = agent_endpoints(agent, rank=layout.rank, store_root=store_root, job_id=job_id,
+                                   per_holder=holder is not None)
+            sender = AgentSender(agent, rank=layout.rank, store=store, select=select, budget=remote_budget,
+                                 peers=[ends[p] for p in plan.peers[layout.rank]])
+            receiver = AgentReceiver(agent, rank=layout.rank, sources=plan.sources[layout.rank], store_for=store_for)
+            return Replication(sender, receiver, plan, layout)  # type: ignore[arg-type]
+        config = GlooTransportConfig()
+        transport = GlooTransport(config, config.build_group())
         receiver_cls, sender_cls, sender_extra = ReplicaReceiver, ReplicaSender, {}
         if recompute is not None:
             receiver_cls, sender_cls, sender_extra = RecomputeReceiver, RecomputeSender, {"capture": recompute()}
-        holder = layout.rank if layout.simulated else None  # simulated nodes share one root: a dir per holder
-        receiver = receiver_cls(ReceiverConfig(), transport, plan.sources[layout.rank],
-                                lambda owner: replica_store_config(root=store_root, job_id=job_id, owner=owner,
-                                                                   holder=holder).build())
+        receiver = receiver_cls(ReceiverConfig(), transport, plan.sources[layout.rank], store_for)
         sender = sender_cls(SenderConfig(), store, transport, plan.peers[layout.rank], owner=layout.rank,
                             select=select, budget=remote_budget, **sender_extra)
         return Replication(sender, receiver, plan, layout, compute_only=compute_only and recompute is not None)
@@ -223,6 +233,9 @@ class Replication:
                "replication_bytes": sent[-1].nbytes if sent else 0,
                "replication_deferred": len(self.sender.deferred),
                "replica_rejections": len(self.receiver.rejections)}
+        agent_cpu = getattr(self.sender, "agent_cpu", None)  # replication by the node agent
+        if agent_cpu is not None and (ms := agent_cpu.ms_per_iteration()) is not None:
+            out["agent_cpu_ms"] = ms
         if self.capture is not None:  # experts sent as gradients / recomputed here / failed recomputations
             records = self.sender.records
             out.update(recompute_sent=records[-1].num_gradients if records else 0,
@@ -231,11 +244,19 @@ class Replication:
                 out["recompute_lost"] = len(self.sender.lost)
         return out
 
+    def abandon(self) -> None:
+        """A failed attempt: the node agent stops sending this rank's points without ending its streams (the
+        trainer's own threads are left to the failed attempt's groups)."""
+        if isinstance(self.sender, AgentSender):
+            self.sender.abandon()
+
     def close(self, snapshots=()) -> None:
         """Collective in effect: every rank's receiver waits for its sources to close their streams.
         ``snapshots``: the engine's :class:`SnapshotRecord` list, summarised on the recomputation line."""
         self.sender.close()
         self.receiver.join(timeout=600)
+        if isinstance(self.sender, AgentSender):  # the node agent leaves once every rank said bye
+            self.sender.client.bye()
         if self.capture is not None:  # one line per rank: what MoEtion Alg. 3 saved on the wire
             records = self.sender.records
             grads, full = sum(r.gradient_bytes for r in records), sum(r.replaced_bytes for r in records)

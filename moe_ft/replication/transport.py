@@ -41,10 +41,9 @@ class PointMessage:
         return len(self.manifest) + sum(len(b) for b in self.blobs.values())
 
 
-class Transport(abc.ABC):
-    """Point-to-point delivery of :class:`PointMessage`s between ranks."""
-
-    rank: int
+class PointSink(abc.ABC):
+    """The sending half: what a :class:`~moe_ft.replication.sender.ReplicaSender` needs (the node agent's
+    sockets, ``moe_ft/agent/replicas.py``, deliver into the peers' agents, which publish on arrival)."""
 
     @abc.abstractmethod
     def send_point(self, dst: int, message: PointMessage) -> int:
@@ -52,12 +51,18 @@ class Transport(abc.ABC):
         never calls it); returns the payload bytes sent."""
 
     @abc.abstractmethod
-    def receive(self, src: int) -> PointMessage | None:
-        """Next message from ``src`` (blocking); ``None`` once ``src`` called :meth:`close_to`."""
-
-    @abc.abstractmethod
     def close_to(self, dst: int) -> None:
         """Tell ``dst`` that no more messages come from this rank."""
+
+
+class Transport(PointSink):
+    """Point-to-point delivery of :class:`PointMessage`s between ranks, both halves."""
+
+    rank: int
+
+    @abc.abstractmethod
+    def receive(self, src: int) -> PointMessage | None:
+        """Next message from ``src`` (blocking); ``None`` once ``src`` called :meth:`close_to`."""
 
 
 class InProcessHub:

@@ -1,0 +1,132 @@
+"""Replication by the node agents (``--ft-replicate-by agent``, ``moe_ft/agent/replicas.py``) with real agent
+processes on two simulated nodes (two store roots, one agent each): a point named by rank 0's trainer is
+sent by node A's agent and published by node B's, verified on arrival; a byte flipped on the wire is
+rejected; the end of the stream reaches the holder; a sending agent SIGKILLed inside a message publishes
+nothing of it, and the next request starts another agent that sends the point whole."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import zlib
+
+import pytest
+import torch
+from _ft_helpers import wait_until
+
+from moe_ft.agent.client import AgentClient, agent_pid
+from moe_ft.agent.replicas import Destination, ReplicaSelect, SocketSink
+from moe_ft.agent.replication import AgentReceiver, AgentSender
+from moe_ft.replication.receiver import replica_store_config
+from moe_ft.replication.transport import PointMessage
+from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store import DenseRule, KeepNewestRecoverable, StoreConfig
+from moe_ft.store.backend import MANIFEST
+from moe_ft.store.manifest import decode_manifest
+
+pytestmark = pytest.mark.timeout(180)
+OPS = [OperatorId.dense(0), OperatorId.expert_op(0, 0)]
+SELECT = ReplicaSelect(dp_copy_off_node=False, expert_dp_copy_off_node=False, distributed_optimizer=False)
+
+
+def _tensors(it: int, op: OperatorId, rows: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{it}/{op}".encode()))
+    return {"weight": torch.randn(rows, 64, generator=gen), "exp_avg.weight": torch.randn(rows, 64, generator=gen)}
+
+
+def _publish(store, it: int, rows: int = 256) -> None:
+    with store.begin(it) as point:
+        for op in OPS:
+            point.put(op, Level.FULL, _tensors(it, op, rows))
+        point.put_meta({"it": it})
+        point.publish()
+
+
+class Nodes:
+    """Rank 0's store and agent on node A, rank 1 (its replica holder) with its agent on node B."""
+
+    def __init__(self, tmp_path) -> None:
+        self.roots = [str(tmp_path / "nodeA"), str(tmp_path / "nodeB")]
+        self.store = StoreConfig(root=self.roots[0], job_id="j", rank=0).build(
+            retention=KeepNewestRecoverable(rule=DenseRule(operators=frozenset(OPS))))
+        self.clients = [AgentClient(os.path.join(root, "j", "agent"), rank, idle_exit_s=30)
+                        for rank, root in enumerate(self.roots)]
+        self.clients[0].call("ping")  # both agents running from here
+        host, port = self.clients[1].call("replica_listen")
+        self.clients[1].call("replica_open", 1)
+        self.dest = Destination(rank=1, host=host, port=port, root=self.roots[1], job_id="j", per_holder=False)
+        self.sender = AgentSender(self.clients[0], rank=0, store=self.store, peers=[self.dest], select=SELECT)
+        self.receiver = AgentReceiver(self.clients[1], rank=1, sources=[0], store_for=lambda owner: replica_store_config(
+            root=self.roots[1], job_id="j", owner=owner).build())
+
+    def replicas(self):
+        return self.receiver.store(0)
+
+    def check_replica(self, it: int, rows: int = 256) -> None:
+        assert it in self.replicas().points()
+        assert self.replicas().verify().problems == ()
+        for op in OPS:
+            got = self.replicas().load(it, op, Level.FULL)
+            assert all(torch.equal(got[k], v) for k, v in _tensors(it, op, rows).items())
+
+    def bye(self) -> None:
+        for client in self.clients:
+            client.bye()
+
+
+def test_agents_replicate_verified_points_reject_a_damaged_one_and_end_the_stream(tmp_path):
+    nodes = Nodes(tmp_path)
+    for it in range(3):
+        _publish(nodes.store, it)
+        nodes.sender.submit(it)
+        nodes.sender.flush()  # each point sent before the next one's publish deletes it (newest point kept)
+    assert nodes.sender.replicated_iteration == 2 and nodes.sender.lag(2) == 0
+    assert nodes.sender.sent[-1].iteration == 2 and nodes.sender.sent[-1].num_entries == 3  # 2 operators + meta
+    wait_until(lambda: nodes.receiver.poll().get(0, {}).get("received") == 3, timeout=20)
+    nodes.check_replica(2)
+    assert nodes.clients[0].pid != nodes.clients[1].pid  # two agents: the bytes crossed a socket
+
+    # a byte flipped on the wire (sent straight to node B's agent): rejected, the rest of the point kept
+    backend = nodes.store.backend
+    manifest = backend.read_blob(2, MANIFEST)
+    blobs = {e.blob: backend.read_blob(2, e.blob) for e in decode_manifest(manifest, 2, "test").all_entries()}
+    victim = next(name for name in blobs if "expert" in name)
+    damaged = bytearray(blobs[victim])
+    damaged[len(damaged) // 2] ^= 0x10
+    sink = SocketSink(0, (nodes.dest,))
+    sink.send_point(1, PointMessage(owner=0, iteration=2, manifest=manifest, blobs={**blobs, victim: bytes(damaged)}))
+    wait_until(lambda: nodes.receiver.poll()[0]["received"] == 4, timeout=20)
+    (rejected,) = nodes.receiver.rejections
+    assert rejected.entry == f"{OperatorId.expert_op(0, 0)}@FULL" and "checksum mismatch" in rejected.reason, rejected
+    entries = nodes.replicas().catalog().point(2).entries  # the newer bytes replaced the point, less the damage
+    assert OperatorId.dense(0) in entries and OperatorId.expert_op(0, 0) not in entries
+
+    nodes.sender.close()  # the agent ends rank 0's stream: the holder's end-of-training wait returns
+    nodes.receiver.join(timeout=20)
+    nodes.bye()
+
+
+def test_a_sending_agent_killed_inside_a_message_publishes_nothing_of_it(tmp_path):
+    nodes = Nodes(tmp_path)
+    rows = 1 << 16  # 2 x 16 MB per operator: far more than the sockets buffer while the receiver is stopped
+    _publish(nodes.store, 0, rows)
+    receiving, sending = nodes.clients[1].pid, nodes.clients[0].pid
+    os.kill(receiving, signal.SIGSTOP)  # node B's agent reads nothing: node A's blocks inside the message
+    try:
+        nodes.sender.submit(0)
+        time.sleep(2.0)
+        assert nodes.sender.sent == []  # still sending
+        os.kill(sending, signal.SIGKILL)
+        wait_until(lambda: agent_pid(tmp_path / "nodeA" / "j" / "agent") is None, timeout=10)
+    finally:
+        os.kill(receiving, signal.SIGCONT)
+    wait_until(lambda: nodes.receiver.torn == 1 or nodes.receiver.poll() is None, timeout=20)
+    assert nodes.replicas().points() == [], "a torn message must publish nothing"
+    nodes.sender.submit(0)  # the broken connection: a new agent on node A, the request resent
+    nodes.sender.flush()
+    assert nodes.clients[0].pid != sending and nodes.clients[0].restarts == 1
+    wait_until(lambda: nodes.receiver.poll().get(0, {}).get("received") == 1, timeout=30)
+    nodes.check_replica(0, rows)
+    nodes.sender.close()
+    nodes.bye()
