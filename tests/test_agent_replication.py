@@ -130,3 +130,25 @@ def test_a_sending_agent_killed_inside_a_message_publishes_nothing_of_it(tmp_pat
     nodes.check_replica(0, rows)
     nodes.sender.close()
     nodes.bye()
+
+
+def test_points_written_without_digests_reach_the_peer_with_them(tmp_path):
+    """``--ft-checksum-by agent`` with the agents replicating: the trainer writes each entry once, its digest
+    deferred; the sending agent hashes the point before it sends it and sends the manifest with the digests,
+    so the peer verifies every entry on arrival and its replica holds real digests, not pending ones."""
+    from moe_ft.store.codec import PENDING
+
+    nodes = Nodes(tmp_path)
+    deferred = StoreConfig(root=nodes.roots[0], job_id="j2", rank=0, checksum_by="agent").build()
+    nodes.sender.store = deferred
+    _publish(deferred, 0)
+    assert all(e.checksum == PENDING for e in deferred.catalog().point(0).all_entries() if e.op is not None)
+    nodes.sender.submit(0)
+    nodes.sender.flush()
+    wait_until(lambda: nodes.receiver.poll().get(0, {}).get("received") == 1, timeout=20)
+    assert nodes.receiver.rejections == []
+    nodes.check_replica(0)
+    assert all(e.checksum != PENDING for e in nodes.replicas().catalog().point(0).all_entries())
+    assert (tmp_path / "nodeA" / "j2" / "rank0" / "verified" / "0.json").exists()  # hashed on node A's side
+    nodes.sender.close()
+    nodes.bye()

@@ -31,6 +31,22 @@ round-off of a different reduction order, carried forward by Adam). A wrong Adam
 by up to the learning rate in the next step, two orders of magnitude above this bound."""
 
 
+def elastic_drill(corpus, tmp_path, **changes) -> dict:
+    """``moe-ft drill --elastic`` of the flexible DP2xEP2 layout on 2 simulated nodes, losing node 1 at
+    iteration 5, with ``changes`` to its arguments; returns the drill's summary."""
+    from moe_ft.cli.drill import drill
+
+    args = dict(
+        layout="dp2ep2-flexible", policy="sparse", iters=16, window=3, recovery_scope="localized", fail=[],
+        nodes=2, fail_node=["1:5"], join_node=[], elastic=True, replicas=0, persist_interval=-1,
+        persist_dir="", max_restarts=3, data=corpus, workdir=str(tmp_path / "work"), store_dir=str(tmp_path / "store"),
+        keep_store=False, timeout=500, json=True,
+        extra=["--ft-expert-replicas", "3", "1", "2", "2", "--ft-expert-slots", "4"])
+    out = drill(SimpleNamespace(**{**args, **changes}))
+    assert out["faultfree_rc"] == 0 and out["faulty_rc"] == 0, out.get("faulty_logs")
+    return out
+
+
 def test_a_point_missing_an_expert_everywhere_is_refused_with_the_reason():
     required = required_operators(1, 2)
     full = sorted(str(op) for op in required)
@@ -45,17 +61,9 @@ def test_a_point_missing_an_expert_everywhere_is_refused_with_the_reason():
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_shrink_then_grow_keeps_training(corpus, tmp_path):
-    from moe_ft.cli.drill import drill
     from moe_ft.drills.launchers import default_launcher
 
-    args = SimpleNamespace(
-        layout="dp2ep2-flexible", policy="sparse", iters=24, window=3, recovery_scope="localized", fail=[],
-        nodes=2, fail_node=["1:5"], join_node=["1:10"], elastic=True, replicas=0, persist_interval=-1,
-        persist_dir="", max_restarts=3, data=corpus, workdir=str(tmp_path / "work"), store_dir=str(tmp_path / "store"),
-        keep_store=False, timeout=500, json=True,
-        extra=["--ft-expert-replicas", "3", "1", "2", "2", "--ft-expert-slots", "4"])
-    out = drill(args)
-    assert out["faultfree_rc"] == 0 and out["faulty_rc"] == 0, out.get("faulty_logs")
+    out = elastic_drill(corpus, tmp_path, iters=24, join_node=["1:10"])
     (loss,) = out["node_losses"]
     assert loss["nodes"] == [1] and loss["replaced"] is False and loss["survivors"] == [0]
     (join,) = out["node_joins"]
@@ -99,18 +107,11 @@ def test_a_world_the_global_batch_does_not_split_over_leaves_a_spare(corpus, tmp
     (under ``moe-ft launch`` its process stands by and a spare starts on its device). Node 1 is lost at
     iteration 12: the spare on node 2 takes rank 1 (under torchrun every worker restarts on the 2 nodes
     left). The job ends within the elastic tolerances of the fault-free run."""
-    from moe_ft.cli.drill import drill
     from moe_ft.drills.launchers import default_launcher
 
     inprocess = default_launcher().startswith("inprocess")
-    args = SimpleNamespace(
-        layout="dp2ep2-flexible", policy="sparse", iters=16, window=3, recovery_scope="localized", fail=[],
-        nodes=4, fail_node=["3:5", "1:12"], join_node=[], elastic=True, replicas=0, persist_interval=-1,
-        persist_dir="", max_restarts=3, data=corpus, workdir=str(tmp_path / "work"), store_dir=str(tmp_path / "store"),
-        keep_store=False, timeout=500, json=True, launcher_flags=("--spares-per-node=0",) if inprocess else (),
-        extra=["--ft-expert-replicas", "3", "1", "2", "2", "--ft-expert-slots", "4"])
-    out = drill(args)
-    assert out["faultfree_rc"] == 0 and out["faulty_rc"] == 0, out.get("faulty_logs")
+    out = elastic_drill(corpus, tmp_path, nodes=4, fail_node=["3:5", "1:12"],
+                        launcher_flags=("--spares-per-node=0",) if inprocess else ())
     assert [loss["nodes"] for loss in out["node_losses"]] == [[3], [1]]
     log = "".join(open(p).read() for p in out["faulty_logs"])
     assert "world size 3 -> 2" in log and "rank 2 waits as a spare" in log, out["faulty_logs"]
@@ -135,17 +136,10 @@ def test_a_pipeline_parallel_job_loses_a_data_parallel_replica_then_grows_back(c
     micro-batches per rank instead of 2), node 0's two stages restoring from their own survivor points; node 1
     joins after iteration 10 and its stages fetch their operators from node 0's. Within the elastic
     tolerances of the fault-free run."""
-    from moe_ft.cli.drill import drill
     from moe_ft.drills.launchers import default_launcher
 
-    args = SimpleNamespace(
-        layout="pp2-flexible", policy="sparse", iters=16, window=3, recovery_scope="localized", fail=[],
-        nodes=2, fail_node=["1:5"], join_node=["1:10"], elastic=True, replicas=0, persist_interval=-1,
-        persist_dir="", max_restarts=3, data=corpus, workdir=str(tmp_path / "work"), store_dir=str(tmp_path / "store"),
-        keep_store=False, timeout=500, json=True,
-        extra=["--ft-expert-replicas", "2", "2", "2", "2", "--ft-expert-slots", "8"])
-    out = drill(args)
-    assert out["faultfree_rc"] == 0 and out["faulty_rc"] == 0, out.get("faulty_logs")
+    out = elastic_drill(corpus, tmp_path, layout="pp2-flexible", join_node=["1:10"],
+                        extra=["--ft-expert-replicas", "2", "2", "2", "2", "--ft-expert-slots", "8"])
     shrink, grow = out["elastic"]["reports"]
     assert (shrink["kind"], shrink["previous_world_size"], shrink["world_size"]) == ("reshape", 4, 2), shrink
     assert (grow["kind"], grow["previous_world_size"], grow["world_size"]) == ("reshape", 2, 4), grow
@@ -170,16 +164,8 @@ def test_a_lost_pipeline_stage_falls_back_with_the_reason_and_trains_on(corpus, 
     the decision falls back, names the stage's missing operators, and training goes on from the newest
     complete recovery point (none here: the initial state, 5 iterations redone) on the smaller world, whose
     EP size (1) the flags' replica counts (for EP 2) no longer fit: eq. 1 re-allocates the slots."""
-    from moe_ft.cli.drill import drill
-
-    args = SimpleNamespace(
-        layout="dp2ep2-flexible", policy="sparse", iters=10, window=3, recovery_scope="localized", fail=[],
-        nodes=2, fail_node=["1:5"], join_node=[], elastic=True, replicas=0, persist_interval=-1,
-        persist_dir="", max_restarts=3, data=corpus, workdir=str(tmp_path / "work"), store_dir=str(tmp_path / "store"),
-        keep_store=False, timeout=500, json=True,
-        extra=["--ft-expert-replicas", "2", "2", "2", "2", "--ft-expert-slots", "4", "--pipeline-model-parallel-size", "2"])
-    out = drill(args)
-    assert out["faultfree_rc"] == 0 and out["faulty_rc"] == 0, out.get("faulty_logs")
+    out = elastic_drill(corpus, tmp_path, iters=10, extra=[
+        "--ft-expert-replicas", "2", "2", "2", "2", "--ft-expert-slots", "4", "--pipeline-model-parallel-size", "2"])
     (fallback,) = out["elastic"]["reports"]
     assert (fallback["kind"], fallback["previous_world_size"], fallback["world_size"]) == ("fallback", 4, 2)
     assert "newest point 4 lacks 7: dense.L1, expert.L1.E0" in fallback["reason"], fallback["reason"]

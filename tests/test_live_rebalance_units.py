@@ -95,7 +95,9 @@ def test_rebalance_refuses_policies_without_a_dense_point(policy, recompute):
                   replication=ReplicationConfig(replicas=1 if recompute else 0, optimizer_recompute=recompute))
     args = SimpleNamespace(extra={"FTConfig": ft},
                            model=SimpleNamespace(moe_token_dispatcher_type="flexible", num_layers=2, num_experts=4),
-                           parallel=SimpleNamespace(pipeline_model_parallel_size=1, use_distributed_optimizer=False))
+                           parallel=SimpleNamespace(pipeline_model_parallel_size=1, use_distributed_optimizer=False,
+                                                    num_layers_per_virtual_pipeline_stage=None,
+                                                    virtual_pipeline_model_parallel_size=None))
     cfg = ElasticConfig(ft_elastic=True, ft_rebalance_interval=4, ft_expert_replicas=["1", "1", "1", "1"])
     with pytest.raises(ValueError, match=f"--ft-policy {policy} cannot take"):
         cfg.check_args(args)

@@ -92,11 +92,13 @@ def check_one_node_lost(res, *, lost: int, iteration: int, phase: str, point_end
 def test_ep2pp2_node1_lost_mid_window(env, reference):
     """Node 1 (ranks 2, 3: pipeline stage 1) dies at the start of iteration 6, inside window [4, 7]: its
     ranks fetch window [0, 3] from node 0, every rank replays 1 … 3 and re-executes 4 and 5. torchrun's
-    agents (workers forked from a preloaded launcher): every worker starts again. The node agents move the
-    replicas (``--ft-replicate-by agent``, started by the trainers under torchrun): node 1's dies with its
-    store, node 0's received what the lost ranks fetch."""
+    agents (workers forked from a preloaded launcher): every worker starts again. The node agents hash the
+    snapshots and move the replicas (``--ft-checksum-by agent --ft-replicate-by agent``, started by the
+    trainers under torchrun: the trainers write each snapshot byte once and touch no replicated byte): node
+    1's agent dies with its store, node 0's received and verified what the lost ranks fetch."""
     res = lose(env, "ep2pp2_node1", layout="ep2pp2", losses=["1:6"], launcher="preloaded",
-               extra_flags=("--ft-replicate-by", "agent", "--ft-persist-agent-idle-exit", "60"))
+               extra_flags=("--ft-checksum-by", "agent", "--ft-replicate-by", "agent",
+                            "--ft-persist-agent-idle-exit", "60"))
     agent_log = Path(env["store"], "ep2pp2_node1", "node0", "ep2pp2_node1", "agent", "agent.log").read_text()
     assert "serving" in agent_log and "exiting (every rank said bye)" in agent_log, agent_log
     assert res["digest"] == reference("ep2pp2")

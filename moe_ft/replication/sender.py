@@ -159,6 +159,8 @@ class ReplicaSender:
         backend = self.store.backend
         with self.store.pin([iteration]):
             manifest = backend.read_blob(iteration, MANIFEST)
+            if self.store.records_digests:  # --ft-checksum-by agent: the peers verify against real digests
+                manifest = self.store.manifest_with_digests(iteration, manifest)
             record = decode_manifest(manifest, iteration, f"{backend.describe()} iteration {iteration}")
             blobs = {e.blob: backend.read_blob(iteration, e.blob) for e in self._chosen(iteration, record)}
         return PointMessage(owner=self.owner, iteration=iteration, manifest=manifest, blobs=blobs)

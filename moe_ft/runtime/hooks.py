@@ -182,16 +182,19 @@ class FTRuntime(StepHooks):
     def _agent_checksums(self, session):
         """``--ft-checksum-by agent``: the node agent hashes the published points (``moe_ft/agent/verify.py``).
         Replicas are verified on arrival against the owner's digests, which this mode records only after
-        publish: refused (every rank alike: replication is on or off for the whole job) while replicating."""
+        publish: the node agent that replicates hashes a point before it sends it (``--ft-replicate-by
+        agent``); the trainer's own replication is refused (every rank alike: replication is on or off, and by
+        whom, for the whole job)."""
         # start-up time: the agent's client is imported only when the mode is on
         from moe_ft.agent.verify import AgentChecksums
 
         replicas = self.find(Replicas)
-        if replicas is not None and replicas.replication is not None:
+        if replicas is not None and replicas.replication is not None and self.config.replication.replicate_by != "agent":
             if self.rank == 0:
-                print("error: --ft-checksum-by agent with replicas on other nodes: a replica is verified on arrival "
-                      "against the owner's digests, which the node agent records only after publish; pass "
-                      "--ft-replicas 0 or --ft-checksum-by writer", file=sys.stderr, flush=True)
+                print("error: --ft-checksum-by agent with replicas sent by the trainers: a replica is verified on "
+                      "arrival against the owner's digests, which the node agent records only after publish; pass "
+                      "--ft-replicate-by agent (the agent hashes a point before it sends it), --ft-replicas 0 or "
+                      "--ft-checksum-by writer", file=sys.stderr, flush=True)
             raise SystemExit(USAGE_EXIT_CODE)
         return AgentChecksums(session.store, rank=self.rank,
                               agent_dir=os.path.join(session.store_root, session.job_id, "agent"),

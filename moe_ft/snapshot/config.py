@@ -64,7 +64,8 @@ class SnapshotConfig:
         "(the trainer writes each byte once; the node agent hashes each published point and records its "
         "digests beside it, and readers verify against those; a point it has not hashed yet is checked for "
         "its structure only). 'agent' needs the durable copies, if any, made by the agent too "
-        "(--ft-persist-agent) and no replication across nodes.", choices=["writer", "agent"]))
+        "(--ft-persist-agent) and the replicas, if any, sent by the agents too (--ft-replicate-by agent: the agent "
+        "hashes a point before it sends it).", choices=["writer", "agent"]))
     snapshot_write_threads: int = field(default=0, metadata=field_help(
         "Threads writing one snapshot's entries into the store (0 = 1 on CPU, 4 on CUDA: one thread writes "
         "~1.3 GB/s on an H100 host, far below the device-to-host copy)."))

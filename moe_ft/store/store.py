@@ -489,6 +489,24 @@ class SnapshotStore:
             os.replace(tmp, path)
         return digests
 
+    def manifest_with_digests(self, iteration: int, manifest: bytes) -> bytes:
+        """``manifest`` (of published point ``iteration``) with the digest of every :data:`PENDING` entry filled
+        in, hashing the point first where the node agent has not yet (:meth:`record_verified`): what a copy
+        to another node carries, since its receiver verifies against the manifest alone. A manifest with
+        nothing pending is returned as it is. Raises :class:`CorruptEntryError` for an entry already
+        damaged, ``ValueError`` for a point with FULL entries held by replica peers only (optimizer
+        recomputation, which does not defer digests)."""
+        record = decode_manifest(manifest, iteration, self._where(iteration, MANIFEST))
+        if not any(e.checksum == PENDING for e in record.all_entries()):
+            return manifest
+        self.record_verified(iteration)
+        resolved = self._resolved(iteration, manifest, record)
+        if any(e.checksum == PENDING for e in resolved.all_entries()):
+            raise StoreError(f"{self._where(iteration, MANIFEST)}: digests recorded for another manifest")
+        if resolved.shadowed or any(e.remote for e in resolved.entries.values()):
+            raise ValueError(f"{self._where(iteration, MANIFEST)}: entries held by replica peers only")
+        return build_manifest(iteration, resolved.checksum_algo, list(resolved.entries.values()), resolved.meta)[0]
+
     def _drop_verified(self, iterations: Iterable[int] | None = None) -> None:
         """Delete the recorded digests of ``iterations`` (``None``: of every point no longer listed)."""
         if self._verified_dir is None or not self._verified_dir.is_dir():
