@@ -152,3 +152,36 @@ def test_points_written_without_digests_reach_the_peer_with_them(tmp_path):
     assert (tmp_path / "nodeA" / "j2" / "rank0" / "verified" / "0.json").exists()  # hashed on node A's side
     nodes.sender.close()
     nodes.bye()
+
+
+def test_a_receiving_agent_killed_costs_points_not_training_and_its_successor_listens_where_it_did(tmp_path):
+    """Node B's agent SIGKILLed: node A's agent cannot deliver the next point, skips it for that peer and says
+    so (the point does not count as replicated: the lag grows), and keeps its sender; node B's trainer's next
+    call starts another agent, which listens on the same port (derived from its directory), so the point
+    after that reaches node B again."""
+    nodes = Nodes(tmp_path)
+    _publish(nodes.store, 0)
+    nodes.sender.submit(0)
+    nodes.sender.flush()
+    wait_until(lambda: nodes.receiver.poll().get(0, {}).get("received") == 1, timeout=20)
+    receiving = nodes.clients[1].pid
+    os.kill(receiving, signal.SIGKILL)
+    wait_until(lambda: agent_pid(tmp_path / "nodeB" / "j" / "agent") is None, timeout=10)
+    _publish(nodes.store, 1)
+    nodes.sender.submit(1)
+    nodes.sender.flush()  # answered: the sending agent's sender did not fail
+    assert nodes.sender.replicated_iteration == 0 and nodes.sender.lag(1) == 1
+    log = (tmp_path / "nodeA" / "j" / "agent" / "agent.log").read_text()
+    assert "point 1 not replicated: peer(s) [1] unreachable" in log, log
+    nodes.receiver.poll()  # node B's trainer: a new agent, listening again
+    assert nodes.clients[1].pid != receiving and nodes.clients[1].restarts == 1
+    assert tuple(nodes.clients[1].call("replica_listen")) == (nodes.dest.host, nodes.dest.port)
+    _publish(nodes.store, 2)
+    nodes.sender.submit(2)
+    nodes.sender.flush()
+    assert nodes.sender.replicated_iteration == 2
+    wait_until(lambda: 2 in nodes.replicas().points(), timeout=20)
+    nodes.check_replica(2)
+    assert 1 not in nodes.replicas().points()
+    nodes.sender.close()
+    nodes.bye()

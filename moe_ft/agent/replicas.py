@@ -16,7 +16,8 @@ What runs where:
   that ends inside a message (the sending agent was killed) publishes nothing of it. A ``close`` frame ends
   one owner's stream to one holder: the holder's trainer waits for it at the end of training.
 
-Wire format of one frame: ``uint64`` header length (big-endian), the JSON header, then the payload:
+Wire format of one frame: ``uint64`` header length (big-endian), the JSON header, then the payload
+(the receiving agent answers each frame with a ``uint64`` once it has published or rejected it):
 ``{"kind": "point", "owner", "iteration", "holder", "root", "job_id", "per_holder", "manifest": n,
 "blobs": [[name, n], ...]}`` followed by the manifest and the blobs, or ``{"kind": "close", "owner",
 "holder", "root", "job_id", "per_holder"}`` with no payload.
@@ -24,6 +25,7 @@ Wire format of one frame: ``uint64`` header length (big-endian), the JSON header
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from moe_ft.replication.placement import needs_replication
 from moe_ft.replication.receiver import Rejection, publish_replica, replica_store_config
-from moe_ft.replication.transport import PointMessage, PointSink
+from moe_ft.replication.transport import PeerUnreachable, PointMessage, PointSink
 
 if TYPE_CHECKING:
     from moe_ft.state.operators import Level, OperatorId
@@ -50,6 +52,20 @@ HOST_ENV = "MOE_FT_AGENT_HOST"
 _LEN = struct.Struct(">Q")
 KEEP_POINTS = 8
 """Newest replicated points kept per owner (as the trainer's receiver keeps them)."""
+
+
+PORT_ENV = "MOE_FT_AGENT_PORT"
+"""The port the node agent listens on for replicas (default: one derived from its directory, so that an agent
+started again after a crash listens where its peers send)."""
+
+
+def agent_port(agent_dir: str | os.PathLike) -> int:
+    """``$MOE_FT_AGENT_PORT``, else a port in [20000, 40000) derived from the agent directory's path (the
+    same on every start of the node's agent; peers gathered it once, at build)."""
+    if os.environ.get(PORT_ENV):
+        return int(os.environ[PORT_ENV])
+    digest = hashlib.sha1(os.path.realpath(agent_dir).encode()).digest()
+    return 20000 + int.from_bytes(digest[:4], "big") % 20000
 
 
 def agent_host() -> str:
@@ -150,14 +166,21 @@ class SocketSink(PointSink):
         return sock
 
     def _send(self, rank: int, header: dict, parts=()) -> None:
+        """One frame, then the receiving agent's acknowledgement: a point counts as sent once the peer read
+        it whole and published it (or rejected it, as a receiver does), not when the kernel took the bytes
+        (a write to a peer that just died succeeds). Sent again once on a new connection."""
         for attempt in (0, 1):
             try:
-                _send_frame(self._sock(rank), header, parts)
+                sock = self._sock(rank)
+                _send_frame(sock, header, parts)
+                if _recv_exact(sock, _LEN.size) is None:
+                    raise ConnectionError("the connection closed before the acknowledgement")
                 return
-            except OSError:
+            except OSError as exc:
                 self._drop(rank)
                 if attempt:
-                    raise
+                    dst = self.peers[rank]
+                    raise PeerUnreachable(f"the node agent of rank {rank} at {dst.host}:{dst.port}: {exc}") from exc
 
     def send_point(self, dst: int, message: PointMessage) -> int:
         header = {**self._header(self.peers[dst], "point"), "iteration": message.iteration,
@@ -189,8 +212,13 @@ class StreamState:
 class ReplicaListener:
     """The receiving half in a node agent (see the module docstring)."""
 
-    def __init__(self, host: str) -> None:
-        self.server = socket.create_server((host, 0))
+    def __init__(self, host: str, port: int = 0) -> None:
+        try:
+            self.server = socket.create_server((host, port))
+        except OSError as exc:  # taken by another process: any port (peers that gathered the other one miss
+            # this agent's replicas until the job's next build, and their senders say so)
+            logger.warning("moe-ft agent: replica port %d unavailable (%r); listening on another", port, exc)
+            self.server = socket.create_server((host, 0))
         self.host, self.port = host, self.server.getsockname()[1]
         self.streams: dict[tuple[int, int], StreamState] = {}
         """``(holder, owner) -> StreamState``."""
@@ -249,6 +277,7 @@ class ReplicaListener:
                         raise EOFError("inside a header")
                     if header["kind"] == "close":
                         self._stream(header).closed = True
+                        conn.sendall(_LEN.pack(0))
                         continue
                     sizes = [header["manifest"], *(n for _, n in header["blobs"])]
                     payload = _recv_exact(conn, sum(sizes))
@@ -261,6 +290,10 @@ class ReplicaListener:
                                    exc)
                     return
                 self._publish(header, payload, sizes)
+                try:
+                    conn.sendall(_LEN.pack(header["iteration"]))  # the sender's acknowledgement
+                except OSError:
+                    return
 
     def _publish(self, header: dict, payload: memoryview, sizes: list[int]) -> None:
         offsets = [0]

@@ -14,8 +14,8 @@ a thread of its own. Requests are tuples:
   rank's state (:meth:`NodeAgent._state`: its finished copies and the agent's CPU seconds so far);
 * ``("replicate", ReplicateRequest)``: send rank ``r``'s published point to its replica peers' agents
   (``moe_ft/agent/replicas.py``: a ``ReplicaSender`` per rank, here, over sockets); answers the rank's
-  replication state. ``("replica_listen",)`` starts the listener that receives the peers' replicas and
-  answers its ``(host, port)``; ``("replica_open", holder)`` starts a holder's streams afresh (a new run);
+  replication state. The first replication request starts the listener that receives the peers' replicas
+  (on a port derived from the agent directory); ``("replica_listen",)`` answers its ``(host, port)``; ``("replica_open", holder)`` starts a holder's streams afresh (a new run);
   ``("replica_state", holder)`` answers what arrived for it; ``("replica_flush" | "replica_close" |
   "replica_abandon", rank)`` waits for the rank's sends / also ends its streams to the peers / drops its
   sender without ending them (a failed attempt);
@@ -292,17 +292,16 @@ class NodeAgent:
 
     def _replica(self, kind: str, args: tuple):
         # start-up time of the agent: replication is imported with the first request for it
-        from moe_ft.agent.replicas import ReplicaListener, SocketSink, agent_host
+        from moe_ft.agent.replicas import ReplicaListener, SocketSink, agent_host, agent_port
         from moe_ft.replication.sender import ReplicaSender, SenderConfig
 
-        if kind == "replica_listen":
-            with self._lock:
-                if self.listener is None:
-                    self.listener = ReplicaListener(agent_host())
-                return self.listener.host, self.listener.port
-        if kind in ("replica_open", "replica_state"):
+        with self._lock:  # listening from the first replication request on (an agent started again after a
+            # crash listens on the same port as before: the peers' senders find it there)
             if self.listener is None:
-                raise RuntimeError("no replica listener: the holder's trainer asks replica_listen first")
+                self.listener = ReplicaListener(agent_host(), agent_port(self.directory))
+        if kind == "replica_listen":
+            return self.listener.host, self.listener.port
+        if kind in ("replica_open", "replica_state"):
             if kind == "replica_open":
                 self.listener.reopen(args[0])
                 return None

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 from moe_ft.background import BackgroundWorker
-from moe_ft.replication.transport import PointMessage, PointSink
+from moe_ft.replication.transport import PeerUnreachable, PointMessage, PointSink
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import SnapshotStore
 from moe_ft.store.backend import MANIFEST
@@ -165,12 +165,22 @@ class ReplicaSender:
             blobs = {e.blob: backend.read_blob(iteration, e.blob) for e in self._chosen(iteration, record)}
         return PointMessage(owner=self.owner, iteration=iteration, manifest=manifest, blobs=blobs)
 
-    def _send(self, message: PointMessage, start: float) -> int:
-        nbytes = sum(self.transport.send_point(peer, message) for peer in self.peers)
+    def _send(self, message: PointMessage, start: float) -> bool:
+        """Send ``message`` to every peer; whether it reached them all (a peer the transport cannot reach
+        now, :class:`PeerUnreachable`, misses this point: skipped for it, and the point does not count as
+        replicated)."""
+        nbytes, missed = 0, []
+        for peer in self.peers:
+            try:
+                nbytes += self.transport.send_point(peer, message)
+            except PeerUnreachable as exc:
+                missed.append((peer, exc))
         self.sent.append(SentRecord(message.iteration, nbytes, len(message.blobs), time.perf_counter() - start))
         with self._lock:
             self._plans.pop(message.iteration, None)
-        return nbytes
+        if missed:
+            self._skip(message.iteration, f"peer(s) {[p for p, _ in missed]} unreachable: {missed[0][1]}")
+        return not missed
 
     def _replicate(self, iteration: int) -> None:
         if why := self._wait_published(iteration):
@@ -181,8 +191,8 @@ class ReplicaSender:
         except FileNotFoundError:
             return self._skip(iteration, "deleted by garbage collection before it was read "
                                          "(replication slower than snapshots)")
-        self._send(message, start)
-        self.replicated_iteration = iteration
+        if self._send(message, start):
+            self.replicated_iteration = iteration
 
     def _wanted(self, newest: int) -> tuple[list[int], Optional[int]]:
         """Points of the newest recovery point at or before ``newest`` and of the one in flight after it
@@ -218,8 +228,8 @@ class ReplicaSender:
                 if cost > self.credit:
                     break  # keep the credit: the next iteration adds to it
                 self.credit -= cost
-            self._send(message, start)
-            self._done.add(it)
+            if self._send(message, start):
+                self._done.add(it)
         complete = [e for e in ([end] if end is not None else [])
                     if all(w in self._done for w in wanted if w <= e)]
         if complete:

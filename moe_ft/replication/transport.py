@@ -41,6 +41,11 @@ class PointMessage:
         return len(self.manifest) + sum(len(b) for b in self.blobs.values())
 
 
+class PeerUnreachable(OSError):
+    """A peer that cannot be reached now (its node agent is down or restarting): the message did not reach
+    it. The sender skips the point for that peer and goes on; the next point tries again."""
+
+
 class PointSink(abc.ABC):
     """The sending half: what a :class:`~moe_ft.replication.sender.ReplicaSender` needs (the node agent's
     sockets, ``moe_ft/agent/replicas.py``, deliver into the peers' agents, which publish on arrival)."""
