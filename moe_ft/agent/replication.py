@@ -17,6 +17,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from moe_ft import comm
 from moe_ft.agent.client import AgentClient, AgentCpu
 from moe_ft.agent.replicas import Destination, ReplicaSelect, ReplicateRequest
+from moe_ft.background import BackgroundWorker
 from moe_ft.replication.receiver import Rejection
 from moe_ft.replication.sender import SentRecord
 from moe_ft.state.operators import Level, OperatorId
@@ -34,7 +35,11 @@ def agent_endpoints(client: AgentClient, *, rank: int, store_root: str, job_id: 
 
 class AgentSender:
     """Rank ``rank``'s replication to ``peers``, run by its node agent: what ``Replication`` asks of a
-    :class:`~moe_ft.replication.sender.ReplicaSender` (``capture``: no optimizer recomputation here)."""
+    :class:`~moe_ft.replication.sender.ReplicaSender` (``capture``: no optimizer recomputation here).
+
+    The requests to the agent go from a thread of their own, in order: the training step only queues the
+    iteration (and its ``B_remote``, read at the step). The client is used by that thread alone while points
+    are queued; :meth:`flush`, :meth:`close` and the receiver's calls wait for it to be idle first."""
 
     capture = None
 
@@ -48,16 +53,20 @@ class AgentSender:
         self.replicated_iteration: int | None = None
         self.agent_cpu = AgentCpu()
         self._iteration = -1
+        self._worker: BackgroundWorker[ReplicateRequest] = BackgroundWorker(
+            f"moe-ft-agent-replicate{rank}", lambda req: self._take(self.client.call("replicate", req)),
+            describe=lambda e: f"replication of rank {rank} by its node agent failed: {e!r}")
 
     def submit(self, iteration: int, plan: Mapping[OperatorId, Level] | None = None) -> None:
         """Name point ``iteration`` to the agent (it sends it once published); returns at once."""
+        self._worker.raise_if_failed()
         self._iteration = iteration
         if not self.peers:
             return
         budget = max(int(self.budget() or 0), 0) if self.budget is not None else None
-        self._take(self.client.call("replicate", ReplicateRequest(
+        self._worker.submit(ReplicateRequest(
             rank=self.rank, iteration=iteration, store_dir=self.store.backend.describe(), peers=self.peers,
-            select=self.select, plan=None if plan is None else dict(plan), budget=budget)))
+            select=self.select, plan=None if plan is None else dict(plan), budget=budget))
 
     def _take(self, state: dict) -> None:
         self.replicated_iteration = state["replicated_iteration"]
@@ -70,16 +79,24 @@ class AgentSender:
         return iteration - done if done is not None else iteration + 1
 
     def flush(self) -> None:
+        self._worker.drain()
         self._take(self.client.call("replica_flush", self.rank))
 
     def close(self) -> None:
         """The queued points, then the end of this rank's streams to its peers."""
+        self._worker.close()
+        self._worker.raise_if_failed()
         if self.peers:
             self._take(self.client.call("replica_close", self.rank))
 
     def abandon(self) -> None:
-        with contextlib.suppress(OSError, EOFError, RuntimeError):
-            self.client.call("replica_abandon", self.rank)
+        """A failed attempt: the agent drops this rank's sender without ending its streams (when the request
+        thread is still in a call, the client is left to it: the next attempt's first request replaces the
+        sender anyway)."""
+        self._worker.close(timeout=5)
+        if not self._worker.alive:
+            with contextlib.suppress(OSError, EOFError, RuntimeError):
+                self.client.call("replica_abandon", self.rank)
 
 
 class AgentReceiver:

@@ -338,15 +338,14 @@ class NodeAgent:
 
     @staticmethod
     def _replica_state(rank: "_Rank | None") -> dict:
-        """A rank's replication: the newest point on every peer, the last message sent, points deferred and
-        skipped, and the agent's CPU seconds so far."""
+        """A rank's replication: the newest point on every peer, the last message sent, the points deferred,
+        and the agent's CPU seconds so far."""
         times = os.times()
         sender = rank.sender if rank is not None else None
         last = sender.sent[-1] if sender is not None and sender.sent else None
         return {"replicated_iteration": sender.replicated_iteration if sender is not None else None,
                 "sent": None if last is None else (last.iteration, last.nbytes, last.num_entries, last.seconds),
-                "deferred": list(sender.deferred) if sender is not None else [],
-                "skipped": len(sender.skipped) if sender is not None else 0, "cpu_s": times.user + times.system}
+                "deferred": list(sender.deferred) if sender is not None else [], "cpu_s": times.user + times.system}
 
     @staticmethod
     def _state(rank: "_Rank | None") -> dict:

@@ -32,6 +32,7 @@ from moe_ft.replication.transport import PeerUnreachable, PointMessage, PointSin
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import SnapshotStore
 from moe_ft.store.backend import MANIFEST
+from moe_ft.store.codec import PENDING
 from moe_ft.store.manifest import EntryRecord, PointRecord, decode_manifest
 
 logger = logging.getLogger("moe_ft.replication")
@@ -159,9 +160,11 @@ class ReplicaSender:
         backend = self.store.backend
         with self.store.pin([iteration]):
             manifest = backend.read_blob(iteration, MANIFEST)
-            if self.store.records_digests:  # --ft-checksum-by agent: the peers verify against real digests
-                manifest = self.store.manifest_with_digests(iteration, manifest)
-            record = decode_manifest(manifest, iteration, f"{backend.describe()} iteration {iteration}")
+            where = f"{backend.describe()} iteration {iteration}"
+            record = decode_manifest(manifest, iteration, where)
+            if any(e.checksum == PENDING for e in record.all_entries()):  # --ft-checksum-by agent: the peers
+                manifest = self.store.manifest_with_digests(iteration, manifest)  # verify against real digests
+                record = decode_manifest(manifest, iteration, where)
             blobs = {e.blob: backend.read_blob(iteration, e.blob) for e in self._chosen(iteration, record)}
         return PointMessage(owner=self.owner, iteration=iteration, manifest=manifest, blobs=blobs)
 
