@@ -44,6 +44,7 @@ def check_layout(flags: list[str], data_path: str) -> dict:
     from megatron.training.model import build_train_state
     from megatron.training.pretrain import build_data
     from megatron.training.training import train_step
+    from moe_ft.state import shards
     from moe_ft.state.catalogue import gather_catalogue
     from moe_ft.state.operators import Level
     from moe_ft.state.registry import OperatorRegistry
@@ -70,8 +71,8 @@ def check_layout(flags: list[str], data_path: str) -> dict:
     indep_bytes = sum(t.nbytes for t in [*params, *separate_masters, *optim])
     buffers = sum(t.nbytes for st in reg.operators.values() for n, t in st.compute.items() if n.endswith("expert_bias"))
     infos = reg.infos()
-    shard_ok = all(
-        st.optim[f"exp_avg.{name}"].numel() == end - start
+    shard_ok = all(  # every sharded tensor is named with its range (moe_ft/state/shards.py)
+        st.optim[shards.tag("exp_avg", start, end, st.sharded[name], name)].numel() == end - start
         for st in reg.operators.values() for name, (start, end) in st.shards.items())
     catalogue = gather_catalogue(infos, reg.ep_size)
     out = {

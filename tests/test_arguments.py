@@ -87,7 +87,7 @@ def test_elastic_restart_rederives_expert_parallel_before_validation(data_prefix
 
 def test_elastic_takes_pipeline_parallelism_and_the_pipeline_first_rank_order(data_prefix):
     """``--ft-elastic`` with PP=2 parses (one model chunk per rank; virtual stages and the distributed
-    optimizer are refused with the flag to drop), and ``--use-tp-pp-dp-mapping`` is refused where
+    optimizer with in-run rebalancing are refused with the flag to drop), and ``--use-tp-pp-dp-mapping`` is refused where
     Megatron-Core would refuse its order (experts with another data-parallel size than the dense layers)."""
     import pretrain_gpt_moe
 
@@ -100,8 +100,11 @@ def test_elastic_takes_pipeline_parallelism_and_the_pipeline_first_rank_order(da
     with pytest.raises(ArgumentError, match="one model chunk per pipeline rank"):
         parse_args([*flags, "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"], world_size=4,
                    extra_groups=groups)
-    with pytest.raises(ArgumentError, match="drop --use-distributed-optimizer"):
-        parse_args([*flags, "--use-distributed-optimizer"], world_size=4, extra_groups=groups)
+    args = parse_args([*flags, "--use-distributed-optimizer"], world_size=4, extra_groups=groups)
+    assert args.parallel.use_distributed_optimizer  # shards re-assembled on the new world (moe_ft/state/shards.py)
+    with pytest.raises(ArgumentError, match="drop --use-distributed-optimizer or --ft-rebalance-interval"):
+        parse_args([*flags, "--use-distributed-optimizer", "--ft-rebalance-interval", "4"], world_size=4,
+                   extra_groups=groups)
     with pytest.raises(ArgumentError, match="use-tp-pp-dp-mapping with pipeline parallelism"):
         parse_args([*flags, "--use-tp-pp-dp-mapping", "--expert-model-parallel-size", "2"], world_size=4,
                    extra_groups=groups)

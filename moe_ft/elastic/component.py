@@ -19,6 +19,7 @@ from moe_ft.launch.worker import launch_facts
 from moe_ft.recovery.driver import last_fault_time
 from moe_ft.recovery.progress import last_completed
 from moe_ft.runtime.components import Component
+from moe_ft.state.naming import plan_free_name
 
 
 def elastic_component(args, runtime) -> "ElasticRecorder | None":
@@ -95,9 +96,12 @@ class ElasticRecorder(Component):
         popularity = self.runtime.popularity
         loads = {layer: popularity.hard[i].tolist() for i, layer in enumerate(popularity.config.moe_layers)
                  if layer in self.maps}
+        registry = self.runtime.registry
+        sharded = {str(op): {plan_free_name(p): n for p, n in registry[op].sharded.items()}
+                   for op in registry if registry[op].sharded} if registry is not None else {}
         write_record(self.store_dir, self.job_id, self.runtime.rank, LayoutRecord(
             generation=self.generation, world_size=self.runtime.world_size, ep_size=self.ep_size,
-            iteration=iteration, plans=self.maps, loads=loads))
+            iteration=iteration, plans=self.maps, loads=loads, sharded=sharded))
 
     def close(self) -> None:
         """Drills (``--ft-digest-out``): the final parameters beside the digest, experts by global id, so that

@@ -157,15 +157,16 @@ class ElasticConfig(LoopExtension):
                                  "policy other than none)")
             if args.model.moe_token_dispatcher_type != FLEXIBLE:
                 raise ValueError(f"--ft-elastic re-plans expert replicas: add --moe-token-dispatcher-type {FLEXIBLE}")
-            if args.parallel.use_distributed_optimizer:
-                raise ValueError("--ft-elastic supports the plain optimizer only (the distributed optimizer's "
-                                 "shards change with the data-parallel size); drop --use-distributed-optimizer")
             if args.parallel.num_layers_per_virtual_pipeline_stage or args.parallel.virtual_pipeline_model_parallel_size:
                 raise ValueError("--ft-elastic keeps one model chunk per pipeline rank; drop "
                                  "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size")
             self._ft, self._num_layers = ft, args.model.num_layers
             self._pipeline_size = args.parallel.pipeline_model_parallel_size
         if self.ft_rebalance_interval:
+            if args.parallel.use_distributed_optimizer:
+                raise ValueError("--ft-rebalance-interval moves experts between MLP slots in the running job, "
+                                 "and the distributed optimizer shards each slot's state differently; drop "
+                                 "--use-distributed-optimizer or --ft-rebalance-interval")
             ft = args.extra.get("FTConfig")
             if not getattr(ft.snapshot.policy_cls, "starts_dense", False):
                 raise ValueError(f"--ft-rebalance-interval: a rebalance starts the new plan with a dense recovery "

@@ -7,9 +7,12 @@ hard counts, the loads eq. 1 allocates from, Lazarus §4.1) and the iteration. A
 records its nodes kept to learn the plan it ran (same world: keep it; other world: re-plan from it).
 
 **LayoutInventory** (:func:`node_inventory`): every point in this node's stores of the job -- the snapshot stores
-``<job>/rank<r>`` and the survivor points ``<job>/survivor/rank<r>`` (``moe_ft/localized/survivor.py``) --
-with the operators it holds at ``FULL`` and whether it has metadata. Only this node's files are read:
-another node's state arrives over the network (``transfer.py``).
+``<job>/rank<r>``, the survivor points ``<job>/survivor/rank<r>`` (``moe_ft/localized/survivor.py``) and the
+replicas this node holds for its peers ``<job>/replicas[/holder<h>]/rank<r>`` (a lost node's points live on
+only there) -- with the operators it holds at ``FULL``, whether it has metadata and, with the distributed
+optimizer, which elements of each parameter's optimizer state each copy holds (``moe_ft/state/shards.py``:
+read from the manifest's tensor names). Only this node's files are read: another node's state arrives over
+the network (``restore.py``).
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from moe_ft.localized.survivor import SURVIVOR_SUBDIR
+from moe_ft.state import shards
+from moe_ft.state.naming import plan_free_name
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store.store import StoreConfig
 
 RECORD_DIR = "elastic"
+REPLICA_SUBDIR = "replicas"
+"""Where a node keeps its peers' replicas (``moe_ft/replication/receiver.py``)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,11 @@ class LayoutRecord:
     """``{layer_idx: R[e][j]}`` of every elastic MoE layer."""
     loads: dict[int, list[float]]
     """``{layer_idx: tokens per expert}``, cumulative since the start of training."""
+    sharded: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Distributed optimizer: ``{operator: {param (plan-free name): numel}}`` of every parameter of this
+    rank's operators whose optimizer state is sharded, this rank's range empty or not: the elements a point
+    must hold, over all its copies, to restore the operator (a copy that holds none of a parameter's
+    elements cannot say so itself)."""
 
     @staticmethod
     def from_json(text: str) -> "LayoutRecord":
@@ -48,7 +60,8 @@ class LayoutRecord:
         return LayoutRecord(generation=int(raw["generation"]), world_size=int(raw["world_size"]),
                             ep_size=int(raw["ep_size"]), iteration=int(raw["iteration"]),
                             plans={int(k): v for k, v in raw["plans"].items()},
-                            loads={int(k): v for k, v in raw["loads"].items()})
+                            loads={int(k): v for k, v in raw["loads"].items()},
+                            sharded={k: dict(v) for k, v in raw.get("sharded", {}).items()})
 
 
 def record_dir(store_dir: str, job_id: str) -> Path:
@@ -83,15 +96,20 @@ def newest_record(records: list[LayoutRecord]) -> LayoutRecord | None:
     if newest is None:
         return None
     plans, loads = {}, {}
+    sharded: dict[str, dict[str, int]] = {}
     for r in sorted((r for r in records if r.generation == newest.generation), key=lambda r: r.iteration):
         plans.update(r.plans)
         loads.update(r.loads)
-    return replace(newest, plans=dict(sorted(plans.items())), loads=dict(sorted(loads.items())))
+        for op, params in r.sharded.items():
+            sharded.setdefault(op, {}).update(params)
+    return replace(newest, plans=dict(sorted(plans.items())), loads=dict(sorted(loads.items())),
+                   sharded=dict(sorted(sharded.items())))
 
 
 @dataclass(frozen=True)
 class StoreDir:
-    """One store directory on this node: ``kind`` ``snapshot`` or ``survivor``, written by old ``rank``."""
+    """One store directory on this node: ``kind`` ``snapshot``, ``survivor`` or ``replica`` (held for a peer),
+    of old ``rank``."""
 
     kind: str
     rank: int
@@ -104,15 +122,23 @@ class StoreDir:
 
 
 def store_dirs(store_dir: str, job_id: str) -> list[StoreDir]:
-    """The snapshot and survivor store directories of ``job_id`` on this node."""
+    """The snapshot, survivor and replica store directories of ``job_id`` on this node."""
 
     out = []
     job = Path(store_dir) / job_id
-    for kind, root, name in (("snapshot", store_dir, job_id), ("survivor", str(job), SURVIVOR_SUBDIR)):
+    homes = [("snapshot", store_dir, job_id), ("survivor", str(job), SURVIVOR_SUBDIR),
+             ("replica", store_dir, f"{job_id}/{REPLICA_SUBDIR}")]
+    homes += [("replica", store_dir, f"{job_id}/{REPLICA_SUBDIR}/{p.name}")
+              for p in sorted((job / REPLICA_SUBDIR).glob("holder*")) if p.is_dir()]
+    for kind, root, name in homes:
         for path in sorted((Path(root) / name).glob("rank*")):
             if path.is_dir() and path.name[4:].isdigit():
                 out.append(StoreDir(kind, int(path.name[4:]), root, name))
     return out
+
+
+Ranges = dict[str, tuple[int, int, int]]
+"""``{param (plan-free name): (start, end, numel)}`` of a copy's sharded optimizer state; ``{}``: none."""
 
 
 @dataclass
@@ -125,10 +151,25 @@ class LayoutInventory:
     candidates: dict[int, dict[OperatorId, list[StoreDir]]] = field(default_factory=dict)
     """Every directory holding ``op`` at FULL in that point, in preference order (``full`` is the first):
     a corrupt entry is read from the next one."""
+    ranges: dict[int, dict[OperatorId, list[Ranges]]] = field(default_factory=dict)
+    """The sharded elements each copy of :attr:`candidates` holds (same order)."""
 
-    def summary(self) -> dict[int, list[str]]:
-        """``{iteration: [operator names FULL]}`` for points with metadata (what the ranks exchange)."""
-        return {it: sorted(str(op) for op in ops) for it, ops in self.full.items() if it in self.meta}
+    def summary(self) -> dict[int, dict[str, list[Ranges]]]:
+        """``{iteration: {operator name: [ranges of each distinct copy]}}`` of the operators held at FULL, for
+        points with metadata (what the ranks exchange)."""
+        out = {}
+        for it, ops in self.full.items():
+            if it in self.meta:
+                out[it] = {str(op): _distinct(self.ranges.get(it, {}).get(op, [{}])) for op in sorted(ops)}
+        return out
+
+
+def _distinct(copies: list[Ranges]) -> list[Ranges]:
+    out: list[Ranges] = []
+    for r in copies:
+        if r not in out:
+            out.append(r)
+    return out
 
 
 def node_inventory(store_dir: str, job_id: str, *, prefer_rank: int) -> LayoutInventory:
@@ -136,7 +177,9 @@ def node_inventory(store_dir: str, job_id: str, *, prefer_rank: int) -> LayoutIn
     full: dict[int, dict[OperatorId, StoreDir]] = {}
     meta: dict[int, list[StoreDir]] = {}
     candidates: dict[int, dict[OperatorId, list[StoreDir]]] = {}
-    dirs = sorted(store_dirs(store_dir, job_id), key=lambda d: (d.rank != prefer_rank, d.kind != "survivor", d.rank))
+    ranges: dict[int, dict[OperatorId, list[Ranges]]] = {}
+    kinds = {"survivor": 0, "snapshot": 1, "replica": 2}  # a replica is read only where no own copy serves
+    dirs = sorted(store_dirs(store_dir, job_id), key=lambda d: (d.rank != prefer_rank, kinds[d.kind], d.rank))
     for d in dirs:
         for point in d.open().catalog().points():
             ops = full.setdefault(point.iteration, {})
@@ -144,6 +187,8 @@ def node_inventory(store_dir: str, job_id: str, *, prefer_rank: int) -> LayoutIn
                 if entry.level == Level.FULL:
                     ops.setdefault(op, d)
                     candidates.setdefault(point.iteration, {}).setdefault(op, []).append(d)
+                    ranges.setdefault(point.iteration, {}).setdefault(op, []).append(
+                        shards.ranges_of(plan_free_name(t.name) for t in entry.tensors))
             if point.meta is not None:
                 meta.setdefault(point.iteration, []).append(d)
-    return LayoutInventory(full, meta, candidates)
+    return LayoutInventory(full, meta, candidates, ranges)

@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
+from typing import Mapping
 
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from moe_ft import comm
-from moe_ft.elastic.inventory import LayoutRecord, newest_record, node_inventory, read_records
+from moe_ft.elastic.inventory import LayoutRecord, Ranges, newest_record, node_inventory, read_records
 from moe_ft.elastic.reshape import Replan, rederive_expert_parallel, replan
 from moe_ft.placement.layers import ExpertPlacementConfig
+from moe_ft.state import shards
 from moe_ft.state.operators import OperatorId
 
 
@@ -67,24 +69,58 @@ def required_operators(num_layers: int, num_experts: int) -> set[OperatorId]:
     return ops
 
 
-def newest_complete_point(inventories: dict[int, dict[int, list[str]]], required: set[OperatorId]) -> tuple[int, str]:
+def newest_complete_point(inventories: dict[int, dict[int, Mapping[str, list[Ranges]] | list[str]]],
+                          required: set[OperatorId], sharded: Mapping[str, Mapping[str, int]] | None = None
+                          ) -> tuple[int, str]:
     """``(T, '')``: the newest iteration at which the nodes together hold every required operator at FULL
-    (and some node its metadata), or ``(-1, reason)`` naming what is missing at the newest point."""
+    (and some node its metadata), or ``(-1, reason)`` naming what is missing at the newest point.
+
+    ``inventories``: ``{node: {iteration: {operator: [ranges of each copy]}}}`` (``LayoutInventory.summary``;
+    a list of names stands for whole copies). With the distributed optimizer an operator is whole only when
+    the union of its copies' ranges covers every element of every sharded parameter: those of ``sharded``
+    (``{operator: {param: numel}}``, the layout records') and any a copy names."""
     names = {str(op) for op in required}
     iterations = sorted({it for inv in inventories.values() for it in inv}, reverse=True)
-    for it in iterations:
-        have = set().union(*(set(inv.get(it, ())) for inv in inventories.values()))
-        if names <= have:
-            return it, ""
     if not iterations:
         return -1, "no node kept a point with metadata (stores lost, or nothing was published yet)"
-    newest = iterations[0]
-    have = set().union(*(set(inv.get(newest, ())) for inv in inventories.values()))
-    missing = sorted(names - have)
-    return -1, (f"no point has every operator at FULL on the surviving nodes (newest point {newest} lacks "
+    lacking = {it: _lacking(it, inventories, names, sharded or {}) for it in iterations}
+    complete = [it for it in iterations if not lacking[it]]
+    if complete:
+        return complete[0], ""
+    missing = lacking[iterations[0]]
+    return -1, (f"no point has every operator at FULL on the surviving nodes (newest point {iterations[0]} lacks "
                 f"{len(missing)}: {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}); a sparse point "
-                f"needs a survivor point or a window replay on the old world, and an expert whose every holder "
-                f"was lost needs the durable tier")
+                f"needs a survivor point or a window replay on the old world, an expert whose every holder "
+                f"was lost needs the durable tier, and with the distributed optimizer a lost rank's shards need "
+                f"its replicas of a dense point (--ft-policy dense with --ft-replicas)")
+
+
+def _lacking(it: int, inventories, names: set[str], sharded: Mapping[str, Mapping[str, int]]) -> list[str]:
+    """What point ``it`` lacks over all nodes: operators without a FULL copy, then operators whose copies
+    miss optimizer elements (with the reason)."""
+    copies: dict[str, list[Ranges]] = {}
+    for inv in inventories.values():
+        held = inv.get(it, {})
+        for op in held:
+            copies.setdefault(op, []).extend(held[op] if isinstance(held, Mapping) else [{}])
+    gaps = {op: _missing(op, copies[op], sharded) for op in sorted(names & set(copies))}
+    return sorted(names - set(copies)) + [f"{op} ({gap})" for op, gap in gaps.items() if gap]
+
+
+def _missing(op: str, copies: list[Ranges], sharded: Mapping[str, Mapping[str, int]]) -> str:
+    """Which elements of ``op``'s sharded optimizer state no copy holds (``''``: none missing)."""
+    params = dict(sharded.get(op, {}))
+    for ranges in copies:
+        for param, (_, _, numel) in ranges.items():
+            params.setdefault(param, numel)
+    if not params:
+        return ""  # whole copies (the plain optimizer)
+    lost = shards.missing_elements(copies, params)
+    if not lost:
+        return ""
+    param, ((s, e), *_) = next(iter(lost.items()))
+    more = f" and of {len(lost) - 1} more parameters" if len(lost) > 1 else ""
+    return f"optimizer state elements {s}:{e} of {param}{more}"
 
 
 def stage_of_layers(first_layers: dict[int, int], layers) -> dict[int, int]:
@@ -126,7 +162,8 @@ def decide(*, store_dir: str, job_id: str, num_layers: int, num_experts: int, ep
     generation = previous.generation + 1
     notes = [f"world {previous.world_size} -> {world} ranks (EP {previous.ep_size} -> {ep_size})"]
     inventories = {g["node"]: {int(k): v for k, v in g["inventory"].items()} for g in gathered}
-    point, reason = newest_complete_point(inventories, required_operators(num_layers, num_experts))
+    point, reason = newest_complete_point(inventories, required_operators(num_layers, num_experts),
+                                          previous.sharded)
     if point < 0:
         return RestartDecision("fallback", generation, previous, notes=notes, reason=reason, world_size=world,
                                ep_size=ep_size, ranks=ranks)

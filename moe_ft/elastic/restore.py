@@ -23,6 +23,7 @@ result is close, not bitwise (``docs/elastic.md``).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -36,7 +37,9 @@ from moe_ft import comm
 from moe_ft.elastic.inventory import node_inventory, store_dirs
 from moe_ft.recovery.machine import restore_step_state
 from moe_ft.replication.component import Replicas
-from moe_ft.snapshot.restore import copy_checked, restore_meta
+from moe_ft.snapshot.restore import assemble_into, copy_checked, restore_meta
+from moe_ft.state import shards
+from moe_ft.state.naming import plan_free_name
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.state.optimizer_views import ensure_optimizer_state
 from moe_ft.store.errors import CorruptEntryError
@@ -77,18 +80,50 @@ MAX_ROUNDS = 4
 """Verification rounds: each round can only remove sources, so a few settle every case seen."""
 
 
-def _read_verified(candidates: list, read, bad: set, name: str, corrupt: list) -> object | None:
-    """The first candidate directory's copy of ``name`` that reads back verified (``read(dir)``); a copy
-    that fails its checksum (or cannot be read) is marked ``bad``, recorded in ``corrupt`` and skipped."""
+def _read_verified(candidates: list, read, bad: set, key: str, corrupt: list) -> tuple[object, object] | None:
+    """``(payload, directory)`` of the first candidate directory's copy ``key`` that reads back verified
+    (``read(dir)``); a copy that fails its checksum (or cannot be read) is marked ``bad``, recorded in
+    ``corrupt`` (under its operator's name) and skipped."""
     for d in candidates:
-        if (d, name) in bad:
+        if (d, key) in bad:
             continue
         try:
-            return read(d)
+            return read(d), d
         except (CorruptEntryError, OSError, ValueError, KeyError) as e:
-            bad.add((d, name))
-            corrupt.append({"rank": d.rank, "kind": d.kind, "name": name, "error": f"{type(e).__name__}: {e}"[:300]})
+            bad.add((d, key))
+            corrupt.append({"rank": d.rank, "kind": d.kind, "name": coverage_name(key),
+                            "error": f"{type(e).__name__}: {e}"[:300]})
     return None
+
+
+def copy_key(op_name: str, ranges: dict) -> str:
+    """What the ranks exchange for one copy of an operator: its name for a whole copy; with the distributed
+    optimizer the name and a digest of the elements it holds (copies of one old rank's shard, in its own
+    store and in a peer's replica store, are interchangeable)."""
+    if not ranges:
+        return op_name
+    digest = hashlib.sha1(json.dumps(sorted((p, list(r)) for p, r in ranges.items())).encode()).hexdigest()[:12]
+    return f"{op_name}@{digest}"
+
+
+def choose_copies(registry, offers: dict[str, list[tuple[str, dict]]]) -> tuple[dict[str, list[str]], str]:
+    """``({operator: [copy keys]}, error)``: for every operator of this rank, the copies to restore it from
+    (``offers``: per operator ``(key, ranges)`` in preference order): one for a whole copy, with the
+    distributed optimizer as many as it takes to cover this rank's new shard of every parameter
+    (``shards.pick_copies``). ``error`` names the first operator no set of copies restores."""
+    out: dict[str, list[str]] = {}
+    for op in registry:
+        name = str(op)
+        live = (plan_free_name(n) for n in registry[op].tensors(Level.FULL))
+        needed = {p: (s, e) for p, (s, e, _) in shards.ranges_of(live).items() if s < e}
+        try:
+            chosen = shards.pick_copies(needed, offers.get(name, []))
+        except ValueError as e:
+            return out, f"{name}: {e}"
+        if not chosen:
+            return out, f"{name}: no rank's node has it"
+        out[name] = chosen
+    return out, ""
 
 
 def restore_reshaped(decision, runtime) -> dict:
@@ -97,10 +132,15 @@ def restore_reshaped(decision, runtime) -> dict:
 
     Every entry this rank loads or sends is read, and its checksum verified, before anything moves. A
     corrupt copy is excluded and the next copy on the node taken; the ranks then exchange what they have
-    and need again (one all-gather per round), so an operator whose copies on one node are all corrupt comes
-    from another node. Every rank sees the same gathered state, so all of them go on or, when an operator
-    has no readable copy anywhere, all raise :class:`ElasticRestoreFailed` together (after deleting the
-    points with corrupt entries from their node's stores: the next start decides on another point)."""
+    and need again (two all-gathers per round: the copies each node offers, then the copies each rank
+    takes), so an operator whose copies on one node are all corrupt comes from another node. Every rank
+    sees the same gathered state, so all of them go on or, when an operator has no readable copy anywhere,
+    all raise :class:`ElasticRestoreFailed` together (after deleting the points with corrupt entries from
+    their node's stores: the next start decides on another point).
+
+    With the distributed optimizer a copy holds one old rank's range of each parameter's optimizer state
+    (``moe_ft/state/shards.py``); a rank takes the copies whose ranges cover its new shard and assembles it
+    from their pieces."""
 
     t0 = time.perf_counter()
     cfg, rank, point = runtime.config, runtime.rank, decision.iteration
@@ -109,8 +149,14 @@ def restore_reshaped(decision, runtime) -> dict:
     runtime.build(t_iter_s=1.0)
     registry = runtime.registry
     inventory = node_inventory(store_dir, job, prefer_rank=rank)
-    candidates = {str(op): dirs for op, dirs in inventory.candidates.get(point, {}).items()}
-    candidates[META] = list(inventory.meta.get(point, []))
+    local: dict[str, list] = {}  # copy key -> this node's directories holding it, in preference order
+    coverage: dict[str, tuple[str, dict]] = {META: (META, {})}
+    for op, dirs in inventory.candidates.get(point, {}).items():
+        for d, ranges in zip(dirs, inventory.ranges[point][op]):
+            key = copy_key(str(op), ranges)
+            local.setdefault(key, []).append(d)
+            coverage[key] = (str(op), ranges)
+    local[META] = list(inventory.meta.get(point, []))
     opened: dict = {}
 
     def store_of(d):
@@ -118,64 +164,79 @@ def restore_reshaped(decision, runtime) -> dict:
             opened[d] = d.open()
         return opened[d]
 
-    def read(name: str):
+    def read(key: str):
         def from_dir(d):
-            if name == META:
+            if key == META:
                 return restore_meta(store_of(d), point)
-            op = OperatorId.parse(name)
-            return store_of(d).load(point, op, Level.FULL)
+            return store_of(d).load(point, OperatorId.parse(coverage[key][0]), Level.FULL)
         return from_dir
 
     bad: set = set()
     loaded: dict[str, object] = {}
-    mine = [str(op) for op in registry] + [META]
+    served_by: dict[str, object] = {}  # copy key -> the directory it was read from
     excluded: list[dict] = []
     for _ in range(MAX_ROUNDS):
-        have = {name for name, dirs in candidates.items() if any((d, name) not in bad for d in dirs)}
-        need = [name for name in mine if name not in have]
-        gathered = comm.all_gather_object({"need": need, "have": sorted(have), "corrupt": excluded})
-        corrupt_anywhere = [c for g in gathered for c in g["corrupt"]]
+        have = {key for key, dirs in local.items() if any((d, key) not in bad for d in dirs)}
+        offered = comm.all_gather_object({"have": {k: coverage[k] for k in sorted(have)}, "corrupt": excluded})
+        corrupt_anywhere = [c for g in offered for c in g["corrupt"]]
+        offers: dict[str, list[tuple[str, dict]]] = {}
+        for g in [offered[rank], *offered]:  # this rank's own copies first
+            for key, (name, ranges) in g["have"].items():
+                if key not in (k for k, _ in offers.get(name, [])):
+                    offers.setdefault(name, []).append((key, ranges))
+        choice, error = choose_copies(registry, offers)
+        mine = [k for keys in choice.values() for k in keys] + [META]
+        needs = comm.all_gather_object({"need": [k for k in mine if k not in have], "error": error})
+        errors = [f"rank {r}: {g['error']}" for r, g in enumerate(needs) if g["error"]]
         try:
-            transfers = assign_sources([g["need"] for g in gathered], [set(g["have"]) for g in gathered])
+            if errors:
+                raise RuntimeError("; ".join(errors))
+            transfers = assign_sources([g["need"] for g in needs], [set(g["have"]) for g in offered])
         except RuntimeError as e:
             _quarantine(bad, point)
             raise ElasticRestoreFailed(
                 f"the agreed point {point} cannot be restored: {e}; copies excluded as corrupt: "
                 f"{_describe(corrupt_anywhere)}. Their points were deleted from the node stores: the next start "
                 "decides on another point") from None
-        wanted = [name for name in mine if name in have] + [name for src, _, name in transfers if src == rank]
+        wanted = [k for k in mine if k in have] + [key for src, _, key in transfers if src == rank]
         found: list[dict] = []
-        for name in dict.fromkeys(wanted):
-            if name not in loaded:
-                payload = _read_verified(candidates.get(name, []), read(name), bad, name, found)
-                if payload is not None:
-                    loaded[name] = payload
+        for key in dict.fromkeys(wanted):
+            if key not in loaded:
+                got = _read_verified(local.get(key, []), read(key), bad, key, found)
+                if got is not None:
+                    loaded[key], served_by[key] = got
         excluded += found
         if not any(comm.all_gather_object(bool(found))):
             break
     else:
         raise ElasticRestoreFailed(f"copies of point {point} kept failing verification after {MAX_ROUNDS} rounds")
 
-    stats = {"operators_local": 0, "bytes_local": 0, "operators_peer": 0, "bytes_peer": 0, "bytes_sent": 0}
-    for op in registry:
-        if str(op) in have:
-            stats["bytes_local"] += copy_into(registry, op, loaded[str(op)])
-            stats["operators_local"] += 1
-    meta = loaded.get(META)
+    stats = {"operators_local": 0, "bytes_local": 0, "operators_peer": 0, "bytes_peer": 0, "bytes_sent": 0,
+             "copies_assembled": 0, "copies_from_replicas": 0}
     group = comm.coordination_group()
-    for src, dst, name in transfers:
+    for src, dst, key in transfers:
         if rank == src:
-            payload = loaded[name]
-            if name != META:
+            payload = loaded[key]
+            if key != META:
                 stats["bytes_sent"] += sum(t.nbytes for t in payload.values())
             comm.send_object(payload, dst, group)
         elif rank == dst:
-            received = comm.recv_object(src, group)
-            if name == META:
-                meta = received
-            else:
-                stats["bytes_peer"] += copy_into(registry, OperatorId.parse(name), received)
-                stats["operators_peer"] += 1
+            loaded[key] = comm.recv_object(src, group)
+    fetched = {key for _, dst, key in transfers if dst == rank}
+    for op in registry:
+        keys = choice[str(op)]
+        sources = [loaded[k] for k in keys]
+        if len(sources) == 1 and not registry[op].sharded:
+            nbytes = copy_into(registry, op, sources[0])
+        else:
+            nbytes = assemble_into(registry[op], sources, what=f"{op} at iteration {point}")
+        if len(keys) > 1:  # a shard assembled from the pieces of several copies
+            stats["copies_assembled"] += len(keys)
+        kind = "peer" if fetched & set(keys) else "local"
+        stats[f"bytes_{kind}"] += nbytes
+        stats[f"operators_{kind}"] += 1
+    stats["copies_from_replicas"] = sum(getattr(d, "kind", "") == "replica" for d in served_by.values())
+    meta = loaded[META]
     restore_step_state(meta[0], meta[1], train_state=runtime.state, popularity=runtime.popularity)
     opened.clear()
     loaded.clear()
@@ -184,8 +245,13 @@ def restore_reshaped(decision, runtime) -> dict:
     discard_old_generation(runtime, store_dir, job)
     totals = {k: sum(r[k] for r in per_rank) for k in stats if k != "seconds"}
     return {**totals, "seconds": max(r["seconds"] for r in per_rank), "per_rank": per_rank,
-            "transfers": [[src, dst, name] for src, dst, name in transfers],
+            "transfers": [[src, dst, coverage_name(key)] for src, dst, key in transfers],
             "excluded": [dict(c, reader=r) for r, pr in enumerate(per_rank) for c in pr["excluded"]]}
+
+
+def coverage_name(key: str) -> str:
+    """The operator a copy key names (:func:`copy_key`)."""
+    return key.split("@", 1)[0]
 
 
 def _describe(corrupt: list[dict]) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_ft.state import shards
 from moe_ft.state.naming import plan_free_name
 from moe_ft.state.operators import Level, OperatorId
 
@@ -44,6 +45,19 @@ def copy_checked(state, live: dict, stored: dict, *, what: str, fix: str) -> int
             raise ValueError(f"{state.op}/{name}: stored {src.dtype}{tuple(src.shape)} vs live {dst.dtype}{tuple(dst.shape)}")
         dst.copy_(src)
         total += dst.nbytes
+    for hook in getattr(state, "after_restore", ()):
+        hook()
+    return total
+
+
+@torch.no_grad()
+def assemble_into(state, sources: list[dict], *, what: str) -> int:
+    """Write the operator's FULL tensors from one or more stored copies written on another layout: whole
+    tensors from the first copy that has them, each distributed-optimizer shard from the pieces of the copies'
+    shards that overlap it (``moe_ft/state/shards.py``), names compared without the local expert index;
+    then the ``after_restore`` hooks. Returns the bytes written."""
+    live = {plan_free_name(n): t for n, t in state.tensors(Level.FULL).items()}
+    total = shards.assemble(live, [{plan_free_name(n): t for n, t in src.items()} for src in sources], what=what)
     for hook in getattr(state, "after_restore", ()):
         hook()
     return total

@@ -77,6 +77,13 @@ def _fp32(opt) -> Iterator[tuple[torch.nn.Parameter, MainState]]:
             yield model_param, MainState(master=None, state=_tensor_state(opt.optimizer, model_param))
 
 
+def distributed_params(optimizer) -> set[int]:
+    """``id`` of every model parameter a ``DistributedOptimizer`` of ``optimizer`` shards, including those
+    of which this rank owns no element (absent from :func:`main_states`)."""
+    return {id(param) for opt in leaf_optimizers(optimizer) if isinstance(opt, DistributedOptimizer)
+            for buffer in opt.buffers for param in buffer.param_index_map}
+
+
 def main_states(optimizer) -> dict[int, tuple[torch.nn.Parameter, MainState]]:
     """``id(model_param) -> (model_param, MainState)`` for every parameter this rank's optimizers update.
 

@@ -10,7 +10,9 @@ For every operator held by this rank (its pipeline stage, its expert-parallel sh
 
 Tensor names inside an operator: ``<param name>`` (compute), ``master.<param name>``,
 ``<state key>.<param name>`` (``exp_avg.decoder.layers.0.mlp.router.weight`` …); ``GroupedMLP`` weights
-get a ``#<local expert>`` suffix.
+get a ``#<local expert>`` suffix. With the distributed optimizer the master and the optimizer state of a
+parameter are this rank's range of it, named with the range (``exp_avg@0:4096:16384.<param name>``,
+``moe_ft/state/shards.py``): every copy of an entry says which elements it holds.
 
 **Aliasing rule (byte accounting).** In fp32 training Megatron's optimizers update the parameter itself
 (``FP32Optimizer``, and the ``DistributedOptimizer``'s fp32 shards are views of the parameter): the master
@@ -42,9 +44,10 @@ import torch
 from megatron.core import parallel_state as ps
 
 from moe_ft.precision.quantized import QuantizedWeight, is_float8_dtype, quantized_state
+from moe_ft.state import shards
 from moe_ft.state.naming import grouped_expert_views, is_spare_expert, operator_of
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo
-from moe_ft.state.optimizer_views import MainState, main_states
+from moe_ft.state.optimizer_views import MainState, distributed_params, main_states
 
 
 @dataclass(kw_only=True)
@@ -58,6 +61,9 @@ class OperatorState:
     aliased_masters: list[str] = field(default_factory=list)
     shards: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Distributed optimizer: ``param name -> (start, end)`` of the flattened parameter this rank owns."""
+    sharded: dict[str, int] = field(default_factory=dict)
+    """Distributed optimizer: ``param name -> numel`` of every parameter whose optimizer state is sharded
+    over the data-parallel ranks, this rank's range empty or not (which elements a restore must find)."""
     wide: dict[str, torch.Tensor] = field(default_factory=dict)
     """Wide parameters that forward does not read because an FP8 copy of them is the compute weight (see
     the module docstring); FULL only."""
@@ -118,6 +124,7 @@ class OperatorRegistry:
         """Decompose this rank's model chunks (``GPTModel`` or DDP-wrapped) and Megatron optimizer."""
 
         mains = main_states(optimizer)
+        managed = distributed_params(optimizer)
         ops: dict[OperatorId, OperatorState] = {}
         seen: set[int] = set()
         state_of = lambda op: ops.setdefault(op, OperatorState(op=op))  # noqa: E731
@@ -130,6 +137,8 @@ class OperatorRegistry:
                     continue
                 main = mains.get(id(param), (param, None))[1]
                 op = operator_of(name, gpt)
+                if main is None and id(param) in managed and op is not None:  # sharded, this rank's range empty
+                    state_of(op).sharded[name] = param.numel()
                 if op is None:
                     if name in quantized:
                         raise ValueError(f"{name}: FP8 GroupedMLP weights are not supported; use SequentialMLP "
@@ -159,11 +168,19 @@ def _add(state: OperatorState, name: str, param: torch.Tensor, main: MainState |
     if main.master is None:
         state.aliased_masters.append(name)
     else:
-        state.master[f"master.{name}"] = main.master
+        state.master[_state_name("master", name, param, main)] = main.master
     for key, value in main.state.items():
-        state.optim[f"{key}.{name}"] = value
+        state.optim[_state_name(key, name, param, main)] = value
     if main.shard is not None:
         state.shards[name] = main.shard
+        state.sharded[name] = param.numel()
+
+
+def _state_name(key: str, name: str, param: torch.Tensor, main: MainState) -> str:
+    """``<key>.<name>``, or with the distributed optimizer the range-tagged name (``moe_ft/state/shards.py``)."""
+    if main.shard is None:
+        return f"{key}.{name}"
+    return shards.tag(key, main.shard[0], main.shard[1], param.numel(), name)
 
 
 def _add_quantized(state: OperatorState, name: str, param: torch.Tensor, main: MainState | None,
@@ -183,11 +200,12 @@ def _add_quantized(state: OperatorState, name: str, param: torch.Tensor, main: M
                              "FP8 parameters need a master weight")
         state.aliased_masters.append(name)
     else:
-        state.master[f"master.{name}"] = main.master
+        state.master[_state_name("master", name, param, main)] = main.master
     for key, value in main.state.items():
-        state.optim[f"{key}.{name}"] = value
+        state.optim[_state_name(key, name, param, main)] = value
     if main.shard is not None:
         state.shards[name] = main.shard
+        state.sharded[name] = param.numel()
 
 
 def _add_grouped(ops: dict, gpt, name: str, param: torch.Tensor, main: MainState | None) -> None:
