@@ -39,11 +39,13 @@ from multiprocessing import forkserver
 from multiprocessing import util as mp_util
 from typing import Any
 
+import torch
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import elastic_launch
 
 from moe_ft.drills.faults import AGENT_PID_ENV
+from moe_ft.launch.protocol import USAGE_EXIT_CODE
 
 PRELOAD = (
     "moe_ft.drills.hold_warnings",  # first: before the imports that warn
@@ -78,6 +80,39 @@ START_METHOD = "forkserver"
 """The start method of preloaded workers (:func:`use_preloaded_forkserver`)."""
 
 
+class PreloadError(RuntimeError):
+    """The preloaded fork server would hand out workers that cannot use the GPU (one line: what, and the fix)."""
+
+
+def cuda_fork_problem() -> str:
+    """Why workers forked from this process could not use CUDA (``""``: they can). CUDA does not survive a
+    fork: once this process initialised it, a forked child fails at its first CUDA call; and once it only asked
+    the CUDA runtime for the device count (``torch.cuda.is_available()`` does, unless
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1``), torch marks every later fork as unable to initialise CUDA. Every
+    preloaded worker is a fork of a fork of this process, so either state breaks all of them on a GPU node.
+    The second is read from a throwaway fork (torch keeps the mark in the child; a torch built without CUDA
+    has none to keep); it counts only when there is a GPU to use (a CPU job's workers never initialise
+    CUDA)."""
+    if torch.cuda.is_initialized():
+        return ("importing the training stack initialised CUDA in the launcher, and a worker forked after that "
+                "cannot use the GPU; drop --preload (each worker then imports the stack itself)")
+    if torch.backends.cuda.is_built() and _fork_cannot_init_cuda() and torch.cuda.device_count() > 0:
+        return ("importing the training stack queried the CUDA runtime in the launcher, and torch refuses CUDA "
+                "in a worker forked after that; drop --preload (each worker then imports the stack itself), or "
+                "set PYTORCH_NVML_BASED_CUDA_CHECK=1 so that torch.cuda.is_available() asks NVML instead")
+    return ""
+
+
+def _fork_cannot_init_cuda() -> bool:
+    """Whether torch marks a fork of this process as unable to initialise CUDA (``_is_in_bad_fork``): read in
+    a child that exits at once."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 1
+
+
 def use_preloaded_forkserver(modules: tuple[str, ...] = PRELOAD) -> str:
     """Import ``modules`` here, start multiprocessing's fork server as a fork of this process, wait until it
     serves, and return the start method that forks workers from it. The server is single-threaded and
@@ -87,10 +122,14 @@ def use_preloaded_forkserver(modules: tuple[str, ...] = PRELOAD) -> str:
     launch). Importing here, before the rendezvous, keeps the imports out of the agent's first worker
     start: an agent blocked there for seconds sends no heartbeat and the other nodes' agents would declare
     its node lost. A module that fails to import here is imported again, with its error, by the worker
-    that needs it."""
+    that needs it. Raises :class:`PreloadError` when the imports left this process unable to fork workers
+    that use CUDA (:func:`cuda_fork_problem`), before any server is started."""
     for name in modules:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
+    problem = cuda_fork_problem()
+    if problem:
+        raise PreloadError(problem)
     ctx = multiprocessing.get_context("forkserver")
     os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers' agent is their grandparent (kill_node)
     mp_util.spawnv_passfds = _fork_server  # type: ignore[assignment]
@@ -135,7 +174,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_python or args.module:
         raise SystemExit("error: moe_ft.drills.prelaunch runs a Python script file; drop --no-python / -m")
     config, _, _ = torchrun.config_from_args(args)
-    config.start_method = use_preloaded_forkserver()
+    try:
+        config.start_method = use_preloaded_forkserver()
+    except PreloadError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(USAGE_EXIT_CODE) from None
     elastic_launch(config=config, entrypoint=run_script)(args.training_script, *args.training_script_args)
 
 

@@ -15,7 +15,8 @@ derives it; only the agent differs (:class:`moe_ft.launch.agent.SpareAgent`). Ad
                           spares on other nodes (default 10)
 ``--full-restart``        torchrun's behaviour: any failure restarts every worker
 ``--preload``             start workers as forks of one server process that imported the training stack
-                          (saves each worker its imports; CPU jobs, tests)
+                          (saves each worker its imports; CPU jobs, tests); refused with one line when the
+                          imports left the launcher unable to fork workers that use CUDA
 
 When the training flags have the node agent write the durable tier (``--ft-persist-agent``) or hash the
 snapshots (``--ft-checksum-by agent``), the launcher starts it before the workers, one per node (``moe_ft/agent/``).
@@ -36,7 +37,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from moe_ft.agent.client import ensure_agent
-from moe_ft.drills.prelaunch import run_script, use_preloaded_forkserver
+from moe_ft.drills.prelaunch import PreloadError, run_script, use_preloaded_forkserver
 from moe_ft.launch import protocol
 from moe_ft.launch.agent import Fenced, LaunchLogs, SpareAgent
 from moe_ft.persist.config import DurableConfig
@@ -130,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     entrypoint, entry_args, start_method = cmd, list(cmd_args), config.start_method
     if args.preload:
         entrypoint, entry_args = run_script, [args.training_script, *args.training_script_args]
-        start_method = use_preloaded_forkserver()
+        try:
+            start_method = use_preloaded_forkserver()
+        except PreloadError as e:  # before any worker: one line, the launcher's usage exit code
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return protocol.USAGE_EXIT_CODE
     params = rendezvous.RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr, **config.rdzv_configs)

@@ -21,15 +21,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 ITERS, WINDOW = 9, 3
+PRELOAD = os.environ.get("MOE_FT_TEST_PRELOAD") == "1"
+"""``MOE_FT_TEST_PRELOAD=1``: the ``moe-ft launch`` runs start every worker (fresh processes and spares) as a
+fork of one server that imported the training stack (``--preload``): whether that server stays clear of CUDA
+on a GPU node (the launcher refuses with one line if not) and what the imports cost the recovery. The
+results are recorded under ``gpu_recovery_<launcher>_preload``."""
 
 
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
-    # no spare: the dead rank's device goes to a fresh process (imports paid again)
-    "inprocess": [sys.executable, "-m", "moe_ft.launch", "--spares-per-node", "0"],
+    # no spare: the dead rank's device goes to a fresh process (imports paid again, unless preloaded)
+    "inprocess": [sys.executable, "-m", "moe_ft.launch", "--spares-per-node", "0", *(["--preload"] if PRELOAD else [])],
     # a warm spare shares the one GPU while it waits (it holds no context and joins no communicator until it
     # takes the dead rank, whose process is gone by then)
-    "inprocess_spare": [sys.executable, "-m", "moe_ft.launch", "--spares-per-node", "1"],
+    "inprocess_spare": [sys.executable, "-m", "moe_ft.launch", "--spares-per-node", "1",
+                        *(["--preload"] if PRELOAD else [])],
 }
 
 
@@ -80,14 +86,15 @@ def test_sparse_recovery_on_one_gpu_is_bitwise_exact(tmp_path, corpus):
 def test_one_gpu_recovery_under_moe_ft_launch(tmp_path, corpus, launcher):
     """The same faults under ``moe-ft launch``: the agent gives the dead rank's device to a fresh process
     (``--spares-per-node 0``) or to a spare that waited with its imports done (``1``); the recovery's
-    phases (detect, reform, restore, replay, kill-to-resume) are recorded."""
+    phases (detect, reform, restore, replay, kill-to-resume) are recorded. With ``MOE_FT_TEST_PRELOAD=1``
+    every worker is forked from the preloaded server (:data:`PRELOAD`)."""
     ref = launch(tmp_path, corpus, "faultfree", [], 0)
     res = launch(tmp_path, corpus, "faulty_inprocess", ["0:4:forward", "0:7:snapshot"], 2, launcher=launcher)
     assert res["rc"] == 0, res["log"][-6000:]
     reports = res["reports"]
-    record(f"gpu_recovery_{launcher}", {"digest_equal": res["digest"] == ref["digest"],
-                                        "reports": [{k: r.get(k) for k in ("restart_kind", "recovery_point",
-                                                                           "seconds")} for r in reports]})
+    record(f"gpu_recovery_{launcher}{'_preload' if PRELOAD else ''}",
+           {"digest_equal": res["digest"] == ref["digest"], "preload": PRELOAD,
+            "reports": [{k: r.get(k) for k in ("restart_kind", "recovery_point", "seconds")} for r in reports]})
     assert res["digest"] == ref["digest"]
     assert [r["restart_kind"] for r in reports] == ["inprocess", "inprocess"], reports
     # who took the rank: with a spare, the spare on the dead rank's device (its own index is no device here)

@@ -3,6 +3,7 @@ ratio <= 1.01), both launched by this one command, alternating.
 
     python -m tools.bench.gpu_overhead [--iters 40] [--repeats 1] [--windows 0 --snapshot-bandwidth 2e9]
     python -m tools.bench.gpu_overhead --windows 8 16      # none, sparse W=8, sparse W=16
+    python -m tools.bench.gpu_overhead --windows 8 --interleave 8 --profile-submit 3 --log-dir out
 
 Each launch is ``torchrun --nproc-per-node 1`` of the real entry point (``pretrain_gpt_moe.py`` flags, an
 MoE GPT big enough to keep an H100 busy: 4 layers, hidden 1024, 8 experts top-2, seq 1024, bf16, 4
@@ -16,6 +17,20 @@ per sparse window of ``--windows`` (keyed ``sparse(W=…)``). ``ft_hooks_ms``: t
 training thread spent inside the FT hooks per iteration (plan, metadata, submit, waits, the log line). ``--windows 0`` lets FindWindowSize (MoEvement Alg. 1) pick W from ``--snapshot-bandwidth``: pass the
 bandwidth the snapshot path sustains end to end on this machine (the store write, not PCIe, is the
 narrow part: ``tools/bench/gpu_snapshot.py`` reports both).
+
+``--interleave K``: every launch alternates blocks of ``K`` iterations with snapshots taken and paused
+(``tools/bench/interleave.py``: a paused iteration takes none, as ``--ft-policy none``; ``K`` a multiple of
+the window); each variant's ``interleaved`` holds ``active_median_s``, ``paused_median_s``, their ``ratio``
+(the overhead measured inside one process, free of the launch-to-launch spread) and the blocks counted;
+``median_iter_s`` of a sparse launch is then its active blocks' median. The ``none`` launch gets the same
+split of its iterations (``control``: its ratio shows the method's own noise). The launches then recover
+globally (``--ft-recovery-scope global``): the localized scope's survivor guard follows every snapshot, and
+``none`` runs without it anyway.
+
+``--profile-submit N``: where the training thread's time in the engine's ``submit`` goes
+(``tools/bench/submit_profile.py``): a breakdown by sub-step on ``N`` iterations and torch.profiler's top ops
+on ``N`` more, written to ``--log-dir``; they are the last iterations with snapshots, and the timings stop at
+the first of them (``measured_end``).
 """
 
 from __future__ import annotations
@@ -28,6 +43,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from tools.bench.interleave import interleaved_stats, iteration_kind, profile_iterations, snapshots_paused
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--ffn-hidden-size", "4096",
@@ -43,8 +60,11 @@ class _Timed:
     time the training thread spends inside the FT hooks of each iteration (``hook_s``: where an overhead that
     is not the snapshot threads' comes from)."""
 
-    def __init__(self, runtime, out: str) -> None:
-        self.runtime, self.out, self.starts, self.hook_s = runtime, out, [], []
+    def __init__(self, runtime, out: str, facts: dict) -> None:
+        self.runtime, self.out, self.facts = runtime, out, facts
+        self.starts: list[float] = []
+        self.hook_s: list[float] = []
+        self.begins: list[int] = []
 
     def __getattr__(self, name):
         return getattr(self.runtime, name)
@@ -60,6 +80,7 @@ class _Timed:
     def on_step_begin(self, iteration: int) -> None:
         self.starts.append(time.perf_counter())
         self.hook_s.append(0.0)
+        self.begins.append(iteration)
         self._timed(self.runtime.on_step_begin, iteration)
 
     def before_optimizer_step(self, iteration: int) -> None:
@@ -81,10 +102,17 @@ class _Timed:
         with open(self.out, "w") as f:
             mapped = getattr(engine, "mapped", None)
             json.dump({"iteration_s": [b - a for a, b in zip(self.starts, self.starts[1:])], "records": records,
-                       "hook_s": self.hook_s,
+                       "hook_s": self.hook_s, "begins": self.begins,
+                       "paused": getattr(self.runtime, "paused", []), **self.facts,
                        "window": getattr(policy, "window_length", None),
                        "path": "mapped" if mapped is not None else f"staged ({getattr(engine, 'mapped_off', '')})",
                        "pinning": mapped.pinned.failed or "ok" if mapped is not None else ""}, f)
+
+
+def _pop(argv: list[str], flag: str) -> str:
+    value = argv.pop(argv.index(flag) + 1)
+    argv.remove(flag)
+    return value
 
 
 def worker(argv: list[str]) -> int:
@@ -93,22 +121,85 @@ def worker(argv: list[str]) -> int:
     from megatron.training.arguments import parse_args
     from megatron.training.pretrain import pretrain
     from moe_ft.compat import activate_all
+    from moe_ft.persist.component import Durable
+    from moe_ft.replication.component import Replicas
+    from moe_ft.runtime.hooks import FTRuntime
+    from tools.bench.submit_profile import SubmitProfiler
 
-    out = argv.pop(argv.index("--out") + 1)
-    argv.remove("--out")
+    out = _pop(argv, "--out")
+    block, warmup = int(_pop(argv, "--bench-interleave")), int(_pop(argv, "--bench-warmup"))
+    num_profiled, profile_dir = int(_pop(argv, "--bench-profile-submit")), _pop(argv, "--bench-profile-dir")
     args = parse_args(argv, extra_groups=pretrain_gpt_moe.extra_argument_groups())
+    config = args.extra["FTConfig"]
+    breakdown_its, profiler_its = profile_iterations(iters=args.training.train_iters, warmup=warmup, block=block,
+                                                     n=num_profiled)
+    profiler = SubmitProfiler(breakdown_its, profiler_its, profile_dir, config.snapshot.job_id) if num_profiled else None
+
+    class Bench(FTRuntime):
+        """The FT runtime as ``pretrain_gpt_moe.step_hooks`` builds it under torchrun (no survivor point carried
+        in, no regroup), with ``--interleave``'s paused blocks: no session for a paused iteration (what the runtime
+        runs under ``--ft-policy none``), so it publishes no point; the sparse windows it skips are not
+        complete in the store and never become recovery points (``SparseWindowRule``), as with a point
+        skipped for a full store. With ``--profile-submit`` the engine's ``submit`` is wrapped."""
+
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            self.paused: list[int] = []
+            """The iterations whose snapshot was skipped (paused blocks)."""
+
+        def build(self, t_iter_s: float) -> None:
+            super().build(t_iter_s)
+            # each of these follows every snapshot: the survivor guard ends the optimizer step's critical section
+            # when the snapshot captures the iteration's metadata (a paused block would leave it open)
+            needs_every = [name for name, on in (("the survivor guard (--ft-recovery-scope localized)", self.survivor),
+                                                 ("the durable tier", self.find(Durable)),
+                                                 ("replicas", self.find(Replicas))) if on]
+            if block and needs_every:
+                raise ValueError(f"--interleave pauses snapshots, and {', '.join(needs_every)} follow every one")
+            if profiler is not None and self.active is not None:
+                profiler.attach(self.active.engine)
+
+        def select_session(self, iteration: int):
+            session = super().select_session(iteration)
+            if session is not None and snapshots_paused(iteration, block):
+                self.paused.append(iteration)
+                return None
+            return session
+
     activate_all()  # as pretrain_gpt_moe.main does (on CUDA the CPU layer stays off)
-    pretrain(args, hooks=_Timed(pretrain_gpt_moe.step_hooks(args), out))
+    facts = {"interleave": block, "profiled": {"breakdown": breakdown_its, "profiler": profiler_its},
+             "measured_end": min(breakdown_its, default=None)}
+    pretrain(args, hooks=_Timed(Bench(config), out, facts))
     return 0
 
 
 def _summary(run: dict, warmup: int) -> dict:
-    times = run["iteration_s"][warmup:]
-    recs = [r for r in run["records"] if r["iteration"] >= warmup]
-    hooks = run.get("hook_s", [])[warmup:len(run["iteration_s"])]
-    out = {"median_iter_s": statistics.median(times), "iterations": len(times), "window": run["window"],
-           "path": run.get("path"), "pinning": run.get("pinning"),
-           "ft_hooks_ms": 1e3 * statistics.median(hooks) if hooks else None}
+    """One launch's numbers over its measured iterations: past ``warmup``, before ``measured_end``."""
+    begins = run.get("begins") or list(range(len(run["iteration_s"])))
+    end = run.get("measured_end")
+    times = {t: s for t, s in zip(begins, run["iteration_s"]) if t >= warmup and (end is None or t < end)}
+    hooks = {t: h for t, h in zip(begins, run.get("hook_s", [])) if t in times}
+    recs = [r for r in run["records"] if r["iteration"] in times]
+    block = run.get("interleave", 0)
+    interleaved = None
+    if block:
+        interleaved = interleaved_stats(times, block, hook_s=hooks,
+                                        snapshot_iterations=frozenset(r["iteration"] for r in recs))
+        interleaved["control"] = not run.get("paused")  # nothing was paused: no snapshots in either kind
+    if interleaved is not None and not interleaved["control"]:  # the iterations that took snapshots
+        measured = [t for t in times if iteration_kind(t, block) == "active"]
+    else:
+        measured = list(times)
+    out = {"median_iter_s": statistics.median(times[t] for t in measured), "iterations": len(measured),
+           "window": run["window"], "path": run.get("path"), "pinning": run.get("pinning"),
+           "ft_hooks_ms": 1e3 * statistics.median(hooks[t] for t in measured) if hooks else None,
+           "measured_end": end}
+    if interleaved is not None:
+        out["interleaved"] = interleaved
+        if run["window"]:
+            out["whole_windows"] = block % run["window"] == 0
+    if run.get("profiled", {}).get("profiler"):
+        out["profiled"] = run["profiled"]
     if recs:
         dev = [r["device_stall_s"] for r in recs if r.get("device_stall_s") is not None]
         out.update(bytes_per_iter=int(statistics.mean(r["bytes"] for r in recs)),
@@ -141,7 +232,28 @@ def main(argv: list[str] | None = None) -> int:
                    help="also each sparse window on the staged path (--no-ft-snapshot-direct-write: pinned slot "
                         "buffers, host checksum and store write), alternating with the default path")
     p.add_argument("--tiny", action="store_true", help="the drill's tiny model instead (a CPU check of this script)")
+    p.add_argument("--interleave", type=int, default=0, metavar="K",
+                   help="in every launch, alternate blocks of K iterations with snapshots taken and paused (a "
+                        "multiple of each sparse window); 0: off")
+    p.add_argument("--profile-submit", type=int, default=0, metavar="N",
+                   help="profile the engine's submit on the training thread (a breakdown on N iterations, "
+                        "torch.profiler on N more, at the end of each sparse launch) into --log-dir; 0: off")
     a = p.parse_args(argv)
+    if a.interleave < 0 or a.profile_submit < 0:
+        p.error("--interleave and --profile-submit take a count >= 0")
+    if a.interleave and any(w and a.interleave % w for w in a.windows):
+        p.error(f"--interleave {a.interleave} is not a multiple of every sparse window {a.windows}: a paused block "
+                "would cut a window (each operator is FULL once per window)")
+    if a.profile_submit and not a.log_dir:
+        p.error("--profile-submit writes its tables into --log-dir: name one")
+    try:  # enough iterations for both (the timings end where the profiled iterations start)
+        breakdown_its, _ = profile_iterations(iters=a.iters, warmup=a.warmup, block=a.interleave, n=a.profile_submit)
+        if a.interleave:
+            interleaved_stats({t: 1.0 for t in range(a.warmup, min(breakdown_its, default=a.iters))}, a.interleave)
+    except ValueError as e:
+        p.error(str(e))
+    if a.log_dir:
+        os.makedirs(a.log_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpu_overhead_") as tmp, \
             tempfile.TemporaryDirectory(prefix="moe_ft_gpu_overhead_", dir=a.store_root) as store:
         data = a.data_path
@@ -158,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             from moe_ft.cli.drill import TINY
 
             model = [*TINY, "--moe-token-dispatcher-type", "alltoall"]
-        variants = [("none", "none", 0, [])]
+        variants: list[tuple[str, str, int, list[str]]] = [("none", "none", 0, [])]
         for w in a.windows:
             variants.append(("sparse", f"sparse(W={w or 'auto'})", w, []))
             if a.staged:
@@ -173,7 +285,11 @@ def main(argv: list[str] | None = None) -> int:
                        "--worker", "--out", out, *model, "--train-iters", str(a.iters), "--log-interval", str(a.iters),
                        "--data-path", data, "--ft", "--ft-policy", policy, "--ft-store-dir", store,
                        "--ft-job-id", tag, "--ft-sparse-window", str(window),
-                       "--ft-snapshot-bandwidth", str(a.snapshot_bandwidth), *extra]
+                       "--ft-snapshot-bandwidth", str(a.snapshot_bandwidth), *extra,
+                       *(["--ft-recovery-scope", "global"] if a.interleave else []),
+                       "--bench-interleave", str(a.interleave), "--bench-warmup", str(a.warmup),
+                       "--bench-profile-submit", str(a.profile_submit if policy == "sparse" else 0),
+                       "--bench-profile-dir", a.log_dir or tmp]
                 env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
                 with open(log, "w") as f:
                     rc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
@@ -188,9 +304,14 @@ def main(argv: list[str] | None = None) -> int:
                     with open(os.path.join(a.log_dir, f"gpu_overhead_{tag}.json"), "w") as f:
                         json.dump({"variant": name, **runs[name][-1]}, f)
     med = {k: statistics.median(r["median_iter_s"] for r in v) for k, v in runs.items()}
-    print(json.dumps({"model": " ".join(model), "iters": a.iters, "warmup": a.warmup, "runs": runs,
-                      "snapshot_bandwidth": a.snapshot_bandwidth,
-                      "overhead_ratio": {k: v / med["none"] for k, v in med.items() if k != "none"}}))
+    result = {"model": " ".join(model), "iters": a.iters, "warmup": a.warmup, "runs": runs,
+              "snapshot_bandwidth": a.snapshot_bandwidth,
+              "overhead_ratio": {k: v / med["none"] for k, v in med.items() if k != "none"}}
+    if a.interleave:  # medians over launches, as overhead_ratio
+        result["interleave"] = a.interleave
+        result["interleaved_ratio"] = {k: statistics.median(r["interleaved"]["ratio"] for r in v)
+                                       for k, v in runs.items()}
+    print(json.dumps(result))
     return 0
 
 

@@ -1,0 +1,90 @@
+"""Snapshot overhead measured inside one launch: blocks of ``K`` iterations alternate between snapshots taken
+(*active*) and none taken (*paused*), and the ratio of the two blocks' median iteration times is the overhead
+(``tools/bench/gpu_overhead.py --interleave K``).
+
+Why: on one H200 two launches of the same ``--ft-policy none`` job differed by 17 % in median iteration time,
+ten times the ~1 % the snapshots may cost. Blocks of one launch share the process, its allocator state, its
+clocks and its data stream, so what differs between them is the snapshot work alone. A paused iteration takes
+no snapshot at all (the runtime gets no session for it: no plan, no metadata capture, no submit, as with
+``--ft-policy none``); with ``K`` a multiple of the sparse window every block holds whole windows, so both
+kinds of block see every slice of the schedule (MoEvement §3.2: each operator FULL once per window).
+
+The interval of iteration ``t`` (from its start to the next one's) holds the submit of the snapshot of ``t``
+and the copy of the snapshot of ``t - 1`` (it overlaps forward/backward of ``t``; the optimizer step of ``t``
+waits for it). The first iteration of a block has one and not the other, so it counts for neither kind.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+
+
+def snapshots_paused(iteration: int, block: int) -> bool:
+    """Whether ``iteration`` lies in a paused block: blocks of ``block`` iterations from iteration 0, the
+    first active, then alternating. ``block`` 0: never paused."""
+    return block > 0 and (iteration // block) % 2 == 1
+
+
+def iteration_kind(iteration: int, block: int) -> str | None:
+    """``"active"`` when the snapshots of ``iteration - 1`` and ``iteration`` are both taken, ``"paused"``
+    when neither is, ``None`` for the first iteration of a block (it holds one and not the other)."""
+    paused = snapshots_paused(iteration, block)
+    if iteration == 0 or snapshots_paused(iteration - 1, block) != paused:
+        return None
+    return "paused" if paused else "active"
+
+
+def interleaved_stats(iteration_s: Mapping[int, float], block: int, *, hook_s: Mapping[int, float] | None = None,
+                      snapshot_iterations: frozenset[int] = frozenset()) -> dict:
+    """The active/paused comparison of the measured iterations ``iteration_s`` (iteration -> seconds).
+
+    ``active_median_s`` / ``paused_median_s``: medians over the iterations of each kind
+    (:func:`iteration_kind`); ``ratio``: their quotient; ``blocks`` / ``iterations``: how many of each went
+    in; ``block_medians``: ``[first iteration, kind, median s]`` per block, in order (a drift over the launch
+    shows there); ``hooks_ms``: median host time in the FT hooks per kind (``hook_s``); ``snapshots``: how
+    many of ``snapshot_iterations`` (the iterations whose snapshot was submitted) fall in each kind of block,
+    0 for ``paused`` when pausing worked."""
+    by_kind: dict[str, list[int]] = {"active": [], "paused": []}
+    for t in sorted(iteration_s):
+        kind = iteration_kind(t, block)
+        if kind is not None:
+            by_kind[kind].append(t)
+    if not by_kind["active"] or not by_kind["paused"]:
+        raise ValueError(f"interleaved blocks of {block} iterations: the measured iterations "
+                         f"{min(iteration_s, default=None)}..{max(iteration_s, default=None)} hold no "
+                         f"{'active' if not by_kind['active'] else 'paused'} iteration past a block's first; "
+                         "run more iterations or use smaller blocks")
+    medians = {kind: statistics.median(iteration_s[t] for t in its) for kind, its in by_kind.items()}
+    blocks: dict[int, list[float]] = {}
+    for kind, its in by_kind.items():
+        for t in its:
+            blocks.setdefault(t // block, []).append(iteration_s[t])
+    out = {"block": block, "active_median_s": medians["active"], "paused_median_s": medians["paused"],
+           "ratio": medians["active"] / medians["paused"],
+           "blocks": {kind: len({t // block for t in its}) for kind, its in by_kind.items()},
+           "iterations": {kind: len(its) for kind, its in by_kind.items()},
+           "block_medians": [[b * block, "paused" if snapshots_paused(b * block, block) else "active",
+                              statistics.median(v)] for b, v in sorted(blocks.items())],
+           "snapshots": {"active": sum(not snapshots_paused(t, block) for t in snapshot_iterations),
+                         "paused": sum(snapshots_paused(t, block) for t in snapshot_iterations)}}
+    if hook_s:
+        out["hooks_ms"] = {kind: 1e3 * statistics.median(hook_s[t] for t in its if t in hook_s)
+                           for kind, its in by_kind.items() if any(t in hook_s for t in its)}
+    return out
+
+
+def profile_iterations(*, iters: int, warmup: int, block: int, n: int) -> tuple[list[int], list[int]]:
+    """``(breakdown iterations, profiler iterations)`` of ``--profile-submit n``
+    (``tools/bench/submit_profile.py``): the last ``2 n`` iterations past ``warmup`` that take a snapshot (not
+    paused by ``--interleave block``) and have a successor, the breakdown's first. They come at the end of
+    the run, and the timings stop at the first of them: a profiled iteration runs slower, and what the
+    profiler leaves behind (CUPTI stays attached) may slow the iterations after it."""
+    if n <= 0:
+        return [], []
+    taking = [t for t in range(warmup, iters - 1) if not snapshots_paused(t, block)]
+    if len(taking) < 2 * n:
+        raise ValueError(f"--profile-submit {n} needs {2 * n} iterations with snapshots past the warm-up; "
+                         f"{len(taking)} in iterations {warmup}..{iters - 2}: run more iterations")
+    chosen = taking[-2 * n:]
+    return chosen[:n], chosen[n:]
