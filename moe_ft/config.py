@@ -24,7 +24,6 @@ from moe_ft.checkfree.config import CheckFreeConfig
 from moe_ft.drills.config import DrillConfig
 from moe_ft.persist.config import DurableConfig
 from moe_ft.policy.factory import POLICIES
-from moe_ft.precision.config import check_exact_recovery
 from moe_ft.recovery.config import RecoverConfig
 from moe_ft.replication.config import ReplicationConfig
 from moe_ft.snapshot.config import SnapshotConfig
@@ -77,9 +76,6 @@ class FTConfig(LoopExtension):
     def check_args(self, args) -> None:
         """Checks against the model's flags (``args``: Megatron's parsed ``Args``)."""
         self.checkfree.check_args(args)
-        if self.ft:  # snapshots must restore this precision bit for bit
-
-            check_exact_recovery(args)
         if (self.ft and getattr(args.model, "moe_grouped_gemm", False)
                 and getattr(args.parallel, "use_distributed_optimizer", False)):
             raise ValueError("--ft with --moe-grouped-gemm and --use-distributed-optimizer: an expert's state would be "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_ft.precision.config import PrecisionConfig, check_exact_recovery
+from moe_ft.precision.config import PrecisionConfig
 from moe_ft.precision.fp8 import DelayedScalingConfig, FP8WeightState, dequantize, next_scale, quantize
 from moe_ft.precision.quantized import quantized_state, quantized_tensors, quantized_weight
 from moe_ft.snapshot.restore import restore_operator
@@ -132,6 +132,9 @@ def test_quantized_state_decomposes_into_the_live_tensors():
         f"te.fp8_meta.{k}.{a}": "te.weight" for k in ("scaling_fwd", "scaling_bwd") for a in ("scale", "amax_history")}
     assert len(quantized_tensors(model)) == 4 + 4 + 4
     assert quantized_weight(torch.nn.Parameter(torch.zeros(2))) is None
+    # what the next forward writes in place (delayed scaling's scale/amax): captured at submit by the engine
+    assert weights["te.weight"].forward_mutated == {"fp8_quantizer_scale", "fp8_quantizer_amax"}
+    assert weights["emu.weight"].forward_mutated == frozenset()  # re-quantized by the optimizer step only
 
 
 def test_block_scaled_and_subclass_tensors_are_refused():
@@ -197,26 +200,24 @@ class _Args:
         self.extra = {"FP8EmulationConfig": FP8EmulationConfig(fp8_emulation=fp8_emulation)}
 
 
-@pytest.mark.parametrize("model,compute,problem", [
-    ({}, "fp32", None),
-    ({"bf16": True}, "bf16", None),
-    ({"fp16": True}, "fp16", None),
-    ({"fp8_format": "e4m3", "fp8_emulation": True}, "fp8", None),
-    ({"bf16": True, "fp8_format": "hybrid", "fp8_recipe": "delayed"}, "fp8", None),
-    ({"bf16": True, "fp8_format": "hybrid", "fp8_recipe": "mxfp8"}, "fp8", "block-scaled"),
-    ({"bf16": True, "fp8_format": "e4m3", "fp8_recipe": "blockwise"}, "fp8", "block-scaled"),
+@pytest.mark.parametrize("model,compute,state", [
+    ({}, "fp32", "none"),
+    ({"bf16": True}, "bf16", "none"),
+    ({"fp16": True}, "fp16", "none"),
+    ({"fp8_format": "e4m3", "fp8_emulation": True}, "fp8", "amax history"),
+    ({"bf16": True, "fp8_format": "hybrid", "fp8_recipe": "delayed"}, "fp8", "amax history"),
+    # current scaling on bf16 parameters: no FP8 state outlives an iteration, nothing to capture
+    ({"bf16": True, "fp8_format": "e4m3", "fp8_recipe": "tensorwise"}, "fp8", "none (current scaling"),
+    ({"bf16": True, "fp8_format": "hybrid", "fp8_recipe": "mxfp8"}, "fp8", "none (current scaling"),
+    ({"bf16": True, "fp8_format": "e4m3", "fp8_recipe": "blockwise"}, "fp8", "none (current scaling"),
 ])
-def test_precision_config_and_exact_recovery(model, compute, problem):
+def test_precision_config_and_its_fp8_state(model, compute, state):
     cfg = PrecisionConfig.from_args(_Args(**model))
     assert cfg.fp8_source == ("emulation" if model.get("fp8_emulation") else "transformer_engine" if
                               model.get("fp8_format") else "")
     assert cfg.compute == compute and cfg.master == "fp32"
     assert (cfg.loss_scaling == "dynamic") == bool(model.get("fp16"))
-    if problem is None:
-        check_exact_recovery(_Args(**model))
-    else:
-        with pytest.raises(ValueError, match=problem):
-            check_exact_recovery(_Args(**model))
+    assert cfg.fp8_state().startswith(state), cfg.fp8_state()
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -180,3 +180,37 @@ def test_the_trainers_host_passes_over_the_snapshot_bytes_are_counted(tmp_path, 
         engine.close()
     for record in engine.records:
         assert record.published and passes <= record.trainer_payload_bytes_per_byte < passes + 0.01, record
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("direct", [False, True])
+def test_state_the_next_forward_writes_is_captured_at_submit(tmp_path, direct):
+    """TE's delayed scaling rolls ``fp8_meta`` amax histories and scales in place when the next forward's
+    FP8 region ends, and the router's expert bias moves when its gradients are finalized: both before the
+    optimizer step that ``wait_copied`` guards. Such tensors (``OperatorState.forward_mutated``) are captured
+    when the snapshot is submitted; the other tensors of the entry as before."""
+    registry = make_registry()
+    amax = {op: torch.arange(12, dtype=torch.float32).reshape(3, 4) for op in OPS}
+    for op in OPS:
+        registry[op].compute["fp8_meta.scaling_fwd.amax_history"] = amax[op]
+        registry[op].forward_mutated.add("fp8_meta.scaling_fwd.amax_history")
+    store = StoreConfig(root=str(tmp_path), job_id="j", rank=0).build(retention=KeepAll())
+    engine = SnapshotEngine(EngineConfig(num_slots=2, direct_write=direct), registry, store)
+    at_submit = {}
+    try:
+        for it in range(4):
+            plan = dict.fromkeys(OPS, Level.COMPUTE)
+            at_submit[it] = {op: amax[op].clone() for op in OPS}
+            engine.submit(it, plan, {"iteration": it}, {})
+            for op in OPS:  # the next forward, before the copy of ``it`` is done
+                amax[op].copy_(amax[op].roll(1, 0)).add_(100.0)
+            engine.wait_copied()
+            step(registry)
+        engine.flush()
+    finally:
+        engine.close()
+    for it in range(4):
+        for op in OPS:
+            got = store.load(it, op, Level.COMPUTE)["fp8_meta.scaling_fwd.amax_history"]
+            assert torch.equal(got, at_submit[it][op]), (it, op)
+            assert not torch.equal(got, at_submit[it][op].roll(1, 0) + 100.0)

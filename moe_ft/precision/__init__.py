@@ -11,9 +11,9 @@
 The Megatron layers of the emulation are in ``moe_ft/megatron_ext/fp8_linear.py``.
 """
 
-from moe_ft.precision.config import PrecisionConfig, check_exact_recovery
+from moe_ft.precision.config import PrecisionConfig
 from moe_ft.precision.fp8 import DelayedScalingConfig, FP8WeightState
 from moe_ft.precision.quantized import QuantizedWeight, quantized_state, quantized_tensors
 
-__all__ = ["DelayedScalingConfig", "FP8WeightState", "PrecisionConfig", "QuantizedWeight", "check_exact_recovery",
-           "quantized_state", "quantized_tensors"]
+__all__ = ["DelayedScalingConfig", "FP8WeightState", "PrecisionConfig", "QuantizedWeight", "quantized_state",
+           "quantized_tensors"]

@@ -15,9 +15,11 @@ fp16 / fp32 / fp32          ``--fp16`` (+ dynamic loss scaler, per-iteration  ex
                             state)                                           the step metadata)
 fp8 / fp32 / fp32           ``--fp8-format e4m3 --fp8-emulation`` (torch     exact (FP8 data, scales,
                             float8 weights, delayed scaling), or TE FP8      amax histories captured)
-                            with ``--fp8-recipe delayed|tensorwise``
-fp8 (mxfp8/blockwise)       TE block-scaled recipes                          refused (block scales
-                                                                             not captured)
+                            with ``--fp8-recipe delayed``
+fp8 (tensorwise, mxfp8,     TE current-scaling and block-scaled recipes      exact: no FP8 state
+blockwise) / bf16 params    on bf16 parameters                               (scales computed from
+                                                                             each tensor as it is
+                                                                             quantized)
 fp16 or fp8 master,         Transformer Engine's precision-aware FusedAdam   not reachable: this
 fp8+fp16 optimizer state    (master and moments inside TE)                   build has no flag for
                                                                              it; the registry refuses
@@ -65,22 +67,23 @@ class PrecisionConfig:
     def describe(self) -> str:
         text = f"compute {self.compute} / master {self.master} / optimizer {'+'.join(self.optimizer)}"
         if self.fp8_source:
-            text += f" (FP8 via {self.fp8_source}, {self.fp8_recipe} scaling)"
+            text += f" (FP8 via {self.fp8_source}, {self.fp8_recipe} scaling; FP8 state: {self.fp8_state()})"
         if self.loss_scaling != "none":
             text += f", {self.loss_scaling} loss scaling"
         return text
 
-    def exact_recovery_problem(self) -> str | None:
-        """Why snapshots of this configuration would not restore bit for bit (``None``: they do)."""
-        if self.fp8_source == "transformer_engine" and self.fp8_recipe in ("mxfp8", "blockwise"):
-            return (f"--ft cannot recover --fp8-recipe {self.fp8_recipe} exactly: its block-scaled tensors' row-/"
-                    "column-wise scales are not captured by moe-ft snapshots; use --fp8-recipe delayed or "
-                    "tensorwise, or train without --ft")
-        return None
+    def fp8_state(self) -> str:
+        """What FP8 state survives an iteration, i.e. what a snapshot must hold besides the weights.
 
-
-def check_exact_recovery(args) -> None:
-    """Raise ``ValueError`` (one line, with the fix) when ``--ft`` would restore this precision inexactly."""
-    problem = PrecisionConfig.from_args(args).exact_recovery_problem()
-    if problem:
-        raise ValueError(problem)
+        Delayed scaling (TE's ``DelayedScaling``, the emulation) computes each scale from an amax history that
+        every quantization extends: per FP8 tensor a history and a scale, captured (TE's ``fp8_meta`` and a
+        quantizer's scale/amax when the snapshot is submitted: the next forward rolls them in place). The
+        current-scaling recipes -- ``tensorwise`` (TE's ``Float8CurrentScaling``), and the block-scaled
+        ``mxfp8`` and ``blockwise`` -- compute every scale from the tensor being quantized, so with the
+        parameters in bf16 (this build has no flag for FP8 parameters) nothing FP8 outlives the iteration:
+        restoring the bf16 weights and the optimizer restores everything."""
+        if not self.fp8_source:
+            return "none"
+        if self.fp8_recipe == "delayed":
+            return "amax history and scale per FP8 tensor (captured)"
+        return "none (current scaling: scales computed from each tensor as it is quantized)"

@@ -20,6 +20,12 @@ weights):
   GEMM's state is shared by its local experts and lives with the first one; every snapshot of a window's
   first iteration holds every operator, so it is always restored).
 
+TE's forward pass writes the delayed-scaling state in place (the amax history rolls and the scale is
+recomputed when an FP8 autocast region ends), while a snapshot's copy of iteration ``t`` may still run
+during the forward of ``t + 1`` (it only has to finish before the next optimizer step). Those tensors are
+marked *forward-mutated*: the snapshot engine copies them on the compute stream when the snapshot is
+submitted (``moe_ft/snapshot/engine.py``), so a point holds the state as of ``t``.
+
 Block-scaled tensors (MXFP8, FP8 blockwise: ``_rowwise_data``/``_columnwise_scale_inv``) are refused: their
 layout is not captured yet.
 """
@@ -64,6 +70,10 @@ class QuantizedWeight:
     from); ``False`` when the parameter *is* the FP8 tensor (TE)."""
     after_restore: list[Callable[[], None]] = field(default_factory=list)
     """Called after the tensors were overwritten by a restore (drop caches derived from them)."""
+    forward_mutated: frozenset[str] = frozenset()
+    """Suffixes of :attr:`tensors` that the *forward pass* writes in place (TE's delayed scaling updates a
+    quantizer's scale and amax when an FP8 autocast region ends), not only the optimizer step: a snapshot
+    must capture them when it is submitted, before the next forward (:attr:`OperatorState.forward_mutated`)."""
 
     @property
     def data(self) -> torch.Tensor:
@@ -98,7 +108,8 @@ def quantized_weight(param) -> QuantizedWeight | None:
         value = getattr(quantizer, attr, None)
         if isinstance(value, torch.Tensor):
             tensors[f"fp8_quantizer_{attr}"] = value
-    return QuantizedWeight(tensors=tensors, has_wide_copy=False, after_restore=[_invalidate_transpose(param)])
+    return QuantizedWeight(tensors=tensors, has_wide_copy=False, after_restore=[_invalidate_transpose(param)],
+                           forward_mutated=frozenset(k for k in tensors if k.startswith("fp8_quantizer_")))
 
 
 def module_scaling_state(module) -> dict[str, torch.Tensor]:

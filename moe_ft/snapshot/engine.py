@@ -143,6 +143,10 @@ class _Entry:
     dev_bufs: list
     host_srcs: list
     host_bufs: list
+    staged: list = field(default_factory=list)
+    staged_from: list = field(default_factory=list)
+    """Forward-mutated tensors (``OperatorState.forward_mutated``): the entry copies ``staged[i]``, which
+    :meth:`SnapshotEngine.submit` refreshes from the live ``staged_from[i]`` on the compute stream."""
 
 
 @dataclass(kw_only=True)
@@ -247,6 +251,9 @@ class SnapshotEngine:
             job = _Job(record=record, slot=slot, items=items, meta=dict(meta), meta_tensors={},
                        remote=frozenset(remote))
             self._stage_meta(job, meta_tensors)
+            staged = [(b, s) for e in items for b, s in zip(e.staged, e.staged_from)]
+            if staged:  # written by the next forward: captured now, on the compute stream (_Entry.staged)
+                torch._foreach_copy_([b for b, _ in staged], [s for _, s in staged])
         if self.mapped is not None:
             self._issue_mapped(job)
         elif self.cuda:
@@ -259,7 +266,12 @@ class SnapshotEngine:
     def _entry(self, slot: int, op: OperatorId, level: Level) -> _Entry:
         entry = self._entries.get((slot, op, level))
         if entry is None:
-            tensors = {name: src.detach() for name, src in self.registry[op].tensors(level).items()}
+            state = self.registry[op]
+            tensors = {name: src.detach() for name, src in state.tensors(level).items()}
+            mutated = [name for name in tensors if name in getattr(state, "forward_mutated", ())]
+            staged_from = [tensors[name] for name in mutated]
+            for name in mutated:  # the entry reads a copy taken at submit (see _Entry.staged)
+                tensors[name] = torch.empty_like(tensors[name])
             if self.mapped is not None:  # copied into the store's regions (mapped.py)
                 out, srcs, bufs = tensors, list(tensors.values()), []
             elif self.direct:  # the store writes the live tensors; nothing to copy first
@@ -272,7 +284,8 @@ class SnapshotEngine:
                            nbytes=sum(t.nbytes for t in out.values()),
                            dev_srcs=[s for s, d in zip(srcs, dev) if d], dev_bufs=[b for b, d in zip(bufs, dev) if d],
                            host_srcs=[s for s, d in zip(srcs, dev) if not d],
-                           host_bufs=[b for b, d in zip(bufs, dev) if not d])
+                           host_bufs=[b for b, d in zip(bufs, dev) if not d],
+                           staged=[tensors[name] for name in mutated], staged_from=staged_from)
             self._entries[(slot, op, level)] = entry
         return entry
 

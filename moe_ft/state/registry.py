@@ -69,6 +69,11 @@ class OperatorState:
     the module docstring); FULL only."""
     after_restore: list = field(default_factory=list)
     """Callables to run after a restore overwrote the tensors (drop caches derived from FP8 data)."""
+    forward_mutated: set[str] = field(default_factory=set)
+    """Names of compute tensors that the next iteration writes in place before its optimizer step -- TE's
+    delayed-scaling ``fp8_meta`` and quantizer scale/amax (at the end of each FP8 autocast region), the
+    router's ``expert_bias`` (when the gradients are finalized) -- while the snapshot of this iteration may
+    still be copying: the engine captures them when the snapshot is submitted."""
 
     def tensors(self, level: Level) -> dict[str, torch.Tensor]:
         """The tensors a snapshot at ``level`` holds: COMPUTE → compute weights; FULL → compute, wide
@@ -151,8 +156,11 @@ class OperatorRegistry:
             for name, buf in gpt.named_buffers():
                 if buf is not None and (name.endswith("mlp.router.expert_bias") or is_float8_dtype(buf.dtype)):
                     state_of(operator_of(name, gpt)).compute[name] = buf
+                if buf is not None and name.endswith("mlp.router.expert_bias"):  # updated when grads finalize
+                    state_of(operator_of(name, gpt)).forward_mutated.add(name)
             for name, (owner, tensor) in scaling.items():
                 state_of(operator_of(owner, gpt)).compute[name] = tensor
+                state_of(operator_of(owner, gpt)).forward_mutated.add(name)
         missing = [k for k in mains if k not in seen]
         if missing:
             raise RuntimeError(f"{len(missing)} optimizer parameters are not parameters of the model chunks given; "
@@ -189,6 +197,7 @@ def _add_quantized(state: OperatorState, name: str, param: torch.Tensor, main: M
     (if any) is saved with FULL only."""
     for suffix, tensor in q.tensors.items():
         state.compute[f"{name}.{suffix}"] = tensor
+    state.forward_mutated.update(f"{name}.{suffix}" for suffix in q.forward_mutated)
     state.after_restore.extend(q.after_restore)
     if q.has_wide_copy:
         state.wide[name] = param
