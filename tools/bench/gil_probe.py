@@ -1,7 +1,8 @@
 """How long the GIL is held by other threads, probed from inside the process (``tools/bench/gpu_overhead.py
 --gil-probe``).
 
-A daemon thread sleeps 0.5 ms in a loop and measures how late it wakes up::
+A daemon thread sleeps 0.5 ms (``--gil-probe SLEEP_S``: any other period) in a loop and measures how late it
+wakes up::
 
     t0 = perf_counter(); time.sleep(0.0005); lag = perf_counter() - t0 - 0.0005
 
@@ -14,11 +15,17 @@ mean a Python-busy thread; longer ones a C call that keeps the GIL. The lags are
 which the probe woke, and summarised per kind of interleaved block (``--interleave``: snapshots taken or paused),
 so the background threads' share is the difference between the kinds.
 
-Cost: the probe wakes ~1800 times a second and runs a few microseconds of Python each time (its CPU is
-reported: ``cpu_share``, the fraction of one core). It also takes the GIL from the training thread more often:
-whenever the training thread releases the GIL (a torch op, a CUDA call) while the probe waits for it, the probe
-runs first, and the training thread waits for it to sleep again. Measured with ``--tiny`` on the CPU (``docs``
-of the bench); compare launches with and without the probe before reading small differences.
+Cost: the probe wakes ~1800 times a second and runs a few microseconds of Python each time (its own CPU is
+reported: ``cpu_share``, the fraction of one core: 0.035-0.06 at 0.5 ms). It also takes the GIL from the training
+thread more often: whenever the training thread releases the GIL (every torch op does, around its dispatch) while
+the probe waits for it, the probe runs first and the training thread waits for it to sleep again. Measured on a
+2-core CPU machine (2026-11-27): a thread that only dispatches small torch ops (20k ``add_``) ran 8-11 % slower
+with the probe at 0.5 ms, 5-7 % at 1 ms, 3-5 % at 2 ms; the tiny model's interleaved launch (``--tiny --iters 96
+--interleave 4 --windows 2``, two launches each) ran 10-13 % slower at 0.5 ms (paused blocks 47.6-48.5 ms ->
+53.0-53.9 ms) and 2-5 % at 2 ms, while its taken/paused ratio stayed within the launches' spread (1.19, 1.21
+without; 1.17, 1.21 at 0.5 ms; 1.19, 1.20 at 2 ms). So read the ratio with the probe on as a ratio, compare
+absolute times only between launches that all have it, and pass a longer sleep (``--gil-probe 0.002``) when the
+tax matters more than the resolution.
 """
 
 from __future__ import annotations
