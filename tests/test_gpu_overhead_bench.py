@@ -1,5 +1,6 @@
-"""``tools/bench/gpu_overhead.py --interleave K --profile-submit N``: the in-launch comparison of iterations with
-and without snapshots, and the profile of the engine's ``submit``, on the drill's tiny model (one CPU rank)."""
+"""``tools/bench/gpu_overhead.py --interleave K --profile-submit N --profile-worker N --gil-probe``: the in-launch
+comparison of iterations with and without snapshots, the profiles of the engine's ``submit`` and of its background
+thread, and the GIL probe, on the drill's tiny model (one CPU rank)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,29 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
 
-from moe_ft.snapshot import EngineConfig, SnapshotEngine
+from moe_ft.snapshot import EngineConfig, SnapshotEngine, SnapshotRecord
+from moe_ft.snapshot.engine import _Job
 from moe_ft.snapshot.mapped import MappedCopier
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.state.registry import OperatorRegistry, OperatorState
 from moe_ft.store import KeepAll, StoreConfig, arena, entry_hash_triton
 from moe_ft.store import store as store_module
-from tools.bench.interleave import interleaved_stats, iteration_kind, profile_iterations, snapshots_paused
-from tools.bench.submit_profile import _Breakdown, _targets, _wrapped
+from tools.bench import gpu_overhead
+from tools.bench.gil_probe import GilProbe, lag_stats
+from tools.bench.interleave import (
+    interleaved_stats,
+    iteration_kind,
+    last_snapshot_iterations,
+    profile_iterations,
+    snapshots_paused,
+)
+from tools.bench.submit_profile import Breakdown, _targets, wrapped
+from tools.bench.worker_profile import WorkerProfiler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,6 +71,16 @@ def test_profiled_iterations_are_the_last_with_snapshots():
     assert profile_iterations(iters=10, warmup=2, block=0, n=0) == ([], [])
     with pytest.raises(ValueError, match="needs 6 iterations"):
         profile_iterations(iters=8, warmup=4, block=4, n=3)
+    assert last_snapshot_iterations(iters=24, warmup=4, block=4, n=3, what="w") == [17, 18, 19]
+    with pytest.raises(ValueError, match="--profile-worker 9 needs 9"):
+        last_snapshot_iterations(iters=24, warmup=4, block=4, n=9, what="--profile-worker 9")
+
+
+def test_profiling_submit_and_the_worker_in_one_run_is_refused():
+    with pytest.raises(SystemExit):
+        gpu_overhead.main(["--profile-submit", "1", "--profile-worker", "1", "--log-dir", "x"])
+    with pytest.raises(SystemExit):
+        gpu_overhead.main(["--profile-worker", "1"])  # no --log-dir
 
 
 def test_breakdown_times_the_mapped_issue_by_call_path_and_puts_everything_back(tmp_path):
@@ -80,9 +102,9 @@ def test_breakdown_times_the_mapped_issue_by_call_path_and_puts_everything_back(
     try:
         engine.mapped = MappedCopier(store, None, on_device=lambda t: True)  # what a CUDA registry gets
         items = [engine._entry(0, op, Level.FULL) for op in ops]
-        breakdown = _Breakdown()
+        breakdown = Breakdown()
         breakdown.owner = threading.get_ident()
-        with _wrapped(_targets(engine), breakdown):
+        with wrapped(_targets(engine), breakdown):
             engine.mapped.issue(0, 0, items, frozenset()).point.abort()
         calls = dict(breakdown.calls)
         assert calls["mapped.issue"] == 1 and calls["mapped.issue/reserve"] == len(ops)
@@ -121,7 +143,7 @@ def test_tiny_interleaved_launches_pause_snapshots_and_profile_submit(tmp_path, 
     assert inter["ratio"] == pytest.approx(inter["active_median_s"] / inter["paused_median_s"])
     assert sparse["median_iter_s"] == inter["active_median_s"]
     # the timings stop where the profiled iterations start (the last active ones: 18, then 19)
-    assert sparse["measured_end"] == 18 and sparse["profiled"] == {"breakdown": [18], "profiler": [19]}
+    assert sparse["measured_end"] == 18 and sparse["profiled"] == {"breakdown": [18], "profiler": [19], "worker": []}
     assert none["interleaved"]["control"] and none["measured_end"] is None
     assert set(result["interleaved_ratio"]) == {"none", "sparse(W=2)"} and "sparse(W=2)" in result["overhead_ratio"]
 
@@ -134,3 +156,146 @@ def test_tiny_interleaved_launches_pause_snapshots_and_profile_submit(tmp_path, 
     assert sum(row["self_ms"] for row in paths.values()) == pytest.approx(paths["submit"]["ms"])
     assert paths["submit"]["calls"] == 1 and breakdown["top_ops_per_iteration"]
     assert set(breakdown["issue_ms"]) == {"breakdown", "profiler"}
+
+
+def _cpu_registry(seed: int) -> tuple[list[OperatorId], OperatorRegistry]:
+    gen = torch.Generator().manual_seed(seed)
+    ops = [OperatorId.dense(0), OperatorId.expert_op(0, 0), OperatorId.expert_op(0, 1)]
+    return ops, OperatorRegistry({op: OperatorState(op=op, compute={"weight": torch.randn(64, 32, generator=gen)},
+                                                    optim={"exp_avg.weight": torch.randn(64, 32, generator=gen)})
+                                  for op in ops}, pp_rank=0, ep_rank=0)
+
+
+def _store_functions() -> list:
+    return [vars(store_module.PendingPoint)["put"], vars(store_module.PendingPoint)["publish"],
+            vars(store_module.ReservedEntry)["seal"], store_module.write_entry, store_module.build_manifest,
+            arena._write_index]
+
+
+def test_worker_profile_times_the_cpu_path_of_the_chosen_snapshots_only(tmp_path):
+    """The CPU path (direct writes of the live tensors): the chosen snapshots' sub-steps by call path, in wall
+    and thread CPU time, beside the engine's own record; the others untimed; everything put back; the points
+    published as without the profile."""
+    ops, registry = _cpu_registry(1)
+    store = StoreConfig(root=str(tmp_path), job_id="j", rank=0).build(retention=KeepAll())
+    engine = SnapshotEngine(EngineConfig(), registry, store)
+    profiler = WorkerProfiler([1, 2], str(tmp_path / "logs"), "t")
+    before = _store_functions()
+    try:
+        profiler.attach(engine)
+        for it in range(4):
+            engine.submit(it, {op: Level.FULL for op in ops}, {"iteration": it}, {})
+            engine.wait_copied()
+        engine.flush()
+    finally:
+        engine.close()
+    assert _store_functions() == before and not {"_write", "_pause"} & set(vars(engine)) and "gc" not in vars(store)
+    assert store.verify().problems == () and store.points() == [0, 1, 2, 3]
+    data = json.loads((tmp_path / "logs" / "worker_breakdown_t.json").read_text())
+    assert set(data["snapshots"]) == {"1", "2"} and all(v["published"] for v in data["snapshots"].values())
+    rows = {r["path"]: r for r in data["breakdown_per_snapshot"]}
+    assert rows["execute"]["calls"] == 1 and rows["execute/write/put/point.put"]["calls"] == len(ops)
+    assert {"execute/write/store.begin", "execute/write/put/point.put/write_entry", "execute/write/put_meta",
+            "execute/write/publish/build_manifest", "execute/write/publish/commit/write_index",
+            "execute/write/publish/after_publish/gc/retention.keep"} <= set(rows)
+    assert sum(r["self_ms"] for r in rows.values()) == pytest.approx(rows["execute"]["ms"])
+    assert sum(r["self_cpu_ms"] for r in rows.values()) == pytest.approx(rows["execute"]["cpu_ms"])
+    assert 0 < rows["execute"]["cpu_ms"] <= rows["execute"]["ms"] + 0.1
+    assert "execute/write/publish" in (tmp_path / "logs" / "worker_profile_t.txt").read_text()
+
+
+def test_worker_profile_times_the_mapped_seal_and_publish(tmp_path):
+    """The GPU path's background work on CPU tensors: a job whose copies went into the arena's regions (the
+    mapped copier, every tensor hashed by the table's kernel, interpreted here) sealed, its metadata written and
+    the point published under the profile."""
+    ops, registry = _cpu_registry(2)
+    store = StoreConfig(root=str(tmp_path), job_id="j", rank=0, checksum="mfh64", layout="arena").build(
+        retention=KeepAll())
+    engine = SnapshotEngine(EngineConfig(num_slots=1), registry, store)
+    profiler = WorkerProfiler([5], str(tmp_path / "logs"), "m")
+    try:
+        engine.mapped = MappedCopier(store, None, on_device=lambda t: True)
+        profiler.attach(engine)
+        slot = engine._free.get()
+        items = [engine._entry(slot, op, Level.FULL) for op in ops]
+        job = _Job(record=SnapshotRecord(iteration=5, bytes=sum(e.nbytes for e in items), num_full=len(ops),
+                                         num_compute=0), slot=slot, items=items, meta={"iteration": 5},
+                   meta_tensors={}, mapped=engine.mapped.issue(5, slot, items, frozenset()))
+        engine._worker.submit(job)
+        engine.flush()
+    finally:
+        engine.mapped = None
+        engine.close()
+    assert job.record.published and store.verify([5]).problems == ()
+    for op in ops:
+        loaded = store.load(5, op, Level.FULL)
+        assert all(torch.equal(loaded[n], t) for n, t in registry[op].tensors(Level.FULL).items())
+    rows = {r["path"]: r for r in json.loads((tmp_path / "logs" / "worker_breakdown_m.json").read_text())
+            ["breakdown_per_snapshot"]}
+    assert rows["execute/write/mapped.seal/entry.seal"]["calls"] == len(ops)
+    assert {"execute/write/mapped.seal/entry.seal/seal_entry/entry_digest/mfh64.update",
+            "execute/write/mapped.seal/entry.seal/entry_head", "execute/write/put_meta/write_entry",
+            "execute/write/publish/build_manifest"} <= set(rows)
+
+
+def test_gil_probe_sees_a_thread_that_keeps_the_gil_in_the_interval_where_it_did():
+    """A Python loop that never releases the GIL keeps it for the switch interval (50 ms here) while the probe
+    waits to wake up: the probe's lags in that interval reach it; the samples fall into the intervals they were
+    taken in."""
+    probe = GilProbe()
+    interval = sys.getswitchinterval()
+    probe.start()
+    starts = [time.perf_counter()]
+    try:
+        time.sleep(0.05)
+        starts.append(time.perf_counter())
+        sys.setswitchinterval(0.05)
+        end = time.perf_counter() + 0.2
+        while time.perf_counter() < end:
+            pass
+        starts.append(time.perf_counter())
+    finally:
+        sys.setswitchinterval(interval)
+        probe.stop()
+    lags = probe.lags_by_interval(starts)
+    assert len(lags) == 2 and lags[0] and lags[1]
+    assert max(lags[1]) >= 30_000, lags[1]  # microseconds
+    assert sum(map(len, lags)) == sum(starts[0] <= t < starts[-1] for t in probe.wake)
+    assert 0 < probe.cpu_s < probe.wall_s
+
+
+def test_lag_stats_are_per_kind_of_block_past_block_boundaries():
+    # blocks of 2: 2, 3 paused (3 counts), 4, 5 active (5 counts), 6, 7 paused (7 counts)
+    lags = {2: [9000], 3: [100, 300, 5000], 4: [9000], 5: [50, 60, 70, 80], 7: [100, 100]}
+    stats = lag_stats(lags, 2)
+    assert set(stats) == {"active", "paused"}
+    assert stats["active"] == pytest.approx({"iterations": 1, "samples_per_iter": 4, "p50_ms": 0.07, "p99_ms": 0.08,
+                                             "max_ms": 0.08, "total_ms_per_iter": 0.26, "over_0.2ms_ms_per_iter": 0})
+    assert stats["paused"]["iterations"] == 2 and stats["paused"]["max_ms"] == 5.0
+    assert stats["paused"]["total_ms_per_iter"] == pytest.approx(5.6 / 2)
+    assert stats["paused"]["over_0.2ms_ms_per_iter"] == pytest.approx(5.3 / 2)
+    assert set(lag_stats(lags, 0)) == {"all"}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_tiny_launch_profiles_the_worker_and_probes_the_gil(tmp_path, corpus):
+    """One sparse launch (``--skip-none``) with the background thread's profile, the GIL probe and another
+    switch interval in the worker."""
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "tools.bench.gpu_overhead", "--tiny", "--iters", "24", "--warmup", "4",
+           "--windows", "2", "--interleave", "4", "--profile-worker", "1", "--gil-probe", "--switch-interval", "0.001",
+           "--skip-none", "--data-path", corpus, "--store-root", str(tmp_path), "--log-dir", str(logs)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert set(result["runs"]) == {"sparse(W=2)"} and "overhead_ratio" not in result
+    sparse = result["runs"]["sparse(W=2)"][0]
+    assert sparse["switch_interval_s"] == 0.001 and 0 < sparse["gil_probe_cpu_share"] < 1
+    assert sparse["measured_end"] == 19 and sparse["profiled"]["worker"] == [19]
+    gil = sparse["interleaved"]["gil_probe"]
+    assert set(gil) == {"active", "paused"} and all(g["samples_per_iter"] > 0 for g in gil.values())
+    breakdown = json.loads((logs / "worker_breakdown_sparse2_0.json").read_text())
+    assert breakdown["snapshots"]["19"]["published"]
+    paths = {row["path"] for row in breakdown["breakdown_per_snapshot"]}
+    assert {"execute", "execute/write/put/point.put", "execute/write/publish"} <= paths

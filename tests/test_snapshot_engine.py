@@ -1,4 +1,5 @@
-"""Snapshot engine on the CPU path, without a model: a hand-made registry, a file store on a temp dir.
+"""Snapshot engine on the CPU path (and one GPU test), without a model: a hand-made registry, a file store on a
+temp dir.
 
 What the engine must guarantee (``docs/snapshot.md``): the snapshot of ``t`` holds the state at
 ``submit(t)`` even when the live tensors change after ``wait_copied()``; metadata tensors are copied at
@@ -6,6 +7,8 @@ What the engine must guarantee (``docs/snapshot.md``): the snapshot of ``t`` hol
 reports are exactly those of the plan; every entry is published and verifies on load."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -214,3 +217,51 @@ def test_state_the_next_forward_writes_is_captured_at_submit(tmp_path, direct):
             got = store.load(it, op, Level.COMPUTE)["fp8_meta.scaling_fwd.amax_history"]
             assert torch.equal(got, at_submit[it][op]), (it, op)
             assert not torch.equal(got, at_submit[it][op].roll(1, 0) + 100.0)
+
+
+def _cycles_per_second() -> float:
+    """``torch.cuda._sleep`` cycles per second of device time on this GPU (measured with timing events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10 ** 7)
+    end.record()
+    end.synchronize()
+    return 10 ** 7 / (start.elapsed_time(end) / 1e3)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout,checksum", [("files", "xxh3_64"), ("arena", "mfh64")])
+def test_the_background_thread_sleeps_while_the_copy_waits_on_the_device(tmp_path, layout, checksum):
+    """GPU (slot buffers on the file layout; the arena's mapped regions where Triton is installed): the background
+    thread waits on each snapshot's copy event. The compute stream is kept busy for 0.4 s before ``submit``, so
+    the copy queued behind it ends ~0.4 s later; a default event's ``synchronize`` would spin a core all that time
+    (its CPU ~ the wait), a blocking one sleeps. The point is published as ever."""
+    gen = torch.Generator().manual_seed(2)
+    registry = OperatorRegistry({op: OperatorState(
+        op=op, compute={"weight": torch.randn(256, 256, generator=gen).cuda()}, master={},
+        optim={"exp_avg.weight": torch.randn(256, 256, generator=gen).cuda()}) for op in OPS}, pp_rank=0, ep_rank=0)
+    store = StoreConfig(root=str(tmp_path), job_id="j", rank=0, layout=layout, checksum=checksum).build(
+        retention=KeepAll())
+    engine = SnapshotEngine(EngineConfig(), registry, store)
+    plan = {op: Level.FULL for op in OPS}
+    try:
+        assert engine.cuda
+        engine.submit(0, plan, {"iteration": 0}, {})  # first use: pinning, the hash kernel's compilation
+        engine.wait_copied()
+        engine.flush()
+        cycles = int(0.4 * _cycles_per_second())
+        torch.cuda._sleep(cycles)
+        start = time.perf_counter()
+        record = engine.submit(1, plan, {"iteration": 1}, {})
+        engine.wait_copied()
+        engine.flush()
+        waited = time.perf_counter() - start
+    finally:
+        engine.close()
+    assert waited > 0.3, f"the copy did not wait for the busy compute stream ({waited:.3f} s)"
+    assert record.published and record.thread_cpu_s < waited / 4, (record, waited)
+    assert store.verify([1]).problems == ()
+    for op in OPS:
+        loaded = store.load(1, op, Level.FULL)
+        assert all(torch.equal(loaded[n], t.cpu()) for n, t in registry[op].tensors(Level.FULL).items())

@@ -4,6 +4,7 @@ ratio <= 1.01), both launched by this one command, alternating.
     python -m tools.bench.gpu_overhead [--iters 40] [--repeats 1] [--windows 0 --snapshot-bandwidth 2e9]
     python -m tools.bench.gpu_overhead --windows 8 16      # none, sparse W=8, sparse W=16
     python -m tools.bench.gpu_overhead --windows 8 --interleave 8 --profile-submit 3 --log-dir out
+    python -m tools.bench.gpu_overhead --windows 8 --interleave 8 --profile-worker 3 --gil-probe --log-dir out
 
 Each launch is ``torchrun --nproc-per-node 1`` of the real entry point (``pretrain_gpt_moe.py`` flags, an
 MoE GPT big enough to keep an H100 busy: 4 layers, hidden 1024, 8 experts top-2, seq 1024, bf16, 4
@@ -31,6 +32,21 @@ globally (``--ft-recovery-scope global``): the localized scope's survivor guard 
 (``tools/bench/submit_profile.py``): a breakdown by sub-step on ``N`` iterations and torch.profiler's top ops
 on ``N`` more, written to ``--log-dir``; they are the last iterations with snapshots, and the timings stop at
 the first of them (``measured_end``).
+
+``--profile-worker N``: where the snapshot engine's background thread spends its time and its CPU
+(``tools/bench/worker_profile.py``): a breakdown by sub-step, wall and thread CPU, of the snapshots of the last
+``N`` iterations with snapshots, written to ``--log-dir`` (``worker_profile_<tag>.txt``); the timings stop at the
+first of them. Not with ``--profile-submit`` in the same run (both replace the store's functions for a while).
+
+``--gil-probe [SLEEP_S]``: a thread in each worker process sleeps ``SLEEP_S`` (0.5 ms) in a loop and records how
+late it wakes, the time some other thread held the GIL (``tools/bench/gil_probe.py``, which documents its cost); each launch's
+summary has the lags per kind of block (``interleaved.gil_probe``: p50/p99/max and the lag summed per iteration)
+and the probe's own CPU (``gil_probe_cpu_share``). ``--switch-interval S``: ``sys.setswitchinterval(S)`` in the
+worker processes (Python's default: 0.005 s). A thread that runs Python keeps the GIL for up to S while the
+training thread waits to launch its next kernel; if the snapshot threads' Python work slows training that way,
+the interleaved ratio moves with S (e.g. 0.0005 against the default), and the probe's lags in the taken
+blocks shrink with it. ``--skip-none``: no ``none`` launch (no ``overhead_ratio``; the interleaved ratio of the
+sparse launches needs none).
 """
 
 from __future__ import annotations
@@ -44,7 +60,14 @@ import sys
 import tempfile
 import time
 
-from tools.bench.interleave import interleaved_stats, iteration_kind, profile_iterations, snapshots_paused
+from tools.bench.gil_probe import GilProbe, lag_stats
+from tools.bench.interleave import (
+    interleaved_stats,
+    iteration_kind,
+    last_snapshot_iterations,
+    profile_iterations,
+    snapshots_paused,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--ffn-hidden-size", "4096",
@@ -60,8 +83,8 @@ class _Timed:
     time the training thread spends inside the FT hooks of each iteration (``hook_s``: where an overhead that
     is not the snapshot threads' comes from)."""
 
-    def __init__(self, runtime, out: str, facts: dict) -> None:
-        self.runtime, self.out, self.facts = runtime, out, facts
+    def __init__(self, runtime, out: str, facts: dict, probe: GilProbe | None = None) -> None:
+        self.runtime, self.out, self.facts, self.probe = runtime, out, facts, probe
         self.starts: list[float] = []
         self.hook_s: list[float] = []
         self.begins: list[int] = []
@@ -99,6 +122,11 @@ class _Timed:
         engine = getattr(session, "engine", None)
         records = [dict(vars(r)) for r in engine.records] if engine is not None else []
         policy = getattr(session, "policy", None)
+        probe = {}
+        if self.probe is not None:
+            self.probe.stop()
+            probe = {"gil_lag_us": self.probe.lags_by_interval(self.starts),
+                     "gil_probe": {"cpu_s": self.probe.cpu_s, "wall_s": self.probe.wall_s}}
         with open(self.out, "w") as f:
             mapped = getattr(engine, "mapped", None)
             json.dump({"iteration_s": [b - a for a, b in zip(self.starts, self.starts[1:])], "records": records,
@@ -106,7 +134,8 @@ class _Timed:
                        "paused": getattr(self.runtime, "paused", []), **self.facts,
                        "window": getattr(policy, "window_length", None),
                        "path": "mapped" if mapped is not None else f"staged ({getattr(engine, 'mapped_off', '')})",
-                       "pinning": mapped.pinned.failed or "ok" if mapped is not None else ""}, f)
+                       "pinning": mapped.pinned.failed or "ok" if mapped is not None else "",
+                       "switch_interval_s": sys.getswitchinterval(), **probe}, f)
 
 
 def _pop(argv: list[str], flag: str) -> str:
@@ -125,15 +154,24 @@ def worker(argv: list[str]) -> int:
     from moe_ft.replication.component import Replicas
     from moe_ft.runtime.hooks import FTRuntime
     from tools.bench.submit_profile import SubmitProfiler
+    from tools.bench.worker_profile import WorkerProfiler
 
     out = _pop(argv, "--out")
     block, warmup = int(_pop(argv, "--bench-interleave")), int(_pop(argv, "--bench-warmup"))
     num_profiled, profile_dir = int(_pop(argv, "--bench-profile-submit")), _pop(argv, "--bench-profile-dir")
+    num_worker, switch = int(_pop(argv, "--bench-profile-worker")), float(_pop(argv, "--bench-switch-interval"))
+    probe_sleep = float(_pop(argv, "--bench-gil-probe"))
+    probe = GilProbe(probe_sleep) if probe_sleep > 0 else None
+    if switch > 0:
+        sys.setswitchinterval(switch)
     args = parse_args(argv, extra_groups=pretrain_gpt_moe.extra_argument_groups())
     config = args.extra["FTConfig"]
-    breakdown_its, profiler_its = profile_iterations(iters=args.training.train_iters, warmup=warmup, block=block,
-                                                     n=num_profiled)
+    iters = args.training.train_iters
+    breakdown_its, profiler_its = profile_iterations(iters=iters, warmup=warmup, block=block, n=num_profiled)
     profiler = SubmitProfiler(breakdown_its, profiler_its, profile_dir, config.snapshot.job_id) if num_profiled else None
+    worker_its = last_snapshot_iterations(iters=iters, warmup=warmup, block=block, n=num_worker,
+                                          what=f"--profile-worker {num_worker}")
+    worker_profiler = WorkerProfiler(worker_its, profile_dir, config.snapshot.job_id) if num_worker else None
 
     class Bench(FTRuntime):
         """The FT runtime as ``pretrain_gpt_moe.step_hooks`` builds it under torchrun (no survivor point carried
@@ -158,6 +196,8 @@ def worker(argv: list[str]) -> int:
                 raise ValueError(f"--interleave pauses snapshots, and {', '.join(needs_every)} follow every one")
             if profiler is not None and self.active is not None:
                 profiler.attach(self.active.engine)
+            if worker_profiler is not None and self.active is not None:
+                worker_profiler.attach(self.active.engine)
 
         def select_session(self, iteration: int):
             session = super().select_session(iteration)
@@ -167,9 +207,12 @@ def worker(argv: list[str]) -> int:
             return session
 
     activate_all()  # as pretrain_gpt_moe.main does (on CUDA the CPU layer stays off)
-    facts = {"interleave": block, "profiled": {"breakdown": breakdown_its, "profiler": profiler_its},
-             "measured_end": min(breakdown_its, default=None)}
-    pretrain(args, hooks=_Timed(Bench(config), out, facts))
+    facts = {"interleave": block, "profiled": {"breakdown": breakdown_its, "profiler": profiler_its,
+                                               "worker": worker_its},
+             "measured_end": min(breakdown_its + worker_its, default=None)}
+    if probe is not None:
+        probe.start()
+    pretrain(args, hooks=_Timed(Bench(config), out, facts, probe))
     return 0
 
 
@@ -194,11 +237,20 @@ def _summary(run: dict, warmup: int) -> dict:
            "window": run["window"], "path": run.get("path"), "pinning": run.get("pinning"),
            "ft_hooks_ms": 1e3 * statistics.median(hooks[t] for t in measured) if hooks else None,
            "measured_end": end}
+    if run.get("gil_lag_us") is not None:
+        lags = {t: lag for t, lag in zip(begins, run["gil_lag_us"]) if t in times}
+        gil = lag_stats(lags, block)
+        if interleaved is not None:
+            interleaved["gil_probe"] = gil
+        else:
+            out["gil_probe"] = gil
+        out["gil_probe_cpu_share"] = run["gil_probe"]["cpu_s"] / max(run["gil_probe"]["wall_s"], 1e-9)
+    out["switch_interval_s"] = run.get("switch_interval_s")
     if interleaved is not None:
         out["interleaved"] = interleaved
         if run["window"]:
             out["whole_windows"] = block % run["window"] == 0
-    if run.get("profiled", {}).get("profiler"):
+    if any(run.get("profiled", {}).get(k) for k in ("profiler", "worker")):
         out["profiled"] = run["profiled"]
     if recs:
         dev = [r["device_stall_s"] for r in recs if r.get("device_stall_s") is not None]
@@ -238,18 +290,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-submit", type=int, default=0, metavar="N",
                    help="profile the engine's submit on the training thread (a breakdown on N iterations, "
                         "torch.profiler on N more, at the end of each sparse launch) into --log-dir; 0: off")
+    p.add_argument("--profile-worker", type=int, default=0, metavar="N",
+                   help="profile the snapshot engine's background thread (wall and CPU by sub-step) on the last N "
+                        "iterations with snapshots of each sparse launch, into --log-dir; 0: off")
+    p.add_argument("--gil-probe", type=float, nargs="?", const=0.0005, default=0.0, metavar="SLEEP_S",
+                   help="record how long other threads hold the GIL (a thread sleeping SLEEP_S, 0.0005 if not given, in "
+                        "a loop), per kind of interleaved block; off by default")
+    p.add_argument("--switch-interval", type=float, default=0.0, metavar="S",
+                   help="sys.setswitchinterval(S) in the worker processes; 0: Python's default (0.005 s)")
+    p.add_argument("--skip-none", action="store_true", help="no --ft-policy none launch (no overhead_ratio)")
     a = p.parse_args(argv)
-    if a.interleave < 0 or a.profile_submit < 0:
-        p.error("--interleave and --profile-submit take a count >= 0")
+    if min(a.interleave, a.profile_submit, a.profile_worker, a.switch_interval, a.gil_probe) < 0:
+        p.error("--interleave, --profile-submit, --profile-worker, --switch-interval and --gil-probe take values >= 0")
+    if a.profile_submit and a.profile_worker:
+        p.error("--profile-submit and --profile-worker both replace the store's functions while they profile: run "
+                "them in separate commands")
     if a.interleave and any(w and a.interleave % w for w in a.windows):
         p.error(f"--interleave {a.interleave} is not a multiple of every sparse window {a.windows}: a paused block "
                 "would cut a window (each operator is FULL once per window)")
-    if a.profile_submit and not a.log_dir:
-        p.error("--profile-submit writes its tables into --log-dir: name one")
-    try:  # enough iterations for both (the timings end where the profiled iterations start)
-        breakdown_its, _ = profile_iterations(iters=a.iters, warmup=a.warmup, block=a.interleave, n=a.profile_submit)
+    if (a.profile_submit or a.profile_worker) and not a.log_dir:
+        p.error("--profile-submit and --profile-worker write their tables into --log-dir: name one")
+    try:  # enough iterations for the profiles and the timings (which end where the profiled iterations start)
+        profiled, _ = profile_iterations(iters=a.iters, warmup=a.warmup, block=a.interleave, n=a.profile_submit)
+        profiled += last_snapshot_iterations(iters=a.iters, warmup=a.warmup, block=a.interleave,
+                                             n=a.profile_worker, what=f"--profile-worker {a.profile_worker}")
         if a.interleave:
-            interleaved_stats({t: 1.0 for t in range(a.warmup, min(breakdown_its, default=a.iters))}, a.interleave)
+            interleaved_stats({t: 1.0 for t in range(a.warmup, min(profiled, default=a.iters))}, a.interleave)
     except ValueError as e:
         p.error(str(e))
     if a.log_dir:
@@ -270,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             from moe_ft.cli.drill import TINY
 
             model = [*TINY, "--moe-token-dispatcher-type", "alltoall"]
-        variants: list[tuple[str, str, int, list[str]]] = [("none", "none", 0, [])]
+        variants: list[tuple[str, str, int, list[str]]] = [] if a.skip_none else [("none", "none", 0, [])]
         for w in a.windows:
             variants.append(("sparse", f"sparse(W={w or 'auto'})", w, []))
             if a.staged:
@@ -289,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                        *(["--ft-recovery-scope", "global"] if a.interleave else []),
                        "--bench-interleave", str(a.interleave), "--bench-warmup", str(a.warmup),
                        "--bench-profile-submit", str(a.profile_submit if policy == "sparse" else 0),
+                       "--bench-profile-worker", str(a.profile_worker if policy == "sparse" else 0),
+                       "--bench-switch-interval", str(a.switch_interval), "--bench-gil-probe", str(a.gil_probe),
                        "--bench-profile-dir", a.log_dir or tmp]
                 env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
                 with open(log, "w") as f:
@@ -305,8 +373,9 @@ def main(argv: list[str] | None = None) -> int:
                         json.dump({"variant": name, **runs[name][-1]}, f)
     med = {k: statistics.median(r["median_iter_s"] for r in v) for k, v in runs.items()}
     result = {"model": " ".join(model), "iters": a.iters, "warmup": a.warmup, "runs": runs,
-              "snapshot_bandwidth": a.snapshot_bandwidth,
-              "overhead_ratio": {k: v / med["none"] for k, v in med.items() if k != "none"}}
+              "snapshot_bandwidth": a.snapshot_bandwidth, "switch_interval_s": a.switch_interval or None}
+    if "none" in med:
+        result["overhead_ratio"] = {k: v / med["none"] for k, v in med.items() if k != "none"}
     if a.interleave:  # medians over launches, as overhead_ratio
         result["interleave"] = a.interleave
         result["interleaved_ratio"] = {k: statistics.median(r["interleaved"]["ratio"] for r in v)

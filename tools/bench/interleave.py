@@ -74,17 +74,24 @@ def interleaved_stats(iteration_s: Mapping[int, float], block: int, *, hook_s: M
     return out
 
 
+def last_snapshot_iterations(*, iters: int, warmup: int, block: int, n: int, what: str) -> list[int]:
+    """The last ``n`` iterations past ``warmup`` that take a snapshot (not paused by ``--interleave block``) and
+    have a successor (``what``: the option that needs them, for the error)."""
+    if n <= 0:
+        return []
+    taking = [t for t in range(warmup, iters - 1) if not snapshots_paused(t, block)]
+    if len(taking) < n:
+        raise ValueError(f"{what} needs {n} iterations with snapshots past the warm-up; {len(taking)} in iterations "
+                         f"{warmup}..{iters - 2}: run more iterations")
+    return taking[-n:]
+
+
 def profile_iterations(*, iters: int, warmup: int, block: int, n: int) -> tuple[list[int], list[int]]:
     """``(breakdown iterations, profiler iterations)`` of ``--profile-submit n``
-    (``tools/bench/submit_profile.py``): the last ``2 n`` iterations past ``warmup`` that take a snapshot (not
-    paused by ``--interleave block``) and have a successor, the breakdown's first. They come at the end of
-    the run, and the timings stop at the first of them: a profiled iteration runs slower, and what the
-    profiler leaves behind (CUPTI stays attached) may slow the iterations after it."""
-    if n <= 0:
-        return [], []
-    taking = [t for t in range(warmup, iters - 1) if not snapshots_paused(t, block)]
-    if len(taking) < 2 * n:
-        raise ValueError(f"--profile-submit {n} needs {2 * n} iterations with snapshots past the warm-up; "
-                         f"{len(taking)} in iterations {warmup}..{iters - 2}: run more iterations")
-    chosen = taking[-2 * n:]
+    (``tools/bench/submit_profile.py``): the last ``2 n`` iterations past ``warmup`` that take a snapshot and have
+    a successor (:func:`last_snapshot_iterations`), the breakdown's first. They come at the end of the run, and
+    the timings stop at the first of them: a profiled iteration runs slower, and what the profiler leaves behind
+    (CUPTI stays attached) may slow the iterations after it."""
+    chosen = last_snapshot_iterations(iters=iters, warmup=warmup, block=block, n=2 * n,
+                                      what=f"--profile-submit {n}")
     return chosen[:n], chosen[n:]

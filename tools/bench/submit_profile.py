@@ -41,11 +41,15 @@ _SUMMED = ("count", "self_cpu_us", "cpu_us", "self_device_us")
 """The summed columns of the profiler's ops (divided by the profiled iterations when written)."""
 
 
-class _Breakdown:
-    """Seconds and calls per call path, on one thread (the training thread's)."""
+class Breakdown:
+    """Wall seconds, CPU seconds (``time.thread_time``) and calls per call path, on one thread (``owner``: the
+    training thread's for ``submit``, the engine's background thread's in ``tools/bench/worker_profile.py``).
+    A path whose CPU is close to its wall time kept a core busy (Python, a C call, or a spin); one with little
+    CPU slept (a blocking wait, I/O)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu_seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.owner: int | None = None
         self._stack: list[str] = []
@@ -59,25 +63,40 @@ class _Breakdown:
                 return fn(*args, **kwargs)
             self._stack.append(name(*args, **kwargs) if callable(name) else name)
             path = "/".join(self._stack)
-            start = time.perf_counter()
+            cpu0, start = time.thread_time(), time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[path] += time.perf_counter() - start
+                self.cpu_seconds[path] += time.thread_time() - cpu0
                 self.calls[path] += 1
                 self._stack.pop()
 
         return timed
 
     def rows(self, iterations: int) -> list[dict]:
-        """Per path (in call order of first appearance, depth first): ms and calls per iteration, and self ms
-        (less the paths directly below it)."""
+        """Per path (sorted, so a path's children follow it): ms, CPU ms and calls per iteration, and the self
+        ms and self CPU ms (less the paths directly below it)."""
         child_s: dict[str, float] = defaultdict(float)
+        child_cpu: dict[str, float] = defaultdict(float)
         for path, s in self.seconds.items():
             if "/" in path:
                 child_s[path.rsplit("/", 1)[0]] += s
+                child_cpu[path.rsplit("/", 1)[0]] += self.cpu_seconds[path]
         return [{"path": path, "calls": self.calls[path] / iterations, "ms": 1e3 * s / iterations,
-                 "self_ms": 1e3 * (s - child_s[path]) / iterations} for path, s in sorted(self.seconds.items())]
+                 "self_ms": 1e3 * (s - child_s[path]) / iterations,
+                 "cpu_ms": 1e3 * self.cpu_seconds[path] / iterations,
+                 "self_cpu_ms": 1e3 * (self.cpu_seconds[path] - child_cpu[path]) / iterations}
+                for path, s in sorted(self.seconds.items())]
+
+    def table(self, iterations: int) -> str:
+        """:meth:`rows` as text, one path a line."""
+        lines = [f"per iteration, over {iterations} iteration(s): inclusive ms, self ms, inclusive CPU ms, self CPU "
+                 "ms, calls, path"]
+        for r in self.rows(iterations) if iterations else []:
+            lines.append(f"  {r['ms']:9.3f} {r['self_ms']:9.3f} {r['cpu_ms']:9.3f} {r['self_cpu_ms']:9.3f} "
+                         f"{r['calls']:7.1f}  {r['path']}")
+        return "\n".join(lines) + "\n"
 
 
 def _foreach_name(*args, **kwargs) -> str:
@@ -112,7 +131,7 @@ def _targets(engine) -> list[tuple[object, str, str | Callable[..., str]]]:
 
 
 @contextlib.contextmanager
-def _wrapped(targets, breakdown: _Breakdown) -> Iterator[None]:
+def wrapped(targets, breakdown: Breakdown) -> Iterator[None]:
     """Every target replaced by its timed wrapper inside the block (a class keeps its function, an instance or
     a module gets an attribute of its own), each put back on exit."""
     saved = []
@@ -140,7 +159,7 @@ class SubmitProfiler:
     def __init__(self, breakdown_its: list[int], profiler_its: list[int], out_dir: str, tag: str) -> None:
         self.breakdown_its, self.profiler_its = set(breakdown_its), set(profiler_its)
         self.out_dir, self.tag = out_dir, tag
-        self.breakdown = _Breakdown()
+        self.breakdown = Breakdown()
         self.tables: list[str] = []
         self.top: dict[str, dict] = {}
         self.issue_s: dict[str, dict[int, float]] = {"breakdown": {}, "profiler": {}}
@@ -151,7 +170,7 @@ class SubmitProfiler:
         def profiled_submit(iteration, *args, **kwargs):
             if iteration in self.breakdown_its:
                 self.breakdown.owner = threading.get_ident()
-                with _wrapped(_targets(engine), self.breakdown):
+                with wrapped(_targets(engine), self.breakdown):
                     record = self.breakdown.wrap(submit, "submit")(iteration, *args, **kwargs)
                 self.issue_s["breakdown"][iteration] = record.issue_s
             elif iteration in self.profiler_its:
@@ -193,7 +212,5 @@ class SubmitProfiler:
             json.dump({"issue_ms": {k: {str(t): 1e3 * s for t, s in v.items()} for k, v in self.issue_s.items()},
                        "breakdown_per_iteration": rows, "top_ops_per_iteration": top}, f, indent=1)
         with open(os.path.join(self.out_dir, f"submit_profile_{self.tag}.txt"), "w") as f:
-            f.write(f"breakdown over {n_breakdown} iteration(s), per iteration (inclusive ms, self ms, calls):\n")
-            for r in rows:
-                f.write(f"  {r['ms']:9.3f} {r['self_ms']:9.3f} {r['calls']:7.1f}  {r['path']}\n")
+            f.write("breakdown of submit " + self.breakdown.table(n_breakdown))
             f.write("\n" + "\n\n".join(self.tables) + "\n")
