@@ -106,7 +106,7 @@ class LogRecorder:
         self._worker.raise_if_failed()
         event = None
         if self._cuda:  # the copies were queued on the current stream: publish once they are done
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # the writer sleeps in its wait, never spins beside training
             event.record()
         self._worker.submit(lambda: self._publish(log, event))
         return log.nbytes()
