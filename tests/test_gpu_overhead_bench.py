@@ -151,10 +151,14 @@ def test_tiny_interleaved_launches_pause_snapshots_and_profile_submit(tmp_path, 
     assert "Self CPU" in table and "submit of iteration 19" in table
     breakdown = json.loads((logs / "submit_breakdown_sparse2_0.json").read_text())
     paths = {row["path"]: row for row in breakdown["breakdown_per_iteration"]}
-    assert {"submit", "submit/free_slot", "submit/entry", "submit/stage_meta", "submit/worker.submit"} <= set(paths)
-    # self times add up to the inclusive time of the whole submit
-    assert sum(row["self_ms"] for row in paths.values()) == pytest.approx(paths["submit"]["ms"])
-    assert paths["submit"]["calls"] == 1 and breakdown["top_ops_per_iteration"]
+    submit = "on_step_end/_snapshot/submit"
+    assert {submit, f"{submit}/free_slot", f"{submit}/entry", f"{submit}/stage_meta", f"{submit}/worker.submit",
+            "on_step_end/_snapshot/capture_step_meta", "on_step_end/_snapshot/policy.plan",
+            "on_step_end/popularity.end_iteration", "on_step_end/log_line"} <= set(paths), sorted(paths)
+    # self times add up to the inclusive time of the whole on_step_end, submit's to submit's
+    assert sum(row["self_ms"] for row in paths.values()) == pytest.approx(paths["on_step_end"]["ms"])
+    assert sum(row["self_ms"] for p, row in paths.items() if p.startswith(submit)) == pytest.approx(paths[submit]["ms"])
+    assert paths[submit]["calls"] == 1 and paths["on_step_end"]["calls"] == 1 and breakdown["top_ops_per_iteration"]
     assert set(breakdown["issue_ms"]) == {"breakdown", "profiler"}
 
 

@@ -196,6 +196,7 @@ def worker(argv: list[str]) -> int:
                 raise ValueError(f"--interleave pauses snapshots, and {', '.join(needs_every)} follow every one")
             if profiler is not None and self.active is not None:
                 profiler.attach(self.active.engine)
+                profiler.attach_runtime(self)
             if worker_profiler is not None and self.active is not None:
                 worker_profiler.attach(self.active.engine)
 

@@ -6,7 +6,9 @@ kernel launch, far more than queueing that work should cost. Two views, taken on
 that neither inflates the other:
 
 * **a breakdown by sub-step** (``submit_breakdown_<tag>.json``, and as text in ``submit_profile_<tag>.txt``)
-  on ``N`` iterations: ``perf_counter`` around the engine's steps and the store and copier calls they make
+  on ``N`` iterations, of the runtime's whole ``on_step_end`` (the snapshot plan, the step metadata, the
+  components' hooks, the popularity counters, the log line: the rest of the 6.5 ms the training thread spent in
+  the FT hooks on the H200, besides ``submit``'s 3.1 ms) and, nested in it, ``perf_counter`` around the engine's steps and the store and copier calls they make
   (free slot, per-operator entries, metadata capture, the mapped path's ``store.begin``, region ``reserve``,
   ``byte_views``, the batched ``_foreach_copy_``, the hash plan, the Triton launch, event records), keyed by
   the call path (``submit/issue_mapped/mapped.issue/reserve``), with each path's self time;
@@ -130,6 +132,26 @@ def _targets(engine) -> list[tuple[object, str, str | Callable[..., str]]]:
     return out
 
 
+def _hook_targets(runtime) -> list[tuple[object, str, str | Callable[..., str]]]:
+    """The training thread's FT work in ``FTRuntime.on_step_end`` besides ``submit``: the snapshot plan, the
+    step metadata, the components' hooks (by class), the popularity counters, the clock, the log line."""
+    from moe_ft.runtime import hooks as hooks_module
+
+    out: list[tuple[object, str, str | Callable[..., str]]] = [
+        (runtime, "_snapshot", "_snapshot"), (runtime, "_log", "log_line"), (runtime, "select_session", "select_session"),
+        (runtime.popularity, "end_iteration", "popularity.end_iteration"), (runtime.clock, "tick", "clock.tick"),
+        (hooks_module, "capture_step_meta", "capture_step_meta")]
+    if runtime.active is not None:
+        out.append((runtime.active.policy, "plan", "policy.plan"))
+    if runtime.survivor is not None:
+        out.append((runtime.survivor, "completed", "survivor.completed"))
+    for component in runtime.components:
+        for attr in ("on_iteration_end", "snapshot_tensors", "remote_full", "after_snapshot", "after_iteration"):
+            if callable(getattr(component, attr, None)):
+                out.append((component, attr, f"{type(component).__name__}.{attr}"))
+    return out
+
+
 @contextlib.contextmanager
 def wrapped(targets, breakdown: Breakdown) -> Iterator[None]:
     """Every target replaced by its timed wrapper inside the block (a class keeps its function, an instance or
@@ -183,6 +205,25 @@ class SubmitProfiler:
 
         engine.submit = profiled_submit
 
+    def attach_runtime(self, runtime) -> None:
+        """Also break down the rest of the training thread's FT work on the breakdown iterations: the whole
+        ``on_step_end`` (its ``submit`` nested under it, ``on_step_end/_snapshot/submit/...``)."""
+        step_end = runtime.on_step_end
+        if getattr(step_end, "profiled", False):  # a rebuilt engine: the runtime is wrapped already
+            return
+
+        def profiled_step_end(iteration, result):
+            if iteration not in self.breakdown_its:
+                return step_end(iteration, result)
+            self.breakdown.owner = threading.get_ident()
+            with wrapped(_hook_targets(runtime), self.breakdown):
+                out = self.breakdown.wrap(step_end, "on_step_end")(iteration, result)
+            self._write()
+            return out
+
+        profiled_step_end.profiled = True  # type: ignore[attr-defined]
+        runtime.on_step_end = profiled_step_end
+
     def _profiled(self, iteration: int, submit, args, kwargs):
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
@@ -212,5 +253,5 @@ class SubmitProfiler:
             json.dump({"issue_ms": {k: {str(t): 1e3 * s for t, s in v.items()} for k, v in self.issue_s.items()},
                        "breakdown_per_iteration": rows, "top_ops_per_iteration": top}, f, indent=1)
         with open(os.path.join(self.out_dir, f"submit_profile_{self.tag}.txt"), "w") as f:
-            f.write("breakdown of submit " + self.breakdown.table(n_breakdown))
+            f.write("breakdown of the FT hooks' on_step_end and submit " + self.breakdown.table(n_breakdown))
             f.write("\n" + "\n\n".join(self.tables) + "\n")
