@@ -10,7 +10,9 @@ the larger world (grow). The restarted job decides, at model build (collective o
               replaced; the stores match them; the usual recovery runs);
 * ``reshape`` the world or EP size changed: the newest iteration ``T`` at which every operator has a FULL
               copy on some surviving node with the metadata (``LayoutInventory``: survivor points -- the survivors'
-              exact state at their last completed iteration -- or dense snapshots) is agreed; each new EP rank
+              exact state at their last completed iteration --, dense snapshots, or the replicas a node holds
+              for its peers; with the distributed optimizer the copies' ranges must cover every element of
+              every sharded parameter together) is agreed; each new EP rank
               *has* the experts the nodes of its data-parallel copies hold at ``T`` (a copy on another node
               serves the others over the network); eq. 1 re-allocates from the cumulative loads
               of the newest record and :func:`moe_ft.elastic.reshape.replan` places and maps with the fewest
