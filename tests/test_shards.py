@@ -86,3 +86,28 @@ def test_a_point_is_complete_only_where_the_ranges_cover_every_element():
     assert newest_complete_point({0: {5: {op: [{}]}}}, required, sharded)[0] == -1
     # without records the copies' own ranges say the parameter is sharded
     assert newest_complete_point({0: node0}, required)[0] == -1
+
+
+def test_each_rank_takes_the_copies_that_cover_its_new_shard_and_names_a_gap():
+    """``restore.choose_copies``: per operator, own copies first, as many as cover the new shard; a gap is
+    the error every rank learns of together (the point is then deleted from the node stores)."""
+    from moe_ft.elastic.restore import choose_copies, copy_key
+    from moe_ft.state.operators import Level
+    from moe_ft.state.registry import OperatorRegistry, OperatorState
+
+    op = OperatorId.gate(0)
+    live = OperatorState(op=op, compute={P: torch.zeros(12)}, optim={shards.tag("exp_avg", 3, 9, 12, P): torch.zeros(6)},
+                         sharded={P: 12})
+    registry = OperatorRegistry({op: live}, pp_rank=0, ep_rank=0)
+    assert registry[op].tensors(Level.FULL)
+    old = [{P: (s, e, 12)} for s, e in ((0, 3), (3, 6), (6, 9), (9, 12))]
+    offers = {"gate.L0": [(copy_key("gate.L0", r), r) for r in old]}
+    choice, error = choose_copies(registry, offers)
+    assert error == "" and choice == {"gate.L0": [copy_key("gate.L0", old[1]), copy_key("gate.L0", old[2])]}
+    assert copy_key("gate.L0", {}) == "gate.L0" and copy_key("gate.L0", old[1]) != copy_key("gate.L0", old[2])
+    choice, error = choose_copies(registry, {"gate.L0": [(copy_key("gate.L0", old[1]), old[1])]})
+    assert error == f"gate.L0: no copy holds elements 6:9 of {P}"
+    assert choose_copies(registry, {})[1] == f"gate.L0: no copy holds elements 3:9 of {P}"
+    whole = OperatorRegistry({op: OperatorState(op=op, compute={P: torch.zeros(12)})}, pp_rank=0, ep_rank=0)
+    assert choose_copies(whole, {})[1] == "gate.L0: no rank's node has it"
+    assert choose_copies(whole, offers) == ({"gate.L0": [copy_key("gate.L0", old[0])]}, "")

@@ -193,11 +193,13 @@ def restore_reshaped(decision, runtime) -> dict:
                 raise RuntimeError("; ".join(errors))
             transfers = assign_sources([g["need"] for g in needs], [set(g["have"]) for g in offered])
         except RuntimeError as e:
-            _quarantine(bad, point)
+            # copies missing elements of a new shard: no start on this world can restore the point, so it goes
+            # from every store of the node (the next start decides on another); corrupt copies: their points go
+            _quarantine({(d, k) for k, dirs in local.items() for d in dirs} if errors else bad, point)
             raise ElasticRestoreFailed(
                 f"the agreed point {point} cannot be restored: {e}; copies excluded as corrupt: "
-                f"{_describe(corrupt_anywhere)}. Their points were deleted from the node stores: the next start "
-                "decides on another point") from None
+                f"{_describe(corrupt_anywhere)}. The point was deleted from the node stores that "
+                f"{'held it' if errors else 'had corrupt copies'}: the next start decides on another point") from None
         wanted = [k for k in mine if k in have] + [key for src, _, key in transfers if src == rank]
         found: list[dict] = []
         for key in dict.fromkeys(wanted):

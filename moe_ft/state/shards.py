@@ -93,18 +93,20 @@ def missing_elements(copies: Iterable[Mapping[str, tuple[int, int, int]]],
 def pick_copies(needed: Mapping[str, tuple[int, int]],
                 copies: Iterable[tuple[str, Mapping[str, tuple[int, int, int]]]]) -> list[str]:
     """Keys of copies (``(key, ranges)``, in preference order) that together cover every ``needed``
-    ``{param: (start, end)}``: each copy is taken when it adds elements not yet covered. The first copy is
-    always taken (the whole tensors -- compute weights -- come from it). Raises ``ValueError`` naming the
-    first gap when the copies cannot cover."""
+    ``{param: (start, end)}``: each copy is taken when it adds elements not yet covered; with nothing needed,
+    the first copy (the whole tensors -- compute weights -- come from the first copy taken). Raises
+    ``ValueError`` naming the first gap when the copies cannot cover."""
     chosen: list[str] = []
     have: dict[str, list[tuple[int, int]]] = {p: [] for p in needed}
+    copies = list(copies)
     for key, ranges in copies:
-        adds = _adds(ranges, needed, have)
-        if adds or not chosen:
+        if _adds(ranges, needed, have):
             chosen.append(key)
             for p in needed:
                 if p in ranges:
                     have[p].append(ranges[p][:2])
+    if not chosen and copies:
+        chosen.append(copies[0][0])
     for p, (s, e) in needed.items():
         gaps = uncovered(have[p], s, e)
         if gaps:
