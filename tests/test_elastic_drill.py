@@ -192,7 +192,7 @@ def test_the_distributed_optimizer_shrinks_and_grows_with_its_shards_reassembled
     assert (shrink["kind"], shrink["previous_world_size"], shrink["world_size"]) == ("reshape", 4, 2), shrink
     assert (grow["kind"], grow["previous_world_size"], grow["world_size"]) == ("reshape", 2, 4), grow
     assert shrink["copies_from_replicas"] > 0 and shrink["copies_assembled"] > 0, "node 1's shards came from replicas"
-    assert grow["copies_assembled"] > 0 and grow["operators_peer"] > 0, grow
+    assert grow["operators_peer"] > 0, grow  # each new quarter lies in one old half: one copy per operator
     # node 1's newest shards exist only where its replication had delivered them: its sender runs a point
     # or so behind training, so the shrink may redo the iterations after the newest delivered point
     assert shrink["last_completed"] - 2 <= shrink["point"] <= shrink["last_completed"], shrink
