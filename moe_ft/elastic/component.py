@@ -40,6 +40,8 @@ class ElasticRecorder(Component):
         self.maps = {layer: r.tolist() for layer, r in layer_replica_maps(runtime.state.model).items()}
         self.ep_size = len(next(iter(self.maps.values()))[0]) if self.maps else 1
         self.generation = decision.generation
+        self._sharded_of: object = None  # the registry _sharded_map was derived from
+        self._sharded_map: dict[str, dict[str, int]] = {}
         """Of the plans in :attr:`maps`: bumped by every world change and every in-run rebalance."""
 
     @property
@@ -96,12 +98,21 @@ class ElasticRecorder(Component):
         popularity = self.runtime.popularity
         loads = {layer: popularity.hard[i].tolist() for i, layer in enumerate(popularity.config.moe_layers)
                  if layer in self.maps}
-        registry = self.runtime.registry
-        sharded = {str(op): {plan_free_name(p): n for p, n in registry[op].sharded.items()}
-                   for op in registry if registry[op].sharded} if registry is not None else {}
         write_record(self.store_dir, self.job_id, self.runtime.rank, LayoutRecord(
             generation=self.generation, world_size=self.runtime.world_size, ep_size=self.ep_size,
-            iteration=iteration, plans=self.maps, loads=loads, sharded=sharded))
+            iteration=iteration, plans=self.maps, loads=loads, sharded=self._sharded()))
+
+    def _sharded(self) -> dict[str, dict[str, int]]:
+        """``LayoutRecord.sharded`` of this rank's registry, derived once per registry (it is rebuilt only
+        when the model's tensors change), not on every iteration."""
+        registry = self.runtime.registry
+        if registry is None:
+            return {}
+        if self._sharded_of is not registry:
+            self._sharded_map = {str(op): {plan_free_name(p): n for p, n in registry[op].sharded.items()}
+                                 for op in registry if registry[op].sharded}
+            self._sharded_of = registry
+        return self._sharded_map
 
     def close(self) -> None:
         """Drills (``--ft-digest-out``): the final parameters beside the digest, experts by global id, so that

@@ -31,6 +31,7 @@ tax matters more than the resolution.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import sys
 import threading
@@ -49,10 +50,8 @@ def _no_timer_slack() -> None:
     later; elsewhere nothing changes (the lags then include the slack)."""
     if not sys.platform.startswith("linux"):
         return
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # no prctl: the lags include the default slack
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 class GilProbe:
