@@ -73,24 +73,6 @@ class FTConfig(LoopExtension):
         ``ft_persist_interval=1``); every other flag at its default."""
         return dataclass_from_flags(cls, **flags)
 
-    def checksum_by(self, *, cuda: bool, one_node: bool, chosen: str | None = None) -> str:
-        """Who hashes the snapshot entries (``--ft-checksum-by``, ``auto`` resolved). On a GPU the writer,
-        whose device kernel hashes the bytes where they are (the trainer's host touches no payload byte). On
-        CPU the node agent, so that the trainer passes over each snapshot byte once (its copy from the live
-        tensors), unless the trainers themselves send replicas (a job on several nodes: ``one_node`` false) or
-        write the durable copies: both need the digests at publish, which only the writer has
-        (docs/store.md). ``chosen``: the flag's value (default: this config's)."""
-        chosen = chosen or self.snapshot.checksum_by
-        if chosen != "auto":
-            return chosen
-        if cuda:
-            return "writer"
-        if self.replication.replicas and self.replication.replicate_by != "agent" and not one_node:
-            return "writer"
-        if self.persist.interval and not self.persist.agent:
-            return "writer"
-        return "agent"
-
     def check_args(self, args) -> None:
         """Checks against the model's flags (``args``: Megatron's parsed ``Args``)."""
         self.checkfree.check_args(args)

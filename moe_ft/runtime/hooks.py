@@ -163,7 +163,6 @@ class FTRuntime(StepHooks):
         self.catalogue = gather_catalogue(catalogue_infos(self.registry.infos(), self.state.model),
                                           self.registry.ep_size)
         self._t_iter_s = t_iter_s
-        self.config.snapshot = self._resolved(self.config.snapshot)  # once, for every later session too
         ctx = self.build_context(t_iter_s)
         session = self.config.snapshot.build(ctx)
         self.sessions = [session] if session is not None else []
@@ -238,18 +237,7 @@ class FTRuntime(StepHooks):
 
     def build_session(self, snapshot_config, job_suffix: str = ""):
         """Another snapshot session over the same registry (the overhead benchmark compares policies)."""
-        return self._resolved(snapshot_config).build(self.build_context(self._t_iter_s), job_suffix=job_suffix)
-
-    def _resolved(self, snapshot_config):
-        """``snapshot_config`` with ``--ft-checksum-by auto`` resolved for this registry's device
-        (:meth:`moe_ft.config.FTConfig.checksum_by`)."""
-        if snapshot_config.checksum_by != "auto":
-            return snapshot_config
-        cuda = any(t.is_cuda for op in self.registry for t in self.registry[op].tensors(Level.FULL).values())
-        # one node: what the replication's layout would find (one launcher group, no simulated node blocks)
-        per_node = self.config.replication.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        return replace(snapshot_config, checksum_by=self.config.checksum_by(
-            cuda=cuda, one_node=self.world_size <= per_node, chosen=snapshot_config.checksum_by))
+        return snapshot_config.build(self.build_context(self._t_iter_s), job_suffix=job_suffix)
 
     # ------------------------------------------------------------------------ faults and recovery
     def check_fault(self, iteration: int, phase: str) -> None:

@@ -59,16 +59,13 @@ class SnapshotConfig:
     store_recycle: bool = field(default=True, metadata=field_help(
         "'files' layout: write new entries over the files of deleted points of the same size (tmpfs pages "
         "reused instead of freed and allocated again; the pool holds at most one round of deleted points)."))
-    checksum_by: str = field(default="auto", metadata=field_help(
-        "Who hashes the snapshot entries: 'writer' (the trainer's snapshot threads as they write, or on a GPU the "
-        "device kernel), 'agent' (the trainer writes each byte once; the node agent hashes each published point "
-        "and records its digests beside it, and readers verify against those; a point it has not hashed yet is "
-        "checked for its structure only) or 'auto' (the default: 'writer' on a GPU, where the device hashes and "
-        "the trainer's host touches no payload byte; 'agent' on CPU, unless the trainers send the replicas or "
-        "write the durable copies, which need the digests at publish). 'agent' needs the durable copies, if "
-        "any, made by the agent too (--ft-persist-agent) and the replicas, if any, sent by the agents too "
-        "(--ft-replicate-by agent: the agent hashes a point before it sends it).",
-        choices=["auto", "writer", "agent"]))
+    checksum_by: str = field(default="writer", metadata=field_help(
+        "Who hashes the snapshot entries: 'writer' (the trainer's snapshot threads, as they write) or 'agent' "
+        "(the trainer writes each byte once; the node agent hashes each published point and records its "
+        "digests beside it, and readers verify against those; a point it has not hashed yet is checked for "
+        "its structure only). 'agent' needs the durable copies, if any, made by the agent too "
+        "(--ft-persist-agent) and the replicas, if any, sent by the agents too (--ft-replicate-by agent: the agent "
+        "hashes a point before it sends it).", choices=["writer", "agent"]))
     snapshot_write_threads: int = field(default=0, metadata=field_help(
         "Threads writing one snapshot's entries into the store (0 = 1 on CPU, 4 on CUDA: one thread writes "
         "~1.3 GB/s on an H100 host, far below the device-to-host copy)."))

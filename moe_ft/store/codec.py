@@ -41,7 +41,12 @@ MAGIC = b"MOEFTENT"
 END_MAGIC = b"MOEFTEND"
 VERSION = 1
 ALIGN = 64
-CHUNK = 8 << 20  # checksum+write granularity: large enough to amortise calls, small enough to stay in cache
+# checksum+write granularity: large enough to amortise calls, small enough that the write after the hash
+# reads the piece from the core's L2 cache, not from memory again. Measured on the 2-core test machine
+# (L2 2 MiB per core; write_entry of 8 x 16 MiB into a mapping, xxh3_64): 8 MiB pieces 4.26 GB/s, 2 MiB 4.76,
+# 1 MiB 5.10, 512 KiB 5.01, 256 KiB 4.82; writing alone (digest deferred) 6.37 GB/s. At 1 MiB the hash adds
+# 25 % to the write instead of 50 %.
+CHUNK = 1 << 20
 COALESCE = 256 << 10  # pieces below this are gathered (one memcpy) and written together
 _PREFIX = struct.Struct("<8sII")
 _TAIL = struct.Struct("<Q8s")

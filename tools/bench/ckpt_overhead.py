@@ -1,6 +1,6 @@
 """Checkpoint overhead of the snapshot policies on a CPU model, side by side in one run.
 
-    python tools/bench/ckpt_overhead.py [--model {tiny,medium}] [--quick] [--json] [--nproc {2,4}] [--two-copies] [--writer-hash] [--warmup-cycles N] [--data-path PREFIX]
+    python tools/bench/ckpt_overhead.py [--model {tiny,medium}] [--quick] [--json] [--nproc {2,4}] [--two-copies] [--agent-hash] [--warmup-cycles N] [--data-path PREFIX]
 
 Models: ``tiny`` (2 layers, hidden 64, 4 experts top-2, seq 64; ~50 ms of CPU per iteration: fixed
 per-iteration costs dominate) and ``medium`` (4 layers, hidden 256, 8 experts top-2, seq 128; >= 1 s per
@@ -31,13 +31,11 @@ cycling, so every policy sees the same machine noise; the first cycle (``--warmu
   rest: metadata entry, manifest, publish, garbage collection);
 * ``trainer_payload_bytes_per_byte``: payload bytes the trainer process's threads pass over on the host per
   snapshot byte (``SnapshotRecord.trainer_payload_bytes_per_byte``; bytes-weighted over the measured
-  snapshots): 1 on the CPU direct path with the default ``--ft-checksum-by auto`` (the node agent hashes the
-  published points: the trainer's one pass is the store write), 2 with the writer's hash, 3 through slot
-  buffers;
-* ``agent_cpu_ms_per_iter``: the node agent's CPU per iteration of the session (each session's points are
-  hashed by an agent of its own, started for it; not in ``cpu_ratio``, which counts the ranks);
-* ``--writer-hash`` adds ``sparse(writer hash)``: sparse with ``--ft-checksum-by writer`` (the trainer's
-  snapshot thread hashes each byte as it writes it: 2 payload bytes per snapshot byte, no agent);
+  snapshots): 2 on the CPU direct path (checksum + store write), 3 through slot buffers;
+* ``--agent-hash`` adds ``sparse(agent hash)``: sparse with ``--ft-checksum-by agent`` (the trainer writes
+  each byte once, the node agent hashes the published points); ``agent_cpu_ms_per_iter`` is the node
+  agent process's CPU per iteration of a session whose points an agent hashes (an agent of its own, started
+  for it; with ``--ft-checksum-by agent`` every session's) — not in ``cpu_ratio``, which counts the ranks;
 * ``meta_cpu_ms``: median CPU time of the metadata capture (``capture_step_meta``) on the training thread;
 * ``bytes_per_iter``: mean bytes snapshotted per iteration per rank (max over ranks);
 * ``floor_ms``: the physical floor of that policy: the time to copy (``memcpy``) and checksum (the store's
@@ -64,13 +62,13 @@ DENSE_K = 5
 POLICIES = ["none", "dense(1)", "dense(k)", "pec", "selective", "sparse"]
 BUBBLES = "sparse(bubbles)"  # sparse with bubble-aware copies (MoEtion Alg. 4): pipeline parallelism only
 TWO_COPIES = "sparse(2 copies)"  # --two-copies: sparse through slot buffers into new files (the path before)
-WRITER_HASH = "sparse(writer hash)"  # --writer-hash: sparse with the trainer's snapshot thread hashing
+AGENT_HASH = "sparse(agent hash)"  # --agent-hash: sparse with the node agent hashing the published points
 
 
-def labels(pp: int, two_copies: bool = False, writer_hash: bool = False) -> list[str]:
+def labels(pp: int, two_copies: bool = False, agent_hash: bool = False) -> list[str]:
     """The sessions compared, in cycling order."""
     return (POLICIES + ([BUBBLES] if pp > 1 else []) + ([TWO_COPIES] if two_copies else [])
-            + ([WRITER_HASH] if writer_hash else []))
+            + ([AGENT_HASH] if agent_hash else []))
 MODELS = {  # flags, measured cycles (default, --quick)
     "tiny": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
               "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
@@ -100,9 +98,9 @@ def worker(argv: list[str]) -> int:
     two_copies = "--two-copies" in argv
     if two_copies:
         argv.remove("--two-copies")
-    writer_hash = "--writer-hash" in argv
-    if writer_hash:
-        argv.remove("--writer-hash")
+    agent_hash = "--agent-hash" in argv
+    if agent_hash:
+        argv.remove("--agent-hash")
     warmup = int(argv.pop(argv.index("--warmup-cycles") + 1))
     argv.remove("--warmup-cycles")
     meta_cpu: list[float] = []
@@ -120,7 +118,7 @@ def worker(argv: list[str]) -> int:
     base = args.extra["FTConfig"]
     block = WINDOW
     pp = args.parallel.pipeline_model_parallel_size
-    cycle = labels(pp, two_copies, writer_hash)
+    cycle = labels(pp, two_copies, agent_hash)
 
     class Bench(FTRuntime):
         def build(self, t_iter_s):
@@ -144,8 +142,8 @@ def worker(argv: list[str]) -> int:
             if two_copies:
                 variants[TWO_COPIES] = dict(policy="sparse", sparse_window=WINDOW, snapshot_direct_write=False,
                                             store_recycle=False, store_layout="files")
-            if writer_hash:
-                variants[WRITER_HASH] = dict(policy="sparse", sparse_window=WINDOW, checksum_by="writer")
+            if agent_hash:
+                variants[AGENT_HASH] = dict(policy="sparse", sparse_window=WINDOW, checksum_by="agent")
             for s in self.sessions:
                 s.close()
             self.by_label = {name: self.build_session(dataclasses.replace(base.snapshot, **kw), job_suffix=f"-{i}")
@@ -160,7 +158,7 @@ def worker(argv: list[str]) -> int:
             self.agents: dict[str, AgentChecksums] = {}
             self.agent_cpu: dict[str, list[tuple[int, float]]] = {}  # (iteration, the agent's CPU s) per publish
             for name, s in self.by_label.items():
-                if s is not None and s.store.defer_checksums:  # --ft-checksum-by agent (auto on CPU)
+                if s is not None and s.store.defer_checksums:  # --ft-checksum-by agent: an agent per session
                     agent = AgentChecksums(s.store, rank=self.rank,
                                            agent_dir=os.path.join(s.store_root, s.job_id, "agent"))
                     self.agents[name] = agent
@@ -207,7 +205,7 @@ def worker(argv: list[str]) -> int:
 
         def on_train_end(self, report):
             super().on_train_end(report)  # flushes the engines
-            summarize(self, args, out, two_copies, warmup, writer_hash)  # collectives: before the group is shut down
+            summarize(self, args, out, two_copies, warmup, agent_hash)  # collectives: before the group is shut down
 
     from moe_ft.compat import activate_all
 
@@ -216,14 +214,14 @@ def worker(argv: list[str]) -> int:
     return 0
 
 
-def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1, writer_hash: bool = False) -> None:
+def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1, agent_hash: bool = False) -> None:
     import torch.distributed as dist
 
     from moe_ft.policy import SparsePolicy
     from moe_ft.state.operators import Level
 
     block = WINDOW
-    names = labels(args.parallel.pipeline_model_parallel_size, two_copies, writer_hash)
+    names = labels(args.parallel.pipeline_model_parallel_size, two_copies, agent_hash)
     first_measured = warmup * block * len(names)  # the first cycles are warm-up
     reg = runtime.registry
     local: dict = {}
@@ -337,7 +335,7 @@ def measure_bandwidth(nbytes: int = 128 << 20, repeats: int = 5) -> dict:
 
     def digest() -> None:
         h = new_checksum(DEFAULT_CHECKSUM)
-        for start in range(0, nbytes, 8 << 20):  # the store's chunking (codec.CHUNK)
+        for start in range(0, nbytes, 8 << 20):  # beyond the caches: a pass over memory
             h.update(view[start:start + (8 << 20)])
         h.digest()
 
@@ -373,10 +371,9 @@ def main() -> int:
     p.add_argument("--two-copies", action="store_true",
                    help=f"add the session {TWO_COPIES!r}: sparse through slot buffers into new files (the data path "
                         "before direct writes and recycled files), side by side with 'sparse'")
-    p.add_argument("--writer-hash", action="store_true",
-                   help=f"add the session {WRITER_HASH!r}: sparse with --ft-checksum-by writer (the trainer hashes "
-                        "each byte as it writes it; on CPU the default has the node agent hash the published "
-                        "points), side by side with 'sparse'")
+    p.add_argument("--agent-hash", action="store_true",
+                   help=f"add the session {AGENT_HASH!r}: sparse with --ft-checksum-by agent (the node agent hashes "
+                        "the published points), side by side with 'sparse'")
     p.add_argument("--nproc", type=int, default=4, choices=sorted(PP),
                    help="training processes: 4 (EP=2 x PP=2, default) or 2 (EP=2, one stage: one process per core)")
     a = p.parse_args()
@@ -396,7 +393,7 @@ def main() -> int:
         if a.warmup_cycles < 1:
             p.error("--warmup-cycles must be >= 1")
         cycles = a.warmup_cycles + (cycles_quick if a.quick else cycles_default)
-        names = labels(PP[a.nproc], a.two_copies, a.writer_hash)
+        names = labels(PP[a.nproc], a.two_copies, a.agent_hash)
         iters = cycles * WINDOW * len(names)
         out = os.path.join(tmp, "report.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -405,7 +402,7 @@ def main() -> int:
                "--train-iters", str(iters), "--log-interval", str(iters),
                "--data-path", data, "--ft", "--ft-store-dir", shm, "--ft-sparse-window", str(WINDOW),
                "--warmup-cycles", str(a.warmup_cycles), *(["--two-copies"] if a.two_copies else []),
-               *(["--writer-hash"] if a.writer_hash else [])]
+               *(["--agent-hash"] if a.agent_hash else [])]
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
