@@ -65,10 +65,12 @@ TWO_COPIES = "sparse(2 copies)"  # --two-copies: sparse through slot buffers int
 AGENT_HASH = "sparse(agent hash)"  # --agent-hash: sparse with the node agent hashing the published points
 
 
-def labels(pp: int, two_copies: bool = False, agent_hash: bool = False) -> list[str]:
-    """The sessions compared, in cycling order."""
-    return (POLICIES + ([BUBBLES] if pp > 1 else []) + ([TWO_COPIES] if two_copies else [])
-            + ([AGENT_HASH] if agent_hash else []))
+def labels(pp: int, two_copies: bool = False, agent_hash: bool = False, only: str = "") -> list[str]:
+    """The sessions compared, in cycling order; ``only`` (``--policies``, comma-separated): just these of
+    :data:`POLICIES` (``none`` always, the baseline)."""
+    chosen = POLICIES if not only else ["none"] + [p for p in POLICIES[1:] if p in only.split(",")]
+    return (chosen + ([BUBBLES] if pp > 1 and (not only or BUBBLES in only.split(",")) else [])
+            + ([TWO_COPIES] if two_copies else []) + ([AGENT_HASH] if agent_hash else []))
 MODELS = {  # flags, measured cycles (default, --quick)
     "tiny": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
               "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
@@ -103,6 +105,8 @@ def worker(argv: list[str]) -> int:
         argv.remove("--agent-hash")
     warmup = int(argv.pop(argv.index("--warmup-cycles") + 1))
     argv.remove("--warmup-cycles")
+    only = argv.pop(argv.index("--policies") + 1)
+    argv.remove("--policies")
     meta_cpu: list[float] = []
     capture = meta_module.capture_step_meta
 
@@ -118,7 +122,7 @@ def worker(argv: list[str]) -> int:
     base = args.extra["FTConfig"]
     block = WINDOW
     pp = args.parallel.pipeline_model_parallel_size
-    cycle = labels(pp, two_copies, agent_hash)
+    cycle = labels(pp, two_copies, agent_hash, only)
 
     class Bench(FTRuntime):
         def build(self, t_iter_s):
@@ -147,7 +151,7 @@ def worker(argv: list[str]) -> int:
             for s in self.sessions:
                 s.close()
             self.by_label = {name: self.build_session(dataclasses.replace(base.snapshot, **kw), job_suffix=f"-{i}")
-                             for i, (name, kw) in enumerate(variants.items())}
+                             for i, (name, kw) in enumerate(variants.items()) if name in cycle}
             for name, s in self.by_label.items():
                 if s is not None:
                     s.name = name
@@ -165,7 +169,7 @@ def worker(argv: list[str]) -> int:
                     self.components.append(agent)
                     cpu = self.agent_cpu[name] = []
                     agent.agent_cpu.take = lambda it, s_, cpu=cpu: cpu.append((it, s_))
-            if pp > 1:
+            if BUBBLES in self.by_label:
                 from moe_ft.snapshot.bubble_component import BubbleScheduling
 
                 self.components.append(BubbleScheduling.build(self.by_label[BUBBLES], pipeline_size=pp,
@@ -205,7 +209,7 @@ def worker(argv: list[str]) -> int:
 
         def on_train_end(self, report):
             super().on_train_end(report)  # flushes the engines
-            summarize(self, args, out, two_copies, warmup, agent_hash)  # collectives: before the group is shut down
+            summarize(self, args, out, two_copies, warmup, agent_hash, only)  # collectives: before the group is shut down
 
     from moe_ft.compat import activate_all
 
@@ -214,14 +218,15 @@ def worker(argv: list[str]) -> int:
     return 0
 
 
-def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1, agent_hash: bool = False) -> None:
+def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1, agent_hash: bool = False,
+              only: str = "") -> None:
     import torch.distributed as dist
 
     from moe_ft.policy import SparsePolicy
     from moe_ft.state.operators import Level
 
     block = WINDOW
-    names = labels(args.parallel.pipeline_model_parallel_size, two_copies, agent_hash)
+    names = labels(args.parallel.pipeline_model_parallel_size, two_copies, agent_hash, only)
     first_measured = warmup * block * len(names)  # the first cycles are warm-up
     reg = runtime.registry
     local: dict = {}
@@ -374,6 +379,12 @@ def main() -> int:
     p.add_argument("--agent-hash", action="store_true",
                    help=f"add the session {AGENT_HASH!r}: sparse with --ft-checksum-by agent (the node agent hashes "
                         "the published points), side by side with 'sparse'")
+    p.add_argument("--policies", default="",
+                   help=f"comma-separated sessions to compare, of {', '.join(POLICIES[1:] + [BUBBLES])} ('none' "
+                        "is always one: the baseline); default all. Fewer sessions give each more cycles in the "
+                        "same time")
+    p.add_argument("--cycles", type=int, default=0,
+                   help="measured cycles (default: the model's, or --quick's)")
     p.add_argument("--nproc", type=int, default=4, choices=sorted(PP),
                    help="training processes: 4 (EP=2 x PP=2, default) or 2 (EP=2, one stage: one process per core)")
     a = p.parse_args()
@@ -392,8 +403,8 @@ def main() -> int:
             data = os.path.join(tmp, "corpus")
         if a.warmup_cycles < 1:
             p.error("--warmup-cycles must be >= 1")
-        cycles = a.warmup_cycles + (cycles_quick if a.quick else cycles_default)
-        names = labels(PP[a.nproc], a.two_copies, a.agent_hash)
+        cycles = a.warmup_cycles + (a.cycles or (cycles_quick if a.quick else cycles_default))
+        names = labels(PP[a.nproc], a.two_copies, a.agent_hash, a.policies)
         iters = cycles * WINDOW * len(names)
         out = os.path.join(tmp, "report.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -401,7 +412,7 @@ def main() -> int:
                "--worker", "--out", out, *flags, "--pipeline-model-parallel-size", str(PP[a.nproc]),
                "--train-iters", str(iters), "--log-interval", str(iters),
                "--data-path", data, "--ft", "--ft-store-dir", shm, "--ft-sparse-window", str(WINDOW),
-               "--warmup-cycles", str(a.warmup_cycles), *(["--two-copies"] if a.two_copies else []),
+               "--warmup-cycles", str(a.warmup_cycles), "--policies", a.policies, *(["--two-copies"] if a.two_copies else []),
                *(["--agent-hash"] if a.agent_hash else [])]
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
