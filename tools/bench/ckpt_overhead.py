@@ -48,6 +48,7 @@ cycling, so every policy sees the same machine noise; the first cycle (``--warmu
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -118,6 +119,8 @@ def worker(argv: list[str]) -> int:
             meta_cpu.append(time.thread_time() - cpu)
 
     meta_module.capture_step_meta = timed_capture
+    collections = GcTimes()
+    gc.callbacks.append(collections.callback)
     args = parse_args(argv, extra_groups=pretrain_gpt_moe.extra_argument_groups())
     base = args.extra["FTConfig"]
     block = WINDOW
@@ -192,6 +195,7 @@ def worker(argv: list[str]) -> int:
                 self.iteration_cpu[iteration - 1] = now - self._cpu_start
                 self.iteration_main_cpu[iteration - 1] = main - self._main_start
             self._cpu_start, self._main_start = now, main
+            collections.iteration = iteration
             super().on_step_begin(iteration)
 
         def on_step_end(self, iteration, result):
@@ -209,6 +213,7 @@ def worker(argv: list[str]) -> int:
 
         def on_train_end(self, report):
             super().on_train_end(report)  # flushes the engines
+            self.gc = collections
             summarize(self, args, out, two_copies, warmup, agent_hash, only)  # collectives: before the group is shut down
 
     from moe_ft.compat import activate_all
@@ -216,6 +221,27 @@ def worker(argv: list[str]) -> int:
     activate_all()  # CPU layer + checkpoint-writer shim, as pretrain_gpt_moe.py does
     pretrain(args, hooks=Bench(base))
     return 0
+
+
+class GcTimes:
+    """Python's cyclic garbage collections in this rank (any thread; each holds the GIL, so it stops the
+    training thread too), by the iteration during which they ran: seconds, and full (oldest-generation)
+    collections."""
+
+    def __init__(self) -> None:
+        self.iteration = -1
+        self.seconds: dict[int, float] = {}
+        self.full: dict[int, int] = {}
+        self._start = 0.0
+
+    def callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        t = self.iteration
+        self.seconds[t] = self.seconds.get(t, 0.0) + time.perf_counter() - self._start
+        if info["generation"] == 2:
+            self.full[t] = self.full.get(t, 0) + 1
 
 
 def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1, agent_hash: bool = False,
@@ -261,7 +287,9 @@ def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1
                          "touched": sum(r.host_bytes_touched for r in recs),
                          "payload": sum(r.bytes + r.remote_bytes for r in recs),
                          "bytes_per_recovery_point": rp,
-                         "pool": _pool_stats(s)}
+                         "pool": _pool_stats(s),
+                         "gc_s": sum(runtime.gc.seconds.get(t, 0.0) for t in its),
+                         "gc_full": sum(runtime.gc.full.get(t, 0) for t in its), "iterations": len(its)}
         if label in runtime.agents:  # the node agent's CPU over the measured cycles (it hashes this session's points)
             state = runtime.agents[label].final  # closed with the runtime (it said bye: the agent may be gone)
             start = next((cpu for it, cpu in runtime.agent_cpu[label] if it >= first_measured), state["cpu_s"])
@@ -297,7 +325,11 @@ def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1
                             "trainer_payload_bytes_per_byte": round(sum(g[name]["touched"] for g in gathered)
                                                                     / max(sum(g[name]["payload"] for g in gathered), 1), 3),
                             "bytes_per_recovery_point": int(max(g[name]["bytes_per_recovery_point"] for g in gathered)),
-                            "recycled_files": gathered[0][name]["pool"]}
+                            "recycled_files": gathered[0][name]["pool"],
+                            "gc_ms_per_iter": round(1e3 * sum(g[name]["gc_s"] for g in gathered)
+                                                    / max(sum(g[name]["iterations"] for g in gathered), 1), 3),
+                            "gc_full_per_100_iters": round(100 * sum(g[name]["gc_full"] for g in gathered)
+                                                           / max(sum(g[name]["iterations"] for g in gathered), 1), 2)}
             if "agent_cpu_ms_per_iter" in gathered[0][name]:  # one agent per node, shared by its ranks: its CPU once
                 report[name]["agent_cpu_ms_per_iter"] = round(max(g[name]["agent_cpu_ms_per_iter"] for g in gathered), 3)
                 report[name]["agent_verified_points"] = sum(g[name]["agent_verified"] for g in gathered)
