@@ -4,6 +4,7 @@ thread, and the GIL probe, on the drill's tiny model (one CPU rank)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ from moe_ft.state.registry import OperatorRegistry, OperatorState
 from moe_ft.store import KeepAll, StoreConfig, arena, entry_hash_triton
 from moe_ft.store import store as store_module
 from tools.bench import gpu_overhead
+from tools.bench.gc_times import GcTimes, gc_stats
 from tools.bench.gil_probe import GilProbe, lag_stats
 from tools.bench.interleave import (
     interleaved_stats,
@@ -282,6 +284,27 @@ def test_lag_stats_are_per_kind_of_block_past_block_boundaries():
     assert set(lag_stats(lags, 0)) == {"all"}
 
 
+def test_garbage_collections_are_timed_by_iteration_and_kind_of_block():
+    times = GcTimes().install()
+    try:
+        times.iteration = 5
+        junk = [[i] for i in range(1000)]
+        junk.append(junk)  # a cycle: only the collector frees it
+        del junk
+        gc.collect()  # a full collection, in iteration 5
+        times.iteration = 6
+        gc.collect(0)
+    finally:
+        times.remove()
+    assert times.full == {5: 1} and set(times.seconds) == {5, 6} and all(v > 0 for v in times.seconds.values())
+    assert times.totals([5, 6, 7]) == (pytest.approx(times.seconds[5] + times.seconds[6]), 1)
+    # blocks of 2: 5 active (counts), 6 paused (a block's first: neither), 7 paused (counts)
+    stats = gc_stats({5: 0.004, 6: 0.5, 7: 0.001}, {5: 1}, [4, 5, 6, 7], 2)
+    assert stats == {"active": {"iterations": 1, "gc_ms_per_iter": pytest.approx(4.0), "full_per_100_iters": 100.0},
+                     "paused": {"iterations": 1, "gc_ms_per_iter": pytest.approx(1.0), "full_per_100_iters": 0.0}}
+    assert set(gc_stats({}, {}, [1, 2], 0)) == {"all"}
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_tiny_launch_profiles_the_worker_and_probes_the_gil(tmp_path, corpus):
@@ -300,6 +323,7 @@ def test_tiny_launch_profiles_the_worker_and_probes_the_gil(tmp_path, corpus):
     assert sparse["measured_end"] == 19 and sparse["profiled"]["worker"] == [19]
     gil = sparse["interleaved"]["gil_probe"]
     assert set(gil) == {"active", "paused"} and all(g["samples_per_iter"] > 0 for g in gil.values())
+    assert set(sparse["interleaved"]["gc"]) == {"active", "paused"}  # collections timed in every launch
     breakdown = json.loads((logs / "worker_breakdown_sparse2_0.json").read_text())
     assert breakdown["snapshots"]["19"]["published"]
     paths = {row["path"] for row in breakdown["breakdown_per_snapshot"]}

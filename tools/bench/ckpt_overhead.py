@@ -36,6 +36,8 @@ cycling, so every policy sees the same machine noise; the first cycle (``--warmu
   each byte once, the node agent hashes the published points); ``agent_cpu_ms_per_iter`` is the node
   agent process's CPU per iteration of a session whose points an agent hashes (an agent of its own, started
   for it; with ``--ft-checksum-by agent`` every session's) — not in ``cpu_ratio``, which counts the ranks;
+* ``gc_ms_per_iter``, ``gc_full_per_100_iters``: Python's cyclic garbage collections during the session's
+  iterations, all ranks (``tools/bench/gc_times.py``: a collection holds the GIL, whichever thread ran it);
 * ``meta_cpu_ms``: median CPU time of the metadata capture (``capture_step_meta``) on the training thread;
 * ``bytes_per_iter``: mean bytes snapshotted per iteration per rank (max over ranks);
 * ``floor_ms``: the physical floor of that policy: the time to copy (``memcpy``) and checksum (the store's
@@ -48,7 +50,6 @@ cycling, so every policy sees the same machine noise; the first cycle (``--warmu
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import statistics
@@ -95,6 +96,7 @@ def worker(argv: list[str]) -> int:
     from moe_ft.agent.verify import AgentChecksums
     from moe_ft.runtime.hooks import FTRuntime
     from moe_ft.state.operators import Level
+    from tools.bench.gc_times import GcTimes
 
     out = argv.pop(argv.index("--out") + 1)
     argv.remove("--out")
@@ -119,8 +121,7 @@ def worker(argv: list[str]) -> int:
             meta_cpu.append(time.thread_time() - cpu)
 
     meta_module.capture_step_meta = timed_capture
-    collections = GcTimes()
-    gc.callbacks.append(collections.callback)
+    collections = GcTimes().install()
     args = parse_args(argv, extra_groups=pretrain_gpt_moe.extra_argument_groups())
     base = args.extra["FTConfig"]
     block = WINDOW
@@ -223,27 +224,6 @@ def worker(argv: list[str]) -> int:
     return 0
 
 
-class GcTimes:
-    """Python's cyclic garbage collections in this rank (any thread; each holds the GIL, so it stops the
-    training thread too), by the iteration during which they ran: seconds, and full (oldest-generation)
-    collections."""
-
-    def __init__(self) -> None:
-        self.iteration = -1
-        self.seconds: dict[int, float] = {}
-        self.full: dict[int, int] = {}
-        self._start = 0.0
-
-    def callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-            return
-        t = self.iteration
-        self.seconds[t] = self.seconds.get(t, 0.0) + time.perf_counter() - self._start
-        if info["generation"] == 2:
-            self.full[t] = self.full.get(t, 0) + 1
-
-
 def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1, agent_hash: bool = False,
               only: str = "") -> None:
     import torch.distributed as dist
@@ -288,8 +268,7 @@ def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1
                          "payload": sum(r.bytes + r.remote_bytes for r in recs),
                          "bytes_per_recovery_point": rp,
                          "pool": _pool_stats(s),
-                         "gc_s": sum(runtime.gc.seconds.get(t, 0.0) for t in its),
-                         "gc_full": sum(runtime.gc.full.get(t, 0) for t in its), "iterations": len(its)}
+                         "gc": runtime.gc.totals(its), "iterations": len(its)}
         if label in runtime.agents:  # the node agent's CPU over the measured cycles (it hashes this session's points)
             state = runtime.agents[label].final  # closed with the runtime (it said bye: the agent may be gone)
             start = next((cpu for it, cpu in runtime.agent_cpu[label] if it >= first_measured), state["cpu_s"])
@@ -326,9 +305,9 @@ def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1
                                                                     / max(sum(g[name]["payload"] for g in gathered), 1), 3),
                             "bytes_per_recovery_point": int(max(g[name]["bytes_per_recovery_point"] for g in gathered)),
                             "recycled_files": gathered[0][name]["pool"],
-                            "gc_ms_per_iter": round(1e3 * sum(g[name]["gc_s"] for g in gathered)
+                            "gc_ms_per_iter": round(1e3 * sum(g[name]["gc"][0] for g in gathered)
                                                     / max(sum(g[name]["iterations"] for g in gathered), 1), 3),
-                            "gc_full_per_100_iters": round(100 * sum(g[name]["gc_full"] for g in gathered)
+                            "gc_full_per_100_iters": round(100 * sum(g[name]["gc"][1] for g in gathered)
                                                            / max(sum(g[name]["iterations"] for g in gathered), 1), 2)}
             if "agent_cpu_ms_per_iter" in gathered[0][name]:  # one agent per node, shared by its ranks: its CPU once
                 report[name]["agent_cpu_ms_per_iter"] = round(max(g[name]["agent_cpu_ms_per_iter"] for g in gathered), 3)

@@ -47,6 +47,11 @@ training thread waits to launch its next kernel; if the snapshot threads' Python
 the interleaved ratio moves with S (e.g. 0.0005 against the default), and the probe's lags in the taken
 blocks shrink with it. ``--skip-none``: no ``none`` launch (no ``overhead_ratio``; the interleaved ratio of the
 sparse launches needs none).
+
+Every launch also times Python's cyclic garbage collections per iteration (``tools/bench/gc_times.py``): ``gc``
+(per kind of block in ``interleaved.gc``) holds the milliseconds in collections per iteration and the full
+collections per 100 iterations. A collection holds the GIL whichever thread triggered it, so snapshot work that
+allocates can stop the training thread that way too.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ import sys
 import tempfile
 import time
 
+from tools.bench.gc_times import GcTimes, gc_stats
 from tools.bench.gil_probe import GilProbe, lag_stats
 from tools.bench.interleave import (
     interleaved_stats,
@@ -85,6 +91,7 @@ class _Timed:
 
     def __init__(self, runtime, out: str, facts: dict, probe: GilProbe | None = None) -> None:
         self.runtime, self.out, self.facts, self.probe = runtime, out, facts, probe
+        self.gc = GcTimes().install()
         self.starts: list[float] = []
         self.hook_s: list[float] = []
         self.begins: list[int] = []
@@ -104,6 +111,7 @@ class _Timed:
         self.starts.append(time.perf_counter())
         self.hook_s.append(0.0)
         self.begins.append(iteration)
+        self.gc.iteration = iteration
         self._timed(self.runtime.on_step_begin, iteration)
 
     def before_optimizer_step(self, iteration: int) -> None:
@@ -131,6 +139,8 @@ class _Timed:
             mapped = getattr(engine, "mapped", None)
             json.dump({"iteration_s": [b - a for a, b in zip(self.starts, self.starts[1:])], "records": records,
                        "hook_s": self.hook_s, "begins": self.begins,
+                       "gc_s": [self.gc.seconds.get(t, 0.0) for t in self.begins],
+                       "gc_full": [self.gc.full.get(t, 0) for t in self.begins],
                        "paused": getattr(self.runtime, "paused", []), **self.facts,
                        "window": getattr(policy, "window_length", None),
                        "path": "mapped" if mapped is not None else f"staged ({getattr(engine, 'mapped_off', '')})",
@@ -246,6 +256,12 @@ def _summary(run: dict, warmup: int) -> dict:
         else:
             out["gil_probe"] = gil
         out["gil_probe_cpu_share"] = run["gil_probe"]["cpu_s"] / max(run["gil_probe"]["wall_s"], 1e-9)
+    if run.get("gc_s") is not None:
+        gc_times = gc_stats(dict(zip(begins, run["gc_s"])), dict(zip(begins, run["gc_full"])), times, block)
+        if interleaved is not None:
+            interleaved["gc"] = gc_times
+        else:
+            out["gc"] = gc_times
     out["switch_interval_s"] = run.get("switch_interval_s")
     if interleaved is not None:
         out["interleaved"] = interleaved
