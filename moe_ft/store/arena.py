@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
 import errno
 import fcntl
 import itertools
@@ -129,6 +130,8 @@ class _Allocator:
         self.points: dict[int, list[Region]] = {}  # published points this allocator knows of
         self.pending: dict[int, list[Region]] = {}  # writer token -> regions not published yet
         self.maps: dict[int, torch.Tensor] = {}  # segment -> its bytes, mapped shared (map_blob), never unmapped
+        self._mms: dict[int, mmap.mmap] = {}  # segment -> its shared mapping, never unmapped
+        self._addrs: dict[int, tuple[int, ctypes.c_char]] = {}  # segment -> its mapping's address (and export)
         for name in sorted(os.listdir(self.arena_dir)):
             if name.isdigit():
                 seg = int(name)
@@ -259,18 +262,34 @@ class _Allocator:
         self.fds[seg], self.sizes[seg] = fd, size
         self._release([(seg, 0, size)])
 
+    def _mmap(self, seg: int) -> mmap.mmap:
+        """Segment ``seg``'s shared mapping, mapped once and kept for the process's life (a page-locked
+        mapping must never go away under a device copy; segments are never truncated)."""
+        with self.lock:
+            mm = self._mms.get(seg)
+            if mm is None:
+                mm = self._mms[seg] = mmap.mmap(self.fds[seg], self.sizes[seg], mmap.MAP_SHARED,
+                                                mmap.PROT_READ | mmap.PROT_WRITE)
+            return mm
+
     def mapping(self, seg: int) -> torch.Tensor:
-        """Segment ``seg``'s bytes as a ``uint8`` tensor over a shared mapping of its file, mapped once
-        and kept for the process's life (a page-locked mapping must never go away under a device copy;
-        segments are never truncated)."""
+        """Segment ``seg``'s bytes as a ``uint8`` tensor over its shared mapping."""
         with self.lock:
             view = self.maps.get(seg)
             if view is None:
                 import torch  # start-up time: readers of the arena (the node agent, moe-ft inspect) never need it
 
-                mm = mmap.mmap(self.fds[seg], self.sizes[seg], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                view = self.maps[seg] = torch.frombuffer(mm, dtype=torch.uint8)
+                view = self.maps[seg] = torch.frombuffer(self._mmap(seg), dtype=torch.uint8)
             return view
+
+    def address(self, seg: int) -> int:
+        """The address of segment ``seg``'s shared mapping in this process (valid for the process's life)."""
+        with self.lock:
+            found = self._addrs.get(seg)
+            if found is None:
+                export = ctypes.c_char.from_buffer(self._mmap(seg))
+                found = self._addrs[seg] = (ctypes.addressof(export), export)
+            return found[0]
 
     def abort(self, token: int) -> None:
         with self.lock:
@@ -413,7 +432,12 @@ class _RegionSink(BlobSink):
             seg, off, n = self._region
             if self._written + len(view) > n:
                 raise ValueError(f"blob {self._name!r}: {self._written + len(view)} bytes written, {n} announced")
-            _pwrite_all(self._writer.alloc.fds[seg], view, off + self._written)
+            alloc = self._writer.alloc
+            if view.readonly or not view:  # small pieces: headers, trailers (the payload comes from tensors)
+                _pwrite_all(alloc.fds[seg], view, off + self._written)
+            else:  # a copy into the segment's mapping: ~2.5x less CPU than pwrite(2) into tmpfs (module docstring)
+                ctypes.memmove(alloc.address(seg) + off + self._written,
+                               ctypes.addressof(ctypes.c_char.from_buffer(view)), len(view))
         self._written += len(view)
         self._writer.backend._hook("blob_write", self._writer.iteration, self._name)
 

@@ -1,6 +1,7 @@
 """Checkpoint overhead of the snapshot policies on a CPU model, side by side in one run.
 
     python tools/bench/ckpt_overhead.py [--model {tiny,medium}] [--quick] [--json] [--nproc {2,4}] [--two-copies] [--agent-hash] [--warmup-cycles N] [--data-path PREFIX]
+        [--policies a,b] [--cycles N] [--profile-worker N --profile-dir DIR]
 
 Models: ``tiny`` (2 layers, hidden 64, 4 experts top-2, seq 64; ~50 ms of CPU per iteration: fixed
 per-iteration costs dominate) and ``medium`` (4 layers, hidden 256, 8 experts top-2, seq 128; >= 1 s per
@@ -38,6 +39,8 @@ cycling, so every policy sees the same machine noise; the first cycle (``--warmu
   for it; with ``--ft-checksum-by agent`` every session's) — not in ``cpu_ratio``, which counts the ranks;
 * ``gc_ms_per_iter``, ``gc_full_per_100_iters``: Python's cyclic garbage collections during the session's
   iterations, all ranks (``tools/bench/gc_times.py``: a collection holds the GIL, whichever thread ran it);
+* ``--profile-worker N``: the sparse session's snapshot thread, sub-step by sub-step (wall and CPU), on N of
+  its last snapshots, per rank in ``--profile-dir`` (``tools/bench/worker_profile.py``);
 * ``meta_cpu_ms``: median CPU time of the metadata capture (``capture_step_meta``) on the training thread;
 * ``bytes_per_iter``: mean bytes snapshotted per iteration per rank (max over ranks);
 * ``floor_ms``: the physical floor of that policy: the time to copy (``memcpy``) and checksum (the store's
@@ -110,6 +113,10 @@ def worker(argv: list[str]) -> int:
     argv.remove("--warmup-cycles")
     only = argv.pop(argv.index("--policies") + 1)
     argv.remove("--policies")
+    profile_n = int(argv.pop(argv.index("--profile-worker") + 1))
+    argv.remove("--profile-worker")
+    profile_dir = argv.pop(argv.index("--profile-dir") + 1)
+    argv.remove("--profile-dir")
     meta_cpu: list[float] = []
     capture = meta_module.capture_step_meta
 
@@ -173,6 +180,12 @@ def worker(argv: list[str]) -> int:
                     self.components.append(agent)
                     cpu = self.agent_cpu[name] = []
                     agent.agent_cpu.take = lambda it, s_, cpu=cpu: cpu.append((it, s_))
+            if profile_n:  # the sparse session's last snapshots but one (the last is flushed at the end)
+                from tools.bench.worker_profile import WorkerProfiler
+
+                its = [t for t in range(args.training.train_iters) if cycle[(t // block) % len(cycle)] == "sparse"]
+                WorkerProfiler(its[-profile_n - 1:-1], profile_dir, f"sparse_rank{self.rank}").attach(
+                    self.by_label["sparse"].engine)
             if BUBBLES in self.by_label:
                 from moe_ft.snapshot.bubble_component import BubbleScheduling
 
@@ -394,6 +407,12 @@ def main() -> int:
                    help=f"comma-separated sessions to compare, of {', '.join(POLICIES[1:] + [BUBBLES])} ('none' "
                         "is always one: the baseline); default all. Fewer sessions give each more cycles in the "
                         "same time")
+    p.add_argument("--profile-worker", type=int, default=0, metavar="N",
+                   help="profile the sparse session's snapshot thread on N of its last snapshots "
+                        "(tools/bench/worker_profile.py), each rank's into --profile-dir; wrapped calls cost a "
+                        "few microseconds each, in the measured iterations")
+    p.add_argument("--profile-dir", default="ckpt_overhead_profile",
+                   help="where --profile-worker writes worker_profile_sparse_rank<r>.txt and its JSON")
     p.add_argument("--cycles", type=int, default=0,
                    help="measured cycles (default: the model's, or --quick's)")
     p.add_argument("--nproc", type=int, default=4, choices=sorted(PP),
@@ -423,8 +442,9 @@ def main() -> int:
                "--worker", "--out", out, *flags, "--pipeline-model-parallel-size", str(PP[a.nproc]),
                "--train-iters", str(iters), "--log-interval", str(iters),
                "--data-path", data, "--ft", "--ft-store-dir", shm, "--ft-sparse-window", str(WINDOW),
-               "--warmup-cycles", str(a.warmup_cycles), "--policies", a.policies, *(["--two-copies"] if a.two_copies else []),
-               *(["--agent-hash"] if a.agent_hash else [])]
+               "--warmup-cycles", str(a.warmup_cycles), "--policies", a.policies,
+               "--profile-worker", str(a.profile_worker), "--profile-dir", os.path.abspath(a.profile_dir),
+               *(["--two-copies"] if a.two_copies else []), *(["--agent-hash"] if a.agent_hash else [])]
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
