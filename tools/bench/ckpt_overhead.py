@@ -14,7 +14,8 @@ Alg. 4) — and hands iterations to them in blocks of ``W`` (the sparse window),
 cycling, so every policy sees the same machine noise; the first cycle (``--warmup-cycles``) is warm-up. Reported per policy:
 
 * ``overhead_ratio``: median wall time of its iterations / median of ``none`` (begin of ``t`` to begin of
-  ``t+1``: includes the plan, metadata capture, submit and the stall);
+  ``t+1``: includes the plan, metadata capture, submit and the stall). The first iteration of every block
+  counts for no session: it holds the write of the previous block's last snapshot, another session's;
 * ``cpu_ratio``: the same with the job's CPU time per iteration (all threads of all ranks, summed over the
   ranks) instead of wall time: what the snapshots cost in CPU, much less sensitive than wall time to other
   load on a shared machine. Summing over the ranks cancels the data noise of a single rank: with
@@ -250,7 +251,10 @@ def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1
     reg = runtime.registry
     local: dict = {}
     for label, s in runtime.by_label.items():
-        its = [t for t, n in runtime.owner.items() if n == label and t >= first_measured]
+        # A block's first iteration counts for no session: its interval holds the write of the previous
+        # block's last snapshot (another session's; the write of t runs during t+1's forward pass) and none
+        # of this session's (tools/bench/interleave.py, the same rule).
+        its = [t for t, n in runtime.owner.items() if n == label and t >= first_measured and t % block]
         times = [runtime.iteration_seconds[t] for t in its if t in runtime.iteration_seconds]
         recs = [r for r in (s.engine.records if s is not None else []) if r.iteration >= first_measured]
         full = sum(reg[op].nbytes(Level.FULL) for op in reg)
