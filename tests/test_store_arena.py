@@ -154,3 +154,32 @@ def test_a_blob_shorter_than_announced_keeps_its_region(tmp_path):
             backend.delete_point(it - 2)
     assert backend.read_blob(1, "short") == b"x" * 100 and backend.blob_size(1, "short") == 100
     assert backend.read_blob(39, "full") == bytes([39]) * 100_000
+
+
+@pytest.mark.parametrize("mappable", [True, False], ids=["mapped", "pwrite"])
+def test_the_payload_goes_through_the_mapping_or_pwrite_with_the_same_bytes(tmp_path, monkeypatch, mappable):
+    """A writer copies the payload into the segment's shared mapping, or, where the file system cannot map it
+    (``ENODEV``), writes it with ``pwrite``; either way another reader (a new backend, as another process
+    opens it) reads the same bytes and every checksum holds."""
+    import mmap as mmap_module
+
+    from moe_ft.store import arena
+
+    if not mappable:
+        def no_mmap(*args, **kwargs):
+            raise OSError(19, "No such device")
+
+        monkeypatch.setattr(arena.mmap, "mmap", no_mmap)
+    calls = []
+    memmove = arena.ctypes.memmove
+    monkeypatch.setattr(arena.ctypes, "memmove", lambda *a: calls.append(a[2]) or memmove(*a))
+    store = _keep_newest(tmp_path / "s")
+    rows = 2048  # 512 KiB tensors: each entry is written in several pieces (small ones are gathered)
+    for it in range(4):
+        _publish(store, it, rows)
+    payload = 4 * len(OPS) * 2 * rows * 64 * 4  # 4 points of 3 entries of two tensors
+    assert (sum(calls) >= payload) == mappable and bool(calls) == mappable
+    monkeypatch.setattr(arena.mmap, "mmap", mmap_module.mmap)
+    reader = SnapshotStore(ArenaBackend(tmp_path / "s"))
+    _check(reader, 3, rows)
+    assert reader.verify().problems == ()
