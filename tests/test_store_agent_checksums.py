@@ -126,3 +126,37 @@ def test_a_durable_copy_of_a_verified_point_carries_its_digests(tmp_path, hashed
     assert not durable.verify().problems and torch.equal(durable.load(0, OPS[1], Level.FULL)["weight"],
                                                            torch.ones(64))
     assert all(e.checksum != PENDING for e in store.catalog().point(0).entries.values())  # recorded here too
+
+
+def test_the_agent_keeps_segment_mappings_and_never_hashes_a_deleted_store_through_them(tmp_path):
+    """The hashing side maps each arena segment once and keeps it for the next points (a point written
+    into regions it mapped before is hashed through the same mapping, and its new bytes are what it hashes);
+    a store removed and created again under the same path is a new file, mapped again; the mapping of a
+    store that is gone is dropped."""
+    import shutil
+
+    from moe_ft.store import store as store_module
+
+    def build():
+        config = StoreConfig(root=str(tmp_path / "node"), job_id="j", rank=0, checksum_by="agent")
+        return config.build(retention=KeepNewestRecoverable(rule=DenseRule(operators=frozenset(OPS))))
+
+    store = build()
+    reader = StoreConfig(root=str(tmp_path / "node"), job_id="j", rank=0).build()
+    for it in range(4):  # regions reused point after point (one point kept)
+        _publish(store, it)
+        reader.record_verified(it)
+        assert torch.equal(store.load(it, OPS[1], Level.FULL)["weight"], torch.full((64,), float(it + 1)))
+    path = store.backend.blob_location(3, store.catalog().point(3).entries[OPS[0]].blob)[0]
+    first = store_module._SEGMENTS._maps[path]
+    shutil.rmtree(tmp_path / "node")
+    store = build()  # the same path, another file; a stale mapping would hash the deleted store's bytes
+    reader = StoreConfig(root=str(tmp_path / "node"), job_id="j", rank=0).build()
+    _publish(store, 7)
+    reader.record_verified(7)
+    assert store_module._SEGMENTS._maps[path][0] != first[0]
+    assert torch.equal(store.load(7, OPS[0], Level.FULL)["weight"], torch.full((64,), 7.0))  # digest matches
+    assert store.verify([7]).problems == ()
+    shutil.rmtree(tmp_path / "node")
+    store_module._SEGMENTS._prune()
+    assert path not in store_module._SEGMENTS._maps
