@@ -131,7 +131,8 @@ class _Allocator:
         self.pending: dict[int, list[Region]] = {}  # writer token -> regions not published yet
         self.maps: dict[int, torch.Tensor] = {}  # segment -> its bytes, mapped shared (map_blob), never unmapped
         self._mms: dict[int, mmap.mmap] = {}  # segment -> its shared mapping, never unmapped
-        self._addrs: dict[int, tuple[int, ctypes.c_char]] = {}  # segment -> its mapping's address (and export)
+        # segment -> its mapping's address and the export that keeps it (None, None: cannot be mapped)
+        self._addrs: dict[int, tuple[int, ctypes.c_char] | tuple[None, None]] = {}
         for name in sorted(os.listdir(self.arena_dir)):
             if name.isdigit():
                 seg = int(name)
@@ -290,9 +291,10 @@ class _Allocator:
             if found is None:
                 try:
                     export = ctypes.c_char.from_buffer(self._mmap(seg))
+                    found = (ctypes.addressof(export), export)
                 except OSError:  # e.g. ENODEV: a file system without shared writable mappings
-                    return None
-                found = self._addrs[seg] = (ctypes.addressof(export), export)
+                    found = None, None
+                self._addrs[seg] = found
             return found[0]
 
     def abort(self, token: int) -> None:
