@@ -289,8 +289,9 @@ def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1
         if label in runtime.agents:  # the node agent's CPU over the measured cycles (it hashes this session's points)
             state = runtime.agents[label].final  # closed with the runtime (it said bye: the agent may be gone)
             start = next((cpu for it, cpu in runtime.agent_cpu[label] if it >= first_measured), state["cpu_s"])
-            measured = [t for t in its if t >= first_measured]
-            local[label]["agent_cpu_ms_per_iter"] = 1e3 * (state["cpu_s"] - start) / max(len(measured) - 1, 1)
+            # every snapshot of the session from the first measured one on, block-first iterations included
+            snapshots = sum(1 for t, n in runtime.owner.items() if n == label and t >= first_measured)
+            local[label]["agent_cpu_ms_per_iter"] = 1e3 * (state["cpu_s"] - start) / max(snapshots - 1, 1)
             local[label]["agent_verified"] = state["verified"]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)

@@ -14,7 +14,7 @@ import gc
 import time
 from collections.abc import Iterable
 
-from tools.bench.interleave import iteration_kind
+from tools.bench.interleave import by_kind
 
 
 class GcTimes:
@@ -53,12 +53,7 @@ class GcTimes:
 def gc_stats(seconds: dict[int, float], full: dict[int, int], iterations: Iterable[int], block: int) -> dict:
     """Per kind of interleaved block (``"all"`` with ``block`` 0) of ``iterations``: milliseconds in
     collections per iteration and full collections per 100 iterations."""
-    kinds: dict[str, list[int]] = {}
-    for t in sorted(iterations):
-        kind = iteration_kind(t, block) if block else "all"
-        if kind is not None:
-            kinds.setdefault(kind, []).append(t)
     return {kind: {"iterations": len(its),
                    "gc_ms_per_iter": 1e3 * sum(seconds.get(t, 0.0) for t in its) / len(its),
                    "full_per_100_iters": 100 * sum(full.get(t, 0) for t in its) / len(its)}
-            for kind, its in kinds.items()}
+            for kind, its in by_kind(iterations, block).items()}

@@ -39,7 +39,7 @@ import time
 from array import array
 from collections.abc import Mapping, Sequence
 
-from tools.bench.interleave import iteration_kind
+from tools.bench.interleave import by_kind
 
 SLEEP_S = 0.0005
 _PR_SET_TIMERSLACK = 29
@@ -109,13 +109,8 @@ def lag_stats(lags_us: Mapping[int, list[int]], block: int) -> dict:
     ``p50_ms``, ``p99_ms``, ``max_ms`` of the lags; per iteration, how many wake-ups (``samples_per_iter``), their
     summed lag (``total_ms_per_iter``) and the sum of the lags over 0.2 ms (``over_0.2ms_ms_per_iter``: the part a
     kernel wake-up does not explain)."""
-    kinds: dict[str, list[int]] = {}
-    for t in sorted(lags_us):
-        kind = iteration_kind(t, block) if block else "all"
-        if kind is not None:
-            kinds.setdefault(kind, []).append(t)
     out = {}
-    for kind, its in kinds.items():
+    for kind, its in by_kind(lags_us, block).items():
         lags = sorted(v for t in its for v in lags_us[t])
         if not lags:
             continue

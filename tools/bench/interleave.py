@@ -35,6 +35,17 @@ def iteration_kind(iteration: int, block: int) -> str | None:
     return "paused" if paused else "active"
 
 
+def by_kind(iterations, block: int) -> dict[str, list[int]]:
+    """``iterations``, sorted, grouped by :func:`iteration_kind` (``"all"`` with ``block`` 0); the first
+    iteration of a block is in no group."""
+    kinds: dict[str, list[int]] = {}
+    for t in sorted(iterations):
+        kind = iteration_kind(t, block) if block else "all"
+        if kind is not None:
+            kinds.setdefault(kind, []).append(t)
+    return kinds
+
+
 def interleaved_stats(iteration_s: Mapping[int, float], block: int, *, hook_s: Mapping[int, float] | None = None,
                       snapshot_iterations: frozenset[int] = frozenset()) -> dict:
     """The active/paused comparison of the measured iterations ``iteration_s`` (iteration -> seconds).
