@@ -61,6 +61,7 @@ def test_interleaved_ratio_is_active_over_paused_medians_without_block_boundarie
     assert stats["hooks_ms"] == pytest.approx({"active": 2.0, "paused": 1.0})
     assert [b[1] for b in stats["block_medians"]] == ["active", "paused", "active", "paused", "active", "paused",
                                                       "active"]
+    assert stats["ratio_ci95"] == pytest.approx([1.1, 1.1])  # every cycle (an active block, the paused one after) alike
     with pytest.raises(ValueError, match="no paused iteration"):
         interleaved_stats({t: 1.0 for t in range(1, 4)}, block)
 

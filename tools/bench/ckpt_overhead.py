@@ -24,6 +24,9 @@ cycling, so every policy sees the same machine noise; the first cycle (``--warmu
   of each rank's own ratio of medians (the definition before it carries that noise);
   ``main_cpu_ratio``: ``cpu_ratio`` of the training threads alone (what the policy costs the training
   thread itself: hook, capture, and any slowdown the snapshot thread causes it);
+  ``cpu_ratio_ci95``: the 95 % bootstrap interval of ``cpu_ratio`` over the measured cycles
+  (``tools/bench/ratio_ci.py``; ``null`` with one measured cycle): a claim such as ``cpu_ratio <= 1.02``
+  holds when its upper end does;
 * ``stall_ms``: median wait of the optimizer step for the snapshot copy;
 * ``hook_ms``: median time of the FT hook after the optimizer step on the training thread (popularity
   all-reduce, plan, metadata capture, submit; ``none`` pays the all-reduce only); ``hook_cpu_ms``: its CPU;
@@ -244,6 +247,7 @@ def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1
 
     from moe_ft.policy import SparsePolicy
     from moe_ft.state.operators import Level
+    from tools.bench.ratio_ci import cycle_ratio_ci
 
     block = WINDOW
     names = labels(args.parallel.pipeline_model_parallel_size, two_copies, agent_hash, only)
@@ -296,20 +300,31 @@ def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     if dist.get_rank() == 0:
+        def job_cpu_by_cycle(name: str, key: str = "cpu_by_iter") -> dict[int, list[float]]:
+            """The CPU seconds of all ranks together per iteration of the policy, grouped by cycle."""
+            its = set.intersection(*(set(g[name][key]) for g in gathered))
+            cycles: dict[int, list[float]] = {}
+            for t in sorted(its):
+                cycles.setdefault(t // (block * len(names)), []).append(sum(g[name][key][t] for g in gathered))
+            return cycles
+
         def job_cpu(name: str, key: str = "cpu_by_iter") -> float:
             """Median over the policy's iterations of the CPU seconds of all ranks together."""
-            its = set.intersection(*(set(g[name][key]) for g in gathered))
-            return statistics.median(sum(g[name][key][t] for g in gathered) for t in its)
+            return statistics.median(x for v in job_cpu_by_cycle(name, key).values() for x in v)
 
         base_t = statistics.median([g["none"]["median_s"] for g in gathered])
         base_cpu = statistics.median([g["none"]["median_cpu_s"] for g in gathered])
         base_job, base_main = job_cpu("none"), job_cpu("none", "main_cpu_by_iter")
+        base_cycles = job_cpu_by_cycle("none")
+        cycles = len(base_cycles)
         report = {}
         for name in names:
             med = statistics.median([g[name]["median_s"] for g in gathered])
             cpu = statistics.median([g[name]["median_cpu_s"] for g in gathered])
             report[name] = {"overhead_ratio": round(med / base_t, 4),
                             "cpu_ratio": round(job_cpu(name) / base_job, 4),
+                            "cpu_ratio_ci95": [round(x, 4) for x in cycle_ratio_ci(job_cpu_by_cycle(name), base_cycles)]
+                            if name != "none" and cycles > 1 else None,
                             "cpu_ratio_per_rank": round(cpu / base_cpu, 4),
                             "main_cpu_ratio": round(job_cpu(name, "main_cpu_by_iter") / base_main, 4),
                             "hook_cpu_ms": round(statistics.median(g[name]["hook_cpu_ms"] for g in gathered), 3),
@@ -464,12 +479,13 @@ def main() -> int:
     if a.json:
         print(json.dumps(report))
     else:
-        print(f"{'policy':17s} {'overhead':>9s} {'cpu ratio':>9s} {'floor ratio':>11s} {'stall ms':>9s} {'hook ms':>8s} "
+        print(f"{'policy':17s} {'overhead':>9s} {'cpu ratio':>9s} {'95 % interval':>15s} {'floor ratio':>11s} {'stall ms':>9s} {'hook ms':>8s} "
               f"{'hook cpu':>8s} {'meta cpu':>8s} {'thread ms':>10s} {'floor ms':>9s} {'bytes/iter':>12s} "
               f"{'bytes/recovery pt':>18s}")
         for name in names:
             r = report[name]
-            print(f"{name:17s} {r['overhead_ratio']:9.3f} {r['cpu_ratio']:9.3f} {r['floor_ratio']:11.4f} "
+            ci = "{:.3f}-{:.3f}".format(*r["cpu_ratio_ci95"]) if r["cpu_ratio_ci95"] else "-"
+            print(f"{name:17s} {r['overhead_ratio']:9.3f} {r['cpu_ratio']:9.3f} {ci:>15s} {r['floor_ratio']:11.4f} "
                   f"{r['stall_ms']:9.3f} {r['hook_ms']:8.2f} {r['hook_cpu_ms']:8.2f} {r['meta_cpu_ms']:8.2f} "
                   f"{r['thread_cpu_ms']:10.2f} {r['floor_ms']:9.3f} {r['bytes_per_iter']:12d} "
                   f"{r['bytes_per_recovery_point']:18d}")

@@ -19,6 +19,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping
 
+from tools.bench.ratio_ci import cycle_ratio_ci
+
 
 def snapshots_paused(iteration: int, block: int) -> bool:
     """Whether ``iteration`` lies in a paused block: blocks of ``block`` iterations from iteration 0, the
@@ -51,7 +53,8 @@ def interleaved_stats(iteration_s: Mapping[int, float], block: int, *, hook_s: M
     """The active/paused comparison of the measured iterations ``iteration_s`` (iteration -> seconds).
 
     ``active_median_s`` / ``paused_median_s``: medians over the iterations of each kind
-    (:func:`iteration_kind`); ``ratio``: their quotient; ``blocks`` / ``iterations``: how many of each went
+    (:func:`iteration_kind`); ``ratio``: their quotient; ``ratio_ci95``: its 95 % bootstrap interval over
+    cycles of an active and the next paused block (``None`` with fewer than two); ``blocks`` / ``iterations``: how many of each went
     in; ``block_medians``: ``[first iteration, kind, median s]`` per block, in order (a drift over the launch
     shows there); ``hooks_ms``: median host time in the FT hooks per kind (``hook_s``); ``snapshots``: how
     many of ``snapshot_iterations`` (the iterations whose snapshot was submitted) fall in each kind of block,
@@ -73,6 +76,7 @@ def interleaved_stats(iteration_s: Mapping[int, float], block: int, *, hook_s: M
             blocks.setdefault(t // block, []).append(iteration_s[t])
     out = {"block": block, "active_median_s": medians["active"], "paused_median_s": medians["paused"],
            "ratio": medians["active"] / medians["paused"],
+           "ratio_ci95": _ratio_ci(iteration_s, by_kind, block),
            "blocks": {kind: len({t // block for t in its}) for kind, its in by_kind.items()},
            "iterations": {kind: len(its) for kind, its in by_kind.items()},
            "block_medians": [[b * block, "paused" if snapshots_paused(b * block, block) else "active",
@@ -83,6 +87,18 @@ def interleaved_stats(iteration_s: Mapping[int, float], block: int, *, hook_s: M
         out["hooks_ms"] = {kind: 1e3 * statistics.median(hook_s[t] for t in its if t in hook_s)
                            for kind, its in by_kind.items() if any(t in hook_s for t in its)}
     return out
+
+
+def _ratio_ci(iteration_s: Mapping[int, float], kinds: Mapping[str, list[int]], block: int) -> list[float] | None:
+    """The 95 % bootstrap interval of the active/paused ratio, a cycle being an active block and the paused block
+    after it (``tools/bench/ratio_ci.py``); ``None`` with fewer than two such cycles."""
+    by_cycle = {kind: {} for kind in kinds}
+    for kind, its in kinds.items():
+        for t in its:
+            by_cycle[kind].setdefault(t // (2 * block), []).append(iteration_s[t])
+    if len(set(by_cycle["active"]) & set(by_cycle["paused"])) < 2:
+        return None
+    return list(cycle_ratio_ci(by_cycle["active"], by_cycle["paused"]))
 
 
 def last_snapshot_iterations(*, iters: int, warmup: int, block: int, n: int, what: str) -> list[int]:
