@@ -43,6 +43,38 @@ from megatron.training.collectives import (  # noqa: F401
 
 log = logging.getLogger("moe_ft.comm")
 
+
+class CollectivePatches:
+    """Functions of ``torch.distributed`` replaced by wrappers, and put back (for the seams and checks that watch
+    collectives). A wrapper replaces the function in ``torch.distributed.distributed_c10d``, where torch's own
+    internal calls find it (e.g. ``P2POp``'s op check), and in ``torch.distributed`` where that exports the same
+    object."""
+
+    def __init__(self) -> None:
+        self._originals: dict[str, tuple[Any, bool]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._originals)
+
+    def patch(self, name: str, wrapper) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        orig = getattr(c10d, name)
+        on_dist = getattr(dist, name, None) is orig
+        self._originals[name] = (orig, on_dist)
+        setattr(c10d, name, wrapper)
+        if on_dist:
+            setattr(dist, name, wrapper)
+
+    def restore(self) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        for name, (orig, on_dist) in self._originals.items():
+            setattr(c10d, name, orig)
+            if on_dist:
+                setattr(dist, name, orig)
+        self._originals.clear()
+
 COORDINATION_DESC = "MOE_FT_COORDINATION_GLOO"
 
 

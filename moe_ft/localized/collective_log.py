@@ -74,7 +74,7 @@ class CollectiveSeam:
         self.replay = None
         """A handler with ``active`` and ``collective(ranks, fn, outputs, call, spans)`` (``LogReplay``), or
         ``None``."""
-        self._originals: dict[str, tuple] = {}
+        self._patches = comm.CollectivePatches()
         self._ranks: dict[int, tuple] = {}
         self._local = threading.local()
 
@@ -87,26 +87,15 @@ class CollectiveSeam:
 
     # ------------------------------------------------------------------------------------- install
     def install(self) -> "CollectiveSeam":
-        if self._originals:
+        if self._patches:
             raise RuntimeError("CollectiveSeam is already installed")
         for name in (*OUTPUTS, *UNSUPPORTED):
-            if not hasattr(c10d, name):
-                continue
-            orig = getattr(c10d, name)
-            on_dist = getattr(dist, name, None) is orig
-            self._originals[name] = (orig, on_dist)
-            wrapper = self._wrap(name, orig)
-            setattr(c10d, name, wrapper)
-            if on_dist:
-                setattr(dist, name, wrapper)
+            if hasattr(c10d, name):
+                self._patches.patch(name, self._wrap(name, getattr(c10d, name)))
         return self
 
     def uninstall(self) -> None:
-        for name, (orig, on_dist) in self._originals.items():
-            setattr(c10d, name, orig)
-            if on_dist:
-                setattr(dist, name, orig)
-        self._originals.clear()
+        self._patches.restore()
 
     # ------------------------------------------------------------------------------------- routing
     def group_ranks(self, group) -> tuple[int, ...]:

@@ -171,8 +171,13 @@ class OperatorRegistry:
 
 def _add(state: OperatorState, name: str, param: torch.Tensor, main: MainState | None) -> None:
     state.compute[name] = param
-    if main is None:  # frozen parameter: compute weights only
-        return
+    if main is not None:  # None: a frozen parameter, compute weights only
+        _add_main(state, name, param, main)
+
+
+def _add_main(state: OperatorState, name: str, param: torch.Tensor, main: MainState) -> None:
+    """The optimizer's side of parameter ``name``: its fp32 master (or that the optimizer updates the parameter
+    itself), its optimizer state and, with the distributed optimizer, the range this rank holds."""
     if main.master is None:
         state.aliased_masters.append(name)
     else:
@@ -203,18 +208,10 @@ def _add_quantized(state: OperatorState, name: str, param: torch.Tensor, main: M
         state.wide[name] = param
     if main is None:
         return
-    if main.master is None:
-        if not q.has_wide_copy:
-            raise ValueError(f"{name}: an FP8 parameter updated in place by the optimizer (no fp32 master); "
-                             "FP8 parameters need a master weight")
-        state.aliased_masters.append(name)
-    else:
-        state.master[_state_name("master", name, param, main)] = main.master
-    for key, value in main.state.items():
-        state.optim[_state_name(key, name, param, main)] = value
-    if main.shard is not None:
-        state.shards[name] = main.shard
-        state.sharded[name] = param.numel()
+    if main.master is None and not q.has_wide_copy:
+        raise ValueError(f"{name}: an FP8 parameter updated in place by the optimizer (no fp32 master); "
+                         "FP8 parameters need a master weight")
+    _add_main(state, name, param, main)
 
 
 def _add_grouped(ops: dict, gpt, name: str, param: torch.Tensor, main: MainState | None) -> None:

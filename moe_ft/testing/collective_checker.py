@@ -114,7 +114,7 @@ class CollectiveChecker:
 
     def __post_init__(self) -> None:
         self._host: dict = {}
-        self._originals: dict = {}
+        self._patches = comm.CollectivePatches()
         self._local = threading.local()
         self._sigs: dict = {}
         self._log = None
@@ -124,22 +124,18 @@ class CollectiveChecker:
 
     # ------------------------------------------------------------------------------------------ install
     def install(self) -> "CollectiveChecker":
-        if self._originals:
+        if self._patches:
             raise RuntimeError("CollectiveChecker is already installed")
         if self.log_path:
             os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
             self._log = open(self.log_path, "a", buffering=1)
         for name in COLLECTIVES:
-            self._patch(name, self._wrap(name, getattr(c10d, name)))
-        self._patch("new_group", self._wrap_new_group(c10d.new_group))
+            self._patches.patch(name, self._wrap(name, getattr(c10d, name)))
+        self._patches.patch("new_group", self._wrap_new_group(c10d.new_group))
         return self
 
     def uninstall(self) -> None:
-        for name, (orig, on_dist) in self._originals.items():
-            setattr(c10d, name, orig)
-            if on_dist:
-                setattr(dist, name, orig)
-        self._originals.clear()
+        self._patches.restore()
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -149,14 +145,6 @@ class CollectiveChecker:
 
     def __exit__(self, *exc) -> None:
         self.uninstall()
-
-    def _patch(self, name: str, wrapper) -> None:
-        orig = getattr(c10d, name)
-        on_dist = getattr(dist, name, None) is orig
-        self._originals[name] = (orig, on_dist)
-        setattr(c10d, name, wrapper)  # torch's own internal calls (e.g. P2POp's op check) see the same object
-        if on_dist:
-            setattr(dist, name, wrapper)
 
     def mark_host(self, group) -> None:
         self._host[group] = True
