@@ -1,7 +1,7 @@
 """Checkpoint overhead of the snapshot policies on a CPU model, side by side in one run.
 
     python tools/bench/ckpt_overhead.py [--model {tiny,medium}] [--quick] [--json] [--nproc {2,4}] [--two-copies] [--agent-hash] [--warmup-cycles N] [--data-path PREFIX]
-        [--policies a,b] [--cycles N] [--profile-worker N --profile-dir DIR]
+        [--policies a,b] [--cycles N] [--control] [--pin-cores] [--profile-worker N --profile-dir DIR]
 
 Models: ``tiny`` (2 layers, hidden 64, 4 experts top-2, seq 64; ~50 ms of CPU per iteration: fixed
 per-iteration costs dominate) and ``medium`` (4 layers, hidden 256, 8 experts top-2, seq 128; >= 1 s per
@@ -41,6 +41,10 @@ cycling, so every policy sees the same machine noise; the first cycle (``--warmu
   each byte once, the node agent hashes the published points); ``agent_cpu_ms_per_iter`` is the node
   agent process's CPU per iteration of a session whose points an agent hashes (an agent of its own, started
   for it; with ``--ft-checksum-by agent`` every session's) — not in ``cpu_ratio``, which counts the ranks;
+* ``--control`` adds ``none(control)``: a second session without snapshots; its ratios to ``none`` are 1 in
+  truth, so what they and their interval show is the measurement's own noise. ``--pin-cores`` binds each
+  training process (all its threads) to one core, so that a rank's snapshot thread competes with its own
+  training thread only;
 * ``gc_ms_per_iter``, ``gc_full_per_100_iters``: Python's cyclic garbage collections during the session's
   iterations, all ranks (``tools/bench/gc_times.py``: a collection holds the GIL, whichever thread ran it);
 * ``--profile-worker N``: the sparse session's snapshot thread, sub-step by sub-step (wall and CPU), on N of
@@ -72,14 +76,17 @@ POLICIES = ["none", "dense(1)", "dense(k)", "pec", "selective", "sparse"]
 BUBBLES = "sparse(bubbles)"  # sparse with bubble-aware copies (MoEtion Alg. 4): pipeline parallelism only
 TWO_COPIES = "sparse(2 copies)"  # --two-copies: sparse through slot buffers into new files (the path before)
 AGENT_HASH = "sparse(agent hash)"  # --agent-hash: sparse with the node agent hashing the published points
+CONTROL = "none(control)"  # --control: a second session without snapshots, the method's own noise
 
 
-def labels(pp: int, two_copies: bool = False, agent_hash: bool = False, only: str = "") -> list[str]:
+def labels(pp: int, two_copies: bool = False, agent_hash: bool = False, only: str = "",
+           control: bool = False) -> list[str]:
     """The sessions compared, in cycling order; ``only`` (``--policies``, comma-separated): just these of
     :data:`POLICIES` (``none`` always, the baseline)."""
     chosen = POLICIES if not only else ["none"] + [p for p in POLICIES[1:] if p in only.split(",")]
     return (chosen + ([BUBBLES] if pp > 1 and (not only or BUBBLES in only.split(",")) else [])
-            + ([TWO_COPIES] if two_copies else []) + ([AGENT_HASH] if agent_hash else []))
+            + ([TWO_COPIES] if two_copies else []) + ([AGENT_HASH] if agent_hash else [])
+            + ([CONTROL] if control else []))
 MODELS = {  # flags, measured cycles (default, --quick)
     "tiny": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
               "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
@@ -92,6 +99,10 @@ PP = {4: 2, 2: 1}  # ranks -> pipeline stages (EP = 2 always): 4 ranks = EP2 x P
 
 
 def worker(argv: list[str]) -> int:
+    if "--pin-cores" in argv:  # before any other thread exists (imports included): later threads inherit the set
+        argv.remove("--pin-cores")
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(os.environ["LOCAL_RANK"]) % len(cores)]})
     import dataclasses
 
 
@@ -107,16 +118,10 @@ def worker(argv: list[str]) -> int:
 
     out = argv.pop(argv.index("--out") + 1)
     argv.remove("--out")
-    two_copies = "--two-copies" in argv
-    if two_copies:
-        argv.remove("--two-copies")
-    agent_hash = "--agent-hash" in argv
-    if agent_hash:
-        argv.remove("--agent-hash")
+    cycle = argv.pop(argv.index("--sessions") + 1).split(",")  # the sessions in cycling order (labels())
+    argv.remove("--sessions")
     warmup = int(argv.pop(argv.index("--warmup-cycles") + 1))
     argv.remove("--warmup-cycles")
-    only = argv.pop(argv.index("--policies") + 1)
-    argv.remove("--policies")
     profile_n = int(argv.pop(argv.index("--profile-worker") + 1))
     argv.remove("--profile-worker")
     profile_dir = argv.pop(argv.index("--profile-dir") + 1)
@@ -137,7 +142,6 @@ def worker(argv: list[str]) -> int:
     base = args.extra["FTConfig"]
     block = WINDOW
     pp = args.parallel.pipeline_model_parallel_size
-    cycle = labels(pp, two_copies, agent_hash, only)
 
     class Bench(FTRuntime):
         def build(self, t_iter_s):
@@ -158,11 +162,10 @@ def worker(argv: list[str]) -> int:
             }
             if pp > 1:
                 variants[BUBBLES] = dict(policy="sparse", sparse_window=WINDOW, snapshot_bubble_aware=True)
-            if two_copies:
-                variants[TWO_COPIES] = dict(policy="sparse", sparse_window=WINDOW, snapshot_direct_write=False,
-                                            store_recycle=False, store_layout="files")
-            if agent_hash:
-                variants[AGENT_HASH] = dict(policy="sparse", sparse_window=WINDOW, checksum_by="agent")
+            variants[TWO_COPIES] = dict(policy="sparse", sparse_window=WINDOW, snapshot_direct_write=False,
+                                        store_recycle=False, store_layout="files")
+            variants[AGENT_HASH] = dict(policy="sparse", sparse_window=WINDOW, checksum_by="agent")
+            variants[CONTROL] = dict(policy="none")
             for s in self.sessions:
                 s.close()
             self.by_label = {name: self.build_session(dataclasses.replace(base.snapshot, **kw), job_suffix=f"-{i}")
@@ -232,7 +235,7 @@ def worker(argv: list[str]) -> int:
         def on_train_end(self, report):
             super().on_train_end(report)  # flushes the engines
             self.gc = collections
-            summarize(self, args, out, two_copies, warmup, agent_hash, only)  # collectives: before the group is shut down
+            summarize(self, out, cycle, warmup)  # collectives: before the group is shut down
 
     from moe_ft.compat import activate_all
 
@@ -241,8 +244,7 @@ def worker(argv: list[str]) -> int:
     return 0
 
 
-def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1, agent_hash: bool = False,
-              only: str = "") -> None:
+def summarize(runtime, out: str, names: list[str], warmup: int = 1) -> None:
     import torch.distributed as dist
 
     from moe_ft.policy import SparsePolicy
@@ -250,7 +252,6 @@ def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1
     from tools.bench.ratio_ci import cycle_ratio_ci
 
     block = WINDOW
-    names = labels(args.parallel.pipeline_model_parallel_size, two_copies, agent_hash, only)
     first_measured = warmup * block * len(names)  # the first cycles are warm-up
     reg = runtime.registry
     local: dict = {}
@@ -345,7 +346,8 @@ def summarize(runtime, args, out: str, two_copies: bool = False, warmup: int = 1
             if "agent_cpu_ms_per_iter" in gathered[0][name]:  # one agent per node, shared by its ranks: its CPU once
                 report[name]["agent_cpu_ms_per_iter"] = round(max(g[name]["agent_cpu_ms_per_iter"] for g in gathered), 3)
                 report[name]["agent_verified_points"] = sum(g[name]["agent_verified"] for g in gathered)
-        report["_setup"] = {"window": WINDOW, "warmup_cycles": warmup, "dense_k": DENSE_K, "iterations": args.training.train_iters,
+        report["_setup"] = {"window": WINDOW, "warmup_cycles": warmup, "dense_k": DENSE_K,
+                            "iterations": runtime.args.training.train_iters,
                             "ranks": dist.get_world_size(),
                             "median_iter_s_none": round(base_t, 4), "median_iter_cpu_s_none": round(base_cpu, 4),
                             "median_job_cpu_s_none": round(base_job, 4)}
@@ -423,6 +425,13 @@ def main() -> int:
     p.add_argument("--agent-hash", action="store_true",
                    help=f"add the session {AGENT_HASH!r}: sparse with --ft-checksum-by agent (the node agent hashes "
                         "the published points), side by side with 'sparse'")
+    p.add_argument("--control", action="store_true",
+                   help=f"add the session {CONTROL!r}: a second session without snapshots, whose ratio to 'none' "
+                        "(1 in truth) shows the measurement's own noise")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="bind each training process, and every thread it starts, to one core (local rank i to "
+                        "the i-th core this process may use, cycling): a rank's snapshot thread then shares its "
+                        "own rank's core, not the others'")
     p.add_argument("--policies", default="",
                    help=f"comma-separated sessions to compare, of {', '.join(POLICIES[1:] + [BUBBLES])} ('none' "
                         "is always one: the baseline); default all. Fewer sessions give each more cycles in the "
@@ -454,7 +463,7 @@ def main() -> int:
         if a.warmup_cycles < 1:
             p.error("--warmup-cycles must be >= 1")
         cycles = a.warmup_cycles + (a.cycles or (cycles_quick if a.quick else cycles_default))
-        names = labels(PP[a.nproc], a.two_copies, a.agent_hash, a.policies)
+        names = labels(PP[a.nproc], a.two_copies, a.agent_hash, a.policies, a.control)
         iters = cycles * WINDOW * len(names)
         out = os.path.join(tmp, "report.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -462,9 +471,9 @@ def main() -> int:
                "--worker", "--out", out, *flags, "--pipeline-model-parallel-size", str(PP[a.nproc]),
                "--train-iters", str(iters), "--log-interval", str(iters),
                "--data-path", data, "--ft", "--ft-store-dir", shm, "--ft-sparse-window", str(WINDOW),
-               "--warmup-cycles", str(a.warmup_cycles), "--policies", a.policies,
+               "--warmup-cycles", str(a.warmup_cycles), "--sessions", ",".join(names),
                "--profile-worker", str(a.profile_worker), "--profile-dir", os.path.abspath(a.profile_dir),
-               *(["--two-copies"] if a.two_copies else []), *(["--agent-hash"] if a.agent_hash else [])]
+               *(["--pin-cores"] if a.pin_cores else [])]
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
