@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 # the device path lives beside the training loop (which must not import moe_ft); one implementation
 from megatron.training.collectives import (  # noqa: F401
@@ -57,8 +58,6 @@ class CollectivePatches:
         return bool(self._originals)
 
     def patch(self, name: str, wrapper) -> None:
-        from torch.distributed import distributed_c10d as c10d
-
         orig = getattr(c10d, name)
         on_dist = getattr(dist, name, None) is orig
         self._originals[name] = (orig, on_dist)
@@ -67,8 +66,6 @@ class CollectivePatches:
             setattr(dist, name, wrapper)
 
     def restore(self) -> None:
-        from torch.distributed import distributed_c10d as c10d
-
         for name, (orig, on_dist) in self._originals.items():
             setattr(c10d, name, orig)
             if on_dist:
