@@ -72,6 +72,7 @@ class CollectivePatches:
                 setattr(dist, name, orig)
         self._originals.clear()
 
+
 COORDINATION_DESC = "MOE_FT_COORDINATION_GLOO"
 
 
