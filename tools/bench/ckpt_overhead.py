@@ -143,6 +143,9 @@ def worker(argv: list[str]) -> int:
     block = WINDOW
     pp = args.parallel.pipeline_model_parallel_size
 
+    def session_at(t: int) -> str:
+        return cycle[(t // block) % len(cycle)]
+
     class Bench(FTRuntime):
         def build(self, t_iter_s):
             super().build(t_iter_s)  # registry, catalogue, the configured (sparse) session
@@ -190,7 +193,7 @@ def worker(argv: list[str]) -> int:
             if profile_n:  # the sparse session's last snapshots but one (the last is flushed at the end)
                 from tools.bench.worker_profile import WorkerProfiler
 
-                its = [t for t in range(args.training.train_iters) if cycle[(t // block) % len(cycle)] == "sparse"]
+                its = [t for t in range(args.training.train_iters) if session_at(t) == "sparse"]
                 WorkerProfiler(its[-profile_n - 1:-1], profile_dir, f"sparse_rank{self.rank}").attach(
                     self.by_label["sparse"].engine)
             if BUBBLES in self.by_label:
@@ -228,7 +231,7 @@ def worker(argv: list[str]) -> int:
                 self.meta_cpu[iteration] = meta_cpu[-1]
 
         def select_session(self, iteration):
-            label = cycle[(iteration // block) % len(cycle)]
+            label = session_at(iteration)
             before = self.owner.get(iteration - 1)
             if before in self.agents and before != label:
                 # The node agent hashes a point after it is published, in its own process: the last points of
@@ -472,6 +475,8 @@ def main() -> int:
             p.error("--warmup-cycles must be >= 1")
         cycles = a.warmup_cycles + (a.cycles or (cycles_quick if a.quick else cycles_default))
         names = labels(PP[a.nproc], a.two_copies, a.agent_hash, a.policies, a.control)
+        if a.profile_worker and "sparse" not in names:
+            p.error("--profile-worker profiles the 'sparse' session: add it to --policies")
         iters = cycles * WINDOW * len(names)
         out = os.path.join(tmp, "report.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
