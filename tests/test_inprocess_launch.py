@@ -135,6 +135,42 @@ def test_a_node_declared_lost_fences_itself(store, tmp_path):
     assert agent._workers == {} and proc.context.wait(0) is not None  # the worker was stopped
 
 
+def test_a_stall_of_the_watcher_is_not_a_lost_node(store, tmp_path, monkeypatch, capsys):
+    """Node 0's agent watches node 1's heartbeat in the real store, on a clock the test moves. One 5 s gap
+    between two reads (the watcher, or the store every agent beats through, stalled: node 1 could not beat
+    either) does not declare node 1 lost; node 1 beats once the stall is over and the watch starts again.
+    A node that really stopped is declared after ``--node-timeout`` of regular reads, and also when every
+    read comes late."""
+    from types import SimpleNamespace
+
+    from moe_ft.launch import agent as agent_module
+
+    clock = [100.0]
+    monkeypatch.setattr(agent_module, "time", SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
+    agent, group = _sleeping_agent(store, tmp_path, "stall", 1, node_timeout_s=2.0)
+    agent._node, agent._nodes, agent._world, agent._groups = 0, 2, 2, {0: 0, 1: 1}
+    agent._holders, agent._lost, agent._dead, agent._seen = {0: 0, 1: 1}, set(), {}, 0
+    beat = protocol.Keys("stall").beat(1)
+
+    def read_at(t: float) -> bool:
+        """One pass at time ``t``: is node 1 lost?"""
+        clock[0] = t
+        agent._beat_and_watch(group)
+        return 1 in agent._lost
+
+    store.add(beat, 1)
+    assert not read_at(100.0)  # the watch starts
+    assert not read_at(105.0)  # a 5 s stall: counted as 1 s of silence, not 5
+    store.add(beat, 1)  # node 1's pass that the stall held up
+    assert not read_at(105.1)  # it moved: the watch starts again
+    assert not any(read_at(105.1 + 0.1 * k) for k in range(1, 20))  # node 1 stopped: 1.9 s of silence
+    assert read_at(107.2) and agent._dead == {1: pytest.approx(time.time(), abs=60)}
+    assert "node 1 sent no heartbeat for 2.1 s: lost (ranks [1])" in capsys.readouterr().out
+
+    agent._lost, agent._dead, agent._watch = set(), {}, None  # every read 1.5 s late: lost at the second
+    assert not read_at(200.0) and not read_at(201.5) and read_at(203.0)
+
+
 def test_the_process_taking_a_rank_takes_its_device(store, tmp_path):
     """A spare (or a fresh process) that takes a rank of its own node takes the dead process's device index
     (``LOCAL_RANK``): on a GPU node with one GPU per rank a spare's own index is no device. The spare's

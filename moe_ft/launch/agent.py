@@ -112,6 +112,11 @@ class _NodeWatch:
     beat: int
     since: float
     """``time.monotonic()`` when ``beat`` was first seen."""
+    seen: float
+    """``time.monotonic()`` of the latest read that found ``beat`` unchanged (or first found it)."""
+    silent: float = 0.0
+    """Seconds of silence counted so far: each gap between two reads counts for at most half the timeout
+    (``SpareAgent._beat_and_watch``)."""
 
 
 class SpareAgent(LocalElasticAgent):
@@ -538,29 +543,40 @@ class SpareAgent(LocalElasticAgent):
 
     def _beat_and_watch(self, worker_group: WorkerGroup) -> None:
         """Bump this node's heartbeat; declare the watched node lost when its heartbeat stood still for
-        ``--node-timeout`` (its ranks join the dead ones)."""
+        ``--node-timeout`` (its ranks join the dead ones).
+
+        The silence is counted from this agent's reads, each gap between two reads for at most half the
+        timeout. A pause of the watcher, or of the store that every agent beats through, shows up as one long
+        gap after which the watched counter has not moved yet (the watched agent was held up as well): no
+        evidence that the node is gone. A lost node is still declared, after two reads at the least however
+        slow the passes. Measured on a loaded machine: the drills' rendezvous store stalled about 5 s for
+        every agent at once, and each agent then declared its neighbour lost."""
         store = self._store_client(worker_group)
         store.add(self._keys.beat(self._node), 1)
         live = [n for n in range(self._nodes) if n not in self._lost]
         after = [n for n in live if n > self._node] + [n for n in live if n < self._node]
         if not after:
             return
-        node, now = after[0], time.monotonic()
+        node = after[0]
         beat = int(store.add(self._keys.beat(node), 0))
-        if self._watch is None or self._watch.node != node or self._watch.beat != beat:
-            self._watch = _NodeWatch(node, beat, now)
+        now = time.monotonic()
+        watch = self._watch
+        if watch is None or watch.node != node or watch.beat != beat:
+            self._watch = _NodeWatch(node, beat, since=now, seen=now)
             return
         timeout = self._node_timeout_s
         if int(store.add(self._keys.suspect(self._seen), 0)):  # a worker saw a peer fail in this attempt
             timeout = max(protocol.MIN_SUSPECT_TIMEOUT_S, timeout / protocol.SUSPECT_FACTOR)
-        if now - self._watch.since < timeout:
+        watch.silent += min(now - watch.seen, timeout / 2)
+        watch.seen = now
+        if watch.silent < timeout:
             return
         self._lost.add(node)
         seen = time.time()
         for rank, holder in self._holders.items():
             if holder == node:
                 self._dead.setdefault(rank, seen)
-        print(f"moe-ft launch: node {node} sent no heartbeat for {now - self._watch.since:.1f} s: lost "
+        print(f"moe-ft launch: node {node} sent no heartbeat for {now - watch.since:.1f} s: lost "
               f"(ranks {sorted(r for r, h in self._holders.items() if h == node)})", flush=True)
         self._watch = None
 
