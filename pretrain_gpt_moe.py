@@ -145,7 +145,7 @@ def _train_guarded(args, hooks, membership) -> tuple[int, tuple[str, bool]]:
     """One attempt: ``(exit code, (error message, whether a peer caused it))``. In an in-process attempt
     after the first, every process (survivor or spare) waits at most ``--reform-timeout`` for the others
     to form the new process group (a rank that never arrives ends the attempt; the agent then restarts
-    the whole group)."""
+    the whole group, whose fresh processes wait as long as at a first start)."""
     from megatron.training.pretrain import pretrain
     from moe_ft.launch.protocol import reform_timeout_s
     from moe_ft.launch.worker import peer_failure, sever_peer_connections
@@ -163,7 +163,7 @@ def _train_guarded(args, hooks, membership) -> tuple[int, tuple[str, bool]]:
                 membership.suspect()
 
     # a stopped or failing rank publishes its state (survivor point) before it exits non-zero, or holds it
-    join = reform_timeout_s() if membership.inprocess and membership.attempt > 0 else None
+    join = reform_timeout_s() if membership.reforming else None
     code = run_guarded(lambda: pretrain(args, hooks=hooks, join_timeout_s=join), lambda: hooks.survivor, on_failure,
                        hold=membership.inprocess)  # a process that may stay keeps its point in memory
     return code, failure

@@ -263,6 +263,21 @@ def test_a_lost_node_without_spares_waits_for_a_replacement_node(store, tmp_path
             joiner._close_all()
 
 
+def test_only_an_attempt_with_survivors_is_joined_within_the_reform_timeout(store):
+    """The processes of an in-process attempt wait at most ``--reform-timeout`` for each other; those of a
+    full restart (announced ``"job"``: every process starts afresh, imports included) wait as long as at the
+    first start. Before, a full restart used the reform timeout too, and with a short one its fresh
+    processes gave up on each other until the restarts ran out (the fallback drill below, in CI)."""
+    keys = protocol.Keys("reform")
+    member = worker.Membership(store, keys, attempt=0, rank=0)
+    assert not member.reforming  # the job's first start
+    member.attempt = protocol.announce(store, keys, kind="inprocess", failed=[1], detected_at=0.0)
+    assert member.reforming
+    member.attempt = protocol.announce(store, keys, kind="job", failed=[0, 1], detected_at=0.0)
+    assert not member.reforming
+    assert not worker.Membership(attempt=3, rank=0).reforming  # not under moe-ft launch
+
+
 def test_a_survivor_waits_through_an_await_attempt(store, monkeypatch):
     """A survivor that sees an ``"await"`` attempt keeps waiting (up to its ``wait_s`` plus the re-form
     timeout) and joins the attempt that follows; a rank the await lists stops; no attempt in time: it gives

@@ -70,6 +70,16 @@ class Membership:
     def inprocess(self) -> bool:
         return self.store is not None
 
+    @property
+    def reforming(self) -> bool:
+        """The current attempt re-forms the process groups of processes that outlived the one before (a
+        survivor waits there at most ``--reform-timeout`` for the others). ``False`` in the job's first
+        attempt and in a full restart (announced ``"job"``): every process starts afresh, imports included,
+        and waits for the others as long as at a first start."""
+        if self.store is None or self.keys is None or self.attempt == 0:
+            return False
+        return protocol.announcement(self.store, self.keys, self.attempt).get("kind") != "job"
+
     def record_pid(self) -> None:
         if self.store is not None and self.keys is not None:
             self.store.set(self.keys.pid(self.attempt, self.rank), str(os.getpid()))
