@@ -271,6 +271,8 @@ def test_only_an_attempt_with_survivors_is_joined_within_the_reform_timeout(stor
     keys = protocol.Keys("reform")
     member = worker.Membership(store, keys, attempt=0, rank=0)
     assert not member.reforming  # the job's first start
+    member.attempt = 1
+    assert not member.reforming  # an attempt nobody announced: a full start's timeout, as in launch_facts
     member.attempt = protocol.announce(store, keys, kind="inprocess", failed=[1], detected_at=0.0)
     assert member.reforming
     member.attempt = protocol.announce(store, keys, kind="job", failed=[0, 1], detected_at=0.0)

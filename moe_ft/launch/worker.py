@@ -75,10 +75,11 @@ class Membership:
         """The current attempt re-forms the process groups of processes that outlived the one before (a
         survivor waits there at most ``--reform-timeout`` for the others). ``False`` in the job's first
         attempt and in a full restart (announced ``"job"``): every process starts afresh, imports included,
-        and waits for the others as long as at a first start."""
+        and waits for the others as long as at a first start. An attempt without an announcement counts as a
+        full restart, as in :func:`launch_facts`."""
         if self.store is None or self.keys is None or self.attempt == 0:
             return False
-        return protocol.announcement(self.store, self.keys, self.attempt).get("kind") != "job"
+        return protocol.announcement(self.store, self.keys, self.attempt).get("kind", "job") != "job"
 
     def record_pid(self) -> None:
         if self.store is not None and self.keys is not None:
