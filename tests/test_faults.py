@@ -188,3 +188,43 @@ def test_sigterm_stays_pending_on_a_paused_worker_until_it_resumes():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_held_agents_are_released_together_once_each_is_ready(tmp_path):
+    """An elastic drill's first start (``--nnodes 1:N`` closes its rendezvous ``last_call_timeout`` after
+    the first node): the driver creates the trigger only when every held agent has imported and said so;
+    an agent that exits (or the deadline) releases the others at once. Then a real held agent, released,
+    runs its launcher."""
+    import threading
+
+    from moe_ft.drills.join import ready_marker, release_when_ready
+
+    trigger = str(tmp_path / "start")
+    released_early = []
+
+    def agents() -> None:
+        open(ready_marker(trigger, 1), "w").close()
+        time.sleep(0.3)
+        released_early.append(os.path.exists(trigger))
+        open(ready_marker(trigger, 2), "w").close()
+
+    t = threading.Thread(target=agents)
+    t.start()
+    assert release_when_ready(trigger, 2, give_up=lambda: False, poll_s=0.01) == 2
+    t.join()
+    assert released_early == [False] and os.path.exists(trigger)
+
+    gone = str(tmp_path / "gone")
+    assert release_when_ready(gone, 3, give_up=lambda: True) == 0 and os.path.exists(gone)
+
+    held = str(tmp_path / "held")
+    proc = subprocess.Popen([sys.executable, "-m", "moe_ft.drills.join", held, "torchrun", "--help"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        assert release_when_ready(held, 1, give_up=lambda: proc.poll() is not None or time.monotonic() > deadline) == 1
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "--nnodes" in out, out
+    finally:
+        proc.kill()
+        proc.wait()

@@ -56,6 +56,7 @@ from typing import Callable, Sequence
 import psutil
 
 from moe_ft.drills.faults import PHASES, Fault
+from moe_ft.drills.join import release_when_ready
 from moe_ft.drills.launchers import launcher_argv
 from moe_ft.drills.report import last_completed
 from moe_ft.launch import protocol
@@ -356,8 +357,7 @@ class SimulatedCluster:
         finished_at = None  # when the first agent exited 0 (the job ended)
         rc = 0
         try:
-            for node in range(c.num_nodes):
-                self._launch(node, faults, rdzv.port)
+            self._start(faults, rdzv.port, deadline)
             while len(done) < c.num_nodes:
                 if time.monotonic() > deadline:
                     rc = 124
@@ -411,6 +411,18 @@ class SimulatedCluster:
             del rdzv
         return {"rc": rc, "node_losses": self.events, "node_joins": self.joined, "logs": self.logs,
                 "launches": {str(n): k for n, k in sorted(self.launches.items())}}
+
+    def _start(self, faults: list[Fault], port: int, deadline: float) -> None:
+        """Start every node's agent. Elastic mode: each imports, then all are released into the rendezvous
+        together (``moe_ft.drills.join``): with ``--nnodes 1:N`` it closes ``last_call_timeout`` after the
+        first node joined, and on a loaded machine an agent still importing would miss the first world."""
+        c = self.config
+        trigger = os.path.join(self.root_tmp, f"start.{self._rdzv_id()}") if c.elastic else None
+        for node in range(c.num_nodes):
+            self._launch(node, faults, port, trigger=trigger)
+        if trigger is not None:
+            release_when_ready(trigger, c.num_nodes, give_up=lambda: time.monotonic() > deadline or any(
+                a.poll() is not None for a in self.agents.values()))
 
     def _join(self, join: "NodeJoin", rdzv) -> dict:
         """Node ``join.node`` comes back now: release its pre-started agent. The running workers are paused

@@ -113,6 +113,14 @@ def _fork_cannot_init_cuda() -> bool:
     return os.waitstatus_to_exitcode(status) == 1
 
 
+def import_stack(modules: tuple[str, ...] = PRELOAD) -> None:
+    """Import ``modules`` in this process; one that fails is skipped here (the worker that needs it imports
+    it again, with its error)."""
+    for name in modules:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+
+
 def use_preloaded_forkserver(modules: tuple[str, ...] = PRELOAD) -> str:
     """Import ``modules`` here, start multiprocessing's fork server as a fork of this process, wait until it
     serves, and return the start method that forks workers from it. The server is single-threaded and
@@ -124,9 +132,7 @@ def use_preloaded_forkserver(modules: tuple[str, ...] = PRELOAD) -> str:
     its node lost. A module that fails to import here is imported again, with its error, by the worker
     that needs it. Raises :class:`PreloadError` when the imports left this process unable to fork workers
     that use CUDA (:func:`cuda_fork_problem`), before any server is started."""
-    for name in modules:
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
+    import_stack(modules)
     problem = cuda_fork_problem()
     if problem:
         raise PreloadError(problem)
