@@ -43,6 +43,7 @@ shared storage: they survive the node).
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import signal
@@ -418,6 +419,10 @@ class SimulatedCluster:
         first node joined, and on a loaded machine an agent still importing would miss the first world."""
         c = self.config
         trigger = os.path.join(self.root_tmp, f"start.{self._rdzv_id()}") if c.elastic else None
+        if trigger is not None:  # what an earlier run left in the same directory
+            for stale in [trigger, *glob.glob(glob.escape(trigger) + ".ready.*")]:
+                if os.path.exists(stale):
+                    os.remove(stale)
         for node in range(c.num_nodes):
             self._launch(node, faults, port, trigger=trigger)
         if trigger is not None:
