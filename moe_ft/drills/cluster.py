@@ -136,9 +136,9 @@ class ClusterConfig:
     """Elastic mode: nodes (re)started once the job has completed an iteration."""
     last_call_timeout: int = 10
     """Elastic mode: seconds the rendezvous waits for more nodes once the minimum (1) has joined. The first
-    start releases every agent at once (``_start``), yet a loaded machine held one agent back for more than
-    3 s between its release and its join (the job started on 3 of 4 nodes); a round that fewer than N nodes
-    join (a torchrun restart after a loss, a full restart) waits this long once."""
+    start releases every agent at once (``_start``), yet on a loaded machine one agent still joined more than
+    3 s after the first (the job started on 3 of 4 nodes); a round that fewer than N nodes join (a torchrun
+    restart after a loss, a full restart) waits this long once."""
     launcher: str = "torchrun"
     """The agents' launcher (``moe_ft.drills.prelaunch.LAUNCHERS``): ``torchrun``, or ``preloaded`` (torchrun's
     agent with workers forked from a process that imported the training stack once)."""
