@@ -49,8 +49,8 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     trigger, launcher, torchrun_args = argv[0], argv[1], argv[2:]
-    # start-up time: the drill driver imports this module without torch; the agent pays these imports here,
-    # before it says it is ready
+    # the drill driver imports this module without torch; the agent pays these imports here, before it says
+    # it is ready (start-up time)
     from torch.distributed import run
 
     from moe_ft.drills import prelaunch
