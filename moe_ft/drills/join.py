@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from moe_ft.drills.launchers import LAUNCHERS
 
@@ -38,8 +39,7 @@ def release_when_ready(trigger: str, agents: int, give_up: Callable[[], bool], p
     Returns how many were ready."""
     while (ready := len(glob.glob(glob.escape(trigger) + ".ready.*"))) < agents and not give_up():
         time.sleep(poll_s)
-    with open(trigger, "w"):
-        pass
+    Path(trigger).touch()
     return ready
 
 
@@ -58,8 +58,7 @@ def main(argv: list[str]) -> int:
 
     if launcher == "preloaded" or "--preload" in LAUNCHERS[launcher]:
         prelaunch.import_stack()  # the launcher imports it before its rendezvous: here, before the trigger
-    with open(ready_marker(trigger, os.getpid()), "w"):
-        pass
+    Path(ready_marker(trigger, os.getpid())).touch()
     while not os.path.exists(trigger):
         time.sleep(0.05)
     if launcher.startswith("inprocess"):
