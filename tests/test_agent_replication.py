@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 import zlib
 
@@ -16,7 +17,7 @@ import torch
 from _ft_helpers import wait_until
 
 from moe_ft.agent.client import AgentClient, agent_pid
-from moe_ft.agent.replicas import Destination, ReplicaSelect, SocketSink
+from moe_ft.agent.replicas import PORT_FILE, Destination, ReplicaSelect, SocketSink, agent_port, listen_ports
 from moe_ft.agent.replication import AgentReceiver, AgentSender
 from moe_ft.replication.receiver import replica_store_config
 from moe_ft.replication.transport import PointMessage
@@ -157,9 +158,12 @@ def test_points_written_without_digests_reach_the_peer_with_them(tmp_path):
 def test_a_receiving_agent_killed_costs_points_not_training_and_its_successor_listens_where_it_did(tmp_path):
     """Node B's agent SIGKILLed: node A's agent cannot deliver the next point, skips it for that peer and says
     so (the point does not count as replicated: the lag grows), and keeps its sender; node B's trainer's next
-    call starts another agent, which listens on the same port (derived from its directory), so the point
-    after that reaches node B again."""
+    call starts another agent, which listens on the same port, so the point after that reaches node B again.
+    The port derived from node B's agent directory is held by another process throughout: the first agent
+    listens on another port, and its successor finds that one in the port file its predecessor left."""
+    blocker = socket.create_server(("", agent_port(tmp_path / "nodeB" / "j" / "agent")))
     nodes = Nodes(tmp_path)
+    assert nodes.dest.port != blocker.getsockname()[1]
     _publish(nodes.store, 0)
     nodes.sender.submit(0)
     nodes.sender.flush()
@@ -183,5 +187,25 @@ def test_a_receiving_agent_killed_costs_points_not_training_and_its_successor_li
     wait_until(lambda: 2 in nodes.replicas().points(), timeout=20)
     nodes.check_replica(2)
     assert 1 not in nodes.replicas().points()
+    port_file = tmp_path / "nodeB" / "j" / "agent" / PORT_FILE
+    assert int(port_file.read_text()) == nodes.dest.port
     nodes.sender.close()
     nodes.bye()
+    wait_until(lambda: agent_pid(tmp_path / "nodeB" / "j" / "agent") is None, timeout=30)
+    assert not port_file.exists()  # an agent that leaves on its own: the next one starts from the derived port
+    blocker.close()
+
+
+def test_the_ports_an_agent_tries_are_its_predecessors_then_one_below_the_ephemeral_range(tmp_path, monkeypatch):
+    monkeypatch.delenv("MOE_FT_AGENT_PORT", raising=False)
+    ports = {agent_port(tmp_path / f"n{i}" / "agent") for i in range(200)}
+    assert min(ports) >= 20000 and max(ports) < 32768 and len(ports) > 190
+    agent_dir = tmp_path / "n0" / "agent"
+    agent_dir.mkdir(parents=True)
+    assert listen_ports(agent_dir) == (agent_port(agent_dir),)
+    (agent_dir / PORT_FILE).write_text("45001\n")
+    assert listen_ports(agent_dir) == (45001, agent_port(agent_dir))
+    (agent_dir / PORT_FILE).write_text(f"{agent_port(agent_dir)}\n")
+    assert listen_ports(agent_dir) == (agent_port(agent_dir),)
+    monkeypatch.setenv("MOE_FT_AGENT_PORT", "23456")
+    assert agent_port(agent_dir) == 23456

@@ -33,6 +33,7 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moe_ft.replication.placement import needs_replication
@@ -57,15 +58,31 @@ KEEP_POINTS = 8
 PORT_ENV = "MOE_FT_AGENT_PORT"
 """The port the node agent listens on for replicas (default: one derived from its directory, so that an agent
 started again after a crash listens where its peers send)."""
+PORT_FILE = "replica.port"
+"""In the agent directory while an agent listens: the port it got. An agent started again after a crash tries
+it first (its predecessor may have had to take another port than :func:`agent_port`, and the peers gathered
+that one); an agent that exits on its own removes it."""
 
 
 def agent_port(agent_dir: str | os.PathLike) -> int:
-    """``$MOE_FT_AGENT_PORT``, else a port in [20000, 40000) derived from the agent directory's path (the
-    same on every start of the node's agent; peers gathered it once, at build)."""
+    """``$MOE_FT_AGENT_PORT``, else a port in [20000, 32000) derived from the agent directory's path (the
+    same on every start of the node's agent; peers gathered it once, at build). The range lies below Linux's
+    default ephemeral ports (``net.ipv4.ip_local_port_range``: 32768-60999), so that no outgoing
+    connection on the node holds it by chance."""
     if os.environ.get(PORT_ENV):
         return int(os.environ[PORT_ENV])
     digest = hashlib.sha1(os.path.realpath(agent_dir).encode()).digest()
-    return 20000 + int.from_bytes(digest[:4], "big") % 20000
+    return 20000 + int.from_bytes(digest[:4], "big") % 12000
+
+
+def listen_ports(agent_dir: str | os.PathLike) -> tuple[int, ...]:
+    """The ports an agent tries, in order: its crashed predecessor's (:data:`PORT_FILE`), then
+    :func:`agent_port`."""
+    try:
+        previous = int((Path(agent_dir) / PORT_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return (agent_port(agent_dir),)
+    return tuple(dict.fromkeys((previous, agent_port(agent_dir))))
 
 
 def agent_host() -> str:
@@ -212,13 +229,8 @@ class StreamState:
 class ReplicaListener:
     """The receiving half in a node agent (see the module docstring)."""
 
-    def __init__(self, host: str, port: int = 0) -> None:
-        try:
-            self.server = socket.create_server((host, port))
-        except OSError as exc:  # taken by another process: any port (peers that gathered the other one miss
-            # this agent's replicas until the job's next build, and their senders say so)
-            logger.warning("moe-ft agent: replica port %d unavailable (%r); listening on another", port, exc)
-            self.server = socket.create_server((host, 0))
+    def __init__(self, host: str, ports: tuple[int, ...] = ()) -> None:
+        self.server = self._bind(host, ports)
         self.host, self.port = host, self.server.getsockname()[1]
         self.streams: dict[tuple[int, int], StreamState] = {}
         """``(holder, owner) -> StreamState``."""
@@ -227,6 +239,17 @@ class ReplicaListener:
         self._stores: dict[tuple, "SnapshotStore"] = {}
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, name="moe-ft-agent-replicas", daemon=True).start()
+
+    @staticmethod
+    def _bind(host: str, ports: tuple[int, ...]) -> socket.socket:
+        """The first of ``ports`` free, else any (peers that gathered another port miss this agent's
+        replicas until the job's next build, and their senders say so)."""
+        for port in ports:
+            try:
+                return socket.create_server((host, port))
+            except OSError as exc:  # taken by another process
+                logger.warning("moe-ft agent: replica port %d unavailable (%r)", port, exc)
+        return socket.create_server((host, 0))
 
     def _accept(self) -> None:
         while True:

@@ -15,7 +15,7 @@ a thread of its own. Requests are tuples:
 * ``("replicate", ReplicateRequest)``: send rank ``r``'s published point to its replica peers' agents
   (``moe_ft/agent/replicas.py``: a ``ReplicaSender`` per rank, here, over sockets); answers the rank's
   replication state. The first replication request starts the listener that receives the peers' replicas
-  (on a port derived from the agent directory); ``("replica_listen",)`` answers its ``(host, port)``; ``("replica_open", holder)`` starts a holder's streams afresh (a new run);
+  (on a port derived from the agent directory, or its crashed predecessor's port); ``("replica_listen",)`` answers its ``(host, port)``; ``("replica_open", holder)`` starts a holder's streams afresh (a new run);
   ``("replica_state", holder)`` answers what arrived for it; ``("replica_flush" | "replica_close" |
   "replica_abandon", rank)`` waits for the rank's sends / also ends its streams to the peers / drops its
   sender without ending them (a failed attempt);
@@ -193,6 +193,10 @@ class NodeAgent:
                 rank.sender.abandon()
         if self.listener is not None:
             self.listener.close()
+            # an exit of its own: the next agent need not listen where this one did
+            from moe_ft.agent.replicas import PORT_FILE  # start-up time (imported already: it listens)
+
+            (self.directory / PORT_FILE).unlink(missing_ok=True)
 
     def _accept(self, listener: Listener) -> None:
         while not self._stop.is_set():
@@ -292,13 +296,16 @@ class NodeAgent:
 
     def _replica(self, kind: str, args: tuple):
         # start-up time of the agent: replication is imported with the first request for it
-        from moe_ft.agent.replicas import ReplicaListener, SocketSink, agent_host, agent_port
+        from moe_ft.agent.replicas import PORT_FILE, ReplicaListener, SocketSink, agent_host, listen_ports
         from moe_ft.replication.sender import ReplicaSender, SenderConfig
 
         with self._lock:  # listening from the first replication request on (an agent started again after a
             # crash listens on the same port as before: the peers' senders find it there)
             if self.listener is None:
-                self.listener = ReplicaListener(agent_host(), agent_port(self.directory))
+                self.listener = ReplicaListener(agent_host(), listen_ports(self.directory))
+                port_tmp = self.directory / f".{PORT_FILE}.{os.getpid()}"
+                port_tmp.write_text(f"{self.listener.port}\n")
+                os.replace(port_tmp, self.directory / PORT_FILE)
         if kind == "replica_listen":
             return self.listener.host, self.listener.port
         if kind in ("replica_open", "replica_state"):
