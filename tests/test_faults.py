@@ -6,10 +6,13 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+from _ft_helpers import wait_until
 
+from moe_ft.drills.cluster import kill_tree
 from moe_ft.drills.faults import Fault, FaultPlan, InjectedFault
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,8 +57,12 @@ def test_seeded_plan_is_deterministic(tmp_path):
 
 
 AGENT = """
-import os, subprocess, sys, time
-# a stand-in for a torchrun agent: two workers in sessions of their own (as torchrun starts them)
+import multiprocessing, os, subprocess, sys, time
+# a stand-in for a torchrun agent: a named semaphore (as torchrun's spawn context makes, registered with a
+# resource tracker it starts), two workers in sessions of their own (as torchrun starts them)
+lock = multiprocessing.get_context("spawn").Lock()
+with open(sys.argv[2] + ".sem", "w") as f:
+    f.write(lock._semlock.name)
 env = dict(os.environ, TORCHELASTIC_RUN_ID="drill")
 worker = ("import sys, time; from moe_ft.drills.faults import FaultPlan, Fault; rank = int(sys.argv[1]); "
           "time.sleep(0.5 * (rank == 1)); "
@@ -70,10 +77,13 @@ sys.exit(3)  # not reached: the node fault kills this process first
 """
 
 
-def test_node_kills_agent_and_every_worker(tmp_path):
-    """Kind ``node``: the worker kills its agent (the parent), its sibling workers and itself."""
-    import psutil
+def _semaphore_file(name_file) -> Path:
+    return Path("/dev/shm") / ("sem." + Path(name_file).read_text().lstrip("/"))
 
+
+def test_node_kills_agent_and_every_worker(tmp_path):
+    """Kind ``node``: the worker kills its agent (the parent), its sibling workers and itself, but not the
+    agent's resource tracker, which removes the node's named semaphore from ``/dev/shm`` and exits."""
     pids = tmp_path / "pids"
     agent = subprocess.Popen([sys.executable, "-c", AGENT, str(tmp_path / "markers"), str(pids)],
                              cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -93,6 +103,22 @@ def test_node_kills_agent_and_every_worker(tmp_path):
         time.sleep(0.01)
     assert not alive, [(pid, psutil.Process(pid).status()) for pid in alive]
     assert FaultPlan([Fault(1, 4, "step", "node")], tmp_path / "markers").fired() == [Fault(1, 4, "step", "node")]
+    semaphore = _semaphore_file(f"{pids}.sem")
+    wait_until(lambda: not semaphore.exists(), timeout=10)
+
+
+def test_kill_tree_leaves_the_resource_tracker_to_remove_the_semaphores(tmp_path):
+    """The drill driver's ``kill_tree`` (a lost node's agent, a drill that timed out) spares the tracker too."""
+    code = ("import multiprocessing, sys, time; lock = multiprocessing.get_context('spawn').Lock(); "
+            "open(sys.argv[1], 'w').write(lock._semlock.name); time.sleep(60)")
+    name_file = tmp_path / "sem"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(name_file)])
+    wait_until(lambda: name_file.exists() and name_file.read_text(), timeout=30)
+    semaphore = _semaphore_file(name_file)
+    assert semaphore.exists()
+    kill_tree(proc.pid)
+    assert proc.wait(timeout=10) == -9
+    wait_until(lambda: not semaphore.exists(), timeout=10)
 
 
 def test_node_outside_torchrun_kills_only_itself(tmp_path):

@@ -56,7 +56,7 @@ from typing import Callable, Sequence
 
 import psutil
 
-from moe_ft.drills.faults import PHASES, Fault
+from moe_ft.drills.faults import PHASES, Fault, resource_tracker
 from moe_ft.drills.join import release_when_ready
 from moe_ft.drills.launchers import launcher_argv
 from moe_ft.drills.report import last_completed
@@ -186,7 +186,8 @@ def check_losses(losses: list[NodeLoss], num_nodes: int) -> None:
 
 
 def kill_tree(pid: int, also: Sequence[int] = ()) -> None:
-    """SIGKILL a process and everything below it (torchrun's workers run in sessions of their own), and the
+    """SIGKILL a process and everything below it (torchrun's workers run in sessions of their own) but
+    ``multiprocessing``'s resource trackers (``faults.resource_tracker``: they clean up and exit), and the
     processes ``also`` (listed below it earlier: a worker whose fork server died since is no longer below)."""
 
     try:
@@ -200,6 +201,8 @@ def kill_tree(pid: int, also: Sequence[int] = ()) -> None:
             with contextlib.suppress(psutil.NoSuchProcess):
                 procs.append(psutil.Process(extra))
     for p in procs:
+        if resource_tracker(p):
+            continue
         with contextlib.suppress(psutil.NoSuchProcess):  # already gone
             p.kill()
 

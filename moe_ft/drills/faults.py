@@ -213,17 +213,28 @@ def agent_process() -> psutil.Process:
     return psutil.Process(os.getppid())
 
 
+def resource_tracker(process: psutil.Process) -> bool:
+    """Whether ``process`` is a ``multiprocessing`` resource tracker. A simulated node loss spares it: once
+    the processes it served are gone it removes their named semaphores from ``/dev/shm`` and exits, as a
+    lost node's tmpfs would go with it (killed, it would leave them on the machine that simulates the nodes)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return any("multiprocessing.resource_tracker" in part for part in process.cmdline())
+    return False
+
+
 def kill_node() -> None:
     """SIGKILL the node this torchrun worker runs on: its agent first (:func:`agent_process`), so that it
     cannot restart anything, then every other process below the agent (torchrun puts each worker in a
-    session of its own, so a process-group kill would miss them), then this process. Never returns.
+    session of its own, so a process-group kill would miss them) but a :func:`resource_tracker`, then this
+    process. Never returns.
 
     Outside torchrun (no ``TORCHELASTIC_RUN_ID``) the parent is not an agent: only this process is killed."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         me = os.getpid()
         try:
             agent = agent_process()
-            victims = [p for p in agent.children(recursive=True) if p.pid != me]  # listed before the agent dies
+            victims = [p for p in agent.children(recursive=True)  # listed before the agent dies
+                       if p.pid != me and not resource_tracker(p)]
             agent.kill()
         except psutil.NoSuchProcess:
             victims = []
