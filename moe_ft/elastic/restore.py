@@ -132,8 +132,8 @@ def restore_reshaped(decision, runtime) -> dict:
 
     Every entry this rank loads or sends is read, and its checksum verified, before anything moves. A
     corrupt copy is excluded and the next copy on the node taken; the ranks then exchange what they have
-    and need again (two all-gathers per round: the copies each node offers, then the copies each rank
-    takes), so an operator whose copies on one node are all corrupt comes from another node. Every rank
+    and need again (three all-gathers per round: the copies each node offers, the copies each rank
+    takes, then whether any rank found a copy corrupt), so an operator whose copies on one node are all corrupt comes from another node. Every rank
     sees the same gathered state, so all of them go on or, when an operator has no readable copy anywhere,
     all raise :class:`ElasticRestoreFailed` together (after deleting the points with corrupt entries from
     their node's stores: the next start decides on another point).
