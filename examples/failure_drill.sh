@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Failure drill on the tiny CPU job: a fault-free reference and a run with injected faults under
-# torchrun --max-restarts, final training-state digests compared bitwise (moe-ft drill).
+# moe-ft launch (a warm spare takes a killed rank, the other ranks keep their processes; --launcher torchrun:
+# every worker restarts), final training-state digests compared bitwise (moe-ft drill).
 #
 #   bash examples/failure_drill.sh                                   # sparse, EP2xPP2, kill rank 1 at iteration 6
 #   LAYOUT=dp2ep2 FAILS="--fail 2:5:snapshot --fail 1:4:recovery" bash examples/failure_drill.sh

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Node-loss drill on the tiny CPU job: 2 simulated nodes x 2 ranks (two torchrun agents on a c10d
-# rendezvous hosted by the drill), each node with its own store, replicas on the other node. A lost node's
-# agent and workers are SIGKILLed at once, its store is deleted and a replacement agent joins; the final
-# training-state digest is compared bitwise with a fault-free run (moe-ft drill --nodes, docs/drills.md).
+# Node-loss drill on the tiny CPU job: 2 simulated nodes x 2 ranks (two moe-ft launch agents, one warm spare
+# each, on a c10d rendezvous hosted by the drill), each node with its own store, replicas on the other node.
+# A lost node's agent and workers are SIGKILLed at once and its store is deleted; with one spare for its two
+# ranks the survivors wait in their processes for a replacement agent, which joins (--launcher torchrun: every
+# worker restarts); the final training-state digest is compared bitwise with a fault-free run (moe-ft drill
+# --nodes, docs/drills.md).
 #
 #   bash examples/node_drill.sh                                        # EP2xPP2, node 1 lost at iteration 6
 #   LAYOUT=dp2ep2 LOSSES="--fail-node 0:5:snapshot" bash examples/node_drill.sh   # node 0, copy in flight
