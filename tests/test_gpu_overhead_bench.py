@@ -1,6 +1,6 @@
-"""``tools/bench/gpu_overhead.py --interleave K --profile-submit N --profile-worker N --gil-probe``: the in-launch
-comparison of iterations with and without snapshots, the profiles of the engine's ``submit`` and of its background
-thread, and the GIL probe, on the drill's tiny model (one CPU rank)."""
+"""``tools/bench/gpu_overhead.py --interleave K --profile-submit N --profile-worker N --gil-probe --trace-blocks N``:
+the in-launch comparison of iterations with and without snapshots, the profiles of the engine's ``submit`` and of
+its background thread, the GIL probe and the traced blocks, on the drill's tiny model (one CPU rank)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from moe_ft.state.registry import OperatorRegistry, OperatorState
 from moe_ft.store import KeepAll, StoreConfig, arena, entry_hash_triton
 from moe_ft.store import store as store_module
 from tools.bench import gpu_overhead
+from tools.bench.block_trace import BlockTracer, summarize, trace_iterations
 from tools.bench.gc_times import GcTimes, gc_stats
 from tools.bench.gil_probe import GilProbe, lag_stats
 from tools.bench.interleave import (
@@ -146,7 +147,7 @@ def test_tiny_interleaved_launches_pause_snapshots_and_profile_submit(tmp_path, 
     assert inter["ratio"] == pytest.approx(inter["active_median_s"] / inter["paused_median_s"])
     assert sparse["median_iter_s"] == inter["active_median_s"]
     # the timings stop where the profiled iterations start (the last active ones: 18, then 19)
-    assert sparse["measured_end"] == 18 and sparse["profiled"] == {"breakdown": [18], "profiler": [19], "worker": []}
+    assert sparse["measured_end"] == 18 and sparse["profiled"] == {"breakdown": [18], "profiler": [19], "worker": [], "traced": []}
     assert none["interleaved"]["control"] and none["measured_end"] is None
     assert set(result["interleaved_ratio"]) == {"none", "sparse(W=2)"} and "sparse(W=2)" in result["overhead_ratio"]
 
@@ -306,6 +307,73 @@ def test_garbage_collections_are_timed_by_iteration_and_kind_of_block():
     assert set(gc_stats({}, {}, [1, 2], 0)) == {"all"}
 
 
+def test_traced_blocks_are_inside_the_last_blocks_of_each_kind_past_their_first_iteration():
+    # blocks of 4 from 0: active 0-3, paused 4-7, active 8-11, paused 12-15, active 16-19 (iters 20: 19 has no successor)
+    assert trace_iterations(iters=20, warmup=4, block=4, n=2) == {"active": [17, 18], "paused": [13, 14]}
+    assert trace_iterations(iters=20, warmup=4, block=4, n=3) == {"active": [9, 10, 11], "paused": [13, 14, 15]}
+    assert trace_iterations(iters=20, warmup=4, block=4, n=0) == {}
+    with pytest.raises(ValueError, match="needs --interleave > 4"):
+        trace_iterations(iters=20, warmup=4, block=4, n=4)
+    with pytest.raises(ValueError, match="needs a paused block"):
+        trace_iterations(iters=20, warmup=14, block=4, n=2)
+
+
+def test_a_trace_is_summed_per_stream_and_thread_per_iteration():
+    events = [  # two iterations: stream 7 computes, stream 20 copies and hashes; thread 1 trains, thread 2 snapshots
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 4000, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 6000, "dur": 4000, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "hash", "ts": 1000, "dur": 1000, "args": {"stream": 20}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 2000, "dur": 2000,
+         "args": {"stream": 20}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 3000, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::addmm", "ts": 1000, "dur": 1000, "tid": 1},  # nested: counted once
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 5000, "dur": 1000, "tid": 2},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 100, "dur": 10, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 5000, "dur": 800, "tid": 2},
+        {"ph": "i", "cat": "cpu_instant_event", "name": "marker", "ts": 50, "tid": 1},  # not a span: left out
+    ]
+    s = summarize(events, 2, training_tid=1, thread_names={2: "moe-ft-snapshot"})
+    assert s["kernel_ms"] == {"stream 20": 0.5, "stream 7": 4.0} and s["kernels"] == {"stream 20": 0.5, "stream 7": 1.0}
+    assert s["compute_stream"] == {"stream": "stream 7", "busy_ms": 4.0, "idle_ms": 1.0}
+    assert s["memcpy_ms"] == {"stream 20 Memcpy DtoH (Device -> Pinned)": 1.0}
+    assert s["cpu_ms"] == {"training": 1.5, "moe-ft-snapshot (2)": 0.5} and s["span_ms"] == 5.0
+    assert s["runtime_ms"] == {"moe-ft-snapshot (2)": 0.4, "training": 0.005}
+    assert s["runtime_top"]["moe-ft-snapshot (2)"] == {"cudaEventSynchronize": 0.4}
+    assert summarize(events, 2)["cpu_ms"] == {"tid 1": 1.5, "tid 2": 0.5}
+
+
+def test_the_tracer_records_the_training_thread_and_a_thread_that_snapshots(tmp_path):
+    """A real profiler on CPU over the ranges given: the training thread's ops, and those of a thread that was
+    started (and ran torch ops) before the trace began, where the installed torch records every thread."""
+    x = torch.randn(128, 128)
+    go, stop = threading.Event(), threading.Event()
+
+    def snapshots() -> None:
+        (x @ x).sum()
+        while not stop.is_set():
+            if go.wait(0.001):
+                x.clone()
+
+    other = threading.Thread(target=snapshots, name="snapshots")
+    other.start()
+    tracer = BlockTracer({"active": [3, 4], "paused": [7]}, str(tmp_path), "t")
+    try:
+        for iteration in range(9):
+            tracer.on_step_begin(iteration)
+            go.set() if iteration < 5 else go.clear()
+            for _ in range(5):
+                (x @ x).relu()
+    finally:
+        stop.set()
+        other.join()
+    summary = json.loads((tmp_path / "trace_summary_t.json").read_text())
+    assert summary["active"]["traced"] == [3, 4] and summary["paused"]["traced"] == [7]
+    assert all(s["cpu_ms"]["training"] > 0 for s in summary.values())
+    if summary["active"]["all_threads"]:
+        assert summary["active"]["cpu_ms"][f"snapshots ({other.native_id})"] > 0
+    assert (tmp_path / "trace_t_active.json.gz").exists() and not (tmp_path / "trace_t_active.json").exists()
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_tiny_launch_profiles_the_worker_and_probes_the_gil(tmp_path, corpus):
@@ -314,14 +382,21 @@ def test_tiny_launch_profiles_the_worker_and_probes_the_gil(tmp_path, corpus):
     logs = tmp_path / "logs"
     cmd = [sys.executable, "-m", "tools.bench.gpu_overhead", "--tiny", "--iters", "24", "--warmup", "4",
            "--windows", "2", "--interleave", "4", "--profile-worker", "1", "--gil-probe", "--switch-interval", "0.001",
-           "--skip-none", "--data-path", corpus, "--store-root", str(tmp_path), "--log-dir", str(logs)]
+           "--trace-blocks", "2", "--skip-none", "--data-path", corpus, "--store-root", str(tmp_path), "--log-dir", str(logs)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert set(result["runs"]) == {"sparse(W=2)"} and "overhead_ratio" not in result
     sparse = result["runs"]["sparse(W=2)"][0]
     assert sparse["switch_interval_s"] == 0.001 and 0 < sparse["gil_probe_cpu_share"] < 1
-    assert sparse["measured_end"] == 19 and sparse["profiled"]["worker"] == [19]
+    # blocks of 4 in 24 iterations, the last ones active 16-19 and paused 20-23: traced 17, 18 and 21, 22; the
+    # worker's profile: 19 (the last iteration with a snapshot); the timings stop at 17
+    assert sparse["measured_end"] == 17 and sparse["profiled"]["worker"] == [19]
+    assert sorted(sparse["profiled"]["traced"]) == [17, 18, 21, 22]
+    trace = sparse["trace"]
+    assert set(trace) == {"active", "paused"} and trace["active"]["traced"] == [17, 18]
+    assert all(t["cpu_ms"]["training"] > 0 and t["wall_ms"] > 0 for t in trace.values())
+    assert (logs / "trace_sparse2_0_active.json.gz").exists() and (logs / "trace_sparse2_0_paused.json.gz").exists()
     gil = sparse["interleaved"]["gil_probe"]
     assert set(gil) == {"active", "paused"} and all(g["samples_per_iter"] > 0 for g in gil.values())
     assert set(sparse["interleaved"]["gc"]) == {"active", "paused"}  # collections timed in every launch

@@ -33,6 +33,12 @@ globally (``--ft-recovery-scope global``): the localized scope's survivor guard 
 on ``N`` more, written to ``--log-dir``; they are the last iterations with snapshots, and the timings stop at
 the first of them (``measured_end``).
 
+``--trace-blocks N`` (with ``--interleave K``, ``N`` < ``K``): ``N`` iterations of the last taken block and of the
+last paused block of each sparse launch under torch.profiler, CPU and CUDA together (``tools/bench/block_trace.py``):
+per kind of block the device's kernel time per stream, the compute stream's busy and idle time, each host
+thread's CPU and CUDA runtime calls, per iteration (``trace`` in the launch's summary; the gzipped Chrome traces
+in ``--log-dir``); the timings stop at the first traced iteration.
+
 ``--profile-worker N``: where the snapshot engine's background thread spends its time and its CPU
 (``tools/bench/worker_profile.py``): a breakdown by sub-step, wall and thread CPU, of the snapshots of the last
 ``N`` iterations with snapshots, written to ``--log-dir`` (``worker_profile_<tag>.txt``); the timings stop at the
@@ -65,6 +71,7 @@ import sys
 import tempfile
 import time
 
+from tools.bench.block_trace import BlockTracer, trace_iterations
 from tools.bench.gc_times import GcTimes, gc_stats
 from tools.bench.gil_probe import GilProbe, lag_stats
 from tools.bench.interleave import (
@@ -89,8 +96,9 @@ class _Timed:
     time the training thread spends inside the FT hooks of each iteration (``hook_s``: where an overhead that
     is not the snapshot threads' comes from)."""
 
-    def __init__(self, runtime, out: str, facts: dict, probe: GilProbe | None = None) -> None:
-        self.runtime, self.out, self.facts, self.probe = runtime, out, facts, probe
+    def __init__(self, runtime, out: str, facts: dict, probe: GilProbe | None = None,
+                 tracer: BlockTracer | None = None) -> None:
+        self.runtime, self.out, self.facts, self.probe, self.tracer = runtime, out, facts, probe, tracer
         self.gc = GcTimes().install()
         self.starts: list[float] = []
         self.hook_s: list[float] = []
@@ -108,6 +116,8 @@ class _Timed:
                 self.hook_s[-1] += time.perf_counter() - t0
 
     def on_step_begin(self, iteration: int) -> None:
+        if self.tracer is not None:  # before the clock: ending a trace takes a while (traced: not timed)
+            self.tracer.on_step_begin(iteration)
         self.starts.append(time.perf_counter())
         self.hook_s.append(0.0)
         self.begins.append(iteration)
@@ -145,7 +155,8 @@ class _Timed:
                        "window": getattr(policy, "window_length", None),
                        "path": "mapped" if mapped is not None else f"staged ({getattr(engine, 'mapped_off', '')})",
                        "pinning": mapped.pinned.failed or "ok" if mapped is not None else "",
-                       "switch_interval_s": sys.getswitchinterval(), **probe}, f)
+                       "switch_interval_s": sys.getswitchinterval(), **probe,
+                       "trace": self.tracer.summary if self.tracer is not None else None}, f)
 
 
 def _pop(argv: list[str], flag: str) -> str:
@@ -171,6 +182,7 @@ def worker(argv: list[str]) -> int:
     num_profiled, profile_dir = int(_pop(argv, "--bench-profile-submit")), _pop(argv, "--bench-profile-dir")
     num_worker, switch = int(_pop(argv, "--bench-profile-worker")), float(_pop(argv, "--bench-switch-interval"))
     probe_sleep = float(_pop(argv, "--bench-gil-probe"))
+    num_traced = int(_pop(argv, "--bench-trace-blocks"))
     probe = GilProbe(probe_sleep) if probe_sleep > 0 else None
     if switch > 0:
         sys.setswitchinterval(switch)
@@ -182,6 +194,8 @@ def worker(argv: list[str]) -> int:
     worker_its = last_snapshot_iterations(iters=iters, warmup=warmup, block=block, n=num_worker,
                                           what=f"--profile-worker {num_worker}")
     worker_profiler = WorkerProfiler(worker_its, profile_dir, config.snapshot.job_id) if num_worker else None
+    traced = trace_iterations(iters=iters, warmup=warmup, block=block, n=num_traced)
+    tracer = BlockTracer(traced, profile_dir, config.snapshot.job_id) if traced else None
 
     class Bench(FTRuntime):
         """The FT runtime as ``pretrain_gpt_moe.step_hooks`` builds it under torchrun (no survivor point carried
@@ -218,12 +232,13 @@ def worker(argv: list[str]) -> int:
             return session
 
     activate_all()  # as pretrain_gpt_moe.main does (on CUDA the CPU layer stays off)
+    traced_its = [t for its in traced.values() for t in its]
     facts = {"interleave": block, "profiled": {"breakdown": breakdown_its, "profiler": profiler_its,
-                                               "worker": worker_its},
-             "measured_end": min(breakdown_its + worker_its, default=None)}
+                                               "worker": worker_its, "traced": traced_its},
+             "measured_end": min(breakdown_its + worker_its + traced_its, default=None)}
     if probe is not None:
         probe.start()
-    pretrain(args, hooks=_Timed(Bench(config), out, facts, probe))
+    pretrain(args, hooks=_Timed(Bench(config), out, facts, probe, tracer))
     return 0
 
 
@@ -267,8 +282,10 @@ def _summary(run: dict, warmup: int) -> dict:
         out["interleaved"] = interleaved
         if run["window"]:
             out["whole_windows"] = block % run["window"] == 0
-    if any(run.get("profiled", {}).get(k) for k in ("profiler", "worker")):
+    if any(run.get("profiled", {}).get(k) for k in ("profiler", "worker", "traced")):
         out["profiled"] = run["profiled"]
+    if run.get("trace"):
+        out["trace"] = run["trace"]
     if recs:
         dev = [r["device_stall_s"] for r in recs if r.get("device_stall_s") is not None]
         out.update(bytes_per_iter=int(statistics.mean(r["bytes"] for r in recs)),
@@ -310,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-worker", type=int, default=0, metavar="N",
                    help="profile the snapshot engine's background thread (wall and CPU by sub-step) on the last N "
                         "iterations with snapshots of each sparse launch, into --log-dir; 0: off")
+    p.add_argument("--trace-blocks", type=int, default=0, metavar="N",
+                   help="with --interleave K (N < K): N iterations of the last taken and the last paused block of each "
+                        "sparse launch under torch.profiler, CPU and CUDA, summed per kind of block, into --log-dir; "
+                        "0: off")
     p.add_argument("--gil-probe", type=float, nargs="?", const=0.0005, default=0.0, metavar="SLEEP_S",
                    help="record how long other threads hold the GIL (a thread sleeping SLEEP_S, 0.0005 if not given, in "
                         "a loop), per kind of interleaved block; off by default")
@@ -317,20 +338,23 @@ def main(argv: list[str] | None = None) -> int:
                    help="sys.setswitchinterval(S) in the worker processes; 0: Python's default (0.005 s)")
     p.add_argument("--skip-none", action="store_true", help="no --ft-policy none launch (no overhead_ratio)")
     a = p.parse_args(argv)
-    if min(a.interleave, a.profile_submit, a.profile_worker, a.switch_interval, a.gil_probe) < 0:
-        p.error("--interleave, --profile-submit, --profile-worker, --switch-interval and --gil-probe take values >= 0")
+    if min(a.interleave, a.profile_submit, a.profile_worker, a.trace_blocks, a.switch_interval, a.gil_probe) < 0:
+        p.error("--interleave, --profile-submit, --profile-worker, --trace-blocks, --switch-interval and --gil-probe "
+                "take values >= 0")
     if a.profile_submit and a.profile_worker:
         p.error("--profile-submit and --profile-worker both replace the store's functions while they profile: run "
                 "them in separate commands")
     if a.interleave and any(w and a.interleave % w for w in a.windows):
         p.error(f"--interleave {a.interleave} is not a multiple of every sparse window {a.windows}: a paused block "
                 "would cut a window (each operator is FULL once per window)")
-    if (a.profile_submit or a.profile_worker) and not a.log_dir:
-        p.error("--profile-submit and --profile-worker write their tables into --log-dir: name one")
+    if (a.profile_submit or a.profile_worker or a.trace_blocks) and not a.log_dir:
+        p.error("--profile-submit, --profile-worker and --trace-blocks write their tables into --log-dir: name one")
     try:  # enough iterations for the profiles and the timings (which end where the profiled iterations start)
         profiled, _ = profile_iterations(iters=a.iters, warmup=a.warmup, block=a.interleave, n=a.profile_submit)
         profiled += last_snapshot_iterations(iters=a.iters, warmup=a.warmup, block=a.interleave,
                                              n=a.profile_worker, what=f"--profile-worker {a.profile_worker}")
+        profiled += [t for its in trace_iterations(iters=a.iters, warmup=a.warmup, block=a.interleave,
+                                                   n=a.trace_blocks).values() for t in its]
         if a.interleave:
             interleaved_stats({t: 1.0 for t in range(a.warmup, min(profiled, default=a.iters))}, a.interleave)
     except ValueError as e:
@@ -374,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                        "--bench-profile-submit", str(a.profile_submit if policy == "sparse" else 0),
                        "--bench-profile-worker", str(a.profile_worker if policy == "sparse" else 0),
                        "--bench-switch-interval", str(a.switch_interval), "--bench-gil-probe", str(a.gil_probe),
+                       "--bench-trace-blocks", str(a.trace_blocks if policy == "sparse" else 0),
                        "--bench-profile-dir", a.log_dir or tmp]
                 env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
                 with open(log, "w") as f:
