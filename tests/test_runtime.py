@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from moe_ft.drills.cluster import kill_tree
 from tests._ft_helpers import ROOT, tiny_model_flags, torchrun
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
@@ -62,7 +63,7 @@ def test_sigkill_leaves_store_readable(tmp_path, corpus):
             if ready.exists() and ready.read_text():
                 with contextlib.suppress(ProcessLookupError):  # already gone
                     os.kill(int(ready.read_text()), signal.SIGKILL)
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun
+        kill_tree(proc.pid)  # torchrun and the rest (its resource tracker is spared: it removes its semaphores)
         proc.wait(timeout=30)
     for r in range(4):
         pid = int((tmp_path / f"ready_rank{r}").read_text())
