@@ -10,7 +10,6 @@ import pytest
 
 from moe_ft.elastic.reshape import (
     Fetch,
-    held_after_restart,
     rederive_expert_parallel,
     replan,
     replica_rows,
@@ -22,7 +21,6 @@ from moe_ft.placement.layers import ExpertPlacementConfig
 # previous incarnation: EP=4 over 2 nodes (EP ranks 0,1 on node 0; 2,3 on node 1), c=2, f=2
 PREV = {0: [[1, 0, 1, 0], [1, 0, 0, 1], [0, 1, 1, 0], [0, 1, 0, 1]],
         1: [[1, 0, 1, 0], [0, 1, 0, 1], [1, 0, 0, 1], [0, 1, 1, 0]]}
-OLD_NODE = [0, 0, 1, 1]
 
 
 def test_rederive_keeps_or_shrinks_expert_parallel_and_says_why():
@@ -41,7 +39,10 @@ def test_rederive_keeps_or_shrinks_expert_parallel_and_says_why():
 
 
 def test_shrink_keeps_every_expert_from_the_surviving_node_without_fetches():
-    held = held_after_restart(PREV, OLD_NODE, new_node_of_ep=[0, 0], surviving_nodes=[0])
+    # node 0 survives: its EP ranks 0 and 1 held every expert of PREV between them, and the new EP ranks 0, 1
+    # both read node 0's stores
+    held = {layer: {j: {e for e, row in enumerate(rows) if row[0] or row[1]} for j in (0, 1)}
+            for layer, rows in PREV.items()}
     assert held == {0: {0: {0, 1, 2, 3}, 1: {0, 1, 2, 3}}, 1: {0: {0, 1, 2, 3}, 1: {0, 1, 2, 3}}}
     loads = {0: [10, 20, 30, 40], 1: [40, 30, 20, 10]}
     change = rederive_expert_parallel(2, tp=1, pp=1, ep=4, num_experts=4, slots=2, min_replicas=2)
@@ -54,9 +55,8 @@ def test_shrink_keeps_every_expert_from_the_surviving_node_without_fetches():
 
 
 def test_grow_moves_replicas_onto_the_joining_node():
-    held = held_after_restart({0: [[1, 0], [1, 0], [0, 1], [0, 1]]}, [0, 0], new_node_of_ep=[0, 0, 1, 1],
-                              surviving_nodes=[0])
-    assert held[0][2] == held[0][3] == set()
+    # 2 EP ranks on node 0 held experts {0, 1} and {2, 3}; the new ranks 2 and 3 are on the joining node 1
+    held = {0: {0: {0, 1, 2, 3}, 1: {0, 1, 2, 3}, 2: set(), 3: set()}}
     out = replan(held, {0: [10, 20, 30, 40]}, ep_size=4, config=ExpertPlacementConfig(slots_per_node=2, min_replicas=2))
     rows = out.replicas[0]
     assert [sum(row) for row in rows] == allocate_replicas([10, 20, 30, 40], num_nodes=4, slots_per_node=2,
@@ -91,8 +91,8 @@ def test_rebalance_moves_only_what_the_new_plan_needs():
 
 
 def test_an_expert_with_no_surviving_copy_is_named_for_the_fallback():
-    prev = {0: [[1, 0], [0, 1], [1, 0], [0, 1]]}  # f = 1: experts 1 and 3 only on node 1
-    held = held_after_restart(prev, [0, 1], new_node_of_ep=[0], surviving_nodes=[0])
+    # f = 1: experts 0 and 2 on node 0, experts 1 and 3 only on node 1, which is lost
+    held = {0: {0: {0, 2}}}
     out = replan(held, {0: [1, 1, 1, 1]}, ep_size=1, config=ExpertPlacementConfig(slots_per_node=4))
     assert out.lost == {0: [1, 3]}
     assert "no surviving copy of layer 0 experts [1, 3]" in out.reason

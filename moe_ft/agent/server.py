@@ -147,7 +147,7 @@ class NodeAgent:
     started_by: str = "a trainer"
     """Who started it (``moe-ft launch``, or the first trainer of the node under plain torchrun)."""
     ranks: dict[int, _Rank] = field(default_factory=dict)
-    """Ranks with a durable writer here."""
+    """Ranks that sent work here (verification, durable copies, replication), each with its queue."""
     active: set[int] = field(default_factory=set)
     """Ranks that said hello and not bye since."""
     ever: set[int] = field(default_factory=set)
@@ -156,7 +156,7 @@ class NodeAgent:
     _last_seen: float = field(default_factory=time.monotonic)
     _stop: threading.Event = field(default_factory=threading.Event)
     listener: "ReplicaListener | None" = None
-    """Receives the peers' replicas (started by the first ``replica_listen``)."""
+    """Receives the peers' replicas (started by the first replication request of any kind)."""
 
     def serve(self) -> None:
         key = (self.directory / KEY_FILE).read_bytes()

@@ -1,16 +1,17 @@
-"""``moe-ft drill``: run the tiny CPU job fault-free and with injected faults under torchrun
-(``--max-restarts``), then compare the final training-state digests bitwise.
+"""``moe-ft drill``: run the tiny CPU job fault-free and with injected faults under ``--launcher`` (default
+``inprocess``: ``moe-ft launch`` with one warm spare; ``torchrun``: every worker restarts, ``--max-restarts``),
+then compare the final training-state digests bitwise.
 
     moe-ft drill --layout ep2pp2 --policy sparse --iters 12 --fail 1:6 --fail 2:9:snapshot --json
 
-Node-loss drill: the faulty run on ``--nodes N`` simulated nodes (N torchrun agents, ``moe_ft/drills/cluster.py``),
-each with its own node-local store, replicas on the other nodes (``--ft-replicas``, ``--ft-ranks-per-node``);
-``--fail-node NODE:ITER[:PHASE]`` loses a whole node there (agent + workers SIGKILLed, its store deleted,
-a replacement agent started); the same ``ITER:PHASE`` on several nodes loses them together::
+Node-loss drill: the faulty run on ``--nodes N`` simulated nodes (N agents of the launcher,
+``moe_ft/drills/cluster.py``), each with its own node-local store, replicas on the other nodes (``--ft-replicas``,
+``--ft-ranks-per-node``); ``--fail-node NODE:ITER[:PHASE]`` loses a whole node there (agent + workers SIGKILLed,
+its store deleted; its ranks go to spares on the other nodes, or a replacement agent starts); the same ``ITER:PHASE`` on several nodes loses them together::
     moe-ft drill --nodes 2 --layout dp2ep2 --iters 12 --window 4 --fail-node 1:6 --json
     moe-ft drill --nodes 2 --iters 12 --window 4 --fail-node 0:9 --fail-node 1:9 --json   # durable tier
 
-The fault-free reference stays one ``torchrun --standalone`` of the same 4-rank job (same ranks, same
+The fault-free reference is one ``--standalone`` launch of the same 4-rank job (same ranks, same
 layout, same flags: the digest does not depend on the launcher). A ``persist`` fault (during the ``--save``
 write of the durable tier, every ``--persist-interval`` iterations, default the window) works with or
 without ``--nodes``::
@@ -47,7 +48,7 @@ from moe_ft.drills.cluster import (
     kill_tree,  # noqa: F401  (also used by tests)
     redone_iterations,
 )
-from moe_ft.drills.faults import Fault
+from moe_ft.drills.faults import KINDS, PHASES, Fault
 from moe_ft.drills.launchers import LAUNCHERS, default_launcher, launcher_argv
 from moe_ft.drills.report import read_digest, read_reports
 from tools.make_corpus import write_corpus
@@ -356,13 +357,14 @@ def register(subparsers) -> None:
                    help="--ft-recovery-scope of the job: localized = only the failed pipeline stages replay "
                         "(survivors load the state they published), global = every rank replays")
     p.add_argument("--fail", action="append", default=[], metavar="RANK:ITER[:PHASE[:KIND]]",
-                   help="a fault (repeatable); PHASE forward|backward|step|snapshot|publish|persist|recovery, "
-                        "or RANK:ITER:published:corrupt (damage the just-published point, then die)")
+                   help=f"a fault (repeatable); PHASE {'|'.join(PHASES)} (default forward), KIND {'|'.join(KINDS)} "
+                        "(default exit); e.g. RANK:ITER:published:corrupt damages the just-published point, then dies")
     p.add_argument("--nodes", type=int, default=1,
-                   help="simulated nodes of the faulty run (torchrun agents; 1 = one --standalone torchrun)")
+                   help="simulated nodes of the faulty run (one agent of --launcher each; 1 = one --standalone launch)")
     p.add_argument("--fail-node", action="append", default=[], metavar="NODE:ITER[:PHASE]",
                    help="lose a whole node there (repeatable; the same ITER:PHASE on several nodes loses them "
-                        "together); its store is deleted and a replacement node started")
+                        "together); its store is deleted, and its ranks go to spares on the other nodes or a replacement "
+                        "node starts")
     p.add_argument("--replicas", type=int, default=0, help="--ft-replicas with --nodes (0: min(2, nodes - 1))")
     p.add_argument("--elastic", action="store_true",
                    help="with --nodes: a lost node is not replaced (torchrun --nnodes 1:N); the job re-plans its "

@@ -140,8 +140,9 @@ class ClusterConfig:
     3 s after the first (the job started on 3 of 4 nodes); a round that fewer than N nodes join (a torchrun
     restart after a loss, a full restart) waits this long once."""
     launcher: str = "torchrun"
-    """The agents' launcher (``moe_ft.drills.prelaunch.LAUNCHERS``): ``torchrun``, or ``preloaded`` (torchrun's
-    agent with workers forked from a process that imported the training stack once)."""
+    """The agents' launcher (``moe_ft.drills.launchers.LAUNCHERS``): ``torchrun``, ``preloaded`` (torchrun's
+    agent with workers forked from a process that imported the training stack once), ``inprocess`` or
+    ``inprocess-preloaded`` (``moe-ft launch``: warm spares, survivors keep their processes)."""
     node_timeout: float = 2.0
     """In-process launchers: ``--node-timeout`` of the agents (seconds without a heartbeat before a node's
     ranks go to spares on the other nodes)."""

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from megatron.training.argument_utils import field_help
-from moe_ft.drills.faults import Fault, FaultPlan, FaultPlanConfig
+from moe_ft.drills.faults import KINDS, PHASES, Fault, FaultPlan, FaultPlanConfig
 
 
 @dataclass(kw_only=True)
@@ -15,9 +15,8 @@ class DrillConfig:
     """Failure drills: injected faults and the files drills compare (``moe_ft/drills/faults.py``, ``moe-ft drill``)."""
 
     fail: list[str] = field(default_factory=list, metadata=field_help(
-        "Failure drill: inject faults RANK:ITER[:PHASE[:KIND]] (PHASE forward|backward|step|snapshot|publish|"
-        "persist|recovery|published, KIND exit|exception|hang|corrupt|node); each fires once across restarts "
-        "(moe_ft/drills/faults.py)."))
+        f"Failure drill: inject faults RANK:ITER[:PHASE[:KIND]] (PHASE {'|'.join(PHASES)}, KIND {'|'.join(KINDS)}); "
+        "each fires once across restarts (moe_ft/drills/faults.py)."))
     fail_marker_dir: str = field(default="", metadata=field_help(
         "Directory of the faults' once-only markers (default: faults/ in the node store's job directory). "
         "Drills on several simulated nodes share one: a rank that a spare on another node took over finds its "

@@ -19,9 +19,10 @@ that inherits a held lock waits on it forever (the likely cause of a worker grou
 under load, while it formed its gloo group). The fork server never runs a thread. Failures, signals and exit codes reach the agent as with torchrun: a worker
 that exits non-zero or is killed fails the group, and the agent restarts it (or stops) by the same rules.
 
-The forked workers run exactly the script's code; only the import cost moves. Plain ``torchrun`` stays the
-launcher of real jobs and of ``moe-ft drill`` (``--launcher preloaded`` runs a drill under this one); the
-test suite runs its drills under this one (``tests/conftest.py`` sets ``MOE_FT_DRILL_LAUNCHER``).
+The forked workers run exactly the script's code; only the import cost moves. ``moe-ft drill --launcher
+preloaded`` runs a drill under this launcher; ``moe-ft launch --preload`` uses its fork server
+(:func:`use_preloaded_forkserver`), and the test suite runs its drills that way (``tests/conftest.py`` sets
+``MOE_FT_DRILL_LAUNCHER=inprocess-preloaded``).
 """
 
 from __future__ import annotations

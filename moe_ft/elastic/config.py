@@ -5,8 +5,9 @@ expert replicas every EP rank holds. An EP rank plays the role of a Lazarus "nod
 ``--ft-expert-slots`` replica slots. Explicit counts and ``--ft-expert-loads`` give one plan for every MoE
 layer; ``--ft-expert-loads-from`` (popularity counters measured by an earlier run, ``loads.py``) gives every
 layer its own. A layer's plan is the same in every EP group (it is indexed by EP rank, so Megatron's
-expert-data-parallel gradient reduction pairs identical parameters). Reconfiguration on failure is a later
-issue.
+expert-data-parallel gradient reduction pairs identical parameters). The plan changes with ``--ft-elastic``
+after a restart on another world (``moe_ft/elastic/restart.py``) and with ``--ft-rebalance-interval`` inside the
+running job (``moe_ft/elastic/rebalance_component.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a node still has after a restart: the previous incarnation's layout records and dense store points.
 
 **Layout record** (``<store_dir>/<job>/elastic/rank<r>.json``, node-local, written atomically by every rank
-after each iteration by :class:`LayoutRecorder`): the generation (bumped by every world change), world and
+after each iteration by ``ElasticRecorder.after_iteration``, ``moe_ft/elastic/component.py``): the generation (bumped by every world change), world and
 EP size, every MoE layer's replica map ``R[e][j]``, the cumulative expert loads (the popularity counters'
 hard counts, the loads eq. 1 allocates from, Lazarus §4.1) and the iteration. A restarted job reads the
 records its nodes kept to learn the plan it ran (same world: keep it; other world: re-plan from it).

@@ -9,10 +9,10 @@ the periodic rebalance, with no process group (every rank computes the same resu
    (Megatron builds ``E / EP`` standard experts first) and still gives every expert a slot (``EP x c >= E``);
    the fault threshold ``f`` is lowered when ``EP x c < E x f``. Each change comes back as a line for the
    log; an impossible world raises ``ValueError`` naming the fix.
-2. :func:`held_after_restart` -- what each new EP rank already has *on its node* (the node-local stores of
-   the previous incarnation's ranks on that node; a joining node has nothing).
-3. :func:`replan` -- a new eq.-1 allocation and placement per MoE layer from the current popularity
-   (``planner.plan_layer``), then the greedy node mapping of ``migration.map_nodes`` (logical node of the
+2. :func:`replan` -- given what each new EP rank already has (``held``: after a restart, what the node
+   inventories of its data-parallel copies hold, ``moe_ft/elastic/restart.py``; a joining node has nothing),
+   a new eq.-1 allocation and placement per MoE layer from the current popularity
+   (``moe_ft.placement.layers.plan_layer``), then the greedy node mapping of ``migration.map_nodes`` (logical node of the
    new plan -> new EP rank, fewest experts fetched) and one :class:`Fetch` per (layer, EP rank, expert) the
    rank does not have, with its source: a surviving holder node (peer transfer, spread over the holders as
    ``migration.transfer_schedule`` does) or ``None`` when no surviving node has the expert at all. Such a
@@ -122,26 +122,6 @@ def usable_world_size(world_size: int, *, tp: int, pp: int, ep: int, num_experts
     raise ValueError(f"no world of at most {world_size} ranks keeps the global batch of {global_batch} "
                      f"({micro_batches} micro-batches of {micro_batch}) with tensor x pipeline parallel size "
                      f"{tp} x {pp}" + (f" ({reasons[-1]})" if reasons else "") + "; restart on more nodes")
-
-
-def held_after_restart(previous: Mapping[int, Sequence[Sequence[int]]], old_node_of_ep: Sequence[int],
-                       new_node_of_ep: Sequence[int], surviving_nodes: Sequence[int]) -> dict[int, dict[int, set[int]]]:
-    """``{layer: {new EP rank: experts in its node's stores}}``.
-
-    ``previous[layer]``: ``R[e][j]`` of the previous incarnation; ``old_node_of_ep[j]`` / ``new_node_of_ep[j]``:
-    the node of old / new EP rank ``j`` (with DP > 1 an EP rank sits on several nodes: give any one whose
-    stores it reads; for the plan it is a label); ``surviving_nodes``: nodes whose stores outlived the change.
-    """
-    alive = set(surviving_nodes)
-    out: dict[int, dict[int, set[int]]] = {}
-    for layer, replicas in previous.items():
-        on_node: dict[int, set[int]] = {}
-        for e, row in enumerate(replicas):
-            for j, count in enumerate(row):
-                if count and old_node_of_ep[j] in alive:
-                    on_node.setdefault(old_node_of_ep[j], set()).add(e)
-        out[layer] = {j: set(on_node.get(node, ())) for j, node in enumerate(new_node_of_ep)}
-    return out
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 A recovery can fail for a reason of its own that would recur on every try: a replay that diverges (the
 routing check), an entry that does not fit the model, a restore that raises. Retried unchanged, the same
 decision fails again, the launcher starts the next attempt, and the job loops until ``--max-restarts``
-(under ``moe-ft launch``, which replaces processes in place, without bound). So a rank whose recovery raises
+runs out (``moe-ft launch`` counts every in-process replacement, wait and shrink against it too). So a rank whose recovery raises
 such an error records the decision here before the error ends the attempt, and the next recovery changes it
 (every rank agrees on the union of the records):
 

@@ -16,7 +16,8 @@ class RecoveryReport:
     failed: dict
     """What failed: the faults whose markers exist (drills), the last iteration completed before the failure."""
     recovery_point: dict
-    """``{"start", "end", "source": "memory"|"checkpoint"|"initial"}``; ``end`` is the restored iteration."""
+    """``{"start", "end", "source": "memory"|"survivor"|"durable"|"checkpoint"|"initial"}``; ``end`` is the
+    restored iteration."""
     replayed_iterations: list[int] = field(default_factory=list)
     reexecuted_iterations: list[int] = field(default_factory=list)
     seconds: dict = field(default_factory=dict)

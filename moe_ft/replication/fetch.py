@@ -3,7 +3,8 @@ node-local store is empty (its node was replaced) gets its entries back from the
 
 Where an entry of rank ``r`` at iteration ``t`` can come from, in order of preference:
 
-1. a **replica holder** of ``r`` (``ReplicaPlan.peers[r]``): the replica store it keeps for ``r``;
+1. a **replica holder** of ``r`` (whichever rank's inventory lists replicas of ``r``, wherever placement put
+   them): the replica store it keeps for ``r``;
 2. for state the replication deliberately did not send because data parallelism already keeps it on
    another node (``needs_replication``, MoEtion §5.1): the **node-local store of a data-parallel peer**
    (the expert-data-parallel group for experts) — COMPUTE weights always, FULL entries only without the

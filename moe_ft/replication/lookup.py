@@ -2,11 +2,13 @@
 that is missing or fails its checksum is never used.
 
 Lookup order for one entry (``find_entry``): the rank's node-local store, then each peer replica in
-placement order, then — if allowed — the durable tier. Recovery first asks with
-``include_durable=False`` for its newest point; if some entry has no valid in-memory copy it moves to an
-older point (``NoValidEntryError`` says why), and only then to the durable tier — the order MoEvement §3.2
-and MoC §5.1 give (memory is fast, durable storage is the last resort). The chosen source and the reasons
-the earlier ones were skipped are logged (logger ``moe_ft.replication``) and returned.
+placement order, then — if allowed — the durable tier: the order MoEvement §3.2 and MoC §5.1 give (memory
+is fast, durable storage is the last resort). With ``include_durable=False`` an entry without a valid
+in-memory copy raises ``NoValidEntryError``, which says why. The chosen source and the reasons the earlier
+ones were skipped are logged (logger ``moe_ft.replication``) and returned. A lookup of one entry, for tools
+and tests: recovery itself fetches a lost node's entries from the peers first
+(``moe_ft/replication/fetch.py``) and falls back from memory to the durable tier point by point
+(``moe_ft/recovery/driver.py``).
 """
 
 from __future__ import annotations

@@ -14,8 +14,11 @@ Timeline of iteration ``t`` (the state after the update of ``t`` is what the sna
   the point is published). With a bubble schedule (or ``direct_write=False``) the thread first copies the
   tensors into host buffers (a slot) and ``wait_copied`` waits for that copy only.
 * **GPU** (any registry tensor on CUDA): ``submit`` makes a side CUDA stream wait for the compute stream
-  (the optimizer step of ``t`` is queued there), issues the slot's device-to-host copies on it in one
-  batched call (``torch._foreach_copy_``, non-blocking, into page-locked buffers) and records an event.
+  (the optimizer step of ``t`` is queued there), issues the device-to-host copies on it, non-blocking, and
+  records an event. By default (``mapped``, :class:`moe_ft.snapshot.mapped.MappedCopier`) they land in the
+  regions the store reserved in its page-locked arena and a kernel hashes them on the device; otherwise
+  (``mapped_off`` says why: ``direct_write=False``, a bubble schedule, a store that cannot map) into a
+  slot's page-locked buffers in one batched call (``torch._foreach_copy_``), which the thread then writes.
   ``wait_copied`` never blocks the host: it makes the *compute stream* wait for that event
   (``current_stream().wait_event``), so the optimizer step of ``t+1`` is queued behind the copy on the
   device only. The background thread waits for the event (asleep: a blocking event, not a spin) and then
@@ -28,8 +31,8 @@ Stall accounting (``SnapshotRecord``): ``stall_s`` is host time the training thr
 ``max(0, copy_done - compute_reached_wait)``. ``copy_s`` is the device time of the copy on GPU (from events)
 and the thread's copy time on CPU.
 
-Buffers: ``num_slots`` host buffer sets allocated once, at build, for every operator at FULL
-(:class:`HostBuffers`) and reused; ``submit`` waits for a free slot when the store is slower than training
+Buffers: ``num_slots`` host buffer sets allocated once, at build (:class:`HostBuffers`: for every operator at
+FULL where the copies go through slots, else for the metadata only) and reused; ``submit`` waits for a free slot when the store is slower than training
 (that wait is counted as stall as well, and separately as ``slot_wait_s``). The background thread writes
 a snapshot's entries through ``EngineConfig.write_threads`` threads (the store's per-entry checksum and
 write are the narrow part of the pipeline on GPU, not the copy).
@@ -77,7 +80,8 @@ class EngineConfig:
     """One copy instead of two (CPU path): the background thread checksums and writes the live tensors
     straight into the store's entry files, and ``wait_copied`` returns once they are written; no slot
     buffers are allocated for operators. ``None``: on for a CPU registry without a bubble schedule (whose
-    tensors are all contiguous), off otherwise. The GPU path always copies into pinned buffers first."""
+    tensors are all contiguous), off otherwise. On the GPU path ``False`` turns off the copies into the store's
+    regions (``mapped``): the copies go into pinned slot buffers first."""
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:

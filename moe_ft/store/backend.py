@@ -1,5 +1,5 @@
-"""The byte-level interface every store tier implements: node-local tmpfs, in-process memory, and later
-peer replicas and the durable tier. A backend knows nothing about tensors, operators or checksums; it
+"""The byte-level interface every store tier implements: node-local tmpfs (the arena or files), in-process
+memory, the peer replicas a node holds (the node's layout) and the durable tier (files). A backend knows nothing about tensors, operators or checksums; it
 stores *blobs* (opaque named byte strings) grouped into *points* (one per iteration) and guarantees:
 
 1. **Atomic publish.** Blobs written through a :class:`PointWriter` are invisible until

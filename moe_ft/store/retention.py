@@ -1,7 +1,9 @@
 """Retention: which published points garbage collection keeps. A policy object, separate from the store
-mechanism; the store asks it after every publish and deletes the rest. Every policy here keeps at least one
-complete recovery point (by the caller's completeness rule) while the next one is in flight, and never
-deletes anything while no complete point exists yet."""
+mechanism; the store asks it after every publish and deletes the rest. Every policy here that has a completeness
+rule (``KeepNewestRecoverable``, ``KeepTwoRecoverable``, ``TripleBuffer`` with a ``floor``) keeps at least one
+complete recovery point by it while the next one is in flight, and deletes nothing while no complete point
+exists yet; ``TripleBuffer(floor=None)`` (MoC's literal scheme) keeps its buffers only. The runtime uses
+``KeepTwoRecoverable`` (``moe_ft/snapshot/session.py``)."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ class TripleBuffer(RetentionPolicy):
     """MoC-System §5.2 triple buffering: a *snapshot* buffer (the point in flight, not yet published), a
     *persist* buffer (the newest published point, being persisted) and a *recovery* buffer (the one
     before it): the newest ``num_buffers - 1`` published points are kept. PEC points hold only ``K``
-    experts per layer, so ``floor`` (default: each operator's newest FULL, :class:`NewestFullRule`) also
+    experts per layer, so a ``floor`` (e.g. each operator's newest FULL, :class:`NewestFullRule`) also
     keeps the points that a lossy recovery needs, which keeps one complete recovery point in memory."""
 
     num_buffers: int = 3
@@ -79,8 +81,8 @@ class KeepTwoRecoverable(RetentionPolicy):
     failure drill). Snapshots are at most one recovery point apart across ranks (iterations are synchronised
     by collectives), so keeping the newest **two** recoverable points per rank always leaves a common one.
 
-    The lossy policies (``pec``, ``selective``) use it too, with their ``NewestFullRule`` (in place of the
-    store's ``TripleBuffer`` floor, which keeps only each operator's newest FULL entry): a rank that published
+    The lossy policies (``pec``, ``selective``) use it too, with their ``NewestFullRule`` (in place of
+    ``TripleBuffer(floor=NewestFullRule)``, which keeps only each operator's newest FULL entry): a rank that published
     iteration ``e`` while another was killed with ``e`` in flight must still restore ``e - 1``, which needs the
     FULL entries that were newest at ``e - 1`` (found by the pec drill: proposals ``[5, -1]``, the job restarted
     from the initial state)."""
