@@ -8,7 +8,7 @@
 
 Megatron-LM's flags; every tokenizer runs offline (megatron/training/tokenizer.py; byte-level by default).
 The files are written with ``megatron.core.datasets``' ``IndexedDatasetBuilder`` (uint16 ids for a
-vocabulary of up to 65536, int32 above) and read back by ``IndexedDataset``.
+vocabulary of fewer than 65500 tokens, int32 above: Megatron-Core's ``DType.optimal_dtype``) and read back by ``IndexedDataset``.
 """
 
 from __future__ import annotations

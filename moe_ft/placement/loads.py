@@ -6,8 +6,8 @@ history ("routing history of gate networks", §3). Our routers count tokens per 
     {"iteration": 12, "replay": false, "counts": [[t_00, t_01, ...], ...], "full_experts": [...]}
 
 ``counts[l][e]``: tokens routed to expert ``e`` of MoE layer ``l`` in that iteration (hard counts, summed over
-every rank when the policy aggregates popularity: ``--ft-policy sparse``/``selective``, or ``pec`` with
-``load_aware`` selection; with other policies they are rank 0's own tokens, a sample of the same routing).
+every rank whatever the policy: ``--ft-trace-out`` makes the runtime sum the popularity counters,
+``FTConfig.needs_popularity``).
 ``read_trace_loads`` sums them per layer: one load vector per MoE layer, so every layer gets its own
 allocation and plan (§4.1, last paragraph).
 

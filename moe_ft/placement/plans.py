@@ -10,7 +10,7 @@ allocation must satisfy ``sum(r) == N * c`` (eq. 1 guarantees it).
 * ``compact_plan`` -- baseline: the replica list cut into consecutive blocks of ``c`` (each expert on as
   few nodes as possible).
 
-Recovery depends only on each expert's *support* (the set of nodes holding it); see ``recovery.py``.
+Recovery depends only on each expert's *support* (the set of nodes holding it); see ``reliability.py``.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ class SearchConfig:
     max_evaluations: int = 500
     """Plans the local search may evaluate."""
     max_exact_terms: int = 1 << 16
-    """Passed to the exact recovery computation (see ``recovery.py``)."""
+    """Passed to the exact recovery computation (see ``reliability.py``)."""
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@
 
 Writes (once, kept in ``--dir``) a synthetic indexed dataset of ``--tokens`` uint16 tokens in documents of
 500-3500 tokens (a 400 MB ``.bin`` at the default), then runs ``build_data`` for a 4-rank EP job of
-``--train-iters`` iterations in a fresh process, twice: without ``--data-cache-path`` (indices built in
-memory) and with it (the second run reads the cache the first wrote). Reports per run: wall seconds of
+``--train-iters`` iterations in a fresh process, three times: without ``--data-cache-path`` (indices built in
+memory), with it into an empty cache (``cache_cold``: builds and writes the indices) and with it again
+(``cache_warm``: reads the cache the second run wrote). Reports per run: wall seconds of
 ``build_data`` plus the first iteration's batches, and the process's peak RSS (``ru_maxrss``), with the
 process's RSS before building for scale (Megatron-Core and torch imported).
 """

@@ -1,4 +1,5 @@
-"""Layer throughput of the flexible dispatcher under skewed expert loads (Lazarus Fig. 10a), CPU/gloo or GPU.
+"""Layer throughput of the flexible dispatcher under skewed expert loads (Lazarus Fig. 10a), CPU/gloo
+(on a GPU: ``tools/bench/gpu_dispatch.py`` measures the dispatch permutation).
 
     python -m tools.bench.dispatch layer --world 2 --experts 8 --hidden 256 --ffn 1024 --tokens 4096
 

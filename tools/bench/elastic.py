@@ -1,14 +1,14 @@
 """Samples per hour over a failure sequence: keep training on fewer nodes vs wait for a spare (Lazarus §5,
 Figs. 6-9 trend).
 
-    python -m tools.bench.elastic [--nodes 8] [--hours 24] [--mtbf-hours 6] [--repair-hours 4] \\
+    python -m tools.bench.elastic [--nodes 8] [--hours 24] [--mtbf-hours 6] \\
         [--spare-delay-min 30] [--restart-s 30] [--reshape-s 30] [--iter-time-s 1.0] [--seed 0] [--json]
 
 A seeded failure sequence (node failures at exponential intervals of ``--mtbf-hours`` divided by the live
-nodes; a failed node is repaired and can rejoin after ``--repair-hours``) is played against two policies:
+nodes; a failed node is replaced and can rejoin after ``--spare-delay-min``) is played against two policies:
 
 * ``elastic`` (moe-ft ``--ft-elastic``, Lazarus): after a failure the job restarts on the survivors
-  (``--reshape-s``: detection, restart, re-plan, restore) and trains at the smaller world's rate; a repaired
+  (``--reshape-s``: detection, restart, re-plan, restore) and trains at the smaller world's rate; a replaced
   node rejoins with another reshape;
 * ``spare`` (the usual fault tolerance): the job stops until a replacement node arrives
   (``--spare-delay-min``), restarts (``--restart-s``) and trains on all ``--nodes``.

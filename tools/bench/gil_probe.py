@@ -16,7 +16,7 @@ which the probe woke, and summarised per kind of interleaved block (``--interlea
 so the background threads' share is the difference between the kinds.
 
 Cost: the probe wakes ~1800 times a second and runs a few microseconds of Python each time (its own CPU is
-reported: ``cpu_share``, the fraction of one core: 0.035-0.06 at 0.5 ms). It also takes the GIL from the training
+reported: ``gil_probe_cpu_share`` in ``gpu_overhead.py``'s summary, the fraction of one core: 0.035-0.06 at 0.5 ms). It also takes the GIL from the training
 thread more often: whenever the training thread releases the GIL (every torch op does, around its dispatch) while
 the probe waits for it, the probe runs first and the training thread waits for it to sleep again. Measured on a
 2-core CPU machine (2026-11-27): a thread that only dispatches small torch ops (20k ``add_``) ran 8-11 % slower

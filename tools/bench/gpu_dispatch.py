@@ -9,7 +9,7 @@ Prints one JSON object. Every rate is GB/s of send-buffer traffic (read + write 
 (``moe_ft/megatron_ext/dispatch/permute_ref.py``), ``triton_gather`` (the permutation kernel alone, positions
 precomputed), ``triton_positions_and_gather`` (positions kernel + gather, what a dispatch pays),
 ``megatron_permute`` (routing-map based, ``fused=False``: Transformer Engine's fused permute is absent).
-``*_vs_copy`` are the ratios to ``d2d_copy``. ``equal``: Triton == reference bitwise (positions and rows).
+``vs_copy`` holds each rate's ratio to ``d2d_copy``. ``equal``: Triton == reference bitwise (positions and rows).
 """
 
 from __future__ import annotations

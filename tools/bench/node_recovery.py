@@ -3,7 +3,7 @@ replacement node with the survivors kept, under ``moe-ft launch``, side by side 
 
     python tools/bench/node_recovery.py [--layout dp2ep2] [--iters 10] [--window 4] [--loss 1:6] [--json]
 
-One fault-free run of the 4-rank job (``--standalone``), then the same node loss twice on 2 simulated
+One fault-free run of the 4-rank job (``--standalone``), then the same node loss three times on 2 simulated
 nodes x 2 ranks (``moe_ft/drills/cluster.py``: one agent per node on a c10d rendezvous the driver hosts,
 each node with its own store; the lost node's agent and workers are SIGKILLed at once and its store is
 deleted):
@@ -19,7 +19,7 @@ deleted):
   processes and wait; the replacement agent joins the rendezvous and starts ranks 2, 3, which fetch their
   state from the survivor's replicas.
 
-Both must end bitwise equal to the fault-free run. Reported per launcher, from the recovery report
+All three must end bitwise equal to the fault-free run. Reported per launcher, from the recovery report
 (``moe_ft/recovery/report.py``) and the driver's loss event: ``kill_to_resume_s`` (the SIGKILL to the
 moment every rank starts its first resumed iteration), ``detect_s``/``reform_s`` (in-process: the kill to
 the agent's announcement, then to every rank having its groups and model), ``recovery_s`` (in-job
