@@ -6,7 +6,7 @@ snapshot policy defaults to ``sparse`` (sparse is exact and is the default).
 Each component owns its config dataclass, with its own validation and a ``build(...)`` that returns the
 built component (``None`` when switched off), in its package: ``moe_ft/snapshot/config.py``,
 ``replication/config.py``, ``persist/config.py`` (the durable tier), ``drills/config.py``,
-``recovery/config.py``, ``checkfree/config.py``, ``precision/config.py``; this module composes them. The
+``recovery/config.py``, ``checkfree/config.py``; this module composes them. The
 flags stay one per field: a nested config's fields become ``--<flag_prefix><field>`` (e.g.
 ``persist.interval`` is ``--ft-persist-interval``; ``megatron/training/argument_utils.py``). Cross-component
 rules live in :meth:`FTConfig.__post_init__`; everything a snapshot policy means is asked of the policy

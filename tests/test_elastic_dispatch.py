@@ -21,7 +21,6 @@ from moe_ft.megatron_ext.dispatch.arithmetic import (  # noqa: E402
     dispatch_schedule,
     permute,
     recv_expert_order,
-    replica_token_counts,
     unpermute,
 )
 
@@ -79,7 +78,6 @@ def test_schedule_invariants(world, num_experts, tokens, topk, kind):
         sched = dispatch_schedule(tpe, replicas, rank)
         assert torch.equal(sched.send_counts, counts[rank])
         assert torch.equal(sched.recv_counts, counts[:, :, rank])
-        assert [sum(x) for x in replica_token_counts(tpe, replicas, rank)] == cap[:, rank].tolist()
 
 
 def test_schedule_example_and_errors():

@@ -57,10 +57,10 @@ class ModelArgs:
     fp16: bool = field(default=False, metadata=field_help("fp16 compute with loss scaling (GPU)."))
     transformer_impl: str = field(
         default="local", metadata=field_help("Layer implementation: Megatron-Core local modules, or "
-                                             "Transformer Engine (GPU, needed for FP8).",
+                                             "Transformer Engine (GPU; FP8 without it: --fp8-emulation).",
                                              choices=["local", "transformer_engine"]))
     fp8_format: str | None = field(
-        default=None, metadata=field_help("FP8 training (Transformer Engine).", choices=["e4m3", "hybrid"]))
+        default=None, metadata=field_help("FP8 training (Transformer Engine, or --fp8-emulation).", choices=["e4m3", "hybrid"]))
     fp8_recipe: str = field(
         default="delayed", metadata=field_help("FP8 scaling recipe.", choices=["delayed", "tensorwise", "mxfp8",
                                                                              "blockwise"]))
@@ -166,7 +166,7 @@ class DataArgs:
     data_cache_path: str | None = field(
         default=None, metadata=field_help(
             "Directory for the datasets' shuffled indices, built once and reused by every later run and "
-            "replacement process (default: built in memory by each process).")
+            "replacement process (default: Megatron-Core's own, <data prefix>/cache/GPTDataset_indices).")
     )
     mmap_bin_files: bool = field(
         default=True, metadata=field_help("Memory-map the .bin files (off: read each sample with a file read).")

@@ -73,7 +73,8 @@ def transformer_config(args: Args) -> TransformerConfig:
 
 
 def layer_spec(args: Args):
-    """The layer spec: Megatron's local (non-TE) spec; moe-ft's router/MoE subclasses plug in here: every
+    """The layer spec: Megatron's local spec, or its Transformer Engine spec with ``--transformer-impl
+    transformer_engine``; moe-ft's router/MoE subclasses plug in here: every
     extra argument group may adapt it (``customize_layer_spec``, ``megatron/training/extensions.py``)."""
     if args.model.transformer_impl == "transformer_engine":  # GPU; validated to import
         # optional dependency: this spec imports Transformer Engine (the [gpu] extra)
@@ -87,11 +88,6 @@ def layer_spec(args: Args):
     for component in extensions(args):
         spec = component.customize_layer_spec(spec)
     return spec
-
-
-def num_model_chunks(args: Args) -> int:
-    """Model chunks per rank: the virtual pipeline stages (``--num-layers-per-virtual-pipeline-stage``), else 1."""
-    return args.parallel.virtual_pipeline_model_parallel_size or 1
 
 
 def build_gpt_model(args: Args, config: TransformerConfig | None = None, vp_stage: int | None = None) -> GPTModel:

@@ -66,7 +66,7 @@ def forward_step(data_iterator, model, seq_length: int):
 @dataclass(kw_only=True)
 class StepResult:
     """What one iteration produced. ``loss``/``load_balancing_loss`` are only known on the last stage
-    (NaN elsewhere until :func:`_share_from_last_stage`)."""
+    (NaN elsewhere until :func:`share_from_last_stage`)."""
 
     iteration: int
     loss: float

@@ -346,9 +346,3 @@ def activate(force: bool = False) -> CpuLayerState:
         _STATE.shims = shims
         _STATE.mode = mode
         return _STATE
-
-
-def enter_device_mode_in_thread() -> contextlib.AbstractContextManager:
-    """Torch-function modes are per thread: a worker thread that calls Megatron code enters the mode
-    with ``with enter_device_mode_in_thread(): ...``. A null context when the layer is inactive."""
-    return CudaToCpuMode() if _STATE.active else contextlib.nullcontext()

@@ -114,8 +114,8 @@ class ElasticExperts(SequentialMLP):
     def set_plan(self, replicas: torch.Tensor, mlp_of: dict[int, int]) -> None:
         """Serve plan ``replicas`` (``R[e, j]``) with MLP ``mlp_of[e]`` for each expert this EP rank holds
         (the in-run rebalance, ``moe_ft/elastic/live.py``, moves the state first). MLPs holding no expert
-        are *spare slots*: in no forward, no gradient, not written by checkpoints (their state is
-        overwritten before they serve)."""
+        are *spare slots*: in no forward, no gradient (their state is overwritten before they serve);
+        checkpoints write them under optional keys of their own (:meth:`_spare_sharded`)."""
         ep_rank = dist.get_rank(self.ep_group)
         held = (replicas[:, ep_rank] > 0).nonzero().flatten().tolist()
         if sorted(mlp_of) != held:

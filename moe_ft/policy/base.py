@@ -7,9 +7,10 @@ every rank gets the same plan; the snapshot engine keeps the entries of its own 
 broken by :class:`OperatorId` order.
 
 Where an operator's bytes are copied is the ``(pp_rank, ep_rank)`` of its :class:`OperatorInfo` (its
-*rank key*). The engine attributes non-expert operators (replicated over the expert-parallel ranks of a
-stage) to the rank that snapshots them, e.g. round-robin over the stage's EP ranks (MoC §4.2), or lists
-each rank's shard with the distributed optimizer. Per-rank budgets and balance are computed on that key.
+*rank key*). Every rank snapshots the planned operators its registry holds, so a non-expert operator
+(replicated over the expert-parallel ranks of a stage) is copied by each holder (with the distributed
+optimizer, each rank's shard); :meth:`SnapshotPolicy.bytes_per_rank` charges it on each. Per-rank budgets and
+balance are computed on that key.
 """
 
 from __future__ import annotations
@@ -122,8 +123,8 @@ class SnapshotPolicy(abc.ABC):
         return {}
 
     def observe_iteration_time(self, t_iter_s: float) -> None:
-        """The runtime reports the median time of recent trained iterations after each one (also after a
-        restart, from that process's own iterations). Policies that derive a window or a budget from
+        """The runtime reports the median time of recent trained iterations each time the ranks agree on a new
+        value (every few iterations, ``IterationClock``; also after a restart, from that process's own iterations). Policies that derive a window or a budget from
         ``T_iter`` (MoEvement Alg. 1, MoEtion §4.2) use it from their next decision on. Default: unused."""
 
     def window_progress(self, iteration: int) -> Optional[str]:

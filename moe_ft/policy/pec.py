@@ -136,10 +136,6 @@ class PECPolicy(SnapshotPolicy):
         """The current ``K_snapshot`` (after any Dynamic-K doubling)."""
         return self._segments[-1][2]
 
-    def k_at(self, iteration: int) -> int:
-        """K in force for the checkpoint after ``iteration`` (Dynamic-K keeps the history)."""
-        return self._segment(iteration // self.config.interval)[2]
-
     def _segment(self, checkpoint_idx: int) -> tuple[int, int, int]:
         starts = [s[0] for s in self._segments]
         return self._segments[max(bisect.bisect_right(starts, checkpoint_idx) - 1, 0)]

@@ -4,12 +4,13 @@ Training is cut into windows of ``W_sparse`` iterations. Within a window every o
 exactly one iteration (its *slice*); before that it is COMPUTE, after it NONE, so the snapshots of one
 window together hold a consistent dense checkpoint (sparse-to-dense conversion, §3.3). Operators are
 ordered by ascending popularity so popular experts stay frozen longest during conversion (§3.5). The
-order is decided only at a window boundary, and changes only when at least 25 % of the experts changed
-their activation frequency by more than 10 % since the last ordering (§3.5). Layout arithmetic is in
+order is decided only at a window boundary, and changes when at least 25 % of the experts changed
+their activation frequency by more than 10 % since the last ordering (§3.5), or when a new window is laid
+out anyway (``FindWindowSize`` gives another length with ``window="auto"``, or after a forced dense point). Layout arithmetic is in
 ``sparse_schedule.py``.
 
-Recovery reads :meth:`SparsePolicy.window_of` (window start, length, iteration at which each operator was
-FULL) for the current and the previous window.
+Recovery finds its windows through :meth:`SparsePolicy.recovery_rule`: the windows every snapshot's metadata
+recorded (``recorded_windows``, current and previous) as a ``SparseWindowRule``.
 """
 
 from __future__ import annotations

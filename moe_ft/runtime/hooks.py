@@ -82,8 +82,9 @@ class FTRuntime(StepHooks):
         self.report = None
         self._recovered_at = None
         self.survivor = None
-        """The survivor guard (``moe_ft/localized/survivor.py``; localized scope with snapshots), else ``None``."""
-        """Upstream logging (``moe_ft/localized/component.py``; pipeline parallelism, localized scope)."""
+        """The survivor guard (``moe_ft/localized/survivor.py``; localized scope with snapshots), else ``None``.
+        Upstream logging is a component (``moe_ft/localized/component.py``; pipeline parallelism, localized
+        scope), found by ``find(UpstreamLogging)``."""
 
     def find(self, cls: type[T]) -> T | None:
         """The component of type ``cls`` (``None``: this job runs without it); the runtime keeps no named

@@ -7,10 +7,9 @@ Interface for the Megatron dispatcher. Per MoE layer and micro-batch, on EP rank
     send = permute(hidden, perm, config)                        # [num_slots, hidden], by (dst rank, expert)
     recv = all_to_all_single(send, sched.output_split_sizes, sched.input_split_sizes)
     # recv is grouped by (source rank, expert), chunk sizes sched.recv_counts[j, e];
-    # recv_expert_order(sched) reorders it to expert-major, and
-    # replica_token_counts(T, R, i)[e] splits expert e's tokens over its local replicas.
-    ... experts ...; un-sort; all_to_all_single back (split sizes swapped)
-    out = unpermute(expert_out, perm, probs, config)            # [num_tokens, hidden]
+    # recv_expert_order(sched) reorders it to expert-major (one MLP per held expert takes its rows).
+    ... experts (they apply the routing probabilities) ...; un-sort; all_to_all_single back (split sizes swapped)
+    out = unpermute(expert_out, perm, ones, config)             # [num_tokens, hidden]: an unweighted sum
 
 Gradients: every replica of expert ``e`` sees a disjoint share of ``e``'s global tokens, so the gradient
 of ``e`` is the sum over exactly the ranks with ``R[e, j] > 0`` (the step-4 experts module reduces over
@@ -41,7 +40,6 @@ from moe_ft.megatron_ext.dispatch.schedule import (
     all_send_counts,
     capacity,
     dispatch_schedule,
-    replica_token_counts,
 )
 
 BACKENDS = ("torch", "triton")
@@ -52,7 +50,7 @@ FLEXIBLE = "flexible"
 __all__ = [
     "FLEXIBLE",
     "BACKENDS", "DispatchConfig", "DispatchPermutation", "DispatchSchedule", "all_send_counts", "build_permutation",
-    "capacity", "dispatch_schedule", "permute", "recv_expert_order", "replica_token_counts", "unpermute",
+    "capacity", "dispatch_schedule", "permute", "recv_expert_order", "unpermute",
 ]
 
 

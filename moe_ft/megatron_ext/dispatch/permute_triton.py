@@ -11,7 +11,7 @@
   so no atomics and a deterministic sum).
 
 The schedule (``schedule.py``) stays in PyTorch: it is ``O(E * W)`` integers, too small to pay
-for a kernel. Import this module only through ``dispatch.py``; on CPU tensors the kernels need
+for a kernel. Import this module only through ``arithmetic.py`` (its ``_triton()``); on CPU tensors the kernels need
 ``TRITON_INTERPRET=1`` set before this module is first imported.
 """
 

@@ -54,21 +54,6 @@ def capacity(tokens_per_expert: torch.Tensor, replicas: torch.Tensor) -> torch.T
     return q * r + torch.minimum((rem - first_replica).clamp(min=0), r)
 
 
-def replica_token_counts(tokens_per_expert: torch.Tensor, replicas: torch.Tensor, rank: int) -> list[list[int]]:
-    """Tokens each local replica of each expert processes on ``rank`` (``[E][R[e, rank]]``), summing to
-    the capacity; the experts module splits an expert's received tokens over its local replicas this way."""
-    _check(tokens_per_expert, replicas)
-    t_e = tokens_per_expert.to(torch.int64).sum(1).tolist()
-    r = replicas.to(torch.int64)
-    r_e = r.sum(1).tolist()
-    first = _exclusive_cumsum(r, 1)[:, rank].tolist()
-    out = []
-    for e, num_local in enumerate(r[:, rank].tolist()):
-        q, rem = divmod(t_e[e], max(r_e[e], 1))
-        out.append([q + (first[e] + k < rem) for k in range(num_local)])
-    return out
-
-
 @dataclass(frozen=True)
 class DispatchSchedule:
     """What rank ``rank`` sends and receives.
