@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -344,15 +345,18 @@ def test_a_trace_is_summed_per_stream_and_thread_per_iteration():
 
 def test_the_tracer_records_the_training_thread_and_a_thread_that_snapshots(tmp_path):
     """A real profiler on CPU over the ranges given: the training thread's ops, and those of a thread that was
-    started (and ran torch ops) before the trace began, where the installed torch records every thread."""
+    started (and ran torch ops) before the trace began, where the installed torch records every thread. The
+    other thread runs its op on request (it snapshots during the active iterations only), and the training
+    thread waits for each, so the traced iterations hold its ops whatever the machine's load."""
     x = torch.randn(128, 128)
-    go, stop = threading.Event(), threading.Event()
+    requests: queue.Queue = queue.Queue()
+    done: queue.Queue = queue.Queue()
 
     def snapshots() -> None:
         (x @ x).sum()
-        while not stop.is_set():
-            if go.wait(0.001):
-                x.clone()
+        while requests.get():
+            x.clone()
+            done.put(True)
 
     other = threading.Thread(target=snapshots, name="snapshots")
     other.start()
@@ -360,17 +364,21 @@ def test_the_tracer_records_the_training_thread_and_a_thread_that_snapshots(tmp_
     try:
         for iteration in range(9):
             tracer.on_step_begin(iteration)
-            go.set() if iteration < 5 else go.clear()
             for _ in range(5):
                 (x @ x).relu()
+                if iteration < 5:
+                    requests.put(True)
+                    assert done.get(timeout=30)
+                time.sleep(0.002)
     finally:
-        stop.set()
+        requests.put(False)
         other.join()
     summary = json.loads((tmp_path / "trace_summary_t.json").read_text())
     assert summary["active"]["traced"] == [3, 4] and summary["paused"]["traced"] == [7]
     assert all(s["cpu_ms"]["training"] > 0 for s in summary.values())
     if summary["active"]["all_threads"]:
         assert summary["active"]["cpu_ms"][f"snapshots ({other.native_id})"] > 0
+        assert f"snapshots ({other.native_id})" not in summary["paused"]["cpu_ms"]
     assert (tmp_path / "trace_t_active.json.gz").exists() and not (tmp_path / "trace_t_active.json").exists()
 
 
