@@ -53,8 +53,8 @@ class ModelArgs:
         default=None, metadata=field_help("Vocabulary size (default: the tokenizer's, padded).")
     )
     make_vocab_size_divisible_by: int = field(default=128, metadata=field_help("Pad the vocab to this."))
-    bf16: bool = field(default=False, metadata=field_help("bf16 compute with fp32 master weights (GPU)."))
-    fp16: bool = field(default=False, metadata=field_help("fp16 compute with loss scaling (GPU)."))
+    bf16: bool = field(default=False, metadata=field_help("bf16 compute with fp32 master weights."))
+    fp16: bool = field(default=False, metadata=field_help("fp16 compute with loss scaling."))
     transformer_impl: str = field(
         default="local", metadata=field_help("Layer implementation: Megatron-Core local modules, or "
                                              "Transformer Engine (GPU; FP8 without it: --fp8-emulation).",
