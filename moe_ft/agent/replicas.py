@@ -227,11 +227,17 @@ class StreamState:
 
 
 class ReplicaListener:
-    """The receiving half in a node agent (see the module docstring)."""
+    """The receiving half in a node agent (see the module docstring), listening on the first free port of
+    :func:`listen_ports` of the agent directory, which it records there (:data:`PORT_FILE`) until it is
+    closed on the agent's own exit."""
 
-    def __init__(self, host: str, ports: tuple[int, ...] = ()) -> None:
-        self.server = self._bind(host, ports)
+    def __init__(self, host: str, agent_dir: str | os.PathLike) -> None:
+        self.server = self._bind(host, listen_ports(agent_dir))
         self.host, self.port = host, self.server.getsockname()[1]
+        self.port_file = Path(agent_dir) / PORT_FILE
+        tmp = self.port_file.with_name(f".{PORT_FILE}.{os.getpid()}")
+        tmp.write_text(f"{self.port}\n")
+        os.replace(tmp, self.port_file)  # a successor after a crash listens here too
         self.streams: dict[tuple[int, int], StreamState] = {}
         """``(holder, owner) -> StreamState``."""
         self.torn = 0
@@ -260,7 +266,9 @@ class ReplicaListener:
             threading.Thread(target=self._serve, args=(conn,), name="moe-ft-agent-replica-in", daemon=True).start()
 
     def close(self) -> None:
+        """The agent exits on its own: the next agent need not listen where this one did."""
         self.server.close()
+        self.port_file.unlink(missing_ok=True)
 
     def state(self, holder: int) -> dict[int, dict]:
         """``{owner: {"received", "closed", "rejections"}}`` of the streams into ``holder``."""

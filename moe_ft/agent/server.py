@@ -193,10 +193,6 @@ class NodeAgent:
                 rank.sender.abandon()
         if self.listener is not None:
             self.listener.close()
-            # an exit of its own: the next agent need not listen where this one did
-            from moe_ft.agent.replicas import PORT_FILE  # start-up time (imported already: it listens)
-
-            (self.directory / PORT_FILE).unlink(missing_ok=True)
 
     def _accept(self, listener: Listener) -> None:
         while not self._stop.is_set():
@@ -296,16 +292,13 @@ class NodeAgent:
 
     def _replica(self, kind: str, args: tuple):
         # start-up time of the agent: replication is imported with the first request for it
-        from moe_ft.agent.replicas import PORT_FILE, ReplicaListener, SocketSink, agent_host, listen_ports
+        from moe_ft.agent.replicas import ReplicaListener, SocketSink, agent_host
         from moe_ft.replication.sender import ReplicaSender, SenderConfig
 
         with self._lock:  # listening from the first replication request on (an agent started again after a
             # crash listens on the same port as before: the peers' senders find it there)
             if self.listener is None:
-                self.listener = ReplicaListener(agent_host(), listen_ports(self.directory))
-                port_tmp = self.directory / f".{PORT_FILE}.{os.getpid()}"
-                port_tmp.write_text(f"{self.listener.port}\n")
-                os.replace(port_tmp, self.directory / PORT_FILE)
+                self.listener = ReplicaListener(agent_host(), self.directory)
         if kind == "replica_listen":
             return self.listener.host, self.listener.port
         if kind in ("replica_open", "replica_state"):
