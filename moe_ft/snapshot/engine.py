@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -483,7 +483,7 @@ class SnapshotEngine:
             if self._pool is not None and len(job.items) > 1:
                 # largest entries first: the pool's threads finish together
                 items = sorted(job.items, key=lambda e: -e.nbytes)
-                pool_cpu = sum(self._pool.map(lambda e: _put_timed(point, e, job.remote), items))
+                pool_cpu = _put_all(self._pool, point, items, job.remote)
             else:
                 for entry in job.items:
                     _put(point, entry, job.remote)
@@ -576,6 +576,22 @@ def _put_timed(point, entry: _Entry, remote: frozenset) -> float:
     cpu0 = time.thread_time()
     _put(point, entry, remote)
     return time.thread_time() - cpu0
+
+
+def _put_all(pool: ThreadPoolExecutor, point, items: list[_Entry], remote: frozenset) -> float:
+    """:func:`_put` of every entry on the pool; returns the threads' CPU seconds. When one fails (a full store),
+    the entries not started are cancelled and those started are waited for before the error is raised: the
+    point is aborted only after its last write ended, so that no thread still writes into regions the abort
+    returned (the next point would get them and be published torn)."""
+    futures = [pool.submit(_put_timed, point, e, remote) for e in items]
+    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+    failed = [f for f in futures if f in done and f.exception() is not None]
+    if failed:
+        for f in futures:
+            f.cancel()
+        wait(futures)
+        raise failed[0].exception()  # type: ignore[misc]
+    return sum(f.result() for f in futures)
 
 
 def _timing_event() -> torch.cuda.Event:

@@ -95,11 +95,11 @@ def _write_index(points_dir: Path, iteration: int, blobs: dict[str, Region], *, 
     tmp = points_dir / f".{iteration:012d}.{os.getpid()}.{threading.get_ident()}.tmp"
     data = json.dumps({"iteration": iteration, "blobs": {n: list(r) for n, r in sorted(blobs.items())}},
                       separators=(",", ":")).encode()
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            os.fsync(f.fileno())
     try:
+        with open(tmp, "wb") as f:  # inside the try: a full file system leaves no temporary file behind
+            f.write(data)
+            if fsync:
+                os.fsync(f.fileno())
         if replace:
             os.replace(tmp, final)
         else:
@@ -129,6 +129,7 @@ class _Allocator:
         self._free: list[list[int]] = []  # [segment, offset, nbytes], sorted, coalesced
         self.points: dict[int, list[Region]] = {}  # published points this allocator knows of
         self.pending: dict[int, list[Region]] = {}  # writer token -> regions not published yet
+        self.open_tokens: set[int] = set()  # writers that may still allocate (not published, not aborted)
         self.maps: dict[int, torch.Tensor] = {}  # segment -> its bytes, mapped shared (map_blob), never unmapped
         self._mms: dict[int, mmap.mmap] = {}  # segment -> its shared mapping, never unmapped
         # segment -> its mapping's address and the export that keeps it (None, None: cannot be mapped)
@@ -137,7 +138,12 @@ class _Allocator:
             if name.isdigit():
                 seg = int(name)
                 fd = os.open(self.arena_dir / name, os.O_RDWR)
-                self.fds[seg], self.sizes[seg] = fd, os.fstat(fd).st_size
+                size = os.fstat(fd).st_size
+                if size == 0:  # a writer killed between creating the segment and allocating it: no index names it
+                    os.close(fd)
+                    os.unlink(self.arena_dir / name)
+                    continue
+                self.fds[seg], self.sizes[seg] = fd, size
         used: list[Region] = []
         for it, blobs in _read_indexes(directory / "points").items():
             self.points[it] = [r for r in blobs.values() if r[0] in self.sizes]
@@ -198,9 +204,17 @@ class _Allocator:
                 free.append([seg, pos, size - pos])
         self._free = free
 
+    def open(self, token: int) -> None:
+        """A writer begins: it may allocate until it is published or aborted."""
+        with self.lock:
+            self.open_tokens.add(token)
+
     def allocate(self, nbytes: int, token: int) -> Region:
         need = _align(nbytes)
         with self.lock:
+            if token not in self.open_tokens:  # a thread still writing for an aborted point must not take regions
+                raise StoreError(f"{self.directory}: a region was asked for a point writer that was already "
+                                 "published or aborted (a write that outlived its point)")
             slot = self._best_fit(need)
             if slot is None:
                 self._reclaim()
@@ -299,12 +313,14 @@ class _Allocator:
 
     def abort(self, token: int) -> None:
         with self.lock:
+            self.open_tokens.discard(token)
             self._release(self.pending.pop(token, []))
 
     def published(self, token: int, iteration: int, regions: list[Region]) -> None:
         """The writer's index is linked: its regions now belong to the point (the rest, e.g. blobs opened
         and never closed, go back)."""
         with self.lock:
+            self.open_tokens.discard(token)
             mine = self.pending.pop(token, [])
             kept = {(seg, off) for seg, off, _ in regions}  # by place: a blob may be shorter than reserved
             self._release([r for r in mine if (r[0], r[1]) not in kept])
@@ -366,6 +382,16 @@ def _allocator(directory: Path, fsync: bool) -> _Allocator:
         if alloc is None:
             alloc = _ALLOCATORS[key] = _Allocator(directory, fsync)
         return alloc
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``fd`` is the file at ``path`` (not a deleted one the path no longer names)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 class _RegionReader:
@@ -472,6 +498,7 @@ class _ArenaWriter(PointWriter):
         self.token = next(self._tokens)
         self.marker = backend.staging_dir / f"{iteration:012d}.{os.getpid()}.{self.token}"
         self.marker.touch(exist_ok=False)
+        self.alloc.open(self.token)
         self.blobs: dict[str, Region] = {}
         self._lock = threading.Lock()
         self._done = False
@@ -601,6 +628,7 @@ class ArenaBackend(StoreBackend):
             if name in blobs:
                 raise FileExistsError(f"{self.directory} point {iteration} already holds {name}")
             token = next(_ArenaWriter._tokens)
+            alloc.open(token)
             region = alloc.allocate(len(data), token)
             try:
                 _pwrite_all(alloc.fds[region[0]], data, region[1])
@@ -696,12 +724,20 @@ class ArenaBackend(StoreBackend):
         return None if region is None else region[2]
 
     def _fd(self, seg: int) -> int:
-        if self._alloc is not None and seg in self._alloc.fds:
+        """A descriptor of segment ``seg`` as the directory holds it now. A reader lives as long as its process
+        (the node agent keeps one per rank): when the directory was removed and created again since (an elastic
+        shrink and grow, a rerun), a cached descriptor would read the deleted file's bytes, so it is checked
+        against the path's inode (an open file's inode number cannot be reused while the descriptor holds it)."""
+        if self._alloc is not None and seg in self._alloc.fds and self._alloc.current():
             return self._alloc.fds[seg]
+        path = self.arena_dir / f"{seg:04d}"
         with self._read_lock:
             fd = self._read_fds.get(seg)
+            if fd is not None and not _same_file(fd, path):
+                os.close(self._read_fds.pop(seg))
+                fd = None
             if fd is None:
-                fd = self._read_fds[seg] = os.open(self.arena_dir / f"{seg:04d}", os.O_RDONLY)
+                fd = self._read_fds[seg] = os.open(path, os.O_RDONLY)
             return fd
 
     def open_blob(self, iteration: int, name: str) -> BinaryIO:

@@ -210,7 +210,9 @@ class StoreBackend(abc.ABC):
                     path.unlink()
 
     def pinned_elsewhere(self) -> set[int]:
-        """Iterations that live processes pinned with :meth:`pin_elsewhere`."""
+        """Iterations that live processes pinned with :meth:`pin_elsewhere`. The pins of dead readers (an agent
+        killed while it read) are removed on the way: left in place, they would count again once the pid is
+        given to another process, and keep their points from garbage collection for good."""
         try:
             names = os.listdir(self.pins_dir) if self.pins_dir is not None else []
         except FileNotFoundError:
@@ -218,8 +220,13 @@ class StoreBackend(abc.ABC):
         out = set()
         for name in names:
             parts = name.split(".")
-            if len(parts) == 3 and all(p.isdigit() for p in parts) and pid_alive(int(parts[1])):
+            if len(parts) != 3 or not all(p.isdigit() for p in parts):
+                continue
+            if pid_alive(int(parts[1])):
                 out.add(int(parts[0]))
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.pins_dir / name)  # type: ignore[operator]
         return out
 
     @abc.abstractmethod

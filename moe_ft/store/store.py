@@ -815,18 +815,21 @@ class SnapshotStore:
             return []
         catalog = self._gc_catalog()
         keep = self.retention.keep(catalog)
+        # the pins are read and the points deleted under one lock: a thread of this process that pins a
+        # point meanwhile (a replication sender) waits, then finds it deleted, instead of reading regions
+        # the next point is given
         with self._lock:
             pinned = {it for it, n in self._pins.items() if n > 0}
-        pinned |= self.backend.pinned_elsewhere()
-        # Unreadable points are not in the catalog: the policy cannot vouch for them, and they must not
-        # pile up, so they go once older than the oldest kept point.
-        oldest_kept = min(keep | pinned, default=None)
-        listed = self.points()
-        doomed = [it for it in listed if it not in keep and it not in pinned
-                  and (it in catalog.iterations or (oldest_kept is not None and it < oldest_kept))]
-        for it in doomed:
-            self.backend.delete_point(it)
-            self._forget(it)
+            pinned |= self.backend.pinned_elsewhere()
+            # Unreadable points are not in the catalog: the policy cannot vouch for them, and they must not
+            # pile up, so they go once older than the oldest kept point.
+            oldest_kept = min(keep | pinned, default=None)
+            listed = self.points()
+            doomed = [it for it in listed if it not in keep and it not in pinned
+                      and (it in catalog.iterations or (oldest_kept is not None and it < oldest_kept))]
+            for it in doomed:
+                self.backend.delete_point(it)
+                self._written.pop(it, None)
         if self.defer_checksums or doomed:
             self._drop_verified(None if self.defer_checksums else doomed)
         self.backend.sweep_staging()
