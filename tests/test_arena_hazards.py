@@ -179,3 +179,20 @@ def test_a_pin_taken_while_garbage_collection_deletes_waits_and_finds_the_point_
     thread.join(5)
     (deleted_at, _), (pinned_at, seen) = sorted(entered, key=lambda e: e[1] is not None)
     assert pinned_at >= deleted_at and seen is False
+
+
+def test_a_job_skipped_after_a_failure_gives_its_regions_back_after_its_device_copy(tmp_path):
+    """After the engine's thread failed, the jobs still queued are skipped; a skipped GPU job's device copy
+    may still be writing into its regions, which are aborted (and its slot freed) only once it ended."""
+    import queue
+    from types import SimpleNamespace
+
+    from moe_ft.snapshot.engine import SnapshotEngine
+
+    order: list[str] = []
+    job = SimpleNamespace(copied=threading.Event(), slot=3,
+                          cuda_event=SimpleNamespace(synchronize=lambda: order.append("copy ended")),
+                          mapped=SimpleNamespace(point=SimpleNamespace(abort=lambda: order.append("regions freed"))))
+    engine = SimpleNamespace(_free=queue.Queue())
+    SnapshotEngine._job_done(engine, job, RuntimeError("the thread failed"))  # type: ignore[arg-type]
+    assert order == ["copy ended", "regions freed"] and job.copied.is_set() and engine._free.get_nowait() == 3

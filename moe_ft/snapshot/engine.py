@@ -425,9 +425,14 @@ class SnapshotEngine:
     # ----------------------------------------------------------------------------- background thread
     def _job_done(self, job: _Job, error: BaseException | None) -> None:
         """After every job, handled or skipped: its slot is free again; after a failure nobody waits for
-        its copy (``wait_copied`` raises the error instead)."""
+        its copy (``wait_copied`` raises the error instead). A job skipped after a failure may still have its
+        device copy in flight: its regions and slot are given back only once the copy ended, so that no later
+        point (an in-process recovery keeps the store) is written into by a stale copy."""
         if error is not None:
             job.copied.set()
+            if job.cuda_event is not None:
+                with contextlib.suppress(RuntimeError):  # a failed device: nothing more will be copied
+                    job.cuda_event.synchronize()
             if job.mapped is not None:
                 job.mapped.point.abort()  # type: ignore[attr-defined]
         self._free.put(job.slot)
