@@ -10,11 +10,14 @@ What runs where:
   rules as in the trainer). Each message goes to each peer's agent on a connection kept open per peer:
   ``socket.sendall`` of the header and of each blob's bytes as read from the store, no further copy.
 * **Receiving agent** (:class:`ReplicaListener`): a TCP listener, one thread per incoming connection. A
-  message is read whole (one buffer), verified and published with
-  :func:`~moe_ft.replication.receiver.publish_replica` into ``replica_store_config(root, job, owner,
-  holder)`` of the destination the sender names (the holder rank's directory on this node). A connection
-  that ends inside a message (the sending agent was killed) publishes nothing of it. A ``close`` frame ends
-  one owner's stream to one holder: the holder's trainer waits for it at the end of training.
+  header is checked before anything is allocated from it or written where it says (:func:`parse_header`:
+  fields and types; the destination, ``replica_store_config(root, job, owner, holder)``, must be this
+  agent's own replica store; the sizes must fit in that store). A message is then read whole into one
+  buffer, and verified and published from views of it
+  (:func:`~moe_ft.replication.receiver.publish_replica`, without a copy of the payload). A connection that
+  ends or stalls (:data:`STALL_TIMEOUT_S`) inside a message, or whose header is refused, publishes nothing
+  of it and is closed; the message counts in :attr:`ReplicaListener.torn`. A ``close`` frame ends one
+  owner's stream to one holder: the holder's trainer waits for it at the end of training.
 
 Wire format of one frame: ``uint64`` header length (big-endian), the JSON header, then the payload
 (the receiving agent answers each frame with a ``uint64`` once it has published or rejected it):
@@ -29,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import socket
 import struct
 import threading
@@ -39,6 +43,7 @@ from typing import TYPE_CHECKING
 from moe_ft.replication.placement import needs_replication
 from moe_ft.replication.receiver import Rejection, publish_replica, replica_store_config
 from moe_ft.replication.transport import PeerUnreachable, PointMessage, PointSink
+from moe_ft.store.capacity import existing_dir, used_bytes
 
 if TYPE_CHECKING:
     from moe_ft.state.operators import Level, OperatorId
@@ -53,6 +58,20 @@ HOST_ENV = "MOE_FT_AGENT_HOST"
 _LEN = struct.Struct(">Q")
 KEEP_POINTS = 8
 """Newest replicated points kept per owner (as the trainer's receiver keeps them)."""
+STALL_TIMEOUT_S = 60.0
+"""A receive inside a message that makes no progress for this long ends the message as torn (nothing of it
+published, its buffer freed, the connection closed). A live sending agent holds the whole message in memory
+and ``sendall``s it, so it pauses only while descheduled (a niced agent on a busy node: seconds); a minute
+without a byte means the sender or the path stopped (SIGSTOP, a partition), and waiting on would pin a thread
+and the message's buffer, one more for each retry. It is shorter than the sender's own timeout
+(:class:`SocketSink`, 300 s): the receiver lets go first, and the sender, once it runs again, finds the
+connection broken and sends the point again on a new one. Between messages a connection waits without a
+limit: it holds no buffer, and the next point comes when the next snapshot does."""
+MAX_HEADER_BYTES = 16 << 20
+"""Longest frame header accepted: one ``[name, size]`` pair (~60 bytes) per entry makes a quarter of a
+million entries, far more than a rank's point holds; a longer one is a bogus length, refused before its
+buffer is allocated."""
+_MAX_UINT64 = (1 << 64) - 1  # numbers in a header: the acknowledgement carries the iteration as a uint64
 
 
 PORT_ENV = "MOE_FT_AGENT_PORT"
@@ -148,16 +167,65 @@ def _send_frame(sock: socket.socket, header: dict, parts=()) -> None:
         sock.sendall(memoryview(part))
 
 
-def _recv_exact(sock: socket.socket, nbytes: int) -> memoryview | None:
-    """``nbytes`` bytes, or ``None`` when the connection ends first (at a frame boundary or inside one)."""
-    buf = bytearray(nbytes)
-    view, got = memoryview(buf), 0
-    while got < nbytes:
+def _recv_into(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock``; ``False`` when the connection ends first. A receive that waits longer than
+    the socket's timeout raises ``TimeoutError``."""
+    got = 0
+    while got < len(view):
         n = sock.recv_into(view[got:])
         if n == 0:
-            return None
+            return False
         got += n
-    return view
+    return True
+
+
+def _recv_exact(sock: socket.socket, nbytes: int) -> memoryview | None:
+    """``nbytes`` bytes, or ``None`` when the connection ends first (at a frame boundary or inside one)."""
+    view = memoryview(bytearray(nbytes))
+    return view if _recv_into(sock, view) else None
+
+
+def _brief(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+_HEADER_FIELDS = {"owner": int, "holder": int, "root": str, "job_id": str, "per_holder": bool}
+_POINT_FIELDS = {"iteration": int, "manifest": int, "blobs": list}
+
+
+def _is_uint64(value: object) -> bool:
+    # a JSON true is a Python int too: refused as a number
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_UINT64
+
+
+def parse_header(raw: memoryview) -> dict:
+    """A frame's header (see the module docstring), checked before anything is allocated from its sizes or
+    written where it says: ``ValueError`` naming the problem (not a JSON object, an unknown kind, a field
+    missing or of another type, a number negative or beyond a ``uint64``, a blob not a ``[name, size]`` pair
+    or listed twice). Where it says to write is the listener's to check (:meth:`ReplicaListener.destination`)."""
+    try:
+        header = json.loads(bytes(raw))
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8; nested too deep for the decoder
+        raise ValueError(f"the header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
+    kind = header.get("kind")
+    if kind not in ("point", "close"):
+        raise ValueError(f"unknown kind {_brief(kind)}")
+    for name, kind_of in {**_HEADER_FIELDS, **(_POINT_FIELDS if kind == "point" else {})}.items():
+        value = header.get(name)
+        if not (_is_uint64(value) if kind_of is int else isinstance(value, kind_of)):
+            raise ValueError(f"{name} is {_brief(value)}, expected "
+                             + ("a number in [0, 2^64)" if kind_of is int else f"a JSON {kind_of.__name__}"))
+    names: set[str] = set()
+    for blob in header.get("blobs", ()) if kind == "point" else ():
+        if not (isinstance(blob, list) and len(blob) == 2 and isinstance(blob[0], str) and _is_uint64(blob[1])):
+            raise ValueError(f"blob {_brief(blob)} is not a [name, size] pair")
+        if blob[0] in names:
+            raise ValueError(f"blob {_brief(blob[0])} is listed twice")
+        names.add(blob[0])
+    return header
 
 
 class SocketSink(PointSink):
@@ -226,12 +294,25 @@ class StreamState:
     rejections: list[Rejection] = field(default_factory=list)
 
 
+class _Torn(Exception):
+    """The connection ended or stalled inside a message (the reason says where)."""
+
+
+class _Refused(Exception):
+    """A frame's header refused (the reason says why)."""
+
+
 class ReplicaListener:
     """The receiving half in a node agent (see the module docstring), listening on the first free port of
     :func:`listen_ports` of the agent directory, which it records there (:data:`PORT_FILE`) until it is
-    closed on the agent's own exit."""
+    closed on the agent's own exit. It writes only into the replica stores of its job, beside the agent
+    directory (``<store root>/<job>/agent``: ``<store root>/<job>/replicas/...``)."""
 
-    def __init__(self, host: str, agent_dir: str | os.PathLike) -> None:
+    def __init__(self, host: str, agent_dir: str | os.PathLike, *, stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
+        self.stall_timeout_s = stall_timeout_s
+        """See :data:`STALL_TIMEOUT_S`."""
+        self.job_dir = Path(os.path.realpath(agent_dir)).parent
+        """The job directory of this agent's node (``<store root>/<job>``): its replica stores are under it."""
         self.server = self._bind(host, listen_ports(agent_dir))
         self.host, self.port = host, self.server.getsockname()[1]
         self.port_file = Path(agent_dir) / PORT_FILE
@@ -241,7 +322,9 @@ class ReplicaListener:
         self.streams: dict[tuple[int, int], StreamState] = {}
         """``(holder, owner) -> StreamState``."""
         self.torn = 0
-        """Connections that ended inside a message (nothing of it published)."""
+        """Messages not received whole: the connection ended or stalled inside one, or its header was refused
+        (malformed, a destination outside this agent's replica stores, more than the store can hold). Nothing
+        of such a message is published, and its connection is closed."""
         self._stores: dict[tuple, "SnapshotStore"] = {}
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, name="moe-ft-agent-replicas", daemon=True).start()
@@ -260,10 +343,11 @@ class ReplicaListener:
     def _accept(self) -> None:
         while True:
             try:
-                conn, _ = self.server.accept()
+                conn, addr = self.server.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._serve, args=(conn,), name="moe-ft-agent-replica-in", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, f"{addr[0]}:{addr[1]}"), name="moe-ft-agent-replica-in",
+                             daemon=True).start()
 
     def close(self) -> None:
         """The agent exits on its own: the next agent need not listen where this one did."""
@@ -282,6 +366,27 @@ class ReplicaListener:
             for key in [k for k in self.streams if k[0] == holder]:
                 del self.streams[key]
 
+    def destination(self, header: dict) -> Path:
+        """The replica store directory a (parsed) header names, if it is this agent's own, for that owner (and
+        holder): ``ValueError`` otherwise. Compared resolved (``..``, symbolic links, an absolute ``job_id``), so
+        that no header directs a write anywhere else."""
+        holder = header["holder"] if header["per_holder"] else None
+        named = replica_store_config(root=header["root"], job_id=header["job_id"], owner=header["owner"],
+                                     holder=holder).directory
+        own = replica_store_config(root=str(self.job_dir.parent), job_id=self.job_dir.name, owner=header["owner"],
+                                   holder=holder).directory
+        if os.path.realpath(named) != os.path.realpath(own):  # ValueError itself for a NUL in the path
+            raise ValueError(f"root {_brief(header['root'])} and job_id {_brief(header['job_id'])} name {named}, "
+                             f"not this agent's replica store {own}")
+        return own
+
+    @staticmethod
+    def room(directory: Path) -> int:
+        """Bytes the replica store ``directory`` could hold: its file system's free space and what the store
+        occupies already (its older points make way for new ones). A larger message could not be published,
+        so it is refused before its buffer is allocated."""
+        return shutil.disk_usage(existing_dir(directory)).free + used_bytes(directory)
+
     def _store(self, header: dict) -> "SnapshotStore":
         key = (header["root"], header["job_id"], header["owner"], header["holder"] if header["per_holder"] else None)
         with self._lock:
@@ -295,51 +400,100 @@ class ReplicaListener:
         with self._lock:
             return self.streams.setdefault((header["holder"], header["owner"]), StreamState())
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: str) -> None:
         with conn:
-            while True:
-                try:
-                    head = _recv_exact(conn, _LEN.size)
-                    if head is None:
-                        return  # the sender closed between frames
-                    raw = _recv_exact(conn, _LEN.unpack(head)[0])
-                    header = json.loads(bytes(raw)) if raw is not None else None
-                    if header is None:
-                        raise EOFError("inside a header")
-                    if header["kind"] == "close":
-                        self._stream(header).closed = True
-                        conn.sendall(_LEN.pack(0))
-                        continue
-                    sizes = [header["manifest"], *(n for _, n in header["blobs"])]
-                    payload = _recv_exact(conn, sum(sizes))
-                    if payload is None:
-                        raise EOFError(f"inside point {header['iteration']} of rank {header['owner']}")
-                except (EOFError, OSError) as exc:
-                    with self._lock:
-                        self.torn += 1
-                    logger.warning("moe-ft agent: a replica connection ended %s; nothing of that message is kept",
-                                   exc)
-                    return
-                self._publish(header, payload, sizes)
-                try:
-                    conn.sendall(_LEN.pack(header["iteration"]))  # the sender's acknowledgement
-                except OSError:
-                    return
+            serving = True
+            while serving:
+                serving = self._serve_frame(conn, peer)
 
-    def _publish(self, header: dict, payload: memoryview, sizes: list[int]) -> None:
-        offsets = [0]
-        for n in sizes:
-            offsets.append(offsets[-1] + n)
-        names = [name for name, _ in header["blobs"]]
-        message = PointMessage(owner=header["owner"], iteration=header["iteration"],
-                               manifest=bytes(payload[:offsets[1]]),
-                               blobs={name: bytes(payload[offsets[i + 1]:offsets[i + 2]]) for i, name in enumerate(names)})
+    def _serve_frame(self, conn: socket.socket, peer: str) -> bool:
+        """Receive, check and publish (or refuse) the next frame and acknowledge it; ``False`` once the
+        connection is done. The message's buffer is released on return, before the next frame's arrives."""
+        try:
+            frame = self._read_frame(conn)
+        except (_Torn, _Refused) as exc:
+            with self._lock:
+                self.torn += 1
+            if isinstance(exc, _Refused):
+                logger.warning("moe-ft agent: a replica message from %s refused: %s; connection closed, nothing of "
+                               "it is kept", peer, exc)
+            else:
+                logger.warning("moe-ft agent: a replica connection from %s %s; nothing of that message is kept",
+                               peer, exc)
+            return False
+        if frame is None:
+            return False  # the sender closed between frames
+        header, payload = frame
+        if header["kind"] == "close":
+            self._stream(header).closed = True
+        else:
+            self._publish(header, payload)
+        try:
+            conn.sendall(_LEN.pack(header.get("iteration", 0)))  # the sender's acknowledgement
+        except OSError:
+            return False
+        return True
+
+    def _read_frame(self, conn: socket.socket) -> tuple[dict, memoryview] | None:
+        """The next frame's checked header and payload (one buffer, allocated once the header passed), or
+        ``None`` when the connection ends between frames. Raises :class:`_Torn` or :class:`_Refused`."""
+        head = memoryview(bytearray(_LEN.size))
+        conn.settimeout(None)  # between messages: no limit (:data:`STALL_TIMEOUT_S`)
+        try:
+            got = conn.recv_into(head)
+        except OSError:
+            return None  # reset between messages: nothing of a message is lost
+        if got == 0:
+            return None
+        conn.settimeout(self.stall_timeout_s)
+        self._receive(conn, head[got:], "inside a frame's length")
+        nbytes = _LEN.unpack(head)[0]
+        if nbytes > MAX_HEADER_BYTES:
+            raise _Refused(f"a header of {nbytes} bytes, more than any header ({MAX_HEADER_BYTES})")
+        raw = memoryview(bytearray(nbytes))
+        self._receive(conn, raw, "inside a header")
+        try:
+            header = parse_header(raw)
+            directory = self.destination(header)
+        except ValueError as exc:
+            raise _Refused(str(exc)) from None
+        if header["kind"] == "close":
+            return header, memoryview(b"")  # no payload
+        what = f"point {header['iteration']} of rank {header['owner']}"
+        total = header["manifest"] + sum(n for _, n in header["blobs"])
+        room = self.room(directory)
+        if total > room:
+            raise _Refused(f"{what} is {total} bytes, more than its replica store {directory} can hold ({room} "
+                           f"bytes: its file system's free space and what the store occupies)")
+        payload = memoryview(bytearray(total))
+        self._receive(conn, payload, f"inside {what}")
+        return header, payload
+
+    def _receive(self, conn: socket.socket, view: memoryview, where: str) -> None:
+        try:
+            if _recv_into(conn, view):
+                return
+        except TimeoutError:
+            raise _Torn(f"stalled {where} (no byte for {self.stall_timeout_s:g} s)") from None
+        except OSError as exc:
+            raise _Torn(f"ended {where} ({exc})") from None
+        raise _Torn(f"ended {where}")
+
+    def _publish(self, header: dict, payload: memoryview) -> None:
+        """Verify and publish a point from views of its receive buffer (``publish_replica``: every blob checked
+        against the owner's digests before anything is published, then written from its view)."""
+        owner, iteration = header["owner"], header["iteration"]
+        manifest = bytes(payload[:header["manifest"]])  # a few KB, decoded as JSON: the one copy made
+        blobs, pos = {}, len(manifest)
+        for name, nbytes in header["blobs"]:
+            blobs[name] = payload[pos:pos + nbytes]
+            pos += nbytes
         stream = self._stream(header)
+        message = PointMessage(owner=owner, iteration=iteration, manifest=manifest, blobs=blobs)
         try:
             published, rejected = publish_replica(self._store(header), message, keep_points=KEEP_POINTS)
         except Exception:  # a full disk, a store removed under it: logged, the stream goes on
-            logger.exception("moe-ft agent: replica of rank %d iteration %d not published", message.owner,
-                             message.iteration)
+            logger.exception("moe-ft agent: replica of rank %d iteration %d not published", owner, iteration)
             return
         with self._lock:
             stream.rejections.extend(rejected)

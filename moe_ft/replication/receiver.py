@@ -7,7 +7,6 @@ published, and reported (``rejections``, logger ``moe_ft.replication``); the res
 
 from __future__ import annotations
 
-import io
 import logging
 import threading
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from typing import Callable, Sequence
 
 from moe_ft.replication.transport import PointMessage, Transport
 from moe_ft.store import SnapshotStore, StoreConfig
-from moe_ft.store.codec import read_entry
+from moe_ft.store.codec import digest_view
 from moe_ft.store.errors import CorruptEntryError
 from moe_ft.store.manifest import EntryRecord, build_manifest, decode_manifest
 
@@ -72,8 +71,10 @@ def verify_message(message: PointMessage) -> tuple[str, list[EntryRecord], Entry
         try:
             if len(data) != entry.nbytes:
                 raise CorruptEntryError(name, f"{len(data)} bytes arrived, manifest says {entry.nbytes}")
-            read_entry(io.BytesIO(data), size=entry.nbytes, checksum=entry.checksum, algo=record.checksum_algo,
-                       key=entry.key, where=f"replica of rank {owner} iteration {it} {name}")
+            # the checks of read_entry (magic, header, trailer, digest, key) over the bytes as they arrived:
+            # no copy of the blob (the node agent's blobs are views of its one receive buffer)
+            digest_view(memoryview(data), checksum=entry.checksum, algo=record.checksum_algo, key=entry.key,
+                        where=f"replica of rank {owner} iteration {it} {name}")
         except CorruptEntryError as exc:
             rejected.append(Rejection(owner, it, entry.name, exc.reason))
             continue
@@ -131,6 +132,13 @@ class ReplicaReceiver:
                 self.received.append((message.owner, message.iteration, message.nbytes))
 
 
+def _write_blob(writer, name: str, data: bytes | memoryview) -> None:
+    sink = writer.open_blob(name)
+    sink.expect(len(data))  # announced: the arena writes it straight into its region instead of gathering it
+    sink.write(data)
+    sink.close()
+
+
 def publish_replica(store: SnapshotStore, message: PointMessage, *, keep_points: int) -> tuple[bool, list[Rejection]]:
     """Verify ``message`` (:func:`verify_message`) and publish its verified entries into ``store`` (the
     owner's replicas on this node), then keep the newest ``keep_points`` points; returns (published, the
@@ -148,12 +156,8 @@ def publish_replica(store: SnapshotStore, message: PointMessage, *, keep_points:
     writer = backend.begin_point(it)
     try:
         for entry in entries + ([meta] if meta else []):
-            sink = writer.open_blob(entry.blob)
-            sink.write(message.blobs[entry.blob])
-            sink.close()
-        sink = writer.open_blob(OWNER_MANIFEST)  # every entry the owner had: what a rebuild must restore
-        sink.write(message.manifest)
-        sink.close()
+            _write_blob(writer, entry.blob, message.blobs[entry.blob])
+        _write_blob(writer, OWNER_MANIFEST, message.manifest)  # every entry the owner had: what a rebuild restores
         writer.commit(build_manifest(it, algo, entries, meta)[0])  # the owner's per-entry checksums
     except BaseException:
         writer.abort()

@@ -18,6 +18,7 @@ import abc
 import json
 import queue
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -29,12 +30,13 @@ from moe_ft import comm
 @dataclass(frozen=True)
 class PointMessage:
     """A recovery point of rank ``owner`` at ``iteration``: the owner's manifest (with its checksums) and
-    the entry files being replicated (``blob name -> bytes``, possibly a subset of the manifest)."""
+    the entry files being replicated (``blob name -> bytes``, possibly a subset of the manifest; the node
+    agent's are views of its one receive buffer)."""
 
     owner: int
     iteration: int
     manifest: bytes
-    blobs: dict[str, bytes] = field(default_factory=dict)
+    blobs: Mapping[str, bytes | memoryview] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
