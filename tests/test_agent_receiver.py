@@ -324,3 +324,15 @@ def test_every_blob_is_verified_on_arrival_against_the_owners_digests(node, capl
     assert set(replicas.catalog().point(3).entries) == set()  # both operators rejected: the metadata kept
     assert replicas.catalog().point(3).meta is not None
     assert sum("rejected" in r.getMessage() for r in caplog.records) == 3, caplog.text
+
+
+def test_an_accepted_connection_probes_a_silent_peer():
+    """An idle connection whose sending node vanished without closing ends after the keepalive probes (about two
+    minutes) instead of holding its thread for the kernel's default of hours."""
+    from moe_ft.agent.replicas import KEEPALIVE_S, keepalive
+
+    with socket.socket() as sock:
+        keepalive(sock)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert [sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, n))
+                for n in ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT")] == list(KEEPALIVE_S)
