@@ -2,25 +2,40 @@
 processes on two simulated nodes (two store roots, one agent each): a point named by rank 0's trainer is
 sent by node A's agent and published by node B's, verified on arrival; a byte flipped on the wire is
 rejected; the end of the stream reaches the holder; a sending agent SIGKILLed inside a message publishes
-nothing of it, and the next request starts another agent that sends the point whole."""
+nothing of it, and the next request starts another agent that sends the point whole. A damaged local point is
+skipped, not a sticky error; a new attempt of a trainer gets a fresh sender of its agent; the end of the
+streams reaches the holders from an agent started again after the last point, and a peer unreachable then is
+logged."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
 import time
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
 from _ft_helpers import wait_until
 
 from moe_ft.agent.client import AgentClient, agent_pid
-from moe_ft.agent.replicas import PORT_FILE, Destination, ReplicaSelect, SocketSink, agent_port, listen_ports
+from moe_ft.agent.replicas import (
+    PORT_FILE,
+    Destination,
+    ReplicaSelect,
+    ReplicateRequest,
+    SocketSink,
+    agent_port,
+    listen_ports,
+)
 from moe_ft.agent.replication import AgentReceiver, AgentSender
+from moe_ft.agent.server import NodeAgent
 from moe_ft.replication.receiver import replica_store_config
-from moe_ft.replication.transport import PointMessage
+from moe_ft.replication.sender import ReplicaSender, SenderConfig
+from moe_ft.replication.transport import PointMessage, PointSink
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import DenseRule, KeepNewestRecoverable, StoreConfig
 from moe_ft.store.backend import MANIFEST
@@ -209,3 +224,148 @@ def test_the_ports_an_agent_tries_are_its_predecessors_then_one_below_the_epheme
     assert listen_ports(agent_dir) == (agent_port(agent_dir),)
     monkeypatch.setenv("MOE_FT_AGENT_PORT", "23456")
     assert agent_port(agent_dir) == 23456
+
+
+def test_an_agent_started_again_after_the_last_point_still_ends_the_streams(tmp_path):
+    """Node A's agent SIGKILLed after rank 0's last point: the agent that rank 0's close starts has no sender
+    of it, and ends its stream to the holder all the same (the holder's end-of-training wait returns)."""
+    nodes = Nodes(tmp_path)
+    _publish(nodes.store, 0)
+    nodes.sender.submit(0)
+    nodes.sender.flush()
+    sending = nodes.clients[0].pid
+    os.kill(sending, signal.SIGKILL)
+    wait_until(lambda: agent_pid(tmp_path / "nodeA" / "j" / "agent") is None, timeout=10)
+    nodes.sender.close()
+    assert nodes.clients[0].pid != sending
+    nodes.receiver.join(timeout=20)
+    nodes.check_replica(0)
+    nodes.bye()
+
+
+class _Recorder(PointSink):
+    """Takes every message and stream end (a peer that is always there)."""
+
+    def __init__(self) -> None:
+        self.points: list[int] = []
+        self.closed: list[int] = []
+
+    def send_point(self, dst: int, message: PointMessage) -> int:
+        self.points.append(message.iteration)
+        return message.nbytes
+
+    def close_to(self, dst: int) -> None:
+        self.closed.append(dst)
+
+
+@pytest.mark.parametrize("budget", [None, 10**12], ids=["unlimited", "budgeted"])
+def test_a_damaged_local_point_is_skipped_not_a_sticky_error(tmp_path, caplog, budget):
+    """A manifest damaged in the local store: that point is skipped and logged (as the hashing job skips it),
+    and the next one goes: a sticky error would fail every later point, and every later attempt the node
+    agent serves with the same sender."""
+    store = StoreConfig(root=str(tmp_path / "shm"), job_id="j", rank=0).build(
+        retention=KeepNewestRecoverable(rule=DenseRule(operators=frozenset(OPS))))
+    sink = _Recorder()
+    sender = ReplicaSender(SenderConfig(), store, sink, [1], owner=0,
+                           budget=None if budget is None else (lambda: budget))
+    _publish(store, 0, rows=8)
+    path, offset, length = store.backend.blob_location(0, MANIFEST)
+    with open(path, "r+b") as f:
+        f.seek(offset + length // 2)
+        byte = f.read(1)
+        f.seek(offset + length // 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with caplog.at_level(logging.WARNING, logger="moe_ft.replication"):
+        sender.submit(0)
+        sender.flush()
+    assert "point 0 not replicated: unreadable here" in caplog.text and sink.points == []
+    _publish(store, 1, rows=8)
+    sender.submit(1)
+    sender.flush()
+    assert sink.points == [1] and sender.replicated_iteration == 1
+    sender.close()
+    assert sink.closed == [1]
+
+
+def _request(store, iteration: int, dest: Destination, budget: int | None = None) -> ReplicateRequest:
+    return ReplicateRequest(rank=0, iteration=iteration, store_dir=store.backend.describe(), peers=(dest,),
+                            select=SELECT, budget=budget)
+
+
+def _in_process_agent(tmp_path, monkeypatch):
+    """A node agent in this process (its handler called directly) whose replica listener is also the peer:
+    rank 0's points go to holder 1, on the same node (its replica store beside rank 0's store)."""
+    monkeypatch.setenv("MOE_FT_AGENT_HOST", "127.0.0.1")
+    agent_dir = tmp_path / "nodeA" / "j" / "agent"
+    agent_dir.mkdir(parents=True)
+    agent = NodeAgent(Path(agent_dir))
+    host, port = agent._handle(("replica_listen",))
+    dest = Destination(rank=1, host=host, port=port, root=str(tmp_path / "nodeA"), job_id="j", per_holder=False)
+    return agent, dest
+
+
+def test_a_new_attempt_of_the_trainer_gets_a_fresh_sender(tmp_path, monkeypatch):
+    """A trainer restarted by torchrun says no ``replica_abandon``: its build's ``replica_open`` replaces the
+    sender its predecessor used. (b) Budgeted, after a rollback: the re-executed points are sent again (the
+    old sender counted the abandoned timeline's 3 as sent, and would never send the new 3); (a) a sender with
+    a sticky error does not fail the next attempt's requests."""
+    agent, dest = _in_process_agent(tmp_path, monkeypatch)
+    store = StoreConfig(root=str(tmp_path / "nodeA"), job_id="j", rank=0).build(
+        retention=KeepNewestRecoverable(rule=DenseRule(operators=frozenset(OPS))))
+    replicas = replica_store_config(root=dest.root, job_id="j", owner=0).build()
+    budget = 10**12
+    try:
+        agent._handle(("replica_open", 0))
+        for it in range(4):  # the first timeline
+            _publish(store, it, rows=16)
+            agent._handle(("replicate", _request(store, it, dest, budget)))
+            assert agent._handle(("replica_flush", 0))["replicated_iteration"] == it
+        first = agent.ranks[0].sender
+        agent._handle(("replica_open", 0))  # the restarted trainer's build; it rolled back to 1
+        store.discard_after(1)
+        for it in (2, 3):  # re-executed: other bytes
+            _publish(store, it, rows=32)
+            agent._handle(("replicate", _request(store, it, dest, budget)))
+            state = agent._handle(("replica_flush", 0))
+            assert state["sent"][0] == it and state["replicated_iteration"] == it
+        assert agent.ranks[0].sender is not first
+        for op in OPS:
+            got = replicas.load(3, op, Level.FULL)
+            assert all(torch.equal(got[k], v) for k, v in _tensors(3, op, 32).items())
+
+        def fails(entry):
+            raise RuntimeError("a sender's sticky error")
+
+        agent.ranks[0].sender.select = fails
+        _publish(store, 4, rows=16)
+        agent._handle(("replicate", _request(store, 4, dest, budget)))
+        with pytest.raises(RuntimeError, match="sticky error"):
+            agent._handle(("replica_flush", 0))
+        agent._handle(("replica_open", 0))  # the next attempt
+        agent._handle(("replicate", _request(store, 4, dest, budget)))
+        assert agent._handle(("replica_flush", 0))["replicated_iteration"] == 4
+    finally:
+        agent.listener.close()
+
+
+def test_the_streams_end_from_an_agent_without_the_ranks_sender_and_an_unreachable_peer_is_logged(
+        tmp_path, monkeypatch, caplog):
+    agent, dest = _in_process_agent(tmp_path, monkeypatch)
+    free = socket.create_server(("127.0.0.1", 0))
+    gone = Destination(rank=2, host="127.0.0.1", port=free.getsockname()[1], root=dest.root, job_id="j",
+                       per_holder=False)
+    free.close()  # nothing listens there: that peer's agent is down
+    try:
+        assert 0 not in agent.ranks  # an agent started after rank 0's last point
+        with caplog.at_level(logging.WARNING, logger="moe_ft.replication"):
+            agent._handle(("replica_close", 0, (dest, gone)))
+        assert agent._handle(("replica_state", 1))["streams"][0]["closed"]
+        assert "rank 0: the end of the stream to peer 2 not sent" in caplog.text
+        caplog.clear()
+        store = StoreConfig(root=str(tmp_path / "nodeA"), job_id="j", rank=0).build()
+        sender = ReplicaSender(SenderConfig(), store, SocketSink(0, (gone,)), [2], owner=0)
+        with caplog.at_level(logging.WARNING, logger="moe_ft.replication"):
+            sender.close()  # logged, not raised: the end of training goes on
+        assert "the end of the stream to peer 2 not sent" in caplog.text
+    finally:
+        agent.listener.close()

@@ -1,6 +1,8 @@
 """The node agent (``moe_ft/agent/``) as real processes: a trainer starts it, it outlives that trainer, it
 writes the durable tier from the ranks' node-local stores (verified, pinned against their garbage
-collection), a killed agent is started again by the next call, and it exits once every rank said bye."""
+collection), a killed agent is started again by the next call, and it exits once every rank said bye. A pid
+file that names another process, or an agent that is leaving, makes the trainer start another agent; an agent
+that does not answer is an error after a bound, not a hang."""
 
 from __future__ import annotations
 
@@ -9,14 +11,20 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
+import subprocess
+import threading
 import zlib
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from types import SimpleNamespace
 
 import pytest
 import torch
 from _ft_helpers import wait_until
 
 from moe_ft.agent.client import AgentClient, agent_pid
-from moe_ft.agent.server import PersistRequest
+from moe_ft.agent.server import KEY_FILE, PID_FILE, NodeAgent, PersistRequest, proc_stat, socket_address
+from moe_ft.background import BackgroundWorker
 from moe_ft.persist import DurableTier
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import DenseRule, KeepNewestRecoverable, StoreConfig
@@ -210,3 +218,145 @@ def test_moe_ft_launch_starts_the_node_agent_the_training_flags_ask_for(tmp_path
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
+
+
+def _agent_dir(tmp_path):
+    """An agent directory with its key, as the first trainer of a node makes it."""
+    agent_dir = tmp_path / "shm" / "j" / "agent"
+    agent_dir.mkdir(parents=True)
+    (agent_dir / KEY_FILE).write_bytes(os.urandom(32))
+    return agent_dir
+
+
+def test_a_pid_file_naming_another_process_does_not_stop_the_next_agent(tmp_path):
+    """A SIGKILLed agent's pid reused by an unrelated process: the trainer must start an agent, not connect to
+    that process's (nonexistent) socket forever. The pid file holds the agent's start time too."""
+    agent_dir = _agent_dir(tmp_path)
+    other = subprocess.Popen(["sleep", "120"])
+    try:
+        started = proc_stat(other.pid)[1]
+        (agent_dir / PID_FILE).write_text(f"{other.pid} {started}\n")
+        assert agent_pid(agent_dir) == other.pid  # pid and start time: that process
+        (agent_dir / PID_FILE).write_text(f"{other.pid} {started - 1}\n")  # the agent that wrote it started then
+        assert agent_pid(agent_dir) is None
+        (agent_dir / PID_FILE).write_text(f"{other.pid}\n")  # a pid alone identifies no process
+        assert agent_pid(agent_dir) is None
+        client = AgentClient(agent_dir, 0, idle_exit_s=30)
+        assert client.call("ping") == client.pid != other.pid
+        assert agent_pid(agent_dir) == client.pid
+        client.bye()
+        wait_until(lambda: agent_pid(agent_dir) is None, timeout=20)
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_leaving_agent_is_found_no_more_and_the_trainer_starts_another(tmp_path):
+    """An agent that decided to exit removes its pid file and stops listening before its slow close (here a
+    rank's work that takes until the test releases it), and answers no request from then on: the trainer's
+    request, on its open connection, goes to a new agent (started under it, listening on the same socket name
+    while the old one still closes)."""
+    agent_dir = _agent_dir(tmp_path)
+    agent = NodeAgent(agent_dir, idle_exit_s=30)  # in this process: its pid file names this process
+    release = threading.Event()
+    slow = BackgroundWorker("slow-rank-work", lambda _: release.wait(60), describe=repr)
+    slow.submit(None)
+    agent.ranks[7] = SimpleNamespace(worker=slow, sender=None)  # type: ignore[assignment]
+    serving = threading.Thread(target=agent.serve, daemon=True)
+    serving.start()
+    client = AgentClient(agent_dir, 0, idle_exit_s=30)
+    try:
+        wait_until(lambda: agent_pid(agent_dir) == os.getpid(), timeout=10)
+        assert client.call("ping") == os.getpid()
+        agent.stop()  # leaving: its close waits for rank 7's work
+        wait_until(lambda: agent_pid(agent_dir) is None, timeout=10)
+        assert serving.is_alive()  # still closing
+        new = client.call("ping")
+        assert new == client.pid != os.getpid() and client.restarts == 1
+        assert serving.is_alive()
+    finally:
+        release.set()
+        serving.join(30)
+        client.bye()
+    wait_until(lambda: agent_pid(agent_dir) is None, timeout=20)
+
+
+def test_a_connection_that_an_exiting_agent_closes_is_made_again_to_a_new_agent(tmp_path):
+    """The agent exits as the trainer connects: it accepted the connection, then removed its pid file and
+    closed everything. The connection (its authentication, the hello) is part of what is tried again: the
+    trainer starts a new agent and its request is answered, instead of failing the engine's thread."""
+    agent_dir = _agent_dir(tmp_path)
+    (agent_dir / PID_FILE).write_text(f"{os.getpid()} {proc_stat(os.getpid())[1]}\n")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(socket_address(agent_dir))
+    server.listen(4)
+
+    def exit_on_first_connection() -> None:
+        sock, _ = server.accept()
+        (agent_dir / PID_FILE).unlink()
+        server.shutdown(socket.SHUT_RDWR)
+        server.close()
+        sock.close()
+
+    leaving = threading.Thread(target=exit_on_first_connection, daemon=True)
+    leaving.start()
+    client = AgentClient(agent_dir, 0, idle_exit_s=30)
+    try:
+        assert client.call("ping") == client.pid != os.getpid() and client.restarts == 1
+    finally:
+        leaving.join(10)
+        client.bye()
+    wait_until(lambda: agent_pid(agent_dir) is None, timeout=20)
+
+
+def _fake_agent(agent_dir, *, handshake: bool):
+    """A process that holds the agent's pid file and socket and never answers: with ``handshake`` it
+    authenticates the connection and answers the hello, then reads requests and answers none (a stuck agent);
+    without, it never even accepts (a stopped agent, whose kernel still completes the connection)."""
+    (agent_dir / PID_FILE).write_text(f"{os.getpid()} {proc_stat(os.getpid())[1]}\n")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(socket_address(agent_dir))
+    server.listen(4)
+    conns = []
+
+    def serve(conn: Connection) -> None:
+        key = (agent_dir / KEY_FILE).read_bytes()
+        with contextlib.suppress(EOFError, OSError):
+            deliver_challenge(conn, key)
+            answer_challenge(conn, key)
+            conn.recv()
+            conn.send(os.getpid())  # the hello
+            while True:
+                conn.recv()
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # closed by the test
+            while True:
+                conns.append(Connection(server.accept()[0].detach()))
+                threading.Thread(target=serve, args=(conns[-1],), daemon=True).start()
+
+    if handshake:
+        threading.Thread(target=accept, daemon=True).start()
+    return server, conns
+
+
+@pytest.mark.parametrize("handshake", [False, True], ids=["stopped", "stuck"])
+def test_an_agent_that_does_not_answer_is_an_error_naming_it_not_a_hang(tmp_path, handshake):
+    agent_dir = _agent_dir(tmp_path)
+    server, conns = _fake_agent(agent_dir, handshake=handshake)
+    try:
+        client = AgentClient(agent_dir, 0, timeout_s=0.5, drain_timeout_s=1.0)
+        with pytest.raises(RuntimeError, match="did not answer") as failed:
+            client.call("ping")
+        message = str(failed.value)
+        assert f"node agent {os.getpid()} of {agent_dir}" in message and f"kill -9 {os.getpid()}" in message
+        assert ("'ping' within 0.5 s" if handshake else "the connection's authentication within 0.5 s") in message
+        if handshake:  # a request that waits for the rank's work gets the longer bound
+            with pytest.raises(RuntimeError, match="did not answer 'flush' within 1 s"):
+                client.flush()
+    finally:
+        with contextlib.suppress(OSError):
+            server.shutdown(socket.SHUT_RDWR)  # wakes the accept thread
+        server.close()
+        for conn in conns:
+            conn.close()

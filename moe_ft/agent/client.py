@@ -2,10 +2,12 @@
 
 ``moe-ft launch`` starts the node's agent before the workers (``moe_ft/launch/cli.py``). Under plain torchrun,
 or when the agent died, every trainer of a node calls :func:`connect`; under an ``flock`` of the agent
-directory the first one that finds no live agent (no pid file, or a dead pid) starts ``python -m moe_ft.agent``
-detached (its own session, so that it outlives the workers and torchrun's process-group kill), and waits for
-its pid file.
-A connection that breaks (the agent was killed) is made again on the next call, starting a new agent.
+directory the first one that finds no live agent (no pid file, or one naming no running agent:
+:func:`agent_pid`) starts ``python -m moe_ft.agent`` detached (its own session, so that it outlives the workers
+and torchrun's process-group kill), and waits for its pid file.
+A connection that cannot be made or breaks (the agent was killed, or is leaving) is made again, starting a new
+agent, and the request resent once. An agent that does not answer (stopped, stuck) is an error after a bound,
+never a hang of the trainer's thread.
 """
 
 from __future__ import annotations
@@ -14,37 +16,37 @@ import contextlib
 import fcntl
 import os
 import secrets
+import socket
+import struct
 import subprocess
 import sys
 import time
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from pathlib import Path
 
-from moe_ft.agent.server import KEY_FILE, LOG_FILE, PID_FILE, PersistRequest, socket_address
-from moe_ft.store.backend import pid_alive
+from moe_ft.agent.server import KEY_FILE, LOG_FILE, PID_FILE, PersistRequest, proc_stat, socket_address
 
 START_TIMEOUT_S = 120.0
 """How long a trainer waits for a started agent to listen (it imports torch first)."""
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a killed agent whose parent has not reaped it yet)."""
-    if not pid_alive(pid):
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return pid_alive(pid)
+REQUEST_TIMEOUT_S = 120.0
+"""How long a trainer waits for the answer to a request that only queues work or reads the agent's state."""
+DRAIN_TIMEOUT_S = 3600.0
+"""How long it waits for the answer to a request that waits for the rank's queued work (:data:`DRAINS`:
+durable copies and sends of whole points)."""
+DRAINS = frozenset({"flush", "bye", "replica_flush", "replica_close"})
 
 
 def agent_pid(agent_dir: Path) -> int | None:
-    """The pid of the live agent of ``agent_dir``, else ``None``."""
+    """The pid of the live agent of ``agent_dir``, else ``None``. The process the pid file names must run, not
+    be a zombie (a killed agent whose parent has not reaped it yet), and have started when the agent that
+    wrote the file did: a SIGKILLed agent's pid may be an unrelated process's by now, and trusting it would
+    refuse every trainer's connection until someone deletes the file."""
     try:
-        pid = int((agent_dir / PID_FILE).read_text().strip())
+        pid, started = (int(v) for v in (agent_dir / PID_FILE).read_text().split())
     except (FileNotFoundError, ValueError):
         return None
-    return pid if _running(pid) else None
+    stat = proc_stat(pid)
+    return pid if stat is not None and stat[0] != "Z" and stat[1] == started else None
 
 
 def _start(agent_dir: Path, idle_exit_s: float, started_by: str) -> None:
@@ -105,8 +107,11 @@ class AgentCpu:
 class AgentClient:
     """One trainer rank's connection to its node's agent."""
 
-    def __init__(self, agent_dir: str | os.PathLike, rank: int, *, idle_exit_s: float = 600.0) -> None:
+    def __init__(self, agent_dir: str | os.PathLike, rank: int, *, idle_exit_s: float = 600.0,
+                 timeout_s: float = REQUEST_TIMEOUT_S, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         self.agent_dir, self.rank, self.idle_exit_s = Path(agent_dir), rank, idle_exit_s
+        self.timeout_s, self.drain_timeout_s = timeout_s, drain_timeout_s
+        """The bounds on an answer (:data:`REQUEST_TIMEOUT_S`, :data:`DRAIN_TIMEOUT_S`)."""
         self._conn: Connection | None = None
         self.pid: int | None = None
         self.restarts = 0
@@ -118,20 +123,55 @@ class AgentClient:
             if self.pid is not None and pid != self.pid:
                 self.restarts += 1
             self.pid = pid
-            key = (self.agent_dir / KEY_FILE).read_bytes()
-            self._conn = Client(socket_address(self.agent_dir), family="AF_UNIX", authkey=key)
+            self._conn = self._open((self.agent_dir / KEY_FILE).read_bytes())
             self._conn.send(("hello", self.rank))
-            self._conn.recv()
+            self._answer(self._conn, "hello")
         return self._conn
 
-    def call(self, *request):
-        """Send ``request``, return the answer; a lost agent is started again and the request resent
-        once. An exception the agent answers with is raised here."""
-        for attempt in (0, 1):
-            conn = self._connect()
+    def _open(self, key: bytes) -> Connection:
+        """The authenticated connection (what ``multiprocessing.connection.Client`` makes), its handshake
+        bounded: the kernel completes the connection to a stopped agent, whose challenge then never comes."""
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.timeout_s))
+            sock.connect(socket_address(self.agent_dir))
+            conn = Connection(os.dup(sock.fileno()))
             try:
+                answer_challenge(conn, key)
+                deliver_challenge(conn, key)
+            except BlockingIOError:  # the receive timeout: the agent runs no code
+                conn.close()
+                raise self._not_answering("the connection's authentication", self.timeout_s) from None
+            except BaseException:
+                conn.close()
+                raise
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0))  # answers: waited for in _answer
+        return conn
+
+    def _answer(self, conn: Connection, kind: str):
+        """The answer to request ``kind``, waited for at most its bound."""
+        timeout = self.drain_timeout_s if kind in DRAINS else self.timeout_s
+        if not conn.poll(timeout):
+            self._drop()  # its late answer would be taken for the next request's
+            raise self._not_answering(repr(kind), timeout)
+        return conn.recv()
+
+    def _not_answering(self, what: str, timeout: float) -> RuntimeError:
+        return RuntimeError(
+            f"the node agent {self.pid} of {self.agent_dir} did not answer {what} within {timeout:g} s: it is "
+            f"stopped or stuck (`kill -USR1 {self.pid}` writes its threads' stacks to "
+            f"{self.agent_dir / LOG_FILE}); `kill -CONT {self.pid}` if it was stopped, else `kill -9 {self.pid}`: "
+            "the next request starts another agent")
+
+    def call(self, *request):
+        """Send ``request``, return the answer. A connection that cannot be made or breaks (no agent, one
+        that is leaving or was killed) is made again, starting a new agent, and the request (with the
+        connection's hello) resent, once. An agent that does not answer within the request's bound raises
+        ``RuntimeError``, as does an exception the agent answers with."""
+        for attempt in (0, 1):
+            try:
+                conn = self._connect()
                 conn.send(request)
-                answer = conn.recv()
+                answer = self._answer(conn, request[0])
                 break
             except (EOFError, OSError):
                 self._drop()
@@ -159,3 +199,8 @@ class AgentClient:
             with contextlib.suppress(OSError):
                 self._conn.close()
         self._conn = None
+
+
+def _timeval(seconds: float) -> bytes:
+    """``struct timeval`` for ``SO_RCVTIMEO`` (0: no timeout)."""
+    return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))

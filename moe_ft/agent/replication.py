@@ -83,11 +83,12 @@ class AgentSender:
         self._take(self.client.call("replica_flush", self.rank))
 
     def close(self) -> None:
-        """The queued points, then the end of this rank's streams to its peers."""
+        """The queued points, then the end of this rank's streams to its peers (named in the request: an agent
+        started again after the last point has no sender of this rank, and ends the streams all the same)."""
         self._worker.close()
         self._worker.raise_if_failed()
         if self.peers:
-            self._take(self.client.call("replica_close", self.rank))
+            self._take(self.client.call("replica_close", self.rank, self.peers))
 
     def abandon(self) -> None:
         """A failed attempt: the agent drops this rank's sender without ending its streams (when the request

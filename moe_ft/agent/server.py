@@ -1,8 +1,8 @@
 """The node agent process (``python -m moe_ft.agent --dir <agent dir>``; see ``moe_ft/agent/__init__.py``).
 
 It listens on an abstract Unix socket named after its directory (``multiprocessing.connection``, with a
-key only the job's files hold), writes its pid file once it listens, and serves each connected trainer on
-a thread of its own. Requests are tuples:
+key only the job's files hold), writes its pid file (its pid and start time: :func:`proc_stat`) once it
+listens, and serves each connected trainer on a thread of its own. Requests are tuples:
 
 * ``("verify", VerifyRequest)``: queue the hashing of rank ``r``'s published point (its operator entries were
   written with their digests deferred, ``--ft-checksum-by agent``); the digests are recorded beside the
@@ -15,17 +15,21 @@ a thread of its own. Requests are tuples:
 * ``("replicate", ReplicateRequest)``: send rank ``r``'s published point to its replica peers' agents
   (``moe_ft/agent/replicas.py``: a ``ReplicaSender`` per rank, here, over sockets); answers the rank's
   replication state. The first replication request starts the listener that receives the peers' replicas
-  (on a port derived from the agent directory, or its crashed predecessor's port); ``("replica_listen",)`` answers its ``(host, port)``; ``("replica_open", holder)`` starts a holder's streams afresh (a new run);
-  ``("replica_state", holder)`` answers what arrived for it; ``("replica_flush" | "replica_close" |
-  "replica_abandon", rank)`` waits for the rank's sends / also ends its streams to the peers / drops its
-  sender without ending them (a failed attempt);
+  (on a port derived from the agent directory, or its crashed predecessor's port); ``("replica_listen",)`` answers its ``(host, port)``; ``("replica_open", rank)`` starts the rank's streams afresh, in and out
+  (a new run, or a new attempt of the trainer: its sender is dropped, see :meth:`NodeAgent._replica`);
+  ``("replica_state", holder)`` answers what arrived for it; ``("replica_flush" | "replica_abandon", rank)``
+  waits for the rank's sends / drops its sender without ending its streams (a failed attempt);
+  ``("replica_close", rank, peers)`` sends what is queued, then ends the rank's streams to ``peers`` (also
+  from an agent that has no sender of the rank: one started again after the rank's last point);
 * ``("flush", rank)``: wait until the rank's queued copies are done; answers the rank's state;
 * ``("bye", rank)``: the rank ends its run (its copies flushed first);
 * ``("hello", rank)``: a trainer rank connected (sent by every client when it connects); answers the pid;
 * ``("ping",)``: answers the agent's pid.
 
 It exits once every rank that said hello has said bye and its queues are empty, or when no trainer has been
-connected for ``--idle-exit`` seconds (the job died and did not come back), or on SIGTERM.
+connected for ``--idle-exit`` seconds (the job died and did not come back), or on SIGTERM. Once it decided to,
+it is found no more (pid file removed, socket closed, requests unanswered) before it finishes its queued work,
+so that a trainer arriving then starts another agent instead of talking to a leaving one.
 """
 
 from __future__ import annotations
@@ -37,11 +41,12 @@ import hashlib
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -66,6 +71,18 @@ def socket_address(agent_dir: str | os.PathLike) -> str:
     and inode: a directory deleted and created again, e.g. a lost node's store, gets another name)."""
     ident = f"{os.path.realpath(agent_dir)}:{os.stat(agent_dir).st_ino}"
     return f"\0moe-ft-agent-{hashlib.sha1(ident.encode()).hexdigest()[:20]}"
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """Process ``pid``'s state letter and start time (clock ticks after boot; ``/proc/<pid>/stat`` fields 3 and
+    22), ``None`` when there is no such process. With its pid, the start time names one process: the pid file
+    holds both, since a dead agent's pid is reused by another process sooner or later."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold anything
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return fields[0], int(fields[19])
 
 
 def _same_dir(path: Path, inode: int) -> bool:
@@ -157,16 +174,26 @@ class NodeAgent:
     _stop: threading.Event = field(default_factory=threading.Event)
     listener: "ReplicaListener | None" = None
     """Receives the peers' replicas (started by the first replication request of any kind)."""
+    _requests: threading.Condition = field(default_factory=threading.Condition)
+    """Guards ``_busy`` and ``_exiting``; notified as each request ends."""
+    _busy: int = 0
+    """Requests being handled."""
+    _exiting: bool = False
+    """It is leaving (:meth:`_leave`): requests are left unanswered from then on."""
 
     def serve(self) -> None:
         key = (self.directory / KEY_FILE).read_bytes()
         home = os.stat(self.directory).st_ino
-        listener = Listener(socket_address(self.directory), family="AF_UNIX", authkey=key)
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(socket_address(self.directory))
+        server.listen(64)
+        stat = proc_stat(os.getpid())
+        assert stat is not None, "the agent's own /proc entry"
         pid_tmp = self.directory / f".{PID_FILE}.{os.getpid()}"
-        pid_tmp.write_text(f"{os.getpid()}\n")
+        pid_tmp.write_text(f"{os.getpid()} {stat[1]}\n")
         os.replace(pid_tmp, self.directory / PID_FILE)  # found by the trainers from here on
         print(f"moe-ft agent {os.getpid()}: serving {self.directory} (started by {self.started_by})", flush=True)
-        threading.Thread(target=self._accept, args=(listener,), name="moe-ft-agent-accept", daemon=True).start()
+        threading.Thread(target=self._accept, args=(server, key), name="moe-ft-agent-accept", daemon=True).start()
         while not self._stop.wait(0.2):
             with self._lock:
                 idle = self._connected == 0 and time.monotonic() - self._last_seen > self.idle_exit_s
@@ -177,47 +204,84 @@ class NodeAgent:
                        else f"no trainer for {self.idle_exit_s:.0f} s")
                 print(f"moe-ft agent {os.getpid()}: exiting ({why})", flush=True)
                 break
+        self._leave(server)
         self._close()
-        with_pid = self.directory / PID_FILE
-        with contextlib.suppress(FileNotFoundError):
-            if with_pid.read_text().strip() == str(os.getpid()):
-                with_pid.unlink()
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _leave(self, server: socket.socket) -> None:
+        """Be found no more before the slow close of :meth:`_close` (up to a minute per rank): a trainer that
+        reads the pid file from now on starts another agent, one that connects is refused and tries again.
+        The pid file goes first (a trainer that read it and finds the socket closed reads it again, once);
+        ``shutdown`` wakes the thread blocked in ``accept`` (``close`` alone would leave the socket listening,
+        and its name taken, until that thread returns: the next agent could not listen). A request that
+        comes once the pid file is gone gets no answer (the lock is held from there: its trainer sends it
+        again, to the next agent); those being answered are waited for, so that their work is queued before
+        :meth:`_close`."""
+        self._stop.set()  # also what the accept thread finds when shutdown wakes it
+        with self._requests:
+            with_pid = self.directory / PID_FILE
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                if int(with_pid.read_text().split()[0]) == os.getpid():
+                    with_pid.unlink()
+            with contextlib.suppress(OSError):
+                server.shutdown(socket.SHUT_RDWR)
+            server.close()
+            if self.listener is not None:  # its port is the next agent's
+                self.listener.close()
+            self._exiting = True
+            self._requests.wait_for(lambda: self._busy == 0, timeout=60)
 
     def _close(self) -> None:
         for rank in list(self.ranks.values()):
             rank.worker.close(timeout=60)
             if rank.sender is not None:
                 rank.sender.abandon()
-        if self.listener is not None:
-            self.listener.close()
 
-    def _accept(self, listener: Listener) -> None:
-        while not self._stop.is_set():
+    def _accept(self, server: socket.socket, key: bytes) -> None:
+        while True:
             try:
-                conn = listener.accept()
-            except Exception as exc:  # a client that fails authentication: refuse it, keep serving
-                logger.warning("moe-ft agent: refused a connection: %r", exc)
+                sock, _ = server.accept()
+            except OSError as exc:
+                if self._stop.is_set():
+                    return  # shut down by _leave
+                logger.warning("moe-ft agent: accepting a connection failed: %r", exc)
+                time.sleep(0.1)  # e.g. out of file descriptors: no busy loop
                 continue
             with self._lock:
                 self._connected += 1
-            threading.Thread(target=self._serve_one, args=(conn,), name="moe-ft-agent-conn", daemon=True).start()
+            threading.Thread(target=self._serve_one, args=(Connection(sock.detach()), key), name="moe-ft-agent-conn",
+                             daemon=True).start()
 
-    def _serve_one(self, conn: Connection) -> None:
+    def _serve_one(self, conn: Connection, key: bytes) -> None:
         try:
+            try:  # what multiprocessing's Listener.accept does, on this thread: a slow client holds no other
+                deliver_challenge(conn, key)
+                answer_challenge(conn, key)
+            except Exception as exc:  # a client that fails authentication: refused
+                logger.warning("moe-ft agent: refused a connection: %r", exc)
+                return
             while True:
                 try:
                     request = conn.recv()
                 except (EOFError, OSError):
                     return
+                with self._requests:
+                    if self._exiting:  # unanswered: the trainer sends it again, to the next agent
+                        return
+                    self._busy += 1
                 try:
-                    answer = self._handle(request)
-                except Exception as exc:  # answered: the client raises it (a send to a lost peer, ...)
-                    logger.warning("moe-ft agent: %s request failed: %r", request[0], exc)
-                    answer = exc
-                conn.send(answer)
+                    try:
+                        answer = self._handle(request)
+                    except Exception as exc:  # answered: the client raises it (a send to a lost peer, ...)
+                        logger.warning("moe-ft agent: %s request failed: %r", request[0], exc)
+                        answer = exc
+                    conn.send(answer)
+                finally:
+                    with self._requests:
+                        self._busy -= 1
+                        self._requests.notify_all()
         finally:
             conn.close()
             with self._lock:
@@ -293,7 +357,7 @@ class NodeAgent:
     def _replica(self, kind: str, args: tuple):
         # start-up time of the agent: replication is imported with the first request for it
         from moe_ft.agent.replicas import ReplicaListener, SocketSink, agent_host
-        from moe_ft.replication.sender import ReplicaSender, SenderConfig
+        from moe_ft.replication.sender import ReplicaSender, SenderConfig, end_streams
 
         with self._lock:  # listening from the first replication request on (an agent started again after a
             # crash listens on the same port as before: the peers' senders find it there)
@@ -301,10 +365,18 @@ class NodeAgent:
                 self.listener = ReplicaListener(agent_host(), self.directory)
         if kind == "replica_listen":
             return self.listener.host, self.listener.port
-        if kind in ("replica_open", "replica_state"):
-            if kind == "replica_open":
-                self.listener.reopen(args[0])
-                return None
+        if kind == "replica_open":  # a new run or attempt of the rank (collective, at its build): its streams
+            # in and out start afresh. A trainer restarted by torchrun says nothing else to the agent: its
+            # predecessor's sender (a sticky error, the points of a timeline the recovery abandoned as done)
+            # must not serve it
+            self.listener.reopen(args[0])
+            with self._lock:
+                rank = self.ranks.get(args[0])
+                if rank is not None and rank.sender is not None:
+                    rank.sender.abandon()
+                    rank.sender = None
+            return None
+        if kind == "replica_state":
             return {"streams": self.listener.state(args[0]), "torn": self.listener.torn}
         if kind == "replicate":
             req: "ReplicateRequest" = args[0]
@@ -322,6 +394,12 @@ class NodeAgent:
             sender.submit(req.iteration, req.plan)
             return self._replica_state(work)
         rank = self.ranks.get(args[0])
+        if kind == "replica_close" and (rank is None or rank.sender is None):
+            # an agent started again after the rank's last point has no sender of it, and the holders wait for
+            # the end of its streams: ended from the peers the request names
+            peers = args[1]
+            end_streams(SocketSink(args[0], peers), [p.rank for p in peers], owner=args[0])
+            return self._replica_state(rank)
         if rank is None or rank.sender is None:
             return self._replica_state(rank)
         if kind == "replica_flush":

@@ -33,9 +33,27 @@ from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import SnapshotStore
 from moe_ft.store.backend import MANIFEST
 from moe_ft.store.codec import PENDING
+from moe_ft.store.errors import StoreError
 from moe_ft.store.manifest import EntryRecord, PointRecord, decode_manifest
 
 logger = logging.getLogger("moe_ft.replication")
+
+
+def end_streams(transport: PointSink, peers: Sequence[int], *, owner: int) -> None:
+    """Tell each of ``peers`` that rank ``owner``'s stream ends. A peer unreachable now is logged, not raised:
+    the end of training goes on (that holder's wait for the end of the stream names the source it missed)."""
+    for peer in peers:
+        try:
+            transport.close_to(peer)
+        except PeerUnreachable as exc:
+            logger.warning("moe-ft replication rank %d: the end of the stream to peer %d not sent: %s", owner, peer,
+                           exc)
+
+
+_UNREADABLE = (StoreError, OSError)
+"""What reading a local point raises when it is damaged (a manifest or entry that fails verification, a file
+that cannot be read): the point is skipped and logged, as garbage collection's are, not a sticky error of the
+sender (every later point, and every later attempt served by the same node agent, would fail with it)."""
 
 
 @dataclass(kw_only=True)
@@ -112,8 +130,7 @@ class ReplicaSender:
         if not self._worker.alive:
             return
         self._worker.close()
-        for peer in self.peers:
-            self.transport.close_to(peer)
+        end_streams(self.transport, self.peers, owner=self.owner)
         self._raise_if_failed()
 
     def abandon(self) -> None:
@@ -156,7 +173,8 @@ class ReplicaSender:
                 if e.op is None or (self.select(e) and (plan is None or e.op in plan))]
 
     def _read(self, iteration: int) -> PointMessage:
-        """The message for point ``iteration`` (its chosen entries); ``FileNotFoundError`` if GC took it."""
+        """The message for point ``iteration`` (its chosen entries); ``FileNotFoundError`` if GC took it, and
+        see :data:`_UNREADABLE`."""
         backend = self.store.backend
         with self.store.pin([iteration]):
             manifest = backend.read_blob(iteration, MANIFEST)
@@ -194,6 +212,8 @@ class ReplicaSender:
         except FileNotFoundError:
             return self._skip(iteration, "deleted by garbage collection before it was read "
                                          "(replication slower than snapshots)")
+        except _UNREADABLE as exc:
+            return self._skip(iteration, f"unreadable here: {exc!r}")
         if self._send(message, start):
             self.replicated_iteration = iteration
 
@@ -225,6 +245,9 @@ class ReplicaSender:
                 message = self._read(it)
             except FileNotFoundError:
                 self._skip(it, "deleted by garbage collection before it was read")
+                continue
+            except _UNREADABLE as exc:
+                self._skip(it, f"unreadable here: {exc!r}")
                 continue
             cost = message.nbytes * len(self.peers)
             with self._lock:

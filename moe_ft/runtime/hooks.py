@@ -395,13 +395,23 @@ class FTRuntime(StepHooks):
             self.faults.check(self.rank, iteration, "published", target=(self.active.store.backend, iteration))
 
     def on_train_end(self, report) -> None:
+        """Close every session and component, each even if one before it failed (a replication that cannot
+        end its streams must not skip the durable tier's final flush); then the first failure is raised (the
+        others are printed), after the digest."""
         self.clock.stop(report.last_iteration - 1)
-        for session in self.sessions:
-            session.close()
-        for component in self.components:
-            component.close()
+        errors: list[Exception] = []
+        for closer in [*(s.close for s in self.sessions), *(c.close for c in self.components)]:
+            try:
+                closer()
+            except Exception as e:  # noqa: BLE001 - raised below, once the others are closed
+                errors.append(e)
+        for e in errors[1:]:
+            print(f"moe-ft: rank {self.rank}: closing at the end of training, also: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
         if self.config.drill.digest_out:
             write_digest(self.config.drill.digest_out, self.state, report.last_iteration)
+        if errors:
+            raise errors[0]
 
     def survivor_point(self) -> HeldPoint | None:
         """After this attempt failed under ``moe-ft launch``: the survivor point the process keeps for its next
