@@ -288,7 +288,7 @@ def test_a_connection_that_an_exiting_agent_closes_is_made_again_to_a_new_agent(
     agent_dir = _agent_dir(tmp_path)
     (agent_dir / PID_FILE).write_text(f"{os.getpid()} {proc_stat(os.getpid())[1]}\n")
     server = socket.socket(socket.AF_UNIX)
-    server.bind(socket_address(agent_dir))
+    server.bind(socket_address(agent_dir, (agent_dir / KEY_FILE).read_bytes()))
     server.listen(4)
 
     def exit_on_first_connection() -> None:
@@ -315,7 +315,7 @@ def _fake_agent(agent_dir, *, handshake: bool):
     without, it never even accepts (a stopped agent, whose kernel still completes the connection)."""
     (agent_dir / PID_FILE).write_text(f"{os.getpid()} {proc_stat(os.getpid())[1]}\n")
     server = socket.socket(socket.AF_UNIX)
-    server.bind(socket_address(agent_dir))
+    server.bind(socket_address(agent_dir, (agent_dir / KEY_FILE).read_bytes()))
     server.listen(4)
     conns = []
 
@@ -360,3 +360,18 @@ def test_an_agent_that_does_not_answer_is_an_error_naming_it_not_a_hang(tmp_path
         server.close()
         for conn in conns:
             conn.close()
+
+
+def test_a_directory_created_again_gets_another_socket_name_even_with_the_old_inode(tmp_path):
+    """A store wiped and created again may get its old inode number (ext4 does): the socket name also hangs on
+    the directory's key, made anew with it, so a new agent does not meet the old one's socket (and a trainer is
+    not sent to an agent whose key it does not hold); the old agent sees that its directory is gone."""
+    from moe_ft.agent.server import _same_dir
+
+    agent_dir = _agent_dir(tmp_path)
+    old_key, new_key = (agent_dir / KEY_FILE).read_bytes(), os.urandom(32)
+    assert socket_address(agent_dir, old_key) != socket_address(agent_dir, new_key)  # same path, same inode
+    inode = os.stat(agent_dir).st_ino
+    assert _same_dir(agent_dir, inode, old_key)
+    (agent_dir / KEY_FILE).write_bytes(new_key)  # as a directory created again, with the old inode number
+    assert not _same_dir(agent_dir, inode, old_key)

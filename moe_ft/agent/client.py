@@ -133,7 +133,7 @@ class AgentClient:
         bounded: the kernel completes the connection to a stopped agent, whose challenge then never comes."""
         with socket.socket(socket.AF_UNIX) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.timeout_s))
-            sock.connect(socket_address(self.agent_dir))
+            sock.connect(socket_address(self.agent_dir, key))
             conn = Connection(os.dup(sock.fileno()))
             try:
                 answer_challenge(conn, key)

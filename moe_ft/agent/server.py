@@ -66,10 +66,12 @@ KEY_FILE = "agent.key"
 LOG_FILE = "agent.log"
 
 
-def socket_address(agent_dir: str | os.PathLike) -> str:
-    """The agent's abstract socket name: no file to go stale, unique per directory on the node (its path
-    and inode: a directory deleted and created again, e.g. a lost node's store, gets another name)."""
-    ident = f"{os.path.realpath(agent_dir)}:{os.stat(agent_dir).st_ino}"
+def socket_address(agent_dir: str | os.PathLike, key: bytes) -> str:
+    """The agent's abstract socket name: no file to go stale, unique per directory on the node and per key
+    (``KEY_FILE``, made when the directory is first used): a directory deleted and created again, e.g. a lost
+    node's store, gets another name even where the file system gives it the old inode number (ext4 does), so a
+    new agent never meets the old one's socket, and a trainer never the old agent."""
+    ident = f"{os.path.realpath(agent_dir)}:{os.stat(agent_dir).st_ino}:{hashlib.sha1(key).hexdigest()}"
     return f"\0moe-ft-agent-{hashlib.sha1(ident.encode()).hexdigest()[:20]}"
 
 
@@ -85,9 +87,11 @@ def proc_stat(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[19])
 
 
-def _same_dir(path: Path, inode: int) -> bool:
+def _same_dir(path: Path, inode: int, key: bytes) -> bool:
+    """Whether ``path`` is still the directory the agent serves (its inode, and its key: an inode number may
+    be given again to a directory created anew)."""
     try:
-        return os.stat(path).st_ino == inode and (path / KEY_FILE).exists()
+        return os.stat(path).st_ino == inode and (path / KEY_FILE).read_bytes() == key
     except FileNotFoundError:
         return False
 
@@ -185,7 +189,7 @@ class NodeAgent:
         key = (self.directory / KEY_FILE).read_bytes()
         home = os.stat(self.directory).st_ino
         server = socket.socket(socket.AF_UNIX)
-        server.bind(socket_address(self.directory))
+        server.bind(socket_address(self.directory, key))
         server.listen(64)
         stat = proc_stat(os.getpid())
         assert stat is not None, "the agent's own /proc entry"
@@ -198,7 +202,7 @@ class NodeAgent:
             with self._lock:
                 idle = self._connected == 0 and time.monotonic() - self._last_seen > self.idle_exit_s
                 done = bool(self.ever) and not self.active and self._connected == 0
-            gone = not _same_dir(self.directory, home)  # the store was wiped (a lost node's, or by hand)
+            gone = not _same_dir(self.directory, home, key)  # the store was wiped (a lost node's, or by hand)
             if idle or done or gone:
                 why = ("every rank said bye" if done else "its directory is gone" if gone
                        else f"no trainer for {self.idle_exit_s:.0f} s")
