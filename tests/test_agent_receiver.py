@@ -336,3 +336,22 @@ def test_an_accepted_connection_probes_a_silent_peer():
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         assert [sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, n))
                 for n in ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT")] == list(KEEPALIVE_S)
+
+
+def test_the_end_of_a_stream_outlives_the_agent_that_received_it(node):
+    """The agent that received a stream's end is killed before the holder's trainer asked for it: its successor
+    still reports the stream ended (the trainer would otherwise wait out its timeout at the end of training);
+    a new run of the holder starts the stream afresh."""
+    with node.connect() as sock:
+        send(sock, node.header("close"))
+        assert LEN.unpack(recv_exactly(sock, LEN.size))[0] == 0
+    agent_dir = node.listener.port_file.parent
+    node.listener.server.close()  # killed: no cleanup of its own
+    successor = ReplicaListener("127.0.0.1", agent_dir)
+    try:
+        assert successor.state(1) == {0: {"received": 0, "closed": True, "rejections": []}}
+        assert successor.state(2) == {}
+        successor.reopen(1)
+        assert successor.state(1) == {}
+    finally:
+        successor.close()

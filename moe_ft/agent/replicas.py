@@ -81,6 +81,11 @@ PORT_FILE = "replica.port"
 """In the agent directory while an agent listens: the port it got. An agent started again after a crash tries
 it first (its predecessor may have had to take another port than :func:`agent_port`, and the peers gathered
 that one); an agent that exits on its own removes it."""
+CLOSED_DIR = "streams"
+"""In the agent directory: ``closed.<holder>.<owner>`` once owner's stream into holder ended. The holder's
+trainer waits for the end of every stream at the end of training; an agent started again after the end
+arrived (the previous one was killed) would otherwise never report it, and the trainer would wait out its
+timeout. A new run of the holder (``replica_open``) removes its markers."""
 
 
 def agent_port(agent_dir: str | os.PathLike) -> int:
@@ -331,6 +336,8 @@ class ReplicaListener:
         self.server = self._bind(host, listen_ports(agent_dir))
         self.host, self.port = host, self.server.getsockname()[1]
         self.port_file = Path(agent_dir) / PORT_FILE
+        self.closed_dir = Path(agent_dir) / CLOSED_DIR
+        """See :data:`CLOSED_DIR`."""
         tmp = self.port_file.with_name(f".{PORT_FILE}.{os.getpid()}")
         tmp.write_text(f"{self.port}\n")
         os.replace(tmp, self.port_file)  # a successor after a crash listens here too
@@ -371,8 +378,11 @@ class ReplicaListener:
         self.port_file.unlink(missing_ok=True)
 
     def state(self, holder: int) -> dict[int, dict]:
-        """``{owner: {"received", "closed", "rejections"}}`` of the streams into ``holder``."""
+        """``{owner: {"received", "closed", "rejections"}}`` of the streams into ``holder`` (ended streams
+        included whose end reached a predecessor of this agent: :data:`CLOSED_DIR`)."""
         with self._lock:
+            for owner in self._closed_markers(holder):
+                self.streams.setdefault((holder, owner), StreamState()).closed = True
             return {owner: {"received": s.received, "closed": s.closed, "rejections": list(s.rejections)}
                     for (h, owner), s in self.streams.items() if h == holder}
 
@@ -381,6 +391,18 @@ class ReplicaListener:
         with self._lock:
             for key in [k for k in self.streams if k[0] == holder]:
                 del self.streams[key]
+            for owner in self._closed_markers(holder):
+                (self.closed_dir / f"closed.{holder}.{owner}").unlink(missing_ok=True)
+
+    def _end_stream(self, holder: int, owner: int) -> None:
+        self._stream({"holder": holder, "owner": owner}).closed = True
+        self.closed_dir.mkdir(exist_ok=True)
+        (self.closed_dir / f"closed.{holder}.{owner}").touch()
+
+    def _closed_markers(self, holder: int) -> list[int]:
+        prefix = f"closed.{holder}."
+        names = os.listdir(self.closed_dir) if self.closed_dir.is_dir() else []
+        return [int(n[len(prefix):]) for n in names if n.startswith(prefix) and n[len(prefix):].isdigit()]
 
     def destination(self, header: dict) -> Path:
         """The replica store directory a (parsed) header names, if it is this agent's own, for that owner (and
@@ -441,7 +463,7 @@ class ReplicaListener:
             return False  # the sender closed between frames
         header, payload = frame
         if header["kind"] == "close":
-            self._stream(header).closed = True
+            self._end_stream(header["holder"], header["owner"])
         else:
             self._publish(header, payload)
         try:
