@@ -33,3 +33,23 @@ def test_train_end_closes_every_component_then_raises_the_first_failure(capsys):
         runtime.on_train_end(SimpleNamespace(last_iteration=5))
     assert closed == ["session", "replicas", "trace", "durable"]  # the durable tier's final flush ran
     assert "also: ValueError: disk full" in capsys.readouterr().err
+
+
+def test_a_replication_whose_streams_did_not_end_still_says_bye_to_its_node_agent():
+    """The node agent leaves once every rank said bye: a rank whose wait for its sources' streams failed says
+    it all the same (else its agent would stay until its idle exit), and the failure is raised."""
+    from moe_ft.agent.replication import AgentSender
+    from moe_ft.replication.service import Replication
+
+    calls: list[str] = []
+    sender = object.__new__(AgentSender)  # its close and client only
+    sender.close = lambda: calls.append("streams ended")  # type: ignore[method-assign]
+    sender.client = SimpleNamespace(bye=lambda: calls.append("bye"))
+
+    def join(timeout):
+        raise TimeoutError("replicas from rank(s) [1]: their node agents have not ended their streams")
+
+    replication = SimpleNamespace(sender=sender, receiver=SimpleNamespace(join=join), capture=None)
+    with pytest.raises(TimeoutError):
+        Replication.close(replication)  # type: ignore[arg-type]
+    assert calls == ["streams ended", "bye"]

@@ -253,10 +253,12 @@ class Replication:
     def close(self, snapshots=()) -> None:
         """Collective in effect: every rank's receiver waits for its sources to close their streams.
         ``snapshots``: the engine's :class:`SnapshotRecord` list, summarised on the recomputation line."""
-        self.sender.close()
-        self.receiver.join(timeout=600)
-        if isinstance(self.sender, AgentSender):  # the node agent leaves once every rank said bye
-            self.sender.client.bye()
+        try:
+            self.sender.close()
+            self.receiver.join(timeout=600)
+        finally:  # the node agent leaves once every rank said bye: also when a stream did not end
+            if isinstance(self.sender, AgentSender):
+                self.sender.client.bye()
         if self.capture is not None:  # one line per rank: what MoEtion Alg. 3 saved on the wire
             records = self.sender.records
             grads, full = sum(r.gradient_bytes for r in records), sum(r.replaced_bytes for r in records)
