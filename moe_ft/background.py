@@ -38,6 +38,7 @@ class BackgroundWorker(Generic[T]):
         self._queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         """The first exception an item raised (later items are skipped), else ``None``."""
+        self._discard = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -55,11 +56,15 @@ class BackgroundWorker(Generic[T]):
         self._queue.join()
         self.raise_if_failed()
 
-    def close(self, timeout: float | None = None) -> None:
-        """Handle what is queued, then stop the thread (waiting at most ``timeout`` seconds for it). Raises
-        nothing: call :meth:`raise_if_failed` after it to surface the kept error."""
+    def close(self, timeout: float | None = None, *, discard: bool = False) -> None:
+        """Handle what is queued (``discard``: skip it, as after an error: a failed attempt's work, which must
+        not reach anyone once the next attempt began), then stop the thread (waiting at most ``timeout``
+        seconds for it; an item being handled is finished). Raises nothing: call :meth:`raise_if_failed`
+        after it to surface the kept error."""
         if not self._thread.is_alive():
             return
+        if discard:
+            self._discard = True
         self._queue.put(_STOP)
         self._thread.join(timeout=timeout)
 
@@ -81,7 +86,7 @@ class BackgroundWorker(Generic[T]):
                 self._queue.task_done()
                 return
             try:
-                if self.error is None:
+                if self.error is None and not self._discard:
                     self._handle(item)
             except BaseException as exc:  # kept, and raised on the training thread's next call
                 self.error = exc

@@ -4,6 +4,7 @@ writer and the replication sender: order, the sticky error and how it surfaces, 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -62,3 +63,20 @@ def test_close_handles_what_is_queued_and_setup_runs_first_on_the_thread():
     w.close(timeout=10)
     assert seen == ["setup", 0, 1, 2] and not w.has_pending()
     w.close()  # a second close is a no-op
+
+
+def test_close_with_discard_finishes_the_item_in_hand_and_skips_the_queued_ones():
+    """A failed attempt's work: what the thread is handling ends, what waits is never handled."""
+    started, gate, seen = threading.Event(), threading.Event(), []
+    w = _worker(lambda item: (started.set(), gate.wait(10), seen.append(item)))
+    for i in range(3):
+        w.submit(i)
+    assert started.wait(10)  # item 0 is in hand
+    w.close(timeout=0.01, discard=True)  # returns with item 0 still in hand
+    assert w.alive
+    gate.set()
+    deadline = time.monotonic() + 10
+    while w.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [0] and not w.alive and not w.has_pending()
+    w.raise_if_failed()  # discarding is no error

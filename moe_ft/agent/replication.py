@@ -91,10 +91,12 @@ class AgentSender:
             self._take(self.client.call("replica_close", self.rank, self.peers))
 
     def abandon(self) -> None:
-        """A failed attempt: the agent drops this rank's sender without ending its streams (when the request
-        thread is still in a call, the client is left to it: the next attempt's first request replaces the
-        sender anyway)."""
-        self._worker.close(timeout=5)
+        """A failed attempt: the points still queued are not named to the agent (the next attempt's
+        ``replica_open`` would otherwise meet them after it, and the agent build a sender for a timeline the
+        recovery abandoned), and the agent drops this rank's sender without ending its streams (when the
+        request thread is still in a call, the client is left to it: the next attempt's first request replaces
+        the sender anyway)."""
+        self._worker.close(timeout=5, discard=True)
         if not self._worker.alive:
             with contextlib.suppress(OSError, EOFError, RuntimeError):
                 self.client.call("replica_abandon", self.rank)
