@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 import zlib
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from types import SimpleNamespace
@@ -375,3 +376,32 @@ def test_a_directory_created_again_gets_another_socket_name_even_with_the_old_in
     assert _same_dir(agent_dir, inode, old_key)
     (agent_dir / KEY_FILE).write_bytes(new_key)  # as a directory created again, with the old inode number
     assert not _same_dir(agent_dir, inode, old_key)
+
+
+def test_a_rank_whose_store_changes_waits_for_its_old_work_without_holding_up_the_others(tmp_path):
+    """Rank 0 comes back with another store directory while its old work is still queued: the old work is
+    finished (and its sender dropped) outside the agent's lock, so rank 1's requests are answered meanwhile."""
+    from moe_ft.agent.server import VerifyRequest
+    from moe_ft.background import BackgroundWorker
+    from moe_ft.store import StoreConfig
+
+    stores = {name: StoreConfig(root=str(tmp_path / name), job_id="j", rank=0).build() for name in ("a", "b", "c")}
+    agent = NodeAgent(_agent_dir(tmp_path), idle_exit_s=30)
+    release, abandoned = threading.Event(), []
+    old = BackgroundWorker("old-rank-work", lambda _: release.wait(30), describe=repr)
+    old.submit(None)
+    agent.ranks[0] = SimpleNamespace(worker=old, store=stores["a"], writer=None,  # type: ignore[assignment]
+                                     sender=SimpleNamespace(abandon=lambda: abandoned.append(0)))
+    moving = threading.Thread(target=agent._verify, args=(VerifyRequest(0, 5, stores["b"].backend.describe()),))
+    moving.start()
+    try:
+        wait_until(lambda: agent.ranks[0].store.backend.describe() == stores["b"].backend.describe(), timeout=10)
+        start = time.monotonic()
+        agent._verify(VerifyRequest(1, 5, stores["c"].backend.describe()))  # rank 1: not behind rank 0's old work
+        assert time.monotonic() - start < 5 and moving.is_alive()
+    finally:
+        release.set()
+        moving.join(30)
+    assert not old.alive and abandoned == [0]
+    for rank in agent.ranks.values():
+        rank.worker.close()

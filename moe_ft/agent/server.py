@@ -320,24 +320,35 @@ class NodeAgent:
             return None
         return ValueError(f"unknown request {kind!r}")
 
-    def _rank(self, number: int, store_dir: str) -> _Rank:
-        """Rank ``number``'s work (made, or made again for another store directory); with the lock held."""
+    def _rank(self, number: int, store_dir: str, retired: list[_Rank]) -> _Rank:
+        """Rank ``number``'s work (made, or made again for another store directory); with the lock held. The
+        work it replaces goes to ``retired``, for the caller to close once it released the lock (closing waits
+        for its queued copies: every other rank's requests would wait with it)."""
         # start-up time of the agent: the store is imported with the first request
         from moe_ft.store import SnapshotStore, open_backend
 
         rank = self.ranks.get(number)
         if rank is None or rank.store.backend.describe() != store_dir:
             if rank is not None:
-                rank.worker.close()
+                retired.append(rank)
             store = SnapshotStore(open_backend(store_dir, create=False), shared_pins=True)
             rank = self.ranks[number] = _Rank(number, store)
         self.active.add(number)
         self.ever.add(number)
         return rank
 
+    @staticmethod
+    def _retire(retired: list[_Rank]) -> None:
+        for rank in retired:
+            rank.worker.close()
+            if rank.sender is not None:
+                rank.sender.abandon()
+
     def _verify(self, req: VerifyRequest):
+        retired: list[_Rank] = []
         with self._lock:
-            rank = self._rank(req.rank, req.store_dir)
+            rank = self._rank(req.rank, req.store_dir, retired)
+        self._retire(retired)
         rank.worker.submit(("verify", req.iteration, None))
         return self._state(rank)
 
@@ -346,11 +357,15 @@ class NodeAgent:
         from moe_ft.persist import DurableTier, PersistWriter
 
         key = (req.persist_dir, req.job_id, req.world_size, req.keep)
+        retired: list[_Rank] = []
         with self._lock:
-            rank = self._rank(req.rank, req.store_dir)
+            rank = self._rank(req.rank, req.store_dir, retired)
+            previous = rank.writer is not None and rank.key != key
+        self._retire(retired)
+        if previous:
+            rank.worker.drain()  # the previous settings' copies first (the agent's lock released meanwhile)
+        with self._lock:
             if rank.writer is None or rank.key != key:
-                if rank.writer is not None:
-                    rank.worker.drain()  # the previous settings' copies first
                 rank.writer = PersistWriter(rank.store, DurableTier(req.persist_dir, req.job_id, req.world_size),
                                             req.rule, rank=req.rank, interval=1, keep=req.keep, publish_timeout=0.0)
                 rank.key = key
@@ -385,14 +400,16 @@ class NodeAgent:
         if kind == "replicate":
             req: "ReplicateRequest" = args[0]
             key = (req.store_dir, req.peers, req.select)
+            retired: list[_Rank] = []
             with self._lock:
-                work = self._rank(req.rank, req.store_dir)
+                work = self._rank(req.rank, req.store_dir, retired)
                 if work.sender is None or work.sender_key != key:
                     if work.sender is not None:  # another run's: dropped without ending its streams
                         work.sender.abandon()
                     work.sender = ReplicaSender(SenderConfig(), work.store, SocketSink(req.rank, req.peers),
                                                 [p.rank for p in req.peers], owner=req.rank, select=req.select)
                     work.sender_key = key
+            self._retire(retired)
             sender = work.sender
             sender.budget = None if req.budget is None else (lambda: req.budget)
             sender.submit(req.iteration, req.plan)
