@@ -405,3 +405,19 @@ def test_a_rank_whose_store_changes_waits_for_its_old_work_without_holding_up_th
     assert not old.alive and abandoned == [0]
     for rank in agent.ranks.values():
         rank.worker.close()
+
+
+def test_a_point_collected_before_the_agent_hashed_it_is_one_line_not_a_traceback(tmp_path, caplog):
+    from moe_ft.agent.server import _Rank
+    from moe_ft.store import SnapshotStore, StoreConfig, open_backend
+
+    cfg = StoreConfig(root=str(tmp_path), job_id="j", rank=0)
+    cfg.build()
+    rank = _Rank(0, SnapshotStore(open_backend(cfg.directory, create=False), shared_pins=True))
+    try:
+        with caplog.at_level("WARNING", logger="moe_ft.agent"):
+            rank.run(("verify", 12, None))
+    finally:
+        rank.worker.close()
+    (record,) = [r for r in caplog.records if "iteration 12" in r.getMessage()]
+    assert "the point is gone" in record.getMessage() and record.exc_info is None

@@ -138,3 +138,21 @@ def test_a_point_collected_before_the_sender_reads_it_is_skipped_at_once():
     assert [s.iteration for s in sender.sent] == [2, 3]
     assert [it for it, _ in sender.skipped] == [0, 1] and all("superseded" in why for _, why in sender.skipped)
     sender.close()
+
+
+def test_the_plans_of_points_never_sent_are_forgotten():
+    """A plan is kept per submitted point until the point is sent: the plans of points skipped (collected
+    first) or left behind by the budget (older than every point still wanted) go too, instead of piling up
+    for the whole run in the node agent."""
+    full = {op: Level.FULL for op in OPS}
+    plan = {E0: Level.FULL, E1: Level.NONE, D0: Level.FULL}
+    for budget in (None, lambda: 10**9):
+        local, replica, sender, receiver = _pair(DenseRule(operators=OPS), budget)
+        for t in range(4):  # 0 and 1 are collected before the sender reads them
+            _publish(local, t, full)
+        for t in range(4):
+            sender.submit(t, plan)
+        sender.flush()
+        assert sender._plans == {}, budget
+        sender.close()
+        receiver.join(timeout=10)

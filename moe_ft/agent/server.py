@@ -155,8 +155,14 @@ class _Rank:
             elif self.writer is not None:
                 self.writer.persist(iteration, plan)
         except Exception as exc:  # kept going: see the class docstring
-            logger.exception("moe-ft agent: rank %d: %s of iteration %d skipped", self.rank,
-                             "hashing" if kind == "verify" else "durable copy", iteration)
+            from moe_ft.store.errors import MissingEntryError  # start-up time: imported with the store, by now
+
+            what = "hashing" if kind == "verify" else "durable copy"
+            if isinstance(exc, (FileNotFoundError, MissingEntryError)):  # collected by the trainer first: one line
+                logger.warning("moe-ft agent: rank %d: %s of iteration %d skipped: the point is gone (%s)",
+                               self.rank, what, iteration, exc)
+            else:
+                logger.exception("moe-ft agent: rank %d: %s of iteration %d skipped", self.rank, what, iteration)
             if kind != "verify" and self.writer is not None:
                 self.writer.skipped.append((iteration, repr(exc)))
 

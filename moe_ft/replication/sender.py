@@ -163,6 +163,8 @@ class ReplicaSender:
         return ""
 
     def _skip(self, iteration: int, why: str) -> None:
+        with self._lock:  # never sent now: its plan is not needed any more
+            self._plans.pop(iteration, None)
         self.skipped.append((iteration, why))
         logger.warning("moe-ft replication rank %d: point %d not replicated: %s", self.owner, iteration, why)
 
@@ -260,4 +262,8 @@ class ReplicaSender:
                     if all(w in self._done for w in wanted if w <= e)]
         if complete:
             self.replicated_iteration = complete[0]
-        self._done = {it for it in self._done if it >= min(wanted, default=0)}
+        oldest = min(wanted, default=0)
+        self._done = {it for it in self._done if it >= oldest}
+        with self._lock:  # points older than every wanted one are never sent: their plans go
+            for it in [it for it in self._plans if it < oldest]:
+                del self._plans[it]
