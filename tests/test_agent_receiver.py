@@ -355,3 +355,20 @@ def test_the_end_of_a_stream_outlives_the_agent_that_received_it(node):
         assert successor.state(1) == {}
     finally:
         successor.close()
+
+
+def test_a_message_larger_than_the_nodes_available_memory_is_refused_before_its_buffer(node, monkeypatch, caplog):
+    """A replica store on a large disk has room for more than memory holds: the receive buffer must fit too."""
+    from moe_ft.agent import replicas
+
+    assert replicas.available_memory() > 0  # read from /proc/meminfo here
+    manifest, blobs = node.point(3)
+    monkeypatch.setattr(replicas, "available_memory", lambda: len(manifest))
+    with node.connect() as sock:
+        header = node.header(iteration=3, manifest=len(manifest), blobs=[[k, len(v)] for k, v in blobs.items()])
+        send(sock, header)
+        assert closed_by_listener(sock)
+    wait_until(lambda: node.listener.torn == 1, timeout=10)
+    assert "available memory" in caplog.text and not node.replica_dir().exists()
+    monkeypatch.undo()
+    node.serves_a_good_point()

@@ -322,6 +322,19 @@ def keepalive(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
+def available_memory() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (``None`` where there is none): a message's receive buffer
+    must fit, whatever room its store has on disk."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 class ReplicaListener:
     """The receiving half in a node agent (see the module docstring), listening on the first free port of
     :func:`listen_ports` of the agent directory, which it records there (:data:`PORT_FILE`) until it is
@@ -503,6 +516,9 @@ class ReplicaListener:
         if total > room:
             raise _Refused(f"{what} is {total} bytes, more than its replica store {directory} can hold ({room} "
                            f"bytes: its file system's free space and what the store occupies)")
+        memory = available_memory()
+        if memory is not None and total > memory:  # a store on a large disk: the buffer must fit in memory too
+            raise _Refused(f"{what} is {total} bytes, more than this node's available memory ({memory} bytes)")
         payload = memoryview(bytearray(total))
         self._receive(conn, payload, f"inside {what}")
         return header, payload
