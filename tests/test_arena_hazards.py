@@ -196,3 +196,35 @@ def test_a_job_skipped_after_a_failure_gives_its_regions_back_after_its_device_c
     engine = SimpleNamespace(_free=queue.Queue())
     SnapshotEngine._job_done(engine, job, RuntimeError("the thread failed"))  # type: ignore[arg-type]
     assert order == ["copy ended", "regions freed"] and job.copied.is_set() and engine._free.get_nowait() == 3
+
+
+def test_a_point_another_process_pinned_after_gc_chose_it_keeps_its_regions_until_the_pin_goes(tmp_path):
+    """Garbage collection chose point 1 from the pins it read; a reader of another process (the node agent)
+    pinned it just after and may hold its index's places: once the index is gone the deletion reads the pins
+    again and keeps the regions from the next points until a later deletion finds the pin gone."""
+    store = StoreConfig(root=str(tmp_path), job_id="j", rank=0).build()
+    store.retention = None
+    for it in (1, 2):
+        _publish(store, it, A, torch.full((1 << 18,), float(it)))
+    backend = store.backend
+    places = set(backend._index(1).values())
+    reader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        backend.pins_dir.mkdir(parents=True, exist_ok=True)
+        pin = backend.pins_dir / f"{1:012d}.{reader.pid}.0"
+        pin.touch()  # after the gc read the pins
+        backend.delete_point(1)
+        assert 1 not in store.points() and 1 in backend._alloc.deferred
+        _publish(store, 3, A, torch.full((1 << 18,), 3.0))  # same size: would take point 1's regions
+        assert not places & set(backend._index(3).values())
+        pin.unlink()  # the reader is done
+        backend.delete_point(2)
+        assert backend._alloc.deferred == {}
+        _publish(store, 4, A, torch.full((1 << 18,), 4.0))
+        _publish(store, 5, A, torch.full((1 << 18,), 5.0))
+        reused = set(backend._index(4).values()) | set(backend._index(5).values())
+        assert {(seg, off) for seg, off, _ in places} & {(seg, off) for seg, off, _ in reused}
+    finally:
+        reader.kill()
+        reader.wait()
+    assert store.verify().problems == ()

@@ -46,7 +46,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
 from moe_ft.store.backend import (
     MANIFEST,
@@ -130,6 +130,7 @@ class _Allocator:
         self.points: dict[int, list[Region]] = {}  # published points this allocator knows of
         self.pending: dict[int, list[Region]] = {}  # writer token -> regions not published yet
         self.open_tokens: set[int] = set()  # writers that may still allocate (not published, not aborted)
+        self.deferred: dict[int, list[Region]] = {}  # deleted points another process still reads (see delete)
         self.maps: dict[int, torch.Tensor] = {}  # segment -> its bytes, mapped shared (map_blob), never unmapped
         self._mms: dict[int, mmap.mmap] = {}  # segment -> its shared mapping, never unmapped
         # segment -> its mapping's address and the export that keeps it (None, None: cannot be mapped)
@@ -326,15 +327,27 @@ class _Allocator:
             self._release([r for r in mine if (r[0], r[1]) not in kept])
             self.points.setdefault(iteration, []).extend(r for r in mine if (r[0], r[1]) in kept)
 
-    def delete(self, index: Path, iteration: int) -> bool:
+    def delete(self, index: Path, iteration: int, pinned: Callable[[], set[int]]) -> bool:
+        """Hide point ``iteration`` (unlink its index), then free its regions, unless a reader of another
+        process pinned it in the meantime (``pinned()``, read once the index is gone): garbage collection chose
+        it from the pins it read before, and that reader may hold the index's places already. Such regions
+        are kept until a later deletion finds the pin gone; a reader that pins after the unlink finds no
+        index, so nothing else can need them."""
         with self.lock:
             try:
                 os.unlink(index)  # invisible from here on
+                existed = True
             except FileNotFoundError:
-                self._release(self.points.pop(iteration, []))
-                return False
-            self._release(self.points.pop(iteration, []))
-            return True
+                existed = False
+            now = pinned()
+            regions = self.points.pop(iteration, [])
+            if existed and iteration in now:
+                self.deferred[iteration] = regions
+            else:
+                self._release(regions)
+            for it in [it for it in self.deferred if it not in now]:
+                self._release(self.deferred.pop(it))
+            return existed
 
     def allocated(self, token: int) -> int:
         with self.lock:
@@ -644,7 +657,7 @@ class ArenaBackend(StoreBackend):
         index = self.points_dir / f"{iteration:012d}.json"
         alloc = self._alloc or _ALLOCATORS.get(os.path.realpath(self.directory))
         if alloc is not None and alloc.current():
-            alloc.delete(index, iteration)
+            alloc.delete(index, iteration, self.pinned_elsewhere)
         else:  # not the allocating process: hide the point; the allocator reclaims its regions
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(index)
