@@ -380,7 +380,13 @@ def test_a_newer_attempt_ends_a_wait_in_the_store_at_once(store, monkeypatch):
 
 def test_launcher_flags_are_checked(capsys):
     for flags, message in ((["--spares-per-node", "-1"], "--spares-per-node must be >= 0 (got -1)"),
-                           (["--reform-timeout", "0"], "--reform-timeout must be > 0 seconds")):
+                           (["--reform-timeout", "0"], "--reform-timeout must be a finite number of seconds > 0"),
+                           # nan compares false with 0, inf overflows the timedelta of the first recovery
+                           (["--reform-timeout", "nan"], "--reform-timeout must be a finite number of seconds > 0"),
+                           (["--reform-timeout", "inf"], "--reform-timeout must be a finite number of seconds > 0"),
+                           (["--node-timeout", "nan"], "--node-timeout must be a finite number of seconds > 0"),
+                           (["--max-restarts", "-1"], "--max-restarts must be >= 0 (got -1)"),
+                           (["--full-restart", "--spares-per-node", "1"], "--spares-per-node needs in-process")):
         with pytest.raises(SystemExit) as exit_:
             cli.parse_args(["--standalone", *flags, "train.py"])
         assert exit_.value.code == 2 and message in capsys.readouterr().err
@@ -395,6 +401,47 @@ def test_launcher_flags_are_checked(capsys):
     assert "--nproc-per-node" in out  # torchrun's own flags
     args = cli.parse_args(["--standalone", "--nproc-per-node", "4", "--spares-per-node", "2", "train.py", "--lr", "1"])
     assert (args.spares_per_node, args.rdzv_backend, args.training_script_args) == (2, "c10d", ["--lr", "1"])
+    cli.parse_args(["--standalone", "--spares-per-node", "1", "--max-restarts", "0", "train.py"])  # a fault-free run
+    assert "no spare will take a rank" in capsys.readouterr().err
+
+
+def test_a_single_node_full_restart_needs_no_rendezvous_round():
+    """torchrun's default rendezvous (static) has no rounds: a one-node job's full restart is announced all the
+    same (the round only tells the other nodes' agents which attempt it is); it used to raise at the first
+    full restart, after the job had run under in-process recovery."""
+    from types import SimpleNamespace
+
+    from torch.distributed import HashStore
+
+    from moe_ft.launch.agent import SpareAgent
+
+    store, keys = HashStore(), protocol.Keys("job")
+    agent = object.__new__(SpareAgent)
+    agent._started, agent._keys, agent._node, agent._nodes = True, keys, 0, 1
+    agent._store_client = lambda group: store  # type: ignore[method-assign]
+    protocol.announce(store, keys, kind="fallback", failed=[1], detected_at=0.0, reason="no spare for rank 1")
+    group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=object()),  # a handler without rounds
+                            workers=[SimpleNamespace(global_rank=r) for r in (0, 1)])
+    assert agent._job_attempt(group) == 2  # type: ignore[arg-type]
+    assert protocol.announcement(store, keys, 2) | {"detected_at": 0} == {
+        "kind": "job", "failed": [0, 1], "detected_at": 0, "reason": "no spare for rank 1"}
+
+
+def test_a_job_stopped_by_a_lost_node_ends_with_one_line(monkeypatch, capsys):
+    """Ranks of a lost node found by the heartbeat watch: the run fails with no worker of this node failed;
+    torch's error report asserts on that, so the launcher says it in one line, exit 1."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+    class Stopped:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def run(self):
+            return RunResult(state=WorkerState.FAILED, failures={})
+
+    monkeypatch.setattr(cli, "SpareAgent", Stopped)
+    assert cli.main(["--standalone", "--nproc-per-node", "1", "train.py"]) == 1
+    assert "node(s) were lost and could not be recovered" in capsys.readouterr().err
 
 
 def test_max_restarts_bounds_in_process_replacements(tmp_path):
@@ -492,3 +539,26 @@ def test_a_replacement_that_does_not_arrive_in_time_falls_back_to_a_full_restart
     assert report["restart_kind"] == "job" and report["survivor_pids_kept"] is None
     assert "falling back to a full restart" in open(res["log"]).read()
     assert report["fallback_reason"] == "re-forming the process groups took longer than --reform-timeout (1 s)"
+
+
+def test_workers_and_spares_are_stopped_together():
+    """Each worker runs in a context of its own whose close waits for it: closed one after another, four
+    workers that each take a while to write their held state would take four times as long."""
+    from types import SimpleNamespace
+
+    from moe_ft.launch.agent import SpareAgent
+
+    closing: list[float] = []
+
+    def proc():
+        def close(sig, timeout):
+            closing.append(time.monotonic())
+            time.sleep(0.5)  # writing its held state before it exits
+        return SimpleNamespace(context=SimpleNamespace(close=close))
+
+    agent = object.__new__(SpareAgent)
+    agent._workers, agent._spares, agent._shutdown_timeout = {r: proc() for r in range(3)}, [proc()], 30
+    start = time.monotonic()
+    agent._close_all()
+    assert len(closing) == 4 and max(closing) - start < 0.4 and time.monotonic() - start < 1.5
+    assert agent._workers == {} and agent._spares == []

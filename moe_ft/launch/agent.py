@@ -38,6 +38,7 @@ import logging
 import os
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from string import Template
@@ -275,8 +276,15 @@ class SpareAgent(LocalElasticAgent):
                 self._published_spares = listed
 
     def _close_all(self, death_sig=None, timeout: int | None = None) -> None:
-        for proc in [*self._workers.values(), *self._spares]:
-            proc.context.close(death_sig, timeout if timeout is not None else self._shutdown_timeout)
+        """Stop every worker and spare together: each runs in a context of its own, whose ``close`` signals it
+        and waits up to ``timeout`` for it (a worker writes its held state before it exits); one after the
+        other, N workers would take N times as long, and a scheduler's grace period could end before the
+        last was even signalled."""
+        procs = [*self._workers.values(), *self._spares]
+        wait = timeout if timeout is not None else self._shutdown_timeout
+        if procs:
+            with ThreadPoolExecutor(len(procs), thread_name_prefix="moe-ft-launch-close") as pool:
+                list(pool.map(lambda proc: proc.context.close(death_sig, wait), procs))
         self._workers, self._spares = {}, []
 
     # ------------------------------------------------------------------------- the agent's hooks
@@ -419,14 +427,17 @@ class SpareAgent(LocalElasticAgent):
         store = self._store_client(worker_group)
         if not self._started and protocol.current_attempt(store, self._keys) == 0:
             return 0
-        key = self._keys.round(_rendezvous_round(worker_group.spec.rdzv_handler))
+        # the other nodes' agents find the attempt under the rendezvous round; one node has nobody to tell
+        # (and torchrun's default static rendezvous has no rounds)
+        key = self._keys.round(_rendezvous_round(worker_group.spec.rdzv_handler)) if self._nodes > 1 else None
         if self._node != 0:
             return int(store.get(key))
         previous = protocol.announcement(store, self._keys, protocol.current_attempt(store, self._keys))
         reason = previous.get("reason", "") if previous.get("kind") == "fallback" else ""
         attempt = protocol.announce(store, self._keys, kind="job", failed=sorted(w.global_rank for w in worker_group.workers),
                                     detected_at=time.time(), by="node0", reason=reason)
-        store.set(key, str(attempt))
+        if key is not None:
+            store.set(key, str(attempt))
         return attempt
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:

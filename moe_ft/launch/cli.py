@@ -25,6 +25,7 @@ snapshots (``--ft-checksum-by agent``), the launcher starts it before the worker
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import uuid
@@ -71,10 +72,17 @@ def parse_args(argv: list[str] | None = None):
     args = parser.parse_args(argv)
     if args.spares_per_node < 0:
         parser.error(f"--spares-per-node must be >= 0 (got {args.spares_per_node})")
-    if args.reform_timeout <= 0:
-        parser.error(f"--reform-timeout must be > 0 seconds (got {args.reform_timeout})")
-    if args.node_timeout <= 0:
-        parser.error(f"--node-timeout must be > 0 seconds (got {args.node_timeout})")
+    for flag, value in (("--reform-timeout", args.reform_timeout), ("--node-timeout", args.node_timeout)):
+        if not (math.isfinite(value) and value > 0):  # nan compares false; inf overflows a timedelta later
+            parser.error(f"{flag} must be a finite number of seconds > 0 (got {value})")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0 (got {args.max_restarts})")
+    if args.full_restart and args.spares_per_node:
+        parser.error("--spares-per-node needs in-process recovery: drop --full-restart (a full restart starts "
+                     "every worker again and uses no spare)")
+    if args.spares_per_node and args.max_restarts == 0:  # a fault-free run may launch so: a note, not an error
+        print(f"moe-ft launch: --spares-per-node {args.spares_per_node} with --max-restarts 0: a failure stops the "
+              "job (each replacement counts as a restart), no spare will take a rank", file=sys.stderr, flush=True)
     if args.standalone:  # what torchrun --standalone means: a private c10d rendezvous on this host
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
@@ -159,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     shutdown_rdzv = True
     try:
         result = agent.run()
+        if result.is_failed() and not result.failures:  # ranks of a lost node, found by the heartbeat watch:
+            # no worker of this node failed, and torch's error report needs one (it asserts)
+            print("moe-ft launch: the job stopped: node(s) were lost and could not be recovered (the lines above "
+                  "say why: --max-restarts spent, no spare left)", file=sys.stderr, flush=True)
+            return 1
         if result.is_failed():
             raise ChildFailedError(name=str(args.training_script), failures=result.failures)
         return 0
