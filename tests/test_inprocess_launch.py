@@ -433,8 +433,8 @@ def test_a_job_stopped_by_a_lost_node_ends_with_one_line(monkeypatch, capsys):
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
     class Stopped:
-        def __init__(self, *args, **kwargs) -> None:
-            pass
+        def __init__(self, spec, logs, **kwargs) -> None:
+            self.spec = spec  # the launcher's worker spec, as the real agent takes it
 
         def run(self):
             return RunResult(state=WorkerState.FAILED, failures={})
