@@ -562,3 +562,25 @@ def test_workers_and_spares_are_stopped_together():
     agent._close_all()
     assert len(closing) == 4 and max(closing) - start < 0.4 and time.monotonic() - start < 1.5
     assert agent._workers == {} and agent._spares == []
+
+
+def test_one_fallback_is_announced_for_one_failure():
+    """The workers of the other nodes leave because of a node's fallback (they give up waiting, exit 75): their
+    agents do not announce fallbacks of their own on top, so the full restart's report keeps the first cause."""
+    from types import SimpleNamespace
+
+    from torch.distributed import HashStore
+
+    from moe_ft.launch.agent import SpareAgent
+
+    store, keys = HashStore(), protocol.Keys("job")
+    agent = object.__new__(SpareAgent)
+    agent._keys, agent._node, agent._dead = keys, 1, {}
+    agent._store_client = lambda group: store  # type: ignore[method-assign]
+    group = SimpleNamespace()
+    protocol.announce(store, keys, kind="inprocess", failed=[2], detected_at=0.0)
+    agent._announce_fallback(group, [3], "rank 3 failed while the job waited for a replacement")  # type: ignore[arg-type]
+    assert protocol.current_attempt(store, keys) == 2 and agent._attempt == 2
+    agent._announce_fallback(group, [0, 1], "re-forming the process groups took longer than --reform-timeout")  # type: ignore[arg-type]
+    assert protocol.current_attempt(store, keys) == 2 and agent._attempt == agent._seen == 2
+    assert protocol.announcement(store, keys, 2)["reason"] == "rank 3 failed while the job waited for a replacement"

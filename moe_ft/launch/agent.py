@@ -730,6 +730,13 @@ class SpareAgent(LocalElasticAgent):
         lock already held. Another agent deciding meanwhile: its attempt stands, the restart follows anyway."""
         store = self._store_client(worker_group)
         if attempt is None:
+            newest = protocol.current_attempt(store, self._keys)
+            if protocol.announcement(store, self._keys, newest).get("kind") == "fallback":
+                # another agent's fallback is what made these workers leave: one full restart covers both,
+                # and its reason (the first cause) stays the one the report shows
+                print(f"moe-ft launch: {reason}: the full restart of attempt {newest} covers it", flush=True)
+                self._seen = self._attempt = newest
+                return
             attempt = protocol.lock_next(store, self._keys, by=f"node{self._node}")
         if attempt is None:
             return
