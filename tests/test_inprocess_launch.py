@@ -375,6 +375,8 @@ def test_a_newer_attempt_ends_a_wait_in_the_store_at_once(store, monkeypatch):
     protocol.announce(store, keys, kind="inprocess", failed=[0, 1], detected_at=0.0, lost=[0])
     assert not member.rejoin("RuntimeError: Connection closed by peer", True) and not member.gave_up
     protocol.announce(store, keys, kind="fallback", failed=[3], detected_at=0.0, reason="no spare for rank 3")
+    # (this process stopped above; one of attempt 3 meets the fallback)
+    member = worker.Membership(worker._client(10), keys, attempt=3, rank=2)
     assert not member.rejoin("RuntimeError: Connection closed by peer", True) and member.gave_up
 
 
@@ -584,3 +586,28 @@ def test_one_fallback_is_announced_for_one_failure():
     agent._announce_fallback(group, [0, 1], "re-forming the process groups took longer than --reform-timeout")  # type: ignore[arg-type]
     assert protocol.current_attempt(store, keys) == 2 and agent._attempt == agent._seen == 2
     assert protocol.announcement(store, keys, 2)["reason"] == "rank 3 failed while the job waited for a replacement"
+
+
+def test_a_survivor_that_skipped_attempts_applies_each_of_them(store, monkeypatch):
+    """A second failure was announced while a survivor still held its state after the first: it joins the
+    newest attempt with the rank and world size every announcement since its own made of it (a shrink it
+    skipped included), and stops when a skipped one gave its rank to another process."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    for name, value in (("TORCHELASTIC_RESTART_COUNT", "1"), ("RANK", "3"), ("WORLD_SIZE", "4"),
+                        ("LOCAL_WORLD_SIZE", "1"), ("ROLE_RANK", "3"), ("ROLE_WORLD_SIZE", "4"),
+                        ("GROUP_RANK", "3"), ("GROUP_WORLD_SIZE", "4")):
+        monkeypatch.setenv(name, value)  # rejoin sets them: restored after the test
+    keys = protocol.Keys("skipped")
+    protocol.announce(store, keys, kind="inprocess", failed=[1], detected_at=0.0)  # this process's attempt 1
+    protocol.announce(store, keys, kind="inprocess", failed=[2], detected_at=0.0,  # the job shrank: 3 -> 1
+                      resize={"ranks": {"0": 0, "3": 1}, "world_size": 2})
+    protocol.announce(store, keys, kind="inprocess", failed=[0], detected_at=0.0)  # then rank 0 failed
+    member = worker.Membership(worker._client(10), keys, attempt=1, rank=3)
+    assert member.rejoin("RuntimeError: Connection closed by peer", True)
+    assert (member.attempt, member.rank, member.resized) == (3, 1, True)
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("1", "2")
+    # a skipped attempt gave this process's rank (1, after the shrink) to another process: it stops
+    protocol.announce(store, keys, kind="inprocess", failed=[1], detected_at=0.0, lost=[1])
+    protocol.announce(store, keys, kind="inprocess", failed=[0], detected_at=0.0)
+    assert not member.rejoin("RuntimeError: Connection closed by peer", True) and not member.gave_up

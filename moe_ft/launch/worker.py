@@ -111,23 +111,34 @@ class Membership:
                 self.gave_up = True
                 return False
             attempt, info = waited, protocol.announcement(self.store, self.keys, waited)
-        if self.rank in info.get("failed", []) and "resize" not in info:  # given to another process
-            print(f"moe-ft launch: rank {self.rank} was given to another process in attempt {attempt} (its "
-                  "node was declared lost): this process stops", file=sys.stderr, flush=True)
-            return False
-        if info.get("kind") == "fallback":  # the agents cannot replace the failed ranks: all start again
-            print(f"moe-ft launch: rank {self.rank} leaves for a full restart: {info.get('reason', '')}",
-                  file=sys.stderr, flush=True)
-            self.gave_up = True
-            return False
-        resize = info.get("resize")
-        self.resized = resize is not None
-        if resize is not None:  # the job shrank: this rank's new number in a smaller world
-            if str(self.rank) not in resize["ranks"]:
-                print(f"moe-ft launch: rank {self.rank} is not in the shrunk job", file=sys.stderr, flush=True)
+        # every attempt announced since this process's own, in order: one it skipped (a second failure
+        # announced while it still held its state) may have shrunk the job or given its rank away
+        rank, layout = self.rank, None
+        for step in range(self.attempt + 1, attempt + 1):
+            said = info if step == attempt else protocol.announcement(self.store, self.keys, step)
+            if said.get("kind") == "await" and step != attempt:
+                continue  # a wait for a replacement node that a later attempt ended
+            if rank in said.get("failed", []) and "resize" not in said:  # given to another process
+                print(f"moe-ft launch: rank {rank} was given to another process in attempt {step} (its node "
+                      "was declared lost, or every worker started again): this process stops", file=sys.stderr,
+                      flush=True)
                 return False
-            self.rank = int(resize["ranks"][str(self.rank)])
-            _set_layout(self.rank, int(resize["world_size"]))
+            if said.get("kind") == "fallback":  # the agents cannot replace the failed ranks: all start again
+                print(f"moe-ft launch: rank {rank} leaves for a full restart: {said.get('reason', '')}",
+                      file=sys.stderr, flush=True)
+                self.gave_up = True
+                return False
+            resize = said.get("resize")
+            if resize is not None:  # the job was reshaped: this rank's new number
+                if str(rank) not in resize["ranks"]:
+                    print(f"moe-ft launch: rank {rank} is not in the shrunk job (attempt {step})", file=sys.stderr,
+                          flush=True)
+                    return False
+                rank, layout = int(resize["ranks"][str(rank)]), int(resize["world_size"])
+        self.resized = layout is not None
+        if layout is not None:
+            self.rank = rank
+            _set_layout(rank, layout)
         with self.lock:
             self.attempt, self.superseded = attempt, False
             os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
