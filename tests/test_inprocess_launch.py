@@ -611,3 +611,28 @@ def test_a_survivor_that_skipped_attempts_applies_each_of_them(store, monkeypatc
     protocol.announce(store, keys, kind="inprocess", failed=[1], detected_at=0.0, lost=[1])
     protocol.announce(store, keys, kind="inprocess", failed=[0], detected_at=0.0)
     assert not member.rejoin("RuntimeError: Connection closed by peer", True) and not member.gave_up
+
+
+def test_spares_that_keep_exiting_are_not_started_for_ever(caplog):
+    """A spare that cannot start (a broken environment) was started again at every monitor pass: after
+    ``SPARE_EXITS`` exits in a row the node starts no more (a failed rank then gets a fresh process)."""
+    from types import SimpleNamespace
+
+    from moe_ft.launch.agent import SPARE_EXITS, SpareAgent
+
+    started: list[str] = []
+
+    def start_spare(group, device):
+        started.append(f"spare_{len(started)}")
+        return SimpleNamespace(slot=started[-1], context=SimpleNamespace(wait=lambda timeout: "exited"))
+
+    agent = object.__new__(SpareAgent)
+    agent._spares, agent._spares_per_node, agent._spare_exits, agent._inprocess = [], 1, 0, False
+    agent._free_device = lambda group: 0  # type: ignore[method-assign]
+    agent._start_spare = start_spare  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="moe_ft.launch"):
+        for _ in range(10):  # monitor passes
+            agent._fill_spares(None)  # type: ignore[arg-type]
+            agent._reap_spares()
+    assert len(started) == SPARE_EXITS and agent._spares == []
+    assert "no more spares here" in caplog.text

@@ -58,6 +58,12 @@ from moe_ft.launch import protocol
 
 log = logging.getLogger("moe_ft.launch")
 
+SPARE_EXITS = 3
+"""Spares of a node that may exit while they wait, without one taking a rank in between, before the node
+starts no more (a spare that cannot start, e.g. a broken environment or no free memory, would otherwise be
+started again at every monitor pass, each with a log directory of its own). A failed rank then goes to a
+fresh process, as with ``--spares-per-node 0``."""
+
 
 @dataclass
 class LaunchLogs:
@@ -144,6 +150,8 @@ class SpareAgent(LocalElasticAgent):
         self._workers: dict[int, _Process] = {}
         """This node's workers by global rank (a lost node's ranks may run here, on former spares)."""
         self._spares: list[_Process] = []
+        self._spare_exits = 0
+        """Spares that exited while waiting since one last took a rank (:data:`SPARE_EXITS`)."""
         self._published_spares = ""
         self._slots = 0
         self._slot_prefix = ""
@@ -263,8 +271,22 @@ class SpareAgent(LocalElasticAgent):
         self._slots += 1
         return self._start_one(worker_group, name=f"spare_{slot}", rank=-1, local_rank=local_rank, slot=slot)
 
+    def _reap_spares(self) -> None:
+        """Forget the spares that exited while waiting (:meth:`_fill_spares` starts others, up to
+        :data:`SPARE_EXITS` in a row)."""
+        for spare in list(self._spares):
+            if spare.context.wait(0) is not None:
+                self._spares.remove(spare)
+                self._spare_exits += 1
+                if self._spare_exits < SPARE_EXITS:
+                    log.warning("moe-ft launch: spare %s exited while waiting; starting another", spare.slot)
+                elif self._spare_exits == SPARE_EXITS:
+                    log.warning("moe-ft launch: %d spares of this node exited while waiting (the last: %s; see "
+                                "their logs): no more spares here, a failed rank goes to a fresh process",
+                                SPARE_EXITS, spare.slot)
+
     def _fill_spares(self, worker_group: WorkerGroup) -> None:
-        while len(self._spares) < self._spares_per_node:
+        while len(self._spares) < self._spares_per_node and self._spare_exits < SPARE_EXITS:
             device = self._free_device(worker_group)
             if device is None:  # this node runs a lost node's rank on a former spare's device
                 break
@@ -477,10 +499,7 @@ class SpareAgent(LocalElasticAgent):
                 failures[rank] = failure
             else:
                 self._finished[rank] = next(iter(result.return_values.values()), None)
-        for spare in list(self._spares):  # a spare that died while waiting is replaced by a new one
-            if spare.context.wait(0) is not None:
-                log.warning("moe-ft launch: spare %s exited while waiting; starting another", spare.slot)
-                self._spares.remove(spare)
+        self._reap_spares()
         if not self._workers and self._surplus and self._store_client(worker_group).check([self._keys.done]):
             self._finished = {r: None for r in self._surplus}  # this node's workers all stood by; the job ended
         if self._finished and len(self._finished) >= len(self._workers) and not self._dead:
@@ -762,6 +781,7 @@ class SpareAgent(LocalElasticAgent):
                 device = self._freed.pop(rank, None)  # the rank ran here: its successor takes its device
                 if source == "local":
                     proc = self._spares.pop(0)
+                    self._spare_exits = 0  # spares work here: the bound counts exits in a row
                     if device is not None:  # the spare's own index goes to the next spare started
                         proc.local_rank = device
                 else:  # a fresh process on a free device of this node: imports while the others wait
