@@ -361,7 +361,7 @@ def test_a_message_larger_than_the_nodes_available_memory_is_refused_before_its_
     """A replica store on a large disk has room for more than memory holds: the receive buffer must fit too."""
     from moe_ft.agent import replicas
 
-    assert replicas.available_memory() > 0  # read from /proc/meminfo here
+    assert replicas.available_memory() > 0
     manifest, blobs = node.point(3)
     monkeypatch.setattr(replicas, "available_memory", lambda: len(manifest))
     with node.connect() as sock:

@@ -322,17 +322,12 @@ def keepalive(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-def available_memory() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (``None`` where there is none): a message's receive buffer
+def available_memory() -> int:
+    """The node's available memory in bytes (``psutil``, ``MemAvailable`` on Linux): a message's receive buffer
     must fit, whatever room its store has on disk."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    import psutil  # start-up time: the agent imports it with its first replica message
+
+    return int(psutil.virtual_memory().available)
 
 
 class ReplicaListener:
@@ -517,7 +512,7 @@ class ReplicaListener:
             raise _Refused(f"{what} is {total} bytes, more than its replica store {directory} can hold ({room} "
                            f"bytes: its file system's free space and what the store occupies)")
         memory = available_memory()
-        if memory is not None and total > memory:  # a store on a large disk: the buffer must fit in memory too
+        if total > memory:  # a store on a large disk: the buffer must fit in memory too
             raise _Refused(f"{what} is {total} bytes, more than this node's available memory ({memory} bytes)")
         payload = memoryview(bytearray(total))
         self._receive(conn, payload, f"inside {what}")
