@@ -487,8 +487,8 @@ class ReplicaListener:
         conn.settimeout(None)  # between messages: no limit (:data:`STALL_TIMEOUT_S`)
         try:
             got = conn.recv_into(head)
-        except OSError:
-            return None  # reset between messages: nothing of a message is lost
+        except OSError as exc:  # a reset discards what arrived unread: a message may have been lost with it
+            raise _Torn(f"was reset ({exc})") from None
         if got == 0:
             return None
         conn.settimeout(self.stall_timeout_s)
