@@ -387,6 +387,7 @@ def test_launcher_flags_are_checked(capsys):
                            (["--reform-timeout", "nan"], "--reform-timeout must be a finite number of seconds > 0"),
                            (["--reform-timeout", "inf"], "--reform-timeout must be a finite number of seconds > 0"),
                            (["--node-timeout", "nan"], "--node-timeout must be a finite number of seconds > 0"),
+                           (["--stop-timeout", "-1"], "--stop-timeout must be a finite number of seconds > 0"),
                            (["--max-restarts", "-1"], "--max-restarts must be >= 0 (got -1)"),
                            (["--full-restart", "--spares-per-node", "1"], "--spares-per-node needs in-process")):
         with pytest.raises(SystemExit) as exit_:
@@ -532,15 +533,29 @@ def test_spare_killed_while_taking_over_then_a_survivor_killed_during_recovery(d
 def test_a_replacement_that_does_not_arrive_in_time_falls_back_to_a_full_restart(drill_env, fault_free_digest):
     """No spare, workers started as fresh interpreters (seconds of imports), and a reform timeout of 1 s:
     the survivors stop waiting for the fresh process to form the new group, give up, and the agent
-    restarts every worker (``restart_kind`` "job"); the job still ends bitwise."""
+    restarts every worker (``restart_kind`` "job"); the job still ends bitwise. With ``--max-restarts 1``:
+    one failure spends one restart, its in-process attempt and the full restart that follows together."""
     res = launch(drill_env, "dp2ep2_fallback", layout="dp2ep2", faults=["1:5:forward"], scope="global",
-                 launcher="inprocess", launcher_flags=["--spares-per-node=0", "--reform-timeout=1"], max_restarts=2)
+                 launcher="inprocess", launcher_flags=["--spares-per-node=0", "--reform-timeout=1"], max_restarts=1)
     assert res["rc"] == 0, res["log"]
     assert res["digest"] == fault_free_digest("dp2ep2", ITERS)
     (report,) = res["reports"]
     assert report["restart_kind"] == "job" and report["survivor_pids_kept"] is None
     assert "falling back to a full restart" in open(res["log"]).read()
     assert report["fallback_reason"] == "re-forming the process groups took longer than --reform-timeout (1 s)"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_a_stopped_rank_is_killed_and_replaced(drill_env, fault_free_digest):
+    """EP2 x PP2, global scope: rank 2 stops itself (SIGSTOP) in iteration 5, its peers wait for it in their
+    collectives; after ``--stop-timeout`` its agent kills it and a spare takes the rank, bitwise."""
+    res = launch(drill_env, "ep2pp2_stopped", layout="ep2pp2", faults=["2:5:forward:stop"], scope="global",
+                 launcher_flags=["--stop-timeout=1"])
+    assert res["rc"] == 0, res["log"]
+    assert res["digest"] == fault_free_digest("ep2pp2", ITERS)
+    check_inprocess(res["reports"], 1)
+    assert "rank 2 (pid " in open(res["log"]).read() and "stood stopped for" in open(res["log"]).read()
 
 
 def test_workers_and_spares_are_stopped_together():
@@ -636,3 +651,111 @@ def test_spares_that_keep_exiting_are_not_started_for_ever(caplog):
             agent._reap_spares()
     assert len(started) == SPARE_EXITS and agent._spares == []
     assert "no more spares here" in caplog.text
+
+
+def test_a_stopped_worker_or_spare_is_killed_after_the_stop_timeout(store, tmp_path):
+    """torch elastic watches exits only: a worker stopped by SIGSTOP left its peers waiting in their
+    collectives until the groups' timeout. The agent kills a process that stood stopped for
+    ``--stop-timeout`` (its next pass then sees a failed worker, or a spare that exited); one continued
+    before that is left alone. Real processes under a real agent."""
+    import signal
+
+    agent, group = _sleeping_agent(store, tmp_path, "stopped", 1, stop_timeout_s=0.5)
+    agent._finished = {}
+    try:
+        agent._workers = {0: agent._start_one(group, name="rank0", rank=0, local_rank=0)}
+        agent._spares = [agent._start_spare(group, 1)]
+        worker, spare = agent._workers[0], agent._spares[0]
+        os.kill(worker.pid, signal.SIGSTOP)
+        os.kill(spare.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while len(agent._stopped) < 2 and time.monotonic() < deadline:  # the stop takes effect asynchronously
+            agent._kill_stopped()
+            time.sleep(0.05)
+        assert set(agent._stopped) == {worker.pid, spare.pid}
+        os.kill(spare.pid, signal.SIGCONT)  # continued within the timeout: left alone
+        time.sleep(0.6)
+        agent._kill_stopped()
+        assert set(agent._stopped) == {worker.pid}  # killed now (it stood stopped 0.6 s)
+        result = worker.context.wait(10)
+        assert result is not None and result.is_failed()
+        assert next(iter(result.failures.values())).exitcode == -signal.SIGKILL
+        assert spare.context.wait(0) is None
+    finally:
+        agent._close_all()
+
+
+def test_a_fallback_after_an_in_process_attempt_spends_no_second_restart():
+    """One failure spends one of --max-restarts, however it is recovered: when the survivors give up forming
+    the in-process attempt that replaced the failed rank (it spent one), the fallback says so and each agent
+    gives one back before torch elastic spends one on the full restart (once per fallback: the agent whose
+    workers left because of it too). A fallback after a grow (which spent none) gives nothing back."""
+    from types import SimpleNamespace
+
+    from torch.distributed import HashStore
+
+    store, keys = HashStore(), protocol.Keys("refund")
+    group = SimpleNamespace(spec=SimpleNamespace(max_restarts=1))
+
+    def agent(node):
+        a = object.__new__(SpareAgent)
+        a._keys, a._node, a._dead, a._seen, a._refunded, a._remaining_restarts = keys, node, {}, 1, -1, 0
+        a._store_client = lambda group: store  # type: ignore[method-assign]
+        return a
+
+    protocol.announce(store, keys, kind="inprocess", failed=[2], detected_at=0.0)  # spent the one restart
+    first, second = agent(0), agent(1)
+    first._announce_fallback(group, [0], "re-forming took too long", recovery_gave_up=True)  # type: ignore[arg-type]
+    assert protocol.announcement(store, keys, 2)["spent_by"] == 1
+    first._refund_recovery(group)  # type: ignore[arg-type]
+    first._refund_recovery(group)  # type: ignore[arg-type]
+    assert first._remaining_restarts == 1  # torch elastic's restart can follow, once
+    second._announce_fallback(group, [3], "re-forming took too long", recovery_gave_up=True)  # type: ignore[arg-type]
+    second._refund_recovery(group)  # type: ignore[arg-type]
+    assert second._seen == 2 and second._remaining_restarts == 1
+
+    protocol.announce(store, keys, kind="inprocess", failed=[], detected_at=0.0, resize={})  # 3: a grow
+    third = agent(0)
+    third._seen = 3
+    third._announce_fallback(group, [0], "re-forming took too long", recovery_gave_up=True)  # type: ignore[arg-type]
+    third._refund_recovery(group)  # type: ignore[arg-type]
+    assert "spent_by" not in protocol.announcement(store, keys, 4) and third._remaining_restarts == 0
+
+
+def test_a_peers_full_restart_is_not_taken_for_a_joining_node(monkeypatch):
+    """A node waiting at the rendezvous while this node's workers are healthy is a node that joins only when
+    the job may grow (``--nnodes MIN:MAX`` with fewer than MAX live) and no fallback is announced: after a
+    peer's fallback it is that peer's agent restarting, and keeping the workers (which leave for the full
+    restart anyway) made the agents spend restarts against each other."""
+    from types import SimpleNamespace
+
+    from torch.distributed import HashStore
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    calls: list[str] = []
+    monkeypatch.setattr(LocalElasticAgent, "_restart_workers", lambda self, group: calls.append("restart"))
+    store, keys = HashStore(), protocol.Keys("join")
+    agent = object.__new__(SpareAgent)
+    agent._keys, agent._store_client = keys, lambda group: store  # type: ignore[method-assign]
+    agent._inprocess, agent._awaiting, agent._dead, agent._lost, agent._node, agent._seen = True, set(), {}, set(), 0, 0
+    agent._workers = {0: SimpleNamespace(local_rank=0)}
+    agent._home, agent._nodes, agent._min_nodes, agent._max_nodes = {0: 0, 1: 1}, 2, 1, 3
+    agent._initialize_workers = lambda group: calls.append("keep")  # type: ignore[method-assign]
+    group = SimpleNamespace(state=WorkerState.HEALTHY, spec=SimpleNamespace(local_world_size=1))
+
+    def decided() -> str:
+        calls.clear()
+        agent._restart_workers(group)  # type: ignore[arg-type]
+        return calls[-1]
+
+    assert decided() == "keep"  # 2 of at most 3 nodes: a node joins, the workers stay
+    agent._max_nodes = 2
+    assert decided() == "restart"  # every node is live: no join possible
+    agent._max_nodes, agent._min_nodes = 3, None
+    assert decided() == "restart"  # a fixed --nnodes never grows
+    agent._min_nodes = 1
+    protocol.announce(store, keys, kind="fallback", failed=[1], detected_at=0.0, reason="rank 1 gave up")
+    assert decided() == "restart"  # the waiting node is the peer that fell back
+    agent._awaiting = {1}  # nor is it the replacement node the survivors waited for
+    assert decided() == "restart"

@@ -329,6 +329,8 @@ class SimulatedCluster:
         launcher = launcher_argv(c.launcher) if trigger is None else ["-m", "moe_ft.drills.join", trigger, c.launcher]
         if c.inprocess:  # agents notice a lost node within node_timeout (their heartbeats, every pass)
             launcher += [*c.launcher_flags, f"--node-timeout={c.node_timeout}", "--monitor-interval=0.1"]
+            if c.joins:  # a join pauses the running workers (SIGSTOP, ``_join``): no stopped worker to kill
+                launcher.append(f"--stop-timeout={c.join_pause_timeout + 30}")
         else:
             launcher += [*c.launcher_flags, "--monitor-interval=1"]
         cmd = [sys.executable, *launcher, f"--nnodes={nnodes}", f"--node-rank={node}",

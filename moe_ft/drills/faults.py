@@ -37,7 +37,9 @@ rank, then deletes the node's store and starts a replacement, ``moe_ft/drills/cl
 (flip one byte of the newest upstream-log entry another rank wrote for this one -- what this rank's stage
 will replay from, ``docs/localized.md`` -- then SIGKILL: the localized replay must detect it and fall back
 to the global path), ``slow`` (the rank sleeps :data:`SLOW_FAULT_S` seconds, then goes on: a slow step, e.g.
-several of them in a replay that must outlast a short ``--distributed-timeout-minutes``).
+several of them in a replay that must outlast a short ``--distributed-timeout-minutes``), ``stop`` (SIGSTOP of
+the process itself: every thread stops, its watchdog included; under ``moe-ft launch`` the agent kills it after
+``--stop-timeout`` and replaces it; a SIGCONT before that lets it go on).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ if TYPE_CHECKING:
 
 PHASES = ("forward", "backward", "step", "snapshot", "publish", "published", "persist", "recovery", "survivor",
           "fallback")
-KINDS = ("exit", "exception", "hang", "corrupt", "node", "corrupt-log", "slow")
+KINDS = ("exit", "exception", "hang", "corrupt", "node", "corrupt-log", "slow", "stop")
 SLOW_FAULT_S = 3.0
 """How long a ``slow`` fault stalls its rank (then it goes on)."""
 
@@ -169,6 +171,9 @@ class FaultPlan:
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "slow":
             time.sleep(SLOW_FAULT_S)
+            return
+        if fault.kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
             return
         if fault.kind == "node":
             kill_node()

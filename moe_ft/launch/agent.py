@@ -32,10 +32,12 @@ rendezvous round, which waits for a replacement node). Node 0's agent numbers th
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
 import os
+import signal
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +45,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from string import Template
 from typing import Any
+
+import psutil
 
 # torch elastic logs a worker's failure through torch's log formatter, which imports torch._dynamo on the
 # first exception it formats: about 1 s on a slow machine, in the monitor pass that handles the first
@@ -131,8 +135,10 @@ class SpareAgent(LocalElasticAgent):
 
     def __init__(self, spec, logs: LaunchLogs, *, spares_per_node: int = 0,
                  reform_timeout_s: float = protocol.DEFAULT_REFORM_TIMEOUT_S,
-                 node_timeout_s: float = protocol.DEFAULT_NODE_TIMEOUT_S, start_method: str = "spawn",
-                 shutdown_timeout: int = 30, inprocess: bool = True, min_nodes: int | None = None) -> None:
+                 node_timeout_s: float = protocol.DEFAULT_NODE_TIMEOUT_S,
+                 stop_timeout_s: float = protocol.DEFAULT_STOP_TIMEOUT_S, start_method: str = "spawn",
+                 shutdown_timeout: int = 30, inprocess: bool = True, min_nodes: int | None = None,
+                 max_nodes: int = 1) -> None:
         if "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters:
             super().__init__(spec, logs_specs=DefaultLogsSpecs(log_dir=logs.root), start_method=start_method,
                              shutdown_timeout=shutdown_timeout)
@@ -143,10 +149,17 @@ class SpareAgent(LocalElasticAgent):
         self._spares_per_node = spares_per_node
         self._reform_timeout_s = reform_timeout_s
         self._node_timeout_s = node_timeout_s
+        self._stop_timeout_s = stop_timeout_s
+        self._stopped: dict[int, float] = {}
+        """pid of a process of this node seen stopped → ``time.monotonic()`` when it was first seen so."""
         self._inprocess = inprocess
         self._min_nodes = min_nodes
         """``--nnodes MIN:MAX`` with MIN < MAX: a lost node with no spare left shrinks the job in-process
         (``None``: a fixed node count, no shrink)."""
+        self._max_nodes = max_nodes
+        """``--nnodes``' MAX: a node may join (the job grows in-process) only while fewer nodes are live."""
+        self._refunded = -1
+        """The fallback attempt whose restart this agent gave back (:meth:`_refund_recovery`), once."""
         self._workers: dict[int, _Process] = {}
         """This node's workers by global rank (a lost node's ranks may run here, on former spares)."""
         self._spares: list[_Process] = []
@@ -361,7 +374,9 @@ class SpareAgent(LocalElasticAgent):
         and waits; the agents form the new rendezvous round, node 0's announces the round's attempt
         (``resize``: every kept worker's rank in the grown layout), the joining nodes start their workers,
         and the kept ones re-plan in their processes as after a shrink."""
-        if self._inprocess and worker_group.state == WorkerState.HEALTHY and self._awaiting:
+        healthy = (self._inprocess and worker_group.state == WorkerState.HEALTHY
+                   and not self._fallback_announced(worker_group))
+        if healthy and self._awaiting:
             # the replacement node for a lost one: the survivors already left their attempt and wait
             print(f"moe-ft launch: a replacement node is waiting; the workers of node {self._node} keep their "
                   "processes", flush=True)
@@ -371,8 +386,8 @@ class SpareAgent(LocalElasticAgent):
             finally:
                 self._regrouping = False
             return
-        if not (self._inprocess and worker_group.state == WorkerState.HEALTHY and self._layout_intact(worker_group)):
-            super()._restart_workers(worker_group)
+        if not (healthy and self._may_grow() and self._layout_intact(worker_group)):
+            super()._restart_workers(worker_group)  # e.g. a peer's full restart: its agent waits in the rendezvous
             return
         self._store_client(worker_group).set(self._keys.regroup(self._seen), "1")
         print(f"moe-ft launch: a node joins; the workers of node {self._node} leave attempt {self._seen} after "
@@ -382,6 +397,16 @@ class SpareAgent(LocalElasticAgent):
             self._initialize_workers(worker_group)  # the rendezvous, then _start_workers keeps the workers
         finally:
             self._regrouping = False
+
+    def _fallback_announced(self, worker_group: WorkerGroup) -> bool:
+        """The newest attempt is a fallback: every worker leaves for a full restart, and a node waiting at the
+        rendezvous is the agent that announced it (or another that restarts), not a node that joins."""
+        store = self._store_client(worker_group)
+        return protocol.announcement(store, self._keys, protocol.current_attempt(store, self._keys)).get("kind") == "fallback"
+
+    def _may_grow(self) -> bool:
+        """``--nnodes MIN:MAX`` with fewer than MAX nodes live: a node waiting at the rendezvous may join."""
+        return self._min_nodes is not None and self._nodes - len(self._lost) < self._max_nodes
 
     def _layout_intact(self, worker_group: WorkerGroup) -> bool:
         """Every rank of this node runs here on its own device, nothing dead: the workers can keep their
@@ -480,7 +505,30 @@ class SpareAgent(LocalElasticAgent):
         while int(store.add(key, 0)) < self._nodes - len(self._lost) and time.monotonic() < deadline:
             time.sleep(0.05)
 
+    def _kill_stopped(self) -> None:
+        """Kill this node's processes that stood stopped (SIGSTOP, SIGTSTP: a job-control stop) for
+        ``--stop-timeout`` seconds. torch elastic watches exits only: the peers of a stopped rank would wait
+        in their collectives until the process groups' timeout (a stopped process's own watchdog cannot
+        run). Killed, it is a failed worker (replaced as any) or a spare that exited. A process stopped by a
+        debugger (a tracing stop) is left alone."""
+        now = time.monotonic()
+        stopped: dict[int, float] = {}
+        procs = [*((f"rank {r}", p) for r, p in self._workers.items() if r not in self._finished),
+                 *((f"spare {p.slot}", p) for p in self._spares)]
+        for name, proc in procs:
+            pid = proc.pid
+            if not _is_stopped(pid):
+                continue
+            stopped[pid] = since = self._stopped.get(pid, now)
+            if now - since >= self._stop_timeout_s:
+                print(f"moe-ft launch: {name} (pid {pid}) stood stopped for {now - since:.1f} s (--stop-timeout "
+                      f"{self._stop_timeout_s:g}): killed, and replaced like a failed process", flush=True)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self._stopped = stopped
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._kill_stopped()
         if self._inprocess:
             self._apply_announcements(worker_group)
             self._adopt_claimed_spares(worker_group)
@@ -518,7 +566,8 @@ class SpareAgent(LocalElasticAgent):
                           f"({self._reform_timeout_s:g} s)" if gave_up else
                           f"rank(s) {sorted(r for r, f in failures.items() if f.exitcode in protocol.STOP_EXIT_CODES)} "
                           "stopped on purpose (bad flags, or recovery refused)")
-                self._announce_fallback(worker_group, sorted(failures), reason)
+                self._announce_fallback(worker_group, sorted(failures), reason, recovery_gave_up=True)
+                self._refund_recovery(worker_group)
             return RunResult(state=WorkerState.FAILED, failures=failures)
         if self._inprocess:
             now = time.time()
@@ -544,13 +593,12 @@ class SpareAgent(LocalElasticAgent):
                 raise Fenced(f"moe-ft launch: node {self._node} was declared lost in attempt {attempt} (its "
                              "heartbeat stood still past --node-timeout); its workers are stopped so that no "
                              "rank runs twice")
-            if info.get("kind") == "await":  # another agent saw the loss: its ranks wait for a replacement node
-                self._remaining_restarts -= 1
+            if _spends_restart(info):  # another agent replaced failed ranks, or made the survivors wait for a
+                self._remaining_restarts -= 1  # replacement node: the job's budget is spent by one
+            if info.get("kind") == "await":
                 self._lost.update(info.get("lost", []))
                 self._awaiting = set(info.get("failed", []))
             if info.get("kind") == "inprocess":
-                if info.get("failed"):  # another agent replaced failed ranks: the job's budget is spent by one
-                    self._remaining_restarts -= 1
                 self._lost.update(info.get("lost", []))
                 if "resize" in info:
                     self._apply_resize(info["resize"])
@@ -744,9 +792,13 @@ class SpareAgent(LocalElasticAgent):
         self._world, self._groups = int(resize["world_size"]), {int(n): g for n, g in resize["nodes"].items()}
 
     def _announce_fallback(self, worker_group: WorkerGroup, failed: list[int], reason: str,
-                           attempt: int | None = None, then: str = "every worker starts again") -> None:
+                           attempt: int | None = None, then: str = "every worker starts again",
+                           recovery_gave_up: bool = False) -> None:
         """Tell every worker to leave for a full restart (kind ``"fallback"``); ``attempt``: the decision
-        lock already held. Another agent deciding meanwhile: its attempt stands, the restart follows anyway."""
+        lock already held. Another agent deciding meanwhile: its attempt stands, the restart follows anyway.
+        ``recovery_gave_up``: the workers could not go on in the attempt before (they gave up forming it, or
+        stopped on purpose in it); when that attempt spent a restart for its failure, the announcement says
+        so (``spent_by``) and every agent gives that restart back (:meth:`_refund_recovery`)."""
         store = self._store_client(worker_group)
         if attempt is None:
             newest = protocol.current_attempt(store, self._keys)
@@ -759,10 +811,23 @@ class SpareAgent(LocalElasticAgent):
             attempt = protocol.lock_next(store, self._keys, by=f"node{self._node}")
         if attempt is None:
             return
+        extra = {}
+        if recovery_gave_up and _spends_restart(protocol.announcement(store, self._keys, attempt - 1)):
+            extra["spent_by"] = attempt - 1
         protocol.publish(store, self._keys, attempt, kind="fallback", failed=failed,
-                         detected_at=min(self._dead.values(), default=time.time()), reason=reason)
+                         detected_at=min(self._dead.values(), default=time.time()), reason=reason, **extra)
         print(f"moe-ft launch: {reason}: {then}", flush=True)
         self._seen = self._attempt = attempt
+
+    def _refund_recovery(self, worker_group: WorkerGroup) -> None:
+        """One failure spends one of ``--max-restarts``, however it is recovered. When the in-process attempt
+        that spent one for a failure falls back (the fallback says ``spent_by``), the full restart torch
+        elastic is about to spend another on is the same failure's: give one back (once per fallback), so
+        that ``--max-restarts 1`` survives one failure whose in-process recovery fell back."""
+        info = protocol.announcement(self._store_client(worker_group), self._keys, self._seen)
+        if info.get("kind") == "fallback" and "spent_by" in info and self._refunded != self._seen:
+            self._refunded = self._seen
+            self._remaining_restarts = min(self._remaining_restarts + 1, worker_group.spec.max_restarts)
 
     def _assign(self, worker_group: WorkerGroup, attempt: int,
                 dead: list[int]) -> tuple[dict[int, tuple[int, str]], list[int], list[int]]:
@@ -849,6 +914,20 @@ def plan_replacements(dead: list[int], *, node: int, holders: dict[int, int], lo
         else:
             missing.append(rank)
     return plan, missing
+
+
+def _spends_restart(info: dict) -> bool:
+    """Whether an announced attempt spent one of ``--max-restarts`` (it replaced failed ranks in process, or
+    made the survivors wait for a replacement node; a grow spends none)."""
+    return info.get("kind") == "await" or (info.get("kind") == "inprocess" and bool(info.get("failed")))
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is in a job-control stop (state ``T``; not a debugger's tracing stop)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:  # gone, or not ours to read
+        return False
 
 
 def _round_or_pid(handler) -> str:

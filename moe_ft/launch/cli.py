@@ -13,6 +13,8 @@ derives it; only the agent differs (:class:`moe_ft.launch.agent.SpareAgent`). Ad
                           full restart (default 60)
 ``--node-timeout S``      several nodes: seconds without a node agent's heartbeat before its ranks go to
                           spares on other nodes (default 10)
+``--stop-timeout S``      seconds a worker or spare may stay stopped (SIGSTOP, SIGTSTP) before its agent
+                          kills it and replaces it like a failed one (default 30)
 ``--full-restart``        torchrun's behaviour: any failure restarts every worker
 ``--preload``             start workers as forks of one server process that imported the training stack
                           (saves each worker its imports; CPU jobs, tests); refused with one line when the
@@ -59,6 +61,9 @@ def build_parser():
     group.add_argument("--node-timeout", type=float, default=protocol.DEFAULT_NODE_TIMEOUT_S,
                        help="several nodes: seconds without a node agent's heartbeat before the other agents "
                             "give its ranks to their spares")
+    group.add_argument("--stop-timeout", type=float, default=protocol.DEFAULT_STOP_TIMEOUT_S,
+                       help="seconds a worker or spare may stay stopped (SIGSTOP, SIGTSTP) before its agent kills "
+                            "it and replaces it like a failed one")
     group.add_argument("--full-restart", action="store_true",
                        help="torchrun's behaviour: any failure restarts every worker (no in-process recovery)")
     group.add_argument("--preload", action="store_true",
@@ -72,7 +77,8 @@ def parse_args(argv: list[str] | None = None):
     args = parser.parse_args(argv)
     if args.spares_per_node < 0:
         parser.error(f"--spares-per-node must be >= 0 (got {args.spares_per_node})")
-    for flag, value in (("--reform-timeout", args.reform_timeout), ("--node-timeout", args.node_timeout)):
+    for flag, value in (("--reform-timeout", args.reform_timeout), ("--node-timeout", args.node_timeout),
+                        ("--stop-timeout", args.stop_timeout)):
         if not (math.isfinite(value) and value > 0):  # nan compares false; inf overflows a timedelta later
             parser.error(f"{flag} must be a finite number of seconds > 0 (got {value})")
     if args.max_restarts < 0:
@@ -158,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
     agent = SpareAgent(spec, _logs(args), spares_per_node=args.spares_per_node if inprocess else 0,
                        reform_timeout_s=args.reform_timeout, node_timeout_s=args.node_timeout,
+                       stop_timeout_s=args.stop_timeout,
                        min_nodes=config.min_nodes if config.min_nodes < config.max_nodes else None,
+                       max_nodes=config.max_nodes,
                        start_method=start_method,
                        shutdown_timeout=int(getattr(config, "shutdown_timeout", None) or 30), inprocess=inprocess)
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE",

@@ -21,7 +21,10 @@ elastic's agent store), under ``moe_ft/launch/<run id>/``:
                             (an in-process shrink: ``ranks`` old → new, ``world_size``, ``nodes`` → their
                             new group ranks), ``nodes`` (a replacement node joined after an ``"await"``:
                             each node of the new rendezvous round → the group rank its workers keep, the
-                            replacement taking the lost node's).
+                            replacement taking the lost node's), ``spent_by`` (a fallback because the
+                            workers could not go on in attempt ``spent_by``, which spent one of
+                            ``--max-restarts`` for its failure: the agents give it back, so that one
+                            failure spends one restart however it is recovered).
 ``spare/<slot>``            (slot ``r<round>.<node>.<n>``: unique across replacement agents) JSON
                             assignment of a spare: ``rank``, ``local_rank``, ``attempt``,
                             ``world_size``, ``group_rank`` (set with ``compare_set``: a spare is given once).
@@ -79,6 +82,9 @@ MIN_SUSPECT_TIMEOUT_S = 1.0
 """Once a worker reported a dead peer in the current attempt, a silent node is declared lost after
 ``max(MIN_SUSPECT_TIMEOUT_S, --node-timeout / SUSPECT_FACTOR)`` (a declared node that was only slow fences
 itself: its agent stops its workers, which never rejoin under a rank given away)."""
+DEFAULT_STOP_TIMEOUT_S = 30.0
+"""Seconds a worker or spare may stay stopped (SIGSTOP, SIGTSTP) before its agent kills it and replaces it
+like a failed one (``--stop-timeout``)."""
 WATCH_POLL_S = 0.1
 """How often a worker looks for a newer attempt (``Membership.watch``)."""
 

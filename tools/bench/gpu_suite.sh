@@ -6,8 +6,12 @@
 #
 # Stages: snapshot (tools/bench/gpu_snapshot.py), hash (gpu_hash.py: the device checksum), dispatch (gpu_dispatch.py), units (tests/gpu without the
 # end-to-end drill, plus the gpu-marked tests elsewhere), recovery (tests/gpu/test_gpu_recovery.py),
-# overhead (gpu_overhead.py; --ft-snapshot-bandwidth from the snapshot stage's store write rate when present).
-# Each stage writes OUT_DIR/<stage>.json or .log; the tests' numbers land in OUT_DIR/results/*.json.
+# overhead (gpu_overhead.py; --ft-snapshot-bandwidth from the snapshot stage's store write rate when present),
+# interleave (gpu_overhead.py --interleave: snapshots taken and paused in blocks inside one launch, the worker's
+# profile and the GIL probe; then the per-block trace without the none launch), cpubound (the CPU acceptance row,
+# tools/bench/ckpt_overhead.py, on the host's cores with the GPU hidden: sparse, sparse with the agent's hash,
+# and the control). Not in the default list: STAGES="interleave cpubound" runs them.
+# Each stage writes OUT_DIR/<file>.json or .log and its stderr to <file>.err; the tests' numbers land in OUT_DIR/results/*.json.
 set -u
 OUT=${1:-gpu_results}
 STAGES=${STAGES:-"snapshot hash dispatch units recovery overhead"}
@@ -25,7 +29,7 @@ stage() {  # stage NAME OUTFILE CMD...
   local name=$1 file=$2; shift 2
   case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
   local t0=$SECONDS
-  "$@" > "$OUT/$file" 2> "$OUT/$name.err"
+  "$@" > "$OUT/$file" 2> "$OUT/${file%.*}.err"
   echo "$name rc=$? $((SECONDS - t0)) s" | tee -a "$OUT/suite.log"
 }
 
@@ -42,4 +46,10 @@ BW=${SNAPSHOT_BW:-$($PY -c "import json,sys; print(0.5e9 * json.load(open(sys.ar
   "$OUT/gpu_snapshot.json" 2>/dev/null || echo 2e9)}
 stage overhead gpu_overhead.json $PY -m tools.bench.gpu_overhead --store-root "$STORE" --log-dir "$OUT" \
   --snapshot-bandwidth "$BW" --windows 8 0 --staged --repeats 2
+stage interleave gpu_interleave.json $PY -m tools.bench.gpu_overhead --store-root "$STORE" --log-dir "$OUT/interleave" \
+  --iters 160 --warmup 64 --windows 8 --interleave 8 --profile-worker 3 --gil-probe
+stage interleave gpu_blocks.json $PY -m tools.bench.gpu_overhead --store-root "$STORE" --log-dir "$OUT/blocks" \
+  --iters 96 --warmup 32 --windows 8 --interleave 8 --trace-blocks 3 --skip-none
+stage cpubound cpu_bound.json env CUDA_VISIBLE_DEVICES= $PY tools/bench/ckpt_overhead.py --model medium --nproc 2 \
+  --policies sparse --agent-hash --control --warmup-cycles 3 --cycles 10 --json
 exit 0
