@@ -45,12 +45,12 @@ def reference(fault_free_digest):
 
 
 def lose(env, job: str, *, layout: str, losses: list[str], max_restarts: int = 2, launcher: str | None = None,
-         launcher_flags: tuple[str, ...] = (), extra_flags: tuple[str, ...] = ()) -> dict:
+         launcher_flags: tuple[str, ...] = (), extra_flags: tuple[str, ...] = (), faults: tuple[str, ...] = ()) -> dict:
     parsed = [NodeLoss.parse(s) for s in losses]
     work = os.path.join(env["work"], job)
     os.makedirs(work)
     extra = node_flags(nodes=NODES, losses=parsed, faults=[], work=work, window=WINDOW) + list(extra_flags)
-    res = run_node_job(job=job, workdir=work, faults=[], losses=parsed, num_nodes=NODES, max_restarts=max_restarts,
+    res = run_node_job(job=job, workdir=work, faults=list(faults), losses=parsed, num_nodes=NODES, max_restarts=max_restarts,
                        launcher=launcher, launcher_flags=launcher_flags, timeout=400, layout=layout, policy="sparse", iters=ITERS, data=env["data"],
                        store=os.path.join(env["store"], job), window=WINDOW, extra=extra)
     assert res["rc"] == 0, f"{job} failed (rc {res['rc']}), see {res['logs']}"
@@ -182,3 +182,22 @@ def test_ep2pp2_both_nodes_lost_falls_back_to_durable(env, reference):
     for log in agents:  # each wrote the durable tier of the relaunched job, then left once its ranks were done
         wait_until(lambda: log.read_text().rstrip().endswith("exiting (every rank said bye)"), timeout=30,
                    message=log.read_text())
+
+
+@pytest.mark.timeout(600)
+def test_dp2ep2_a_fallback_on_two_nodes_spends_one_restart(env, reference):
+    """Rank 3 (node 1) dies at iteration 5 under ``moe-ft launch`` with no spare and ``--reform-timeout 1``: a
+    fresh interpreter takes the rank (attempt 1, one restart spent) but imports for seconds, the survivors
+    give up, and the agents fall back to a full restart. Under ``--max-restarts 1`` that is the same
+    failure's restart (given back, ``spent_by``), and the agent that did not announce the fallback restarts
+    its group instead of taking the other's return to the rendezvous for a joining node. Bitwise."""
+    res = lose(env, "dp2ep2_fallback", layout="dp2ep2", losses=[], faults=("3:5:forward",), launcher="inprocess",
+               launcher_flags=("--spares-per-node=0", "--reform-timeout=1"), max_restarts=1)
+    assert res["digest"] == reference("dp2ep2")
+    assert res["launches"] == {"0": 1, "1": 1}  # no agent was started again
+    (report,) = res["reports"]
+    assert report["restart_kind"] == "job" and report["restart_count"] == 3, report
+    assert report["fallback_reason"].startswith("re-forming the process groups took longer"), report
+    log = "".join(Path(p).read_text() for p in res["logs"])
+    assert "falling back to a full restart" in log or "every worker starts again" in log, res["logs"]
+    assert "a node joins" not in log, res["logs"]
