@@ -20,6 +20,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from torch.distributed.elastic.agent.server.api import WorkerState
 
 from moe_ft.cli.drill import run_job
 from moe_ft.drills.faults import InjectedFault
@@ -759,3 +760,33 @@ def test_a_peers_full_restart_is_not_taken_for_a_joining_node(monkeypatch):
     assert decided() == "restart"  # the waiting node is the peer that fell back
     agent._awaiting = {1}  # nor is it the replacement node the survivors waited for
     assert decided() == "restart"
+
+
+def test_an_agent_back_in_the_rendezvous_after_a_fallback_is_not_a_lost_node(store, tmp_path):
+    """After a fallback, an agent whose workers left first is back in the rendezvous and beats no more: the
+    others must not declare its node lost (seen in CI: node 1's agent then gave node 0's ranks away and, the
+    budget spent by the in-process attempt, stopped the job). Its own workers' exit then restarts the group,
+    with the in-process attempt's restart given back. A real agent and process, a real store."""
+    import signal
+
+    agent, group = _sleeping_agent(store, tmp_path, "fellback", 1, node_timeout_s=0.3)
+    agent._node, agent._nodes, agent._world, agent._groups = 1, 2, 2, {0: 0, 1: 1}
+    agent._holders = agent._home = {0: 0, 1: 1}
+    keys = protocol.Keys("fellback")
+    try:
+        agent._workers = {1: agent._start_one(group, name="rank1", rank=1, local_rank=0)}
+        protocol.announce(store, keys, kind="inprocess", failed=[0], detected_at=time.time(), holders={"0": 0})
+        protocol.announce(store, keys, kind="fallback", failed=[0], detected_at=time.time(), reason="gave up",
+                          spent_by=1)
+        deadline = time.monotonic() + 1.5  # five node timeouts without a beat from node 0
+        while time.monotonic() < deadline:
+            assert agent._monitor_workers(group).state == WorkerState.HEALTHY
+            time.sleep(0.05)
+        assert agent._lost == set() and protocol.current_attempt(store, keys) == 2
+        assert agent._remaining_restarts == 0  # the in-process attempt spent the one
+        os.kill(agent._workers[1].pid, signal.SIGKILL)  # (a worker leaving for the full restart exits 75)
+        agent._workers[1].context.wait(10)
+        assert agent._monitor_workers(group).state == WorkerState.FAILED
+        assert agent._remaining_restarts == 1  # given back: torch elastic's full restart follows
+    finally:
+        agent._close_all()

@@ -159,6 +159,9 @@ class SpareAgent(LocalElasticAgent):
         self._max_nodes = max_nodes
         """``--nnodes``' MAX: a node may join (the job grows in-process) only while fewer nodes are live."""
         self._refunded = -1
+        self._falling_back = False
+        """A fallback was announced (by any agent) since this group started: every node's workers leave for a
+        full restart, and an agent that already went back to the rendezvous beats no more -- it is not lost."""
         """The fallback attempt whose restart this agent gave back (:meth:`_refund_recovery`), once."""
         self._workers: dict[int, _Process] = {}
         """This node's workers by global rank (a lost node's ranks may run here, on former spares)."""
@@ -351,6 +354,7 @@ class SpareAgent(LocalElasticAgent):
             self._home = {rank: place[rank // per_node] for rank in range(self._world)}
             self._holders = dict(self._home)
             self._lost, self._dead, self._watch, self._seen = set(), {}, None, self._attempt
+            self._falling_back = False
             self._awaiting, self._surplus, self._freed = set(), set(), {}
             self._store_client(worker_group).set(self._keys.surplus(self._node), "[]")
             self._published_spares = ""  # listed again under this round's node number
@@ -560,20 +564,22 @@ class SpareAgent(LocalElasticAgent):
             return RunResult(state=WorkerState.SUCCEEDED, return_values={**values, **self._finished})
         gave_up = any(f.exitcode == protocol.GAVE_UP_EXIT_CODE for f in failures.values())
         stopped = any(f.exitcode in protocol.STOP_EXIT_CODES for f in failures.values())
-        if failures and (not self._inprocess or self._finished or gave_up or stopped):  # finished: nobody to rejoin
+        # finished: nobody to rejoin; falling back: the full restart comes anyway
+        if failures and (not self._inprocess or self._finished or gave_up or stopped or self._falling_back):
             if self._inprocess and (gave_up or stopped):  # the others need not wait for their own timeouts
                 reason = (f"re-forming the process groups took longer than --reform-timeout "
                           f"({self._reform_timeout_s:g} s)" if gave_up else
                           f"rank(s) {sorted(r for r, f in failures.items() if f.exitcode in protocol.STOP_EXIT_CODES)} "
                           "stopped on purpose (bad flags, or recovery refused)")
                 self._announce_fallback(worker_group, sorted(failures), reason, recovery_gave_up=True)
+            if self._inprocess:
                 self._refund_recovery(worker_group)
             return RunResult(state=WorkerState.FAILED, failures=failures)
         if self._inprocess:
             now = time.time()
             for rank in failures:
                 self._reap(rank, now)
-            if self._nodes > 1:
+            if self._nodes > 1 and not self._falling_back:  # an agent back in the rendezvous beats no more
                 self._beat_and_watch(worker_group)
             if set(self._dead) - self._awaiting and not self._decide(worker_group):
                 return RunResult(state=WorkerState.FAILED, failures=failures)
@@ -598,6 +604,7 @@ class SpareAgent(LocalElasticAgent):
             if info.get("kind") == "await":
                 self._lost.update(info.get("lost", []))
                 self._awaiting = set(info.get("failed", []))
+            self._falling_back = self._falling_back or info.get("kind") == "fallback"
             if info.get("kind") == "inprocess":
                 self._lost.update(info.get("lost", []))
                 if "resize" in info:
@@ -807,6 +814,7 @@ class SpareAgent(LocalElasticAgent):
                 # and its reason (the first cause) stays the one the report shows
                 print(f"moe-ft launch: {reason}: the full restart of attempt {newest} covers it", flush=True)
                 self._seen = self._attempt = newest
+                self._falling_back = True
                 return
             attempt = protocol.lock_next(store, self._keys, by=f"node{self._node}")
         if attempt is None:
@@ -818,6 +826,7 @@ class SpareAgent(LocalElasticAgent):
                          detected_at=min(self._dead.values(), default=time.time()), reason=reason, **extra)
         print(f"moe-ft launch: {reason}: {then}", flush=True)
         self._seen = self._attempt = attempt
+        self._falling_back = True
 
     def _refund_recovery(self, worker_group: WorkerGroup) -> None:
         """One failure spends one of ``--max-restarts``, however it is recovered. When the in-process attempt
