@@ -378,8 +378,10 @@ class SpareAgent(LocalElasticAgent):
         and waits; the agents form the new rendezvous round, node 0's announces the round's attempt
         (``resize``: every kept worker's rank in the grown layout), the joining nodes start their workers,
         and the kept ones re-plan in their processes as after a shrink."""
-        healthy = (self._inprocess and worker_group.state == WorkerState.HEALTHY
-                   and not self._fallback_announced(worker_group))
+        if self._inprocess and worker_group.state == WorkerState.HEALTHY:
+            self._apply_announcements(worker_group)  # the decision below needs what was announced since the pass
+        # after a fallback, a node waiting at the rendezvous is an agent restarting its group, not a node joining
+        healthy = self._inprocess and worker_group.state == WorkerState.HEALTHY and not self._falling_back
         if healthy and self._awaiting:
             # the replacement node for a lost one: the survivors already left their attempt and wait
             print(f"moe-ft launch: a replacement node is waiting; the workers of node {self._node} keep their "
@@ -401,12 +403,6 @@ class SpareAgent(LocalElasticAgent):
             self._initialize_workers(worker_group)  # the rendezvous, then _start_workers keeps the workers
         finally:
             self._regrouping = False
-
-    def _fallback_announced(self, worker_group: WorkerGroup) -> bool:
-        """The newest attempt is a fallback: every worker leaves for a full restart, and a node waiting at the
-        rendezvous is the agent that announced it (or another that restarts), not a node that joins."""
-        store = self._store_client(worker_group)
-        return protocol.announcement(store, self._keys, protocol.current_attempt(store, self._keys)).get("kind") == "fallback"
 
     def _may_grow(self) -> bool:
         """``--nnodes MIN:MAX`` with fewer than MAX nodes live: a node waiting at the rendezvous may join."""
