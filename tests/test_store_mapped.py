@@ -262,3 +262,30 @@ def test_a_writer_killed_between_the_copy_and_the_publish_leaves_no_point(tmp_pa
         p.put_meta({})
         p.publish()
     assert st.verify().problems == () and st.backend.arena_bytes == size  # the killed writer's regions reused
+
+
+def test_the_digest_from_device_sums_equals_the_host_digest_whatever_the_header_length():
+    """The padding's share is hashed once per layout (``EntryLayout.padding``) and the header's on every seal:
+    for headers of every length mod 4 and keys of several widths on one layout, the digest sealed from the
+    tensors' sums equals the host's hash of the whole region."""
+    from moe_ft.store.codec import entry_head, layout_entry, seal_entry
+
+    src = tensors(2)
+    lengths = set()
+    for extra in range(1, 5):  # a key one character longer moves the header's end by one byte
+        named = {("x" * extra) + name: t for name, t in src.items()}
+        layout = layout_entry({"iteration": 0, "op": "o" * extra}, tensor_specs(named), eh.ALGO)
+        for it in (7, 123456, 10 ** 11):
+            head = entry_head(layout, {"iteration": it, "op": "o" * extra}, eh.ALGO)
+            lengths.add(len(head) % 4)
+            host, dev = bytearray(layout.size), bytearray(layout.size)
+            for region in (host, dev):
+                for rec, t in zip(layout.table, named.values()):
+                    region[rec["offset"]:rec["offset"] + rec["nbytes"]] = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+            sums = [eh.lane_sums_of(t, first) for t, first in zip(named.values(), layout.first_words)]
+            a = seal_entry(memoryview(host), layout, head, eh.ALGO)
+            b = seal_entry(memoryview(dev), layout, head, eh.ALGO, sums)
+            assert a.checksum == b.checksum and host == dev and b.hashed == layout.table[0]["offset"] + sum(
+                layout.table[i + 1]["offset"] - -(-(r["offset"] + r["nbytes"]) // 4) * 4
+                for i, r in enumerate(layout.table[:-1]))
+    assert lengths == {0, 1, 2, 3}

@@ -160,6 +160,29 @@ class EntryLayout:
     size: int
 
     @functools.cached_property
+    def table_json(self) -> str:
+        """The tensor table as the header spells it (canonical JSON): the same for every key of the layout."""
+        return _dumps(list(self.table))
+
+    @functools.cached_property
+    def padding(self) -> tuple[list[int], int]:
+        """The ``mfh64`` lane sums of the entry's zero padding -- from the end of the header (its last word
+        zero-padded) to the first tensor, and between tensors (from the word after a tensor's last one) --
+        and the bytes a host hashes to seal the entry (header and padding). Both are the same at every key,
+        so :func:`entry_digest` hashes the padding once per layout, not once per entry."""
+        head_words = -(-(_PREFIX.size + self.reserve) // 4)
+        first = self.table[0]["offset"] // 4 if self.table else self.body // 4
+        runs = [(head_words, first - head_words)]
+        for i, rec in enumerate(self.table):
+            end_word = -(-(rec["offset"] + rec["nbytes"]) // 4)
+            nxt = self.table[i + 1]["offset"] // 4 if i + 1 < len(self.table) else end_word
+            runs.append((end_word, nxt - end_word))
+        sums = [0, 0]
+        for start, count in runs:
+            sums = [(a + b) & entry_hash.MASK for a, b in zip(sums, entry_hash.zero_word_sums(start, count))]
+        return sums, 4 * sum(count for _, count in runs[1:]) + 4 * first
+
+    @functools.cached_property
     def first_words(self) -> list[int]:
         """Each tensor's first word index in the entry (what its device digest is keyed by)."""
         return [rec["offset"] // 4 for rec in self.table]
@@ -217,7 +240,7 @@ def layout_entry(key: Mapping[str, Any], specs, algo: str,
 def entry_head(layout: EntryLayout, key: Mapping[str, Any], algo: str, meta_json: str | None = None) -> bytes:
     """The entry's prefix and header (padded to the layout's reserve) for ``key``; ``ValueError`` when the
     header does not fit the layout (lay it out again)."""
-    header = (_head_json(key, algo, meta_json) + _dumps(list(layout.table)) + "}").encode()
+    header = (_head_json(key, algo, meta_json) + layout.table_json + "}").encode()
     if len(header) > layout.reserve:
         raise ValueError(f"entry header of {len(header)} bytes does not fit the layout's {layout.reserve}")
     return _PREFIX.pack(MAGIC, VERSION, layout.reserve) + header.ljust(layout.reserve, b" ")  # JSON allows spaces
@@ -292,22 +315,24 @@ def write_entry(
 def entry_digest(layout: EntryLayout, head: bytes, tensor_sums: list[list[int]]) -> tuple[bytes, int]:
     """The ``mfh64`` digest of an entry whose tensors were hashed where they live (device lane sums of each
     tensor, indexed from its offset: :class:`moe_ft.store.entry_hash_triton.TensorTable`): the host hashes
-    the prefix, the header and the zero padding only. Returns the digest and the bytes hashed on the host."""
+    the prefix and the header (the zero padding's share is the layout's, :attr:`EntryLayout.padding`).
+    Returns the digest and the bytes hashed on the host (header and padding)."""
     if len(tensor_sums) != len(layout.table):
         raise ValueError(f"{len(tensor_sums)} tensor digests for an entry of {len(layout.table)} tensors")
-    first = layout.table[0]["offset"] if layout.table else layout.body
-    hasher = entry_hash.Mfh64()
-    hasher.update(head)
-    hasher.update(bytes(first - len(head)))
-    if not layout.table:
-        return hasher.digest(), first
-    sums, host_bytes = hasher.sums(), first  # the head region is whole words (offsets are aligned)
-    for i, (rec, tsum) in enumerate(zip(layout.table, tensor_sums)):
-        end_word = -(-(rec["offset"] + rec["nbytes"]) // 4)
-        nxt = layout.table[i + 1]["offset"] // 4 if i + 1 < len(layout.table) else end_word
-        pad = entry_hash.zero_word_sums(end_word, nxt - end_word)
-        sums = [(a + int(b) + c) & entry_hash.MASK for a, b, c in zip(sums, tsum, pad)]
-        host_bytes += 4 * (nxt - end_word)
+    if len(head) != _PREFIX.size + layout.reserve:
+        raise ValueError(f"an entry head of {len(head)} bytes for a layout whose head is "
+                         f"{_PREFIX.size + layout.reserve} (entry_head pads it to the reserve)")
+    if not layout.table:  # the head and its padding are the whole body
+        hasher = entry_hash.Mfh64()
+        hasher.update(head)
+        hasher.update(bytes(layout.body - len(head)))
+        return hasher.digest(), layout.body
+    # the head's last word zero-padded: the padding's first bytes complete it (the padding's share starts at
+    # the next whole word, EntryLayout.padding)
+    sums = entry_hash.bytes_lane_sums(head)
+    pad, host_bytes = layout.padding
+    for part in (pad, *tensor_sums):
+        sums = [(a + int(b)) & entry_hash.MASK for a, b in zip(sums, part)]
     return entry_hash.pack(layout.body, sums), host_bytes
 
 

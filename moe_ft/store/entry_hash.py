@@ -163,6 +163,12 @@ def lane_sums_of(tensor: torch.Tensor, first_index: int) -> list[int]:
     return [int(v) for v in sums.tolist()]
 
 
+def bytes_lane_sums(data: bytes, first_index: int = 0) -> list[int]:
+    """The lane sums of host ``data`` (the last word zero-padded) whose first word has index ``first_index``:
+    a header's share of its entry's digest, in one pass."""
+    return _lane_sums_host(np.frombuffer(data + bytes(-len(data) % 4), dtype="<u4"), first_index)
+
+
 def zero_word_sums(first_index: int, count: int) -> list[int]:
     """The lane sums of ``count`` zero words starting at word ``first_index`` (an entry's alignment padding
     between tensors, which the device hashes of the tensors leave out)."""

@@ -82,13 +82,17 @@ def sparse_window_complete(catalog: Catalog, start: int, end: int, operators: It
                            require_meta: bool = True) -> RecoveryPoint | None:
     if start > end:
         raise ValueError(f"window start {start} is after its end {end}")
-    if any(catalog.point(it) is None for it in range(start, end + 1)):
+    window = [(it, catalog.point(it)) for it in range(start, end + 1)]
+    if any(point is None for _, point in window):
         return None  # a missing snapshot in the window breaks the replay
     full_at: dict[OperatorId, int] = {}
     refs: list[EntryRef] = []
+    # GC asks this after every publish: the window's entry tables are read directly (PointRecord.level)
+    tables = [(it, point.entries) for it, point in window]  # type: ignore[union-attr]  # none is None: above
     for op in sorted(operators, key=op_order):
-        for it in range(start, end + 1):
-            level = catalog.level(it, op)
+        for it, entries in tables:
+            entry = entries.get(op)
+            level = Level.NONE if entry is None else entry.level
             if level == Level.FULL:
                 full_at[op] = it
                 refs.append(EntryRef(it, op, Level.FULL))
