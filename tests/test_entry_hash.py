@@ -80,6 +80,16 @@ def test_device_path_equals_the_host_path(monkeypatch):
         assert eh._lane_sums_torch(words, first).tolist() == eh.lane_sums(words, first).tolist()
 
 
+@pytest.mark.parametrize("n,dtype", CASES)
+def test_a_host_tensors_share_at_any_index_equals_the_word_path(n, dtype):
+    """``lane_sums_of`` of a CPU tensor (NumPy on its bytes in place) against the words-and-tail path."""
+    t = sample(n, dtype, seed=5)
+    for first in (0, 7, (1 << 32) - 3):
+        words, tail = eh.split_words(eh.byte_view(t))
+        want = (eh.lane_sums(words, first) + eh.lane_sums(tail, first + words.numel())) & eh.MASK
+        assert eh.lane_sums_of(t, first) == want.tolist()
+
+
 def test_views_and_layouts():
     base = sample(4096 + 9, torch.uint8, seed=3)
     shifted = base[1:]  # starts mid-word: hashed through an aligned copy
