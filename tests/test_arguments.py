@@ -185,3 +185,18 @@ def test_expected_warnings_are_one_line_unless_verbose():
                              cwd=ROOT, timeout=120)
     assert "Apex" in verbose.stderr and "not installed" in verbose.stderr and "Unknown MLP type" in verbose.stderr
     assert verbose.stdout.strip().endswith("None 0")
+
+
+def test_the_snapshot_copy_piece_flag_reaches_the_engine_config(data_prefix):
+    """``--ft-snapshot-copy-piece-mb`` (moe_ft/snapshot/pacing.py): parsed into the snapshot component's config;
+    a negative size is refused with the flag's name."""
+    import pretrain_gpt_moe
+
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-experts", "4", "--moe-router-topk", "2", "--ft",
+             "--data-path", data_prefix]
+    groups = pretrain_gpt_moe.extra_argument_groups()
+    args = parse_args([*flags, "--ft-snapshot-copy-piece-mb", "16"], world_size=1, extra_groups=groups)
+    assert args.extra["FTConfig"].snapshot.snapshot_copy_piece_mb == 16
+    assert parse_args(flags, world_size=1, extra_groups=groups).extra["FTConfig"].snapshot.snapshot_copy_piece_mb == 0
+    with pytest.raises((ArgumentError, ValueError), match="snapshot-copy-piece-mb"):
+        parse_args([*flags, "--ft-snapshot-copy-piece-mb", "-1"], world_size=1, extra_groups=groups)

@@ -167,21 +167,27 @@ def test_streaming_mfh64_equals_the_reference_for_any_split():
         assert h.digest() == want, step
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["kernel-hashes", "host-hashes"])
-def test_the_mapped_copier_writes_the_entries_put_writes(tmp_path, kernel):
+@pytest.mark.parametrize("kernel,paced", [(True, False), (False, False), (True, True)],
+                         ids=["kernel-hashes", "host-hashes", "kernel-hashes-paced"])
+def test_the_mapped_copier_writes_the_entries_put_writes(tmp_path, kernel, paced):
     """The GPU snapshot path's copier (moe_ft/snapshot/mapped.py) on CPU tensors: regions reserved, bytes
     copied in place, sums from the kernel (every tensor taken as a device tensor) or the host, entries
-    sealed; a second snapshot of another composition and one of the first again (its cached plan)."""
+    sealed; a second snapshot of another composition and one of the first again (its cached plan). Paced:
+    the copy is cut into 1000-byte pieces (moe_ft/snapshot/pacing.py), a pause between each two (on a GPU a
+    device-side sleep; here recorded), with the same bytes sealed."""
     from types import SimpleNamespace
 
     from moe_ft.snapshot.mapped import MappedCopier
+    from moe_ft.snapshot.pacing import CopyPacer
 
     ops = [OperatorId.expert_op(0, e) for e in range(3)]
     state = {op: tensors(i) for i, op in enumerate(ops)}
     entries = {(op, lvl): SimpleNamespace(op=op, level=lvl, out=dict(state[op]), srcs=list(state[op].values()))
                for op in ops for lvl in (Level.FULL, Level.COMPUTE)}
     st = store(tmp_path, "mapped")
-    copier = MappedCopier(st, None, on_device=(lambda t: True) if kernel else None)
+    pauses: list[float] = []
+    pacer = CopyPacer(1000, gap_us=7.0, pause=pauses.append) if paced else None
+    copier = MappedCopier(st, None, on_device=(lambda t: True) if kernel else None, pacer=pacer)
     plans = [({ops[0]: Level.FULL, ops[1]: Level.COMPUTE}, frozenset()),
              ({ops[1]: Level.FULL, ops[2]: Level.FULL}, frozenset({ops[2]})),
              ({ops[0]: Level.FULL, ops[1]: Level.COMPUTE}, frozenset())]
@@ -190,6 +196,11 @@ def test_the_mapped_copier_writes_the_entries_put_writes(tmp_path, kernel):
         if remote:
             items.append(entries[(ops[2], Level.COMPUTE)])
         job = copier.issue(it, it % 2, items, remote)
+        if paced:  # each piece but the first waits for the pause after the one before it
+            copied = sum(t.nbytes for item in items if not (item.op in remote and item.level == Level.FULL)
+                         for t in item.srcs)
+            assert pacer.pieces == -(-copied // 1000) > 1 and pauses == [7.0] * (pacer.pieces - 1)
+            pauses.clear()
         with job.point as point:
             copier.seal(job)
             point.put_meta({"i": it})

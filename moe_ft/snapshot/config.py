@@ -70,13 +70,19 @@ class SnapshotConfig:
         "Threads writing one snapshot's entries into the store (0 = 1 on CPU, 4 on CUDA: one thread writes "
         "~1.3 GB/s on an H100 host, far below the device-to-host copy)."))
 
+    snapshot_copy_piece_mb: int = field(default=0, metadata=field_help(
+        "GPU snapshots into the arena: queue the device-to-host copy in pieces of at most this many MiB, each "
+        "after the previous one ended, so that the training thread's own small reads from the device (the MoE "
+        "dispatcher's token counts, the loss) wait for one piece instead of the whole snapshot (the copy "
+        "engine takes transfers in order); 0 = the whole copy at once."))
+
     def __post_init__(self) -> None:
         policy_class(self.policy)  # raises ValueError naming the choices
         for name in ("dense_interval", "pec_k", "snapshot_slots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--ft-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         non_negative(self, ("sparse_window", "selective_local_budget", "selective_remote_budget",
-                             "snapshot_write_threads"), "ft_")
+                             "snapshot_write_threads", "snapshot_copy_piece_mb"), "ft_")
         if not 1 <= self.pec_k_persist <= self.pec_k:
             raise ValueError(f"--ft-pec-k-persist must be in [1, --ft-pec-k={self.pec_k}] (MoC §5.1: the durable "
                              f"tier holds a subset of each checkpoint's experts), got {self.pec_k_persist}")

@@ -56,6 +56,7 @@ from moe_ft.background import BackgroundWorker
 from moe_ft.snapshot.bubbles import BubbleSchedule  # noqa: F401  (EngineConfig.bubbles)
 from moe_ft.snapshot.buffers import HostBuffers
 from moe_ft.snapshot.mapped import MappedCopier, available
+from moe_ft.snapshot.pacing import CopyPacer
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store.errors import store_full
 
@@ -83,7 +84,14 @@ class EngineConfig:
     tensors are all contiguous), off otherwise. On the GPU path ``False`` turns off the copies into the store's
     regions (``mapped``): the copies go into pinned slot buffers first."""
 
+    copy_piece_bytes: int = 0
+    """GPU path into the store's regions: queue the device-to-host copy in pieces of at most this many bytes,
+    each after the previous one ended (``moe_ft/snapshot/pacing.py``: the training thread's own small reads
+    from the device then wait for one piece, not the whole snapshot). 0: the whole copy queued at once."""
+
     def __post_init__(self) -> None:
+        if self.copy_piece_bytes < 0:
+            raise ValueError(f"EngineConfig.copy_piece_bytes must be >= 0, got {self.copy_piece_bytes}")
         if self.num_slots < 1:
             raise ValueError(f"EngineConfig.num_slots must be >= 1, got {self.num_slots}")
         if self.write_threads is not None and self.write_threads < 1:
@@ -188,11 +196,15 @@ class SnapshotEngine:
         (``mapped_off`` says why not)."""
         self.mapped_off = _mapped_off(config, self.cuda, store)
         if not self.mapped_off:
-            self.mapped = MappedCopier(store, self._stream, capacity=2 * len(layout))
+            pacer = CopyPacer(config.copy_piece_bytes) if config.copy_piece_bytes else None
+            self.mapped = MappedCopier(store, self._stream, capacity=2 * len(layout), pacer=pacer)
             if self.mapped.pinned.failed:  # a copy into pageable memory would block the host: stage instead
                 self.mapped_off = f"page-locking the store's arena failed: {self.mapped.pinned.failed}"
                 self.mapped.close()
                 self.mapped = None
+        if config.copy_piece_bytes and self.mapped is None:
+            print(f"moe-ft snapshots: the copy is not paced (--ft-snapshot-copy-piece-mb): only copies into the "
+                  f"store's regions are, and here {self.mapped_off}", file=sys.stderr, flush=True)
         pin = self.cuda if config.pin_memory is None else config.pin_memory
         # every operator FULL (the largest plan); direct writes need buffers for the metadata only
         self.buffers = HostBuffers(config.num_slots, pin, None if self.direct or self.mapped else layout)

@@ -144,13 +144,16 @@ class MappedJob:
 class MappedCopier:
     """Issues a snapshot's copies into mapped store regions and seals them (module docstring)."""
 
-    def __init__(self, store, stream, *, capacity: int = 64, on_device=None) -> None:
+    def __init__(self, store, stream, *, capacity: int = 64, on_device=None, pacer=None) -> None:
         """``capacity``: rows of sums a job may need (two per tensor of the registry covers any plan, remote
         entries included); ``on_device(tensor)``: whether a source is hashed by the kernel (default: it is on
-        CUDA; the CPU tests hash CPU tensors with the kernel under ``TRITON_INTERPRET=1``)."""
+        CUDA; the CPU tests hash CPU tensors with the kernel under ``TRITON_INTERPRET=1``); ``pacer``: a
+        :class:`moe_ft.snapshot.pacing.CopyPacer` that issues the device-to-host copy in pieces (``None``:
+        all of it at once)."""
         self.store, self.stream = store, stream
         self.capacity = capacity
         self.on_device = on_device or (lambda t: t.is_cuda)
+        self.pacer = pacer
         self.pinned = PinnedSegments(store.backend)
         self.pinned.refresh()
         self._preps: dict[int, _Prep] = {}
@@ -185,23 +188,32 @@ class MappedCopier:
             point.abort()
             raise
         self.pinned.refresh()  # a segment the arena just added
-        dst, src, host_dst, host_src = [], [], [], []
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        typed_dst: list[torch.Tensor] = []
+        typed_src: list[torch.Tensor] = []
+        host_dst: list[torch.Tensor] = []
+        host_src: list[torch.Tensor] = []
         for reserved, prep in job.reserved:
-            if prep.byte_srcs is not None:
-                pairs = zip(reserved.byte_views(), prep.byte_srcs)
+            if prep.byte_srcs is not None:  # flat bytes: the pacer may cut them
+                pairs, to_dst, to_src = zip(reserved.byte_views(), prep.byte_srcs), dst, src
             else:
-                pairs = zip(reserved.views.values(), prep.entry.srcs)
+                pairs, to_dst, to_src = zip(reserved.views.values(), prep.entry.srcs), typed_dst, typed_src
             for d, s in pairs:
                 if self.on_device(s):
-                    dst.append(d)
-                    src.append(s)
+                    to_dst.append(d)
+                    to_src.append(s)
                 else:
                     host_dst.append(d)
                     host_src.append(s)
                     job.host_bytes += s.nbytes
         if host_dst:
             torch._foreach_copy_(host_dst, host_src)
-        if dst:
+        if typed_dst:
+            torch._foreach_copy_(typed_dst, typed_src, non_blocking=True)
+        if dst and self.pacer is not None:
+            self.pacer.copy(dst, src)
+        elif dst:
             torch._foreach_copy_(dst, src, non_blocking=True)
         job.plan = self._plan(job)
         job.rows = self._slot_rows(slot, job.plan.rows)

@@ -85,6 +85,7 @@ def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: 
         bubbles = BubbleSchedule(BubbleGate(keep_intervals=True), trace=[])
     engine = SnapshotEngine(EngineConfig(num_slots=config.snapshot_slots, bubbles=bubbles,
                                          write_threads=config.snapshot_write_threads or None,
+                                         copy_piece_bytes=config.snapshot_copy_piece_mb * 2 ** 20,
                                          direct_write=None if config.snapshot_direct_write else False),
                             ctx.registry, store)
     return SnapshotSession(config.policy, policy, engine, store, operators=operators,

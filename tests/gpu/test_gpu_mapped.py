@@ -6,6 +6,8 @@ verified, a remote entry records the digest its peers will rebuild, a flipped bi
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -22,17 +24,19 @@ from tools.bench.gpu_snapshot import sparse_plan
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 
-def mapped_engine(tmp_path, registry, job="j"):
+def mapped_engine(tmp_path, registry, job="j", piece=0):
     store = StoreConfig(root=str(tmp_path), job_id=job, rank=0, checksum="mfh64").build(retention=KeepAll())
-    engine = SnapshotEngine(EngineConfig(num_slots=2), registry, store)
+    engine = SnapshotEngine(EngineConfig(num_slots=2, copy_piece_bytes=piece), registry, store)
     assert engine.mapped is not None, engine.mapped_off
     return engine, store
 
 
-def test_mapped_snapshots_hold_the_state_at_submit(tmp_path):
+@pytest.mark.parametrize("piece", [0, 1 << 16], ids=["one-copy", "paced"])
+def test_mapped_snapshots_hold_the_state_at_submit(tmp_path, piece):
     registry = small_registry()
     ops = list(registry)
-    engine, store = mapped_engine(tmp_path, registry)
+    engine, store = mapped_engine(tmp_path, registry, piece=piece)
+    assert (engine.mapped.pacer is not None) == bool(piece)
     assert engine.buffers.arena_bytes == 0  # no slot buffers: the store's regions are the buffers
     x = torch.randn(4096, 4096, device="cuda")
     expected, remote = {}, {}
@@ -72,7 +76,7 @@ def test_mapped_snapshots_hold_the_state_at_submit(tmp_path):
     host_state_bytes = sum(t.nbytes for op in ops for t in registry[op].tensors(Level.FULL).values() if not t.is_cuda)
     assert all(r.published and r.device_stall_s is not None for r in recs)
     assert max(r.host_bytes_touched for r in recs) <= 2 * host_state_bytes  # the CPU step counters only
-    record("mapped_correctness", {
+    record("mapped_correctness" + ("_paced" if piece else ""), {
         "trainer_payload_bytes_per_byte_max": max(r.trainer_payload_bytes_per_byte for r in recs),
         "host_stall_max_ms": 1e3 * max(r.stall_s for r in recs),
         "device_stall_max_ms": 1e3 * max(r.device_stall_s for r in recs),
@@ -129,3 +133,40 @@ class _null:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_a_read_from_the_device_waits_for_one_piece_of_a_paced_copy():
+    """What pacing is for (moe_ft/snapshot/pacing.py): an ``.item()`` on the compute stream right after a
+    256 MiB snapshot copy was queued on a side stream returns after one 16 MiB piece, not after the copy."""
+    from moe_ft.snapshot.pacing import CopyPacer
+
+    n = 256 << 20
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    x, side = torch.ones(1, device="cuda"), torch.cuda.Stream()
+    pacer = CopyPacer(16 << 20)
+
+    def read_behind(paced: bool) -> tuple[float, float]:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            start.record()
+            if paced:
+                pacer.copy([dst], [src])
+            else:
+                dst.copy_(src, non_blocking=True)
+            end.record()
+        t0 = time.perf_counter()
+        x.item()
+        waited = time.perf_counter() - t0
+        end.synchronize()
+        return waited, start.elapsed_time(end) / 1e3
+
+    whole = sorted(read_behind(False) for _ in range(7))[3]
+    paced = sorted(read_behind(True) for _ in range(7))[3]
+    assert torch.equal(dst[-4096:].cuda(), src[-4096:])
+    record("paced_copy_read", {"item_ms_behind_one_copy": 1e3 * whole[0], "item_ms_behind_paced": 1e3 * paced[0],
+                               "copy_ms_one": 1e3 * whole[1], "copy_ms_paced": 1e3 * paced[1],
+                               "pieces": pacer.pieces})
+    assert whole[0] > 0.5 * whole[1]  # the read waited for (most of) the copy
+    assert paced[0] < whole[0] / 3 and paced[1] < 1.5 * whole[1]

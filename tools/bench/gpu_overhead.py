@@ -336,11 +336,15 @@ def main(argv: list[str] | None = None) -> int:
                         "a loop), per kind of interleaved block; off by default")
     p.add_argument("--switch-interval", type=float, default=0.0, metavar="S",
                    help="sys.setswitchinterval(S) in the worker processes; 0: Python's default (0.005 s)")
+    p.add_argument("--paced", type=int, default=0, metavar="MB",
+                   help="also each sparse window with its device-to-host copy in pieces of MB MiB "
+                        "(--ft-snapshot-copy-piece-mb), alternating with the default (one copy)")
     p.add_argument("--skip-none", action="store_true", help="no --ft-policy none launch (no overhead_ratio)")
     a = p.parse_args(argv)
-    if min(a.interleave, a.profile_submit, a.profile_worker, a.trace_blocks, a.switch_interval, a.gil_probe) < 0:
-        p.error("--interleave, --profile-submit, --profile-worker, --trace-blocks, --switch-interval and --gil-probe "
-                "take values >= 0")
+    if min(a.interleave, a.profile_submit, a.profile_worker, a.trace_blocks, a.switch_interval, a.gil_probe,
+           a.paced) < 0:
+        p.error("--interleave, --profile-submit, --profile-worker, --trace-blocks, --switch-interval, --gil-probe and "
+                "--paced take values >= 0")
     if a.profile_submit and a.profile_worker:
         p.error("--profile-submit and --profile-worker both replace the store's functions while they profile: run "
                 "them in separate commands")
@@ -377,15 +381,20 @@ def main(argv: list[str] | None = None) -> int:
             from moe_ft.cli.drill import TINY
 
             model = [*TINY, "--moe-token-dispatcher-type", "alltoall"]
-        variants: list[tuple[str, str, int, list[str]]] = [] if a.skip_none else [("none", "none", 0, [])]
+        # (policy, name, window, extra flags, tag suffix)
+        variants: list[tuple[str, str, int, list[str], str]] = [] if a.skip_none else [("none", "none", 0, [], "")]
         for w in a.windows:
-            variants.append(("sparse", f"sparse(W={w or 'auto'})", w, []))
+            variants.append(("sparse", f"sparse(W={w or 'auto'})", w, [], ""))
             if a.staged:
-                variants.append(("sparse", f"sparse(W={w or 'auto'},staged)", w, ["--no-ft-snapshot-direct-write"]))
-        runs: dict[str, list[dict]] = {name: [] for _, name, _, _ in variants}
+                variants.append(("sparse", f"sparse(W={w or 'auto'},staged)", w, ["--no-ft-snapshot-direct-write"],
+                                 "s"))
+            if a.paced:
+                variants.append(("sparse", f"sparse(W={w or 'auto'},paced {a.paced} MiB)", w,
+                                 ["--ft-snapshot-copy-piece-mb", str(a.paced)], "p"))
+        runs: dict[str, list[dict]] = {name: [] for _, name, _, _, _ in variants}
         for rep in range(a.repeats):
-            for policy, name, window, extra in variants:
-                tag = f"{policy}{window or ''}{'s' if extra else ''}_{rep}"
+            for policy, name, window, extra, suffix in variants:
+                tag = f"{policy}{window or ''}{suffix}_{rep}"
                 out = os.path.join(tmp, f"{tag}.json")
                 log = os.path.join(a.log_dir or tmp, f"gpu_overhead_{tag}.log")
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", __file__,
