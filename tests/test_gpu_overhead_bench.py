@@ -412,3 +412,56 @@ def test_tiny_launch_profiles_the_worker_and_probes_the_gil(tmp_path, corpus):
     assert breakdown["snapshots"]["19"]["published"]
     paths = {row["path"] for row in breakdown["breakdown_per_snapshot"]}
     assert {"execute", "execute/write/put/point.put", "execute/write/publish"} <= paths
+
+
+@pytest.mark.parametrize("step", ["copy", "hash", "publish"])
+def test_snapshots_cut_after_a_step_publish_nothing_and_skip_what_follows(tmp_path, step):
+    """``gpu_overhead.py --steps`` (tools/bench/snapshot_steps.py) on the GPU path's copier with CPU tensors
+    (the kernel interpreted): ``copy`` launches no hash, ``hash`` computes the tensors' sums, neither publishes
+    nor leaves a staged point; ``publish`` is the whole path."""
+    from moe_ft.store.entry_hash import lane_sums_of
+    from tools.bench.snapshot_steps import limit_to_step
+
+    ops, registry = _cpu_registry(3)
+    store = StoreConfig(root=str(tmp_path), job_id="j", rank=0, checksum="mfh64", layout="arena").build(
+        retention=KeepAll())
+    engine = SnapshotEngine(EngineConfig(num_slots=1), registry, store)
+    try:
+        engine.mapped = MappedCopier(store, None, on_device=lambda t: True)
+        limit_to_step(engine, step)
+        slot = engine._free.get()
+        engine.mapped._rows[slot] = torch.full((64, 2), -7, dtype=torch.int64)  # what no hash leaves
+        items = [engine._entry(slot, op, Level.FULL) for op in ops]
+        job = _Job(record=SnapshotRecord(iteration=4, bytes=sum(e.nbytes for e in items), num_full=len(ops),
+                                         num_compute=0), slot=slot, items=items, meta={"iteration": 4},
+                   meta_tensors={}, mapped=engine.mapped.issue(4, slot, items, frozenset()))
+        rows = job.mapped.rows.tolist()
+        engine._worker.submit(job)
+        engine.flush()
+    finally:
+        engine.mapped = None
+        engine.close()
+    srcs = [(t, first) for e, (reserved, _) in zip(items, job.mapped.reserved)
+            for t, first in zip(e.srcs, reserved.layout.first_words)]
+    if step == "copy":
+        assert rows == [[-7, -7]] * len(srcs)
+    else:
+        assert rows == [lane_sums_of(t, first) for t, first in srcs]
+    assert store.staging() == []
+    assert store.points() == ([4] if step == "publish" else [])
+    assert (job.record.skipped == "") == (step == "publish")
+
+
+def test_a_step_needs_the_copy_into_the_store(tmp_path):
+    from tools.bench.snapshot_steps import limit_to_step
+
+    ops, registry = _cpu_registry(4)
+    store = StoreConfig(root=str(tmp_path), job_id="j", rank=0).build(retention=KeepAll())
+    engine = SnapshotEngine(EngineConfig(), registry, store)
+    try:
+        with pytest.raises(ValueError, match="does not use: the registry is not on CUDA"):
+            limit_to_step(engine, "copy")
+        with pytest.raises(ValueError, match="unknown snapshot step"):
+            limit_to_step(engine, "seal")
+    finally:
+        engine.close()

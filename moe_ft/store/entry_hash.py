@@ -160,12 +160,12 @@ def lane_sums_of(tensor: torch.Tensor, first_index: int) -> list[int]:
     if data.device.type == "cpu":  # NumPy on the bytes in place (a host tensor sealed into a GPU snapshot:
         raw = data.numpy()  # a step counter; each torch operation of the general path costs ~10 us)
         whole = raw.size // 4 * 4
-        sums = _lane_sums_host(raw[:whole].view("<u4"), first_index) if whole else [0, 0]
+        host = _lane_sums_host(raw[:whole].view("<u4"), first_index) if whole else [0, 0]
         if whole < raw.size:
-            tail = _lane_sums_host(np.frombuffer(raw[whole:].tobytes().ljust(4, b"\0"), dtype="<u4"),
+            last = _lane_sums_host(np.frombuffer(raw[whole:].tobytes().ljust(4, b"\0"), dtype="<u4"),
                                    first_index + whole // 4)
-            sums = [(a + b) & MASK for a, b in zip(sums, tail)]
-        return sums
+            host = [(a + b) & MASK for a, b in zip(host, last)]
+        return host
     words, tail = split_words(data)
     sums = lane_sums(words, first_index)
     if tail.numel():

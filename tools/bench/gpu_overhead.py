@@ -54,6 +54,12 @@ the interleaved ratio moves with S (e.g. 0.0005 against the default), and the pr
 blocks shrink with it. ``--skip-none``: no ``none`` launch (no ``overhead_ratio``; the interleaved ratio of the
 sparse launches needs none).
 
+``--steps copy hash``: also, per sparse window, a launch whose snapshots stop after the device-to-host copy
+(``copy``) and one that stops after the device hash (``hash``) (``tools/bench/snapshot_steps.py``: nothing is
+published); with ``--interleave`` each launch's ratio is what the steps up to it cost, the plain sparse launch
+being the whole path (copy, hash, publish). ``--paced MB``: also, per sparse window, a launch with
+``--ft-snapshot-copy-piece-mb MB`` (the copy in pieces, ``moe_ft/snapshot/pacing.py``).
+
 Every launch also times Python's cyclic garbage collections per iteration (``tools/bench/gc_times.py``): ``gc``
 (per kind of block in ``interleaved.gc``) holds the milliseconds in collections per iteration and the full
 collections per 100 iterations. A collection holds the GIL whichever thread triggered it, so snapshot work that
@@ -174,6 +180,7 @@ def worker(argv: list[str]) -> int:
     from moe_ft.persist.component import Durable
     from moe_ft.replication.component import Replicas
     from moe_ft.runtime.hooks import FTRuntime
+    from tools.bench.snapshot_steps import limit_to_step
     from tools.bench.submit_profile import SubmitProfiler
     from tools.bench.worker_profile import WorkerProfiler
 
@@ -183,6 +190,7 @@ def worker(argv: list[str]) -> int:
     num_worker, switch = int(_pop(argv, "--bench-profile-worker")), float(_pop(argv, "--bench-switch-interval"))
     probe_sleep = float(_pop(argv, "--bench-gil-probe"))
     num_traced = int(_pop(argv, "--bench-trace-blocks"))
+    step = _pop(argv, "--bench-snapshot-step") if "--bench-snapshot-step" in argv else "publish"
     probe = GilProbe(probe_sleep) if probe_sleep > 0 else None
     if switch > 0:
         sys.setswitchinterval(switch)
@@ -223,6 +231,8 @@ def worker(argv: list[str]) -> int:
                 profiler.attach_runtime(self)
             if worker_profiler is not None and self.active is not None:
                 worker_profiler.attach(self.active.engine)
+            if self.active is not None:
+                limit_to_step(self.active.engine, step)
 
         def select_session(self, iteration: int):
             session = super().select_session(iteration)
@@ -299,7 +309,7 @@ def _summary(run: dict, warmup: int) -> dict:
                    thread_cpu_ms=1e3 * statistics.median(r.get("thread_cpu_s", 0.0) for r in recs),
                    trainer_payload_bytes_per_byte=max(
                        r.get("host_bytes_touched", 0) / max(1, r["bytes"] + r.get("remote_bytes", 0)) for r in recs),
-                   published=sum(bool(r.get("published")) for r in recs))
+                   published=sum(bool(r.get("published")) and not r.get("skipped") for r in recs))
     return out
 
 
@@ -339,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paced", type=int, default=0, metavar="MB",
                    help="also each sparse window with its device-to-host copy in pieces of MB MiB "
                         "(--ft-snapshot-copy-piece-mb), alternating with the default (one copy)")
+    p.add_argument("--steps", nargs="+", default=[], choices=["copy", "hash"],
+                   help="also each sparse window with its snapshots cut after a step (tools/bench/snapshot_steps.py: "
+                        "'copy' only, or 'hash' after it; nothing published), one launch per step: with --interleave, "
+                        "each launch's ratio is what the steps up to it cost")
     p.add_argument("--skip-none", action="store_true", help="no --ft-policy none launch (no overhead_ratio)")
     a = p.parse_args(argv)
     if min(a.interleave, a.profile_submit, a.profile_worker, a.trace_blocks, a.switch_interval, a.gil_probe,
@@ -391,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
             if a.paced:
                 variants.append(("sparse", f"sparse(W={w or 'auto'},paced {a.paced} MiB)", w,
                                  ["--ft-snapshot-copy-piece-mb", str(a.paced)], "p"))
+            for step in a.steps:
+                variants.append(("sparse", f"sparse(W={w or 'auto'},{step} only)" if step == "copy" else
+                                 f"sparse(W={w or 'auto'},up to {step})", w, ["--bench-snapshot-step", step], step[0]))
         runs: dict[str, list[dict]] = {name: [] for _, name, _, _, _ in variants}
         for rep in range(a.repeats):
             for policy, name, window, extra, suffix in variants:
