@@ -122,3 +122,41 @@ def test_invalid_configurations_say_what_to_do():
         TripleBuffer(num_buffers=1)
     with pytest.raises(ValueError, match="window_size"):
         SparseWindowRule.aligned(SPARSE_OPS, window_size=0)
+
+
+def test_a_sparse_rule_answers_again_from_its_memo_only_for_the_same_records():
+    """``SparseWindowRule`` keeps its recent answers (garbage collection asks about the same windows after every
+    publish): the same point records give the same answer without a new check; another record for an iteration
+    of the window (a point written again, or read back from the manifests) is checked again; the memo is not
+    pickled."""
+    import pickle
+
+    from moe_ft.store import rules as rules_module
+    from moe_ft.store.catalog import Catalog
+
+    store = SnapshotStore(MemoryBackend())
+    for i in range(4):
+        put_point(store, i, SPARSE[i % 2])
+    rule = SparseWindowRule.aligned(SPARSE_OPS, 2)
+    calls = []
+    real = rules_module.sparse_window_complete
+    rules_module.sparse_window_complete = lambda *a, **k: calls.append(a[1:3]) or real(*a, **k)
+    try:
+        catalog = store.catalog()
+        first = rule(catalog, 3)
+        assert first is not None and (first.start, first.end) == (2, 3) and calls == [(2, 3)]
+        again = Catalog({it: catalog.point(it) for it in catalog.iterations})  # the same records, a new view
+        assert rule(again, 3) is first and calls == [(2, 3)]
+        reread = store.catalog()  # records decoded again from the manifests: other objects
+        assert rule(reread, 3) == first and calls == [(2, 3), (2, 3)]
+        broken = Catalog({it: reread.point(it) for it in reread.iterations if it != 2})
+        assert rule(broken, 3) is None and calls[-1] == (2, 3)
+        for end in (1, 3, 5, 7, 9, 11, 13, 15, 17, 19):  # more windows than the memo keeps
+            rule(reread, end)
+        assert len(rule._memo) <= SparseWindowRule.MEMO_SIZE
+    finally:
+        rules_module.sparse_window_complete = real
+    explicit = SparseWindowRule.explicit(SPARSE_OPS, [(2, 3)])
+    explicit(store.catalog(), 3)
+    copy = pickle.loads(pickle.dumps(explicit))
+    assert explicit._memo and copy._memo == {} and copy(store.catalog(), 3) == first

@@ -13,7 +13,7 @@ A rule is any callable ``rule(catalog, end) -> RecoveryPoint | None``. The natur
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence, cast
 
 from moe_ft.state.operators import Level, OperatorId
@@ -149,11 +149,33 @@ class SparseWindowRule:
         by_end = {end: (start, end) for start, end in windows}
         return cls(operators=frozenset(operators), window_of=by_end.get, require_meta=require_meta)
 
+    _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    """Recent answers by window, with the point records they were computed from: garbage collection asks this
+    rule after every publish about the same one or two windows, whose records (a store keeps the ones it wrote)
+    have not changed. Not pickled."""
+
+    MEMO_SIZE = 8
+
     def __call__(self, catalog: Catalog, end: int) -> RecoveryPoint | None:
         window = self.window_of(end)
         if window is None:
             return None
-        return sparse_window_complete(catalog, window[0], window[1], self.operators, self.require_meta)
+        points = tuple(catalog.point(it) for it in range(window[0], window[1] + 1))
+        key = (window, tuple(map(id, points)))
+        hit = self._memo.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], points)):  # the same records: the same answer
+            return hit[1]
+        result = sparse_window_complete(catalog, window[0], window[1], self.operators, self.require_meta)
+        self._memo[key] = (points, result)  # keeps the records alive: their ids are not reused meanwhile
+        while len(self._memo) > self.MEMO_SIZE:
+            self._memo.pop(next(iter(self._memo)), None)
+        return result
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_memo"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _memo={})
 
 
 @dataclass(frozen=True, kw_only=True)
