@@ -300,3 +300,29 @@ def test_the_digest_from_device_sums_equals_the_host_digest_whatever_the_header_
                 layout.table[i + 1]["offset"] - -(-(r["offset"] + r["nbytes"]) // 4) * 4
                 for i, r in enumerate(layout.table[:-1]))
     assert lengths == {0, 1, 2, 3}
+
+
+def test_a_header_from_its_template_is_the_header_and_its_sums_are_its_hash():
+    """``sealed_head``: the header is built and hashed once per layout, key and number of digits, then only the
+    words of the iteration's digits are hashed again: for iterations of every width (their digits end at every
+    offset mod 4) and several keys, the header equals ``entry_head``'s and its sums a fresh hash; another checksum
+    or a key whose JSON does not start with the iteration takes the plain path."""
+    import random
+
+    from moe_ft.store.codec import entry_head, layout_entry, sealed_head
+
+    rng = random.Random(0)
+    specs = tensor_specs(tensors(3))
+    for op in ("e", "expert.L0.E1", "expert.L12.E100"):
+        layout = layout_entry({"iteration": 0, "level": "FULL", "operator": op}, specs, eh.ALGO)
+        for it in [0, 7, 9, 10, 99, 100, 12345, 10 ** 11, 10 ** 12 - 1] + [rng.randrange(10 ** 12) for _ in range(40)]:
+            key = {"iteration": it, "level": "FULL", "operator": op}
+            head, sums = sealed_head(layout, key, eh.ALGO)
+            assert head == entry_head(layout, key, eh.ALGO) and sums == eh.bytes_lane_sums(head), (op, it)
+        assert len(layout.heads) <= 12
+    first = {"epoch": 1, "iteration": 5}  # "epoch" sorts before "iteration": no template
+    layout = layout_entry(first, specs, eh.ALGO)
+    head, sums = sealed_head(layout, first, eh.ALGO)
+    assert head == entry_head(layout, first, eh.ALGO) and sums == eh.bytes_lane_sums(head) and not layout.heads
+    xx = layout_entry({"iteration": 3}, specs, "xxh3_64")
+    assert sealed_head(xx, {"iteration": 3}, "xxh3_64") == (entry_head(xx, {"iteration": 3}, "xxh3_64"), None)

@@ -165,6 +165,12 @@ class EntryLayout:
         return _dumps(list(self.table))
 
     @functools.cached_property
+    def heads(self) -> dict:
+        """Header templates of this layout for :func:`sealed_head`, by key without its iteration and the
+        iteration's number of digits."""
+        return {}
+
+    @functools.cached_property
     def padding(self) -> tuple[list[int], int]:
         """The ``mfh64`` lane sums of the entry's zero padding -- from the end of the header (its last word
         zero-padded) to the first tensor, and between tensors (from the word after a tensor's last one) --
@@ -246,6 +252,35 @@ def entry_head(layout: EntryLayout, key: Mapping[str, Any], algo: str, meta_json
     return _PREFIX.pack(MAGIC, VERSION, layout.reserve) + header.ljust(layout.reserve, b" ")  # JSON allows spaces
 
 
+def sealed_head(layout: EntryLayout, key: Mapping[str, Any], algo: str) -> tuple[bytes, list[int] | None]:
+    """:func:`entry_head` and, for ``mfh64``, its lane sums (the last word zero-padded; ``None`` for another
+    checksum). An entry is sealed at every point with the same header but for the iteration's digits, so the
+    header is built and hashed once per layout, key and number of digits (:attr:`EntryLayout.heads`), and
+    then only the words holding the digits are hashed again."""
+    it = key.get("iteration")
+    if algo != entry_hash.ALGO:
+        return entry_head(layout, key, algo), None
+    if not isinstance(it, int) or isinstance(it, bool) or it < 0:
+        head = entry_head(layout, key, algo)
+        return head, entry_hash.bytes_lane_sums(head)
+    digits = str(it).encode()
+    slot = (_dumps({k: v for k, v in key.items() if k != "iteration"}), len(digits))
+    template = layout.heads.get(slot)
+    if template is None:
+        placeholder = b"1" * len(digits)
+        head = entry_head(layout, dict(key, iteration=int(placeholder)), algo)
+        # the key's JSON (sorted) starts with its iteration when no other key sorts before it
+        pos = _PREFIX.size + len(f'{{"checksum":{_dumps(algo)},"key":{{"iteration":'.encode())
+        end = pos + len(digits)
+        if head[pos:end] != placeholder or head[end:end + 1] not in (b",", b"}"):  # another key sorts first
+            head = entry_head(layout, key, algo)
+            return head, entry_hash.bytes_lane_sums(head)
+        template = layout.heads[slot] = (head, pos, entry_hash.bytes_lane_sums(head))
+    base, pos, sums = template
+    head = base[:pos] + digits + base[pos + len(digits):]
+    return head, entry_hash.patched_lane_sums(sums, base, head, pos // 4, -(-(pos + len(digits)) // 4))
+
+
 def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[str, str, tuple[int, ...], int], ...]:
     """``(name, dtype name, shape, nbytes)`` of each tensor, in order (what :func:`layout_entry` takes;
     hashable, so that layouts can be cached by it)."""
@@ -312,11 +347,13 @@ def write_entry(
                         hashed=0 if defer else pos)
 
 
-def entry_digest(layout: EntryLayout, head: bytes, tensor_sums: list[list[int]]) -> tuple[bytes, int]:
+def entry_digest(layout: EntryLayout, head: bytes, tensor_sums: list[list[int]],
+                 head_sums: list[int] | None = None) -> tuple[bytes, int]:
     """The ``mfh64`` digest of an entry whose tensors were hashed where they live (device lane sums of each
     tensor, indexed from its offset: :class:`moe_ft.store.entry_hash_triton.TensorTable`): the host hashes
-    the prefix and the header (the zero padding's share is the layout's, :attr:`EntryLayout.padding`).
-    Returns the digest and the bytes hashed on the host (header and padding)."""
+    the prefix and the header (the zero padding's share is the layout's, :attr:`EntryLayout.padding`;
+    ``head_sums``: the header's share when known, :func:`sealed_head`). Returns the digest and the bytes
+    hashed on the host (header and padding)."""
     if len(tensor_sums) != len(layout.table):
         raise ValueError(f"{len(tensor_sums)} tensor digests for an entry of {len(layout.table)} tensors")
     if len(head) != _PREFIX.size + layout.reserve:
@@ -329,7 +366,7 @@ def entry_digest(layout: EntryLayout, head: bytes, tensor_sums: list[list[int]])
         return hasher.digest(), layout.body
     # the head's last word zero-padded: the padding's first bytes complete it (the padding's share starts at
     # the next whole word, EntryLayout.padding)
-    sums = entry_hash.bytes_lane_sums(head)
+    sums = entry_hash.bytes_lane_sums(head) if head_sums is None else head_sums
     pad, host_bytes = layout.padding
     for part in (pad, *tensor_sums):
         sums = [(a + int(b)) & entry_hash.MASK for a, b in zip(sums, part)]
@@ -337,7 +374,7 @@ def entry_digest(layout: EntryLayout, head: bytes, tensor_sums: list[list[int]])
 
 
 def seal_entry(region: memoryview, layout: EntryLayout, head: bytes, algo: str,
-               tensor_sums: list[list[int]] | None = None) -> WrittenEntry:
+               tensor_sums: list[list[int]] | None = None, head_sums: list[int] | None = None) -> WrittenEntry:
     """Finish an entry whose tensor bytes are already in place in ``region`` (its ``layout.size`` bytes,
     e.g. a mapped store region that a device-to-host copy filled): write the head, the zero padding, the
     digest and the trailer around them. ``tensor_sums``: the tensors' ``mfh64`` lane sums computed where the
@@ -358,7 +395,7 @@ def seal_entry(region: memoryview, layout: EntryLayout, head: bytes, algo: str,
     elif algo != entry_hash.ALGO:
         raise ValueError(f"tensor digests computed on the device are {entry_hash.ALGO}, the store uses {algo}")
     else:
-        final, hashed = entry_digest(layout, head, tensor_sums)
+        final, hashed = entry_digest(layout, head, tensor_sums, head_sums)
     region[layout.body:] = final + _TAIL.pack(layout.body, END_MAGIC)
     return WrittenEntry(layout.size, final.hex(), tuple(dict(r) for r in layout.table), hashed=hashed)
 

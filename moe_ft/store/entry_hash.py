@@ -179,6 +179,32 @@ def bytes_lane_sums(data: bytes, first_index: int = 0) -> list[int]:
     return _lane_sums_host(np.frombuffer(data + bytes(-len(data) % 4), dtype="<u4"), first_index)
 
 
+def _word_term(word: int, index: int, lane: int) -> int:
+    """One word's term of lane ``lane`` (the definition above, in Python integers)."""
+    k, s = KEYS[lane]
+    x = word ^ ((index * k + s) & MASK)
+    x ^= x >> 16
+    x = (x * FMIX[0]) & MASK
+    x ^= x >> 13
+    x = (x * FMIX[1]) & MASK
+    return x ^ (x >> 16)
+
+
+def patched_lane_sums(sums: list[int], old: bytes, new: bytes, first_word: int, end_word: int) -> list[int]:
+    """The lane sums of ``new`` from those of ``old`` (``sums``; the same length, both taken from word 0, the last
+    word zero-padded) when they differ only in words ``[first_word, end_word)``: those words' terms are taken
+    out and put in again (an entry header whose iteration changed, hashed once per shape)."""
+    pad = bytes(-len(old) % 4)
+    old, new = old + pad, new + pad
+    out = list(sums)
+    for i in range(first_word, end_word):
+        was = int.from_bytes(old[4 * i:4 * i + 4], "little")
+        now = int.from_bytes(new[4 * i:4 * i + 4], "little")
+        for lane in (0, 1):
+            out[lane] = (out[lane] - _word_term(was, i, lane) + _word_term(now, i, lane)) & MASK
+    return out
+
+
 def zero_word_sums(first_index: int, count: int) -> list[int]:
     """The lane sums of ``count`` zero words starting at word ``first_index`` (an entry's alignment padding
     between tensors, which the device hashes of the tensors leave out)."""

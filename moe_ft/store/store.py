@@ -49,6 +49,7 @@ from moe_ft.store.codec import (
     raw_bytes,
     read_entry,
     seal_entry,
+    sealed_head,
     tensor_specs,
     write_entry,
 )
@@ -240,8 +241,12 @@ class ReservedEntry:
         copied (the host then reads no payload byte); ``None``: hash the region on the host."""
         point = self._point
         algo = point._store.checksum
-        head = entry_head(self.layout, entry_key(point.iteration, self.op, self.level), algo)
-        written = seal_entry(raw_bytes(self._region), self.layout, head, algo, tensor_sums)
+        key = entry_key(point.iteration, self.op, self.level)
+        if tensor_sums is None:  # the region is hashed whole on the host
+            head, head_sums = entry_head(self.layout, key, algo), None
+        else:
+            head, head_sums = sealed_head(self.layout, key, algo)
+        written = seal_entry(raw_bytes(self._region), self.layout, head, algo, tensor_sums, head_sums)
         point._writer.mapped_done(self.blob)
         record = _records(point.iteration, self.op, self.level, self.blob, written)
         with point._lock:
@@ -356,7 +361,8 @@ class PendingPoint:
                 raise ValueError(f"tensor digests computed on the device are {entry_hash.ALGO}, the store uses "
                                  f"{self._store.checksum}")
             laid = layout if layout is not None else self.layout(op, Level.FULL, tensor_specs(tensors))
-            digest, _ = entry_digest(laid, entry_head(laid, key, self._store.checksum), tensor_sums)
+            head, head_sums = sealed_head(laid, key, self._store.checksum)
+            digest, _ = entry_digest(laid, head, tensor_sums, head_sums)
             written, payload = WrittenEntry(laid.size, digest.hex(), laid.table), 0
         record = replace(_records(self.iteration, op, Level.FULL, blob, written), remote=True)
         with self._lock:
