@@ -166,9 +166,9 @@ class SparseWindowRule:
         if hit is not None and all(a is b for a, b in zip(hit[0], points)):  # the same records: the same answer
             return hit[1]
         result = sparse_window_complete(catalog, window[0], window[1], self.operators, self.require_meta)
+        if len(self._memo) >= self.MEMO_SIZE:  # old windows: start again (clear is atomic; the rule may be asked
+            self._memo.clear()  # by recovery on the training thread while GC asks it on the snapshot thread)
         self._memo[key] = (points, result)  # keeps the records alive: their ids are not reused meanwhile
-        while len(self._memo) > self.MEMO_SIZE:
-            self._memo.pop(next(iter(self._memo)), None)
         return result
 
     def __getstate__(self) -> dict:
