@@ -242,8 +242,8 @@ def test_worker_profile_times_the_mapped_seal_and_publish(tmp_path):
     rows = {r["path"]: r for r in json.loads((tmp_path / "logs" / "worker_breakdown_m.json").read_text())
             ["breakdown_per_snapshot"]}
     assert rows["execute/write/mapped.seal/entry.seal"]["calls"] == len(ops)
-    assert {"execute/write/mapped.seal/entry.seal/seal_entry/entry_digest/header_lane_sums",
-            "execute/write/mapped.seal/entry.seal/entry_head", "execute/write/put_meta/write_entry",
+    assert {"execute/write/mapped.seal/entry.seal/sealed_head/header_lane_sums",  # the header's template
+            "execute/write/mapped.seal/entry.seal/sealed_head/header_patch", "execute/write/put_meta/write_entry",
             "execute/write/publish/build_manifest"} <= set(rows)
 
 

@@ -52,7 +52,8 @@ def worker_targets(engine) -> list[tuple[object, str, str | Callable[..., str]]]
         (store_module.PendingPoint, "put_meta", "put_meta"), (store_module.PendingPoint, "publish", "publish"),
         (store_module.ReservedEntry, "seal", "entry.seal"), (store_module, "_records", "records"),
         (store_module, "write_entry", "write_entry"), (store_module, "encode_meta", "encode_meta"),
-        (store_module, "entry_head", "entry_head"), (store_module, "seal_entry", "seal_entry"),
+        (store_module, "entry_head", "entry_head"), (store_module, "sealed_head", "sealed_head"),
+        (store_module, "seal_entry", "seal_entry"),
         (store_module, "entry_digest", "entry_digest"), (codec, "entry_digest", "entry_digest"),
         (store_module, "build_manifest", "build_manifest"),
         (arena._ArenaWriter, "commit", "commit"), (local._LocalWriter, "commit", "commit"),
@@ -62,7 +63,8 @@ def worker_targets(engine) -> list[tuple[object, str, str | Callable[..., str]]]
         (backend, "pinned_elsewhere", "pinned_elsewhere"), (backend, "delete_point", "delete_point"),
         (store, "_drop_verified", "drop_verified"), (backend, "sweep_staging", "sweep_staging"),
         (entry_hash.Mfh64, "update", "mfh64.update"), (entry_hash, "zero_word_sums", "zero_word_sums"),
-        (entry_hash, "lane_sums_of", "host_lane_sums"), (entry_hash, "bytes_lane_sums", "header_lane_sums")]
+        (entry_hash, "lane_sums_of", "host_lane_sums"), (entry_hash, "bytes_lane_sums", "header_lane_sums"),
+        (entry_hash, "patched_lane_sums", "header_patch")]
     if store.retention is not None:  # a frozen dataclass: its class is wrapped
         out.append((type(store.retention), "keep", "retention.keep"))
     if engine._pool is not None:  # the write threads' own work is not timed, only the wait for them
