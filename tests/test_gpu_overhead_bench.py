@@ -465,3 +465,17 @@ def test_a_step_needs_the_copy_into_the_store(tmp_path):
             limit_to_step(engine, "seal")
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(300)
+def test_the_cpu_bench_of_the_mapped_seal_measures_the_snapshots_after_three_windows(capsys):
+    """``tools/bench/mapped_seal_cpu.py``: the background thread's CPU per snapshot on the GPU path's work with CPU
+    tensors, after three windows; the retention keeps two windows and the one in flight."""
+    from tools.bench import mapped_seal_cpu
+
+    assert mapped_seal_cpu.main(["--snapshots", "10", "--window", "2", "--layers", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["snapshots_measured"] == 4 and out["entries_per_snapshot"] > 5
+    assert 0 < out["thread_cpu_ms_median"] <= out["thread_cpu_ms_per_snapshot"] * 4 and out["points_kept"] >= 4
+    with pytest.raises(SystemExit):
+        mapped_seal_cpu.main(["--snapshots", "6", "--window", "2"])
