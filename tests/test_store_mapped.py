@@ -326,3 +326,18 @@ def test_a_header_from_its_template_is_the_header_and_its_sums_are_its_hash():
     assert head == entry_head(layout, first, eh.ALGO) and sums == eh.bytes_lane_sums(head) and not layout.heads
     xx = layout_entry({"iteration": 3}, specs, "xxh3_64")
     assert sealed_head(xx, {"iteration": 3}, "xxh3_64") == (entry_head(xx, {"iteration": 3}, "xxh3_64"), None)
+
+
+def test_an_entry_without_tensors_sealed_from_sums_equals_its_host_hash():
+    """No tensor: the header is the whole body (its length any number mod 4); the digest from the header's and the
+    padding's shares equals the host's hash of the region, and every byte of it counts as hashed on the host."""
+    from moe_ft.store.codec import entry_head, layout_entry, seal_entry
+
+    for extra in range(1, 5):
+        key = {"iteration": 3, "op": "o" * extra}
+        layout = layout_entry(key, (), eh.ALGO)
+        head = entry_head(layout, key, eh.ALGO)
+        host, dev = bytearray(layout.size), bytearray(layout.size)
+        a = seal_entry(memoryview(host), layout, head, eh.ALGO)
+        b = seal_entry(memoryview(dev), layout, head, eh.ALGO, [])
+        assert a.checksum == b.checksum and host == dev and b.hashed == layout.body

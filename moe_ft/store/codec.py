@@ -186,7 +186,7 @@ class EntryLayout:
         sums = [0, 0]
         for start, count in runs:
             sums = [(a + b) & entry_hash.MASK for a, b in zip(sums, entry_hash.zero_word_sums(start, count))]
-        return sums, 4 * sum(count for _, count in runs[1:]) + 4 * first
+        return sums, 4 * sum(count for _, count in runs[1:]) + (self.table[0]["offset"] if self.table else self.body)
 
     @functools.cached_property
     def first_words(self) -> list[int]:
@@ -359,11 +359,6 @@ def entry_digest(layout: EntryLayout, head: bytes, tensor_sums: list[list[int]],
     if len(head) != _PREFIX.size + layout.reserve:
         raise ValueError(f"an entry head of {len(head)} bytes for a layout whose head is "
                          f"{_PREFIX.size + layout.reserve} (entry_head pads it to the reserve)")
-    if not layout.table:  # the head and its padding are the whole body
-        hasher = entry_hash.Mfh64()
-        hasher.update(head)
-        hasher.update(bytes(layout.body - len(head)))
-        return hasher.digest(), layout.body
     # the head's last word zero-padded: the padding's first bytes complete it (the padding's share starts at
     # the next whole word, EntryLayout.padding)
     sums = entry_hash.bytes_lane_sums(head) if head_sums is None else head_sums
