@@ -142,3 +142,22 @@ def test_unknown_algorithm_in_a_manifest_is_a_clear_error(tmp_path):
     damage_blob(store, 1, "MANIFEST.json", lambda data: json.dumps(body, separators=(",", ":")).encode().ljust(len(data)))
     problems = StoreConfig(root=str(tmp_path), job_id="j").build().catalog().problems
     assert len(problems) == 1 and "unknown checksum 'md4'" in problems[0].reason
+
+
+@pytest.mark.parametrize("algo", sorted(CHECKSUMS))
+def test_a_manifest_encoded_once_is_the_canonical_json_of_its_body_and_its_checksum(algo):
+    """``build_manifest`` encodes the body once and joins the text around ``manifest_checksum``: the bytes are
+    the canonical JSON (sorted keys, no spaces) of the decoded manifest, and its checksum is the digest of the
+    canonical JSON of everything else -- with and without remote entries and metadata."""
+    from moe_ft.store.manifest import EntryRecord, TensorRecord, _digest, build_manifest
+
+    t = (TensorRecord("w", "float32", (2, 3), 24),)
+    entries = [EntryRecord(4, OperatorId.expert_op(0, e), Level.FULL, f"b{e}", 100 + e, "ab" * 8, t) for e in range(3)]
+    meta = EntryRecord(4, None, None, "_meta.ent", 50, "cd" * 8, ())
+    remote = [EntryRecord(4, OperatorId.expert_op(1, 0), Level.FULL, "r", 7, "ef" * 8, t)]
+    for args in [(entries, meta), (entries, None, remote), ([], None), ([], meta, remote)]:
+        data, _ = build_manifest(4, algo, *args)
+        body = json.loads(data)
+        assert data == json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        stored = body.pop("manifest_checksum")
+        assert stored == _digest(body, algo)

@@ -326,6 +326,13 @@ def test_a_header_from_its_template_is_the_header_and_its_sums_are_its_hash():
     assert head == entry_head(layout, first, eh.ALGO) and sums == eh.bytes_lane_sums(head) and not layout.heads
     xx = layout_entry({"iteration": 3}, specs, "xxh3_64")
     assert sealed_head(xx, {"iteration": 3}, "xxh3_64") == (entry_head(xx, {"iteration": 3}, "xxh3_64"), None)
+    # values equal in Python but not in JSON (1, 1.0, True), and the same items in another order, on one layout
+    layout = layout_entry({"iteration": 0, "x": 1.0}, specs, eh.ALGO)
+    for it in (5, 6, 123):
+        for key in ({"iteration": it, "x": 1}, {"iteration": it, "x": True}, {"iteration": it, "x": 1.0},
+                    {"x": 1, "iteration": it}):
+            head, sums = sealed_head(layout, key, eh.ALGO)
+            assert head == entry_head(layout, key, eh.ALGO) and sums == eh.bytes_lane_sums(head), (key, it)
 
 
 def test_an_entry_without_tensors_sealed_from_sums_equals_its_host_hash():

@@ -189,6 +189,17 @@ class EntryLayout:
         return sums, 4 * sum(count for _, count in runs[1:]) + (self.table[0]["offset"] if self.table else self.body)
 
     @functools.cached_property
+    def gaps(self) -> tuple[tuple[int, int], ...]:
+        """``(start, end)`` of the zero padding an entry holds: from the end of the head to the first tensor
+        (the digest when there is none), and between tensors (what :func:`seal_entry` writes around them)."""
+        head = _PREFIX.size + self.reserve
+        first = self.table[0]["offset"] if self.table else self.body
+        runs = [(head, first)]
+        for rec, nxt in zip(self.table, self.table[1:]):
+            runs.append((rec["offset"] + rec["nbytes"], nxt["offset"]))
+        return tuple((a, b) for a, b in runs if b > a)
+
+    @functools.cached_property
     def first_words(self) -> list[int]:
         """Each tensor's first word index in the entry (what its device digest is keyed by)."""
         return [rec["offset"] // 4 for rec in self.table]
@@ -264,7 +275,7 @@ def sealed_head(layout: EntryLayout, key: Mapping[str, Any], algo: str) -> tuple
         head = entry_head(layout, key, algo)
         return head, entry_hash.bytes_lane_sums(head)
     digits = str(it).encode()
-    slot = (_dumps({k: v for k, v in key.items() if k != "iteration"}), len(digits))
+    slot = (_key_rest(key), len(digits))
     template = layout.heads.get(slot)
     if template is None:
         placeholder = b"1" * len(digits)
@@ -275,10 +286,32 @@ def sealed_head(layout: EntryLayout, key: Mapping[str, Any], algo: str) -> tuple
         if head[pos:end] != placeholder or head[end:end + 1] not in (b",", b"}"):  # another key sorts first
             head = entry_head(layout, key, algo)
             return head, entry_hash.bytes_lane_sums(head)
-        template = layout.heads[slot] = (head, pos, entry_hash.bytes_lane_sums(head))
-    base, pos, sums = template
+        first, last = pos // 4, -(-end // 4)  # the words that hold the digits
+        sums = entry_hash.bytes_lane_sums(head)
+        terms = entry_hash.words_terms(_words(head, first, last), first)
+        # the header's sums without the digits' words: each point adds its digits' words' terms
+        template = layout.heads[slot] = (head, pos, first, last, [a - b for a, b in zip(sums, terms)])
+    base, pos, first, last, rest = template
     head = base[:pos] + digits + base[pos + len(digits):]
-    return head, entry_hash.patched_lane_sums(sums, base, head, pos // 4, -(-(pos + len(digits)) // 4))
+    t0, t1 = entry_hash.words_terms(_words(head, first, last), first)
+    return head, [(rest[0] + t0) & entry_hash.MASK, (rest[1] + t1) & entry_hash.MASK]
+
+
+def _words(data: bytes, first: int, last: int) -> bytes:
+    """Words ``[first, last)`` of ``data`` (the last one zero-padded)."""
+    return data[4 * first:4 * last].ljust(4 * (last - first), b"\0")
+
+
+def _key_rest(key: Mapping[str, Any]) -> Any:
+    """The key without its iteration, as a cache key of :attr:`EntryLayout.heads`: its items in order with
+    their types (``1``, ``1.0`` and ``True`` are equal in Python, not in JSON; the same items in another
+    order only build another template), or the canonical JSON of a key whose values cannot be hashed."""
+    rest = tuple((k, type(v), v) for k, v in key.items() if k != "iteration")
+    try:
+        hash(rest)
+    except TypeError:
+        return _dumps({k: v for k, v in key.items() if k != "iteration"})
+    return rest
 
 
 def tensor_specs(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[str, str, tuple[int, ...], int], ...]:
@@ -363,9 +396,9 @@ def entry_digest(layout: EntryLayout, head: bytes, tensor_sums: list[list[int]],
     # the next whole word, EntryLayout.padding)
     sums = entry_hash.bytes_lane_sums(head) if head_sums is None else head_sums
     pad, host_bytes = layout.padding
-    for part in (pad, *tensor_sums):
-        sums = [(a + int(b)) & entry_hash.MASK for a, b in zip(sums, part)]
-    return entry_hash.pack(layout.body, sums), host_bytes
+    parts = (pad, *tensor_sums)  # sums mod 2^32: added as Python integers, reduced once (pack masks them)
+    return entry_hash.pack(layout.body, [int(sums[0]) + sum(int(p[0]) for p in parts),
+                                         int(sums[1]) + sum(int(p[1]) for p in parts)]), host_bytes
 
 
 def seal_entry(region: memoryview, layout: EntryLayout, head: bytes, algo: str,
@@ -377,12 +410,12 @@ def seal_entry(region: memoryview, layout: EntryLayout, head: bytes, algo: str,
     region on the host."""
     if len(region) != layout.size:
         raise ValueError(f"region of {len(region)} bytes for an entry of {layout.size}")
-    first = layout.table[0]["offset"] if layout.table else layout.body
+    if len(head) != _PREFIX.size + layout.reserve:
+        raise ValueError(f"an entry head of {len(head)} bytes for a layout whose head is "
+                         f"{_PREFIX.size + layout.reserve} (entry_head pads it to the reserve)")
     region[:len(head)] = head
-    region[len(head):first] = bytes(first - len(head))
-    for i, rec in enumerate(layout.table[:-1]):
-        end = rec["offset"] + rec["nbytes"]
-        region[end:layout.table[i + 1]["offset"]] = bytes(layout.table[i + 1]["offset"] - end)
+    for a, b in layout.gaps:
+        region[a:b] = _ZEROS[:b - a] if b - a <= len(_ZEROS) else bytes(b - a)
     if tensor_sums is None:
         digest = new_checksum(algo)
         digest.update(region[:layout.body])
@@ -393,6 +426,11 @@ def seal_entry(region: memoryview, layout: EntryLayout, head: bytes, algo: str,
         final, hashed = entry_digest(layout, head, tensor_sums, head_sums)
     region[layout.body:] = final + _TAIL.pack(layout.body, END_MAGIC)
     return WrittenEntry(layout.size, final.hex(), tuple(dict(r) for r in layout.table), hashed=hashed)
+
+
+_ZEROS = memoryview(bytes(4 * ALIGN))
+"""Zero bytes for an entry's padding (a gap between tensors is shorter than ``ALIGN``; the one after the head
+may be longer, and is then allocated)."""
 
 
 def _dumps(obj: Any) -> str:

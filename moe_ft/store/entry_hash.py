@@ -27,6 +27,7 @@ not a cryptographic hash: it offers nothing against a forger.
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import numpy as np
@@ -190,19 +191,17 @@ def _word_term(word: int, index: int, lane: int) -> int:
     return x ^ (x >> 16)
 
 
-def patched_lane_sums(sums: list[int], old: bytes, new: bytes, first_word: int, end_word: int) -> list[int]:
-    """The lane sums of ``new`` from those of ``old`` (``sums``; the same length, both taken from word 0, the last
-    word zero-padded) when they differ only in words ``[first_word, end_word)``: those words' terms are taken
-    out and put in again (an entry header whose iteration changed, hashed once per shape)."""
-    pad = bytes(-len(old) % 4)
-    old, new = old + pad, new + pad
-    out = list(sums)
-    for i in range(first_word, end_word):
-        was = int.from_bytes(old[4 * i:4 * i + 4], "little")
-        now = int.from_bytes(new[4 * i:4 * i + 4], "little")
-        for lane in (0, 1):
-            out[lane] = (out[lane] - _word_term(was, i, lane) + _word_term(now, i, lane)) & MASK
-    return out
+@functools.lru_cache(maxsize=1024)
+def words_terms(data: bytes, first_word: int) -> tuple[int, int]:
+    """Both lanes' sums (not reduced mod 2^32) of the terms of ``data``'s words (whole words) when its first
+    word has index ``first_word``; remembered: the words of an entry header that hold the iteration's digits
+    are the same in every entry of a point (:func:`moe_ft.store.codec.sealed_head`)."""
+    h0 = h1 = 0
+    for j in range(len(data) // 4):
+        word = int.from_bytes(data[4 * j:4 * j + 4], "little")
+        h0 += _word_term(word, first_word + j, 0)
+        h1 += _word_term(word, first_word + j, 1)
+    return h0, h1
 
 
 def zero_word_sums(first_index: int, count: int) -> list[int]:

@@ -4,6 +4,7 @@ encoding of everything else, so that a damaged manifest is detected rather than 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -128,6 +129,21 @@ def _digest(body: dict[str, Any], algo: str) -> str:
     return h.digest().hex()
 
 
+def _with_checksum(body: dict[str, Any], algo: str) -> str:
+    """The canonical JSON of ``body`` plus its ``manifest_checksum`` (:func:`_digest` of ``body``), which
+    ``body`` then holds too, from one encoding of ``body``: a dict's canonical JSON is its keys' pairs in
+    sorted order, so the text of the keys before ``manifest_checksum`` and of those after it are encoded once,
+    hashed joined, and joined again around the checksum's pair."""
+    key = "manifest_checksum"
+    dumps = functools.partial(json.dumps, sort_keys=True, separators=(",", ":"))
+    before = dumps({k: v for k, v in body.items() if k < key})[1:-1]
+    after = dumps({k: v for k, v in body.items() if k > key})[1:-1]
+    h = new_checksum(algo)
+    h.update(("{" + ",".join(p for p in (before, after) if p) + "}").encode())
+    body[key] = h.digest().hex()
+    return "{" + ",".join(p for p in (before, f'"{key}":"{body[key]}"', after) if p) + "}"
+
+
 def encode_manifest(iteration: int, algo: str, entries: list[EntryRecord], meta: EntryRecord | None) -> bytes:
     return build_manifest(iteration, algo, entries, meta)[0]
 
@@ -159,8 +175,7 @@ def build_manifest(iteration: int, algo: str, entries: list[EntryRecord], meta: 
     }
     if remote:
         body["remote"] = [e.to_json() for e in sorted(remote, key=_entry_order)]
-    body["manifest_checksum"] = _digest(body, algo)
-    data = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    data = _with_checksum(body, algo).encode()
     by_op, shadowed = _overlay(entries, remote)
     return data, PointRecord(iteration, algo, by_op, meta, created, dict(writer), shadowed)
 

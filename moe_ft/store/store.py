@@ -46,7 +46,6 @@ from moe_ft.store.codec import (
     entry_head,
     layout_entry,
     new_checksum,
-    raw_bytes,
     read_entry,
     seal_entry,
     sealed_head,
@@ -246,9 +245,12 @@ class ReservedEntry:
             head, head_sums = entry_head(self.layout, key, algo), None
         else:
             head, head_sums = sealed_head(self.layout, key, algo)
-        written = seal_entry(raw_bytes(self._region), self.layout, head, algo, tensor_sums, head_sums)
+        # the region is a flat uint8 tensor: its bytes without raw_bytes's reshape and view
+        region = memoryview(self._region.numpy()).cast("B")  # type: ignore[arg-type]  # see raw_bytes
+        written = seal_entry(region, self.layout, head, algo, tensor_sums, head_sums)
         point._writer.mapped_done(self.blob)
-        record = _records(point.iteration, self.op, self.level, self.blob, written)
+        record = EntryRecord(point.iteration, self.op, self.level, self.blob, written.nbytes, written.checksum,
+                             point._store._tensor_records(self.layout))
         with point._lock:
             point.touched += written.hashed if tensor_sums is None else 0
             point._entries[self.op] = record
@@ -440,6 +442,7 @@ class SnapshotStore:
         # only while the manifest on storage is still byte-for-byte what was written (see _decode).
         self._written: dict[int, tuple[bytes, PointRecord]] = {}
         self._layouts: dict[tuple, EntryLayout] = {}  # entries laid out for copies in place, by blob and shapes
+        self._records_by_layout: dict[int, tuple[EntryLayout, tuple[TensorRecord, ...]]] = {}
 
     def __repr__(self) -> str:
         return f"SnapshotStore({self.backend.describe()})"
@@ -452,6 +455,15 @@ class SnapshotStore:
             raise ValueError(f"point {iteration} is already published in {self.backend.describe()}; "
                              f"call discard_after({iteration - 1}) after a rollback before re-snapshotting it")
         return PendingPoint(self, iteration)
+
+    def _tensor_records(self, layout: EntryLayout) -> tuple[TensorRecord, ...]:
+        """The tensor records of an entry of ``layout`` (what :func:`_records` makes of its table), made once
+        per layout (layouts are immutable; the layout is kept with them, so its id is not reused)."""
+        known = self._records_by_layout.get(id(layout))
+        if known is None:
+            known = self._records_by_layout[id(layout)] = (layout, tuple(
+                TensorRecord(t["name"], t["dtype"], tuple(t["shape"]), t["nbytes"]) for t in layout.table))
+        return known[1]
 
     def _remember(self, iteration: int, manifest: bytes, record: PointRecord) -> None:
         with self._lock:

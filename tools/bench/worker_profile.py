@@ -64,7 +64,7 @@ def worker_targets(engine) -> list[tuple[object, str, str | Callable[..., str]]]
         (store, "_drop_verified", "drop_verified"), (backend, "sweep_staging", "sweep_staging"),
         (entry_hash.Mfh64, "update", "mfh64.update"), (entry_hash, "zero_word_sums", "zero_word_sums"),
         (entry_hash, "lane_sums_of", "host_lane_sums"), (entry_hash, "bytes_lane_sums", "header_lane_sums"),
-        (entry_hash, "patched_lane_sums", "header_patch")]
+        (entry_hash, "words_terms", "header_patch")]
     if store.retention is not None:  # a frozen dataclass: its class is wrapped
         out.append((type(store.retention), "keep", "retention.keep"))
     if engine._pool is not None:  # the write threads' own work is not timed, only the wait for them
