@@ -477,5 +477,6 @@ def test_the_cpu_bench_of_the_mapped_seal_measures_the_snapshots_after_three_win
     out = json.loads(capsys.readouterr().out)
     assert out["snapshots_measured"] == 4 and out["entries_per_snapshot"] > 5
     assert 0 < out["thread_cpu_ms_median"] <= out["thread_cpu_ms_per_snapshot"] * 4 and out["points_kept"] >= 4
+    assert 0 < out["issue_cpu_ms_median"] <= out["issue_cpu_ms_per_snapshot"] * 4
     with pytest.raises(SystemExit):
         mapped_seal_cpu.main(["--snapshots", "6", "--window", "2"])

@@ -111,6 +111,8 @@ class _Prep:
     like: dict
     specs: tuple
     byte_srcs: list | None  # None: a source is not contiguous, copy through typed views
+    on_device: list  # per source: whether the device copies (and hashes) it
+    all_on_device: bool
 
 
 @dataclass
@@ -167,7 +169,8 @@ class MappedCopier:
             flat = all(s.is_contiguous() for s in entry.srcs)
             prep = self._preps[id(entry)] = _Prep(
                 entry=entry, like=like, specs=tensor_specs(like),
-                byte_srcs=[s.reshape(-1).view(torch.uint8) for s in entry.srcs] if flat else None)
+                byte_srcs=[s.reshape(-1).view(torch.uint8) for s in entry.srcs] if flat else None,
+                on_device=(dev := [bool(self.on_device(s)) for s in entry.srcs]), all_on_device=all(dev))
         return prep
 
     def issue(self, iteration: int, slot: int, items, remote_ops) -> MappedJob:
@@ -196,11 +199,15 @@ class MappedCopier:
         host_src: list[torch.Tensor] = []
         for reserved, prep in job.reserved:
             if prep.byte_srcs is not None:  # flat bytes: the pacer may cut them
-                pairs, to_dst, to_src = zip(reserved.byte_views(), prep.byte_srcs), dst, src
+                dsts, srcs, to_dst, to_src = reserved.byte_views(), prep.byte_srcs, dst, src
             else:
-                pairs, to_dst, to_src = zip(reserved.views.values(), prep.entry.srcs), typed_dst, typed_src
-            for d, s in pairs:
-                if self.on_device(s):
+                dsts, srcs, to_dst, to_src = list(reserved.views.values()), prep.entry.srcs, typed_dst, typed_src
+            if prep.all_on_device:
+                to_dst.extend(dsts)
+                to_src.extend(srcs)
+                continue
+            for d, s, dev in zip(dsts, srcs, prep.on_device):
+                if dev:
                     to_dst.append(d)
                     to_src.append(s)
                 else:

@@ -21,7 +21,9 @@ FORMAT = "moe-ft-store/1"
 META_BLOB = "_meta.ent"  # operator names never start with "_"
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def entry_blob(op: OperatorId, level: Level) -> str:
+    """The blob name of ``op``'s entry at ``level`` (remembered: every snapshot names its entries)."""
     return f"{op}.{level.name.lower()}.ent"
 
 

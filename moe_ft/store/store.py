@@ -222,7 +222,7 @@ class ReservedEntry:
         """Each tensor's bytes in the region, as flat ``uint8`` tensors (one split for all of them)."""
         if not self.layout.table:
             return []
-        return list(torch.split(self._region[:self.layout.body], self.layout.splits)[1::2])
+        return list(self._region[:self.layout.body].split_with_sizes(self.layout.splits)[1::2])
 
     @property
     def views(self) -> dict[str, torch.Tensor]:
