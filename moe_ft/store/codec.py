@@ -429,8 +429,8 @@ def seal_entry(region: memoryview, layout: EntryLayout, head: bytes, algo: str,
 
 
 _ZEROS = memoryview(bytes(4 * ALIGN))
-"""Zero bytes for an entry's padding (a gap between tensors is shorter than ``ALIGN``; the one after the head
-may be longer, and is then allocated)."""
+"""Zero bytes for an entry's padding (:func:`layout_entry` aligns every tensor to ``ALIGN``, so its gaps are
+shorter; a longer gap is allocated)."""
 
 
 def _dumps(obj: Any) -> str:

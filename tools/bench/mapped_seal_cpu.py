@@ -11,8 +11,8 @@ window ``--window`` (one slice FULL, the later ones COMPUTE: ~23 entries per sna
 at issue, outside the measurement; the background thread's CPU (``time.thread_time``) is measured on the
 snapshots after the first three windows, and so is the training thread's share of the issue
 (``issue_cpu_ms_per_snapshot``: ``MappedCopier.issue`` -- reserving the regions, their views, the copies of these
-small CPU tensors, the plan -- less the hash it queues, which on a GPU is a kernel launch). ``--root``: import ``moe_ft`` from another checkout (an older commit,
-for a before/after comparison). Prints one JSON object.
+small CPU tensors, the plan -- less the hash it queues, which on a GPU is a kernel launch). ``--root``: import
+``moe_ft`` from another checkout (an older commit, for a before/after comparison). Prints one JSON object.
 """
 
 from __future__ import annotations
