@@ -389,9 +389,7 @@ def entry_digest(layout: EntryLayout, head: bytes, tensor_sums: list[list[int]],
     hashed on the host (header and padding)."""
     if len(tensor_sums) != len(layout.table):
         raise ValueError(f"{len(tensor_sums)} tensor digests for an entry of {len(layout.table)} tensors")
-    if len(head) != _PREFIX.size + layout.reserve:
-        raise ValueError(f"an entry head of {len(head)} bytes for a layout whose head is "
-                         f"{_PREFIX.size + layout.reserve} (entry_head pads it to the reserve)")
+    _check_head(layout, head)
     # the head's last word zero-padded: the padding's first bytes complete it (the padding's share starts at
     # the next whole word, EntryLayout.padding)
     sums = entry_hash.bytes_lane_sums(head) if head_sums is None else head_sums
@@ -399,6 +397,12 @@ def entry_digest(layout: EntryLayout, head: bytes, tensor_sums: list[list[int]],
     parts = (pad, *tensor_sums)  # sums mod 2^32: added as Python integers, reduced once (pack masks them)
     return entry_hash.pack(layout.body, [int(sums[0]) + sum(int(p[0]) for p in parts),
                                          int(sums[1]) + sum(int(p[1]) for p in parts)]), host_bytes
+
+
+def _check_head(layout: EntryLayout, head: bytes) -> None:
+    if len(head) != _PREFIX.size + layout.reserve:
+        raise ValueError(f"an entry head of {len(head)} bytes for a layout whose head is "
+                         f"{_PREFIX.size + layout.reserve} (entry_head pads it to the reserve)")
 
 
 def seal_entry(region: memoryview, layout: EntryLayout, head: bytes, algo: str,
@@ -410,9 +414,7 @@ def seal_entry(region: memoryview, layout: EntryLayout, head: bytes, algo: str,
     region on the host."""
     if len(region) != layout.size:
         raise ValueError(f"region of {len(region)} bytes for an entry of {layout.size}")
-    if len(head) != _PREFIX.size + layout.reserve:
-        raise ValueError(f"an entry head of {len(head)} bytes for a layout whose head is "
-                         f"{_PREFIX.size + layout.reserve} (entry_head pads it to the reserve)")
+    _check_head(layout, head)
     region[:len(head)] = head
     for a, b in layout.gaps:
         region[a:b] = _ZEROS[:b - a] if b - a <= len(_ZEROS) else bytes(b - a)

@@ -119,9 +119,13 @@ class MetaEntry:
     tensors: dict[str, torch.Tensor]
 
 
+def _table_records(table) -> tuple[TensorRecord, ...]:
+    """The tensor records of an entry's tensor table (its layout's, or what writing it returned)."""
+    return tuple(TensorRecord(t["name"], t["dtype"], tuple(t["shape"]), t["nbytes"]) for t in table)
+
+
 def _records(iteration: int, op: OperatorId | None, level: Level | None, blob: str, written) -> EntryRecord:
-    tensors = tuple(TensorRecord(t["name"], t["dtype"], tuple(t["shape"]), t["nbytes"]) for t in written.tensors)
-    return EntryRecord(iteration, op, level, blob, written.nbytes, written.checksum, tensors)
+    return EntryRecord(iteration, op, level, blob, written.nbytes, written.checksum, _table_records(written.tensors))
 
 
 def _check_bytes(data: bytes, entry: EntryRecord, algo: str, where: str, what: str) -> None:
@@ -461,8 +465,7 @@ class SnapshotStore:
         per layout (layouts are immutable; the layout is kept with them, so its id is not reused)."""
         known = self._records_by_layout.get(id(layout))
         if known is None:
-            known = self._records_by_layout[id(layout)] = (layout, tuple(
-                TensorRecord(t["name"], t["dtype"], tuple(t["shape"]), t["nbytes"]) for t in layout.table))
+            known = self._records_by_layout[id(layout)] = (layout, _table_records(layout.table))
         return known[1]
 
     def _remember(self, iteration: int, manifest: bytes, record: PointRecord) -> None:
