@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: setup demo test clean
-$(VENV)/.installed: setup.py
+$(VENV)/.installed: setup.py moe_ft/store/_mfh64.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e ".[test]" --config-settings editable_mode=compat
 	touch $@

@@ -2,7 +2,7 @@
 the entry script. CPU-only by default: ``torch==2.13.0`` is pinned exactly so that a fresh install takes
 the CPU wheel; GPU extras (Transformer Engine, DALI) are optional and never needed on CPU."""
 
-from setuptools import find_namespace_packages, setup
+from setuptools import Extension, find_namespace_packages, setup
 
 setup(
     name="moe-ft",
@@ -11,6 +11,11 @@ setup(
     python_requires=">=3.10",
     packages=find_namespace_packages(include=["moe_ft", "moe_ft.*", "megatron.training", "megatron.training.*"]),
     py_modules=["pretrain_gpt_moe"],
+    # The store's mfh64 checksum in C, with a copy that hashes as it goes (moe_ft/store/_mfh64.c): optional, so a
+    # machine without a C compiler installs and runs on the NumPy reference (the CPU snapshot path then keeps
+    # xxh3_64, hashed and written in two passes).
+    ext_modules=[Extension("moe_ft.store._mfh64", ["moe_ft/store/_mfh64.c"], extra_compile_args=["-O3"],
+                           optional=True)],
     install_requires=[
         "torch==2.13.0",
         "megatron-core==0.16.1",

@@ -17,7 +17,7 @@ from moe_ft.snapshot import EngineConfig, SnapshotEngine
 from moe_ft.snapshot.engine import _no_torch_function
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.state.registry import OperatorRegistry, OperatorState
-from moe_ft.store import KeepAll, StoreConfig
+from moe_ft.store import KeepAll, StoreConfig, entry_hash
 
 OPS = [OperatorId.dense(0), OperatorId.gate(0), OperatorId.expert_op(0, 0), OperatorId.expert_op(0, 1)]
 
@@ -164,15 +164,20 @@ def test_no_torch_function_is_a_null_context_when_disabled():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("direct,passes", [(True, 2), (False, 3)])
-def test_the_trainers_host_passes_over_the_snapshot_bytes_are_counted(tmp_path, direct, passes):
-    """``trainer_payload_bytes_per_byte``: the CPU direct path checksums and writes each byte (2 passes), the
-    slot path copies it into a buffer first (3); headers add a few bytes on large entries."""
+@pytest.mark.parametrize("direct,checksum,passes", [(True, "xxh3_64", 2), (False, "xxh3_64", 3), (True, "mfh64", 1),
+                                                     (False, "mfh64", 2)])
+def test_the_trainers_host_passes_over_the_snapshot_bytes_are_counted(tmp_path, direct, checksum, passes):
+    """``trainer_payload_bytes_per_byte``: the CPU direct path checksums and writes each byte (2 passes) or, into
+    the arena with ``mfh64`` and moe-ft's C extension, copies it with a copy that hashes (1); the slot path
+    copies it into a buffer first (one more); headers add a few bytes on large entries."""
+    if checksum == "mfh64" and not entry_hash.NATIVE:
+        pytest.skip("moe-ft's C extension is not built (no C compiler)")
     gen = torch.Generator().manual_seed(1)
     registry = OperatorRegistry({op: OperatorState(op=op, compute={"weight": torch.randn(256, 256, generator=gen)},
                                                    master={}, optim={"exp_avg.weight": torch.randn(256, 256, generator=gen)})
                                  for op in OPS}, pp_rank=0, ep_rank=0)
-    store = StoreConfig(root=str(tmp_path), job_id="j", rank=0).build(retention=KeepAll())
+    store = StoreConfig(root=str(tmp_path), job_id="j", rank=0, checksum=checksum).build(retention=KeepAll())
+    assert store.copies_hashing == (checksum == "mfh64")
     engine = SnapshotEngine(EngineConfig(direct_write=direct), registry, store)
     try:
         for it in range(2):

@@ -79,6 +79,7 @@ def test_an_entry_sealed_in_place_reads_back_as_put_writes_it(tmp_path):
     """Hashed on the host or on the device: byte for byte the entry ``put`` writes."""
     src = tensors()
     ref = store(tmp_path, "ref")
+    ref.copies_hashing = False  # write_entry's stream
     with ref.begin(3) as p:
         p.put(OP, Level.FULL, src)
         p.put_meta({"i": 3})
@@ -92,6 +93,52 @@ def test_an_entry_sealed_in_place_reads_back_as_put_writes_it(tmp_path):
         loaded = st.load(3, OP, Level.FULL)
         assert all(torch.equal(loaded[n], t) and loaded[n].dtype == t.dtype for n, t in src.items())
     assert host.load_meta(3).meta == ref.load_meta(3).meta
+
+
+@pytest.mark.skipif(not eh.NATIVE, reason="moe-ft's C extension is not built (no C compiler)")
+def test_a_put_that_hashes_as_it_copies_writes_the_streamed_entry_in_one_pass(tmp_path):
+    """On the arena with ``mfh64`` and its C build, ``put`` copies each tensor into its region and hashes it in
+    the same pass: byte for byte the entry ``write_entry`` streams, one host pass over the payload (the
+    stream hashes and writes: two), and a byte that changes in the region after the copy is caught."""
+    src = tensors(4)
+    ref, one = store(tmp_path, "ref"), store(tmp_path, "one")
+    assert one.copies_hashing and not store(tmp_path, "xxh", checksum="xxh3_64").copies_hashing
+    assert not store(tmp_path, "files", layout="files").copies_hashing
+    ref.copies_hashing = False
+    payload = sum(t.nbytes for t in src.values())
+    recs = []
+    for st, passes in ((ref, 2), (one, 1)):
+        with st.begin(5) as p:
+            recs.append(p.put(OP, Level.FULL, src))
+            touched = p.touched
+            p.put_meta({"i": 5})
+            p.publish()
+        assert payload * passes <= touched < payload * passes + 4096, (st, touched)
+    rec = recs[1]
+    assert blob_bytes(one, 5, rec.blob) == blob_bytes(ref, 5, rec.blob)
+    assert rec == recs[0] and one.verify([5]).problems == ()
+    loaded = one.load(5, OP, Level.FULL)
+    assert all(torch.equal(loaded[n], t) and loaded[n].dtype == t.dtype for n, t in src.items())
+
+    copy = eh.copy_lane_sums
+
+    def flipped_after_the_copy(t, dst, first):  # the region changes after the bytes passed through the copy
+        sums = copy(t, dst, first)
+        if dst.numel() > 100:
+            dst[100] ^= 4
+        return sums
+
+    late = store(tmp_path, "late")
+    with late.begin(6) as p:
+        eh_copy, eh.copy_lane_sums = eh.copy_lane_sums, flipped_after_the_copy
+        try:
+            p.put(OP, Level.FULL, src)
+        finally:
+            eh.copy_lane_sums = eh_copy
+        p.put_meta({})
+        p.publish()
+    with pytest.raises(CorruptEntryError):
+        late.load(6, OP, Level.FULL)
 
 
 def test_a_layout_is_reused_until_the_iteration_gains_a_digit(tmp_path):

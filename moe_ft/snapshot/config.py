@@ -66,6 +66,12 @@ class SnapshotConfig:
         "its structure only). 'agent' needs the durable copies, if any, made by the agent too "
         "(--ft-persist-agent) and the replicas, if any, sent by the agents too (--ft-replicate-by agent: the agent "
         "hashes a point before it sends it).", choices=["writer", "agent"]))
+    store_checksum: str = field(default="auto", metadata=field_help(
+        "The snapshot entries' checksum: 'auto' (mfh64 on the arena layout: on CUDA computed on the device, "
+        "on CPU by the copy into the arena when moe-ft's C extension is built, one host pass over each byte; "
+        "else xxh3_64), or one by name (xxh3_64: hashed, then written, two host passes on CPU; on CUDA a "
+        "name other than mfh64 copies through pinned slot buffers and hashes on the host).",
+        choices=["auto", "mfh64", "xxh3_64", "crc32", "blake2b"]))
     snapshot_write_threads: int = field(default=0, metadata=field_help(
         "Threads writing one snapshot's entries into the store (0 = 1 on CPU, 4 on CUDA: one thread writes "
         "~1.3 GB/s on an H100 host, far below the device-to-host copy)."))

@@ -55,9 +55,13 @@ def available(store, cuda: bool) -> str:
 
 
 def store_checksum(on_cuda: bool, layout: str, direct_write: bool, bubble_aware: bool) -> str | None:
-    """The checksum a snapshot store should use so that the engine copies into it (``mfh64`` for a CUDA
-    registry on the arena layout); ``None``: the store's default."""
-    if not (on_cuda and layout == "arena" and direct_write and not bubble_aware):
+    """The checksum a snapshot store should use so that the engine copies into it (``mfh64``: for a CUDA
+    registry on the arena layout, hashed on the device; for a CPU registry on the arena layout, hashed by the
+    copy into the arena when the C build is installed, ``SnapshotStore.copies_hashing``); ``None``: the
+    store's default."""
+    if not on_cuda:
+        return entry_hash.ALGO if layout == "arena" and entry_hash.NATIVE else None
+    if not (layout == "arena" and direct_write and not bubble_aware):
         return None
     from moe_ft.store import entry_hash_triton  # start-up time: imports triton (CUDA registries only)
 

@@ -72,9 +72,12 @@ def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: 
     # the arena's first segment holds what retention keeps at the least (moe_ft/store/capacity.py)
     state = [t for op in operators for t in ctx.registry[op].tensors(Level.FULL).values()]
     full = sum(t.nbytes for t in state)
-    # a CUDA registry copies straight into the arena and hashes on the device (moe_ft/snapshot/mapped.py)
-    checksum = store_checksum(any(t.is_cuda for t in state), config.store_layout, config.snapshot_direct_write,
-                              config.snapshot_bubble_aware) or DEFAULT_CHECKSUM
+    # a CUDA registry copies straight into the arena and hashes on the device (moe_ft/snapshot/mapped.py); a CPU
+    # one hashes as it copies into the arena (SnapshotStore.copies_hashing)
+    checksum = config.store_checksum
+    if checksum == "auto":
+        checksum = store_checksum(any(t.is_cuda for t in state), config.store_layout, config.snapshot_direct_write,
+                                  config.snapshot_bubble_aware) or DEFAULT_CHECKSUM
     store = StoreConfig(root=config.store_dir, job_id=job_id, rank=ctx.rank, recycle=config.store_recycle,
                         layout=config.store_layout, initial_bytes=SNAPSHOT_POINTS * full, checksum=checksum,
                         checksum_by=config.checksum_by).build(

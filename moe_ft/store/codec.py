@@ -120,7 +120,9 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
-def _check_tensor(name: str, tensor: Any) -> torch.Tensor:
+def check_tensor(name: str, tensor: Any) -> torch.Tensor:
+    """``tensor`` if the store can write it as it is (a named, contiguous, unquantized CPU tensor of a stored
+    dtype); else a ``ValueError`` that names the problem and the fix."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
     if not isinstance(tensor, torch.Tensor):
@@ -331,7 +333,7 @@ def write_entry(
     once with the entry's exact size in bytes before the first ``write`` (a sink can take a recycled file of
     that size, :class:`moe_ft.store.local.LocalFSBackend`). ``defer``: do not hash (the writer passes over
     each byte once): the digest's place in the trailer holds zeros and the checksum is :data:`PENDING`."""
-    checked = [(name, _check_tensor(name, t)) for name, t in tensors.items()]
+    checked = [(name, check_tensor(name, t)) for name, t in tensors.items()]
     if meta is not None:
         meta_json = encode_meta(meta)
     layout = layout_entry(key, tensor_specs(dict(checked)), algo, meta_json)
@@ -581,7 +583,7 @@ def _out_table(header_bytes: bytearray, out: Mapping[str, torch.Tensor], start: 
         if dtype_name(dst.dtype) != rec["dtype"] or list(dst.shape) != rec["shape"]:
             raise _Unusable(f"output buffer {rec['name']!r} is {dst.dtype}{list(dst.shape)}, entry holds "
                             f"{rec['dtype']}{rec['shape']}", caller=True)
-        _check_tensor(rec["name"], dst)
+        check_tensor(rec["name"], dst)
     return table
 
 

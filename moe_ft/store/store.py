@@ -40,6 +40,7 @@ from moe_ft.store.codec import (
     WIDE_ITERATION,
     EntryLayout,
     WrittenEntry,
+    check_tensor,
     digest_view,
     encode_meta,
     entry_digest,
@@ -310,10 +311,28 @@ class PendingPoint:
             raise ValueError(f"{op}: level NONE saves nothing; leave the operator out instead")
         self._reserve(str(op))
         blob = entry_blob(op, level)
+        if self._store.copies_hashing:
+            return self._copy_hashing(op, level, blob, tensors)
         record = _records(self.iteration, op, level, blob,
                           self._write(blob, entry_key(self.iteration, op, level), tensors))
         with self._lock:
             self._entries[op] = record
+        return record
+
+    def _copy_hashing(self, op: OperatorId, level: Level, blob: str, tensors: Mapping[str, torch.Tensor]) -> EntryRecord:
+        """:meth:`put` in one pass over the payload (:attr:`SnapshotStore.copies_hashing`): the entry is laid out
+        in a region of the arena, each tensor is copied into its place by a copy that sums its words as it reads
+        them (:func:`~moe_ft.store.entry_hash.copy_lane_sums`), and the entry is sealed from those sums. The
+        bytes are those :func:`~moe_ft.store.codec.write_entry` writes; the digest covers what was read from
+        the tensors, so a byte changed in the region after the copy is found by every reader."""
+        checked = {name: check_tensor(name, t) for name, t in tensors.items()}
+        layout = self.layout(op, level, tensor_specs(checked))
+        entry = ReservedEntry(self, op, level, blob, layout, self._writer.map_blob(blob, layout.size))
+        sums = [entry_hash.copy_lane_sums(t, view, first)
+                for t, view, first in zip(checked.values(), entry.byte_views(), layout.first_words)]
+        record = entry.seal(sums)
+        with self._lock:
+            self.touched += sum(rec["nbytes"] for rec in layout.table)
         return record
 
     def layout(self, op: OperatorId, level: Level, specs) -> EntryLayout:
@@ -438,6 +457,10 @@ class SnapshotStore:
         """Called with the iteration after each publish and its garbage collection, on the publishing thread
         (the node agent's durable copies are requested from here: no wait for the next iteration)."""
         self.checksum = checksum
+        self.copies_hashing = (checksum == entry_hash.ALGO and entry_hash.NATIVE and not defer_checksums
+                               and backend.maps_regions)
+        """:meth:`PendingPoint.put` copies each tensor into a region of the arena and hashes it in the same pass
+        (``mfh64`` with its C build): one host pass over the payload, the writer's digest kept."""
         self.retention = retention
         self._lock = threading.Lock()
         self._pins: Counter[int] = Counter()

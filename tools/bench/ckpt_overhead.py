@@ -1,6 +1,6 @@
 """Checkpoint overhead of the snapshot policies on a CPU model, side by side in one run.
 
-    python tools/bench/ckpt_overhead.py [--model {tiny,medium}] [--quick] [--json] [--nproc {2,4}] [--two-copies] [--agent-hash] [--warmup-cycles N] [--data-path PREFIX]
+    python tools/bench/ckpt_overhead.py [--model {tiny,medium}] [--quick] [--json] [--nproc {2,4}] [--two-copies] [--agent-hash] [--xxh3] [--warmup-cycles N] [--data-path PREFIX]
         [--policies a,b] [--cycles N] [--control] [--pin-cores] [--profile-worker N --profile-dir DIR]
 
 Models: ``tiny`` (2 layers, hidden 64, 4 experts top-2, seq 64; ~50 ms of CPU per iteration: fixed
@@ -36,7 +36,11 @@ cycling, so every policy sees the same machine noise; the first cycle (``--warmu
   rest: metadata entry, manifest, publish, garbage collection);
 * ``trainer_payload_bytes_per_byte``: payload bytes the trainer process's threads pass over on the host per
   snapshot byte (``SnapshotRecord.trainer_payload_bytes_per_byte``; bytes-weighted over the measured
-  snapshots): 2 on the CPU direct path (checksum + store write), 3 through slot buffers;
+  snapshots): 1 on the CPU direct path into the arena with moe-ft's C extension (a copy that hashes), 2 with
+  xxh3_64 (checksum + store write), 3 through slot buffers;
+* ``--xxh3`` adds ``sparse(xxh3_64)``: sparse with ``--ft-store-checksum xxh3_64``, whose entries are hashed and
+  then written (two host passes), beside ``sparse``, whose copy into the arena hashes as it goes (``mfh64``
+  with moe-ft's C extension: one pass);
 * ``--agent-hash`` adds ``sparse(agent hash)``: sparse with ``--ft-checksum-by agent`` (the trainer writes
   each byte once, the node agent hashes the published points); ``agent_cpu_ms_per_iter`` is the node
   agent process's CPU per iteration of a session whose points an agent hashes (an agent of its own, started
@@ -51,9 +55,9 @@ cycling, so every policy sees the same machine noise; the first cycle (``--warmu
   its last snapshots, per rank in ``--profile-dir`` (``tools/bench/worker_profile.py``);
 * ``meta_cpu_ms``: median CPU time of the metadata capture (``capture_step_meta``) on the training thread;
 * ``bytes_per_iter``: mean bytes snapshotted per iteration per rank (max over ranks);
-* ``floor_ms``: the physical floor of that policy: the time to copy (``memcpy``) and checksum (the store's
-  hash) ``bytes_per_iter`` at this machine's bandwidths, measured by this run before training (``_setup``:
-  ``memcpy_gbps``, ``hash_gbps``); ``floor_ratio`` = 1 + floor / median CPU time of a ``none`` iteration;
+* ``floor_ms``: the physical floor of that policy: the time to copy (``memcpy``) and checksum (XXH3)
+  ``bytes_per_iter`` at this machine's bandwidths, measured by this run before training (``_setup``:
+  ``memcpy_gbps``, ``hash_gbps``; ``copy_hash_gbps``: the copy that hashes, ``mfh64`` in C, for comparison); ``floor_ratio`` = 1 + floor / median CPU time of a ``none`` iteration;
 * ``bytes_per_recovery_point``: bytes one recovery point keeps per rank (max over ranks): dense one
   snapshot; sparse the ``W`` snapshots of a window (MoEvement §3.3); pec/selective each operator's newest
   FULL (MoC/MoEtion lossy recovery), i.e. all FULL bytes.
@@ -76,17 +80,18 @@ POLICIES = ["none", "dense(1)", "dense(k)", "pec", "selective", "sparse"]
 BUBBLES = "sparse(bubbles)"  # sparse with bubble-aware copies (MoEtion Alg. 4): pipeline parallelism only
 TWO_COPIES = "sparse(2 copies)"  # --two-copies: sparse through slot buffers into new files (the path before)
 AGENT_HASH = "sparse(agent hash)"  # --agent-hash: sparse with the node agent hashing the published points
+XXH3 = "sparse(xxh3_64)"  # --xxh3: sparse hashed with xxh3_64 and then written (two host passes)
 CONTROL = "none(control)"  # --control: a second session without snapshots, the method's own noise
 
 
 def labels(pp: int, two_copies: bool = False, agent_hash: bool = False, only: str = "",
-           control: bool = False) -> list[str]:
+           control: bool = False, xxh3: bool = False) -> list[str]:
     """The sessions compared, in cycling order; ``only`` (``--policies``, comma-separated): just these of
     :data:`POLICIES` (``none`` always, the baseline)."""
     chosen = POLICIES if not only else ["none"] + [p for p in POLICIES[1:] if p in only.split(",")]
     return (chosen + ([BUBBLES] if pp > 1 and (not only or BUBBLES in only.split(",")) else [])
             + ([TWO_COPIES] if two_copies else []) + ([AGENT_HASH] if agent_hash else [])
-            + ([CONTROL] if control else []))
+            + ([XXH3] if xxh3 else []) + ([CONTROL] if control else []))
 MODELS = {  # flags, measured cycles (default, --quick)
     "tiny": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
               "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
@@ -168,6 +173,7 @@ def worker(argv: list[str]) -> int:
             variants[TWO_COPIES] = dict(policy="sparse", sparse_window=WINDOW, snapshot_direct_write=False,
                                         store_recycle=False, store_layout="files")
             variants[AGENT_HASH] = dict(policy="sparse", sparse_window=WINDOW, checksum_by="agent")
+            variants[XXH3] = dict(policy="sparse", sparse_window=WINDOW, store_checksum="xxh3_64")
             variants[CONTROL] = dict(policy="none")
             for s in self.sessions:
                 s.close()
@@ -401,7 +407,12 @@ def measure_bandwidth(nbytes: int = 128 << 20, repeats: int = 5) -> dict:
             h.update(view[start:start + (8 << 20)])
         h.digest()
 
-    return {"memcpy": best(lambda: dst.copy_(src)), "hash": best(digest), "hash_algo": DEFAULT_CHECKSUM}
+    from moe_ft.store import entry_hash
+
+    out = {"memcpy": best(lambda: dst.copy_(src)), "hash": best(digest), "hash_algo": DEFAULT_CHECKSUM}
+    if entry_hash.NATIVE:  # the CPU snapshot path's copy into the arena, which hashes (mfh64) as it copies
+        out["copy_hash"] = best(lambda: entry_hash.copy_lane_sums(src, dst, 0))
+    return out
 
 
 def add_floor(report: dict, bandwidth: dict) -> None:
@@ -436,6 +447,10 @@ def main() -> int:
     p.add_argument("--agent-hash", action="store_true",
                    help=f"add the session {AGENT_HASH!r}: sparse with --ft-checksum-by agent (the node agent hashes "
                         "the published points), side by side with 'sparse'")
+    p.add_argument("--xxh3", action="store_true",
+                   help=f"add the session {XXH3!r}: sparse with --ft-store-checksum xxh3_64 (each entry hashed, then "
+                        "written: two host passes; the CPU default before the copy that hashes), side by side "
+                        "with 'sparse'")
     p.add_argument("--control", action="store_true",
                    help=f"add the session {CONTROL!r}: a second session without snapshots, whose ratio to 'none' "
                         "(1 in truth) shows the measurement's own noise")
@@ -474,7 +489,7 @@ def main() -> int:
         if a.warmup_cycles < 1:
             p.error("--warmup-cycles must be >= 1")
         cycles = a.warmup_cycles + (a.cycles or (cycles_quick if a.quick else cycles_default))
-        names = labels(PP[a.nproc], a.two_copies, a.agent_hash, a.policies, a.control)
+        names = labels(PP[a.nproc], a.two_copies, a.agent_hash, a.policies, a.control, a.xxh3)
         if a.profile_worker and "sparse" not in names:
             p.error("--profile-worker profiles the 'sparse' session: add it to --policies")
         iters = cycles * WINDOW * len(names)
@@ -495,6 +510,7 @@ def main() -> int:
     add_floor(report, bandwidth)
     report["_setup"].update(model=a.model, nproc=a.nproc, memcpy_gbps=round(bandwidth["memcpy"] / 1e9, 2),
                             hash_gbps=round(bandwidth["hash"] / 1e9, 2), hash_algo=bandwidth["hash_algo"],
+                            copy_hash_gbps=round(bandwidth["copy_hash"] / 1e9, 2) if "copy_hash" in bandwidth else None,
                             loadavg_before=[round(x, 2) for x in load_before],
                             loadavg_after=[round(x, 2) for x in os.getloadavg()],
                             seconds=round(time.perf_counter() - started, 1))
