@@ -85,3 +85,15 @@ def test_the_cpu_snapshot_store_takes_mfh64_on_the_arena_only():
     assert store_checksum(False, "arena", False, True) == eh.ALGO  # slot buffers, bubble-aware: one more pass
     assert store_checksum(False, "files", True, False) is None
     assert store_checksum(True, "files", True, False) is None
+
+
+def test_the_host_bandwidth_bench_reports_every_path(capsys):
+    import json
+
+    from tools.bench import mfh64_host
+
+    assert mfh64_host.main(["--mb", "1", "--repeats", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["native"] is True
+    assert all(out[k] > 0 for k in ("memcpy_gbps", "xxh3_64_gbps", "mfh64_numpy_gbps", "mfh64_c_gbps",
+                                    "copy_mfh64_c_gbps"))

@@ -395,3 +395,25 @@ def test_an_entry_without_tensors_sealed_from_sums_equals_its_host_hash():
         a = seal_entry(memoryview(host), layout, head, eh.ALGO)
         b = seal_entry(memoryview(dev), layout, head, eh.ALGO, [])
         assert a.checksum == b.checksum and host == dev and b.hashed == layout.body
+
+
+def test_without_the_c_build_the_cpu_path_keeps_two_passes_and_the_numpy_reference(tmp_path, monkeypatch):
+    """A machine without a C compiler installs without the extension: ``--ft-store-checksum auto`` keeps
+    ``xxh3_64`` on CPU, an ``mfh64`` store streams its entries (hashed on the NumPy reference, then written),
+    and the copy that hashes refuses with the reason."""
+    from moe_ft.snapshot.mapped import store_checksum
+
+    monkeypatch.setattr(eh, "_native", None)
+    monkeypatch.setattr(eh, "NATIVE", False)
+    assert store_checksum(False, "arena", True, False) is None
+    st = store(tmp_path, "numpy")
+    assert not st.copies_hashing
+    src = tensors(5)
+    with st.begin(1) as p:
+        p.put(OP, Level.FULL, src)
+        assert p.touched >= 2 * sum(t.nbytes for t in src.values())
+        p.put_meta({})
+        p.publish()
+    assert st.verify([1]).problems == ()
+    with pytest.raises(RuntimeError, match="C extension"):
+        eh.copy_lane_sums(src["weight"], torch.empty(src["weight"].nbytes, dtype=torch.uint8), 0)
