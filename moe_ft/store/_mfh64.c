@@ -12,6 +12,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "mfh64 reads little-endian words with native loads: a big-endian host runs on the NumPy reference"
+#endif
+
 #define K0 0x9E3779B1u
 #define S0 0x7F4A7C15u
 #define K1 0x85EBCA77u
