@@ -27,6 +27,12 @@ SHM_FREE_GB=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
 STORE=/tmp
 if [ "${SHM_FREE_GB:-0}" -ge 24 ]; then STORE=/dev/shm; fi
 echo "store root: $STORE (/dev/shm free: ${SHM_FREE_GB:-?} GB)" | tee "$OUT/suite.log"
+# moe-ft's C extension (host mfh64 sums; setup.py builds it at install): a copied tree has none, build it in place
+# for this Python when a C compiler and its headers are there; without it the host sums run on NumPy
+if ! $PY -c "import moe_ft.store._mfh64" 2>/dev/null; then
+  $PY setup.py -q build_ext --inplace > "$OUT/build_ext.log" 2>&1
+  echo "C extension built in place: rc=$? (see build_ext.log)" | tee -a "$OUT/suite.log"
+fi
 
 stage() {  # stage NAME OUTFILE CMD...
   local name=$1 file=$2; shift 2
