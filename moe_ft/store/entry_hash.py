@@ -98,8 +98,8 @@ def _key_bases() -> list[np.ndarray]:
 
 
 NATIVE = _native is not None
-"""The C build of the lane sums is installed (``moe_ft/store/_mfh64.c``): host sums at ~5 GB/s per core instead
-of ~1 GB/s, without the GIL, and :func:`copy_lane_sums`."""
+"""The C build of the lane sums is installed (``moe_ft/store/_mfh64.c``): host sums at 7-8 GB/s on one core
+instead of ~1 GB/s (``tools/bench/mfh64_host.py``), without the GIL, and :func:`copy_lane_sums`."""
 
 
 def _lane_sums_host(words: np.ndarray, first_index: int) -> list[int]:

@@ -57,7 +57,8 @@ cycling, so every policy sees the same machine noise; the first cycle (``--warmu
 * ``bytes_per_iter``: mean bytes snapshotted per iteration per rank (max over ranks);
 * ``floor_ms``: the physical floor of that policy: the time to copy (``memcpy``) and checksum (XXH3)
   ``bytes_per_iter`` at this machine's bandwidths, measured by this run before training (``_setup``:
-  ``memcpy_gbps``, ``hash_gbps``; ``copy_hash_gbps``: the copy that hashes, ``mfh64`` in C, for comparison); ``floor_ratio`` = 1 + floor / median CPU time of a ``none`` iteration;
+  ``memcpy_gbps``, ``hash_gbps``; ``copy_hash_gbps``: the copy that hashes, ``mfh64`` in C, for comparison);
+  ``floor_ratio`` = 1 + floor / median CPU time of a ``none`` iteration;
 * ``bytes_per_recovery_point``: bytes one recovery point keeps per rank (max over ranks): dense one
   snapshot; sparse the ``W`` snapshots of a window (MoEvement §3.3); pec/selective each operator's newest
   FULL (MoC/MoEtion lossy recovery), i.e. all FULL bytes.
