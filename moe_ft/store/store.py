@@ -309,30 +309,29 @@ class PendingPoint:
         level = Level(level)
         if level == Level.NONE:
             raise ValueError(f"{op}: level NONE saves nothing; leave the operator out instead")
+        if self._store.copies_hashing:
+            return self._copy_hashing(op, level, tensors)
         self._reserve(str(op))
         blob = entry_blob(op, level)
-        if self._store.copies_hashing:
-            return self._copy_hashing(op, level, blob, tensors)
         record = _records(self.iteration, op, level, blob,
                           self._write(blob, entry_key(self.iteration, op, level), tensors))
         with self._lock:
             self._entries[op] = record
         return record
 
-    def _copy_hashing(self, op: OperatorId, level: Level, blob: str, tensors: Mapping[str, torch.Tensor]) -> EntryRecord:
+    def _copy_hashing(self, op: OperatorId, level: Level, tensors: Mapping[str, torch.Tensor]) -> EntryRecord:
         """:meth:`put` in one pass over the payload (:attr:`SnapshotStore.copies_hashing`): the entry is laid out
         in a region of the arena, each tensor is copied into its place by a copy that sums its words as it reads
         them (:func:`~moe_ft.store.entry_hash.copy_lane_sums`), and the entry is sealed from those sums. The
         bytes are those :func:`~moe_ft.store.codec.write_entry` writes; the digest covers what was read from
         the tensors, so a byte changed in the region after the copy is found by every reader."""
         checked = {name: check_tensor(name, t) for name, t in tensors.items()}
-        layout = self.layout(op, level, tensor_specs(checked))
-        entry = ReservedEntry(self, op, level, blob, layout, self._writer.map_blob(blob, layout.size))
+        entry = self.reserve(op, level, checked)
         sums = [entry_hash.copy_lane_sums(t, view, first)
-                for t, view, first in zip(checked.values(), entry.byte_views(), layout.first_words)]
+                for t, view, first in zip(checked.values(), entry.byte_views(), entry.first_words)]
         record = entry.seal(sums)
         with self._lock:
-            self.touched += sum(rec["nbytes"] for rec in layout.table)
+            self.touched += sum(rec["nbytes"] for rec in entry.layout.table)
         return record
 
     def layout(self, op: OperatorId, level: Level, specs) -> EntryLayout:
