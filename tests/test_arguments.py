@@ -188,8 +188,8 @@ def test_expected_warnings_are_one_line_unless_verbose():
 
 
 def test_the_snapshot_copy_piece_flag_reaches_the_engine_config(data_prefix):
-    """``--ft-snapshot-copy-piece-mb`` (moe_ft/snapshot/pacing.py): parsed into the snapshot component's config;
-    a negative size is refused with the flag's name."""
+    """``--ft-snapshot-copy-piece-mb`` (moe_ft/snapshot/pacing.py), ``--ft-snapshot-copy-by`` and
+    ``--ft-snapshot-copy-programs`` (moe_ft/snapshot/mapped.py): parsed into the snapshot component's config."""
     import pretrain_gpt_moe
 
     flags = ["--num-layers", "2", "--hidden-size", "32", "--num-experts", "4", "--moe-router-topk", "2", "--ft",
@@ -198,5 +198,10 @@ def test_the_snapshot_copy_piece_flag_reaches_the_engine_config(data_prefix):
     args = parse_args([*flags, "--ft-snapshot-copy-piece-mb", "16"], world_size=1, extra_groups=groups)
     assert args.extra["FTConfig"].snapshot.snapshot_copy_piece_mb == 16
     assert parse_args(flags, world_size=1, extra_groups=groups).extra["FTConfig"].snapshot.snapshot_copy_piece_mb == 0
+    snap = parse_args([*flags, "--ft-snapshot-copy-by", "kernel", "--ft-snapshot-copy-programs", "8"], world_size=1,
+                      extra_groups=groups).extra["FTConfig"].snapshot
+    assert (snap.snapshot_copy_by, snap.snapshot_copy_programs) == ("kernel", 8)
+    default = parse_args(flags, world_size=1, extra_groups=groups).extra["FTConfig"].snapshot
+    assert (default.snapshot_copy_by, default.snapshot_copy_programs) == ("dma", 16)
     with pytest.raises((ArgumentError, ValueError), match="snapshot-copy-piece-mb"):
         parse_args([*flags, "--ft-snapshot-copy-piece-mb", "-1"], world_size=1, extra_groups=groups)

@@ -159,6 +159,29 @@ def test_one_launch_for_many_tensors_equals_the_reference_at_their_offsets():
         et.TensorTable([odd], [0])
 
 
+@pytest.mark.parametrize("programs", [0, 1, 3])
+def test_one_launch_copies_the_words_it_hashes(programs):
+    """``TensorTable.launch(dst)``: the kernel stores each word it hashed at the tensor's destination (0: hashed
+    only), with the same sums; on fewer programs than blocks each program takes every ``programs``-th block."""
+    ts = [sample(n, dtype, seed=i) for i, (n, dtype) in enumerate(CASES) if n and n * torch.tensor(
+        [], dtype=dtype).element_size() % 4 == 0]
+    firsts = [5 * i + (1 << 32) - 9 for i in range(len(ts))]
+    outs = [torch.full_like(t, 0) for t in ts]
+    skip = len(ts) // 2
+    addrs = torch.tensor([0 if i == skip else o.data_ptr() for i, o in enumerate(outs)], dtype=torch.int64)
+    table = et.TensorTable(ts, firsts, block=64)
+    assert table.num_blocks > 3
+    got = table.launch(addrs, programs=programs)
+    for i, (t, f, g) in enumerate(zip(ts, firsts, got)):
+        assert g.tolist() == eh.lane_sums_of(t, f), (t.dtype, t.numel())
+        copied = torch.equal(outs[i].view(torch.uint8), t.view(torch.uint8))
+        assert copied == (i != skip) or not t.view(torch.uint8).any(), i
+    with pytest.raises(ValueError, match="int64 addresses"):
+        table.launch(addrs[:-1])
+    with pytest.raises(ValueError, match="programs must be >= 0"):
+        table.launch(addrs, programs=-1)
+
+
 @pytest.mark.gpu
 def test_one_launch_on_cuda_equals_the_host_reference():
     ts = [sample(n, dtype, seed=i) for i, (n, dtype) in enumerate(CASES)]

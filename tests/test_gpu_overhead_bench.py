@@ -468,13 +468,16 @@ def test_a_step_needs_the_copy_into_the_store(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_the_cpu_bench_of_the_mapped_seal_measures_the_snapshots_after_three_windows(capsys):
+@pytest.mark.parametrize("copy_by", ["dma", "kernel"])
+def test_the_cpu_bench_of_the_mapped_seal_measures_the_snapshots_after_three_windows(capsys, copy_by):
     """``tools/bench/mapped_seal_cpu.py``: the background thread's CPU per snapshot on the GPU path's work with CPU
-    tensors, after three windows; the retention keeps two windows and the one in flight."""
+    tensors, after three windows; the retention keeps two windows and the one in flight. With the kernel's copy
+    (``--copy-by kernel``) the points it publishes verify (the kernel wrote every byte)."""
     from tools.bench import mapped_seal_cpu
 
-    assert mapped_seal_cpu.main(["--snapshots", "10", "--window", "2", "--layers", "1"]) == 0
+    assert mapped_seal_cpu.main(["--snapshots", "10", "--window", "2", "--layers", "1", "--copy-by", copy_by]) == 0
     out = json.loads(capsys.readouterr().out)
+    assert out["copy_by"] == copy_by and out["verify_problems"] == []
     assert out["snapshots_measured"] == 4 and out["entries_per_snapshot"] > 5
     assert 0 < out["thread_cpu_ms_median"] <= out["thread_cpu_ms_per_snapshot"] * 4 and out["points_kept"] >= 4
     assert 0 < out["issue_cpu_ms_median"] <= out["issue_cpu_ms_per_snapshot"] * 4

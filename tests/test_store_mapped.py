@@ -214,14 +214,18 @@ def test_streaming_mfh64_equals_the_reference_for_any_split():
         assert h.digest() == want, step
 
 
-@pytest.mark.parametrize("kernel,paced", [(True, False), (False, False), (True, True)],
-                         ids=["kernel-hashes", "host-hashes", "kernel-hashes-paced"])
-def test_the_mapped_copier_writes_the_entries_put_writes(tmp_path, kernel, paced):
+@pytest.mark.parametrize("kernel,paced,copy_by", [(True, False, "dma"), (False, False, "dma"), (True, True, "dma"),
+                                                  (True, False, "kernel"), (True, True, "kernel:2")],
+                         ids=["kernel-hashes", "host-hashes", "kernel-hashes-paced", "kernel-copies",
+                              "kernel-copies-2-programs-rest-paced"])
+def test_the_mapped_copier_writes_the_entries_put_writes(tmp_path, kernel, paced, copy_by):
     """The GPU snapshot path's copier (moe_ft/snapshot/mapped.py) on CPU tensors: regions reserved, bytes
     copied in place, sums from the kernel (every tensor taken as a device tensor) or the host, entries
     sealed; a second snapshot of another composition and one of the first again (its cached plan). Paced:
     the copy is cut into 1000-byte pieces (moe_ft/snapshot/pacing.py), a pause between each two (on a GPU a
-    device-side sleep; here recorded), with the same bytes sealed."""
+    device-side sleep; here recorded), with the same bytes sealed. Kernel copies: the hash kernel stores the
+    words it hashes into the regions (on two programs: each takes every second block), the tensors it cannot
+    take (partial words) go by the copy the pacer cuts."""
     from types import SimpleNamespace
 
     from moe_ft.snapshot.mapped import MappedCopier
@@ -234,7 +238,10 @@ def test_the_mapped_copier_writes_the_entries_put_writes(tmp_path, kernel, paced
     st = store(tmp_path, "mapped")
     pauses: list[float] = []
     pacer = CopyPacer(1000, gap_us=7.0, pause=pauses.append) if paced else None
-    copier = MappedCopier(st, None, on_device=(lambda t: True) if kernel else None, pacer=pacer)
+    how, _, programs = copy_by.partition(":")
+    copier = MappedCopier(st, None, on_device=(lambda t: True) if kernel else None, pacer=pacer, copy_by=how,
+                          programs=int(programs or 0))
+    by_kernel = how == "kernel"
     plans = [({ops[0]: Level.FULL, ops[1]: Level.COMPUTE}, frozenset()),
              ({ops[1]: Level.FULL, ops[2]: Level.FULL}, frozenset({ops[2]})),
              ({ops[0]: Level.FULL, ops[1]: Level.COMPUTE}, frozenset())]
@@ -245,7 +252,7 @@ def test_the_mapped_copier_writes_the_entries_put_writes(tmp_path, kernel, paced
         job = copier.issue(it, it % 2, items, remote)
         if paced:  # each piece but the first waits for the pause after the one before it
             copied = sum(t.nbytes for item in items if not (item.op in remote and item.level == Level.FULL)
-                         for t in item.srcs)
+                         for t in item.srcs if not (by_kernel and et.tableable(t)))
             assert pacer.pieces == -(-copied // 1000) > 1 and pauses == [7.0] * (pacer.pieces - 1)
             pauses.clear()
         with job.point as point:

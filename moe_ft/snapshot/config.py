@@ -81,6 +81,16 @@ class SnapshotConfig:
         "after the previous one ended, so that the training thread's own small reads from the device (the MoE "
         "dispatcher's token counts, the loss) wait for one piece instead of the whole snapshot (the copy "
         "engine takes transfers in order); 0 = the whole copy at once."))
+    snapshot_copy_by: str = field(default="dma", metadata=field_help(
+        "GPU snapshots into the arena: who copies the bytes to the host. 'dma': the copy engine (then a kernel "
+        "hashes them on the device); 'kernel': the hash kernel stores every word it hashes into the arena "
+        "through the device's mapping of the page-locked arena (one launch for copy and hash; the training "
+        "thread's small reads from the device then find the copy engine idle; tensors of partial words still "
+        "go by DMA).", choices=["dma", "kernel"]))
+    snapshot_copy_programs: int = field(default=16, metadata=field_help(
+        "With --ft-snapshot-copy-by kernel: programs (thread blocks) of the copy kernel, each looping over its "
+        "share of the snapshot, so that the other SMs stay free for the training kernels; 0 = one per 16 KiB "
+        "block (the whole GPU while it runs)."))
 
     def __post_init__(self) -> None:
         policy_class(self.policy)  # raises ValueError naming the choices
@@ -88,7 +98,7 @@ class SnapshotConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--ft-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         non_negative(self, ("sparse_window", "selective_local_budget", "selective_remote_budget",
-                             "snapshot_write_threads", "snapshot_copy_piece_mb"), "ft_")
+                             "snapshot_write_threads", "snapshot_copy_piece_mb", "snapshot_copy_programs"), "ft_")
         if not 1 <= self.pec_k_persist <= self.pec_k:
             raise ValueError(f"--ft-pec-k-persist must be in [1, --ft-pec-k={self.pec_k}] (MoC §5.1: the durable "
                              f"tier holds a subset of each checkpoint's experts), got {self.pec_k_persist}")

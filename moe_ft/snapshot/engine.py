@@ -55,7 +55,7 @@ import torch
 from moe_ft.background import BackgroundWorker
 from moe_ft.snapshot.bubbles import BubbleSchedule  # noqa: F401  (EngineConfig.bubbles)
 from moe_ft.snapshot.buffers import HostBuffers
-from moe_ft.snapshot.mapped import MappedCopier, available
+from moe_ft.snapshot.mapped import COPY_BY, MappedCopier, available
 from moe_ft.snapshot.pacing import CopyPacer
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store.errors import store_full
@@ -89,7 +89,18 @@ class EngineConfig:
     each after the previous one ended (``moe_ft/snapshot/pacing.py``: the training thread's own small reads
     from the device then wait for one piece, not the whole snapshot). 0: the whole copy queued at once."""
 
+    copy_by: str = "dma"
+    """GPU path into the store's regions: ``"dma"`` (the copy engine copies, a kernel hashes) or ``"kernel"``
+    (the hash kernel also stores the words into the regions through the device's mapping of the page-locked
+    arena: :class:`moe_ft.snapshot.mapped.MappedCopier`)."""
+    copy_programs: int = 16
+    """With ``copy_by="kernel"``: the copy kernel's programs (0: one per block of words)."""
+
     def __post_init__(self) -> None:
+        if self.copy_by not in COPY_BY:
+            raise ValueError(f"EngineConfig.copy_by must be one of {COPY_BY}, got {self.copy_by!r}")
+        if self.copy_programs < 0:
+            raise ValueError(f"EngineConfig.copy_programs must be >= 0, got {self.copy_programs}")
         if self.copy_piece_bytes < 0:
             raise ValueError(f"EngineConfig.copy_piece_bytes must be >= 0, got {self.copy_piece_bytes}")
         if self.num_slots < 1:
@@ -197,7 +208,8 @@ class SnapshotEngine:
         self.mapped_off = _mapped_off(config, self.cuda, store)
         if not self.mapped_off:
             pacer = CopyPacer(config.copy_piece_bytes) if config.copy_piece_bytes else None
-            self.mapped = MappedCopier(store, self._stream, capacity=2 * len(layout), pacer=pacer)
+            self.mapped = MappedCopier(store, self._stream, capacity=2 * len(layout), pacer=pacer,
+                                       copy_by=config.copy_by, programs=config.copy_programs)
             if self.mapped.pinned.failed:  # a copy into pageable memory would block the host: stage instead
                 self.mapped_off = f"page-locking the store's arena failed: {self.mapped.pinned.failed}"
                 self.mapped.close()
@@ -205,6 +217,9 @@ class SnapshotEngine:
         if config.copy_piece_bytes and self.mapped is None:
             print(f"moe-ft snapshots: the copy is not paced (--ft-snapshot-copy-piece-mb): only copies into the "
                   f"store's regions are, and here {self.mapped_off}", file=sys.stderr, flush=True)
+        if config.copy_by == "kernel" and self.mapped is None:
+            print(f"moe-ft snapshots: the copy engine copies (--ft-snapshot-copy-by kernel needs copies into the "
+                  f"store's regions, and here {self.mapped_off})", file=sys.stderr, flush=True)
         pin = self.cuda if config.pin_memory is None else config.pin_memory
         # every operator FULL (the largest plan); direct writes need buffers for the metadata only
         self.buffers = HostBuffers(config.num_slots, pin, None if self.direct or self.mapped else layout)

@@ -32,11 +32,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from moe_ft.state.operators import Level
 from moe_ft.store import entry_hash
 from moe_ft.store.codec import tensor_specs
+
+COPY_BY = ("dma", "kernel")
+"""How the snapshot's bytes reach their regions (:class:`MappedCopier`)."""
 
 
 def available(store, cuda: bool) -> str:
@@ -76,6 +80,7 @@ class PinnedSegments:
     def __init__(self, backend) -> None:
         self.backend = backend
         self._registered: dict[int, torch.Tensor] = {}  # data_ptr -> the mapping (kept alive)
+        self._device_bases: dict[int, int] = {}  # data_ptr -> the device's address of it (asked when needed)
         self.failed = ""
 
     def refresh(self) -> None:
@@ -97,13 +102,50 @@ class PinnedSegments:
             else:
                 self._registered[ptr] = view
 
+    def device_address(self, host_ptr: int) -> int:
+        """The address at which a kernel reaches the registered host byte ``host_ptr`` (page-locked memory is
+        mapped for the device; its device address need not be the host's, ``cuMemHostGetDevicePointer``).
+        Without CUDA (the kernel interpreted on CPU tensors): ``host_ptr``."""
+        if not torch.cuda.is_available():
+            return host_ptr
+        for base, view in self._registered.items():
+            if base <= host_ptr < base + view.nbytes:
+                dev = self._device_bases.get(base)
+                if dev is None:
+                    dev = self._device_bases[base] = _mapped_device_pointer(base)
+                return dev + (host_ptr - base)
+        raise RuntimeError(f"moe-ft snapshots: host address {host_ptr:#x} is in no page-locked arena segment of "
+                           f"{self.backend.describe()}")
+
     def release(self) -> None:
+        self._device_bases.clear()
         if not self._registered:
             return
         cudart = torch.cuda.cudart()
         while self._registered:
             ptr, _ = self._registered.popitem()
             cudart.cudaHostUnregister(ptr)
+
+
+def _mapped_device_pointer(host_ptr: int) -> int:
+    """The device address of registered host memory at ``host_ptr``, through the CUDA driver
+    (``cuMemHostGetDevicePointer``; torch exposes no runtime call for it). Needs the current thread's CUDA
+    context, which torch has made current on the thread that uses the device."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuMemHostGetDevicePointer_v2
+    except (OSError, AttributeError) as e:
+        raise RuntimeError(f"moe-ft snapshots: the CUDA driver's cuMemHostGetDevicePointer is not reachable "
+                           f"({e}); copy with --ft-snapshot-copy-by dma") from e
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    out = ctypes.c_uint64()
+    rc = fn(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0)
+    if rc != 0:
+        raise RuntimeError(f"moe-ft snapshots: cuMemHostGetDevicePointer({host_ptr:#x}) failed (CUresult {rc}); "
+                           "copy with --ft-snapshot-copy-by dma")
+    return int(out.value)
 
 
 @dataclass
@@ -127,6 +169,9 @@ class _Plan:
     table: Any  # TensorTable | None
     slots: list  # per entry: [(kind, index)] per tensor: ("table", row) | ("single", i) | ("host", -1)
     singles: list  # [(device tensor, first word)]
+    row_entry: Any = None  # np.ndarray: per table row, its reserved entry's index (-1: a remote entry's)
+    row_offset: Any = None  # np.ndarray: per table row, the tensor's byte offset in its entry (0: remote)
+    dst: torch.Tensor | None = None  # per table row, where the kernel copies it (on the table's device)
 
     @property
     def rows(self) -> int:
@@ -150,21 +195,32 @@ class MappedJob:
 class MappedCopier:
     """Issues a snapshot's copies into mapped store regions and seals them (module docstring)."""
 
-    def __init__(self, store, stream, *, capacity: int = 64, on_device=None, pacer=None) -> None:
+    def __init__(self, store, stream, *, capacity: int = 64, on_device=None, pacer=None, copy_by: str = "dma",
+                 programs: int = 0) -> None:
         """``capacity``: rows of sums a job may need (two per tensor of the registry covers any plan, remote
         entries included); ``on_device(tensor)``: whether a source is hashed by the kernel (default: it is on
         CUDA; the CPU tests hash CPU tensors with the kernel under ``TRITON_INTERPRET=1``); ``pacer``: a
         :class:`moe_ft.snapshot.pacing.CopyPacer` that issues the device-to-host copy in pieces (``None``:
-        all of it at once)."""
+        all of it at once). ``copy_by``: ``"dma"`` (the copy engine copies, the kernel then hashes) or
+        ``"kernel"`` (the hash kernel also stores each word it hashed into the region, through the device's
+        mapping of the page-locked arena: no transfer in the copy engine's queue, one launch for the copy and
+        the hash; tensors the table cannot take still go by DMA); ``programs``: at most this many programs in
+        that kernel's grid (0: one per block of words)."""
+        if copy_by not in COPY_BY:
+            raise ValueError(f"copy_by must be one of {COPY_BY}, got {copy_by!r}")
+        if programs < 0:
+            raise ValueError(f"programs must be >= 0, got {programs}")
         self.store, self.stream = store, stream
         self.capacity = capacity
         self.on_device = on_device or (lambda t: t.is_cuda)
         self.pacer = pacer
+        self.copy_by, self.programs = copy_by, programs
         self.pinned = PinnedSegments(store.backend)
         self.pinned.refresh()
         self._preps: dict[int, _Prep] = {}
         self._plans: dict[tuple, _Plan] = {}
         self._rows: dict[int, torch.Tensor] = {}  # slot -> pinned rows for its job's sums
+        self._stage: dict[int, torch.Tensor] = {}  # slot -> pinned addresses for its job's kernel copy
 
     def _prep(self, entry) -> _Prep:
         prep = self._preps.get(id(entry))
@@ -195,22 +251,28 @@ class MappedCopier:
             point.abort()
             raise
         self.pinned.refresh()  # a segment the arena just added
+        job.plan = plan = self._plan(job)
+        by_kernel = self.copy_by == "kernel"
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         typed_dst: list[torch.Tensor] = []
         typed_src: list[torch.Tensor] = []
         host_dst: list[torch.Tensor] = []
         host_src: list[torch.Tensor] = []
-        for reserved, prep in job.reserved:
+        for (reserved, prep), kinds in zip(job.reserved, plan.slots):
+            if by_kernel and all(kind == "table" for kind, _ in kinds):
+                continue  # the kernel copies every tensor of the entry
             if prep.byte_srcs is not None:  # flat bytes: the pacer may cut them
                 dsts, srcs, to_dst, to_src = reserved.byte_views(), prep.byte_srcs, dst, src
             else:
                 dsts, srcs, to_dst, to_src = list(reserved.views.values()), prep.entry.srcs, typed_dst, typed_src
-            if prep.all_on_device:
+            if prep.all_on_device and not by_kernel:
                 to_dst.extend(dsts)
                 to_src.extend(srcs)
                 continue
-            for d, s, dev in zip(dsts, srcs, prep.on_device):
+            for d, s, dev, (kind, _) in zip(dsts, srcs, prep.on_device, kinds):
+                if by_kernel and kind == "table":
+                    continue
                 if dev:
                     to_dst.append(d)
                     to_src.append(s)
@@ -226,10 +288,29 @@ class MappedCopier:
             self.pacer.copy(dst, src)
         elif dst:
             torch._foreach_copy_(dst, src, non_blocking=True)
-        job.plan = self._plan(job)
-        job.rows = self._slot_rows(slot, job.plan.rows)
-        self._hash(job.plan, job.rows)
+        job.rows = self._slot_rows(slot, plan.rows)
+        self._hash(plan, job.rows, self._destinations(job, slot) if by_kernel else None, self.programs)
         return job
+
+    def _destinations(self, job: MappedJob, slot: int) -> torch.Tensor | None:
+        """Where the kernel copies each table row of ``job``'s plan: the device's addresses of the tensors'
+        places in their reserved regions (0 for a remote entry's rows, which are only hashed), staged in
+        ``slot``'s pinned buffer and queued to the device on the current stream."""
+        plan = job.plan
+        assert plan is not None
+        if plan.table is None:
+            return None
+        bases = np.fromiter((self.pinned.device_address(r.address) for r, _ in job.reserved), dtype=np.int64,
+                            count=len(job.reserved))
+        addrs = np.append(bases, 0)[plan.row_entry] + plan.row_offset  # row_entry -1: the 0 appended
+        stage = self._stage.get(slot)
+        if stage is None or stage.numel() < addrs.size:
+            stage = self._stage[slot] = torch.empty(max(addrs.size, self.capacity), dtype=torch.int64,
+                                                    pin_memory=torch.cuda.is_available())
+        stage[:addrs.size].numpy()[:] = addrs  # the slot's last job was sealed: its copy read the stage long ago
+        assert plan.dst is not None
+        plan.dst.copy_(stage[:addrs.size], non_blocking=True)
+        return plan.dst
 
     def _slot_rows(self, slot: int, n: int) -> torch.Tensor:
         """``n`` pinned rows of ``slot`` (a slot's job is sealed before the slot is used again; a plan's
@@ -258,32 +339,41 @@ class MappedCopier:
             return plan
         rows: list[torch.Tensor] = []
         firsts_t: list[int] = []
+        row_entry: list[int] = []
+        row_offset: list[int] = []
         singles: list[tuple[torch.Tensor, int]] = []
         slots: list[list[tuple[str, int]]] = []
-        for srcs, layout in entries:
+        for j, (srcs, layout) in enumerate(entries):
             kinds: list[tuple[str, int]] = []
-            for s, first in zip(srcs, layout.first_words):
+            local = j < len(job.reserved)
+            for s, first, rec in zip(srcs, layout.first_words, layout.table):
                 if not self.on_device(s):
                     kinds.append(("host", -1))
                 elif tableable(s):
                     kinds.append(("table", len(rows)))
                     rows.append(s)
                     firsts_t.append(first)
+                    row_entry.append(j if local else -1)
+                    row_offset.append(rec["offset"] if local else 0)
                 else:
                     kinds.append(("single", len(singles)))
                     singles.append((s, first))
             slots.append(kinds)
         table = TensorTable(rows, firsts_t) if rows else None
-        plan = self._plans[key] = _Plan(table=table, slots=slots, singles=singles)
+        plan = self._plans[key] = _Plan(
+            table=table, slots=slots, singles=singles, row_entry=np.array(row_entry, dtype=np.int64),
+            row_offset=np.array(row_offset, dtype=np.int64),
+            dst=torch.empty(len(rows), dtype=torch.int64, device=rows[0].device) if rows else None)
         return plan
 
     @staticmethod
-    def _hash(plan: _Plan, out: torch.Tensor) -> None:
+    def _hash(plan: _Plan, out: torch.Tensor, dst: torch.Tensor | None = None, programs: int = 0) -> None:
         """Queue the lane sums of every device tensor and their copy into ``out`` (pinned rows) on the
-        current stream: the snapshot stream, ordered after the optimizer step that made the tensors."""
+        current stream: the snapshot stream, ordered after the optimizer step that made the tensors.
+        ``dst``: the table's kernel also copies its rows there (:meth:`_destinations`)."""
         from moe_ft.store.entry_hash_triton import device_lane_sums  # start-up time: triton, CUDA only
 
-        parts = [plan.table.launch()] if plan.table is not None else []
+        parts = [plan.table.launch(dst, programs)] if plan.table is not None else []
         parts += [device_lane_sums(s, first).reshape(1, 2) for s, first in plan.singles]
         if parts:
             out.copy_(torch.cat(parts) if len(parts) > 1 else parts[0], non_blocking=True)

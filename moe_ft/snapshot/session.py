@@ -89,6 +89,8 @@ def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: 
     engine = SnapshotEngine(EngineConfig(num_slots=config.snapshot_slots, bubbles=bubbles,
                                          write_threads=config.snapshot_write_threads or None,
                                          copy_piece_bytes=config.snapshot_copy_piece_mb * 2 ** 20,
+                                         copy_by=config.snapshot_copy_by,
+                                         copy_programs=config.snapshot_copy_programs,
                                          direct_write=None if config.snapshot_direct_write else False),
                             ctx.registry, store)
     return SnapshotSession(config.policy, policy, engine, store, operators=operators,

@@ -66,22 +66,29 @@ if HAVE_TRITON:
         _store_block_sums(partial_ptr, block, w, i, inside, K0, S0, K1, S1, BLOCK)
 
     @triton.jit
-    def _table_lane_sums_kernel(addr_ptr, nwords_ptr, first_ptr, blk_tensor_ptr, blk_start_ptr, partial_ptr,
-                                K0: tl.constexpr, S0: tl.constexpr, K1: tl.constexpr, S1: tl.constexpr,
-                                BLOCK: tl.constexpr):
-        # program b hashes words [start, start + BLOCK) of tensor t = blk_tensor[b], whose word j has the
-        # index first[t] + j in its entry; the tensor's address comes from a table (one launch for all)
-        block = tl.program_id(0)
-        t = tl.load(blk_tensor_ptr + block)
-        start = tl.load(blk_start_ptr + block)
-        words_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.int32))
-        n_words = tl.load(nwords_ptr + t)
-        first = tl.load(first_ptr + t)
-        offs = start + tl.arange(0, BLOCK).to(tl.int64)
-        inside = offs < n_words
-        w = tl.load(words_ptr + offs, mask=inside, other=0).to(tl.uint32, bitcast=True)
-        i = ((offs + first) & 0xFFFFFFFF).to(tl.uint32)
-        _store_block_sums(partial_ptr, block, w, i, inside, K0, S0, K1, S1, BLOCK)
+    def _table_lane_sums_kernel(addr_ptr, dst_ptr, nwords_ptr, first_ptr, blk_tensor_ptr, blk_start_ptr,
+                                partial_ptr, num_blocks, K0: tl.constexpr, S0: tl.constexpr, K1: tl.constexpr,
+                                S1: tl.constexpr, BLOCK: tl.constexpr, COPY: tl.constexpr):
+        # block b hashes words [start, start + BLOCK) of tensor t = blk_tensor[b], whose word j has the index
+        # first[t] + j in its entry; the tensor's address comes from a table (one launch for all). COPY: the
+        # words are also stored at dst[t] (0: not copied), from the registers that hash them. A program takes
+        # blocks b = its id, + the grid's size, ... (a grid smaller than the blocks keeps SMs free)
+        for block in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
+            t = tl.load(blk_tensor_ptr + block)
+            start = tl.load(blk_start_ptr + block)
+            words_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.int32))
+            n_words = tl.load(nwords_ptr + t)
+            first = tl.load(first_ptr + t)
+            offs = start + tl.arange(0, BLOCK).to(tl.int64)
+            inside = offs < n_words
+            raw = tl.load(words_ptr + offs, mask=inside, other=0)
+            if COPY:
+                dst = tl.load(dst_ptr + t)
+                n_copied = tl.where(dst != 0, n_words, 0)
+                tl.store(dst.to(tl.pointer_type(tl.int32)) + offs, raw, mask=offs < n_copied)
+            w = raw.to(tl.uint32, bitcast=True)
+            i = ((offs + first) & 0xFFFFFFFF).to(tl.uint32)
+            _store_block_sums(partial_ptr, block, w, i, inside, K0, S0, K1, S1, BLOCK)
 
 
 def _require_runnable(t: torch.Tensor) -> None:
@@ -150,15 +157,28 @@ class TensorTable:
         self._partial = torch.empty((max(self.num_blocks, 1), 2), dtype=torch.int64, device=device)
         self._out = torch.empty((len(tensors), 2), dtype=torch.int64, device=device)
 
-    def launch(self) -> torch.Tensor:
+    def launch(self, dst: torch.Tensor | None = None, programs: int = 0) -> torch.Tensor:
         """int64 ``[len(tensors), 2]``: each tensor's lane sums (mod 2^32), on the device, queued on the
-        current stream. The result buffer is reused by the next launch."""
+        current stream. The result buffer is reused by the next launch.
+
+        ``dst``: int64 addresses, one per tensor, on the tensors' device: the kernel also copies each tensor's
+        bytes there (0: that tensor is hashed only), from the registers it hashes them in -- a device-to-host
+        copy by the SMs when an address is of page-locked host memory mapped for the device. ``programs``: at
+        most this many programs, each taking every ``programs``-th block (0: one program per block)."""
+        if dst is not None and (dst.dtype != torch.int64 or tuple(dst.shape) != (len(self.tensors),)
+                                or dst.device != self._addr.device):
+            raise ValueError(f"TensorTable.launch: dst must be {len(self.tensors)} int64 addresses on "
+                             f"{self._addr.device}, got {dst.dtype} {tuple(dst.shape)} on {dst.device}")
+        if programs < 0:
+            raise ValueError(f"TensorTable.launch: programs must be >= 0, got {programs}")
         self._out.zero_()
         if self.num_blocks:
             (k0, s0), (k1, s1) = KEYS
-            _table_lane_sums_kernel[(self.num_blocks,)](
-                self._addr, self._nwords, self._first, self._blk_tensor, self._blk_start, self._partial,
-                K0=k0, S0=s0, K1=k1, S1=s1, BLOCK=self.block)
+            grid = min(programs, self.num_blocks) if programs else self.num_blocks
+            _table_lane_sums_kernel[(grid,)](
+                self._addr, self._addr if dst is None else dst, self._nwords, self._first, self._blk_tensor,
+                self._blk_start, self._partial, self.num_blocks, K0=k0, S0=s0, K1=k1, S1=s1, BLOCK=self.block,
+                COPY=dst is not None)
             self._out.index_add_(0, self._blk_tensor, self._partial[:self.num_blocks])
         return self._out.bitwise_and_(MASK)
 

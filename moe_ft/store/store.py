@@ -223,6 +223,12 @@ class ReservedEntry:
         self._point, self.op, self.level, self.blob = point, op, level, blob
         self.layout, self._region = layout, region
 
+    @property
+    def address(self) -> int:
+        """The host address of the region's first byte (the entry's; tensor ``i`` is at
+        ``layout.table[i]["offset"]`` from it)."""
+        return self._region.data_ptr()
+
     def byte_views(self) -> list[torch.Tensor]:
         """Each tensor's bytes in the region, as flat ``uint8`` tensors (one split for all of them)."""
         if not self.layout.table:

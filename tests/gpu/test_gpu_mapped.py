@@ -24,18 +24,20 @@ from tools.bench.gpu_snapshot import sparse_plan
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 
-def mapped_engine(tmp_path, registry, job="j", piece=0):
+def mapped_engine(tmp_path, registry, job="j", piece=0, copy_by="dma"):
     store = StoreConfig(root=str(tmp_path), job_id=job, rank=0, checksum="mfh64").build(retention=KeepAll())
-    engine = SnapshotEngine(EngineConfig(num_slots=2, copy_piece_bytes=piece), registry, store)
+    engine = SnapshotEngine(EngineConfig(num_slots=2, copy_piece_bytes=piece, copy_by=copy_by), registry, store)
     assert engine.mapped is not None, engine.mapped_off
     return engine, store
 
 
-@pytest.mark.parametrize("piece", [0, 1 << 16], ids=["one-copy", "paced"])
-def test_mapped_snapshots_hold_the_state_at_submit(tmp_path, piece):
+@pytest.mark.parametrize("piece,copy_by", [(0, "dma"), (1 << 16, "dma"), (0, "kernel")],
+                         ids=["one-copy", "paced", "kernel-copy"])
+def test_mapped_snapshots_hold_the_state_at_submit(tmp_path, piece, copy_by):
     registry = small_registry()
     ops = list(registry)
-    engine, store = mapped_engine(tmp_path, registry, piece=piece)
+    engine, store = mapped_engine(tmp_path, registry, piece=piece, copy_by=copy_by)
+    assert engine.mapped.copy_by == copy_by
     assert (engine.mapped.pacer is not None) == bool(piece)
     assert engine.buffers.arena_bytes == 0  # no slot buffers: the store's regions are the buffers
     x = torch.randn(4096, 4096, device="cuda")
@@ -76,7 +78,7 @@ def test_mapped_snapshots_hold_the_state_at_submit(tmp_path, piece):
     host_state_bytes = sum(t.nbytes for op in ops for t in registry[op].tensors(Level.FULL).values() if not t.is_cuda)
     assert all(r.published and r.device_stall_s is not None for r in recs)
     assert max(r.host_bytes_touched for r in recs) <= 2 * host_state_bytes  # the CPU step counters only
-    record("mapped_correctness" + ("_paced" if piece else ""), {
+    record("mapped_correctness" + ("_paced" if piece else "") + ("_kernel" if copy_by == "kernel" else ""), {
         "trainer_payload_bytes_per_byte_max": max(r.trainer_payload_bytes_per_byte for r in recs),
         "host_stall_max_ms": 1e3 * max(r.stall_s for r in recs),
         "device_stall_max_ms": 1e3 * max(r.device_stall_s for r in recs),
@@ -170,3 +172,50 @@ def test_a_read_from_the_device_waits_for_one_piece_of_a_paced_copy():
                                "pieces": pacer.pieces})
     assert whole[0] > 0.5 * whole[1]  # the read waited for (most of) the copy
     assert paced[0] < whole[0] / 3 and paced[1] < 1.5 * whole[1]
+
+
+def test_a_kernel_copy_leaves_the_copy_engine_and_most_sms_free():
+    """``--ft-snapshot-copy-by kernel``: a 256 MiB copy into page-locked host memory by the hash kernel on 16
+    programs (a side stream) copies every byte with the sums of the reference, and neither an ``.item()`` nor
+    a small kernel plus ``.item()`` on the compute stream waits for it (the copy engine is idle and most SMs
+    are free), where both wait behind a DMA copy of the same bytes."""
+    from moe_ft.snapshot.mapped import _mapped_device_pointer
+    from moe_ft.store import entry_hash as eh
+    from moe_ft.store.entry_hash_triton import TensorTable
+
+    n = 256 << 20
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    table = TensorTable([src], [0])
+    addr = torch.tensor([_mapped_device_pointer(dst.data_ptr())], dtype=torch.int64, device="cuda")
+    x, side = torch.ones(1, device="cuda"), torch.cuda.Stream()
+
+    def behind(kernel: bool, probe) -> tuple[float, float]:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            start.record()
+            if kernel:
+                table.launch(addr, programs=16)
+            else:
+                dst.copy_(src, non_blocking=True)
+            end.record()
+        t0 = time.perf_counter()
+        probe()
+        waited = time.perf_counter() - t0
+        end.synchronize()
+        return waited, start.elapsed_time(end) / 1e3
+
+    dst.zero_()
+    sums = table.launch(addr, programs=16).cpu()
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cuda(), src) and sums[0].tolist() == eh.lane_sums_of(dst, 0)
+    got = {}
+    for name, probe in (("item", lambda: x.item()), ("kernel_item", lambda: (x + 1).item())):
+        for kernel in (False, True):
+            got[(name, kernel)] = sorted(behind(kernel, probe) for _ in range(7))[3]
+    record("kernel_copy_read", {f"{name}_ms_behind_{'kernel' if k else 'dma'}": 1e3 * v[0]
+                                for (name, k), v in got.items()} | {
+        "copy_ms_dma": 1e3 * got[("item", False)][1], "copy_ms_kernel16": 1e3 * got[("item", True)][1]})
+    for name in ("item", "kernel_item"):
+        assert got[(name, True)][0] < got[(name, False)][0] / 3, (name, got)

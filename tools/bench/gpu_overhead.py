@@ -58,7 +58,9 @@ sparse launches needs none).
 (``copy``) and one that stops after the device hash (``hash``) (``tools/bench/snapshot_steps.py``: nothing is
 published); with ``--interleave`` each launch's ratio is what the steps up to it cost, the plain sparse launch
 being the whole path (copy, hash, publish). ``--paced MB``: also, per sparse window, a launch with
-``--ft-snapshot-copy-piece-mb MB`` (the copy in pieces, ``moe_ft/snapshot/pacing.py``).
+``--ft-snapshot-copy-piece-mb MB`` (the copy in pieces, ``moe_ft/snapshot/pacing.py``). ``--kernel-copy N...``:
+also, per sparse window and N, a launch with ``--ft-snapshot-copy-by kernel --ft-snapshot-copy-programs N`` (the
+hash kernel copies into the arena on N programs, ``moe_ft/snapshot/mapped.py``).
 
 Every launch also times Python's cyclic garbage collections per iteration (``tools/bench/gc_times.py``): ``gc``
 (per kind of block in ``interleaved.gc``) holds the milliseconds in collections per iteration and the full
@@ -349,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paced", type=int, default=0, metavar="MB",
                    help="also each sparse window with its device-to-host copy in pieces of MB MiB "
                         "(--ft-snapshot-copy-piece-mb), alternating with the default (one copy)")
+    p.add_argument("--kernel-copy", type=int, nargs="+", default=[], metavar="PROGRAMS",
+                   help="also each sparse window copied by the hash kernel on PROGRAMS programs (--ft-snapshot-copy-by "
+                        "kernel --ft-snapshot-copy-programs PROGRAMS; 0: one per block), one launch per count")
     p.add_argument("--steps", nargs="+", default=[], choices=["copy", "hash"],
                    help="also each sparse window with its snapshots cut after a step (tools/bench/snapshot_steps.py: "
                         "'copy' only, or 'hash' after it; nothing published), one launch per step: with --interleave, "
@@ -356,9 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-none", action="store_true", help="no --ft-policy none launch (no overhead_ratio)")
     a = p.parse_args(argv)
     if min(a.interleave, a.profile_submit, a.profile_worker, a.trace_blocks, a.switch_interval, a.gil_probe,
-           a.paced) < 0:
-        p.error("--interleave, --profile-submit, --profile-worker, --trace-blocks, --switch-interval, --gil-probe and "
-                "--paced take values >= 0")
+           a.paced, *a.kernel_copy) < 0:
+        p.error("--interleave, --profile-submit, --profile-worker, --trace-blocks, --switch-interval, --gil-probe, "
+                "--paced and --kernel-copy take values >= 0")
     if a.profile_submit and a.profile_worker:
         p.error("--profile-submit and --profile-worker both replace the store's functions while they profile: run "
                 "them in separate commands")
@@ -405,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
             if a.paced:
                 variants.append(("sparse", f"sparse(W={w or 'auto'},paced {a.paced} MiB)", w,
                                  ["--ft-snapshot-copy-piece-mb", str(a.paced)], "p"))
+            for k in a.kernel_copy:
+                variants.append(("sparse", f"sparse(W={w or 'auto'},kernel copy on {k or 'all'} programs)", w,
+                                 ["--ft-snapshot-copy-by", "kernel", "--ft-snapshot-copy-programs", str(k)], f"k{k}"))
             for step in a.steps:
                 variants.append(("sparse", f"sparse(W={w or 'auto'},{step} only)" if step == "copy" else
                                  f"sparse(W={w or 'auto'},up to {step})", w, ["--bench-snapshot-step", step], step[0]))

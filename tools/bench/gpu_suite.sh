@@ -10,8 +10,9 @@
 # interleave (gpu_overhead.py --interleave: snapshots taken and paused in blocks inside one launch, the worker's
 # profile and the GIL probe; then the per-block trace without the none launch), cpubound (the CPU acceptance row,
 # tools/bench/ckpt_overhead.py, on the host's cores with the GPU hidden: sparse, sparse with the agent's hash,
-# and the control), pace (gpu_copy_queue.py: a read from the device behind a snapshot copy, one copy or paced; then
-# gpu_overhead.py --interleave with the copy in one piece and paced in 16 MiB pieces, alternating launches), steps
+# and the control), pace (gpu_copy_queue.py: a read from the device behind a snapshot copy, one copy, paced or by
+# the hash kernel; then gpu_overhead.py --interleave with the copy in one piece, paced in 16 MiB pieces and by
+# the kernel on 16 programs, alternating launches), steps
 # (gpu_overhead.py --interleave --steps copy hash: what the copy alone, then with the device hash, then the whole
 # path costs, one launch each). Not in the default list: STAGES="pace steps interleave cpubound" runs them.
 # Each stage writes OUT_DIR/<file>.json or .log and its stderr to <file>.err; the tests' numbers land in OUT_DIR/results/*.json.
@@ -61,7 +62,7 @@ stage interleave gpu_blocks.json $PY -m tools.bench.gpu_overhead --store-root "$
   --iters 96 --warmup 32 --windows 8 --interleave 8 --trace-blocks 3 --skip-none
 stage pace gpu_copy_queue.json $PY -m tools.bench.gpu_copy_queue
 stage pace gpu_paced.json $PY -m tools.bench.gpu_overhead --store-root "$STORE" --log-dir "$OUT/paced" \
-  --iters 160 --warmup 64 --windows 8 --interleave 8 --paced 16 --skip-none --gil-probe
+  --iters 160 --warmup 64 --windows 8 --interleave 8 --paced 16 --kernel-copy 16 --skip-none --gil-probe
 stage steps gpu_steps.json $PY -m tools.bench.gpu_overhead --store-root "$STORE" --log-dir "$OUT/steps" \
   --iters 160 --warmup 64 --windows 8 --interleave 8 --steps copy hash --skip-none --gil-probe
 stage cpubound cpu_bound.json env CUDA_VISIBLE_DEVICES= $PY tools/bench/ckpt_overhead.py --model medium --nproc 2 \

@@ -2,7 +2,8 @@
 arena's regions, the metadata entry, publishing, garbage collection), measured on CPU tensors: the Python that
 holds the GIL beside a launch-bound training thread on a GPU (docs/benchmarks.md, "Sixth round").
 
-    python -m tools.bench.mapped_seal_cpu [--snapshots 48] [--window 8] [--layers 4] [--root OTHER_CHECKOUT]
+    python -m tools.bench.mapped_seal_cpu [--snapshots 48] [--window 8] [--layers 4] [--copy-by {dma,kernel}]
+                                          [--root OTHER_CHECKOUT]
 
 A registry shaped like ``tools/bench/gpu_overhead.py``'s model (embedding, output, 4 layers of a dense and a gate
 operator and 8 experts; small tensors: the cost is per entry and per tensor, not per byte), sparse-like plans of
@@ -11,7 +12,9 @@ window ``--window`` (one slice FULL, the later ones COMPUTE: ~23 entries per sna
 at issue, outside the measurement; the background thread's CPU (``time.thread_time``) is measured on the
 snapshots after the first three windows, and so is the training thread's share of the issue
 (``issue_cpu_ms_per_snapshot``: ``MappedCopier.issue`` -- reserving the regions, their views, the copies of these
-small CPU tensors, the plan -- less the hash it queues, which on a GPU is a kernel launch). ``--root``: import
+small CPU tensors, the plan -- less the hash it queues, which on a GPU is a kernel launch). ``--copy-by kernel``:
+the copier's kernel copies the tensors it hashes (``--ft-snapshot-copy-by kernel``): the issue then queues no
+copies of its own for them and computes their destinations instead. ``--root``: import
 ``moe_ft`` from another checkout (an older commit, for a before/after comparison). Prints one JSON object.
 """
 
@@ -33,6 +36,8 @@ def main(argv=None) -> int:
     p.add_argument("--snapshots", type=int, default=48)
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--layers", type=int, default=4, help="transformer layers of the registry (8 experts each)")
+    p.add_argument("--copy-by", choices=["dma", "kernel"], default="dma",
+                   help="who copies the tensors the kernel hashes (--ft-snapshot-copy-by)")
     p.add_argument("--root", default=None, help="a checkout whose moe_ft to measure (default: this one)")
     a = p.parse_args(argv)
     if a.window < 1 or a.snapshots <= 3 * a.window:
@@ -73,15 +78,16 @@ def main(argv=None) -> int:
         store = StoreConfig(root=root, job_id="j", rank=0, checksum="mfh64", layout="arena").build(
             retention=KeepTwoRecoverable(rule=SparseWindowRule.aligned(ops, a.window)))
         engine = SnapshotEngine(EngineConfig(num_slots=2), registry, store)
-        engine.mapped = MappedCopier(store, None, on_device=lambda t: True)
+        kw = {"copy_by": a.copy_by} if a.copy_by != "dma" else {}  # an older --root has no copy_by
+        engine.mapped = MappedCopier(store, None, on_device=lambda t: True, **kw)
         handle = engine._worker._handle
         hashing = [0.0]
         device_hash = engine.mapped._hash
 
-        def timed_hash(plan, out) -> None:  # interpreted here; on a GPU a launch: left out of the issue's time
+        def timed_hash(*args) -> None:  # interpreted here; on a GPU a launch: left out of the issue's time
             start = time.thread_time()
             try:
-                device_hash(plan, out)
+                device_hash(*args)
             finally:
                 hashing[0] += time.thread_time() - start
 
@@ -115,12 +121,14 @@ def main(argv=None) -> int:
             engine.mapped = None
             engine.close()
         published = store.points()
-    print(json.dumps({"root": a.root or "this checkout", "snapshots_measured": len(cpu),
+        problems = store.verify(published).problems  # every byte the copier wrote (by the kernel, too) checks out
+    print(json.dumps({"root": a.root or "this checkout", "copy_by": a.copy_by, "snapshots_measured": len(cpu),
                       "entries_per_snapshot": statistics.mean(entries),
                       "thread_cpu_ms_per_snapshot": 1e3 * statistics.mean(cpu),
                       "thread_cpu_ms_median": 1e3 * statistics.median(cpu),
                       "issue_cpu_ms_per_snapshot": 1e3 * statistics.mean(issue_cpu),
-                      "issue_cpu_ms_median": 1e3 * statistics.median(issue_cpu), "points_kept": len(published)}))
+                      "issue_cpu_ms_median": 1e3 * statistics.median(issue_cpu), "points_kept": len(published),
+                      "verify_problems": [str(p) for p in problems]}))
     return 0
 
 
