@@ -91,7 +91,7 @@ def main(argv=None) -> int:
             finally:
                 hashing[0] += time.thread_time() - start
 
-        engine.mapped._hash = timed_hash  # type: ignore[method-assign]
+        engine.mapped._hash = timed_hash  # type: ignore[method-assign,assignment]
 
         def timed(job) -> None:
             start = time.thread_time()
