@@ -251,6 +251,10 @@ class MappedCopier:
             point.abort()
             raise
         self.pinned.refresh()  # a segment the arena just added
+        if self.copy_by == "kernel" and self.pinned.failed:  # the device cannot reach an unregistered segment
+            print(f"moe-ft snapshots: the copy engine copies from now on (--ft-snapshot-copy-by kernel needs every "
+                  f"arena segment page-locked: {self.pinned.failed})", file=sys.stderr, flush=True)
+            self.copy_by = "dma"
         job.plan = plan = self._plan(job)
         by_kernel = self.copy_by == "kernel"
         dst: list[torch.Tensor] = []
