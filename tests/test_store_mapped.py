@@ -225,8 +225,8 @@ def test_the_mapped_copier_writes_the_entries_put_writes(tmp_path, kernel, paced
     the copy is cut into 1000-byte pieces (moe_ft/snapshot/pacing.py), a pause between each two (on a GPU a
     device-side sleep; here recorded), with the same bytes sealed. Kernel copies: the hash kernel stores the
     words it hashes into the regions (on two programs: each takes every second block), the tensors it cannot
-    take (partial words) go by the copy the pacer cuts; when an arena segment could not be page-locked the
-    copier goes back to the copy engine (the third snapshot)."""
+    take (partial words) go by the copy the pacer cuts; when an arena segment could not be page-locked, or its
+    device address not be had, the copier goes back to the copy engine (the third snapshot)."""
     from types import SimpleNamespace
 
     from moe_ft.snapshot.mapped import MappedCopier
@@ -250,13 +250,16 @@ def test_the_mapped_copier_writes_the_entries_put_writes(tmp_path, kernel, paced
         items = [entries[(op, lvl)] for op, lvl in plan.items()]
         if remote:
             items.append(entries[(ops[2], Level.COMPUTE)])
-        if by_kernel and not paced and it == 2:  # a segment the device cannot reach: the copy engine takes over
-            copier.pinned.failed = "cudaHostRegister of 4096 B failed (simulated)"
+        if by_kernel and it == 2:  # a segment the device cannot reach: the copy engine takes over
+            if paced:
+                copier.pinned.unreachable = "cuMemHostGetDevicePointer failed (simulated)"
+            else:
+                copier.pinned.failed = "cudaHostRegister of 4096 B failed (simulated)"
         job = copier.issue(it, it % 2, items, remote)
-        assert copier.copy_by == ("dma" if copier.pinned.failed else how)
+        assert copier.copy_by == ("dma" if copier.pinned.failed or copier.pinned.unreachable else how)
         if paced:  # each piece but the first waits for the pause after the one before it
             copied = sum(t.nbytes for item in items if not (item.op in remote and item.level == Level.FULL)
-                         for t in item.srcs if not (by_kernel and et.tableable(t)))
+                         for t in item.srcs if not (copier.copy_by == "kernel" and et.tableable(t)))
             assert pacer.pieces == -(-copied // 1000) > 1 and pauses == [7.0] * (pacer.pieces - 1)
             pauses.clear()
         with job.point as point:

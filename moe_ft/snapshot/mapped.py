@@ -77,11 +77,15 @@ class PinnedSegments:
     into pinned memory. Registration is slow (seconds for GBs), so it happens when the engine is built
     and, for a segment the arena adds later, at the first copy that needs it."""
 
-    def __init__(self, backend) -> None:
+    def __init__(self, backend, device_addresses: bool = False) -> None:
+        """``device_addresses``: also ask each registered segment's device address as it is registered (for a
+        kernel that writes into the segments); :attr:`unreachable` says why one could not be had."""
         self.backend = backend
         self._registered: dict[int, torch.Tensor] = {}  # data_ptr -> the mapping (kept alive)
-        self._device_bases: dict[int, int] = {}  # data_ptr -> the device's address of it (asked when needed)
+        self._device_bases: dict[int, int] = {}  # data_ptr -> the device's address of it
+        self._want_device_addresses = device_addresses
         self.failed = ""
+        self.unreachable = ""
 
     def refresh(self) -> None:
         """Register every mapping not registered yet (nothing to do without CUDA)."""
@@ -101,6 +105,11 @@ class PinnedSegments:
                 self.failed = f"cudaHostRegister of {view.nbytes} B failed ({err})"
             else:
                 self._registered[ptr] = view
+                if self._want_device_addresses and not self.unreachable:
+                    try:
+                        self._device_bases[ptr] = _mapped_device_pointer(ptr)
+                    except RuntimeError as e:
+                        self.unreachable = str(e)
 
     def device_address(self, host_ptr: int) -> int:
         """The address at which a kernel reaches the registered host byte ``host_ptr`` (page-locked memory is
@@ -215,7 +224,7 @@ class MappedCopier:
         self.on_device = on_device or (lambda t: t.is_cuda)
         self.pacer = pacer
         self.copy_by, self.programs = copy_by, programs
-        self.pinned = PinnedSegments(store.backend)
+        self.pinned = PinnedSegments(store.backend, device_addresses=copy_by == "kernel")
         self.pinned.refresh()
         self._preps: dict[int, _Prep] = {}
         self._plans: dict[tuple, _Plan] = {}
@@ -251,9 +260,10 @@ class MappedCopier:
             point.abort()
             raise
         self.pinned.refresh()  # a segment the arena just added
-        if self.copy_by == "kernel" and self.pinned.failed:  # the device cannot reach an unregistered segment
+        if self.copy_by == "kernel" and (self.pinned.failed or self.pinned.unreachable):
             print(f"moe-ft snapshots: the copy engine copies from now on (--ft-snapshot-copy-by kernel needs every "
-                  f"arena segment page-locked: {self.pinned.failed})", file=sys.stderr, flush=True)
+                  f"arena segment page-locked and mapped for the device: "
+                  f"{self.pinned.failed or self.pinned.unreachable})", file=sys.stderr, flush=True)
             self.copy_by = "dma"
         job.plan = plan = self._plan(job)
         by_kernel = self.copy_by == "kernel"
