@@ -38,14 +38,20 @@ def test_a_deferred_function_is_compiled_once_at_its_first_call_with_its_argumen
     assert built == [("scale", {"mode": "max-autotune", "dynamic": False}), ("apply", {})]  # once each
     compile(torch.nn.Linear(2, 2))
     assert built[-1] == ("Linear", {})  # a module goes to the compile function at once
+    eager = deferring(fake_compile, eager_without_cuda=True)(lambda x: x + 1)
+    assert eager(1) == 2 and eager.compiled is eager.__wrapped__ and len(built) == 3  # no CUDA here: as written
 
 
 _FRESH = r"""
 import sys
 import torch
+real, available, asked = torch.compile, torch.cuda.is_available, []
+torch.cuda.is_available = lambda: asked.append(1) or available()
+import moe_ft.drills.defer_compile  # what the preloading fork server imports: it must ask CUDA nothing
+assert torch.compile is real and not asked, asked
+torch.cuda.is_available = available
 from megatron.training.deferred_compile import import_megatron_core
-real = torch.compile
-assert import_megatron_core() and torch.compile is real and not import_megatron_core()
+assert not import_megatron_core()  # done
 from megatron.core import jit
 from megatron.core.transformer.moe.router import TopKRouter
 assert getattr(jit.jit_fuser, "deferring", False), jit.jit_fuser

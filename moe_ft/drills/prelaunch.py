@@ -50,6 +50,7 @@ from moe_ft.launch.protocol import USAGE_EXIT_CODE
 
 PRELOAD = (
     "moe_ft.drills.hold_warnings",  # first: before the imports that warn
+    "moe_ft.drills.defer_compile",  # second: Megatron-Core imported with its compiled fusions deferred
     "megatron.training.arguments",
     "megatron.training.pretrain",
     "megatron.training.training",

@@ -28,6 +28,7 @@ whole words: small integer tensors) are hashed on the device one by one.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,8 +141,6 @@ def _mapped_device_pointer(host_ptr: int) -> int:
     """The device address of registered host memory at ``host_ptr``, through the CUDA driver
     (``cuMemHostGetDevicePointer``; torch exposes no runtime call for it). Needs the current thread's CUDA
     context, which torch has made current on the thread that uses the device."""
-    import ctypes
-
     try:
         fn = ctypes.CDLL("libcuda.so.1").cuMemHostGetDevicePointer_v2
     except (OSError, AttributeError) as e:
