@@ -18,6 +18,12 @@ training loop. Here there are none:
   before the compute stream may change them again. The host adds the header's share when it seals the
   entry. A reader verifies the whole entry on the host as for any other checksum, so a copy that went
   wrong on the way is caught at recovery.
+* **Or the kernel copies** (``copy_by="kernel"``, ``--ft-snapshot-copy-by kernel``): the same launch stores
+  every word it hashes at the tensor's place in its region, through the device's mapping of the page-locked
+  segment (:meth:`PinnedSegments.device_address`), on a few programs that leave the other SMs to training.
+  Nothing then waits in the copy engine's queue, where the training thread's own reads from the device
+  (the MoE dispatcher's token counts) would queue behind the snapshot (``moe_ft/snapshot/pacing.py`` says
+  why that costs).
 * **Publishing is metadata.** The engine's background thread waits for the copy event, seals each entry
   (header, padding, digest: a few hundred bytes), writes the metadata entry and links the point's index.
 

@@ -11,7 +11,8 @@ Launches ``torchrun`` (4 ranks, EP=2 x PP=2, 1 thread each; ``--nproc 2``: EP=2,
 session (policy + engine + store) per policy — ``none``, ``dense(1)``, ``dense(k)``, ``pec``,
 ``selective``, ``sparse`` and, with pipeline parallelism, ``sparse(bubbles)`` (bubble-aware copies, MoEtion
 Alg. 4) — and hands iterations to them in blocks of ``W`` (the sparse window),
-cycling, so every policy sees the same machine noise; the first cycle (``--warmup-cycles``) is warm-up. Reported per policy:
+cycling, so every policy sees the same machine noise; the first cycles (``--warmup-cycles``, default 3: until
+every store holds what its retention keeps) are warm-up. Reported per policy:
 
 * ``overhead_ratio``: median wall time of its iterations / median of ``none`` (begin of ``t`` to begin of
   ``t+1``: includes the plan, metadata capture, submit and the stall). The first iteration of every block
@@ -438,10 +439,12 @@ def main() -> int:
                    help="fewer measured cycles (tiny: 3 instead of 10, < 3 min; medium: 1 instead of 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by policy (and _setup)")
     p.add_argument("--data-path", default=None, help="indexed dataset prefix (default: a generated corpus)")
-    p.add_argument("--warmup-cycles", type=int, default=1,
-                   help="cycles left out of the measurement (default 1). A store reuses files only after its "
-                        "retention deleted points: sparse keeps two complete windows, so with blocks of one "
-                        "window per cycle its pool is empty until the fourth cycle; use 3 to measure it warm")
+    p.add_argument("--warmup-cycles", type=int, default=3,
+                   help="cycles left out of the measurement (default 3: steady state). A store grows until its "
+                        "retention first deletes points and reuses their space: sparse keeps two complete "
+                        "windows, so with blocks of one window per cycle its arena grows (new tmpfs pages, "
+                        "zero-filled at first touch: a one-time cost per job) until the fourth cycle; 1 "
+                        "measures that growth too")
     p.add_argument("--two-copies", action="store_true",
                    help=f"add the session {TWO_COPIES!r}: sparse through slot buffers into new files (the data path "
                         "before direct writes and recycled files), side by side with 'sparse'")
