@@ -4,6 +4,7 @@ set by conftest; on CUDA when there is one), and the detection guarantees the de
 
 from __future__ import annotations
 
+import os
 import struct
 
 import pytest
@@ -180,6 +181,45 @@ def test_one_launch_copies_the_words_it_hashes(programs):
         table.launch(addrs[:-1])
     with pytest.raises(ValueError, match="programs must be >= 0"):
         table.launch(addrs, programs=-1)
+
+
+_COMPILE_FOR_HOPPER = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_ft.store import entry_hash_triton as et
+from moe_ft.store.entry_hash import KEYS
+(k0, s0), (k1, s1) = KEYS
+sig = {name: "*i64" for name in ("addr_ptr", "dst_ptr", "nwords_ptr", "first_ptr", "blk_tensor_ptr", "blk_start_ptr",
+                                 "partial_ptr")}
+sig.update(num_blocks="i32", K0="constexpr", S0="constexpr", K1="constexpr", S1="constexpr", BLOCK="constexpr",
+           COPY="constexpr")
+stores = {}
+for copy in (False, True):
+    src = ASTSource(fn=et._table_lane_sums_kernel, signature=sig,
+                    constexprs=dict(K0=k0, S0=s0, K1=k1, S1=s1, BLOCK=et.BLOCK, COPY=copy))
+    stores[str(copy)] = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"].count("st.global")
+print(json.dumps(stores))
+"""
+
+
+def test_the_table_kernel_compiles_for_a_hopper_gpu():
+    """The interpreter runs the kernel's Python; the GPU compiler is stricter (types, the grid-stride loop). Both
+    variants compile for sm_90 (H100/H200) with Triton's own ptxas, no GPU needed, and only the copying one
+    stores the words (its stores beside the two block sums)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests._ft_helpers import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stores = json.loads(done.stdout.strip().splitlines()[-1])
+    assert stores["False"] == 2 and stores["True"] > stores["False"], stores
 
 
 @pytest.mark.gpu
