@@ -463,6 +463,10 @@ def test_a_step_needs_the_copy_into_the_store(tmp_path):
             limit_to_step(engine, "copy")
         with pytest.raises(ValueError, match="unknown snapshot step"):
             limit_to_step(engine, "seal")
+        engine.mapped = MappedCopier(store, None, copy_by="kernel")
+        with pytest.raises(ValueError, match="the hash kernel is the copy"):
+            limit_to_step(engine, "copy")
+        engine.mapped = None
     finally:
         engine.close()
 

@@ -30,7 +30,10 @@ def limit_to_step(engine, step: str) -> None:
         raise ValueError(f"--steps cuts the GPU copy into the store's regions, which this engine does not use: "
                          f"{getattr(engine, 'mapped_off', 'no mapped copier')}")
     if step == "copy":
-        mapped._hash = lambda plan, out: None  # no kernel launch, no copy of sums
+        if mapped.copy_by == "kernel":
+            raise ValueError("--steps copy stops before the device hash, and with --ft-snapshot-copy-by kernel the "
+                             "hash kernel is the copy: measure the kernel's copy with the whole path instead")
+        mapped._hash = lambda plan, out, *rest: None  # no kernel launch, no copy of sums
 
     def drop(job, cpu0: float, start: float) -> float:
         """In place of the engine's ``_write``: the copy event was waited for; give the regions back (the record
