@@ -9,6 +9,7 @@ logged."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -179,6 +180,7 @@ def test_a_receiving_agent_killed_costs_points_not_training_and_its_successor_li
     blocker = socket.create_server(("", agent_port(tmp_path / "nodeB" / "j" / "agent")))
     nodes = Nodes(tmp_path)
     assert nodes.dest.port != blocker.getsockname()[1]
+    assert 20000 <= nodes.dest.port < 32000  # the fallback stays below the ephemeral ports
     _publish(nodes.store, 0)
     nodes.sender.submit(0)
     nodes.sender.flush()
@@ -226,6 +228,20 @@ def test_the_ports_an_agent_tries_are_its_predecessors_then_one_below_the_epheme
     assert listen_ports(agent_dir) == (agent_port(agent_dir),)
     monkeypatch.setenv("MOE_FT_AGENT_PORT", "23456")
     assert agent_port(agent_dir) == 23456
+    # its own port taken, then the next one too: the one after, still in the agent range
+    from moe_ft.agent.replicas import ReplicaListener
+
+    own = agent_port(tmp_path / "n1" / "agent")
+    monkeypatch.delenv("MOE_FT_AGENT_PORT")
+    taken = []
+    for port in (own, 20000 + (own - 20000 + 1) % 12000):
+        with contextlib.suppress(OSError):
+            taken.append(socket.create_server(("127.0.0.1", port)))
+    server = ReplicaListener._bind("127.0.0.1", (own,))
+    got = server.getsockname()[1]
+    assert 20000 <= got < 32000 and got not in {t.getsockname()[1] for t in taken}
+    for sock in (server, *taken):
+        sock.close()
 
 
 def test_an_agent_started_again_after_the_last_point_still_ends_the_streams(tmp_path):

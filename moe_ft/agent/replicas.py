@@ -28,6 +28,7 @@ Wire format of one frame: ``uint64`` header length (big-endian), the JSON header
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -88,6 +89,12 @@ arrived (the previous one was killed) would otherwise never report it, and the t
 timeout. A new run of the holder (``replica_open``) removes its markers."""
 
 
+AGENT_PORTS = (20000, 32000)
+"""The agents' port range, ``[start, end)``: below Linux's default ephemeral ports (32768-60999)."""
+FALLBACK_PORTS = 32
+"""Ports of that range an agent tries after its own are taken (:meth:`ReplicaListener._bind`)."""
+
+
 def agent_port(agent_dir: str | os.PathLike) -> int:
     """``$MOE_FT_AGENT_PORT``, else a port in [20000, 32000) derived from the agent directory's path (the
     same on every start of the node's agent; peers gathered it once, at build). The range lies below Linux's
@@ -96,7 +103,7 @@ def agent_port(agent_dir: str | os.PathLike) -> int:
     if os.environ.get(PORT_ENV):
         return int(os.environ[PORT_ENV])
     digest = hashlib.sha1(os.path.realpath(agent_dir).encode()).digest()
-    return 20000 + int.from_bytes(digest[:4], "big") % 12000
+    return AGENT_PORTS[0] + int.from_bytes(digest[:4], "big") % (AGENT_PORTS[1] - AGENT_PORTS[0])
 
 
 def listen_ports(agent_dir: str | os.PathLike) -> tuple[int, ...]:
@@ -361,13 +368,21 @@ class ReplicaListener:
 
     @staticmethod
     def _bind(host: str, ports: tuple[int, ...]) -> socket.socket:
-        """The first of ``ports`` free, else any (peers that gathered another port miss this agent's
-        replicas until the job's next build, and their senders say so)."""
+        """The first of ``ports`` free, else the first free of the :data:`FALLBACK_PORTS` ports after the last
+        of them in the agent range (below the ephemeral ports: a successor after a crash finds it in the port
+        file and free, where a port the system picked could meanwhile be any outgoing connection's), else any.
+        Peers that gathered another port miss this agent's replicas until the job's next build, and their
+        senders say so."""
         for port in ports:
             try:
                 return socket.create_server((host, port))
             except OSError as exc:  # taken by another process
                 logger.warning("moe-ft agent: replica port %d unavailable (%r)", port, exc)
+        base = ports[-1] - AGENT_PORTS[0] if ports and AGENT_PORTS[0] <= ports[-1] < AGENT_PORTS[1] else 0
+        span = AGENT_PORTS[1] - AGENT_PORTS[0]
+        for k in range(1, FALLBACK_PORTS + 1):
+            with contextlib.suppress(OSError):
+                return socket.create_server((host, AGENT_PORTS[0] + (base + k) % span))
         return socket.create_server((host, 0))
 
     def _accept(self) -> None:
