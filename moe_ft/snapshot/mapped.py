@@ -120,18 +120,16 @@ class PinnedSegments:
 
     def device_address(self, host_ptr: int) -> int:
         """The address at which a kernel reaches the registered host byte ``host_ptr`` (page-locked memory is
-        mapped for the device; its device address need not be the host's, ``cuMemHostGetDevicePointer``).
-        Without CUDA (the kernel interpreted on CPU tensors): ``host_ptr``."""
+        mapped for the device; its device address need not be the host's, ``cuMemHostGetDevicePointer``, asked
+        at registration when ``device_addresses``). Without CUDA (the kernel interpreted on CPU tensors):
+        ``host_ptr``."""
         if not torch.cuda.is_available():
             return host_ptr
         for base, view in self._registered.items():
-            if base <= host_ptr < base + view.nbytes:
-                dev = self._device_bases.get(base)
-                if dev is None:
-                    dev = self._device_bases[base] = _mapped_device_pointer(base)
-                return dev + (host_ptr - base)
+            if base <= host_ptr < base + view.nbytes and base in self._device_bases:
+                return self._device_bases[base] + (host_ptr - base)
         raise RuntimeError(f"moe-ft snapshots: host address {host_ptr:#x} is in no page-locked arena segment of "
-                           f"{self.backend.describe()}")
+                           f"{self.backend.describe()} whose device address is known (device_addresses=True)")
 
     def release(self) -> None:
         self._device_bases.clear()
