@@ -19,6 +19,8 @@ from typing import Mapping
 
 import torch
 
+from moe_ft.snapshot import host_register
+
 ALIGN = 64
 """Byte alignment of every view in the arena (cache line; any dtype's element size divides it)."""
 
@@ -90,8 +92,7 @@ class HostBuffers:
         if not self.pin or nbytes == 0:
             return torch.empty(nbytes, dtype=torch.uint8)
         arena = torch.empty(nbytes, dtype=torch.uint8)
-        cudart = torch.cuda.cudart()
-        if cudart.cudaHostRegister(arena.data_ptr(), nbytes, 0) == cudart.cudaError.success:
+        if not host_register.register(arena.data_ptr(), nbytes):
             self._registered.append(arena)
             return arena
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # registration refused: caching allocator

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moe_ft.snapshot import host_register
 from moe_ft.state.operators import Level
 from moe_ft.store import entry_hash
 from moe_ft.store.codec import tensor_specs
@@ -98,18 +99,17 @@ class PinnedSegments:
         """Register every mapping not registered yet (nothing to do without CUDA)."""
         if not torch.cuda.is_available():
             return
-        cudart = torch.cuda.cudart()
         for view in self.backend.mapped_segments().values():
             ptr = view.data_ptr()
             if ptr in self._registered:
                 continue
-            err = cudart.cudaHostRegister(ptr, view.nbytes, 0)
-            if err != cudart.cudaError.success:  # the copy still works, at pageable speed and synchronously
+            why = host_register.register(ptr, view.nbytes)
+            if why:  # the copy still works, at pageable speed and synchronously
                 if not self.failed:
-                    print(f"moe-ft snapshots: cudaHostRegister of a {view.nbytes} B arena segment of "
-                          f"{self.backend.describe()} failed ({err}): copies into it block the host",
+                    print(f"moe-ft snapshots: page-locking an arena segment of {self.backend.describe()}: {why}; "
+                          f"copies into it block the host (is --ft-store-dir on a tmpfs such as /dev/shm?)",
                           file=sys.stderr, flush=True)
-                self.failed = f"cudaHostRegister of {view.nbytes} B failed ({err})"
+                self.failed = why
             else:
                 self._registered[ptr] = view
                 if self._want_device_addresses and not self.unreachable:
