@@ -88,6 +88,12 @@ def test_profiling_submit_and_the_worker_in_one_run_is_refused():
         gpu_overhead.main(["--profile-worker", "1"])  # no --log-dir
 
 
+def test_skipping_the_default_launch_with_nothing_else_to_launch_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        gpu_overhead.main(["--skip-default"])
+    assert "--skip-default leaves no snapshot launch" in capsys.readouterr().err
+
+
 def test_breakdown_times_the_mapped_issue_by_call_path_and_puts_everything_back(tmp_path):
     """The GPU path's sub-steps, on CPU tensors: the engine's entries issued by a :class:`MappedCopier` into an
     arena store (every tensor treated as a device one: copied with ``non_blocking`` and hashed by the table's
@@ -385,17 +391,19 @@ def test_the_tracer_records_the_training_thread_and_a_thread_that_snapshots(tmp_
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_tiny_launch_profiles_the_worker_and_probes_the_gil(tmp_path, corpus):
-    """One sparse launch (``--skip-none``) with the background thread's profile, the GIL probe and another
-    switch interval in the worker."""
+    """One sparse launch (``--skip-none --skip-default``: only the kernel-copy variant, which a CPU registry
+    copies as the default does) with the background thread's profile, the GIL probe and another switch interval
+    in the worker."""
     logs = tmp_path / "logs"
     cmd = [sys.executable, "-m", "tools.bench.gpu_overhead", "--tiny", "--iters", "24", "--warmup", "4",
            "--windows", "2", "--interleave", "4", "--profile-worker", "1", "--gil-probe", "--switch-interval", "0.001",
-           "--trace-blocks", "2", "--skip-none", "--data-path", corpus, "--store-root", str(tmp_path), "--log-dir", str(logs)]
+           "--trace-blocks", "2", "--skip-none", "--skip-default", "--kernel-copy", "16", "--data-path", corpus,
+           "--store-root", str(tmp_path), "--log-dir", str(logs)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    assert set(result["runs"]) == {"sparse(W=2)"} and "overhead_ratio" not in result
-    sparse = result["runs"]["sparse(W=2)"][0]
+    assert set(result["runs"]) == {"sparse(W=2,kernel copy on 16 programs)"} and "overhead_ratio" not in result
+    sparse = result["runs"]["sparse(W=2,kernel copy on 16 programs)"][0]
     assert sparse["switch_interval_s"] == 0.001 and 0 < sparse["gil_probe_cpu_share"] < 1
     # blocks of 4 in 24 iterations, the last ones active 16-19 and paused 20-23: traced 17, 18 and 21, 22; the
     # worker's profile: 19 (the last iteration with a snapshot); the timings stop at 17
@@ -404,11 +412,11 @@ def test_tiny_launch_profiles_the_worker_and_probes_the_gil(tmp_path, corpus):
     trace = sparse["trace"]
     assert set(trace) == {"active", "paused"} and trace["active"]["traced"] == [17, 18]
     assert all(t["cpu_ms"]["training"] > 0 and t["wall_ms"] > 0 for t in trace.values())
-    assert (logs / "trace_sparse2_0_active.json.gz").exists() and (logs / "trace_sparse2_0_paused.json.gz").exists()
+    assert (logs / "trace_sparse2k16_0_active.json.gz").exists() and (logs / "trace_sparse2k16_0_paused.json.gz").exists()
     gil = sparse["interleaved"]["gil_probe"]
     assert set(gil) == {"active", "paused"} and all(g["samples_per_iter"] > 0 for g in gil.values())
     assert set(sparse["interleaved"]["gc"]) == {"active", "paused"}  # collections timed in every launch
-    breakdown = json.loads((logs / "worker_breakdown_sparse2_0.json").read_text())
+    breakdown = json.loads((logs / "worker_breakdown_sparse2k16_0.json").read_text())
     assert breakdown["snapshots"]["19"]["published"]
     paths = {row["path"] for row in breakdown["breakdown_per_snapshot"]}
     assert {"execute", "execute/write/put/point.put", "execute/write/publish"} <= paths

@@ -359,11 +359,16 @@ def main(argv: list[str] | None = None) -> int:
                         "'copy' only, or 'hash' after it; nothing published), one launch per step: with --interleave, "
                         "each launch's ratio is what the steps up to it cost")
     p.add_argument("--skip-none", action="store_true", help="no --ft-policy none launch (no overhead_ratio)")
+    p.add_argument("--skip-default", action="store_true",
+                   help="no launch of the default snapshot copy (one DMA copy per snapshot): only the variants "
+                        "--staged, --paced, --kernel-copy and --steps ask for, with more iterations in the same time")
     a = p.parse_args(argv)
     if min(a.interleave, a.profile_submit, a.profile_worker, a.trace_blocks, a.switch_interval, a.gil_probe,
            a.paced, *a.kernel_copy) < 0:
         p.error("--interleave, --profile-submit, --profile-worker, --trace-blocks, --switch-interval, --gil-probe, "
                 "--paced and --kernel-copy take values >= 0")
+    if a.skip_default and not (a.staged or a.paced or a.kernel_copy or a.steps):
+        p.error("--skip-default leaves no snapshot launch: add --staged, --paced, --kernel-copy or --steps")
     if a.profile_submit and a.profile_worker:
         p.error("--profile-submit and --profile-worker both replace the store's functions while they profile: run "
                 "them in separate commands")
@@ -403,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         # (policy, name, window, extra flags, tag suffix)
         variants: list[tuple[str, str, int, list[str], str]] = [] if a.skip_none else [("none", "none", 0, [], "")]
         for w in a.windows:
-            variants.append(("sparse", f"sparse(W={w or 'auto'})", w, [], ""))
+            if not a.skip_default:
+                variants.append(("sparse", f"sparse(W={w or 'auto'})", w, [], ""))
             if a.staged:
                 variants.append(("sparse", f"sparse(W={w or 'auto'},staged)", w, ["--no-ft-snapshot-direct-write"],
                                  "s"))

@@ -14,7 +14,9 @@
 # the hash kernel; then gpu_overhead.py --interleave with the copy in one piece, paced in 16 MiB pieces and by
 # the kernel on 16 programs, alternating launches), steps
 # (gpu_overhead.py --interleave --steps copy hash: what the copy alone, then with the device hash, then the whole
-# path costs, one launch each). Not in the default list: STAGES="pace steps interleave cpubound" runs them.
+# path costs, one launch each), decide (tests/gpu/test_gpu_mapped.py, then the one DMA copy against the kernel's
+# copy in 320-iteration launches, then the kernel's copy with sys.setswitchinterval(0.0005); ~8 minutes on an
+# H200). Not in the default list: STAGES="decide pace steps interleave cpubound" runs them.
 # Each stage writes OUT_DIR/<file>.json or .log and its stderr to <file>.err; the tests' numbers land in OUT_DIR/results/*.json.
 set -u
 OUT=${1:-gpu_results}
@@ -65,6 +67,15 @@ stage pace gpu_paced.json $PY -m tools.bench.gpu_overhead --store-root "$STORE" 
   --iters 160 --warmup 64 --windows 8 --interleave 8 --paced 16 --kernel-copy 16 --skip-none --gil-probe
 stage steps gpu_steps.json $PY -m tools.bench.gpu_overhead --store-root "$STORE" --log-dir "$OUT/steps" \
   --iters 160 --warmup 64 --windows 8 --interleave 8 --steps copy hash --skip-none --gil-probe
+# decide: whether the kernel's copy becomes the default -- the engine's GPU tests with it, then the one DMA copy
+# and the kernel's copy in launches of twice the blocks, then the kernel's copy with a shorter GIL switch interval
+stage decide mapped.log $PY -m pytest -q -p no:cacheprovider -rs -s --basetemp="$STORE/pt-gpu-decide" \
+  -m gpu tests/gpu/test_gpu_mapped.py
+stage decide gpu_decide.json $PY -m tools.bench.gpu_overhead --store-root "$STORE" --log-dir "$OUT/decide" \
+  --iters 320 --warmup 64 --windows 8 --interleave 8 --kernel-copy 16 --skip-none --gil-probe
+stage decide gpu_switch.json $PY -m tools.bench.gpu_overhead --store-root "$STORE" --log-dir "$OUT/switch" \
+  --iters 320 --warmup 64 --windows 8 --interleave 8 --kernel-copy 16 --skip-none --skip-default \
+  --switch-interval 0.0005 --gil-probe
 stage cpubound cpu_bound.json env CUDA_VISIBLE_DEVICES= $PY tools/bench/ckpt_overhead.py --model medium --nproc 2 \
   --policies sparse --agent-hash --control --warmup-cycles 3 --cycles 10 --json
 exit 0
