@@ -140,6 +140,7 @@ def _hook_targets(runtime) -> list[tuple[object, str, str | Callable[..., str]]]
     out: list[tuple[object, str, str | Callable[..., str]]] = [
         (runtime, "_snapshot", "_snapshot"), (runtime, "_log", "log_line"), (runtime, "select_session", "select_session"),
         (runtime.popularity, "end_iteration", "popularity.end_iteration"), (runtime.clock, "tick", "clock.tick"),
+        (runtime.popularity, "mark_full", "popularity.mark_full"), (runtime, "check_fault", "check_fault"),
         (hooks_module, "capture_step_meta", "capture_step_meta")]
     if runtime.active is not None:
         out.append((runtime.active.policy, "plan", "policy.plan"))
@@ -185,6 +186,7 @@ class SubmitProfiler:
         self.tables: list[str] = []
         self.top: dict[str, dict] = {}
         self.issue_s: dict[str, dict[int, float]] = {"breakdown": {}, "profiler": {}}
+        self._in_step_end = False  # inside a broken-down on_step_end: submit leaves the writing to it
 
     def attach(self, engine) -> None:
         submit = engine.submit
@@ -200,7 +202,8 @@ class SubmitProfiler:
                 self.issue_s["profiler"][iteration] = record.issue_s
             else:
                 return submit(iteration, *args, **kwargs)
-            self._write()
+            if not self._in_step_end:  # else written once on_step_end returns (not timed as its own work)
+                self._write()
             return record
 
         engine.submit = profiled_submit
@@ -216,8 +219,12 @@ class SubmitProfiler:
             if iteration not in self.breakdown_its:
                 return step_end(iteration, result)
             self.breakdown.owner = threading.get_ident()
-            with wrapped(_hook_targets(runtime), self.breakdown):
-                out = self.breakdown.wrap(step_end, "on_step_end")(iteration, result)
+            self._in_step_end = True
+            try:
+                with wrapped(_hook_targets(runtime), self.breakdown):
+                    out = self.breakdown.wrap(step_end, "on_step_end")(iteration, result)
+            finally:
+                self._in_step_end = False
             self._write()
             return out
 
