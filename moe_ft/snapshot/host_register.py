@@ -56,8 +56,7 @@ def register(ptr: int, nbytes: int) -> str:
     if err == cudart.cudaError.success:
         return ""
     why = f"cudaHostRegister of {nbytes} B failed: {cudart.cudaGetErrorString(err)} (cudaError {int(err)})"
-    if not clear_last_error():
-        torch.cuda.synchronize()  # the runtime is not reachable: let torch's next check meet the error here
+    if not clear_last_error():  # the runtime is not reachable: let torch's launch check meet the error here
         try:
             torch.zeros(1, device="cuda")
         except RuntimeError:
