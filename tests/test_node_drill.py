@@ -45,12 +45,13 @@ def reference(fault_free_digest):
 
 
 def lose(env, job: str, *, layout: str, losses: list[str], max_restarts: int = 2, launcher: str | None = None,
-         launcher_flags: tuple[str, ...] = (), extra_flags: tuple[str, ...] = (), faults: tuple[str, ...] = ()) -> dict:
+         launcher_flags: tuple[str, ...] = (), extra_flags: tuple[str, ...] = (), faults: tuple[str, ...] = (),
+         nodes: int = NODES) -> dict:
     parsed = [NodeLoss.parse(s) for s in losses]
     work = os.path.join(env["work"], job)
     os.makedirs(work)
-    extra = node_flags(nodes=NODES, losses=parsed, faults=[], work=work, window=WINDOW) + list(extra_flags)
-    res = run_node_job(job=job, workdir=work, faults=list(faults), losses=parsed, num_nodes=NODES, max_restarts=max_restarts,
+    extra = node_flags(nodes=nodes, losses=parsed, faults=[], work=work, window=WINDOW) + list(extra_flags)
+    res = run_node_job(job=job, workdir=work, faults=list(faults), losses=parsed, num_nodes=nodes, max_restarts=max_restarts,
                        launcher=launcher, launcher_flags=launcher_flags, timeout=400, layout=layout, policy="sparse", iters=ITERS, data=env["data"],
                        store=os.path.join(env["store"], job), window=WINDOW, extra=extra)
     assert res["rc"] == 0, f"{job} failed (rc {res['rc']}), see {res['logs']}"
@@ -118,6 +119,24 @@ def test_dp2ep2_node0_lost_during_snapshot_copy(env, reference):
                             "--ft-persist-agent-idle-exit", "60"))
     assert res["digest"] == reference("dp2ep2")
     check_one_node_lost(res, lost=0, iteration=5, phase="snapshot", point_end=3, kept=True, spares=True)
+
+
+@pytest.mark.timeout(600)
+def test_four_nodes_a_spare_takes_the_lost_rank_beside_a_survivor_and_receives_its_replicas(env, reference):
+    """Four nodes of one rank each (``moe-ft launch``, one warm spare per node), node 2 lost at iteration 9:
+    a spare on another node runs rank 2 beside that node's own rank. The new placement gives that process
+    replicas the survivor beside it received before (a full data-parallel peer is overloaded when no other
+    node has room), so the survivor's failed attempt gives up the replica stores whose streams ended; the
+    job recovers window [4, 7] from memory and ends bitwise equal. Before, rank 2 placed 1 of 2 replicas and
+    the job stopped; with that fixed, the spare waited for a store the survivor still held and the job hung."""
+    res = lose(env, "dp2ep2_4nodes", layout="dp2ep2", losses=["2:9"], nodes=4)
+    assert res["digest"] == reference("dp2ep2")
+    (event,) = res["node_losses"]
+    assert event["nodes"] == [2] and event["survivors"] == [0, 1, 3] and event["replaced"] == "inprocess"
+    (report,) = res["reports"]
+    rp = report["recovery_point"]
+    assert rp["source"] == "memory" and rp["end"] == 7 and set(rp["fetched"]) == {"2"}, rp
+    assert report["replayed_iterations"] == [5, 6, 7] and report["reexecuted_iterations"] == [8]
 
 
 @pytest.mark.timeout(600)

@@ -61,6 +61,35 @@ def test_properties_on_random_layouts(seed):
         assert max(loads.values()) <= r, loads
 
 
+@pytest.mark.parametrize("seed", range(200))
+def test_a_lost_nodes_ranks_on_spares_of_other_nodes_are_placed(seed):
+    """After a node loss the spares of the other nodes run its ranks: nodes then hold unequal numbers of ranks,
+    and a rank's data-parallel peer may be full when the outside pass found room on one node only. Every rank
+    still gets ``r`` replicas on ``r`` other nodes while ``r`` is below the surviving nodes. (Found by the
+    node drill ``--layout dp2ep2 --nodes 4 --fail-node 2:4``: rank 2, moved onto node 1, placed 1 of 2.)"""
+    rng = random.Random(seed)
+    nodes, groups = _random_layout(rng)
+    lost = rng.choice(sorted(set(nodes)))
+    others = sorted(set(nodes) - {lost})
+    if not others:
+        return
+    nodes = [rng.choice(others) if n == lost else n for n in nodes]
+    r = rng.randint(1, 3)
+    if r > len(others) - 1:
+        return
+    plan = place_replicas(ReplicaPlacementConfig(num_replicas=r), node_of=nodes, dp_groups=groups)
+    for rank, peers in plan.peers.items():
+        assert len(peers) == r and nodes[rank] not in {nodes[p] for p in peers}
+        assert len({nodes[p] for p in peers}) == r
+
+
+def test_a_full_dp_peer_is_overloaded_when_no_other_node_has_room():
+    # four nodes of one rank, node 2 lost, its rank 2 on a spare of node 1: rank 2's only other nodes are 0 and
+    # 3, and its DP peer 3 is full by then
+    plan = place_replicas(ReplicaPlacementConfig(num_replicas=2), node_of=[0, 1, 1, 3], dp_groups=[[0, 1], [2, 3]])
+    assert set(plan.peers[2]) == {0, 3} and set(plan.peers[1]) == {0, 3}
+
+
 def test_dp_peers_preferred_when_on_other_nodes():
     # 2 nodes x 2 ranks, DP groups {0,2} and {1,3} span the nodes
     plan = place_replicas(ReplicaPlacementConfig(num_replicas=1), node_of=[0, 0, 1, 1], dp_groups=[[0, 2], [1, 3]])

@@ -97,6 +97,31 @@ def test_one_process_allocates_and_others_read(tmp_path, monkeypatch):
     assert store.points() == [1] and store.staging() == []
 
 
+def test_a_released_writer_lets_another_process_write_and_writes_again_after_it(tmp_path, monkeypatch):
+    """``ArenaBackend.release_writer`` (a replica store whose owner a new placement gave to a rank in another
+    process): refused while a point is being written; once released, another process writes the store, and
+    this process can write it again after that one is gone."""
+    monkeypatch.setattr("moe_ft.store.arena.LOCK_WAIT_S", 0.2)
+    backend = ArenaBackend(tmp_path / "s")
+    store = SnapshotStore(backend)
+    _publish(store, 1)
+    writer = backend.begin_point(2)
+    writer.open_blob("x").close()  # a region taken, the point not published
+    assert backend.release_writer() is False
+    writer.abort()
+    assert backend.release_writer() is True
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_try_write, args=(str(tmp_path / "s"), child))
+    proc.start()
+    proc.join(30)
+    assert parent.recv() == "wrote"
+    _publish(store, 9)
+    assert store.points() == [1, 7, 9]
+    for it in (1, 7, 9):
+        _check(store, it)
+
+
 def _delete(store_dir: str, iteration: int) -> None:
     ArenaBackend(store_dir, create=False).delete_point(iteration)
 

@@ -98,21 +98,21 @@ def place_replicas(config: ReplicaPlacementConfig, *, node_of: Sequence[int],
         chosen: list[int] = []
         used_nodes = {node_of[i]}
 
-        def pick(candidates: list[int]) -> None:
+        def pick(candidates: list[int], room_only: bool = False) -> None:
             # least loaded first, then ring distance from i (spreads consecutive ranks over receivers)
             while len(chosen) < r:
                 ok = [p for p in candidates if node_of[p] not in used_nodes and p not in chosen]
                 if not ok:
                     return
                 best = min(ok, key=lambda p: (load[p] >= r, load[p], (p - i) % world))
-                if load[best] >= r and candidates is group_candidates:
+                if load[best] >= r and room_only:
                     return  # a full DP peer: let the outside pass find a receiver with room first
                 chosen.append(best)
                 used_nodes.add(node_of[best])
                 load[best] += 1
 
         group_candidates = [p for p in group_of[i] if p != i]
-        pick(group_candidates)
+        pick(group_candidates, room_only=True)
         pick([p for p in range(world) if p != i and p not in group_of[i]])
         pick(group_candidates)  # only if the outside had no room left: overload a DP peer
         if len(chosen) < r:

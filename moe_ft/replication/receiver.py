@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -112,6 +113,21 @@ class ReplicaReceiver:
                 raise TimeoutError(f"{thread.name}: the source has not closed its replication stream")
         if self.errors:
             raise RuntimeError(f"replica receiver failed: {self.errors[0]!r}") from self.errors[0]
+
+    def release(self, timeout: float) -> list[int]:
+        """A failed attempt (in-process recovery keeps this process): give up the replica stores of the sources
+        whose streams have ended (waiting up to ``timeout`` s in all for them to end; a stream of the failed
+        attempt's group ends with an error when its peer's connection closes), so that the rank the next
+        attempt's placement gives a source, in another process on this node, can write its store. A store
+        whose stream still runs is kept (its thread may still write there). Returns the sources released."""
+        deadline = time.monotonic() + timeout
+        released = []
+        for src, thread in zip(self.sources, self._threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            release = getattr(self._stores[src].backend, "release_writer", None)
+            if not thread.is_alive() and release is not None and release():
+                released.append(src)
+        return released
 
     def _run(self, src: int) -> None:
         try:

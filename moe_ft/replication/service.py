@@ -34,6 +34,10 @@ from moe_ft.state.operators import Level
 
 logger = logging.getLogger("moe_ft.replication")
 
+ABANDON_RELEASE_S = 2.0
+"""How long a failed attempt waits for its replica streams to end before it gives up their stores
+(:meth:`ReplicaReceiver.release`): they end as soon as the failed peers' connections close."""
+
 
 @dataclass(kw_only=True)
 class Layout:
@@ -246,9 +250,13 @@ class Replication:
 
     def abandon(self) -> None:
         """A failed attempt: the node agent stops sending this rank's points without ending its streams (the
-        trainer's own threads are left to the failed attempt's groups)."""
+        trainer's own threads are left to the failed attempt's groups), and the replica stores whose streams
+        ended are given up, so that the next attempt's placement may give their owners to a rank in another
+        process of this node (a spare that took a lost node's rank)."""
         if isinstance(self.sender, AgentSender):
             self.sender.abandon()
+        if isinstance(self.receiver, ReplicaReceiver):  # another process of this node may receive them next
+            self.receiver.release(timeout=ABANDON_RELEASE_S)
 
     def close(self, snapshots=()) -> None:
         """Collective in effect: every rank's receiver waits for its sources to close their streams.

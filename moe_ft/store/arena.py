@@ -602,6 +602,23 @@ class ArenaBackend(StoreBackend):
                     self._alloc._grow(self.initial_bytes - self._alloc.arena_bytes())
         return self._alloc
 
+    def release_writer(self) -> bool:
+        """Give up this process's writer of the directory (its lock and descriptors; a later write here takes
+        them again) so that another process may write it: a replica store whose owner a new placement gave to
+        a rank in another process on this node. ``False``, and nothing released, while a point is still being
+        written into it."""
+        key = os.path.realpath(self.directory)
+        with _ALLOCATORS_LOCK:
+            alloc = _ALLOCATORS.get(key)
+            if alloc is not None:
+                with alloc.lock:
+                    if alloc.open_tokens:
+                        return False
+                    alloc.close()
+                del _ALLOCATORS[key]
+        self._alloc = None
+        return True
+
     maps_regions = True
 
     def mapped_segments(self) -> dict[int, torch.Tensor]:
