@@ -12,6 +12,7 @@ registration was refused.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 
@@ -56,9 +57,7 @@ def register(ptr: int, nbytes: int) -> str:
     if err == cudart.cudaError.success:
         return ""
     why = f"cudaHostRegister of {nbytes} B failed: {cudart.cudaGetErrorString(err)} (cudaError {int(err)})"
-    if not clear_last_error():  # the runtime is not reachable: let torch's launch check meet the error here
-        try:
+    if not clear_last_error():  # the runtime is not reachable: let torch's launch check meet (and so clear) it
+        with contextlib.suppress(RuntimeError):
             torch.zeros(1, device="cuda")
-        except RuntimeError:
-            pass  # torch's launch check read (and so cleared) the registration's error
     return why

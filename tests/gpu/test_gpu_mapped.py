@@ -102,6 +102,21 @@ def test_an_arena_that_cannot_be_page_locked_still_snapshots_bitwise():
         shutil.rmtree(root, ignore_errors=True)
 
 
+def test_a_refused_registration_leaves_no_cuda_error_behind():
+    """``host_register.register`` of memory that is page-locked already: the runtime refuses it (wherever the
+    tests run), the reason comes back, and the next CUDA call on this thread succeeds."""
+    from moe_ft.snapshot import host_register
+
+    buf = torch.empty(1 << 20, dtype=torch.uint8)
+    assert host_register.register(buf.data_ptr(), buf.nbytes) == ""
+    try:
+        why = host_register.register(buf.data_ptr(), buf.nbytes)
+        assert "cudaHostRegister" in why and "cudaError" in why, why
+        assert torch.zeros(4, device="cuda").add_(1).sum().item() == 4.0
+    finally:
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
 def _snapshots_hold_the_state(engine, store, registry) -> list:
     """Eight sparse snapshots, the state changed after each; every point read back bitwise (the remote
     entries' digests as the peers will rebuild them). Returns the engine's records."""
