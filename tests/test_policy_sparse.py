@@ -197,6 +197,51 @@ def test_state_dict_round_trip_continues_the_same_schedule():
         other.load_state_dict(a.state_dict())
 
 
+def _encoded_afresh(policy) -> dict:
+    """The policy's state encoded from its objects, with nothing remembered (what ``state_dict`` must equal)."""
+    return {"name": policy.name,
+            "current": None if policy.current is None else policy.current.to_dict(),
+            "previous": None if policy.previous is None else policy.previous.to_dict(),
+            "reference": {str(op): v for op, v in sorted(policy._reference.items())},
+            "slicing": {f"{k[0]},{k[1]}": vars(v) for k, v in sorted(policy.slicing.items())},
+            "num_reorders": policy.num_reorders}
+
+
+def test_remembered_plans_and_state_equal_what_the_windows_give_through_reorders_and_dense_points():
+    """``plan`` and ``state_dict`` run on the training thread every iteration and remember what repeats
+    (the plan of each offset while the slices are the same object, the encoded windows and reference):
+    across reorders, T_iter changes, a dense window and a restored state, each answer equals the one
+    computed afresh from the windows."""
+    rng = random.Random(5)
+    reorders = 0
+    for case in range(8):
+        layers, experts = rng.randint(1, 3), rng.choice([4, 8])
+        ops = make_catalog(layers, experts, ep=rng.choice([1, 2]), rng=rng)
+        cfg = SparseConfig(window=rng.choice(["auto", 3, 5]), bandwidth_bytes_per_s=3000.0, t_iter_s=1.0,
+                           order=rng.choice(["popularity", "ema"]), reorder_fraction=0.25)
+        policy, pop = SparsePolicy(cfg, ops), make_popularity(layers, experts)
+        states = []
+        for t in range(60):
+            feed(pop, t, rng, skew=rng.choice([0.0, 0.5, 3.0]), tokens=16)
+            if t == 20:
+                policy.observe_iteration_time(rng.choice([0.5, 2.0]))
+            if t == 31:
+                policy.start_dense(t)
+            if t == 45:  # a restored state: the remembered parts belong to objects that are gone
+                fresh = SparsePolicy(cfg, ops)
+                fresh.load_state_dict(policy.state_dict())
+                policy = fresh
+            plan = policy.plan(t, pop)
+            assert dict(plan) == dict(policy.window_of(t).plan(t)), (case, t)
+            state = policy.state_dict()
+            assert state == _encoded_afresh(policy), (case, t)
+            states.append((t, state, _encoded_afresh(policy)))
+        for t, state, afresh in states:  # an earlier answer is not changed by later ones
+            assert state == afresh, (case, t)
+        reorders += policy.num_reorders
+    assert reorders > 0, "a reorder must be exercised"
+
+
 def test_fixed_window_longer_than_a_device_list_leaves_late_slices_empty():
     ops = [OperatorInfo(op=OperatorId.expert_op(0, e), bytes_full=3, bytes_compute=1) for e in range(3)]
     window, slices, report = layout_window(ops, [i.op for i in ops], window=5, bandwidth_bytes_per_s=None,

@@ -25,6 +25,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
+from moe_ft.recovery.progress import read_progress
+
 if TYPE_CHECKING:  # annotations only; see the module docstring
     import torch
 
@@ -72,8 +74,8 @@ def last_completed(stores: Iterable[Path]) -> int:
     """The newest iteration any rank of these node stores completed (``<store>/<job>/progress_rank<r>``;
     -1: none). Read before a lost node's store is deleted: with every node lost, nothing else remembers it.
     (The runtime's own reading, collective and per rank, is ``moe_ft.recovery.progress.last_completed``.)"""
-    files = [p for s in stores for p in s.glob("*/progress_rank*") if not p.suffix]  # not the .tmp being written
-    done = [int(text) for text in (p.read_text().strip() for p in files) if text]
+    files = [p for s in stores for p in s.glob("*/progress_rank*") if not p.suffix]  # not a .tmp being written
+    done = [r for r in map(read_progress, files) if r is not None]  # records the running ranks rewrite
     return max(done, default=-1)
 
 

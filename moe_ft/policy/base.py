@@ -185,8 +185,8 @@ def expert_scores(
     """Counter ``source`` for each expert; all zeros without popularity (then ties → OperatorId order)."""
     if popularity is None:
         return {i.op: 0.0 for i in experts}
-    table = popularity.counter(source)
-    return {i.op: float(table[popularity.layer_pos(i.op.layer), i.op.expert]) for i in experts}
+    rows = popularity.counter(source).tolist()  # one host read, not one tensor index per expert
+    return {i.op: float(rows[popularity.layer_pos(i.op.layer)][i.op.expert]) for i in experts}
 
 
 def top_by_score(candidates: Sequence[OperatorInfo], scores: Mapping[OperatorId, float], k: int) -> list[OperatorInfo]:

@@ -164,6 +164,12 @@ class SparsePolicy(SnapshotPolicy):
         """Per rank key, the :class:`RankSlicing` of the current window (peak bytes, whether it fits)."""
         self.num_reorders = 0
         self._reference: dict[OperatorId, float] = {}
+        # Runs on the training thread every iteration, so what repeats is remembered: the plan of each offset
+        # of a window (windows of one ordering share their ``slice_of``; plans are immutable mappings), and
+        # the encoded parts of the state (the windows' order and slices, the reference, the slicing report),
+        # each as long as the object it encodes is the same one (they are replaced, never changed in place).
+        self._plans: tuple[Mapping | None, dict[int, SnapshotPlan]] = (None, {})
+        self._encoded: dict[int, tuple[object, object]] = {}
 
     # -------------------------------------------------------------------------------- ordering
     def scores(self, popularity) -> dict[OperatorId, float]:
@@ -232,7 +238,15 @@ class SparsePolicy(SnapshotPolicy):
             self.current = self._new_window(iteration, self.scores(popularity))
         elif iteration >= self.current.end:
             self._advance(iteration, popularity)
-        return self.window_of(iteration).plan(iteration)
+        window = self.window_of(iteration)
+        slices, plans = self._plans
+        if slices is not window.slice_of:
+            self._plans = (window.slice_of, plans := {})
+        offset = iteration - window.start
+        plan = plans.get(offset)
+        if plan is None:
+            plan = plans[offset] = window.plan(iteration)
+        return plan
 
     def window_of(self, iteration: int) -> SparseWindow:
         """The remembered window (current or previous) holding ``iteration``: its ``start``, ``length``,
@@ -266,14 +280,33 @@ class SparsePolicy(SnapshotPolicy):
 
     # ----------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
-        return {
+        """The policy's state (JSON types). Captured with every snapshot's metadata: its nested parts are
+        shared between calls while unchanged (do not modify them)."""
+        used: dict[int, tuple[object, object]] = {}
+
+        def encoded(obj, encode):
+            hit = self._encoded.get(id(obj))
+            value = hit[1] if hit is not None and hit[0] is obj else encode(obj)
+            used[id(obj)] = (obj, value)
+            return value
+
+        def window(w: SparseWindow | None) -> dict | None:
+            if w is None:
+                return None
+            return {"start": w.start, "length": w.length,
+                    "order": encoded(w.order, lambda order: [str(op) for op in order]),
+                    "slice_of": encoded(w.slice_of, lambda sl: {str(op): s for op, s in sorted(sl.items())})}
+
+        state = {
             "name": self.name,
-            "current": None if self.current is None else self.current.to_dict(),
-            "previous": None if self.previous is None else self.previous.to_dict(),
-            "reference": {str(op): v for op, v in sorted(self._reference.items())},
-            "slicing": {f"{k[0]},{k[1]}": vars(v) for k, v in sorted(self.slicing.items())},
+            "current": window(self.current),
+            "previous": window(self.previous),
+            "reference": encoded(self._reference, lambda ref: {str(op): v for op, v in sorted(ref.items())}),
+            "slicing": encoded(self.slicing, lambda sl: {f"{k[0]},{k[1]}": vars(v) for k, v in sorted(sl.items())}),
             "num_reorders": self.num_reorders,
         }
+        self._encoded = used  # what the windows no longer hold is dropped
+        return state
 
     def load_state_dict(self, state: Mapping) -> None:
         super().load_state_dict(state)

@@ -16,7 +16,7 @@ from pathlib import Path
 from moe_ft import comm
 from moe_ft.checkfree.average import local_grad_sq
 from moe_ft.checkfree.recovery import GRAD_SQ
-from moe_ft.recovery.progress import write_progress
+from moe_ft.recovery.progress import ProgressFile
 from moe_ft.state.operators import Level
 from moe_ft.store.errors import store_full
 
@@ -91,13 +91,17 @@ class Progress(Component):
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.record = ProgressFile(path)
 
     def after_iteration(self, iteration: int) -> None:
         try:
-            write_progress(self.path, iteration)
+            self.record.write(iteration)
         except OSError as e:  # the store's file system is full: the previous record stays, training goes on
             if not store_full(e):
                 raise
+
+    def close(self) -> None:
+        self.record.close()
 
 
 class IterationClock(Component):
