@@ -144,12 +144,9 @@ def make_corpus(directory: str) -> str:
     """Prefix of a small Megatron indexed dataset (300 generated documents) written under ``directory``."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    from tools.make_corpus import write_corpus
-    from tools.preprocess_data import preprocess
+    from tools.preprocess_data import generated_dataset
 
-    write_corpus(os.path.join(directory, "c.jsonl"), num_docs=300, seed=0)
-    preprocess(os.path.join(directory, "c.jsonl"), os.path.join(directory, "corpus"), append_eod=True)
-    return os.path.join(directory, "corpus")
+    return generated_dataset(directory, num_docs=300)
 
 
 def torchrun(script: str, args: list[str], nproc: int = 4, timeout: float = 240, check: bool = True,

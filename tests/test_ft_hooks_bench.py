@@ -30,4 +30,4 @@ def test_a_missing_dataset_is_refused_with_the_fix(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         ft_hooks.main(["--data-path", str(tmp_path / "none")])
     assert e.value.code == 2
-    assert "examples/prepare_data.sh" in capsys.readouterr().err
+    assert "examples/prepare_data.sh" in capsys.readouterr().err  # and that leaving it out generates one

@@ -112,6 +112,17 @@ def preprocess(input_path: str, output_prefix: str, json_key: str = "text", toke
     return num_docs
 
 
+def generated_dataset(directory: str, num_docs: int = 2000, seed: int = 0) -> str:
+    """Prefix of a Megatron indexed dataset of ``num_docs`` generated documents (``tools/make_corpus.py``,
+    nothing downloaded), written under ``directory``: what the benchmarks and tests train on."""
+    from tools.make_corpus import write_corpus  # start-up time: only the callers that generate data need it
+
+    corpus = os.path.join(directory, "c.jsonl")
+    write_corpus(corpus, num_docs=num_docs, seed=seed)
+    preprocess(corpus, os.path.join(directory, "corpus"), append_eod=True)
+    return os.path.join(directory, "corpus")
+
+
 def main(argv=None) -> int:
     from megatron.training.tokenizer import TOKENIZER_TYPES
 

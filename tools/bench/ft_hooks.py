@@ -2,10 +2,14 @@
 fault tolerance costs the thread that launches the model's work, besides the snapshot threads.
 
     python -m tools.bench.ft_hooks [--iters 120] [--window 8] [--runs 2] [--root OTHER_CHECKOUT] [--json]
+                                   [--extra "--ft-snapshot-copy-by kernel"]
 
 Each run is ``torchrun --nproc-per-node 1`` of the real entry point (``pretrain_gpt_moe.py``): a tiny MoE GPT
 (4 layers of 8 experts top-2, hidden 64, seq 64; 42 operators), ``--ft --ft-policy sparse
---ft-sparse-window W``, the store on ``/dev/shm`` when it exists. The worker wraps the runtime's hooks and
+--ft-sparse-window W`` and ``--extra``'s flags, the store on ``/dev/shm`` when it exists, trained on ``data/corpus``
+(``examples/prepare_data.sh``) or, without it, 2000 documents generated here. On a GPU host the same run
+measures the GPU path's hooks (the copy into the arena and its device hash queued by ``submit``): the operators
+are as many as in ``tools/bench/gpu_overhead.py``'s model, and the hooks' cost is per operator, not per byte. The worker wraps the runtime's hooks and
 the functions they call (the plan, the step metadata and its parts, the popularity counters, the engine's
 ``submit``, the progress record) and sums, on the training thread only, each one's wall time and its thread
 CPU time (``time.thread_time``: what it computed, without the time it waited for the GIL) over the
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -152,16 +157,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=8, help="--ft-sparse-window")
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--root", default=None, help="a checkout whose moe_ft and entry point to measure (default: this one)")
-    p.add_argument("--data-path", default=os.path.join(ROOT, "data", "corpus"))
+    p.add_argument("--data-path", default=None, help="a dataset prefix (default: data/corpus, else generated)")
+    p.add_argument("--extra", default="", help="more flags for the entry point, e.g. \"--ft-snapshot-copy-by kernel\"")
     p.add_argument("--json", action="store_true", help="one JSON object (default: a table)")
     a = p.parse_args(argv)
     if a.iters <= a.warmup or a.runs < 1 or a.window < 1:
         p.error("--iters must exceed --warmup; --runs and --window must be >= 1")
-    if not os.path.exists(a.data_path + ".bin"):
-        p.error(f"no dataset at {a.data_path} (.bin/.idx): run `bash examples/prepare_data.sh` first, or pass "
-                "--data-path")
+    if a.data_path is not None and not os.path.exists(a.data_path + ".bin"):
+        p.error(f"no dataset at {a.data_path} (.bin/.idx): make one with `bash examples/prepare_data.sh` (it "
+                "writes data/corpus), or leave --data-path out to have one generated")
     root = os.path.abspath(a.root or ROOT)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="ft_hooks_data_") as data_dir:
+        data = a.data_path or os.path.join(ROOT, "data", "corpus")
+        if not os.path.exists(data + ".bin"):
+            sys.path.insert(0, ROOT)
+            from tools.preprocess_data import generated_dataset
+
+            data = generated_dataset(data_dir)
+        runs = _runs(a, root, shm, data)
+    if runs is None:
+        return 1
+    return _report(a, runs)
+
+
+def _runs(a: argparse.Namespace, root: str, shm: str | None, data: str) -> list[dict] | None:
     runs = []
     for run in range(a.runs):
         with tempfile.TemporaryDirectory(prefix="ft_hooks_", dir=shm) as store, \
@@ -169,22 +189,26 @@ def main(argv: list[str] | None = None) -> int:
             out = os.path.join(tmp, "rows.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                    os.path.abspath(__file__), "--worker", out, root, str(a.warmup), "--",
-                   *_model_flags(a.iters, a.window, a.data_path, store)]
+                   *_model_flags(a.iters, a.window, data, store), *shlex.split(a.extra)]
             env = dict(os.environ, OMP_NUM_THREADS="1")
             proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=1800)
             if proc.returncode != 0 or not os.path.exists(out):
                 sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
                 print(f"ft_hooks: run {run} failed (rc {proc.returncode})", file=sys.stderr)
-                return 1
+                return None
             with open(out) as f:
                 runs.append(json.load(f))
+    return runs
+
+
+def _report(a: argparse.Namespace, runs: list[dict]) -> int:
     labels = sorted({k for r in runs for k in r["ms_wall_cpu"]},
                     key=lambda k: -statistics.median(r["ms_wall_cpu"].get(k, [0.0])[0] for r in runs))
     rows = {k: {"wall_ms": statistics.median(r["ms_wall_cpu"][k][0] for r in runs if k in r["ms_wall_cpu"]),
                 "cpu_ms": statistics.median(r["ms_wall_cpu"][k][1] for r in runs if k in r["ms_wall_cpu"])}
             for k in labels}
     result = {"root": a.root or "this checkout", "runs": a.runs, "iterations_per_run": runs[0]["iterations"],
-              "window": a.window, "ms_per_iteration": rows}
+              "window": a.window, "extra": a.extra, "ms_per_iteration": rows}
     if a.json:
         print(json.dumps(result))
     else:

@@ -394,12 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         data = a.data_path
         if data is None:
             sys.path.insert(0, ROOT)
-            from tools.make_corpus import write_corpus
-            from tools.preprocess_data import preprocess
+            from tools.preprocess_data import generated_dataset
 
-            write_corpus(os.path.join(tmp, "c.jsonl"), num_docs=2000, seed=0)
-            preprocess(os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "corpus"), append_eod=True)
-            data = os.path.join(tmp, "corpus")
+            data = generated_dataset(tmp)
         model = MODEL
         if a.tiny:
             from moe_ft.cli.drill import TINY

@@ -16,7 +16,9 @@
 # (gpu_overhead.py --interleave --steps copy hash: what the copy alone, then with the device hash, then the whole
 # path costs, one launch each), decide (tests/gpu/test_gpu_mapped.py, then the one DMA copy against the kernel's
 # copy in 320-iteration launches, then the kernel's copy with sys.setswitchinterval(0.0005); ~8 minutes on an
-# H200). Not in the default list: STAGES="decide pace steps interleave cpubound" runs them.
+# H200), hooks (tools/bench/ft_hooks.py: the training thread's time in each FT hook and its steps, the copy by
+# the copy engine and by the kernel; ~2 minutes). Not in the default list: STAGES="hooks decide pace steps
+# interleave cpubound" runs them.
 # Each stage writes OUT_DIR/<file>.json or .log and its stderr to <file>.err; the tests' numbers land in OUT_DIR/results/*.json.
 set -u
 OUT=${1:-gpu_results}
@@ -76,6 +78,8 @@ stage decide gpu_decide.json $PY -m tools.bench.gpu_overhead --store-root "$STOR
 stage decide gpu_switch.json $PY -m tools.bench.gpu_overhead --store-root "$STORE" --log-dir "$OUT/switch" \
   --iters 320 --warmup 64 --windows 8 --interleave 8 --kernel-copy 16 --skip-none --skip-default \
   --switch-interval 0.0005 --gil-probe
+stage hooks ft_hooks.json $PY -m tools.bench.ft_hooks --runs 2 --json
+stage hooks ft_hooks_kernel.json $PY -m tools.bench.ft_hooks --runs 2 --json --extra "--ft-snapshot-copy-by kernel"
 stage cpubound cpu_bound.json env CUDA_VISIBLE_DEVICES= $PY tools/bench/ckpt_overhead.py --model medium --nproc 2 \
   --policies sparse --agent-hash --control --warmup-cycles 3 --cycles 10 --json
 exit 0
