@@ -92,6 +92,8 @@ class PinnedSegments:
         self._registered: dict[int, torch.Tensor] = {}  # data_ptr -> the mapping (kept alive)
         self._device_bases: dict[int, int] = {}  # data_ptr -> the device's address of it
         self._want_device_addresses = device_addresses
+        self._cuda = torch.cuda.is_available()  # asked once: device_address runs per entry on the training thread
+        self._last_base = 0  # the segment the last address was found in (a point's regions share a few)
         self.failed = ""
         self.unreachable = ""
 
@@ -123,10 +125,12 @@ class PinnedSegments:
         mapped for the device; its device address need not be the host's, ``cuMemHostGetDevicePointer``, asked
         at registration when ``device_addresses``). Without CUDA (the kernel interpreted on CPU tensors):
         ``host_ptr``."""
-        if not torch.cuda.is_available():
+        if not self._cuda:
             return host_ptr
-        for base, view in self._registered.items():
-            if base <= host_ptr < base + view.nbytes and base in self._device_bases:
+        for base in (self._last_base, *self._registered):
+            view = self._registered.get(base)
+            if view is not None and base <= host_ptr < base + view.nbytes and base in self._device_bases:
+                self._last_base = base
                 return self._device_bases[base] + (host_ptr - base)
         raise RuntimeError(f"moe-ft snapshots: host address {host_ptr:#x} is in no page-locked arena segment of "
                            f"{self.backend.describe()} whose device address is known (device_addresses=True)")
