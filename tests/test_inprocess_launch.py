@@ -25,7 +25,7 @@ from torch.distributed.elastic.agent.server.api import WorkerState
 from moe_ft.cli.drill import run_job
 from moe_ft.drills.faults import InjectedFault
 from moe_ft.launch import cli, protocol, worker
-from moe_ft.launch.agent import Fenced, LaunchLogs, SpareAgent, plan_replacements
+from moe_ft.launch.agent import Fenced, LaunchLogs, SpareAgent, plan_replacements, rank_homes
 
 ITERS, WINDOW = 10, 3
 
@@ -80,6 +80,18 @@ def test_protocol_announces_attempts_and_assigns_spares(store):
     assert protocol.lock_next(store, keys, "node0") == 3 and protocol.lock_next(store, keys, "node1") is None
     assert protocol.claim_spare(store, keys, "1.0", 3, rank=2, local_rank=1, world_size=4, group_rank=1)
     assert not protocol.claim_spare(store, keys, "1.0", 3, rank=3, local_rank=1)  # a spare is given once
+
+
+def test_rank_homes_follow_the_announced_places_and_refuse_a_layout_place_without_a_node():
+    """Each rank's node in a round: the identity, or a replacement's mapping (round node 3 runs the lost
+    node's place 1). A mapping that leaves a place of the layout without a node, or puts two nodes in one,
+    is refused with the mapping in the message (it was a bare ``KeyError: 3`` in the agent)."""
+    assert rank_homes({0: 0, 1: 1}, per_node=2, world_size=4, attempt=0) == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert rank_homes({0: 0, 1: 2, 2: 3, 3: 1}, per_node=1, world_size=4, attempt=2) == {0: 0, 1: 3, 2: 1, 3: 2}
+    with pytest.raises(RuntimeError, match=r"attempt 5 places .*\{0: 0, 1: 1, 2: 2\}.*no node at place\(s\) \[3\]"):
+        rank_homes({0: 0, 1: 1, 2: 2}, per_node=1, world_size=4, attempt=5)
+    with pytest.raises(RuntimeError, match=r"several nodes at \{2: \[2, 3\]\}"):
+        rank_homes({0: 0, 1: 1, 2: 2, 3: 2}, per_node=1, world_size=4, attempt=5)
 
 
 def test_replacement_policy_orders_local_spares_fresh_processes_then_remote_spares():

@@ -350,8 +350,7 @@ class SpareAgent(LocalElasticAgent):
             if self._nodes > 1:  # a replacement node may have taken a lost node's place in the layout
                 nodes = protocol.announcement(self._store_client(worker_group), self._keys, self._attempt).get("nodes")
                 self._groups = {int(n): int(g) for n, g in nodes.items()} if nodes else self._groups
-            place = {g: n for n, g in self._groups.items()}
-            self._home = {rank: place[rank // per_node] for rank in range(self._world)}
+            self._home = rank_homes(self._groups, per_node=per_node, world_size=self._world, attempt=self._attempt)
             self._holders = dict(self._home)
             self._lost, self._dead, self._watch, self._seen = set(), {}, None, self._attempt
             self._falling_back = False
@@ -886,6 +885,28 @@ class SpareAgent(LocalElasticAgent):
                 continue
             out += [(node, s["slot"], s["local_rank"]) for s in json.loads(store.get(self._keys.node_spares(node)))]
         return out
+
+
+def rank_homes(groups: dict[int, int], *, per_node: int, world_size: int, attempt: int) -> dict[int, int]:
+    """Rank → the node of this rendezvous round that runs it, from ``groups`` (round node → its place in the
+    layout: the identity, or what a replacement's attempt announced). Every place of the layout must have a
+    node: a mapping that leaves one out (an announcement from another round, or two nodes in one place)
+    raises naming it instead of leaving ranks without a home."""
+    places = list(range(-(-world_size // per_node)))
+    taken: dict[int, list[int]] = {}
+    for node, place in groups.items():
+        taken.setdefault(place, []).append(node)
+    missing = [p for p in places if p not in taken]
+    shared = {p: ns for p, ns in taken.items() if len(ns) > 1}
+    if missing or shared:
+        raise RuntimeError(f"moe-ft launch: attempt {attempt} places the round's nodes at {dict(sorted(groups.items()))} "
+                           f"(node -> place in the layout of {len(places)} places of {per_node} ranks)"
+                           + (f"; no node at place(s) {missing}" if missing else "")
+                           + (f"; several nodes at {shared}" if shared else "")
+                           + ": the ranks there would have no process. Restart the job (torchrun restarts it from "
+                             "its snapshots); please report this with the launch logs")
+    place_node = {place: nodes[0] for place, nodes in taken.items()}
+    return {rank: place_node[rank // per_node] for rank in range(world_size)}
 
 
 def plan_replacements(dead: list[int], *, node: int, holders: dict[int, int], local_spares: int, free_devices: int,
