@@ -403,7 +403,11 @@ def test_owner_keeping_compute_weights_recovers_from_the_peers_full_state(tmp_pa
     # from the peers, and with every expert FULL at every point nothing is lost
     end = report["recovery_point"]["end"]
     assert end in (4, 5) and report["token_loss"]["tokens"] == 0.0, report
-    assert all(end in f["completed"] for f in fetched.values()), fetched
+    # (failed once in CI under load, not reproduced in 11 runs alone and 3 at a time: rank 0 completed only
+    # point 4 while the job recovered at 5; the whole recovery point and levels are in the message for the
+    # next time)
+    assert all(end in f["completed"] for f in fetched.values()), (fetched, report["recovery_point"],
+                                                                  report.get("recovery_levels"))
     assert json.loads((tmp_path / "recovered.json").read_text()) == json.loads(fault_free)
     ends = [int(n) for n in re.findall(r"compute weights only for (\d+) expert snapshots, 0 lost", proc.stdout)]
     assert len(ends) == 4 and all(n > 0 for n in ends), proc.stdout[-3000:]
