@@ -151,13 +151,19 @@ def test_a_manifest_encoded_once_is_the_canonical_json_of_its_body_and_its_check
     canonical JSON of everything else -- with and without remote entries and metadata."""
     from moe_ft.store.manifest import EntryRecord, TensorRecord, _digest, build_manifest
 
-    t = (TensorRecord("w", "float32", (2, 3), 24),)
+    t = (TensorRecord("w", "float32", (2, 3), 24), TensorRecord('q"\u00e9\\', "int64", (), 8))
     entries = [EntryRecord(4, OperatorId.expert_op(0, e), Level.FULL, f"b{e}", 100 + e, "ab" * 8, t) for e in range(3)]
-    meta = EntryRecord(4, None, None, "_meta.ent", 50, "cd" * 8, ())
+    entries += [EntryRecord(4, OperatorId.dense(1), Level.COMPUTE, "d\u00e9", 3, "01" * 8, t[:1])]
+    meta = EntryRecord(4, None, None, "_meta.ent", 50, "cd" * 8 + "-\u00e9", ())  # not plain: encoded
     remote = [EntryRecord(4, OperatorId.expert_op(1, 0), Level.FULL, "r", 7, "ef" * 8, t)]
     for args in [(entries, meta), (entries, None, remote), ([], None), ([], meta, remote)]:
-        data, _ = build_manifest(4, algo, *args)
+        data, record = build_manifest(4, algo, *args)
         body = json.loads(data)
         assert data == json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        # each entry as its record spells itself (the encoder builds the text from remembered parts)
+        assert body["entries"] == [e.to_json() for e in sorted(args[0], key=lambda e: e.op)]
+        assert body["meta"] == (meta.to_json() if args[1] else None)
+        assert body.get("remote", []) == [dict(e.to_json()) for e in (args[2] if len(args) > 2 else [])]
+        assert body["writer"] == record.writer and body["created_unix"] == record.created_unix
         stored = body.pop("manifest_checksum")
         assert stored == _digest(body, algo)

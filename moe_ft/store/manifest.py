@@ -131,19 +131,53 @@ def _digest(body: dict[str, Any], algo: str) -> str:
     return h.digest().hex()
 
 
-def _with_checksum(body: dict[str, Any], algo: str) -> str:
-    """The canonical JSON of ``body`` plus its ``manifest_checksum`` (:func:`_digest` of ``body``), which
-    ``body`` then holds too, from one encoding of ``body``: a dict's canonical JSON is its keys' pairs in
-    sorted order, so the text of the keys before ``manifest_checksum`` and of those after it are encoded once,
-    hashed joined, and joined again around the checksum's pair."""
+def _join_checksum(before: str, after: str, algo: str, body: dict[str, Any]) -> str:
+    """The canonical JSON of a manifest from the canonical text of its keys' pairs that sort before
+    ``manifest_checksum`` (``before``) and after it (``after``): the checksum (:func:`_digest`, set in ``body``
+    too) is of ``{before,after}`` -- a dict's canonical JSON is its keys' pairs in sorted order -- and the
+    manifest is ``{before,"manifest_checksum":"…",after}``, each part encoded once."""
     key = "manifest_checksum"
-    dumps = functools.partial(json.dumps, sort_keys=True, separators=(",", ":"))
-    before = dumps({k: v for k, v in body.items() if k < key})[1:-1]
-    after = dumps({k: v for k, v in body.items() if k > key})[1:-1]
     h = new_checksum(algo)
     h.update(("{" + ",".join(p for p in (before, after) if p) + "}").encode())
     body[key] = h.digest().hex()
     return "{" + ",".join(p for p in (before, f'"{key}":"{body[key]}"', after) if p) + "}"
+
+
+_canonical = functools.partial(json.dumps, sort_keys=True, separators=(",", ":"))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _tensors_json(tensors: tuple[TensorRecord, ...]) -> str:
+    """An entry's tensor table as the manifest spells it (the same at every point of the entry's layout)."""
+    return _canonical([{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes}
+                       for t in tensors])
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _entry_names_json(blob: str, op: OperatorId | None, level: Level | None) -> tuple[str, str, str]:
+    """The canonical text of an entry's name fields: its blob's pair, its level's and its operator's."""
+    if op is None:
+        return _canonical(blob), "", ""
+    assert level is not None, "an operator's entry has a level"
+    return _canonical(blob), f'"level":{_canonical(level.name)},', f',"operator":{_canonical(str(op))}'
+
+
+def _plain(value: Any) -> str:
+    """``_canonical(value)`` for the fields that change at every point: an ``int`` and an ASCII
+    alphanumeric string (a hex digest) are written directly, anything else through the encoder."""
+    if type(value) is int:
+        return str(value)
+    if type(value) is str and value.isascii() and value.isalnum():
+        return f'"{value}"'
+    return _canonical(value)
+
+
+def _entry_json(e: EntryRecord) -> str:
+    """``_canonical(e.to_json())``, from the parts an entry's layout fixes (remembered) and its checksum and
+    size: the manifest is encoded at every publish, on the snapshot thread of the trainer."""
+    blob, level, op = _entry_names_json(e.blob, e.op, e.level)
+    return (f'{{"blob":{blob},"checksum":{_plain(e.checksum)},{level}"nbytes":{_plain(e.nbytes)}{op},'
+            f'"tensors":{_tensors_json(e.tensors)}}}')
 
 
 def encode_manifest(iteration: int, algo: str, entries: list[EntryRecord], meta: EntryRecord | None) -> bytes:
@@ -169,15 +203,16 @@ def build_manifest(iteration: int, algo: str, entries: list[EntryRecord], meta: 
     if any(e.op is None or e.level != Level.FULL for e in remote):
         raise ValueError("only operator FULL entries can be held by replica peers alone")
     created, writer = time.time(), {"pid": os.getpid(), "host": _HOST}
-    body = {
-        "format": FORMAT, "iteration": iteration, "checksum_algo": algo,
-        "entries": [e.to_json() for e in sorted(entries, key=_entry_order)],
-        "meta": meta.to_json() if meta else None,
-        "created_unix": created, "writer": writer,
-    }
-    if remote:
-        body["remote"] = [e.to_json() for e in sorted(remote, key=_entry_order)]
-    data = _with_checksum(body, algo).encode()
+    # the canonical JSON of {"checksum_algo", "created_unix", "entries", "format", "iteration", "meta",
+    # ["remote"], "writer"} (keys in sorted order, as json.dumps(sort_keys=True) writes them), entry by entry
+    def listed(records: Sequence[EntryRecord]) -> str:
+        return "[" + ",".join(_entry_json(e) for e in sorted(records, key=_entry_order)) + "]"
+
+    before = (f'"checksum_algo":{_canonical(algo)},"created_unix":{_canonical(created)},"entries":{listed(entries)},'
+              f'"format":{_canonical(FORMAT)},"iteration":{_canonical(iteration)}')
+    after = (f'"meta":{_entry_json(meta) if meta else "null"},' + (f'"remote":{listed(remote)},' if remote else "")
+             + f'"writer":{_canonical(writer)}')
+    data = _join_checksum(before, after, algo, {}).encode()
     by_op, shadowed = _overlay(entries, remote)
     return data, PointRecord(iteration, algo, by_op, meta, created, dict(writer), shadowed)
 
