@@ -370,7 +370,7 @@ def test_a_header_from_its_template_is_the_header_and_its_sums_are_its_hash():
     or a key whose JSON does not start with the iteration takes the plain path."""
     import random
 
-    from moe_ft.store.codec import entry_head, layout_entry, sealed_head
+    from moe_ft.store.codec import entry_head, key_rest, layout_entry, sealed_head, templated_head
 
     rng = random.Random(0)
     specs = tensor_specs(tensors(3))
@@ -394,6 +394,11 @@ def test_a_header_from_its_template_is_the_header_and_its_sums_are_its_hash():
                     {"x": 1, "iteration": it}):
             head, sums = sealed_head(layout, key, eh.ALGO)
             assert head == entry_head(layout, key, eh.ALGO) and sums == eh.bytes_lane_sums(head), (key, it)
+            # the template found by the key's rest (what a reserved entry passes, building no key)
+            assert templated_head(layout, it, key_rest(key), eh.ALGO) == (head, sums), (key, it)
+    fresh = layout_entry({"iteration": 0, "x": 2}, specs, eh.ALGO)
+    assert templated_head(fresh, 5, key_rest({"iteration": 5, "x": 2}), eh.ALGO) is None  # no template yet
+    assert templated_head(layout, 5, key_rest({"iteration": 5, "x": 1}), "xxh3_64") is None  # another checksum
 
 
 def test_an_entry_without_tensors_sealed_from_sums_equals_its_host_hash():

@@ -277,7 +277,7 @@ def sealed_head(layout: EntryLayout, key: Mapping[str, Any], algo: str) -> tuple
         head = entry_head(layout, key, algo)
         return head, entry_hash.bytes_lane_sums(head)
     digits = str(it).encode()
-    slot = (_key_rest(key), len(digits))
+    slot = (key_rest(key), len(digits))
     template = layout.heads.get(slot)
     if template is None:
         placeholder = b"1" * len(digits)
@@ -293,10 +293,26 @@ def sealed_head(layout: EntryLayout, key: Mapping[str, Any], algo: str) -> tuple
         terms = entry_hash.words_terms(_words(head, first, last), first)
         # the header's sums without the digits' words: each point adds its digits' words' terms
         template = layout.heads[slot] = (head, pos, first, last, [a - b for a, b in zip(sums, terms)])
+    return _from_template(template, digits)
+
+
+def _from_template(template: tuple, digits: bytes) -> tuple[bytes, list[int]]:
+    """A header and its lane sums from a template of :attr:`EntryLayout.heads` and the iteration's digits."""
     base, pos, first, last, rest = template
     head = base[:pos] + digits + base[pos + len(digits):]
     t0, t1 = entry_hash.words_terms(_words(head, first, last), first)
     return head, [(rest[0] + t0) & entry_hash.MASK, (rest[1] + t1) & entry_hash.MASK]
+
+
+def templated_head(layout: EntryLayout, iteration: int, rest: Any, algo: str) -> tuple[bytes, list[int]] | None:
+    """What :func:`sealed_head` returns for a key whose :func:`key_rest` is ``rest`` at ``iteration``, when the
+    layout already has its template (``None``: call :func:`sealed_head`, which makes it). Each entry of every
+    point is sealed on the snapshot thread: a caller that remembers ``rest`` builds no key."""
+    if algo != entry_hash.ALGO or type(iteration) is not int or iteration < 0:
+        return None
+    digits = str(iteration).encode()
+    template = layout.heads.get((rest, len(digits)))
+    return None if template is None else _from_template(template, digits)
 
 
 def _words(data: bytes, first: int, last: int) -> bytes:
@@ -304,7 +320,7 @@ def _words(data: bytes, first: int, last: int) -> bytes:
     return data[4 * first:4 * last].ljust(4 * (last - first), b"\0")
 
 
-def _key_rest(key: Mapping[str, Any]) -> Any:
+def key_rest(key: Mapping[str, Any]) -> Any:
     """The key without its iteration, as a cache key of :attr:`EntryLayout.heads`: its items in order with
     their types (``1``, ``1.0`` and ``True`` are equal in Python, not in JSON; the same items in another
     order only build another template), or the canonical JSON of a key whose values cannot be hashed."""

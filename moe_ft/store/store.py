@@ -15,6 +15,7 @@ Reader side (recovery, ``moe-ft inspect``)::
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -45,11 +46,13 @@ from moe_ft.store.codec import (
     encode_meta,
     entry_digest,
     entry_head,
+    key_rest,
     layout_entry,
     new_checksum,
     read_entry,
     seal_entry,
     sealed_head,
+    templated_head,
     tensor_specs,
     write_entry,
 )
@@ -213,6 +216,13 @@ def _discard(buf) -> None:
     """A sink that keeps nothing (``put_remote`` hashes an entry without storing it)."""
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _operator_key_rest(op: OperatorId, level: Level) -> Any:
+    """:func:`~moe_ft.store.codec.key_rest` of the key of ``op``'s entry at ``level`` (what its header
+    template is found by; the same at every iteration)."""
+    return key_rest(entry_key(0, op, level))
+
+
 class ReservedEntry:
     """An operator's entry laid out in a mapped store region (:meth:`PendingPoint.reserve`): copy the
     tensors' bytes into their places (:meth:`byte_views`, or the typed :attr:`views`; a device-to-host copy
@@ -251,11 +261,11 @@ class ReservedEntry:
         copied (the host then reads no payload byte); ``None``: hash the region on the host."""
         point = self._point
         algo = point._store.checksum
-        key = entry_key(point.iteration, self.op, self.level)
         if tensor_sums is None:  # the region is hashed whole on the host
-            head, head_sums = entry_head(self.layout, key, algo), None
-        else:
-            head, head_sums = sealed_head(self.layout, key, algo)
+            head, head_sums = entry_head(self.layout, entry_key(point.iteration, self.op, self.level), algo), None
+        else:  # the header from the layout's template when it has one (no key built: every entry, every point)
+            head, head_sums = (templated_head(self.layout, point.iteration, _operator_key_rest(self.op, self.level), algo)
+                               or sealed_head(self.layout, entry_key(point.iteration, self.op, self.level), algo))
         # the region is a flat uint8 tensor: its bytes without raw_bytes's reshape and view
         region = memoryview(self._region.numpy()).cast("B")  # type: ignore[arg-type]  # see raw_bytes
         written = seal_entry(region, self.layout, head, algo, tensor_sums, head_sums)
