@@ -131,16 +131,14 @@ def _digest(body: dict[str, Any], algo: str) -> str:
     return h.digest().hex()
 
 
-def _join_checksum(before: str, after: str, algo: str, body: dict[str, Any]) -> str:
+def _join_checksum(before: str, after: str, algo: str) -> str:
     """The canonical JSON of a manifest from the canonical text of its keys' pairs that sort before
-    ``manifest_checksum`` (``before``) and after it (``after``): the checksum (:func:`_digest`, set in ``body``
-    too) is of ``{before,after}`` -- a dict's canonical JSON is its keys' pairs in sorted order -- and the
-    manifest is ``{before,"manifest_checksum":"…",after}``, each part encoded once."""
-    key = "manifest_checksum"
+    ``manifest_checksum`` (``before``) and after it (``after``): the checksum (what :func:`_digest` gives) is
+    of ``{before,after}`` -- a dict's canonical JSON is its keys' pairs in sorted order -- and the manifest
+    is ``{before,"manifest_checksum":"…",after}``, each part encoded once."""
     h = new_checksum(algo)
     h.update(("{" + ",".join(p for p in (before, after) if p) + "}").encode())
-    body[key] = h.digest().hex()
-    return "{" + ",".join(p for p in (before, f'"{key}":"{body[key]}"', after) if p) + "}"
+    return "{" + ",".join(p for p in (before, f'"manifest_checksum":"{h.digest().hex()}"', after) if p) + "}"
 
 
 _canonical = functools.partial(json.dumps, sort_keys=True, separators=(",", ":"))
@@ -212,7 +210,7 @@ def build_manifest(iteration: int, algo: str, entries: list[EntryRecord], meta: 
               f'"format":{_canonical(FORMAT)},"iteration":{_canonical(iteration)}')
     after = (f'"meta":{_entry_json(meta) if meta else "null"},' + (f'"remote":{listed(remote)},' if remote else "")
              + f'"writer":{_canonical(writer)}')
-    data = _join_checksum(before, after, algo, {}).encode()
+    data = _join_checksum(before, after, algo).encode()
     by_op, shadowed = _overlay(entries, remote)
     return data, PointRecord(iteration, algo, by_op, meta, created, dict(writer), shadowed)
 
