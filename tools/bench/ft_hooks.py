@@ -25,13 +25,17 @@ the Python around them are the same on a GPU.
 from __future__ import annotations
 
 import argparse
+import atexit
+import importlib
 import json
 import os
+import runpy
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -77,8 +81,6 @@ class _Timers:
     """Wall and thread-CPU seconds per timed function, on one thread, from iteration ``start`` on."""
 
     def __init__(self, start: int) -> None:
-        import threading  # start-up time: the worker's only (the driver needs none)
-
         self.owner = threading.get_ident()
         self.start, self.iteration = start, -1
         self.wall: dict[str, float] = {}
@@ -86,8 +88,6 @@ class _Timers:
         self.iterations = 0
 
     def wrap(self, fn, label: str):
-        import threading  # start-up time: the worker's only (the driver needs none)
-
         def timed(*args, **kwargs):
             if threading.get_ident() != self.owner or self.iteration < self.start:
                 return fn(*args, **kwargs)
@@ -102,8 +102,6 @@ class _Timers:
 
     def install(self) -> list[str]:
         """Wrap every function of :data:`TIMED` this checkout has; returns the labels wrapped."""
-        import importlib  # start-up time: the worker's only (the driver needs none)
-
         wrapped = []
         for module_name, path in TIMED:
             owner: object = importlib.import_module(module_name)
@@ -133,9 +131,6 @@ class _Timers:
 
 
 def worker(out: str, root: str, start: int, flags: list[str]) -> int:
-    import atexit
-    import runpy
-
     sys.path.insert(0, root)
     timers = _Timers(start)
     wrapped = timers.install()
