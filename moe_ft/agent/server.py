@@ -21,6 +21,9 @@ listens, and serves each connected trainer on a thread of its own. Requests are 
   waits for the rank's sends / drops its sender without ending its streams (a failed attempt);
   ``("replica_close", rank, peers)`` sends what is queued, then ends the rank's streams to ``peers`` (also
   from an agent that has no sender of the rank: one started again after the rank's last point);
+* ``("publish", PublishOrder)``: seal the entries of rank ``r``'s point whose tensors the trainer copied into its
+  arena, write its manifest, link its index and collect the rank's garbage (``moe_ft/store/handoff.py``,
+  ``--ft-publish-by agent``); answers ``{"manifest_nbytes", "deleted", "cpu_s"}`` once the point is published;
 * ``("flush", rank)``: wait until the rank's queued copies are done; answers the rank's state;
 * ``("bye", rank)``: the rank ends its run (its copies flushed first);
 * ``("hello", rank)``: a trainer rank connected (sent by every client when it connects); answers the pid;
@@ -57,6 +60,7 @@ if TYPE_CHECKING:
     from moe_ft.persist import PersistWriter
     from moe_ft.replication.sender import ReplicaSender
     from moe_ft.store import SnapshotStore
+    from moe_ft.store.handoff import Finisher, PublishOrder
     from moe_ft.store.rules import RecoveryRule
 
 logger = logging.getLogger("moe_ft.agent")
@@ -190,6 +194,8 @@ class NodeAgent:
     """Requests being handled."""
     _exiting: bool = False
     """It is leaving (:meth:`_leave`): requests are left unanswered from then on."""
+    finishers: dict[int, "Finisher"] = field(default_factory=dict)
+    """Per rank that hands its points over (``--ft-publish-by agent``): what publishes them here."""
 
     def serve(self) -> None:
         key = (self.directory / KEY_FILE).read_bytes()
@@ -311,6 +317,8 @@ class NodeAgent:
             return self._persist(request[1])
         if kind == "verify":
             return self._verify(request[1])
+        if kind == "publish":
+            return self._publish(request[1])
         if kind.startswith("replica"):
             return self._replica(kind, request[1:])
         rank = self.ranks.get(request[1])
@@ -357,6 +365,27 @@ class NodeAgent:
         self._retire(retired)
         rank.worker.submit(("verify", req.iteration, None))
         return self._state(rank)
+
+    def _publish(self, order: "PublishOrder"):
+        """Seal, publish and collect rank ``order.rank``'s point (``moe_ft/store/handoff.py``), on the rank's
+        connection thread: the trainer waits for the answer before its allocator takes the point's regions."""
+        # start-up time of the agent: the store is imported with the first request
+        from moe_ft.store import SnapshotStore, open_backend
+        from moe_ft.store.handoff import Finisher
+
+        with self._lock:
+            self.active.add(order.rank)
+            self.ever.add(order.rank)
+            finisher = self.finishers.get(order.rank)
+            if finisher is None or finisher.store.backend.describe() != order.store_dir:
+                if finisher is not None and finisher.segments is not None:
+                    finisher.segments.close()
+                store = SnapshotStore(open_backend(order.store_dir, create=False), checksum=order.checksum,
+                                      shared_pins=True)
+                finisher = self.finishers[order.rank] = Finisher(store)
+        answer = finisher.finish(order)
+        times = os.times()
+        return {**answer, "cpu_s": times.user + times.system}
 
     def _persist(self, req: PersistRequest):
         # start-up time of the agent: the durable tier is imported with the first request for it

@@ -101,7 +101,7 @@ def parse_args(argv: list[str] | None = None):
 def node_agent_of(script_args: list[str]) -> tuple[str, float] | None:
     """``(agent directory, idle exit seconds)`` when the training flags have the node agent write the durable
     tier (``--ft --ft-persist-interval N --ft-persist-agent``), hash the snapshots (``--ft --ft-checksum-by
-    agent``) or move the replicas (``--ft --ft-replicate-by agent``), else ``None``; the directory is the one the trainers use (``<--ft-store-dir>/<--ft-job-id>/agent``),
+    agent``), publish them (``--ft --ft-publish-by agent``) or move the replicas (``--ft --ft-replicate-by agent``), else ``None``; the directory is the one the trainers use (``<--ft-store-dir>/<--ft-job-id>/agent``),
     the defaults those of the training flags."""
     snap, durable = SnapshotConfig(), DurableConfig()
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -112,12 +112,13 @@ def node_agent_of(script_args: list[str]) -> tuple[str, float] | None:
     p.add_argument("--ft-persist-agent", action="store_true")
     p.add_argument("--ft-persist-agent-idle-exit", type=float, default=durable.agent_idle_exit)
     p.add_argument("--ft-checksum-by", default=snap.checksum_by)
+    p.add_argument("--ft-publish-by", default=snap.publish_by)
     p.add_argument("--ft-replicate-by", default=ReplicationConfig().replicate_by)
     p.add_argument("--ft-replicas", type=int, default=ReplicationConfig().replicas)
     flags, _ = p.parse_known_args(script_args)
     persists = flags.ft_persist_agent and flags.ft_persist_interval > 0
     replicates = flags.ft_replicate_by == "agent" and flags.ft_replicas > 0
-    if not (flags.ft and (persists or replicates or flags.ft_checksum_by == "agent")):
+    if not (flags.ft and (persists or replicates or "agent" in (flags.ft_checksum_by, flags.ft_publish_by))):
         return None
     return os.path.join(flags.ft_store_dir, flags.ft_job_id, "agent"), flags.ft_persist_agent_idle_exit
 

@@ -458,6 +458,8 @@ class FTRuntime(StepHooks):
                 out["window"] = window
         if session is not None and session.engine.paused:
             out["snapshots_paused"] = session.engine.paused
+        if session is not None:
+            out.update(session.metrics())
         for component in self.components:
             out.update(component.metrics(rec))
         return out

@@ -28,6 +28,8 @@ def format_line(iteration: int, m: dict) -> str:
         parts.append(f"durable {m['persist_end'] + 1} ({m['persist_mb_s']:.1f} MB/s)")
     if "agent_verified" in m:
         parts.append(f"agent verified {m['agent_verified']} points")
+    if "agent_published" in m:
+        parts.append(f"agent published {m['agent_published']} points")
     if "agent_cpu_ms" in m:
         parts.append(f"agent {m['agent_cpu_ms']:.1f} ms CPU/it")
     if "boost_experts" in m:

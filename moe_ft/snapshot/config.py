@@ -66,6 +66,13 @@ class SnapshotConfig:
         "its structure only). 'agent' needs the durable copies, if any, made by the agent too "
         "(--ft-persist-agent) and the replicas, if any, sent by the agents too (--ft-replicate-by agent: the agent "
         "hashes a point before it sends it).", choices=["writer", "agent"]))
+    publish_by: str = field(default="trainer", metadata=field_help(
+        "Who finishes each snapshot after the copy: 'trainer' (its snapshot thread writes each entry's header and "
+        "digest, the manifest and the index, and collects garbage) or 'agent' (the trainer copies the tensors into "
+        "its arena and hands the point to the node agent, which does the rest in its own process: no Python "
+        "of the snapshot's left in the trainer to hold the GIL; needs the arena layout). The agent is started "
+        "as for --ft-checksum-by agent (by moe-ft launch, or by a trainer under torchrun).",
+        choices=["trainer", "agent"]))
     store_checksum: str = field(default="auto", metadata=field_help(
         "The snapshot entries' checksum: 'auto' (mfh64 on the arena layout: on CUDA computed on the device, "
         "on CPU by the copy into the arena when moe-ft's C extension is built, one host pass over each byte; "
@@ -104,6 +111,9 @@ class SnapshotConfig:
                              f"tier holds a subset of each checkpoint's experts), got {self.pec_k_persist}")
         if self.snapshot_bandwidth <= 0:
             raise ValueError("--ft-snapshot-bandwidth must be positive (bytes/s)")
+        if self.publish_by == "agent" and self.store_layout != "arena":
+            raise ValueError("--ft-publish-by agent hands the node agent regions of the trainer's arena: it needs "
+                             f"--ft-store-layout arena, got {self.store_layout!r}")
 
     @property
     def policy_cls(self):

@@ -418,7 +418,7 @@ class MappedCopier:
                     job.host_bytes += s.nbytes
             sums_per_entry.append(sums)
         for (reserved, _), sums in zip(job.reserved, sums_per_entry):
-            reserved.seal(sums)
+            reserved.finish(sums)
         for (layout, prep), sums in zip(job.remote, sums_per_entry[len(job.reserved):]):
             job.point.put_remote(prep.entry.op, prep.like, tensor_sums=sums, layout=layout)
 

@@ -7,6 +7,7 @@ retention keeps two recovery points common to all ranks by the policy's own comp
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from moe_ft.policy import build_policy
@@ -27,11 +28,14 @@ if TYPE_CHECKING:
 class SnapshotSession:
     """Policy + store + engine of one configuration (the benchmark runs several side by side)."""
 
-    def __init__(self, name: str, policy, engine, store, *, operators, store_root: str, job_id: str) -> None:
+    def __init__(self, name: str, policy, engine, store, *, operators, store_root: str, job_id: str,
+                 publisher=None) -> None:
         self.name, self.policy, self.engine, self.store = name, policy, engine, store
         self.operators = list(operators)
         self.store_root, self.job_id = store_root, job_id
         self.last_plan: dict = {}
+        self.publisher = publisher
+        """The node agent that publishes the store's points (``--ft-publish-by agent``: ``moe_ft/agent/publish.py``)."""
 
     def realign_retention(self) -> None:
         """Retention by the policy's current rule (after a recovery restored the policy's state, e.g. the
@@ -56,7 +60,15 @@ class SnapshotSession:
         return self.store.retention.rule
 
     def close(self) -> None:
-        self.engine.close()
+        try:
+            self.engine.close()  # its last points published first
+        finally:
+            if self.publisher is not None:
+                self.publisher.close()
+
+    def metrics(self) -> dict:
+        """The FT log line's fields of what serves this session outside the trainer (the publishing agent)."""
+        return self.publisher.metrics() if self.publisher is not None else {}
 
 
 def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: str = "") -> SnapshotSession:
@@ -93,5 +105,11 @@ def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: 
                                          copy_programs=config.snapshot_copy_programs,
                                          direct_write=None if config.snapshot_direct_write else False),
                             ctx.registry, store)
+    publisher = None
+    if config.publish_by == "agent":
+        # start-up time: the agent's client is imported only when the mode is on
+        from moe_ft.agent.publish import AgentPublisher
+
+        publisher = AgentPublisher(store, rank=ctx.rank, agent_dir=os.path.join(config.store_dir, job_id, "agent"))
     return SnapshotSession(config.policy, policy, engine, store, operators=operators,
-                           store_root=config.store_dir, job_id=job_id)
+                           store_root=config.store_dir, job_id=job_id, publisher=publisher)

@@ -131,6 +131,7 @@ class _Allocator:
         self.pending: dict[int, list[Region]] = {}  # writer token -> regions not published yet
         self.open_tokens: set[int] = set()  # writers that may still allocate (not published, not aborted)
         self.deferred: dict[int, list[Region]] = {}  # deleted points another process still reads (see delete)
+        self.pinned: Callable[[], set[int]] = set  # the points other processes pin (the backend sets it)
         self.maps: dict[int, torch.Tensor] = {}  # segment -> its bytes, mapped shared (map_blob), never unmapped
         self._mms: dict[int, mmap.mmap] = {}  # segment -> its shared mapping, never unmapped
         # segment -> its mapping's address and the export that keeps it (None, None: cannot be mapped)
@@ -259,9 +260,21 @@ class _Allocator:
                     del self._free[i]
 
     def _reclaim(self) -> None:
-        """Free the regions of points deleted by another process (their index is gone)."""
-        for it in [it for it in self.points if not os.path.exists(self.directory / "points" / f"{it:012d}.json")]:
-            self._release(self.points.pop(it))
+        """Free the regions of points deleted by another process (their index is gone: the node agent's garbage
+        collection, ``moe_ft/store/handoff.py``), but not those a reader pins now: it may have found the index
+        before it went (as in :meth:`delete`, the pins are read after the index is seen gone)."""
+        gone = [it for it in self.points if not os.path.exists(self.directory / "points" / f"{it:012d}.json")]
+        if not gone and not self.deferred:
+            return
+        now = self.pinned()
+        for it in gone:
+            regions = self.points.pop(it)
+            if it in now:
+                self.deferred[it] = regions
+            else:
+                self._release(regions)
+        for it in [it for it in self.deferred if it not in now]:
+            self._release(self.deferred.pop(it))
 
     def _grow(self, need: int) -> None:
         total = sum(self.sizes.values())
@@ -542,6 +555,23 @@ class _ArenaWriter(PointWriter):
             os.fsync(self.alloc.fds[seg])
         self.backend._hook("blob_closed", self.iteration, name)
 
+    def hand_over(self, manifest_bytes: int) -> tuple[dict[str, Region], Region]:
+        """Publishing by another process (``moe_ft/store/handoff.py``): the point's regions, and a region of
+        ``manifest_bytes`` for its manifest (this writer may allocate no more)."""
+        self._check_open()
+        region = self.allocate(manifest_bytes)
+        with self._lock:
+            return dict(self.blobs), region
+
+    def handed_over(self, manifest: Region) -> None:
+        """The other process linked the point's index, its manifest in ``manifest`` (the region :meth:`hand_over`
+        gave, or its first bytes): the regions are the point's."""
+        with self._lock:
+            blobs = [*self.blobs.values(), manifest]
+        self._done = True
+        self.alloc.published(self.token, self.iteration, blobs)
+        self._forget()
+
     def commit(self, manifest: bytes) -> None:
         backend = self.backend
         self._check_open()
@@ -597,6 +627,7 @@ class ArenaBackend(StoreBackend):
     def _writer_allocator(self) -> _Allocator:
         if self._alloc is None or not self._alloc.current():
             self._alloc = _allocator(self.directory, self.fsync)
+            self._alloc.pinned = self.pinned_elsewhere
             if self.initial_bytes and self._alloc.arena_bytes() < self.initial_bytes:
                 with self._alloc.lock:
                     self._alloc._grow(self.initial_bytes - self._alloc.arena_bytes())

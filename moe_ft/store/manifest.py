@@ -191,16 +191,17 @@ def _overlay(entries: list[EntryRecord], remote: list[EntryRecord]) -> tuple[dic
 
 
 def build_manifest(iteration: int, algo: str, entries: list[EntryRecord], meta: EntryRecord | None,
-                   remote: Sequence[EntryRecord] = ()) -> tuple[bytes, PointRecord]:
+                   remote: Sequence[EntryRecord] = (), *, writer_pid: int | None = None) -> tuple[bytes, PointRecord]:
     """The manifest bytes of a point and the :class:`PointRecord` that decoding them gives (without the
     round trip). Compact JSON (one line; ``python -m json.tool`` pretty-prints it): an indented dump takes
     the pure-Python encoder, several times slower than the C one, on every publish. ``remote``: FULL
     entries held by the replica peers only (:attr:`EntryRecord.remote`); the key is written only when
-    there are some, so every other manifest is what it always was."""
+    there are some, so every other manifest is what it always was. ``writer_pid``: the process that wrote the
+    entries, when another one publishes them (the node agent); this one by default."""
     remote = [e if e.remote else replace(e, remote=True) for e in remote]
     if any(e.op is None or e.level != Level.FULL for e in remote):
         raise ValueError("only operator FULL entries can be held by replica peers alone")
-    created, writer = time.time(), {"pid": os.getpid(), "host": _HOST}
+    created, writer = time.time(), {"pid": writer_pid or os.getpid(), "host": _HOST}
     # the canonical JSON of {"checksum_algo", "created_unix", "entries", "format", "iteration", "meta",
     # ["remote"], "writer"} (keys in sorted order, as json.dumps(sort_keys=True) writes them), entry by entry
     def listed(records: Sequence[EntryRecord]) -> str:

@@ -26,7 +26,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 import torch
 
@@ -57,6 +57,7 @@ from moe_ft.store.codec import (
     write_entry,
 )
 from moe_ft.store.errors import CorruptEntryError, MissingEntryError, StoreError
+from moe_ft.store.handoff import PublishOrder, UnsealedEntry, handed_over_anyway, manifest_room
 from moe_ft.store.layouts import open_backend
 from moe_ft.store.manifest import (
     META_BLOB,
@@ -72,6 +73,17 @@ from moe_ft.store.retention import RetentionPolicy
 from moe_ft.store.rules import EntryRef, RecoveryPoint, RecoveryRule, newest_recoverable
 
 logger = logging.getLogger("moe_ft.store")
+
+
+class Publisher(Protocol):
+    """Publishes a store's points in another process (:attr:`SnapshotStore.publisher`)."""
+
+    rank: int
+
+    def publish(self, order: PublishOrder, layouts: dict[int, EntryLayout],
+                retention: RetentionPolicy | None) -> dict[str, Any]:
+        """Send ``order`` (with those of ``layouts`` and ``retention`` the other side lacks); returns its answer
+        (``{"manifest_nbytes", "deleted"}``) once the point is published."""
 
 
 @dataclass(kw_only=True)
@@ -277,6 +289,22 @@ class ReservedEntry:
             point._entries[self.op] = record
         return record
 
+    def hand_off(self, tensor_sums: list[list[int]]) -> None:
+        """The tensors' bytes are final: leave the header, padding and digest to the process that publishes the
+        point (:attr:`SnapshotStore.publisher`, the node agent), with the tensors' ``mfh64`` lane sums."""
+        point = self._point
+        point._writer.mapped_done(self.blob)
+        with point._lock:
+            point._unsealed.append((self, tensor_sums))
+
+    def finish(self, tensor_sums: list[list[int]]) -> EntryRecord | None:
+        """:meth:`hand_off` when the store's points are published by another process, else :meth:`seal`
+        (returns the entry's record then)."""
+        if self._point._store.publisher is not None:
+            self.hand_off(tensor_sums)
+            return None
+        return self.seal(tensor_sums)
+
 
 class PendingPoint:
     """A point being written. ``put``/``put_meta`` may be called from several threads at once (one entry
@@ -291,6 +319,7 @@ class PendingPoint:
         self._entries: dict[OperatorId, EntryRecord] = {}
         self._meta: EntryRecord | None = None
         self._remote: dict[OperatorId, EntryRecord] = {}
+        self._unsealed: list[tuple[ReservedEntry, list[list[int]]]] = []  # sealed by the publisher (hand_off)
         self._reserved: set[str] = set()
         self._state = "open"
         self.touched = 0
@@ -318,8 +347,9 @@ class PendingPoint:
                 self.touched += written.hashed + written.nbytes
         return written
 
-    def put(self, op: OperatorId, level: Level, tensors: Mapping[str, torch.Tensor]) -> EntryRecord:
-        """Write the entry (iteration, ``op``, ``level``): named contiguous CPU tensors of any dtype."""
+    def put(self, op: OperatorId, level: Level, tensors: Mapping[str, torch.Tensor]) -> EntryRecord | None:
+        """Write the entry (iteration, ``op``, ``level``): named contiguous CPU tensors of any dtype. Returns its
+        record; ``None`` when the process that publishes the point seals it (:attr:`SnapshotStore.publisher`)."""
         if not isinstance(op, OperatorId):
             raise TypeError(f"op must be an OperatorId, got {type(op).__name__}")
         level = Level(level)
@@ -335,7 +365,7 @@ class PendingPoint:
             self._entries[op] = record
         return record
 
-    def _copy_hashing(self, op: OperatorId, level: Level, tensors: Mapping[str, torch.Tensor]) -> EntryRecord:
+    def _copy_hashing(self, op: OperatorId, level: Level, tensors: Mapping[str, torch.Tensor]) -> EntryRecord | None:
         """:meth:`put` in one pass over the payload (:attr:`SnapshotStore.copies_hashing`): the entry is laid out
         in a region of the arena, each tensor is copied into its place by a copy that sums its words as it reads
         them (:func:`~moe_ft.store.entry_hash.copy_lane_sums`), and the entry is sealed from those sums. The
@@ -345,7 +375,7 @@ class PendingPoint:
         entry = self.reserve(op, level, checked)
         sums = [entry_hash.copy_lane_sums(t, view, first)
                 for t, view, first in zip(checked.values(), entry.byte_views(), entry.first_words)]
-        record = entry.seal(sums)
+        record = entry.finish(sums)
         with self._lock:
             self.touched += sum(rec["nbytes"] for rec in entry.layout.table)
         return record
@@ -424,12 +454,16 @@ class PendingPoint:
             self._meta = record
         return record
 
-    def publish(self) -> PointRecord:
-        """Make the point visible atomically, then run garbage collection."""
+    def publish(self) -> PointRecord | None:
+        """Make the point visible atomically, then run garbage collection. With a :attr:`SnapshotStore.publisher`
+        (the node agent) that process seals the handed-off entries, publishes and collects: returns ``None``."""
         with self._lock:
             if self._state != "open":
                 raise RuntimeError(f"point {self.iteration} is {self._state}")
             self._state = "publishing"
+        if self._store.publisher is not None:
+            self._hand_over(self._store.publisher)
+            return None
         try:
             manifest, record = build_manifest(self.iteration, self._store.checksum, list(self._entries.values()),
                                               self._meta, list(self._remote.values()))
@@ -441,6 +475,42 @@ class PendingPoint:
         self._store._remember(self.iteration, manifest, record)
         self._store._after_publish(self.iteration)
         return record
+
+    def _hand_over(self, publisher: "Publisher") -> None:
+        """:meth:`publish` by ``publisher`` (``moe_ft/store/handoff.py``). When it fails, the point is published
+        if its index names this point's regions (the publisher died after the link), else aborted."""
+        store, writer = self._store, self._writer
+        entries = len(self._entries) + len(self._unsealed) + len(self._remote) + 1
+        try:
+            blobs, region = writer.hand_over(manifest_room(entries, store._manifest_bytes.get(entries)))
+        except BaseException:
+            self.abort()
+            raise
+        order = PublishOrder(
+            rank=publisher.rank, store_dir=store.backend.describe(), iteration=self.iteration, checksum=store.checksum,
+            writer_pid=os.getpid(),
+            unsealed=[UnsealedEntry(e.op, e.level, e.blob, blobs[e.blob], id(e.layout), sums)
+                      for e, sums in self._unsealed],
+            sealed=list(self._entries.values()), meta=self._meta, remote=list(self._remote.values()), blobs=blobs,
+            manifest_region=region, fsync=getattr(store.backend, "fsync", False))
+        hook = getattr(store.backend, "_hook", None)
+        try:
+            if hook is not None:
+                hook("before_commit", self.iteration, "")  # everything copied, nothing published (drills)
+            answer = publisher.publish(order, {id(e.layout): e.layout for e, _ in self._unsealed}, store.retention)
+            manifest = (region[0], region[1], answer["manifest_nbytes"])
+        except BaseException:
+            manifest = handed_over_anyway(store.backend, self.iteration, blobs, region)
+            if manifest is None:
+                self.abort()
+                raise
+        writer.handed_over(manifest)
+        self._state = "published"
+        store._manifest_bytes[entries] = manifest[2]
+        if hook is not None:
+            hook("after_commit", self.iteration, "")
+        for listener in store.on_publish:
+            listener(self.iteration)
 
     def abort(self) -> None:
         if self._state != "published":
@@ -468,6 +538,10 @@ class SnapshotStore:
         self._unverified_warned: set[int] = set()
         self.shared_pins = shared_pins
         """:meth:`pin` also pins for the writing process (this object reads another process's store)."""
+        self.publisher: Publisher | None = None
+        """Seals the handed-off entries, publishes each point and collects garbage in another process (the node
+        agent: ``--ft-publish-by agent``, ``moe_ft/store/handoff.py``); ``None``: this process does."""
+        self._manifest_bytes: dict[int, int] = {}  # entries -> the last manifest's size (its region, handed over)
         self.on_publish: list[Callable[[int], None]] = []
         """Called with the iteration after each publish and its garbage collection, on the publishing thread
         (the node agent's durable copies are requested from here: no wait for the next iteration)."""

@@ -1,0 +1,246 @@
+"""Publishing a point in another process: the trainer copies, the node agent seals, publishes and collects.
+
+The trainer's part of a snapshot is its one copy of each tensor into a region of its arena (by the copy
+engine or the hash kernel on a GPU, by the copy that hashes on CPU) and the tensors' ``mfh64`` lane sums that
+copy produced. Everything after it is host work on small data: each entry's header, padding and digest, the
+manifest, the index, garbage collection by the retention policy (``docs/benchmarks.md``: about 2 ms of Python
+per point on the trainer's snapshot thread, which a launch-bound training thread waits behind for the GIL).
+With ``--ft-publish-by agent`` the trainer sends a :class:`PublishOrder` -- where each entry's region is, its
+layout and its lane sums -- to the node agent, which does that work in its own process
+(:func:`finish_point`) and answers when the point is published.
+
+Who owns what stays as in ``moe_ft/store/arena.py``: the trainer's allocator hands out every region (the
+manifest's included, sized before the manifest exists: :func:`manifest_room`), and takes a point's regions as
+the point's once the agent answered (``_ArenaWriter.handed_over``). The agent writes only into the regions the
+order names, links the index (``link(2)``, atomic, refuses an existing point) and deletes the points the
+retention policy drops by unlinking their indexes; the allocator frees those regions when it next looks
+(``_Allocator._reclaim``), and keeps those a reader still pins.
+
+Failures, none of which leaves a torn or corrupt point visible:
+
+* the trainer is killed after it sent the order: the copy had ended (the order is sent after it), so the
+  agent publishes a complete point; the allocator of the trainer's next attempt reads it from its index. The
+  agent refuses to link the index when the trainer that sent the order no longer holds the arena
+  (:func:`_writer_holds`): the next attempt's allocator may already have handed the regions out again;
+* the agent is killed before it linked the index: nothing is published; the trainer's client starts another
+  agent and sends the order again, and the new agent writes the same bytes again (sealing is a function of
+  the order); after the link: the index exists, and the order sent again finds it naming the same regions
+  (published, once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store.arena import ALIGN, ArenaBackend, Region, _read_index, _write_index
+from moe_ft.store.backend import MANIFEST, pid_alive
+from moe_ft.store.codec import EntryLayout, key_rest, seal_entry, sealed_head, templated_head
+from moe_ft.store.errors import StoreError
+from moe_ft.store.manifest import EntryRecord, TensorRecord, build_manifest, entry_key
+
+if TYPE_CHECKING:
+    from moe_ft.store.retention import RetentionPolicy
+    from moe_ft.store.store import SnapshotStore
+
+
+@dataclass(frozen=True)
+class UnsealedEntry:
+    """An operator entry whose tensors' bytes are in place in ``region`` and whose lane sums are known: the
+    agent writes its header, padding and digest around them (``moe_ft.store.codec.seal_entry``)."""
+
+    op: OperatorId
+    level: Level
+    blob: str
+    region: Region
+    layout: int
+    """The id of its :class:`~moe_ft.store.codec.EntryLayout` in :attr:`PublishOrder.layouts` (or sent before)."""
+    sums: list[list[int]]
+    """Each tensor's ``mfh64`` lane sums, from the copy that put it there."""
+
+
+@dataclass
+class PublishOrder:
+    """What the node agent needs to finish and publish rank ``rank``'s point ``iteration``."""
+
+    rank: int
+    store_dir: str
+    iteration: int
+    checksum: str
+    writer_pid: int
+    """The trainer process that allocated the regions (and must still hold the arena when the index is linked)."""
+    unsealed: list[UnsealedEntry]
+    sealed: list[EntryRecord]
+    """Entries the trainer wrote whole (digest included): the metadata entry's too, in :attr:`meta`."""
+    meta: EntryRecord | None
+    remote: list[EntryRecord]
+    blobs: dict[str, Region]
+    """Every region of the point but the manifest's: the index lists them."""
+    manifest_region: Region
+    """Where the manifest goes: at most its ``nbytes`` (:func:`manifest_room`)."""
+    fsync: bool = False
+    layouts: dict[int, EntryLayout] = field(default_factory=dict)
+    """The layouts this connection has not sent before (the agent keeps those it was sent)."""
+    retention: "RetentionPolicy | None" = None
+    """Garbage collection's policy, when it changed since the last order (``None``: the last one sent)."""
+    retention_id: int = 0
+    """Which policy the agent must hold (an order after an agent restart finds none: :class:`MissingState`)."""
+
+
+class MissingState(LookupError):
+    """The agent lacks a layout or the retention policy an order refers to (it was started again since): the
+    trainer sends the order again with all of them."""
+
+
+def manifest_room(entries: int, last: int | None) -> int:
+    """Bytes to reserve for a manifest of ``entries`` entries: twice the last one's of as many entries (the
+    digests and numbers change, the names do not), else 2 KiB an entry; whole pages."""
+    need = 2 * last if last else 2048 * (entries + 1)
+    return -(-need // ALIGN) * ALIGN
+
+
+def _writer_holds(directory: Path, pid: int) -> bool:
+    """Whether process ``pid`` is alive and still the arena's allocating process (``arena/LOCK`` names it)."""
+    try:
+        holder = (directory / "arena" / "LOCK").read_text().strip()
+    except FileNotFoundError:
+        return False
+    return holder == str(pid) and pid_alive(pid)
+
+
+class SegmentWriter:
+    """Writable shared mappings of an arena's segments, in a process that does not allocate (the node agent).
+    A mapping is made again when its file is no longer the segment's (the directory was made anew)."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.arena_dir = Path(directory) / "arena"
+        self._maps: dict[int, tuple[tuple[int, int], int, mmap.mmap]] = {}  # seg -> ((dev, ino), fd, mapping)
+
+    def view(self, region: Region) -> memoryview:
+        seg, off, n = region
+        path = self.arena_dir / f"{seg:04d}"
+        st = os.stat(path)
+        known = self._maps.get(seg)
+        if known is None or known[0] != (st.st_dev, st.st_ino) or len(known[2]) < off + n:
+            self._drop(seg)
+            fd = os.open(path, os.O_RDWR)
+            try:
+                mm = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except BaseException:
+                os.close(fd)
+                raise
+            known = self._maps[seg] = ((st.st_dev, st.st_ino), fd, mm)
+        return memoryview(known[2])[off:off + n]
+
+    def fd(self, seg: int) -> int:
+        return self._maps[seg][1]
+
+    def _drop(self, seg: int) -> None:
+        known = self._maps.pop(seg, None)
+        if known is not None:
+            with contextlib.suppress(BufferError):  # a view still exported: the mapping goes with the process
+                known[2].close()
+            os.close(known[1])
+
+    def close(self) -> None:
+        for seg in list(self._maps):
+            self._drop(seg)
+
+
+@dataclass
+class Finisher:
+    """The node agent's side for one rank's store: the layouts and retention policy it was sent, the store
+    it publishes into (a reader of the trainer's arena, pinning as other processes do) and its mappings."""
+
+    store: "SnapshotStore"
+    layouts: dict[int, EntryLayout] = field(default_factory=dict)
+    records: dict[int, tuple[TensorRecord, ...]] = field(default_factory=dict)
+    retention_id: int = 0
+    segments: SegmentWriter | None = None
+    last_manifest: int = 0
+
+    def finish(self, order: PublishOrder) -> dict[str, Any]:
+        """:func:`finish_point` for this rank."""
+        return finish_point(self, order)
+
+
+def finish_point(state: Finisher, order: PublishOrder) -> dict[str, Any]:
+    """Seal the order's entries, write its manifest, link its index, then collect garbage by the retention
+    policy. Returns ``{"manifest_nbytes", "deleted"}``. Raises :class:`MissingState` (send it again with all
+    layouts and the policy), :class:`StoreError` (the manifest does not fit its region; the writer no longer
+    holds the arena; the point exists with other regions), ``OSError`` (a full file system)."""
+    from moe_ft.store.store import _table_records  # import cycle: the store imports this module's order
+
+    state.layouts.update(order.layouts)
+    if order.retention is not None or order.retention_id == 0:
+        state.store.retention, state.retention_id = order.retention, order.retention_id
+    missing = [e.layout for e in order.unsealed if e.layout not in state.layouts]
+    if missing or state.retention_id != order.retention_id:
+        raise MissingState(f"layouts {missing[:3]} or retention policy {order.retention_id} not sent to this agent")
+    backend = state.store.backend
+    assert isinstance(backend, ArenaBackend)
+    if state.segments is None:
+        state.segments = SegmentWriter(backend.directory)
+    entries = list(order.sealed)
+    for e in order.unsealed:
+        layout = state.layouts[e.layout]
+        key = entry_key(order.iteration, e.op, e.level)
+        head, head_sums = (templated_head(layout, order.iteration, key_rest(key), order.checksum)
+                           or sealed_head(layout, key, order.checksum))
+        written = seal_entry(state.segments.view(e.region), layout, head, order.checksum, e.sums, head_sums)
+        records = state.records.get(e.layout)
+        if records is None:
+            records = state.records[e.layout] = _table_records(layout.table)
+        entries.append(EntryRecord(order.iteration, e.op, e.level, e.blob, written.nbytes, written.checksum, records))
+        if order.fsync:
+            os.fsync(state.segments.fd(e.region[0]))
+    manifest, record = build_manifest(order.iteration, order.checksum, entries, order.meta, order.remote,
+                                      writer_pid=order.writer_pid)
+    seg, off, room = order.manifest_region
+    if len(manifest) > room:
+        raise StoreError(f"{backend.describe()} point {order.iteration}: manifest of {len(manifest)} bytes for a "
+                         f"region of {room}")
+    view = state.segments.view((seg, off, len(manifest)))
+    view[:] = manifest
+    del view
+    if order.fsync:
+        os.fsync(state.segments.fd(seg))
+    blobs = {**order.blobs, MANIFEST: (seg, off, len(manifest))}
+    _link(backend, order, blobs)
+    state.store._remember(order.iteration, manifest, record)
+    deleted = state.store.gc() if state.store.retention is not None else []
+    return {"manifest_nbytes": len(manifest), "deleted": deleted}
+
+
+def _link(backend: ArenaBackend, order: PublishOrder, blobs: dict[str, Region]) -> None:
+    """Link the index, once: an order sent again after the link finds it naming the same regions."""
+    if not _writer_holds(backend.directory, order.writer_pid):
+        raise StoreError(f"{backend.describe()}: point {order.iteration} not published: its writer (pid "
+                         f"{order.writer_pid}) no longer holds the arena (killed, or another process writes it now)")
+    try:
+        _write_index(backend.points_dir, order.iteration, blobs, replace=False, fsync=order.fsync)
+    except FileExistsError:
+        found = _read_index(backend.points_dir / f"{order.iteration:012d}.json")
+        if found != blobs:
+            raise StoreError(f"{backend.describe()}: point {order.iteration} is already published with other "
+                             "regions") from None
+
+
+def handed_over_anyway(backend: Any, iteration: int, blobs: dict[str, Region], manifest: Region) -> Region | None:
+    """After a failed order: the manifest's region when point ``iteration``'s index exists and names exactly
+    ``blobs`` and a manifest at ``manifest``'s place (the publisher linked it, then died or failed), else
+    ``None`` (nothing of the point is visible)."""
+    found = _read_index(backend.points_dir / f"{iteration:012d}.json")
+    if found is None or MANIFEST not in found:
+        return None
+    *place, n = found.pop(MANIFEST)
+    return (manifest[0], manifest[1], n) if found == blobs and tuple(place) == manifest[:2] and n <= manifest[2] else None
+
+
+__all__ = ["Finisher", "MissingState", "PublishOrder", "SegmentWriter", "UnsealedEntry", "finish_point",
+           "handed_over_anyway", "manifest_room"]
