@@ -123,6 +123,16 @@ class PointWriter(abc.ABC):
     def mapped_done(self, name: str) -> None:
         """The blob from :meth:`map_blob` is filled (its bytes are final)."""
 
+    def hand_over(self, manifest_bytes: int) -> tuple[dict[str, Any], Any]:
+        """Publishing by another process (``moe_ft/store/handoff.py``): the point's regions and one of
+        ``manifest_bytes`` for its manifest. Only backends with ``maps_regions`` have regions to hand over."""
+        raise ValueError(f"{type(self).__name__} keeps blobs in files it writes: another process cannot publish "
+                         "them (use the arena layout, --ft-store-layout arena)")
+
+    def handed_over(self, manifest: Any) -> None:
+        """The other process published the point from :meth:`hand_over`, its manifest in ``manifest``."""
+        raise ValueError(f"{type(self).__name__} hands no point over")
+
     @abc.abstractmethod
     def commit(self, manifest: bytes) -> None:
         """Store ``manifest`` as blob :data:`MANIFEST` and make the point visible, atomically. Raises

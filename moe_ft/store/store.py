@@ -500,10 +500,11 @@ class PendingPoint:
             answer = publisher.publish(order, {id(e.layout): e.layout for e, _ in self._unsealed}, store.retention)
             manifest = (region[0], region[1], answer["manifest_nbytes"])
         except BaseException:
-            manifest = handed_over_anyway(store.backend, self.iteration, blobs, region)
-            if manifest is None:
+            found = handed_over_anyway(store.backend, self.iteration, blobs, region)
+            if found is None:
                 self.abort()
                 raise
+            manifest = found
         writer.handed_over(manifest)
         self._state = "published"
         store._manifest_bytes[entries] = manifest[2]
