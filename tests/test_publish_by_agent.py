@@ -155,3 +155,13 @@ def test_training_with_the_agent_publishing_recovers_bitwise_from_a_kill_between
     assert report["recovery_point"]["end"] == 2 and report["recovery_point"]["source"] == "memory"
     log = Path(res["log"]).read_text()
     assert re.search(r"agent published [1-9]\d* points", log), log[-3000:]
+
+
+def test_the_flag_needs_the_arena_and_has_moe_ft_launch_start_the_agent():
+    from moe_ft.launch.cli import node_agent_of
+    from moe_ft.snapshot.config import SnapshotConfig
+
+    with pytest.raises(ValueError, match="--ft-publish-by agent .* needs --ft-store-layout arena"):
+        SnapshotConfig(publish_by="agent", store_layout="files")
+    assert node_agent_of(["--ft", "--ft-store-dir", "/s", "--ft-job-id", "j", "--ft-publish-by", "agent"])[0] == "/s/j/agent"
+    assert node_agent_of(["--ft", "--ft-store-dir", "/s", "--ft-job-id", "j"]) is None

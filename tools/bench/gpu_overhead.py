@@ -354,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel-copy", type=int, nargs="+", default=[], metavar="PROGRAMS",
                    help="also each sparse window copied by the hash kernel on PROGRAMS programs (--ft-snapshot-copy-by "
                         "kernel --ft-snapshot-copy-programs PROGRAMS; 0: one per block), one launch per count")
+    p.add_argument("--publish-agent", action="store_true",
+                   help="also each --kernel-copy launch with its points sealed and published by the node agent "
+                        "(--ft-publish-by agent: no snapshot Python in the trainer after the copy but the hand-over)")
     p.add_argument("--steps", nargs="+", default=[], choices=["copy", "hash"],
                    help="also each sparse window with its snapshots cut after a step (tools/bench/snapshot_steps.py: "
                         "'copy' only, or 'hash' after it; nothing published), one launch per step: with --interleave, "
@@ -367,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
            a.paced, *a.kernel_copy) < 0:
         p.error("--interleave, --profile-submit, --profile-worker, --trace-blocks, --switch-interval, --gil-probe, "
                 "--paced and --kernel-copy take values >= 0")
+    if a.publish_agent and not a.kernel_copy:
+        p.error("--publish-agent adds a launch to each --kernel-copy launch: name --kernel-copy PROGRAMS")
     if a.skip_default and not (a.staged or a.paced or a.kernel_copy or a.steps):
         p.error("--skip-default leaves no snapshot launch: add --staged, --paced, --kernel-copy or --steps")
     if a.profile_submit and a.profile_worker:
@@ -416,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
             for k in a.kernel_copy:
                 variants.append(("sparse", f"sparse(W={w or 'auto'},kernel copy on {k or 'all'} programs)", w,
                                  ["--ft-snapshot-copy-by", "kernel", "--ft-snapshot-copy-programs", str(k)], f"k{k}"))
+                if a.publish_agent:
+                    variants.append(("sparse", f"sparse(W={w or 'auto'},kernel copy on {k or 'all'} programs,"
+                                     "published by the agent)", w, ["--ft-snapshot-copy-by", "kernel",
+                                     "--ft-snapshot-copy-programs", str(k), "--ft-publish-by", "agent"], f"k{k}a"))
             for step in a.steps:
                 variants.append(("sparse", f"sparse(W={w or 'auto'},{step} only)" if step == "copy" else
                                  f"sparse(W={w or 'auto'},up to {step})", w, ["--bench-snapshot-step", step], step[0]))
