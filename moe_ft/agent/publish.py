@@ -45,8 +45,8 @@ class AgentPublisher:
         self.published = 0
         self._agent: int | None = None  # the agent that holds what was sent
         self._layouts: set[int] = set()
-        self._retention: tuple[Any, int] = (None, 0)  # what the policy sent was made of (_portable), its number
-        self._points = set(store.points())  # the store's points, as the agent's answers leave them
+        # the policy last sent (kept: its id is not given to another while it is compared), its windows, its number
+        self._retention: tuple[RetentionPolicy | None, tuple | None, int] = (None, None, 0)
         store.publisher = self
         store.shared_pins = True  # the agent's garbage collection must see this process's readers
         self.store = store
@@ -57,16 +57,16 @@ class AgentPublisher:
         for attempt in (0, 1):
             if attempt or self.client.pid != self._agent:
                 self._layouts.clear()
-                self._retention = (None, 0)
+                self._retention = (None, None, 0)
             order.layouts = {k: v for k, v in layouts.items() if k not in self._layouts}
-            sent, number = self._retention
-            made_of = self._made_of(retention, order.iteration)
+            sent, sent_windows, number = self._retention
+            windows = self._windows(retention, order.iteration)
             if retention is None:
                 order.retention, order.retention_id = None, 0
-            elif sent == made_of:
+            elif sent is retention and sent_windows == windows:
                 order.retention, order.retention_id = None, number
             else:
-                order.retention, order.retention_id = self._portable(retention, made_of), next(self._ids)
+                order.retention, order.retention_id = self._portable(retention, windows), next(self._ids)
             try:
                 answer = self.client.call("publish", order)
             except RuntimeError as exc:
@@ -77,27 +77,24 @@ class AgentPublisher:
                 raise
             self._agent = self.client.pid
             self._layouts.update(order.layouts)
-            self._retention = (made_of, order.retention_id)
-            self._points.add(order.iteration)
-            self._points.difference_update(answer["deleted"])
+            self._retention = (retention, windows, order.retention_id)
             self.published += 1
             self.agent_cpu.take(order.iteration, answer["cpu_s"])
             return answer
         raise AssertionError("unreachable: the second attempt returns or raises")
 
-    def _made_of(self, retention: RetentionPolicy | None, iteration: int) -> tuple:
-        """What ``retention`` decides by now: the policy object, and for a sparse rule (whose windows are read
-        from the live policy) the windows ending at each of the store's points up to ``iteration``."""
+    def _windows(self, retention: RetentionPolicy | None, iteration: int) -> tuple | None:
+        """For a sparse rule (whose windows are read from the live policy): the windows ending at the store's
+        points and at ``iteration`` (the ends garbage collection will ask about); ``None`` for a rule that is
+        plain data (sent again only when the store gets another policy)."""
         rule = getattr(retention, "rule", None)
         if not isinstance(rule, SparseWindowRule):
-            return (id(retention), None)  # plain data: sent again only when the store gets another policy
-        ends = range(min(self._points, default=iteration), iteration + 1)
-        return (id(retention), tuple(w for end in ends if (w := rule.window_of(end)) is not None))
+            return None
+        return tuple(w for end in [*self.store.points(), iteration] if (w := rule.window_of(end)) is not None)
 
     @staticmethod
-    def _portable(retention: RetentionPolicy, made_of: tuple) -> RetentionPolicy:
+    def _portable(retention: RetentionPolicy, windows: tuple | None) -> RetentionPolicy:
         """``retention`` as data the agent can be sent (a sparse rule as its windows: ``portable``)."""
-        windows = made_of[1]
         if windows is None:
             return retention
         rule = retention.rule  # type: ignore[attr-defined]  # _made_of found a sparse rule

@@ -194,8 +194,8 @@ class NodeAgent:
     """Requests being handled."""
     _exiting: bool = False
     """It is leaving (:meth:`_leave`): requests are left unanswered from then on."""
-    finishers: dict[int, "Finisher"] = field(default_factory=dict)
-    """Per rank that hands its points over (``--ft-publish-by agent``): what publishes them here."""
+    finishers: dict[tuple[int, str], "Finisher"] = field(default_factory=dict)
+    """Per rank and store whose points are handed over (``--ft-publish-by agent``): what publishes them here."""
 
     def serve(self) -> None:
         key = (self.directory / KEY_FILE).read_bytes()
@@ -376,13 +376,11 @@ class NodeAgent:
         with self._lock:
             self.active.add(order.rank)
             self.ever.add(order.rank)
-            finisher = self.finishers.get(order.rank)
-            if finisher is None or finisher.store.backend.describe() != order.store_dir:
-                if finisher is not None and finisher.segments is not None:
-                    finisher.segments.close()
+            finisher = self.finishers.get((order.rank, order.store_dir))
+            if finisher is None:  # per store: a benchmark's rank publishes several side by side
                 store = SnapshotStore(open_backend(order.store_dir, create=False), checksum=order.checksum,
                                       shared_pins=True)
-                finisher = self.finishers[order.rank] = Finisher(store)
+                finisher = self.finishers[(order.rank, order.store_dir)] = Finisher(store)
         answer = finisher.finish(order)
         times = os.times()
         return {**answer, "cpu_s": times.user + times.system}
