@@ -214,11 +214,12 @@ def test_streaming_mfh64_equals_the_reference_for_any_split():
         assert h.digest() == want, step
 
 
-@pytest.mark.parametrize("kernel,paced,copy_by", [(True, False, "dma"), (False, False, "dma"), (True, True, "dma"),
-                                                  (True, False, "kernel"), (True, True, "kernel:2")],
-                         ids=["kernel-hashes", "host-hashes", "kernel-hashes-paced", "kernel-copies",
-                              "kernel-copies-2-programs-rest-paced"])
-def test_the_mapped_copier_writes_the_entries_put_writes(tmp_path, kernel, paced, copy_by):
+@pytest.mark.parametrize("kernel,paced,copy_by,agent", [
+    (True, False, "dma", False), (False, False, "dma", False), (True, True, "dma", False), (True, False, "kernel", False),
+    (True, True, "kernel:2", False), (True, False, "kernel", True), (False, False, "dma", True)],
+    ids=["kernel-hashes", "host-hashes", "kernel-hashes-paced", "kernel-copies", "kernel-copies-2-programs-rest-paced",
+         "kernel-copies-agent-publishes", "host-hashes-agent-publishes"])
+def test_the_mapped_copier_writes_the_entries_put_writes(tmp_path, kernel, paced, copy_by, agent):
     """The GPU snapshot path's copier (moe_ft/snapshot/mapped.py) on CPU tensors: regions reserved, bytes
     copied in place, sums from the kernel (every tensor taken as a device tensor) or the host, entries
     sealed; a second snapshot of another composition and one of the first again (its cached plan). Paced:
@@ -226,7 +227,9 @@ def test_the_mapped_copier_writes_the_entries_put_writes(tmp_path, kernel, paced
     device-side sleep; here recorded), with the same bytes sealed. Kernel copies: the hash kernel stores the
     words it hashes into the regions (on two programs: each takes every second block), the tensors it cannot
     take (partial words) go by the copy the pacer cuts; when an arena segment could not be page-locked, or its
-    device address not be had, the copier goes back to the copy engine (the third snapshot)."""
+    device address not be had, the copier goes back to the copy engine (the third snapshot). Agent publishes:
+    the copier hands each entry's sums over and a node agent process seals and publishes the points
+    (``--ft-publish-by agent``), with the same bytes."""
     from types import SimpleNamespace
 
     from moe_ft.snapshot.mapped import MappedCopier
@@ -237,6 +240,11 @@ def test_the_mapped_copier_writes_the_entries_put_writes(tmp_path, kernel, paced
     entries = {(op, lvl): SimpleNamespace(op=op, level=lvl, out=dict(state[op]), srcs=list(state[op].values()))
                for op in ops for lvl in (Level.FULL, Level.COMPUTE)}
     st = store(tmp_path, "mapped")
+    publisher = None
+    if agent:
+        from moe_ft.agent.publish import AgentPublisher
+
+        publisher = AgentPublisher(st, rank=0, agent_dir=tmp_path / "agent")
     pauses: list[float] = []
     pacer = CopyPacer(1000, gap_us=7.0, pause=pauses.append) if paced else None
     how, _, programs = copy_by.partition(":")
@@ -286,6 +294,9 @@ def test_the_mapped_copier_writes_the_entries_put_writes(tmp_path, kernel, paced
             assert got.remote and got.checksum == want.checksum
     assert len(copier._plans) == 2  # the third snapshot reused the first one's plan
     copier.close()
+    if publisher is not None:
+        assert publisher.published == len(plans)
+        publisher.close()
 
 
 _KILLED_WRITER = r"""

@@ -62,11 +62,17 @@ def mapped_engine(root, registry, job="j", piece=0, copy_by="dma", require_mappe
     return engine, store
 
 
-@pytest.mark.parametrize("piece,copy_by", [(0, "dma"), (1 << 16, "dma"), (0, "kernel")],
-                         ids=["one-copy", "paced", "kernel-copy"])
-def test_mapped_snapshots_hold_the_state_at_submit(shm_path, piece, copy_by):
+@pytest.mark.parametrize("piece,copy_by,agent", [(0, "dma", False), (1 << 16, "dma", False), (0, "kernel", False),
+                                                (0, "kernel", True)],
+                         ids=["one-copy", "paced", "kernel-copy", "kernel-copy-agent-publishes"])
+def test_mapped_snapshots_hold_the_state_at_submit(shm_path, piece, copy_by, agent):
+    """Agent publishes: the node agent seals and publishes each point (``--ft-publish-by agent``)."""
     registry = small_registry()
     engine, store = mapped_engine(shm_path, registry, piece=piece, copy_by=copy_by)
+    if agent:
+        from moe_ft.agent.publish import AgentPublisher
+
+        publisher = AgentPublisher(store, rank=0, agent_dir=shm_path / "agent")
     assert engine.mapped.copy_by == copy_by
     assert (engine.mapped.pacer is not None) == bool(piece)
     assert engine.buffers.arena_bytes == 0  # no slot buffers: the store's regions are the buffers
@@ -76,7 +82,11 @@ def test_mapped_snapshots_hold_the_state_at_submit(shm_path, piece, copy_by):
                            if not t.is_cuda)
     assert all(r.device_stall_s is not None for r in recs)
     assert max(r.host_bytes_touched for r in recs) <= 2 * host_state_bytes  # the CPU step counters only
-    record("mapped_correctness" + ("_paced" if piece else "") + ("_kernel" if copy_by == "kernel" else ""), {
+    if agent:
+        assert publisher.published == len(store.points()) > 0
+        publisher.close()
+    record("mapped_correctness" + ("_paced" if piece else "") + ("_kernel" if copy_by == "kernel" else "")
+           + ("_agent" if agent else ""), {
         "trainer_payload_bytes_per_byte_max": max(r.trainer_payload_bytes_per_byte for r in recs),
         "host_stall_max_ms": 1e3 * max(r.stall_s for r in recs),
         "device_stall_max_ms": 1e3 * max(r.device_stall_s for r in recs),
