@@ -23,7 +23,8 @@ from moe_ft.cli.drill import run_job
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import DenseRule, KeepNewestRecoverable, StoreConfig, StoreError
 from moe_ft.store.backend import MANIFEST
-from moe_ft.store.handoff import Finisher, PublishOrder, finish_point, handed_over_anyway
+from moe_ft.store.handoff import Finisher, MetaOrder, PublishOrder, finish_point, handed_over_anyway
+from moe_ft.store.manifest import META_BLOB
 
 OPS = [OperatorId.expert_op(0, e) for e in range(3)]
 
@@ -121,21 +122,34 @@ def test_an_order_whose_writer_is_gone_is_refused_and_a_linked_one_is_found(tmp_
     with store.begin(0) as point:
         entry = point.reserve(OPS[0], Level.FULL, {"w": torch.ones(8)})
         entry.byte_views()[0].copy_(torch.ones(8).view(torch.uint8))
-        blobs, region = point._writer.hand_over(4096)
+        meta = MetaOrder.of({"iteration": 0, "x": [1.5, "\u00e9"]}, {"rng": torch.arange(5)})
+        blobs, rooms = point._writer.hand_over({MANIFEST: 4096, META_BLOB: meta.room()})
         order = PublishOrder(rank=0, store_dir=store.backend.describe(), iteration=0, checksum="mfh64",
                              writer_pid=os.getpid() + 10 ** 7, unsealed=[], sealed=[], meta=None, remote=[],
-                             blobs={}, manifest_region=region)
+                             blobs={}, manifest_region=rooms[MANIFEST], meta_order=meta, meta_region=rooms[META_BLOB])
         finisher = Finisher(_store(tmp_path, "j"))
         with pytest.raises(StoreError, match="no longer holds the arena"):
             finish_point(finisher, order)
-        assert store.points() == [] and handed_over_anyway(store.backend, 0, {}, region) is None
+        assert store.points() == [] and handed_over_anyway(store.backend, 0, {}, rooms) is None
         order.writer_pid = os.getpid()
-        answer = finish_point(finisher, order)
-        assert store.points() == [0]
-        assert handed_over_anyway(store.backend, 0, {}, region) == (region[0], region[1], answer["manifest_nbytes"])
-        assert handed_over_anyway(store.backend, 0, blobs, region) is None  # other regions: not this point
-        assert finish_point(finisher, order)["manifest_nbytes"] == answer["manifest_nbytes"]  # sent again: once
+        written = finish_point(finisher, order)["written"]
+        assert store.points() == [0] and set(written) == {MANIFEST, META_BLOB}
+        assert handed_over_anyway(store.backend, 0, {}, rooms) == written
+        assert handed_over_anyway(store.backend, 0, blobs, rooms) is None  # other regions: not this point
+        assert finish_point(finisher, order)["written"] == written  # sent again: published once
         point._writer.abort()
+    got = store.load_meta(0)  # the agent's metadata entry, verified
+    assert got.meta == {"iteration": 0, "x": [1.5, "\u00e9"]} and torch.equal(got.tensors["rng"], torch.arange(5))
+
+
+def test_metadata_that_is_not_json_fails_the_publish_and_leaves_nothing(published):
+    theirs, _, _ = published
+    _put(theirs, 0)
+    with theirs.begin(1) as point:
+        point.put_meta({"bad": {1, 2}})  # a set: the agent's JSON encoder refuses it
+        with pytest.raises(RuntimeError, match="metadata of iteration 1 is not JSON-serialisable"):
+            point.publish()
+    assert theirs.points() == [0] and theirs.staging() == []
 
 
 @pytest.mark.multiproc

@@ -33,6 +33,8 @@ REQUEST_TIMEOUT_S = 120.0
 DRAIN_TIMEOUT_S = 3600.0
 """How long it waits for the answer to a request that waits for the rank's queued work (:data:`DRAINS`:
 durable copies and sends of whole points)."""
+AWAIT_GONE_S = 2.0
+"""How long a client whose connection broke waits for that agent to be gone before it connects again."""
 DRAINS = frozenset({"flush", "bye", "replica_flush", "replica_close"})
 
 
@@ -177,9 +179,18 @@ class AgentClient:
                 self._drop()
                 if attempt:
                     raise
+                self._await_gone(self.pid)
         if isinstance(answer, BaseException):
             raise RuntimeError(f"node agent {self.pid}: {answer}") from answer
         return answer
+
+    def _await_gone(self, pid: int | None, timeout_s: float = AWAIT_GONE_S) -> None:
+        """A broken connection to agent ``pid``: wait (bounded) until it is no longer the node's live agent. A
+        SIGKILLed agent is still listed as running for a moment after the kernel reset its connections; the
+        connection made again in that moment would reach it, and break once more."""
+        deadline = time.monotonic() + timeout_s
+        while pid is not None and agent_pid(self.agent_dir) == pid and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def persist(self, request: PersistRequest) -> dict:
         """Queue a durable copy; returns ``{"records": the rank's finished copies, "cpu_s": the agent's CPU}``."""

@@ -23,7 +23,7 @@ listens, and serves each connected trainer on a thread of its own. Requests are 
   from an agent that has no sender of the rank: one started again after the rank's last point);
 * ``("publish", PublishOrder)``: seal the entries of rank ``r``'s point whose tensors the trainer copied into its
   arena, write its manifest, link its index and collect the rank's garbage (``moe_ft/store/handoff.py``,
-  ``--ft-publish-by agent``); answers ``{"manifest_nbytes", "deleted", "cpu_s"}`` once the point is published;
+  ``--ft-publish-by agent``); answers ``{"written", "deleted", "cpu_s"}`` once the point is published;
 * ``("flush", rank)``: wait until the rank's queued copies are done; answers the rank's state;
 * ``("bye", rank)``: the rank ends its run (its copies flushed first);
 * ``("hello", rank)``: a trainer rank connected (sent by every client when it connects); answers the pid;

@@ -555,19 +555,19 @@ class _ArenaWriter(PointWriter):
             os.fsync(self.alloc.fds[seg])
         self.backend._hook("blob_closed", self.iteration, name)
 
-    def hand_over(self, manifest_bytes: int) -> tuple[dict[str, Region], Region]:
+    def hand_over(self, rooms: dict[str, int]) -> tuple[dict[str, Region], dict[str, Region]]:
         """Publishing by another process (``moe_ft/store/handoff.py``): the point's regions, and a region of
-        ``manifest_bytes`` for its manifest (this writer may allocate no more)."""
+        ``rooms[name]`` bytes for each blob that process writes (the manifest, the metadata entry)."""
         self._check_open()
-        region = self.allocate(manifest_bytes)
+        regions = {name: self.allocate(nbytes) for name, nbytes in rooms.items()}
         with self._lock:
-            return dict(self.blobs), region
+            return dict(self.blobs), regions
 
-    def handed_over(self, manifest: Region) -> None:
-        """The other process linked the point's index, its manifest in ``manifest`` (the region :meth:`hand_over`
-        gave, or its first bytes): the regions are the point's."""
+    def handed_over(self, written: dict[str, Region]) -> None:
+        """The other process linked the point's index, with the blobs it wrote at the start of the regions
+        :meth:`hand_over` gave (``written``: where, how long): the regions are the point's."""
         with self._lock:
-            blobs = [*self.blobs.values(), manifest]
+            blobs = [*self.blobs.values(), *written.values()]
         self._done = True
         self.alloc.published(self.token, self.iteration, blobs)
         self._forget()

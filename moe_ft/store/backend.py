@@ -123,14 +123,14 @@ class PointWriter(abc.ABC):
     def mapped_done(self, name: str) -> None:
         """The blob from :meth:`map_blob` is filled (its bytes are final)."""
 
-    def hand_over(self, manifest_bytes: int) -> tuple[dict[str, Any], Any]:
+    def hand_over(self, rooms: dict[str, int]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Publishing by another process (``moe_ft/store/handoff.py``): the point's regions and one of
-        ``manifest_bytes`` for its manifest. Only backends with ``maps_regions`` have regions to hand over."""
+        ``rooms[name]`` bytes for each blob it writes. Only backends with ``maps_regions`` have regions."""
         raise ValueError(f"{type(self).__name__} keeps blobs in files it writes: another process cannot publish "
                          "them (use the arena layout, --ft-store-layout arena)")
 
-    def handed_over(self, manifest: Any) -> None:
-        """The other process published the point from :meth:`hand_over`, its manifest in ``manifest``."""
+    def handed_over(self, written: dict[str, Any]) -> None:
+        """The other process published the point from :meth:`hand_over`, the blobs it wrote at ``written``."""
         raise ValueError(f"{type(self).__name__} hands no point over")
 
     @abc.abstractmethod

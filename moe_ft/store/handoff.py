@@ -23,9 +23,9 @@ Failures, none of which leaves a torn or corrupt point visible:
   agent refuses to link the index when the trainer that sent the order no longer holds the arena
   (:func:`_writer_holds`): the next attempt's allocator may already have handed the regions out again;
 * the agent is killed before it linked the index: nothing is published; the trainer's client starts another
-  agent and sends the order again, and the new agent writes the same bytes again (sealing is a function of
-  the order); after the link: the index exists, and the order sent again finds it naming the same regions
-  (published, once).
+  agent and sends the order again, and the new agent writes the point again (sealing is a function of the
+  order); after the link: the index exists, and the order sent again finds it naming the order's regions and
+  is answered without a byte written (a published point is never written again).
 """
 
 from __future__ import annotations
@@ -33,16 +33,43 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from moe_ft.state.operators import Level, OperatorId
-from moe_ft.store.arena import ALIGN, ArenaBackend, Region, _read_index, _write_index
+from moe_ft.store.arena import ALIGN as PAGE
+from moe_ft.store.arena import ArenaBackend, Region, _read_index, _write_index
 from moe_ft.store.backend import MANIFEST, pid_alive
-from moe_ft.store.codec import EntryLayout, key_rest, seal_entry, sealed_head, templated_head
+from moe_ft.store.codec import (
+    ALIGN,
+    DTYPES,
+    EntryLayout,
+    WrittenEntry,
+    check_tensor,
+    dtype_name,
+    encode_meta,
+    key_rest,
+    raw_bytes,
+    seal_entry,
+    sealed_head,
+    templated_head,
+    write_entry,
+)
 from moe_ft.store.errors import StoreError
-from moe_ft.store.manifest import EntryRecord, TensorRecord, build_manifest, entry_key
+from moe_ft.store.manifest import (
+    META_BLOB,
+    EntryRecord,
+    TensorRecord,
+    build_manifest,
+    entry_key,
+    entry_record,
+    table_records,
+)
 
 if TYPE_CHECKING:
     from moe_ft.store.retention import RetentionPolicy
@@ -64,6 +91,43 @@ class UnsealedEntry:
     """Each tensor's ``mfh64`` lane sums, from the copy that put it there."""
 
 
+@dataclass(frozen=True)
+class MetaOrder:
+    """The metadata entry, encoded and written by the agent: the trainer pickles its dict (C speed) and copies
+    its small tensors' bytes, instead of JSON-encoding, hashing and writing the entry on its snapshot thread."""
+
+    meta: bytes
+    """``pickle`` of the metadata dict (JSON-able: the agent encodes it as ``put_meta`` would)."""
+    tensors: tuple[tuple[str, str, tuple[int, ...], bytes], ...]
+    """``(name, dtype name, shape, bytes)`` of each tensor, in order."""
+
+    @classmethod
+    def of(cls, meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> "MetaOrder":
+        return cls(pickle.dumps(dict(meta), protocol=pickle.HIGHEST_PROTOCOL),
+                   tuple((name, dtype_name(t.dtype), tuple(t.shape), raw_bytes(check_tensor(name, t)).tobytes())
+                         for name, t in tensors.items()))
+
+    def room(self) -> int:
+        """Bytes the entry takes at most: its JSON is at most 8 bytes per byte of the pickle (a non-ASCII
+        character escaped ``\\uXXXX`` twice over), and each tensor's record and alignment are bounded too."""
+        need = 64 * 1024 + 8 * len(self.meta) + sum(len(data) + 2 * ALIGN + 512 + 8 * len(name) + 24 * len(shape)
+                                                 for name, _, shape, data in self.tensors)
+        return -(-need // PAGE) * PAGE
+
+    def entry(self, iteration: int, checksum: str) -> tuple[bytes, WrittenEntry]:
+        """The entry's bytes (``codec.write_entry``) and record."""
+        meta = pickle.loads(self.meta)
+        tensors = {name: torch.frombuffer(bytearray(data), dtype=DTYPES[dtype]).view(shape) if data
+                   else torch.empty(shape, dtype=DTYPES[dtype]) for name, dtype, shape, data in self.tensors}
+        try:
+            meta_json = encode_meta(meta)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"metadata of iteration {iteration} is not JSON-serialisable: {exc}") from None
+        out = bytearray()
+        written = write_entry(out.extend, entry_key(iteration, None, None), tensors, checksum, meta_json=meta_json)
+        return bytes(out), written
+
+
 @dataclass
 class PublishOrder:
     """What the node agent needs to finish and publish rank ``rank``'s point ``iteration``."""
@@ -83,6 +147,9 @@ class PublishOrder:
     """Every region of the point but the manifest's: the index lists them."""
     manifest_region: Region
     """Where the manifest goes: at most its ``nbytes`` (:func:`manifest_room`)."""
+    meta_order: MetaOrder | None = None
+    """The metadata entry for the agent to write (then :attr:`meta` is ``None``), into :attr:`meta_region`."""
+    meta_region: Region | None = None
     fsync: bool = False
     layouts: dict[int, EntryLayout] = field(default_factory=dict)
     """The layouts this connection has not sent before (the agent keeps those it was sent)."""
@@ -101,7 +168,7 @@ def manifest_room(entries: int, last: int | None) -> int:
     """Bytes to reserve for a manifest of ``entries`` entries: twice the last one's of as many entries (the
     digests and numbers change, the names do not), else 2 KiB an entry; whole pages."""
     need = 2 * last if last else 2048 * (entries + 1)
-    return -(-need // ALIGN) * ALIGN
+    return -(-need // PAGE) * PAGE
 
 
 def _writer_holds(directory: Path, pid: int) -> bool:
@@ -171,10 +238,9 @@ class Finisher:
 
 def finish_point(state: Finisher, order: PublishOrder) -> dict[str, Any]:
     """Seal the order's entries, write its manifest, link its index, then collect garbage by the retention
-    policy. Returns ``{"manifest_nbytes", "deleted"}``. Raises :class:`MissingState` (send it again with all
+    policy. Returns ``{"written": where the manifest (and metadata entry) went, "deleted"}``. Raises :class:`MissingState` (send it again with all
     layouts and the policy), :class:`StoreError` (the manifest does not fit its region; the writer no longer
     holds the arena; the point exists with other regions), ``OSError`` (a full file system)."""
-    from moe_ft.store.store import _table_records  # import cycle: the store imports this module's order
 
     state.layouts.update(order.layouts)
     if order.retention is not None or order.retention_id == 0:
@@ -184,6 +250,11 @@ def finish_point(state: Finisher, order: PublishOrder) -> dict[str, Any]:
         raise MissingState(f"layouts {missing[:3]} or retention policy {order.retention_id} not sent to this agent")
     backend = state.store.backend
     assert isinstance(backend, ArenaBackend)
+    rooms = {name: region for name, region in ((MANIFEST, order.manifest_region), (META_BLOB, order.meta_region))
+             if region is not None}
+    done = handed_over_anyway(backend, order.iteration, order.blobs, rooms)
+    if done is not None:  # sent again after an agent that published it died: published once, nothing rewritten
+        return {"written": done, "deleted": []}
     if state.segments is None:
         state.segments = SegmentWriter(backend.directory)
     entries = list(order.sealed)
@@ -195,52 +266,64 @@ def finish_point(state: Finisher, order: PublishOrder) -> dict[str, Any]:
         written = seal_entry(state.segments.view(e.region), layout, head, order.checksum, e.sums, head_sums)
         records = state.records.get(e.layout)
         if records is None:
-            records = state.records[e.layout] = _table_records(layout.table)
+            records = state.records[e.layout] = table_records(layout.table)
         entries.append(EntryRecord(order.iteration, e.op, e.level, e.blob, written.nbytes, written.checksum, records))
         if order.fsync:
             os.fsync(state.segments.fd(e.region[0]))
-    manifest, record = build_manifest(order.iteration, order.checksum, entries, order.meta, order.remote,
+    meta, blobs = order.meta, dict(order.blobs)
+    if order.meta_order is not None:
+        assert order.meta_region is not None, "a metadata entry goes with its region"
+        data, meta_written = order.meta_order.entry(order.iteration, order.checksum)
+        blobs[META_BLOB] = _put(state.segments, backend, order, order.meta_region, data, "metadata entry")
+        meta = entry_record(order.iteration, None, None, META_BLOB, meta_written)
+    manifest, record = build_manifest(order.iteration, order.checksum, entries, meta, order.remote,
                                       writer_pid=order.writer_pid)
-    seg, off, room = order.manifest_region
-    if len(manifest) > room:
-        raise StoreError(f"{backend.describe()} point {order.iteration}: manifest of {len(manifest)} bytes for a "
-                         f"region of {room}")
-    view = state.segments.view((seg, off, len(manifest)))
-    view[:] = manifest
-    del view
-    if order.fsync:
-        os.fsync(state.segments.fd(seg))
-    blobs = {**order.blobs, MANIFEST: (seg, off, len(manifest))}
+    blobs[MANIFEST] = _put(state.segments, backend, order, order.manifest_region, manifest, "manifest")
     _link(backend, order, blobs)
     state.store._remember(order.iteration, manifest, record)
     deleted = state.store.gc() if state.store.retention is not None else []
-    return {"manifest_nbytes": len(manifest), "deleted": deleted}
+    return {"written": {name: blobs[name] for name in blobs if name not in order.blobs}, "deleted": deleted}
+
+
+def _put(segments: SegmentWriter, backend: ArenaBackend, order: PublishOrder, region: Region, data: bytes,
+         what: str) -> Region:
+    """Write ``data`` at the start of ``region`` (reserved by the trainer for it); returns where it is."""
+    seg, off, room = region
+    if len(data) > room:
+        raise StoreError(f"{backend.describe()} point {order.iteration}: {what} of {len(data)} bytes for a region "
+                         f"of {room}")
+    view = segments.view((seg, off, len(data)))
+    view[:] = data
+    del view
+    if order.fsync:
+        os.fsync(segments.fd(seg))
+    return (seg, off, len(data))
 
 
 def _link(backend: ArenaBackend, order: PublishOrder, blobs: dict[str, Region]) -> None:
-    """Link the index, once: an order sent again after the link finds it naming the same regions."""
+    """Link the index (an order sent again after the link is answered before it writes anything)."""
     if not _writer_holds(backend.directory, order.writer_pid):
         raise StoreError(f"{backend.describe()}: point {order.iteration} not published: its writer (pid "
                          f"{order.writer_pid}) no longer holds the arena (killed, or another process writes it now)")
     try:
         _write_index(backend.points_dir, order.iteration, blobs, replace=False, fsync=order.fsync)
     except FileExistsError:
-        found = _read_index(backend.points_dir / f"{order.iteration:012d}.json")
-        if found != blobs:
-            raise StoreError(f"{backend.describe()}: point {order.iteration} is already published with other "
-                             "regions") from None
+        raise StoreError(f"{backend.describe()}: point {order.iteration} is already published with other "
+                         "regions") from None
 
 
-def handed_over_anyway(backend: Any, iteration: int, blobs: dict[str, Region], manifest: Region) -> Region | None:
-    """After a failed order: the manifest's region when point ``iteration``'s index exists and names exactly
-    ``blobs`` and a manifest at ``manifest``'s place (the publisher linked it, then died or failed), else
-    ``None`` (nothing of the point is visible)."""
+def handed_over_anyway(backend: Any, iteration: int, blobs: dict[str, Region],
+                       rooms: dict[str, Region]) -> dict[str, Region] | None:
+    """After a failed order: where the agent put the blobs it wrote into ``rooms`` (the manifest's, the metadata
+    entry's) when point ``iteration``'s index exists and names exactly ``blobs`` and those blobs at their rooms'
+    places (the publisher linked it, then died or failed), else ``None`` (nothing of the point is visible)."""
     found = _read_index(backend.points_dir / f"{iteration:012d}.json")
-    if found is None or MANIFEST not in found:
+    if found is None or set(found) != set(blobs) | set(rooms):
         return None
-    *place, n = found.pop(MANIFEST)
-    return (manifest[0], manifest[1], n) if found == blobs and tuple(place) == manifest[:2] and n <= manifest[2] else None
+    written = {name: found.pop(name) for name in rooms}
+    fits = all(w[:2] == r[:2] and w[2] <= r[2] for w, r in ((written[n], rooms[n]) for n in rooms))
+    return written if found == blobs and fits else None
 
 
-__all__ = ["Finisher", "MissingState", "PublishOrder", "SegmentWriter", "UnsealedEntry", "finish_point",
+__all__ = ["Finisher", "MetaOrder", "MissingState", "PublishOrder", "SegmentWriter", "UnsealedEntry", "finish_point",
            "handed_over_anyway", "manifest_room"]

@@ -190,6 +190,16 @@ def _overlay(entries: list[EntryRecord], remote: list[EntryRecord]) -> tuple[dic
     return by_op, shadowed
 
 
+def table_records(table) -> tuple[TensorRecord, ...]:
+    """The tensor records of an entry's tensor table (its layout's, or what writing it returned)."""
+    return tuple(TensorRecord(t["name"], t["dtype"], tuple(t["shape"]), t["nbytes"]) for t in table)
+
+
+def entry_record(iteration: int, op: OperatorId | None, level: Level | None, blob: str, written) -> EntryRecord:
+    """The record of an entry as written (``codec.WrittenEntry``: its size, digest and tensor table)."""
+    return EntryRecord(iteration, op, level, blob, written.nbytes, written.checksum, table_records(written.tensors))
+
+
 def build_manifest(iteration: int, algo: str, entries: list[EntryRecord], meta: EntryRecord | None,
                    remote: Sequence[EntryRecord] = (), *, writer_pid: int | None = None) -> tuple[bytes, PointRecord]:
     """The manifest bytes of a point and the :class:`PointRecord` that decoding them gives (without the

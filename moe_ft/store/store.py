@@ -57,7 +57,7 @@ from moe_ft.store.codec import (
     write_entry,
 )
 from moe_ft.store.errors import CorruptEntryError, MissingEntryError, StoreError
-from moe_ft.store.handoff import PublishOrder, UnsealedEntry, handed_over_anyway, manifest_room
+from moe_ft.store.handoff import MetaOrder, PublishOrder, UnsealedEntry, handed_over_anyway, manifest_room
 from moe_ft.store.layouts import open_backend
 from moe_ft.store.manifest import (
     META_BLOB,
@@ -68,6 +68,8 @@ from moe_ft.store.manifest import (
     decode_manifest,
     entry_blob,
     entry_key,
+    entry_record,
+    table_records,
 )
 from moe_ft.store.retention import RetentionPolicy
 from moe_ft.store.rules import EntryRef, RecoveryPoint, RecoveryRule, newest_recoverable
@@ -83,7 +85,7 @@ class Publisher(Protocol):
     def publish(self, order: PublishOrder, layouts: dict[int, EntryLayout],
                 retention: RetentionPolicy | None) -> dict[str, Any]:
         """Send ``order`` (with those of ``layouts`` and ``retention`` the other side lacks); returns its answer
-        (``{"manifest_nbytes", "deleted"}``) once the point is published."""
+        (``{"written", "deleted"}``) once the point is published."""
 
 
 @dataclass(kw_only=True)
@@ -133,15 +135,6 @@ class MetaEntry:
 
     meta: dict[str, Any]
     tensors: dict[str, torch.Tensor]
-
-
-def _table_records(table) -> tuple[TensorRecord, ...]:
-    """The tensor records of an entry's tensor table (its layout's, or what writing it returned)."""
-    return tuple(TensorRecord(t["name"], t["dtype"], tuple(t["shape"]), t["nbytes"]) for t in table)
-
-
-def _records(iteration: int, op: OperatorId | None, level: Level | None, blob: str, written) -> EntryRecord:
-    return EntryRecord(iteration, op, level, blob, written.nbytes, written.checksum, _table_records(written.tensors))
 
 
 def _check_bytes(data: bytes, entry: EntryRecord, algo: str, where: str, what: str) -> None:
@@ -320,6 +313,7 @@ class PendingPoint:
         self._meta: EntryRecord | None = None
         self._remote: dict[OperatorId, EntryRecord] = {}
         self._unsealed: list[tuple[ReservedEntry, list[list[int]]]] = []  # sealed by the publisher (hand_off)
+        self._meta_order: MetaOrder | None = None  # the metadata entry, for the publisher to write
         self._reserved: set[str] = set()
         self._state = "open"
         self.touched = 0
@@ -359,7 +353,7 @@ class PendingPoint:
             return self._copy_hashing(op, level, tensors)
         self._reserve(str(op))
         blob = entry_blob(op, level)
-        record = _records(self.iteration, op, level, blob,
+        record = entry_record(self.iteration, op, level, blob,
                           self._write(blob, entry_key(self.iteration, op, level), tensors))
         with self._lock:
             self._entries[op] = record
@@ -434,20 +428,27 @@ class PendingPoint:
             head, head_sums = sealed_head(laid, key, self._store.checksum)
             digest, _ = entry_digest(laid, head, tensor_sums, head_sums)
             written, payload = WrittenEntry(laid.size, digest.hex(), laid.table), 0
-        record = replace(_records(self.iteration, op, Level.FULL, blob, written), remote=True)
+        record = replace(entry_record(self.iteration, op, Level.FULL, blob, written), remote=True)
         with self._lock:
             self._remote[op] = record
             self.touched += payload
         return record
 
-    def put_meta(self, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None) -> EntryRecord:
-        """Write the iteration's metadata entry: a JSON-able dict (floats round-trip exactly) + tensors."""
+    def put_meta(self, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None) -> EntryRecord | None:
+        """Write the iteration's metadata entry: a JSON-able dict (floats round-trip exactly) + tensors. With a
+        :attr:`SnapshotStore.publisher` the dict is pickled and the tensors' bytes copied, and the publishing
+        process encodes and writes the entry (a dict that is not JSON-able then fails the publish): ``None``."""
+        if self._store.publisher is not None:
+            order = MetaOrder.of(meta, tensors or {})
+            self._reserve("meta")
+            self._meta_order = order
+            return None
         try:
             meta_json = encode_meta(meta)  # encoded once, here: validates, and the header embeds it as is
         except (TypeError, ValueError) as exc:
             raise ValueError(f"metadata of iteration {self.iteration} is not JSON-serialisable: {exc}") from None
         self._reserve("meta")
-        record = _records(self.iteration, None, None, META_BLOB,
+        record = entry_record(self.iteration, None, None, META_BLOB,
                           self._write(META_BLOB, entry_key(self.iteration, None, None), tensors or {}, meta_json,
                                       count=False))
         with self._lock:
@@ -481,8 +482,11 @@ class PendingPoint:
         if its index names this point's regions (the publisher died after the link), else aborted."""
         store, writer = self._store, self._writer
         entries = len(self._entries) + len(self._unsealed) + len(self._remote) + 1
+        rooms = {MANIFEST: manifest_room(entries, store._manifest_bytes.get(entries))}
+        if self._meta_order is not None:
+            rooms[META_BLOB] = self._meta_order.room()
         try:
-            blobs, region = writer.hand_over(manifest_room(entries, store._manifest_bytes.get(entries)))
+            blobs, regions = writer.hand_over(rooms)
         except BaseException:
             self.abort()
             raise
@@ -492,22 +496,23 @@ class PendingPoint:
             unsealed=[UnsealedEntry(e.op, e.level, e.blob, blobs[e.blob], id(e.layout), sums)
                       for e, sums in self._unsealed],
             sealed=list(self._entries.values()), meta=self._meta, remote=list(self._remote.values()), blobs=blobs,
-            manifest_region=region, fsync=getattr(store.backend, "fsync", False))
+            manifest_region=regions[MANIFEST], meta_order=self._meta_order, meta_region=regions.get(META_BLOB),
+            fsync=getattr(store.backend, "fsync", False))
         hook = getattr(store.backend, "_hook", None)
         try:
             if hook is not None:
                 hook("before_commit", self.iteration, "")  # everything copied, nothing published (drills)
-            answer = publisher.publish(order, {id(e.layout): e.layout for e, _ in self._unsealed}, store.retention)
-            manifest = (region[0], region[1], answer["manifest_nbytes"])
+            written = publisher.publish(order, {id(e.layout): e.layout for e, _ in self._unsealed},
+                                        store.retention)["written"]
         except BaseException:
-            found = handed_over_anyway(store.backend, self.iteration, blobs, region)
+            found = handed_over_anyway(store.backend, self.iteration, blobs, regions)
             if found is None:
                 self.abort()
                 raise
-            manifest = found
-        writer.handed_over(manifest)
+            written = found
+        writer.handed_over(written)
         self._state = "published"
-        store._manifest_bytes[entries] = manifest[2]
+        store._manifest_bytes[entries] = written[MANIFEST][2]
         if hook is not None:
             hook("after_commit", self.iteration, "")
         for listener in store.on_publish:
@@ -578,7 +583,7 @@ class SnapshotStore:
         per layout (layouts are immutable; the layout is kept with them, so its id is not reused)."""
         known = self._records_by_layout.get(id(layout))
         if known is None:
-            known = self._records_by_layout[id(layout)] = (layout, _table_records(layout.table))
+            known = self._records_by_layout[id(layout)] = (layout, table_records(layout.table))
         return known[1]
 
     def _remember(self, iteration: int, manifest: bytes, record: PointRecord) -> None:
