@@ -179,3 +179,19 @@ def test_the_flag_needs_the_arena_and_has_moe_ft_launch_start_the_agent():
         SnapshotConfig(publish_by="agent", store_layout="files")
     assert node_agent_of(["--ft", "--ft-store-dir", "/s", "--ft-job-id", "j", "--ft-publish-by", "agent"])[0] == "/s/j/agent"
     assert node_agent_of(["--ft", "--ft-store-dir", "/s", "--ft-job-id", "j"]) is None
+
+
+def test_the_metadata_entry_fits_the_room_reserved_before_it_is_encoded():
+    """The trainer reserves the metadata entry's region from the pickle's size alone: the entry the agent
+    encodes fits it for the metadata that grows most from pickle to JSON (one object referenced many times,
+    booleans, control and non-BMP characters, floats of every length, large integers)."""
+    shared = "s" * 1000
+    metas = [{"rng.python": [3, list(range(624)), None], "lr": 1e-3},
+             {"many": [shared] * 300, "same": [[1.5, 2.5]] * 200},
+             {"flags": [False] * 5000, "nothing": [None] * 5000},
+             {"text": "\x00\x01\x1f" * 3000 + "\U0001F600" * 2000 + "é" * 2000},
+             {"floats": [1 / 3, -1e-310, 1.7976931348623157e308, 2.0 ** -1074] * 500, "big": [2 ** 200] * 200}]
+    for meta in metas:
+        order = MetaOrder.of(meta, {"rng": torch.arange(5), "empty": torch.zeros(0, 3)})
+        data, written = order.entry(7, "mfh64")
+        assert len(data) == written.nbytes <= order.room(), (len(data), order.room())

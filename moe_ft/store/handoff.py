@@ -31,6 +31,7 @@ Failures, none of which leaves a torn or corrupt point visible:
 from __future__ import annotations
 
 import contextlib
+import io
 import mmap
 import os
 import pickle
@@ -103,13 +104,18 @@ class MetaOrder:
 
     @classmethod
     def of(cls, meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> "MetaOrder":
-        return cls(pickle.dumps(dict(meta), protocol=pickle.HIGHEST_PROTOCOL),
-                   tuple((name, dtype_name(t.dtype), tuple(t.shape), raw_bytes(check_tensor(name, t)).tobytes())
-                         for name, t in tensors.items()))
+        out = io.BytesIO()
+        pickler = pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.fast = True  # no memo: an object met twice is pickled twice, as JSON spells it twice (room())
+        pickler.dump(dict(meta))
+        return cls(out.getvalue(), tuple((name, dtype_name(t.dtype), tuple(t.shape),
+                                          raw_bytes(check_tensor(name, t)).tobytes()) for name, t in tensors.items()))
 
     def room(self) -> int:
-        """Bytes the entry takes at most: its JSON is at most 8 bytes per byte of the pickle (a non-ASCII
-        character escaped ``\\uXXXX`` twice over), and each tensor's record and alignment are bounded too."""
+        """Bytes the entry takes at most. Its JSON is at most 8 bytes per byte of the pickle (pickled without a
+        memo): the widest is ``false,`` for the one byte of ``False``, a control character's ``\\u0000`` for its
+        one byte, three times a non-ASCII character's UTF-8 bytes for its escapes; each tensor's record and
+        alignment are bounded too."""
         need = 64 * 1024 + 8 * len(self.meta) + sum(len(data) + 2 * ALIGN + 512 + 8 * len(name) + 24 * len(shape)
                                                  for name, _, shape, data in self.tensors)
         return -(-need // PAGE) * PAGE

@@ -354,7 +354,7 @@ class PendingPoint:
         self._reserve(str(op))
         blob = entry_blob(op, level)
         record = entry_record(self.iteration, op, level, blob,
-                          self._write(blob, entry_key(self.iteration, op, level), tensors))
+                              self._write(blob, entry_key(self.iteration, op, level), tensors))
         with self._lock:
             self._entries[op] = record
         return record
@@ -449,8 +449,8 @@ class PendingPoint:
             raise ValueError(f"metadata of iteration {self.iteration} is not JSON-serialisable: {exc}") from None
         self._reserve("meta")
         record = entry_record(self.iteration, None, None, META_BLOB,
-                          self._write(META_BLOB, entry_key(self.iteration, None, None), tensors or {}, meta_json,
-                                      count=False))
+                              self._write(META_BLOB, entry_key(self.iteration, None, None), tensors or {}, meta_json,
+                                          count=False))
         with self._lock:
             self._meta = record
         return record
