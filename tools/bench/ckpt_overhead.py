@@ -1,6 +1,6 @@
 """Checkpoint overhead of the snapshot policies on a CPU model, side by side in one run.
 
-    python tools/bench/ckpt_overhead.py [--model {tiny,medium}] [--quick] [--json] [--nproc {2,4}] [--two-copies] [--agent-hash] [--xxh3] [--warmup-cycles N] [--data-path PREFIX]
+    python tools/bench/ckpt_overhead.py [--model {tiny,medium}] [--quick] [--json] [--nproc {2,4}] [--two-copies] [--agent-hash] [--agent-publish] [--xxh3] [--warmup-cycles N] [--data-path PREFIX]
         [--policies a,b] [--cycles N] [--control] [--pin-cores] [--profile-worker N --profile-dir DIR]
 
 Models: ``tiny`` (2 layers, hidden 64, 4 experts top-2, seq 64; ~50 ms of CPU per iteration: fixed
@@ -46,6 +46,9 @@ every store holds what its retention keeps) are warm-up. Reported per policy:
   each byte once, the node agent hashes the published points); ``agent_cpu_ms_per_iter`` is the node
   agent process's CPU per iteration of a session whose points an agent hashes (an agent of its own, started
   for it; with ``--ft-checksum-by agent`` every session's) — not in ``cpu_ratio``, which counts the ranks;
+* ``--agent-publish`` adds ``sparse(agent publish)``: sparse with ``--ft-publish-by agent`` (the trainer copies
+  each snapshot into its arena, the node agent seals, publishes and collects it); ``agent_cpu_ms_per_iter`` as
+  above, from the CPU the agent answers each publish with;
 * ``--control`` adds ``none(control)``: a second session without snapshots; its ratios to ``none`` are 1 in
   truth, so what they and their interval show is the measurement's own noise. ``--pin-cores`` binds each
   training process (all its threads) to one core, so that a rank's snapshot thread competes with its own
@@ -82,18 +85,19 @@ POLICIES = ["none", "dense(1)", "dense(k)", "pec", "selective", "sparse"]
 BUBBLES = "sparse(bubbles)"  # sparse with bubble-aware copies (MoEtion Alg. 4): pipeline parallelism only
 TWO_COPIES = "sparse(2 copies)"  # --two-copies: sparse through slot buffers into new files (the path before)
 AGENT_HASH = "sparse(agent hash)"  # --agent-hash: sparse with the node agent hashing the published points
+AGENT_PUBLISH = "sparse(agent publish)"  # --agent-publish: sparse with the node agent sealing and publishing
 XXH3 = "sparse(xxh3_64)"  # --xxh3: sparse hashed with xxh3_64 and then written (two host passes)
 CONTROL = "none(control)"  # --control: a second session without snapshots, the method's own noise
 
 
 def labels(pp: int, two_copies: bool = False, agent_hash: bool = False, only: str = "",
-           control: bool = False, xxh3: bool = False) -> list[str]:
+           control: bool = False, xxh3: bool = False, agent_publish: bool = False) -> list[str]:
     """The sessions compared, in cycling order; ``only`` (``--policies``, comma-separated): just these of
     :data:`POLICIES` (``none`` always, the baseline)."""
     chosen = POLICIES if not only else ["none"] + [p for p in POLICIES[1:] if p in only.split(",")]
     return (chosen + ([BUBBLES] if pp > 1 and (not only or BUBBLES in only.split(",")) else [])
             + ([TWO_COPIES] if two_copies else []) + ([AGENT_HASH] if agent_hash else [])
-            + ([XXH3] if xxh3 else []) + ([CONTROL] if control else []))
+            + ([AGENT_PUBLISH] if agent_publish else []) + ([XXH3] if xxh3 else []) + ([CONTROL] if control else []))
 MODELS = {  # flags, measured cycles (default, --quick)
     "tiny": (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
               "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
@@ -175,6 +179,7 @@ def worker(argv: list[str]) -> int:
             variants[TWO_COPIES] = dict(policy="sparse", sparse_window=WINDOW, snapshot_direct_write=False,
                                         store_recycle=False, store_layout="files")
             variants[AGENT_HASH] = dict(policy="sparse", sparse_window=WINDOW, checksum_by="agent")
+            variants[AGENT_PUBLISH] = dict(policy="sparse", sparse_window=WINDOW, publish_by="agent")
             variants[XXH3] = dict(policy="sparse", sparse_window=WINDOW, store_checksum="xxh3_64")
             variants[CONTROL] = dict(policy="none")
             for s in self.sessions:
@@ -198,6 +203,9 @@ def worker(argv: list[str]) -> int:
                     self.components.append(agent)
                     cpu = self.agent_cpu[name] = []
                     agent.agent_cpu.take = lambda it, s_, cpu=cpu: cpu.append((it, s_))
+                elif s is not None and s.publisher is not None:  # --ft-publish-by agent: its answers carry its CPU
+                    cpu = self.agent_cpu[name] = []
+                    s.publisher.agent_cpu.take = lambda it, s_, cpu=cpu: cpu.append((it, s_))
             if profile_n:  # the sparse session's last snapshots but one (the last is flushed at the end)
                 from tools.bench.worker_profile import WorkerProfiler
 
@@ -317,6 +325,10 @@ def summarize(runtime, out: str, names: list[str], warmup: int = 1) -> None:
             snapshots = sum(1 for t, n in runtime.owner.items() if n == label and t >= first_measured)
             local[label]["agent_cpu_ms_per_iter"] = 1e3 * (state["cpu_s"] - start) / max(snapshots - 1, 1)
             local[label]["agent_verified"] = state["verified"]
+        elif label in runtime.agent_cpu:  # the agent that publishes this session's points: CPU between its answers
+            samples = [cpu for it, cpu in runtime.agent_cpu[label] if it >= first_measured]
+            if len(samples) > 1:
+                local[label]["agent_cpu_ms_per_iter"] = 1e3 * (samples[-1] - samples[0]) / (len(samples) - 1)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     if dist.get_rank() == 0:
@@ -451,6 +463,9 @@ def main() -> int:
     p.add_argument("--agent-hash", action="store_true",
                    help=f"add the session {AGENT_HASH!r}: sparse with --ft-checksum-by agent (the node agent hashes "
                         "the published points), side by side with 'sparse'")
+    p.add_argument("--agent-publish", action="store_true",
+                   help=f"add the session {AGENT_PUBLISH!r}: sparse with --ft-publish-by agent (the trainer copies, the "
+                        "node agent seals, publishes and collects), side by side with 'sparse'")
     p.add_argument("--xxh3", action="store_true",
                    help=f"add the session {XXH3!r}: sparse with --ft-store-checksum xxh3_64 (each entry hashed, then "
                         "written: two host passes; the CPU default before the copy that hashes), side by side "
@@ -493,7 +508,7 @@ def main() -> int:
         if a.warmup_cycles < 1:
             p.error("--warmup-cycles must be >= 1")
         cycles = a.warmup_cycles + (a.cycles or (cycles_quick if a.quick else cycles_default))
-        names = labels(PP[a.nproc], a.two_copies, a.agent_hash, a.policies, a.control, a.xxh3)
+        names = labels(PP[a.nproc], a.two_copies, a.agent_hash, a.policies, a.control, a.xxh3, a.agent_publish)
         if a.profile_worker and "sparse" not in names:
             p.error("--profile-worker profiles the 'sparse' session: add it to --policies")
         iters = cycles * WINDOW * len(names)
