@@ -329,6 +329,7 @@ def summarize(runtime, out: str, names: list[str], warmup: int = 1) -> None:
             samples = [cpu for it, cpu in runtime.agent_cpu[label] if it >= first_measured]
             if len(samples) > 1:
                 local[label]["agent_cpu_ms_per_iter"] = 1e3 * (samples[-1] - samples[0]) / (len(samples) - 1)
+                local[label]["agent_published"] = len(runtime.agent_cpu[label])
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     if dist.get_rank() == 0:
@@ -376,7 +377,9 @@ def summarize(runtime, out: str, names: list[str], warmup: int = 1) -> None:
                                                            / max(sum(g[name]["iterations"] for g in gathered), 1), 2)}
             if "agent_cpu_ms_per_iter" in gathered[0][name]:  # one agent per node, shared by its ranks: its CPU once
                 report[name]["agent_cpu_ms_per_iter"] = round(max(g[name]["agent_cpu_ms_per_iter"] for g in gathered), 3)
-                report[name]["agent_verified_points"] = sum(g[name]["agent_verified"] for g in gathered)
+                for key in ("agent_verified", "agent_published"):  # the points it hashed, or published
+                    if key in gathered[0][name]:
+                        report[name][f"{key}_points"] = sum(g[name][key] for g in gathered)
         report["_setup"] = {"window": WINDOW, "warmup_cycles": warmup, "dense_k": DENSE_K,
                             "iterations": runtime.args.training.train_iters,
                             "ranks": dist.get_world_size(),
