@@ -235,7 +235,6 @@ class Finisher:
     records: dict[int, tuple[TensorRecord, ...]] = field(default_factory=dict)
     retention_id: int = 0
     segments: SegmentWriter | None = None
-    last_manifest: int = 0
 
     def finish(self, order: PublishOrder) -> dict[str, Any]:
         """:func:`finish_point` for this rank."""
@@ -243,10 +242,11 @@ class Finisher:
 
 
 def finish_point(state: Finisher, order: PublishOrder) -> dict[str, Any]:
-    """Seal the order's entries, write its manifest, link its index, then collect garbage by the retention
-    policy. Returns ``{"written": where the manifest (and metadata entry) went, "deleted"}``. Raises :class:`MissingState` (send it again with all
-    layouts and the policy), :class:`StoreError` (the manifest does not fit its region; the writer no longer
-    holds the arena; the point exists with other regions), ``OSError`` (a full file system)."""
+    """Seal the order's entries, write its metadata entry and manifest, link its index, then collect garbage by
+    the retention policy. Returns ``{"written": where the manifest (and metadata entry) went, "deleted"}``.
+    Raises :class:`MissingState` (send it again with all layouts and the policy), :class:`StoreError` (a blob
+    does not fit its region; the writer no longer holds the arena; the point exists with other regions),
+    ``ValueError`` (metadata that is not JSON-able), ``OSError`` (a full file system)."""
 
     state.layouts.update(order.layouts)
     if order.retention is not None or order.retention_id == 0:
