@@ -116,7 +116,7 @@ def test_an_agent_killed_while_it_publishes_leaves_nothing_torn_and_the_point_is
 
 
 def test_an_order_whose_writer_is_gone_is_refused_and_a_linked_one_is_found(tmp_path):
-    """The agent links no index for a trainer that no longer holds the arena (its next attempt may hand the
+    """The agent links no index for a writer after another process took the arena (it may have handed the
     regions out again); a trainer whose order failed after the link finds its point published."""
     store = _store(tmp_path, "j")
     with store.begin(0) as point:
@@ -128,7 +128,7 @@ def test_an_order_whose_writer_is_gone_is_refused_and_a_linked_one_is_found(tmp_
                              writer_pid=os.getpid() + 10 ** 7, unsealed=[], sealed=[], meta=None, remote=[],
                              blobs={}, manifest_region=rooms[MANIFEST], meta_order=meta, meta_region=rooms[META_BLOB])
         finisher = Finisher(_store(tmp_path, "j"))
-        with pytest.raises(StoreError, match="no longer holds the arena"):
+        with pytest.raises(StoreError, match="another process took the arena since its writer"):
             finish_point(finisher, order)
         assert store.points() == [] and handed_over_anyway(store.backend, 0, {}, rooms) is None
         order.writer_pid = os.getpid()
@@ -195,3 +195,56 @@ def test_the_metadata_entry_fits_the_room_reserved_before_it_is_encoded():
         order = MetaOrder.of(meta, {"rng": torch.arange(5), "empty": torch.zeros(0, 3)})
         data, written = order.entry(7, "mfh64")
         assert len(data) == written.nbytes <= order.room(), (len(data), order.room())
+
+
+_KILLED_AFTER_SENDING = r"""
+import os, signal, sys
+import torch
+from moe_ft.agent.client import AgentClient
+from moe_ft.agent.publish import AgentPublisher
+from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store import DenseRule, KeepNewestRecoverable, StoreConfig
+ops = [OperatorId.expert_op(0, e) for e in range(3)]
+store = StoreConfig(root=sys.argv[1], job_id="j", rank=0, layout="arena", checksum="mfh64").build(
+    retention=KeepNewestRecoverable(rule=DenseRule(operators=frozenset(ops))))
+AgentPublisher(store, rank=0, agent_dir=os.path.join(sys.argv[1], "agent"))
+answer = AgentClient._answer
+def killed_once_sent(self, conn, kind):
+    if kind == "publish" and store_point[0] == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # the order is in the agent's socket, the answer never read
+    return answer(self, conn, kind)
+AgentClient._answer = killed_once_sent
+store_point = [0]
+for it in (1, 2):
+    store_point[0] = it
+    with store.begin(it) as point:
+        for op in ops:
+            point.put(op, Level.FULL, {"w": torch.full((300,), float(it))})
+        point.put_meta({"iteration": it})
+        point.publish()
+"""
+
+
+def test_a_trainer_killed_after_it_sent_its_order_has_its_point_published_and_kept(tmp_path):
+    """The trainer is SIGKILLed with its order for point 2 sent and unanswered: the agent publishes it (holding the
+    arena's lock, which the dead trainer released), complete and verified; the next writer's allocator takes its
+    regions as the point's and writes point 3 elsewhere."""
+    import subprocess
+    import sys
+
+    from tests._ft_helpers import ROOT, wait_until
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, "-c", _KILLED_AFTER_SENDING, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9, done.stderr
+    store = _store(tmp_path, "j")
+    wait_until(lambda: store.points() == [2], timeout=30, message=str(store.points()))
+    assert store.verify().problems == ()
+    with store.begin(3) as point:  # a new allocator (this process): point 2's regions are not free to it
+        for op in OPS:
+            point.put(op, Level.FULL, {"w": torch.full((300,), 3.0)})
+        point.put_meta({"iteration": 3})
+        point.publish()
+    assert store.points() == [3] and store.verify().problems == ()  # retention dropped 2 only after 3 was complete
+    assert torch.equal(store.load(3, OPS[0], Level.FULL)["w"], torch.full((300,), 3.0))

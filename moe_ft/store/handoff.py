@@ -19,9 +19,10 @@ retention policy drops by unlinking their indexes; the allocator frees those reg
 Failures, none of which leaves a torn or corrupt point visible:
 
 * the trainer is killed after it sent the order: the copy had ended (the order is sent after it), so the
-  agent publishes a complete point; the allocator of the trainer's next attempt reads it from its index. The
-  agent refuses to link the index when the trainer that sent the order no longer holds the arena
-  (:func:`_writer_holds`): the next attempt's allocator may already have handed the regions out again;
+  agent publishes a complete point, holding the arena's lock while it links the index (:func:`_for_writer`);
+  the allocator of the trainer's next attempt reads it from its index. The agent refuses to link when another
+  process took the arena since (``arena/LOCK`` names another pid): that allocator may have handed the regions
+  out again;
 * the agent is killed before it linked the index: nothing is published; the trainer's client starts another
   agent and sends the order again, and the new agent writes the point again (sealing is a function of the
   order); after the link: the index exists, and the order sent again finds it naming the order's regions and
@@ -31,11 +32,13 @@ Failures, none of which leaves a torn or corrupt point visible:
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import io
 import mmap
 import os
 import pickle
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -177,13 +180,32 @@ def manifest_room(entries: int, last: int | None) -> int:
     return -(-need // PAGE) * PAGE
 
 
-def _writer_holds(directory: Path, pid: int) -> bool:
-    """Whether process ``pid`` is alive and still the arena's allocating process (``arena/LOCK`` names it)."""
+@contextlib.contextmanager
+def _for_writer(directory: Path, pid: int) -> Iterator[bool]:
+    """Whether the regions process ``pid`` allocated are still its to publish, for the duration of the block:
+    ``arena/LOCK`` names it (a process that took the arena since writes its own pid there) and either it still
+    holds the lock, alive, or nobody does and this process holds it for the block (the writer was killed after
+    it sent its order: its regions are still free to no one, and no allocator can start meanwhile)."""
+    if pid == os.getpid():  # published in the writing process itself (a test): it holds the lock; a lock taken and
+        yield True  # closed here would drop it (POSIX record locks belong to the process, not the descriptor)
+        return
     try:
-        holder = (directory / "arena" / "LOCK").read_text().strip()
+        fd = os.open(directory / "arena" / "LOCK", os.O_RDWR)
     except FileNotFoundError:
-        return False
-    return holder == str(pid) and pid_alive(pid)
+        yield False
+        return
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            taken = True
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+            taken = False
+        named = os.pread(fd, 32, 0).decode(errors="replace").strip() == str(pid)
+        yield named and (taken or pid_alive(pid))
+    finally:
+        os.close(fd)  # drops the lock if it was taken here
 
 
 class SegmentWriter:
@@ -308,14 +330,15 @@ def _put(segments: SegmentWriter, backend: ArenaBackend, order: PublishOrder, re
 
 def _link(backend: ArenaBackend, order: PublishOrder, blobs: dict[str, Region]) -> None:
     """Link the index (an order sent again after the link is answered before it writes anything)."""
-    if not _writer_holds(backend.directory, order.writer_pid):
-        raise StoreError(f"{backend.describe()}: point {order.iteration} not published: its writer (pid "
-                         f"{order.writer_pid}) no longer holds the arena (killed, or another process writes it now)")
-    try:
-        _write_index(backend.points_dir, order.iteration, blobs, replace=False, fsync=order.fsync)
-    except FileExistsError:
-        raise StoreError(f"{backend.describe()}: point {order.iteration} is already published with other "
-                         "regions") from None
+    with _for_writer(backend.directory, order.writer_pid) as theirs:
+        if not theirs:
+            raise StoreError(f"{backend.describe()}: point {order.iteration} not published: another process took "
+                             f"the arena since its writer (pid {order.writer_pid}) allocated its regions")
+        try:
+            _write_index(backend.points_dir, order.iteration, blobs, replace=False, fsync=order.fsync)
+        except FileExistsError:
+            raise StoreError(f"{backend.describe()}: point {order.iteration} is already published with other "
+                             "regions") from None
 
 
 def handed_over_anyway(backend: Any, iteration: int, blobs: dict[str, Region],
