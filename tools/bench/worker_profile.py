@@ -50,7 +50,9 @@ def worker_targets(engine) -> list[tuple[object, str, str | Callable[..., str]]]
         (backend, "list_points", "list_points"),
         (store_module.PendingPoint, "put", "point.put"), (store_module.PendingPoint, "put_remote", "put_remote"),
         (store_module.PendingPoint, "put_meta", "put_meta"), (store_module.PendingPoint, "publish", "publish"),
-        (store_module.ReservedEntry, "seal", "entry.seal"), (store_module, "_records", "records"),
+        (store_module.ReservedEntry, "seal", "entry.seal"), (store_module, "entry_record", "records"),
+        (store_module.ReservedEntry, "hand_off", "entry.hand_off"), (store_module.PendingPoint, "_hand_over",
+                                                                     "hand_over"),  # --ft-publish-by agent
         (store_module, "write_entry", "write_entry"), (store_module, "encode_meta", "encode_meta"),
         (store_module, "entry_head", "entry_head"), (store_module, "sealed_head", "sealed_head"),
         (store_module, "seal_entry", "seal_entry"),
