@@ -97,7 +97,7 @@ class AgentPublisher:
         """``retention`` as data the agent can be sent (a sparse rule as its windows: ``portable``)."""
         if windows is None:
             return retention
-        rule = retention.rule  # type: ignore[attr-defined]  # _made_of found a sparse rule
+        rule = retention.rule  # type: ignore[attr-defined]  # _windows found a sparse rule
         return replace(retention, rule=SparseWindowRule.explicit(  # type: ignore[type-var]  # a dataclass
             rule.operators, windows, require_meta=rule.require_meta))
 
