@@ -502,12 +502,9 @@ def main() -> int:
             tempfile.TemporaryDirectory(prefix="moe_ft_bench_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as shm:
         data = a.data_path
         if data is None:
-            from tools.make_corpus import write_corpus
-            from tools.preprocess_data import preprocess
+            from tools.preprocess_data import generated_dataset  # start-up time: only without --data-path
 
-            write_corpus(os.path.join(tmp, "c.jsonl"), num_docs=300, seed=0)
-            preprocess(os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "corpus"), append_eod=True)
-            data = os.path.join(tmp, "corpus")
+            data = generated_dataset(tmp, num_docs=300)
         if a.warmup_cycles < 1:
             p.error("--warmup-cycles must be >= 1")
         cycles = a.warmup_cycles + (a.cycles or (cycles_quick if a.quick else cycles_default))

@@ -110,11 +110,9 @@ def main() -> int:
                 f"{sorted(e for m, e in BUDGETS if m == a.model)}")
     locals_ = ["full", "compute"] if a.local == "both" else [a.local]
     with tempfile.TemporaryDirectory(prefix="optim_recompute_") as tmp:
-        from tools.make_corpus import write_corpus
-        from tools.preprocess_data import preprocess
+        from tools.preprocess_data import generated_dataset  # start-up time: the data is made once, here
 
-        write_corpus(os.path.join(tmp, "c.jsonl"), num_docs=300, seed=0)
-        preprocess(os.path.join(tmp, "c.jsonl"), os.path.join(tmp, "corpus"), append_eod=True)
+        generated_dataset(tmp, num_docs=300)  # <tmp>/corpus, which run() trains on
         runs = {local: run(a, local, tmp) for local in locals_}
     report = {"_setup": {"model": a.model, "experts": a.experts, "iters": a.iters,
                          "budget": BUDGETS[(a.model, a.experts)]}, **runs}
