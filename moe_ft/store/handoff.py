@@ -68,11 +68,9 @@ from moe_ft.store.errors import StoreError
 from moe_ft.store.manifest import (
     META_BLOB,
     EntryRecord,
-    TensorRecord,
     build_manifest,
     entry_key,
     entry_record,
-    table_records,
 )
 
 if TYPE_CHECKING:
@@ -254,7 +252,6 @@ class Finisher:
 
     store: "SnapshotStore"
     layouts: dict[int, EntryLayout] = field(default_factory=dict)
-    records: dict[int, tuple[TensorRecord, ...]] = field(default_factory=dict)
     retention_id: int = 0
     segments: SegmentWriter | None = None
 
@@ -292,10 +289,8 @@ def finish_point(state: Finisher, order: PublishOrder) -> dict[str, Any]:
         head, head_sums = (templated_head(layout, order.iteration, key_rest(key), order.checksum)
                            or sealed_head(layout, key, order.checksum))
         written = seal_entry(state.segments.view(e.region), layout, head, order.checksum, e.sums, head_sums)
-        records = state.records.get(e.layout)
-        if records is None:
-            records = state.records[e.layout] = table_records(layout.table)
-        entries.append(EntryRecord(order.iteration, e.op, e.level, e.blob, written.nbytes, written.checksum, records))
+        entries.append(EntryRecord(order.iteration, e.op, e.level, e.blob, written.nbytes, written.checksum,
+                                   state.store._tensor_records(layout)))
         if order.fsync:
             os.fsync(state.segments.fd(e.region[0]))
     meta, blobs = order.meta, dict(order.blobs)

@@ -515,8 +515,7 @@ class PendingPoint:
         store._manifest_bytes[entries] = written[MANIFEST][2]
         if hook is not None:
             hook("after_commit", self.iteration, "")
-        for listener in store.on_publish:
-            listener(self.iteration)
+        store._after_publish(self.iteration, collected=True)
 
     def abort(self) -> None:
         if self._state != "published":
@@ -707,8 +706,9 @@ class SnapshotStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._verified_dir / name)
 
-    def _after_publish(self, iteration: int) -> None:
-        if self.retention is not None:
+    def _after_publish(self, iteration: int, *, collected: bool = False) -> None:
+        """Garbage collection (unless the publishing process ran it: ``collected``), then the listeners."""
+        if self.retention is not None and not collected:
             self.gc()
         for listener in self.on_publish:
             listener(iteration)
