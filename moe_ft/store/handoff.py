@@ -57,11 +57,7 @@ from moe_ft.store.codec import (
     check_tensor,
     dtype_name,
     encode_meta,
-    key_rest,
     raw_bytes,
-    seal_entry,
-    sealed_head,
-    templated_head,
     write_entry,
 )
 from moe_ft.store.errors import StoreError
@@ -71,6 +67,7 @@ from moe_ft.store.manifest import (
     build_manifest,
     entry_key,
     entry_record,
+    seal_from_sums,
 )
 
 if TYPE_CHECKING:
@@ -285,10 +282,8 @@ def finish_point(state: Finisher, order: PublishOrder) -> dict[str, Any]:
     entries = list(order.sealed)
     for e in order.unsealed:
         layout = state.layouts[e.layout]
-        key = entry_key(order.iteration, e.op, e.level)
-        head, head_sums = (templated_head(layout, order.iteration, key_rest(key), order.checksum)
-                           or sealed_head(layout, key, order.checksum))
-        written = seal_entry(state.segments.view(e.region), layout, head, order.checksum, e.sums, head_sums)
+        written = seal_from_sums(state.segments.view(e.region), layout, order.iteration, e.op, e.level,
+                                 order.checksum, e.sums)
         entries.append(EntryRecord(order.iteration, e.op, e.level, e.blob, written.nbytes, written.checksum,
                                    state.store._tensor_records(layout)))
         if order.fsync:

@@ -14,7 +14,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from moe_ft.state.operators import Level, OperatorId
-from moe_ft.store.codec import new_checksum
+from moe_ft.store.codec import (
+    EntryLayout,
+    WrittenEntry,
+    key_rest,
+    new_checksum,
+    seal_entry,
+    sealed_head,
+    templated_head,
+)
 from moe_ft.store.errors import CorruptEntryError
 
 FORMAT = "moe-ft-store/1"
@@ -33,6 +41,23 @@ def entry_key(iteration: int, op: OperatorId | None, level: Level | None) -> dic
         return {"iteration": iteration, "kind": "meta"}
     assert level is not None, "an operator's entry has a level"
     return {"iteration": iteration, "operator": str(op), "level": level.name}
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def operator_key_rest(op: OperatorId, level: Level) -> Any:
+    """:func:`~moe_ft.store.codec.key_rest` of the key of ``op``'s entry at ``level`` (what its header
+    template is found by; the same at every iteration)."""
+    return key_rest(entry_key(0, op, level))
+
+
+def seal_from_sums(region: memoryview, layout: EntryLayout, iteration: int, op: OperatorId, level: Level, algo: str,
+                   tensor_sums: list[list[int]]) -> WrittenEntry:
+    """Seal the entry (``iteration``, ``op``, ``level``) whose tensors' bytes are in place in ``region`` from
+    their ``mfh64`` lane sums (``codec.seal_entry``): the header from the layout's template when it has one (no
+    key built), else encoded and summed. The trainer's store and the node agent (``handoff``) both seal so."""
+    head, head_sums = (templated_head(layout, iteration, operator_key_rest(op, level), algo)
+                       or sealed_head(layout, entry_key(iteration, op, level), algo))
+    return seal_entry(region, layout, head, algo, tensor_sums, head_sums)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ Reader side (recovery, ``moe-ft inspect``)::
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import io
 import json
@@ -46,13 +45,11 @@ from moe_ft.store.codec import (
     encode_meta,
     entry_digest,
     entry_head,
-    key_rest,
     layout_entry,
     new_checksum,
     read_entry,
     seal_entry,
     sealed_head,
-    templated_head,
     tensor_specs,
     write_entry,
 )
@@ -69,6 +66,7 @@ from moe_ft.store.manifest import (
     entry_blob,
     entry_key,
     entry_record,
+    seal_from_sums,
     table_records,
 )
 from moe_ft.store.retention import RetentionPolicy
@@ -221,13 +219,6 @@ def _discard(buf) -> None:
     """A sink that keeps nothing (``put_remote`` hashes an entry without storing it)."""
 
 
-@functools.lru_cache(maxsize=1 << 14)
-def _operator_key_rest(op: OperatorId, level: Level) -> Any:
-    """:func:`~moe_ft.store.codec.key_rest` of the key of ``op``'s entry at ``level`` (what its header
-    template is found by; the same at every iteration)."""
-    return key_rest(entry_key(0, op, level))
-
-
 class ReservedEntry:
     """An operator's entry laid out in a mapped store region (:meth:`PendingPoint.reserve`): copy the
     tensors' bytes into their places (:meth:`byte_views`, or the typed :attr:`views`; a device-to-host copy
@@ -266,14 +257,13 @@ class ReservedEntry:
         copied (the host then reads no payload byte); ``None``: hash the region on the host."""
         point = self._point
         algo = point._store.checksum
-        if tensor_sums is None:  # the region is hashed whole on the host
-            head, head_sums = entry_head(self.layout, entry_key(point.iteration, self.op, self.level), algo), None
-        else:  # the header from the layout's template when it has one (no key built: every entry, every point)
-            head, head_sums = (templated_head(self.layout, point.iteration, _operator_key_rest(self.op, self.level), algo)
-                               or sealed_head(self.layout, entry_key(point.iteration, self.op, self.level), algo))
         # the region is a flat uint8 tensor: its bytes without raw_bytes's reshape and view
         region = memoryview(self._region.numpy()).cast("B")  # type: ignore[arg-type]  # see raw_bytes
-        written = seal_entry(region, self.layout, head, algo, tensor_sums, head_sums)
+        if tensor_sums is None:  # the region is hashed whole on the host
+            head = entry_head(self.layout, entry_key(point.iteration, self.op, self.level), algo)
+            written = seal_entry(region, self.layout, head, algo)
+        else:
+            written = seal_from_sums(region, self.layout, point.iteration, self.op, self.level, algo, tensor_sums)
         point._writer.mapped_done(self.blob)
         record = EntryRecord(point.iteration, self.op, self.level, self.blob, written.nbytes, written.checksum,
                              point._store._tensor_records(self.layout))

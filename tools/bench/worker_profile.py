@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from moe_ft.snapshot import engine as engine_module
-from moe_ft.store import arena, codec, entry_hash, local, retention
+from moe_ft.store import arena, codec, entry_hash, local, manifest, retention
 from moe_ft.store import store as store_module
 from tools.bench.submit_profile import Breakdown, wrapped
 
@@ -54,8 +54,8 @@ def worker_targets(engine) -> list[tuple[object, str, str | Callable[..., str]]]
         (store_module.ReservedEntry, "hand_off", "entry.hand_off"), (store_module.PendingPoint, "_hand_over",
                                                                      "hand_over"),  # --ft-publish-by agent
         (store_module, "write_entry", "write_entry"), (store_module, "encode_meta", "encode_meta"),
-        (store_module, "entry_head", "entry_head"), (store_module, "sealed_head", "sealed_head"),
-        (store_module, "seal_entry", "seal_entry"),
+        (store_module, "entry_head", "entry_head"), (store_module, "seal_entry", "seal_entry"),
+        (manifest, "sealed_head", "sealed_head"), (manifest, "seal_entry", "seal_entry"),
         (store_module, "entry_digest", "entry_digest"), (codec, "entry_digest", "entry_digest"),
         (store_module, "build_manifest", "build_manifest"),
         (arena._ArenaWriter, "commit", "commit"), (local._LocalWriter, "commit", "commit"),
