@@ -22,7 +22,7 @@ from typing import Any
 from moe_ft.agent.client import AgentClient, AgentCpu
 from moe_ft.store import SnapshotStore
 from moe_ft.store.codec import EntryLayout
-from moe_ft.store.handoff import MissingState, PublishOrder
+from moe_ft.store.handoff import EntryKind, MissingState, PublishOrder
 from moe_ft.store.retention import RetentionPolicy
 from moe_ft.store.rules import SparseWindowRule
 
@@ -44,6 +44,7 @@ class AgentPublisher:
         self.agent_cpu = AgentCpu()
         self.published = 0
         self._agent: int | None = None  # the agent that holds what was sent
+        self._kinds: set[int] = set()
         self._layouts: set[int] = set()
         # the policy last sent (kept: its id is not given to another while it is compared), its windows, its number
         self._retention: tuple[RetentionPolicy | None, tuple | None, int] = (None, None, 0)
@@ -51,14 +52,18 @@ class AgentPublisher:
         store.shared_pins = True  # the agent's garbage collection must see this process's readers
         self.store = store
 
-    def publish(self, order: PublishOrder, layouts: dict[int, EntryLayout],
+    def publish(self, order: PublishOrder, kinds: list[tuple[EntryKind, EntryLayout]],
                 retention: RetentionPolicy | None) -> dict[str, Any]:
-        """Send ``order`` with what the agent lacks; returns its answer once the point is published."""
+        """Send ``order`` with what the agent lacks of its entries' ``kinds`` and layouts and of ``retention``;
+        returns its answer once the point is published."""
         for attempt in (0, 1):
             if attempt or self.client.pid != self._agent:
+                self._kinds.clear()
                 self._layouts.clear()
                 self._retention = (None, None, 0)
-            order.layouts = {k: v for k, v in layouts.items() if k not in self._layouts}
+            order.kinds = {id(kind): kind for kind, _ in kinds if id(kind) not in self._kinds}
+            order.layouts = {kind.layout: layout for kind, layout in kinds
+                             if id(kind) in order.kinds and kind.layout not in self._layouts} if order.kinds else {}
             sent, sent_windows, number = self._retention
             windows = self._windows(retention, order.iteration)
             if retention is None:
@@ -76,6 +81,7 @@ class AgentPublisher:
                     raise exc.__cause__ from None  # e.g. a full store: the engine pauses snapshots
                 raise
             self._agent = self.client.pid
+            self._kinds.update(order.kinds)
             self._layouts.update(order.layouts)
             self._retention = (retention, windows, order.retention_id)
             self.published += 1

@@ -76,18 +76,22 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class UnsealedEntry:
-    """An operator entry whose tensors' bytes are in place in ``region`` and whose lane sums are known: the
-    agent writes its header, padding and digest around them (``moe_ft.store.codec.seal_entry``)."""
+class EntryKind:
+    """An operator entry as it is at every point that holds it (its operator, level, blob and layout): sent to
+    the agent once (:attr:`PublishOrder.kinds`), then named by number in :attr:`PublishOrder.unsealed`."""
 
     op: OperatorId
     level: Level
     blob: str
-    region: Region
     layout: int
     """The id of its :class:`~moe_ft.store.codec.EntryLayout` in :attr:`PublishOrder.layouts` (or sent before)."""
-    sums: list[list[int]]
-    """Each tensor's ``mfh64`` lane sums, from the copy that put it there."""
+
+
+Unsealed = tuple[int, list[list[int]]]
+"""An operator entry whose tensors' bytes are in place in its region (``PublishOrder.blobs[kind.blob]``):
+``(the number of its EntryKind, each tensor's mfh64 lane sums from the copy that put it there)``; the agent
+writes its header, padding and digest around them (``moe_ft.store.codec.seal_entry``). Plain data: an order
+is pickled on the trainer's snapshot thread at every point."""
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,7 @@ class PublishOrder:
     checksum: str
     writer_pid: int
     """The trainer process that allocated the regions (and must still hold the arena when the index is linked)."""
-    unsealed: list[UnsealedEntry]
+    unsealed: list[Unsealed]
     sealed: list[EntryRecord]
     """Entries the trainer wrote whole (digest included): the metadata entry's too, in :attr:`meta`."""
     meta: EntryRecord | None
@@ -155,8 +159,10 @@ class PublishOrder:
     """The metadata entry for the agent to write (then :attr:`meta` is ``None``), into :attr:`meta_region`."""
     meta_region: Region | None = None
     fsync: bool = False
+    kinds: dict[int, EntryKind] = field(default_factory=dict)
+    """The entry kinds this publisher has not sent before (the agent keeps those it was sent)."""
     layouts: dict[int, EntryLayout] = field(default_factory=dict)
-    """The layouts this connection has not sent before (the agent keeps those it was sent)."""
+    """The layouts of :attr:`kinds` this publisher has not sent before."""
     retention: "RetentionPolicy | None" = None
     """Garbage collection's policy, when it changed since the last order (``None``: the last one sent)."""
     retention_id: int = 0
@@ -164,8 +170,8 @@ class PublishOrder:
 
 
 class MissingState(LookupError):
-    """The agent lacks a layout or the retention policy an order refers to (it was started again since): the
-    trainer sends the order again with all of them."""
+    """The agent lacks an entry kind, a layout or the retention policy an order refers to (it was started again
+    since): the trainer sends the order again with all of them."""
 
 
 def manifest_room(entries: int, last: int | None) -> int:
@@ -248,6 +254,7 @@ class Finisher:
     it publishes into (a reader of the trainer's arena, pinning as other processes do) and its mappings."""
 
     store: "SnapshotStore"
+    kinds: dict[int, EntryKind] = field(default_factory=dict)
     layouts: dict[int, EntryLayout] = field(default_factory=dict)
     retention_id: int = 0
     segments: SegmentWriter | None = None
@@ -264,12 +271,16 @@ def finish_point(state: Finisher, order: PublishOrder) -> dict[str, Any]:
     does not fit its region; the writer no longer holds the arena; the point exists with other regions),
     ``ValueError`` (metadata that is not JSON-able), ``OSError`` (a full file system)."""
 
+    state.kinds.update(order.kinds)
     state.layouts.update(order.layouts)
     if order.retention is not None or order.retention_id == 0:
         state.store.retention, state.retention_id = order.retention, order.retention_id
-    missing = [e.layout for e in order.unsealed if e.layout not in state.layouts]
+    kinds = [state.kinds.get(kind) for kind, _ in order.unsealed]
+    missing = [kind for (kind, _), known in zip(order.unsealed, kinds) if known is None or known.layout not in
+               state.layouts]
     if missing or state.retention_id != order.retention_id:
-        raise MissingState(f"layouts {missing[:3]} or retention policy {order.retention_id} not sent to this agent")
+        raise MissingState(f"entry kinds {missing[:3]} or retention policy {order.retention_id} not sent to this "
+                           "agent")
     backend = state.store.backend
     assert isinstance(backend, ArenaBackend)
     rooms = {name: region for name, region in ((MANIFEST, order.manifest_region), (META_BLOB, order.meta_region))
@@ -280,14 +291,15 @@ def finish_point(state: Finisher, order: PublishOrder) -> dict[str, Any]:
     if state.segments is None:
         state.segments = SegmentWriter(backend.directory)
     entries = list(order.sealed)
-    for e in order.unsealed:
-        layout = state.layouts[e.layout]
-        written = seal_from_sums(state.segments.view(e.region), layout, order.iteration, e.op, e.level,
-                                 order.checksum, e.sums)
-        entries.append(EntryRecord(order.iteration, e.op, e.level, e.blob, written.nbytes, written.checksum,
+    for kind, (_, sums) in zip(kinds, order.unsealed):
+        assert kind is not None  # MissingState above
+        layout, region = state.layouts[kind.layout], order.blobs[kind.blob]
+        written = seal_from_sums(state.segments.view(region), layout, order.iteration, kind.op, kind.level,
+                                 order.checksum, sums)
+        entries.append(EntryRecord(order.iteration, kind.op, kind.level, kind.blob, written.nbytes, written.checksum,
                                    state.store._tensor_records(layout)))
         if order.fsync:
-            os.fsync(state.segments.fd(e.region[0]))
+            os.fsync(state.segments.fd(region[0]))
     meta, blobs = order.meta, dict(order.blobs)
     if order.meta_order is not None:
         assert order.meta_region is not None, "a metadata entry goes with its region"
@@ -344,5 +356,5 @@ def handed_over_anyway(backend: Any, iteration: int, blobs: dict[str, Region],
     return written if found == blobs and fits else None
 
 
-__all__ = ["Finisher", "MetaOrder", "MissingState", "PublishOrder", "SegmentWriter", "UnsealedEntry", "finish_point",
+__all__ = ["EntryKind", "Finisher", "MetaOrder", "MissingState", "PublishOrder", "SegmentWriter", "Unsealed", "finish_point",
            "handed_over_anyway", "manifest_room"]

@@ -54,7 +54,7 @@ from moe_ft.store.codec import (
     write_entry,
 )
 from moe_ft.store.errors import CorruptEntryError, MissingEntryError, StoreError
-from moe_ft.store.handoff import MetaOrder, PublishOrder, UnsealedEntry, handed_over_anyway, manifest_room
+from moe_ft.store.handoff import EntryKind, MetaOrder, PublishOrder, handed_over_anyway, manifest_room
 from moe_ft.store.layouts import open_backend
 from moe_ft.store.manifest import (
     META_BLOB,
@@ -80,10 +80,10 @@ class Publisher(Protocol):
 
     rank: int
 
-    def publish(self, order: PublishOrder, layouts: dict[int, EntryLayout],
+    def publish(self, order: PublishOrder, kinds: list[tuple[EntryKind, EntryLayout]],
                 retention: RetentionPolicy | None) -> dict[str, Any]:
-        """Send ``order`` (with those of ``layouts`` and ``retention`` the other side lacks); returns its answer
-        (``{"written", "deleted"}``) once the point is published."""
+        """Send ``order`` (with those of its entries' ``kinds`` and layouts and ``retention`` the other side
+        lacks); returns its answer (``{"written", "deleted"}``) once the point is published."""
 
 
 @dataclass(kw_only=True)
@@ -277,8 +277,9 @@ class ReservedEntry:
         point (:attr:`SnapshotStore.publisher`, the node agent), with the tensors' ``mfh64`` lane sums."""
         point = self._point
         point._writer.mapped_done(self.blob)
+        kind = point._store._entry_kind(self.op, self.level, self.blob, self.layout)
         with point._lock:
-            point._unsealed.append((self, tensor_sums))
+            point._unsealed.append((kind, self.layout, tensor_sums))
 
     def finish(self, tensor_sums: list[list[int]]) -> EntryRecord | None:
         """:meth:`hand_off` when the store's points are published by another process, else :meth:`seal`
@@ -302,7 +303,7 @@ class PendingPoint:
         self._entries: dict[OperatorId, EntryRecord] = {}
         self._meta: EntryRecord | None = None
         self._remote: dict[OperatorId, EntryRecord] = {}
-        self._unsealed: list[tuple[ReservedEntry, list[list[int]]]] = []  # sealed by the publisher (hand_off)
+        self._unsealed: list[tuple[EntryKind, EntryLayout, list[list[int]]]] = []  # sealed by the publisher (hand_off)
         self._meta_order: MetaOrder | None = None  # the metadata entry, for the publisher to write
         self._reserved: set[str] = set()
         self._state = "open"
@@ -483,8 +484,7 @@ class PendingPoint:
         order = PublishOrder(
             rank=publisher.rank, store_dir=store.backend.describe(), iteration=self.iteration, checksum=store.checksum,
             writer_pid=os.getpid(),
-            unsealed=[UnsealedEntry(e.op, e.level, e.blob, blobs[e.blob], id(e.layout), sums)
-                      for e, sums in self._unsealed],
+            unsealed=[(id(kind), sums) for kind, _, sums in self._unsealed],
             sealed=list(self._entries.values()), meta=self._meta, remote=list(self._remote.values()), blobs=blobs,
             manifest_region=regions[MANIFEST], meta_order=self._meta_order, meta_region=regions.get(META_BLOB),
             fsync=getattr(store.backend, "fsync", False))
@@ -492,7 +492,7 @@ class PendingPoint:
         try:
             if hook is not None:
                 hook("before_commit", self.iteration, "")  # everything copied, nothing published (drills)
-            written = publisher.publish(order, {id(e.layout): e.layout for e, _ in self._unsealed},
+            written = publisher.publish(order, [(kind, layout) for kind, layout, _ in self._unsealed],
                                         store.retention)["written"]
         except BaseException:
             found = handed_over_anyway(store.backend, self.iteration, blobs, regions)
@@ -554,6 +554,7 @@ class SnapshotStore:
         self._written: dict[int, tuple[bytes, PointRecord]] = {}
         self._layouts: dict[tuple, EntryLayout] = {}  # entries laid out for copies in place, by blob and shapes
         self._records_by_layout: dict[int, tuple[EntryLayout, tuple[TensorRecord, ...]]] = {}
+        self._kinds: dict[tuple[str, int], EntryKind] = {}  # by blob and layout id (layouts are never dropped)
 
     def __repr__(self) -> str:
         return f"SnapshotStore({self.backend.describe()})"
@@ -574,6 +575,15 @@ class SnapshotStore:
         if known is None:
             known = self._records_by_layout[id(layout)] = (layout, table_records(layout.table))
         return known[1]
+
+    def _entry_kind(self, op: OperatorId, level: Level, blob: str, layout: EntryLayout) -> EntryKind:
+        """What the publisher is told of an entry of ``layout`` once (:class:`~moe_ft.store.handoff.EntryKind`),
+        made once per blob and layout (kept: its id names it in every order)."""
+        key = (blob, id(layout))  # layouts are cached for the store's life: their ids are not reused
+        kind = self._kinds.get(key)
+        if kind is None:
+            kind = self._kinds[key] = EntryKind(op, level, blob, id(layout))
+        return kind
 
     def _remember(self, iteration: int, manifest: bytes, record: PointRecord) -> None:
         with self._lock:
