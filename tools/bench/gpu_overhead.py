@@ -164,6 +164,8 @@ class _Timed:
                        "path": "mapped" if mapped is not None else f"staged ({getattr(engine, 'mapped_off', '')})",
                        "pinning": mapped.pinned.failed or "ok" if mapped is not None else "",
                        "switch_interval_s": sys.getswitchinterval(), **probe,
+                       # --ft-publish-by agent: the points the node agent published, its CPU per iteration
+                       "agent": session.metrics() if hasattr(session, "metrics") else {},
                        "trace": self.tracer.summary if self.tracer is not None else None}, f)
 
 
@@ -290,6 +292,8 @@ def _summary(run: dict, warmup: int) -> dict:
         else:
             out["gc"] = gc_times
     out["switch_interval_s"] = run.get("switch_interval_s")
+    if run.get("agent"):
+        out["agent"] = run["agent"]
     if interleaved is not None:
         out["interleaved"] = interleaved
         if run["window"]:
@@ -370,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
            a.paced, *a.kernel_copy) < 0:
         p.error("--interleave, --profile-submit, --profile-worker, --trace-blocks, --switch-interval, --gil-probe, "
                 "--paced and --kernel-copy take values >= 0")
+    if not os.path.isdir(a.store_root):
+        p.error(f"--store-root {a.store_root} is not a directory (a tmpfs such as /dev/shm, where the stores go)")
     if a.publish_agent and not a.kernel_copy:
         p.error("--publish-agent adds a launch to each --kernel-copy launch: name --kernel-copy PROGRAMS")
     if a.skip_default and not (a.staged or a.paced or a.kernel_copy or a.steps):
