@@ -17,8 +17,8 @@
 # path costs, one launch each), decide (tests/gpu/test_gpu_mapped.py, then the one DMA copy against the kernel's
 # copy in 320-iteration launches, then the kernel's copy with sys.setswitchinterval(0.0005); ~8 minutes on an
 # H200), hooks (tools/bench/ft_hooks.py: the training thread's time in each FT hook and its steps, the copy by
-# the copy engine and by the kernel; ~2 minutes), agent (the kernel's copy, each point published by the trainer
-# and by the node agent, --ft-publish-by agent; ~6 minutes). Not in the default list: STAGES="agent hooks decide
+# the copy engine and by the kernel; ~2 minutes), agent (tests/gpu/test_gpu_mapped.py, then the kernel's copy, each
+# point published by the trainer and by the node agent, --ft-publish-by agent; ~7 minutes). Not in the default list: STAGES="agent hooks decide
 # pace steps interleave cpubound" runs them.
 # Each stage writes OUT_DIR/<file>.json or .log and its stderr to <file>.err; the tests' numbers land in OUT_DIR/results/*.json.
 set -u
@@ -79,8 +79,11 @@ stage decide gpu_decide.json $PY -m tools.bench.gpu_overhead --store-root "$STOR
 stage decide gpu_switch.json $PY -m tools.bench.gpu_overhead --store-root "$STORE" --log-dir "$OUT/switch" \
   --iters 320 --warmup 64 --windows 8 --interleave 8 --kernel-copy 16 --skip-none --skip-default \
   --switch-interval 0.0005 --gil-probe
-# agent: the kernel's copy with each point sealed and published by the trainer, then by the node agent
-# (--ft-publish-by agent), alternating in launches of 320 iterations; the hooks with the agent publishing (~6 min)
+# agent: the mapped path's GPU tests first (the agent publishing the kernel's copies, bitwise, has not run on a
+# device), then the kernel's copy with each point sealed and published by the trainer, then by the node agent
+stage agent mapped_agent.log $PY -m pytest -q -p no:cacheprovider -rs -s --basetemp="$STORE/pt-gpu-agent" \
+  -m gpu tests/gpu/test_gpu_mapped.py
+# (--ft-publish-by agent), alternating in launches of 320 iterations; the hooks with the agent publishing (~7 min)
 stage agent gpu_agent.json $PY -m tools.bench.gpu_overhead --store-root "$STORE" --log-dir "$OUT/agent" \
   --iters 320 --warmup 64 --windows 8 --interleave 8 --kernel-copy 16 --publish-agent --skip-none --skip-default \
   --gil-probe
