@@ -106,8 +106,8 @@ def test_breakdown_times_the_mapped_issue_by_call_path_and_puts_everything_back(
     store = StoreConfig(root=str(tmp_path), job_id="j", rank=0, checksum="mfh64", layout="arena").build(
         retention=KeepAll())
     engine = SnapshotEngine(EngineConfig(num_slots=1), registry, store)
-    classes = [(store_module.PendingPoint, "reserve"), (store_module.PendingPoint, "layout"),
-               (store_module.ReservedEntry, "byte_views"), (arena._ArenaWriter, "map_blob"),
+    classes = [(store_module.PendingPoint, "reserve_all"), (store_module.PendingPoint, "layout"),
+               (store_module.ReservedEntry, "byte_views"), (arena._ArenaWriter, "map_blobs"),
                (entry_hash_triton.TensorTable, "launch")]
     before = [vars(cls)[attr] for cls, attr in classes] + [torch._foreach_copy_, entry_hash_triton.device_lane_sums]
     try:
@@ -118,10 +118,11 @@ def test_breakdown_times_the_mapped_issue_by_call_path_and_puts_everything_back(
         with wrapped(_targets(engine), breakdown):
             engine.mapped.issue(0, 0, items, frozenset()).point.abort()
         calls = dict(breakdown.calls)
-        assert calls["mapped.issue"] == 1 and calls["mapped.issue/reserve"] == len(ops)
+        assert calls["mapped.issue"] == calls["mapped.issue/reserve_all"] == 1  # every entry's region at once
+        assert calls["mapped.issue/reserve_all/layout"] == len(ops)
         assert calls["mapped.issue/byte_views"] == calls["mapped.issue/prep"] == len(ops)
-        assert {"mapped.issue/store.begin/list_points", "mapped.issue/store.begin/begin_point",
-                "mapped.issue/reserve/layout", "mapped.issue/reserve/map_blob", "mapped.issue/pinned.refresh",
+        assert {"mapped.issue/store.begin/has_point", "mapped.issue/store.begin/begin_point",
+                "mapped.issue/reserve_all/map_blobs", "mapped.issue/pinned.refresh",
                 "mapped.issue/foreach_copy_(non_blocking)", "mapped.issue/hash_plan", "mapped.issue/slot_rows",
                 "mapped.issue/hash/table.launch"} <= set(calls)
         # every wrapper is gone again: classes and modules hold their own functions, instances nothing of theirs

@@ -286,6 +286,10 @@ def test_gc_keeps_newest_complete_point_and_pins(harness):
 def test_republishing_after_rollback(store):
     publish(store, 1, {E0: Level.FULL})
     publish(store, 2, {E0: Level.FULL})
+    assert [store.backend.has_point(i) for i in (0, 1, 2, 3)] == [False, True, True, False]
+    with pytest.raises(ValueError, match="already published"):
+        store.begin(2)  # a published point is not snapshotted again before the rollback discards it
     store.discard_after(1)
+    assert [store.backend.has_point(i) for i in (1, 2)] == [True, False]
     publish(store, 2, {E0: Level.COMPUTE})
     assert store.catalog().level(2, E0) == Level.COMPUTE

@@ -257,12 +257,15 @@ class MappedCopier:
         point = self.store.begin(iteration)
         job = MappedJob(point=point, reserved=[])
         try:
+            local: list[_Prep] = []
             for entry in items:
                 prep = self._prep(entry)
                 if entry.level == Level.FULL and entry.op in remote_ops:
                     job.remote.append((point.layout(entry.op, Level.FULL, prep.specs), prep))
                 else:
-                    job.reserved.append((point.reserve(entry.op, entry.level, prep.like, prep.specs), prep))
+                    local.append(prep)
+            reserved = point.reserve_all([(p.entry.op, p.entry.level, None, p.specs) for p in local])
+            job.reserved = list(zip(reserved, local))
         except BaseException:
             point.abort()
             raise

@@ -212,27 +212,35 @@ class _Allocator:
             self.open_tokens.add(token)
 
     def allocate(self, nbytes: int, token: int) -> Region:
-        need = _align(nbytes)
+        return self.allocate_many((nbytes,), token)[0]
+
+    def allocate_many(self, sizes, token: int) -> list[Region]:
+        """A region of each of ``sizes`` bytes for writer ``token``, under one hold of the lock."""
         with self.lock:
             if token not in self.open_tokens:  # a thread still writing for an aborted point must not take regions
                 raise StoreError(f"{self.directory}: a region was asked for a point writer that was already "
                                  "published or aborted (a write that outlived its point)")
+            return [self._allocate(nbytes, token) for nbytes in sizes]
+
+    def _allocate(self, nbytes: int, token: int) -> Region:
+        """Best fit, else what other processes freed, else a new segment (the lock is held)."""
+        need = _align(nbytes)
+        slot = self._best_fit(need)
+        if slot is None:
+            self._reclaim()
             slot = self._best_fit(need)
-            if slot is None:
-                self._reclaim()
-                slot = self._best_fit(need)
-            if slot is None:
-                self._grow(need)
-                slot = self._best_fit(need)
-            assert slot is not None
-            seg, off, size = self._free[slot]
-            if size == need:
-                del self._free[slot]
-            else:
-                self._free[slot] = [seg, off + need, size - need]
-            region = (seg, off, nbytes)
-            self.pending.setdefault(token, []).append(region)
-            return region
+        if slot is None:
+            self._grow(need)
+            slot = self._best_fit(need)
+        assert slot is not None
+        seg, off, size = self._free[slot]
+        if size == need:
+            del self._free[slot]
+        else:
+            self._free[slot] = [seg, off + need, size - need]
+        region = (seg, off, nbytes)
+        self.pending.setdefault(token, []).append(region)
+        return region
 
     def _best_fit(self, need: int) -> int | None:
         best = None
@@ -543,11 +551,15 @@ class _ArenaWriter(PointWriter):
         self._check_open(name)
         return _RegionSink(self, name)
 
-    def map_blob(self, name: str, nbytes: int) -> torch.Tensor:
-        self._check_open(name)
-        seg, off, _ = region = self.allocate(nbytes)
-        self.closed(name, region)
-        return self.alloc.mapping(seg)[off:off + nbytes]
+    def map_blobs(self, blobs: list[tuple[str, int]]) -> list[tuple[torch.Tensor, int, int]]:
+        self._check_open()
+        for name, _ in blobs:
+            if valid_blob_name(name) == MANIFEST:
+                raise ValueError(f"blob name {MANIFEST!r} is reserved for the manifest")
+        regions = self.alloc.allocate_many([nbytes for _, nbytes in blobs], self.token)
+        for (name, _), region in zip(blobs, regions):  # a name refused here: its region is freed with the point
+            self.closed(name, region)
+        return [(self.alloc.mapping(seg), off, nbytes) for seg, off, nbytes in regions]
 
     def mapped_done(self, name: str) -> None:
         if self.backend.fsync:
@@ -732,6 +744,9 @@ class ArenaBackend(StoreBackend):
         except FileNotFoundError:
             return []
         return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
+
+    def has_point(self, iteration: int) -> bool:
+        return os.path.exists(self.points_dir / f"{iteration:012d}.json")  # one stat, not a listing
 
     def list_staging(self) -> list[StagingInfo]:
         result = []

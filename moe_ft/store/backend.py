@@ -117,6 +117,12 @@ class PointWriter(abc.ABC):
         """A writable ``uint8`` tensor over the ``nbytes`` the blob will hold, in the store's own memory (a
         mapped region), for a writer that fills it in place (a device-to-host copy) and then calls
         :meth:`mapped_done`. Only backends with ``maps_regions`` have regions to map; the others refuse."""
+        mapping, offset, size = self.map_blobs([(name, nbytes)])[0]
+        return mapping[offset:offset + size]
+
+    def map_blobs(self, blobs: list[tuple[str, int]]) -> list[tuple[Any, int, int]]:
+        """:meth:`map_blob` of several ``(name, nbytes)`` at once, each as ``(its segment's uint8 tensor, offset,
+        nbytes)`` (no view made: a caller that copies by address needs none)."""
         raise ValueError(f"{type(self).__name__} keeps blobs in files it writes, not in regions it maps: "
                          "write them with open_blob, or use the arena layout (--ft-store-layout arena)")
 
@@ -159,6 +165,10 @@ class StoreBackend(abc.ABC):
     @abc.abstractmethod
     def list_points(self) -> list[int]:
         """Iterations of published points, ascending."""
+
+    def has_point(self, iteration: int) -> bool:
+        """Whether point ``iteration`` is published."""
+        return iteration in self.list_points()
 
     @abc.abstractmethod
     def list_staging(self) -> list[StagingInfo]: ...

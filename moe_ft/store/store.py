@@ -225,15 +225,25 @@ class ReservedEntry:
     lands there directly), then :meth:`seal`."""
 
     def __init__(self, point: "PendingPoint", op: OperatorId, level: Level, blob: str, layout: EntryLayout,
-                 region: torch.Tensor) -> None:
+                 mapped: tuple[torch.Tensor, int, int]) -> None:
         self._point, self.op, self.level, self.blob = point, op, level, blob
-        self.layout, self._region = layout, region
+        self.layout, self._mapped = layout, mapped  # (its segment's bytes, offset, size): PointWriter.map_blobs
+        self._view: torch.Tensor | None = None
+
+    @property
+    def _region(self) -> torch.Tensor:
+        """The region's bytes, a flat ``uint8`` tensor (made when first asked for: a copy by address needs none)."""
+        if self._view is None:
+            mapping, offset, size = self._mapped
+            self._view = mapping[offset:offset + size]
+        return self._view
 
     @property
     def address(self) -> int:
         """The host address of the region's first byte (the entry's; tensor ``i`` is at
         ``layout.table[i]["offset"]`` from it)."""
-        return self._region.data_ptr()
+        mapping, offset, _ = self._mapped
+        return mapping.data_ptr() + offset
 
     def byte_views(self) -> list[torch.Tensor]:
         """Each tensor's bytes in the region, as flat ``uint8`` tensors (one split for all of them)."""
@@ -311,14 +321,15 @@ class PendingPoint:
         """Payload bytes this process's threads passed over for the operators' entries: hashed, plus written
         into the store (a put hashes and writes each byte: 2 passes; a remote entry is only hashed)."""
 
-    def _reserve(self, what: str) -> None:
+    def _reserve(self, *names: str) -> None:
         with self._lock:
             if self._state != "open":
-                raise RuntimeError(f"point {self.iteration} is {self._state}; cannot add {what}")
-            if what in self._reserved:
-                raise ValueError(f"point {self.iteration} already holds {what} (a plan gives each operator "
-                                 f"one level per iteration)")
-            self._reserved.add(what)
+                raise RuntimeError(f"point {self.iteration} is {self._state}; cannot add {names[0]}")
+            for what in names:
+                if what in self._reserved:
+                    raise ValueError(f"point {self.iteration} already holds {what} (a plan gives each operator "
+                                     f"one level per iteration)")
+                self._reserved.add(what)
 
     def _write(self, blob: str, key: dict, tensors: Mapping[str, torch.Tensor], meta_json=None, *, count=True):
         sink = self._writer.open_blob(blob)
@@ -382,18 +393,31 @@ class PendingPoint:
         device; ``specs``: their :func:`~moe_ft.store.codec.tensor_specs`, if the caller keeps them) in a
         region of the store's own memory, for a copy in place; needs a backend that maps regions
         (``maps_regions``: the arena)."""
-        if not isinstance(op, OperatorId):
-            raise TypeError(f"op must be an OperatorId, got {type(op).__name__}")
-        level = Level(level)
-        if level == Level.NONE:
-            raise ValueError(f"{op}: level NONE saves nothing; leave the operator out instead")
+        return self.reserve_all([(op, level, like, specs)])[0]
+
+    def reserve_all(self, requests: Iterable[tuple[OperatorId, Level, Mapping[str, torch.Tensor] | None, Any]]
+                    ) -> list[ReservedEntry]:
+        """:meth:`reserve` of several entries, ``(op, level, like, specs)`` each (``like`` may be ``None`` when
+        ``specs`` is given): their names and regions taken at once (a snapshot's entries, reserved on the
+        training thread)."""
         if not self._store.backend.maps_regions:
             raise ValueError(f"{self._store.backend.describe()}: this store layout cannot map regions "
                              "(use the arena layout, or put())")
-        self._reserve(str(op))
-        blob = entry_blob(op, level)
-        layout = self.layout(op, level, specs if specs is not None else tensor_specs(like))
-        return ReservedEntry(self, op, level, blob, layout, self._writer.map_blob(blob, layout.size))
+        laid = []
+        for op, level, like, specs in requests:
+            if not isinstance(op, OperatorId):
+                raise TypeError(f"op must be an OperatorId, got {type(op).__name__}")
+            level = Level(level)
+            if level == Level.NONE:
+                raise ValueError(f"{op}: level NONE saves nothing; leave the operator out instead")
+            if specs is None:
+                if like is None:
+                    raise ValueError(f"{op}: reserve needs the tensors (like) or their specs")
+                specs = tensor_specs(like)
+            laid.append((op, level, entry_blob(op, level), self.layout(op, level, specs)))
+        self._reserve(*(str(op) for op, *_ in laid))
+        mapped = self._writer.map_blobs([(blob, layout.size) for _, _, blob, layout in laid])
+        return [ReservedEntry(self, op, level, blob, layout, m) for (op, level, blob, layout), m in zip(laid, mapped)]
 
     def put_remote(self, op: OperatorId, tensors: Mapping[str, torch.Tensor],
                    tensor_sums: list[list[int]] | None = None, layout: EntryLayout | None = None) -> EntryRecord:
@@ -563,7 +587,7 @@ class SnapshotStore:
     def begin(self, iteration: int) -> PendingPoint:
         """Start point ``iteration``. Re-snapshotting a published iteration (e.g. during replay) needs an
         explicit :meth:`discard_after` or :meth:`delete_point` first."""
-        if iteration in self.backend.list_points():
+        if self.backend.has_point(iteration):
             raise ValueError(f"point {iteration} is already published in {self.backend.describe()}; "
                              f"call discard_after({iteration - 1}) after a rollback before re-snapshotting it")
         return PendingPoint(self, iteration)

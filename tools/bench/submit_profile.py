@@ -112,9 +112,9 @@ def _targets(engine) -> list[tuple[object, str, str | Callable[..., str]]]:
         (engine._free, "get", "free_slot"), (engine, "_entry", "entry"),
         (engine, "_stage_meta", "stage_meta"), (engine, "_issue_mapped", "issue_mapped"),
         (engine, "_copy_on_stream", "copy_on_stream"), (engine._worker, "submit", "worker.submit"),
-        (engine.store, "begin", "store.begin"), (engine.store.backend, "list_points", "list_points"),
-        (engine.store.backend, "begin_point", "begin_point"), (arena._ArenaWriter, "map_blob", "map_blob"),
-        (store_module.PendingPoint, "reserve", "reserve"), (store_module.PendingPoint, "layout", "layout"),
+        (engine.store, "begin", "store.begin"), (engine.store.backend, "has_point", "has_point"),
+        (engine.store.backend, "begin_point", "begin_point"), (arena._ArenaWriter, "map_blobs", "map_blobs"),
+        (store_module.PendingPoint, "reserve_all", "reserve_all"), (store_module.PendingPoint, "layout", "layout"),
         (store_module.ReservedEntry, "byte_views", "byte_views"),
         (torch, "_foreach_copy_", _foreach_name)]
     mapped = engine.mapped
