@@ -55,10 +55,10 @@ def test_the_least_a_plan_keeps(small_tmpfs):
     assert shortfall([RankNeed(dev + 1, "/elsewhere", 1 << 30)], str(fs / "store"), str(fs / "job")) is None
 
 
-def _train(store: Path, iters: int, log: Path, corpus: str) -> subprocess.Popen:
+def _train(store: Path, iters: int, log: Path, corpus: str, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     args = [*MODEL, "--data-path", corpus, "--train-iters", str(iters), "--ft", "--ft-policy", "sparse", "--ft-sparse-window", "3",
-            "--ft-replicas", "0", "--ft-store-dir", str(store), "--ft-job-id", "cap"]
+            "--ft-replicas", "0", "--ft-store-dir", str(store), "--ft-job-id", "cap", *extra]
     cmd = [sys.executable, "-m", "moe_ft.drills.prelaunch", "--standalone", "--nproc-per-node=2",
            os.path.join(ROOT, "pretrain_gpt_moe.py"), *args]
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
@@ -77,10 +77,14 @@ def test_a_store_too_small_stops_at_start_with_one_line(small_tmpfs, corpus, tmp
     assert "ENOSPC" not in out and "No space left" not in out
 
 
-def test_a_store_filled_during_the_run_pauses_snapshots_and_training_completes(small_tmpfs, corpus, tmp_path):
+@pytest.mark.parametrize("publish_by", ["trainer", "agent"])
+def test_a_store_filled_during_the_run_pauses_snapshots_and_training_completes(small_tmpfs, corpus, tmp_path,
+                                                                               publish_by):
+    """Also with the node agent publishing (``--ft-publish-by agent``): its index file, and its own files on the
+    same tmpfs, find no room either; the trainer pauses its snapshots the same way."""
     fs = small_tmpfs("24m")
     log = tmp_path / "fill.log"
-    proc = _train(fs / "store", 40, log, corpus)
+    proc = _train(fs / "store", 40, log, corpus, "--ft-publish-by", publish_by)
     filler = fs / "filler"
     try:
         deadline = time.monotonic() + 200
@@ -133,6 +137,30 @@ def test_an_arena_that_cannot_grow_fails_whole_and_keeps_its_points(small_tmpfs)
         point.put(op, Level.FULL, big)
         point.publish()
     assert torch.equal(store.load(3, op, Level.FULL)["w"], big["w"])
+
+
+def test_an_arena_without_room_for_its_usual_growth_grows_by_what_the_entry_needs(small_tmpfs):
+    """A new segment is normally at least 4 MiB (``MIN_SEGMENT``) or a quarter of the arena; on a file system
+    that has room for the entry but not for that, the segment is the entry's size (a 24 MiB tmpfs that held a
+    2-rank sparse run paused its snapshots 6 times in 40 iterations for this, and not once since)."""
+    import torch
+
+    from moe_ft.state.operators import Level, OperatorId
+    from moe_ft.store import ArenaBackend, SnapshotStore
+
+    fs = small_tmpfs("7m")
+    store = SnapshotStore(ArenaBackend(fs / "store"))
+    a, b = OperatorId.expert_op(0, 0), OperatorId.expert_op(0, 1)
+    first = {"w": torch.arange(3 << 18, dtype=torch.float32)}  # 3 MiB: the first 4 MiB segment holds it
+    second = {"w": torch.arange(5 << 17, dtype=torch.float32)}  # 2.5 MiB: a 4 MiB segment would not fit in 7
+    with store.begin(1) as point:
+        point.put(a, Level.FULL, first)
+        point.put(b, Level.FULL, second)
+        point.publish()
+    sizes = {name: os.path.getsize(fs / "store" / "arena" / name) for name in ("0000", "0001")}
+    assert sizes["0000"] == 4 << 20 and (5 << 19) < sizes["0001"] < 3 << 20, sizes
+    assert store.verify().problems == ()
+    assert torch.equal(store.load(1, b, Level.FULL)["w"], second["w"])
 
 
 def test_a_copy_into_the_arena_that_finds_no_room_reserves_nothing(small_tmpfs):

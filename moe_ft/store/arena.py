@@ -285,13 +285,23 @@ class _Allocator:
             self._release(self.deferred.pop(it))
 
     def _grow(self, need: int) -> None:
+        """Add a segment of at least ``need`` bytes: ``1/GROWTH`` of the arena, at least ``MIN_SEGMENT``; where
+        the file system has no room for that, of ``need`` only (a store on a small tmpfs keeps taking snapshots
+        rather than pausing them while the bytes they need are there)."""
         total = sum(self.sizes.values())
         size = max(-(-need // (1 << 20)) * (1 << 20), MIN_SEGMENT, total // GROWTH // ALIGN * ALIGN)
         seg = max(self.sizes, default=-1) + 1
         path = self.arena_dir / f"{seg:04d}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            os.posix_fallocate(fd, 0, size)  # pages now: a full tmpfs fails here, not at a later page fault
+            try:
+                os.posix_fallocate(fd, 0, size)  # pages now: a full tmpfs fails here, not at a later page fault
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC or size <= _align(need):
+                    raise
+                os.ftruncate(fd, 0)  # the pages the attempt took go back
+                size = _align(need)
+                os.posix_fallocate(fd, 0, size)
         except OSError:
             os.close(fd)
             os.unlink(path)
