@@ -31,17 +31,21 @@ def test_every_operator_full_exactly_once_per_window_and_compute_until_then():
         policy, pop = SparsePolicy(cfg, ops), make_popularity(layers, experts)
         first = rng.randint(0, 50)
         windows = {}  # start -> (length, [plans])
+        foreseen = {}  # start -> the window's plans as recovery_point_plans() gave them at its first iteration
         for t in range(first, first + 60):
             feed(pop, t, rng, skew=rng.choice([0.0, 1.0, 3.0]))
             plan = policy.plan(t, pop)
             win = policy.window_of(t)
             windows.setdefault(win.start, (win.length, []))[1].append(plan)
+            if t == win.start:
+                foreseen[t] = policy.recovery_point_plans()
         starts = sorted(windows)
         assert starts[0] == first
         for s0, s1 in zip(starts, starts[1:]):  # windows tile the iterations
             assert s1 == s0 + windows[s0][0]
         complete = [plans for start, (length, plans) in windows.items() if len(plans) == length]
         assert complete, "the run must cover at least one whole window"
+        assert all(foreseen[start] == plans for start, (length, plans) in windows.items() if len(plans) == length)
         for plans in complete:
             full_count = {i.op: 0 for i in ops}
             for plan in plans:

@@ -102,6 +102,12 @@ class SnapshotPolicy(abc.ABC):
         ``start_iteration``: where this run started (no point before it was taken by this schedule)."""
         return DenseRule(operators=frozenset(operators))
 
+    def recovery_point_plans(self) -> Optional[list[SnapshotPlan]]:
+        """The plans of the snapshots one recovery point is made of, as the policy plans them now (a sparse
+        window's: each operator FULL once, COMPUTE before it), for what the store must be able to hold
+        (``moe_ft/store/capacity.py``); ``None``: one snapshot of every operator FULL."""
+        return None
+
     def retention_rule(self, operators: Iterable[OperatorId]) -> RecoveryRule:
         """The completeness rule garbage collection keeps recovery points by (MoEvement §3.2: one complete
         point kept while the next is in flight). Called after the first:meth:`plan` (and again after a

@@ -278,6 +278,11 @@ class SparsePolicy(SnapshotPolicy):
     def window_length(self) -> Optional[int]:
         return None if self.current is None else self.current.length
 
+    def recovery_point_plans(self) -> Optional[list[SnapshotPlan]]:
+        """The current window's plans (a recovery point is a whole window, MoEvement §3.2)."""
+        win = self.current
+        return None if win is None else [win.plan(t) for t in range(win.start, win.end)]
+
     # ----------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
         """The policy's state (JSON types). Captured with every snapshot's metadata: its nested parts are

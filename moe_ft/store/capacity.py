@@ -4,9 +4,11 @@ A node-local store lives on a tmpfs (``/dev/shm`` by default), often small: a co
 ``/dev/shm`` is 64 MB. Without a check, the first snapshot that does not fit ended the run with an
 ``ENOSPC`` traceback. The lower bound computed here is what the retention rule keeps at the least:
 
-* snapshots: the two newest recoverable points plus the one in flight; each recoverable point holds every
-  operator of the rank at FULL at least once (a sparse window spreads them over its iterations, and adds
-  COMPUTE entries on top), so at least ``3 x F`` per rank (``F``: the rank's operators at FULL);
+* snapshots: the two newest recoverable points plus the one being written; a recovery point holds every
+  operator of the rank at FULL once (``F``: the rank's operators at FULL), and a sparse window spreads them
+  over its iterations and adds COMPUTE entries before each operator's FULL one (MoEvement §3.2): ``3 x B``
+  per rank, ``B`` the bytes of one recovery point's snapshots as the policy plans them (``F`` for a dense
+  one; two whole windows and the one being written for a sparse one, whose last snapshot completes it);
 * a survivor point (localized scope): ``F``;
 * replicas held for peers (``--ft-replicas r``): the same ``3 x F`` for each peer whose points it holds;
 * the upstream log (pipeline parallelism, localized scope): every iteration from the oldest point kept, at
@@ -38,10 +40,12 @@ class RankNeed:
     need_bytes: int
 
 
-def rank_need(full_bytes: int, *, localized: bool, replicas: int, log_bytes: int = 0, window: int = 1) -> int:
+def rank_need(full_bytes: int, *, localized: bool, replicas: int, log_bytes: int = 0, window: int = 1,
+              point_bytes: int | None = None) -> int:
     """The least a rank's stores occupy (see the module docstring): ``log_bytes`` per logged iteration,
-    ``window`` iterations per recovery point."""
-    return full_bytes * (SNAPSHOT_POINTS * (1 + replicas) + (1 if localized else 0)) + log_bytes * (window + 1)
+    ``window`` iterations per recovery point of ``point_bytes`` (``None``: ``full_bytes``, a dense point)."""
+    point = full_bytes if point_bytes is None else point_bytes
+    return point * SNAPSHOT_POINTS * (1 + replicas) + (full_bytes if localized else 0) + log_bytes * (window + 1)
 
 
 def existing_dir(path: str | Path) -> Path:
