@@ -204,6 +204,34 @@ def test_only_the_arena_maps_regions_and_device_digests_need_mfh64(tmp_path):
             r.seal([[0, 0]] * len(r.views))
 
 
+def test_a_snapshot_reserves_its_regions_at_once_and_a_refused_batch_leaves_nothing(tmp_path):
+    """``reserve_all``: the entries' regions in one call (views made when asked for), each at the address its
+    view has; an operator twice in one batch, a level NONE, neither tensors nor specs, or a point already
+    published is refused, and the refused point leaves nothing behind."""
+    st = store(tmp_path, "batch")
+    other = OperatorId.expert_op(0, 2)
+    with st.begin(0) as p:
+        assert p.reserve_all([]) == []
+        a, b = p.reserve_all([(OP, Level.FULL, tensors(), None), (other, Level.COMPUTE, tensors(), None)])
+        assert a.address == a.byte_views()[0].data_ptr() - a.layout.table[0]["offset"] and a.address != b.address
+        for r in (a, b):
+            for view, t in zip(r.views.values(), tensors().values()):
+                view.copy_(t)
+            r.seal()
+        p.publish()
+    with pytest.raises(ValueError, match="already published"):
+        st.begin(0)
+    with st.begin(1) as p:
+        with pytest.raises(ValueError, match="already holds"):
+            p.reserve_all([(OP, Level.FULL, tensors(), None), (OP, Level.COMPUTE, tensors(), None)])
+        with pytest.raises(ValueError, match="level NONE"):
+            p.reserve_all([(other, Level.NONE, tensors(), None)])
+        with pytest.raises(ValueError, match="specs"):
+            p.reserve_all([(other, Level.FULL, None, None)])
+    assert st.points() == [0] and st.staging() == [] and st.verify().problems == ()
+    assert torch.equal(st.load(0, OP, Level.FULL)["master.weight"], tensors()["master.weight"])
+
+
 def test_streaming_mfh64_equals_the_reference_for_any_split():
     data = bytes(torch.randint(0, 256, (1001,), dtype=torch.uint8).numpy())
     want = eh.reference_digest(torch.frombuffer(bytearray(data), dtype=torch.uint8))

@@ -10,7 +10,7 @@ A node-local store lives on a tmpfs (``/dev/shm`` by default), often small: a co
   per rank, ``B`` the bytes of one recovery point's snapshots as the policy plans them (``F`` for a dense
   one; two whole windows and the one being written for a sparse one, whose last snapshot completes it);
 * a survivor point (localized scope): ``F``;
-* replicas held for peers (``--ft-replicas r``): the same ``3 x F`` for each peer whose points it holds;
+* replicas held for peers (``--ft-replicas r``): the same ``3 x B`` for each peer whose points it holds;
 * the upstream log (pipeline parallelism, localized scope): every iteration from the oldest point kept, at
   least a window plus one iteration (``L x (W + 1)``, ``L`` the stored bytes of the first logged iteration;
   known once it is logged, so a recovery's start, which checks before any iteration, counts none).

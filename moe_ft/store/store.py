@@ -324,7 +324,7 @@ class PendingPoint:
     def _reserve(self, *names: str) -> None:
         with self._lock:
             if self._state != "open":
-                raise RuntimeError(f"point {self.iteration} is {self._state}; cannot add {names[0]}")
+                raise RuntimeError(f"point {self.iteration} is {self._state}; cannot add {', '.join(names) or 'entries'}")
             for what in names:
                 if what in self._reserved:
                     raise ValueError(f"point {self.iteration} already holds {what} (a plan gives each operator "
