@@ -581,7 +581,7 @@ class _ArenaWriter(PointWriter):
         """Publishing by another process (``moe_ft/store/handoff.py``): the point's regions, and a region of
         ``rooms[name]`` bytes for each blob that process writes (the manifest, the metadata entry)."""
         self._check_open()
-        regions = {name: self.allocate(nbytes) for name, nbytes in rooms.items()}
+        regions = dict(zip(rooms, self.alloc.allocate_many(list(rooms.values()), self.token)))
         with self._lock:
             return dict(self.blobs), regions
 
