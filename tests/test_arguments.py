@@ -133,7 +133,7 @@ def test_extra_groups_implement_the_loops_hooks_and_others_are_refused():
 
 
 def test_deterministic_with_transformer_engine_sets_or_refuses_its_switch(data_prefix, monkeypatch):
-    """--deterministic (default) with TE: NVTE_ALLOW_NONDETERMINISTIC_ALGO unset becomes 0 (Megatron-Core's TE
+    """Determinism (the default) with TE: NVTE_ALLOW_NONDETERMINISTIC_ALGO unset becomes 0 (Megatron-Core's TE
     attention refuses to build otherwise); another value is refused at parse time with the fix;
     --no-deterministic takes any value. (TE stands in as an empty module: only its import is checked here.)"""
     import types

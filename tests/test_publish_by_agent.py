@@ -19,6 +19,7 @@ import torch
 
 from moe_ft.agent.client import agent_pid
 from moe_ft.agent.publish import AgentPublisher
+from moe_ft.agent.server import proc_stat
 from moe_ft.cli.drill import run_job
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import DenseRule, KeepNewestRecoverable, StoreConfig, StoreError
@@ -94,25 +95,41 @@ def test_an_agent_killed_while_it_publishes_leaves_nothing_torn_and_the_point_is
     theirs, _, publisher = published
     _put(theirs, 0)
     first = agent_pid(tmp_path / "agent" / "agent")
-    os.kill(first, signal.SIGSTOP)  # the order waits in its socket
+    assert first is not None
     done = threading.Event()
     errors: list[BaseException] = []
 
     def publish() -> None:
         try:
             _put(theirs, 1)
-        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
             errors.append(exc)
         done.set()
 
-    thread = threading.Thread(target=publish)
-    thread.start()
-    time.sleep(0.5)
-    assert not done.is_set() and theirs.points() == [0]  # nothing of point 1 visible yet
-    os.kill(first, signal.SIGKILL)
+    os.kill(first, signal.SIGSTOP)  # the order waits in its socket
+    try:
+        _await_state(first, "T")
+        thread = threading.Thread(target=publish)
+        started = time.monotonic()
+        thread.start()
+        time.sleep(0.5)
+        # nothing of point 1 visible yet (the publishing thread's error, if any, and when it ended, say why not)
+        assert not done.is_set(), (errors, time.monotonic() - started, proc_stat(first))
+        assert theirs.points() == [0]
+    finally:
+        os.kill(first, signal.SIGKILL)  # never left stopped: the fixture's goodbye would wait for it
     thread.join(60)
     assert done.is_set() and errors == []
     assert theirs.points() == [1] and theirs.verify().iterations == [1] and publisher.client.restarts == 1
+
+
+def _await_state(pid: int, state: str, timeout_s: float = 10.0) -> None:
+    """Wait until process ``pid`` is in ``state`` (``/proc/<pid>/stat``'s letter; a signal takes effect when the
+    process next runs)."""
+    deadline = time.monotonic() + timeout_s
+    while (stat := proc_stat(pid)) is not None and stat[0] != state:
+        assert time.monotonic() < deadline, f"process {pid} is {stat[0]!r}, not {state!r}, after {timeout_s} s"
+        time.sleep(0.01)
 
 
 def test_an_order_whose_writer_is_gone_is_refused_and_a_linked_one_is_found(tmp_path):
@@ -202,6 +219,7 @@ import os, signal, sys
 import torch
 from moe_ft.agent.client import AgentClient
 from moe_ft.agent.publish import AgentPublisher
+from moe_ft.agent.server import proc_stat
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import DenseRule, KeepNewestRecoverable, StoreConfig
 ops = [OperatorId.expert_op(0, e) for e in range(3)]

@@ -365,7 +365,7 @@ def validate_args(args: Args) -> None:
                                 "pip install -e '.[gpu]' on a GPU machine, or use --transformer-impl local") from None
         allow = os.environ.get(TE_NONDETERMINISTIC_ENV)
         if t.deterministic and allow not in (None, "0"):
-            raise ArgumentError(f"--deterministic (the default) with Transformer Engine needs "
+            raise ArgumentError(f"determinism (the default; --no-deterministic turns it off) with Transformer Engine needs "
                                 f"{TE_NONDETERMINISTIC_ENV}=0, but it is {allow!r}: unset it (moe-ft then sets 0) or "
                                 f"pass --no-deterministic (recovery is then not bitwise)")
     if m.moe_grouped_gemm and m.transformer_impl == "local" and importlib.util.find_spec("grouped_gemm") is None:

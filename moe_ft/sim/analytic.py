@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moe_ft.sim.costmodel import CostModel
-from moe_ft.sim.formulas import daly_interval_s, ettr_first_order, snapshot_stall_s
+from moe_ft.sim.formulas import daly_interval_s, ettr_first_order
 from moe_ft.sim.policies import (
     PolicyModel,
     PolicySpec,
     _phase_times,
     dense_model,
+    dense_stall_curve,
     pec_model,
     selective_model,
     sparse_model,
@@ -92,14 +93,6 @@ def _result(pm: PolicyModel, mtbf_s: float) -> PolicyResult:
         ettr_first_order=ettr_first_order(t_ckpt, pm.t_iter_s, interval, expected, mtbf_s),
         plt=plt, checkpoint_bytes=pm.checkpoint_bytes, model=pm,
     )
-
-
-def dense_stall_curve(cost: CostModel, spec: PolicySpec, intervals: np.ndarray) -> np.ndarray:
-    """Stall per checkpoint for each candidate interval (vectorised :func:`dense_model`)."""
-    it = cost.iteration
-    nbytes = max(cost.snapshot_bytes(s, "full") for s in range(cost.config.parallel.pp))
-    d2h, second = _phase_times(cost, nbytes, spec.store)
-    return snapshot_stall_s(d2h, it.t_pipeline_s) + np.maximum(0.0, second - intervals * it.t_iter_s)
 
 
 def choose_dense_interval(cost: CostModel, spec: PolicySpec, mtbf_s: float) -> int:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from moe_ft.policy.window import WindowChoice, find_window_size
 from moe_ft.sim.costmodel import CostModel, RankOperator
 from moe_ft.sim.formulas import moetion_experts_per_iter, snapshot_stall_s
@@ -213,13 +215,23 @@ def _phase_times(cost: CostModel, nbytes: float, replicas_or_storage: str) -> tu
     return d2h, cfg.recovery.replicas * nbytes / hw.network_bandwidth
 
 
-def dense_model(cost: CostModel, spec: PolicySpec, interval: int) -> PolicyModel:
-    """FULL for every operator every ``interval`` iterations (CheckFreq / Gemini)."""
+def dense_stall_curve(cost: CostModel, spec: PolicySpec, intervals: np.ndarray) -> np.ndarray:
+    """Stall of one dense checkpoint taken every ``k`` iterations, for each ``k`` of ``intervals``: the
+    device-to-host copy the next forward and backward pass cannot hide (MoC-System eq. 10), the second phase
+    (replication or storage) the interval cannot hide, and the trainer's host work on the bytes
+    (``HardwareSpec.host_s_per_byte``). :func:`dense_model` charges it and the interval rules choose on it."""
     it = cost.iteration
     nbytes = max(cost.snapshot_bytes(s, "full") for s in range(cost.config.parallel.pp))
     d2h, second = _phase_times(cost, nbytes, spec.store)
-    stall = (snapshot_stall_s(d2h, it.t_pipeline_s) + snapshot_stall_s(second, interval * it.t_iter_s)
-             + nbytes * cost.config.hardware.host_s_per_byte)
+    return (snapshot_stall_s(d2h, it.t_pipeline_s) + np.maximum(0.0, second - intervals * it.t_iter_s)
+            + nbytes * cost.config.hardware.host_s_per_byte)
+
+
+def dense_model(cost: CostModel, spec: PolicySpec, interval: int) -> PolicyModel:
+    """FULL for every operator every ``interval`` iterations (CheckFreq / Gemini)."""
+    nbytes = max(cost.snapshot_bytes(s, "full") for s in range(cost.config.parallel.pp))
+    d2h, second = _phase_times(cost, nbytes, spec.store)
+    stall = float(dense_stall_curve(cost, spec, np.array([float(interval)]))[0])
     return PolicyModel(spec=spec, cost=cost, period_iters=interval, stall_s=stall, t_snapshot_s=d2h + second,
                        checkpoint_bytes=nbytes, knobs={"interval": interval, "store": spec.store})
 
@@ -268,7 +280,8 @@ def sparse_model(cost: CostModel, spec: PolicySpec) -> PolicyModel:
 def pec_model(cost: CostModel, spec: PolicySpec, k: int | None = None) -> PolicyModel:
     """MoC partial experts checkpointing: non-expert operators FULL every iteration plus ``K`` experts
     per layer (sequential, interleaved over EP ranks, so a rank saves ``K/ep`` of its experts on
-    average). ``k=None`` chooses the largest K whose snapshot hides behind F&B (MoC §5.3 adaptive K)."""
+    average). ``k=None`` chooses the largest power of two K (or N) whose snapshot fits the per-iteration copy
+    budget (``_budget_bytes``; the host work is not counted); MoC-System §5.3's Dynamic-K doubles K from it."""
     num_experts = cost.config.model.num_experts
 
     def per_rank_bytes(kk: int) -> float:

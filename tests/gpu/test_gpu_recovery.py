@@ -2,7 +2,7 @@
 ``torchrun --max-restarts``, the deterministic fault plan kills it inside a sparse window and again with a
 snapshot copy in flight, torchrun restarts it, it recovers from the node-local store (sparse-to-dense
 replay, MoEvement §3.3) and ends with a training-state digest bitwise equal to the fault-free run's.
-Deterministic mode: ``--deterministic`` (default: ``torch.use_deterministic_algorithms``) and
+Deterministic mode (the default, ``--no-deterministic`` turns it off: ``torch.use_deterministic_algorithms``) and
 ``CUBLAS_WORKSPACE_CONFIG=:4096:8``; NCCL backend (world size 1)."""
 
 from __future__ import annotations
