@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -130,6 +131,23 @@ def wait_until(predicate: Callable[[], object], timeout: float = 10.0, interval:
         if time.monotonic() >= deadline:
             raise AssertionError(f"condition not met within {timeout} s" + (f": {message}" if message else ""))
         time.sleep(interval)
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP process ``pid`` and wait until every thread of it is stopped. A stop takes effect when each
+    thread next runs: until then a thread that gets the CPU first (a niced agent's, on a loaded machine) may
+    still answer a request sent after the signal."""
+
+    def stopped() -> bool:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        return bool(states) and set(states) <= {"T", "t"}
+
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(stopped, timeout=timeout, message=f"process {pid} stopped")
 
 
 # ------------------------------------------------------------------------------------ corpus, torchrun

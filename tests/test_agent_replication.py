@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ft_helpers import wait_until
+from _ft_helpers import stop_process, wait_until
 
 from moe_ft.agent.client import AgentClient, agent_pid
 from moe_ft.agent.replicas import (
@@ -129,8 +129,8 @@ def test_a_sending_agent_killed_inside_a_message_publishes_nothing_of_it(tmp_pat
     rows = 1 << 16  # 2 x 16 MB per operator: far more than the sockets buffer while the receiver is stopped
     _publish(nodes.store, 0, rows)
     receiving, sending = nodes.clients[1].pid, nodes.clients[0].pid
-    os.kill(receiving, signal.SIGSTOP)  # node B's agent reads nothing: node A's blocks inside the message
     try:
+        stop_process(receiving)  # node B's agent reads nothing: node A's blocks inside the message
         nodes.sender.submit(0)
         time.sleep(2.0)
         assert nodes.sender.sent == []  # still sending

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _ft_helpers import wait_until
+from _ft_helpers import stop_process, wait_until
 
 from moe_ft.agent.client import AgentClient, agent_pid
 from moe_ft.agent.server import KEY_FILE, PID_FILE, NodeAgent, PersistRequest, proc_stat, socket_address
@@ -155,7 +155,7 @@ def test_the_agent_hashes_deferred_points_and_a_killed_one_leaves_them_unverifie
     assert all(e.checksum == point.entries[op].checksum for op, e in durable.catalog().point(0).entries.items())
 
     first = client.pid
-    os.kill(first, signal.SIGSTOP)  # the agent cannot run: the request waits in its socket, then it dies
+    stop_process(first)  # the agent cannot run: the request waits in its socket, then it dies
     for it in (1, 2):
         _publish(store, 0, it)
     client._connect().send(("verify", VerifyRequest(0, 1, store.backend.describe())))  # never answered

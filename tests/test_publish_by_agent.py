@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ft_helpers import stop_process
 
 from moe_ft.agent.client import agent_pid
 from moe_ft.agent.publish import AgentPublisher
@@ -106,9 +107,8 @@ def test_an_agent_killed_while_it_publishes_leaves_nothing_torn_and_the_point_is
             errors.append(exc)
         done.set()
 
-    os.kill(first, signal.SIGSTOP)  # the order waits in its socket
     try:
-        _await_state(first, "T")
+        stop_process(first)  # the order waits in its socket
         thread = threading.Thread(target=publish)
         started = time.monotonic()
         thread.start()
@@ -121,15 +121,6 @@ def test_an_agent_killed_while_it_publishes_leaves_nothing_torn_and_the_point_is
     thread.join(60)
     assert done.is_set() and errors == []
     assert theirs.points() == [1] and theirs.verify().iterations == [1] and publisher.client.restarts == 1
-
-
-def _await_state(pid: int, state: str, timeout_s: float = 10.0) -> None:
-    """Wait until process ``pid`` is in ``state`` (``/proc/<pid>/stat``'s letter; a signal takes effect when the
-    process next runs)."""
-    deadline = time.monotonic() + timeout_s
-    while (stat := proc_stat(pid)) is not None and stat[0] != state:
-        assert time.monotonic() < deadline, f"process {pid} is {stat[0]!r}, not {state!r}, after {timeout_s} s"
-        time.sleep(0.01)
 
 
 def test_an_order_whose_writer_is_gone_is_refused_and_a_linked_one_is_found(tmp_path):
