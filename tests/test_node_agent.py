@@ -24,7 +24,7 @@ import torch
 from _ft_helpers import stop_process, wait_until
 
 from moe_ft.agent.client import AgentClient, agent_pid
-from moe_ft.agent.server import KEY_FILE, PID_FILE, NodeAgent, PersistRequest, proc_stat, socket_address
+from moe_ft.agent.server import KEY_FILE, LOG_FILE, PID_FILE, NodeAgent, PersistRequest, proc_stat, socket_address
 from moe_ft.background import BackgroundWorker
 from moe_ft.persist import DurableTier
 from moe_ft.state.operators import Level, OperatorId
@@ -361,6 +361,29 @@ def test_an_agent_that_does_not_answer_is_an_error_naming_it_not_a_hang(tmp_path
         server.close()
         for conn in conns:
             conn.close()
+
+
+def test_a_long_wait_for_a_stopped_agent_is_logged_and_a_goodbye_starts_no_agent(tmp_path, caplog):
+    """A trainer that waits for its agent's answer (its exit waits for the rank's durable copies) says so while
+    it waits, with the agent's state and what to do; a goodbye where no agent runs (it was killed) starts none."""
+    agent_dir = _agent_dir(tmp_path)
+    client = AgentClient(agent_dir, 0, timeout_s=0.5, drain_timeout_s=1.0)
+    pid = client.call("ping")
+    client.notice_s = 0.3
+    stop_process(pid)
+    try:
+        with caplog.at_level(logging.WARNING, logger="moe_ft.agent"):
+            with pytest.raises(RuntimeError, match="did not answer 'flush' within 1 s"):
+                client.flush()
+        notices = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
+        assert 2 <= len(notices) <= 4, notices
+        assert all(f"for node agent {pid} to answer 'flush'; it is stopped (`kill -CONT {pid}`)" in m for m in notices)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: agent_pid(agent_dir) is None, timeout=10)
+    client.bye()
+    assert agent_pid(agent_dir) is None and client.restarts == 0
+    assert (agent_dir / LOG_FILE).read_text().count("serving") == 1
 
 
 def test_a_directory_created_again_gets_another_socket_name_even_with_the_old_inode(tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import secrets
 import socket
@@ -26,6 +27,8 @@ from pathlib import Path
 
 from moe_ft.agent.server import KEY_FILE, LOG_FILE, PID_FILE, PersistRequest, proc_stat, socket_address
 
+logger = logging.getLogger("moe_ft.agent")
+
 START_TIMEOUT_S = 120.0
 """How long a trainer waits for a started agent to listen (it imports torch first)."""
 REQUEST_TIMEOUT_S = 120.0
@@ -33,6 +36,9 @@ REQUEST_TIMEOUT_S = 120.0
 DRAIN_TIMEOUT_S = 3600.0
 """How long it waits for the answer to a request that waits for the rank's queued work (:data:`DRAINS`:
 durable copies and sends of whole points)."""
+WAIT_NOTICE_S = 60.0
+"""While a trainer waits longer for an answer, it says so every this many seconds (what it waits for, and the
+agent's state: a stopped agent waits for ``kill -CONT``)."""
 AWAIT_GONE_S = 2.0
 """How long a client whose connection broke waits for that agent to be gone before it connects again."""
 DRAINS = frozenset({"flush", "bye", "replica_flush", "replica_close"})
@@ -114,6 +120,7 @@ class AgentClient:
         self.agent_dir, self.rank, self.idle_exit_s = Path(agent_dir), rank, idle_exit_s
         self.timeout_s, self.drain_timeout_s = timeout_s, drain_timeout_s
         """The bounds on an answer (:data:`REQUEST_TIMEOUT_S`, :data:`DRAIN_TIMEOUT_S`)."""
+        self.notice_s = WAIT_NOTICE_S
         self._conn: Connection | None = None
         self.pid: int | None = None
         self.restarts = 0
@@ -150,12 +157,27 @@ class AgentClient:
         return conn
 
     def _answer(self, conn: Connection, kind: str):
-        """The answer to request ``kind``, waited for at most its bound."""
+        """The answer to request ``kind``, waited for at most its bound; a wait longer than
+        :data:`WAIT_NOTICE_S` is logged (the trainer's exit may wait here for the rank's durable copies)."""
         timeout = self.drain_timeout_s if kind in DRAINS else self.timeout_s
-        if not conn.poll(timeout):
-            self._drop()  # its late answer would be taken for the next request's
-            raise self._not_answering(repr(kind), timeout)
+        start = time.monotonic()
+        while not conn.poll(min(self.notice_s, max(0.0, start + timeout - time.monotonic()))):
+            waited = time.monotonic() - start
+            if waited >= timeout:
+                self._drop()  # its late answer would be taken for the next request's
+                raise self._not_answering(repr(kind), timeout)
+            logger.warning("moe-ft: waiting %.0f s (of at most %g) for node agent %s to answer %r; it is %s",
+                           waited, timeout, self.pid, kind, self._state())
         return conn.recv()
+
+    def _state(self) -> str:
+        """The agent's process state, in words, with what to do where it cannot answer."""
+        stat = proc_stat(self.pid) if self.pid is not None else None
+        if stat is None:
+            return "gone"
+        if stat[0] in "Tt":
+            return f"stopped (`kill -CONT {self.pid}`)"
+        return f"running (`kill -USR1 {self.pid}` writes its threads' stacks to {self.agent_dir / LOG_FILE})"
 
     def _not_answering(self, what: str, timeout: float) -> RuntimeError:
         return RuntimeError(
@@ -201,8 +223,11 @@ class AgentClient:
         return self.call("flush", self.rank)
 
     def bye(self) -> None:
-        with contextlib.suppress(OSError, EOFError, RuntimeError):
-            self.call("bye", self.rank)
+        """This rank is done with the agent (once its queued work is done). Where no agent runs there is
+        nobody to tell: none is started for it."""
+        if self._conn is not None or agent_pid(self.agent_dir) is not None:
+            with contextlib.suppress(OSError, EOFError, RuntimeError):
+                self.call("bye", self.rank)
         self._drop()
 
     def _drop(self) -> None:
