@@ -95,6 +95,14 @@ def test_simulate_and_plan_errors(capsys, tmp_path):
                                                           "--analytic-only", "--csv", str(tmp_path / "no" / "o.csv")])
     assert "give --config FILE or --preset NAME" in _error(capsys, ["plan"])
     assert "unknown preset 'nope'" in _error(capsys, ["plan", "--preset", "nope"])
+    plan = ["plan", "--preset", "deepseek-moe-16b", "--mtbf", "30m", "--set"]
+    assert "hardware has no field 'nope'; its fields: collective_latency_s," in _error(capsys, plan + ["hardware.nope=1"])
+    assert "SECTION one of model, parallel" in _error(capsys, plan + ["hw.mfu=0.5"])
+    assert "SECTION one of model, parallel" in _error(capsys, plan + ["hardware.mfu"])
+    assert "the value must be JSON" in _error(capsys, plan + ["hardware.mfu=fast"])
+    assert "hardware.mfu must be in (0, 1], got 2" in _error(capsys, plan + ["hardware.mfu=2"])
+    assert "parallel.pp=99 exceeds model.num_layers" in _error(capsys, plan + ["parallel.pp=99"])
+    assert "host_s_per_snapshot must be >= 0" in _error(capsys, plan + ["hardware.host_s_per_snapshot=-1"])
 
 
 def test_placement_errors(capsys):

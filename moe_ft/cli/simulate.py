@@ -4,6 +4,7 @@
     moe-ft simulate --config my.json --mtbf 20m --policies gemini sparse --json --csv out.csv --plot out.png
     moe-ft simulate --preset deepseek-moe-16b --trace failures.csv --mtbf 19m
     moe-ft plan --preset deepseek-v3-671b --mtbf 30m
+    moe-ft plan --preset deepseek-moe-16b --mtbf 30m --set hardware.host_s_per_byte=0 --set hardware.host_s_per_snapshot=0.016
 
 Config file format and the model's assumptions: docs/simulator.md.
 """
@@ -26,6 +27,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtbf", nargs="+", default=["10m", "30m", "1h", "2h"],
                    help="job MTBF values: 600, 10m, 1h (space- or comma-separated)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="change one field of the config or preset (repeatable; VALUE is JSON), e.g. "
+                        "--set hardware.host_s_per_byte=0 --set hardware.host_s_per_snapshot=0.016")
 
 
 def register(subparsers) -> None:
@@ -53,7 +57,7 @@ def register(subparsers) -> None:
 
 def _load(args):
     # start-up time: the simulator imports the policies package (torch); `moe-ft --help` stays free of it
-    from moe_ft.sim.config import load_config
+    from moe_ft.sim.config import load_config, with_overrides
     from moe_ft.sim.costmodel import CostModel
     from moe_ft.sim.presets import build_presets, get_preset
     from moe_ft.sim.report import parse_duration
@@ -64,7 +68,7 @@ def _load(args):
         return None
     if not (args.config or args.preset):
         raise ValueError("give --config FILE or --preset NAME (see --list-presets)")
-    cfg = load_config(args.config) if args.config else get_preset(args.preset)
+    cfg = with_overrides(load_config(args.config) if args.config else get_preset(args.preset), args.set)
     mtbfs = [parse_duration(x) for item in args.mtbf for x in item.split(",") if x.strip()]
     if not mtbfs:
         raise ValueError("--mtbf needs at least one value")

@@ -166,6 +166,10 @@ class HardwareSpec:
     store write on its threads, competing with the training thread): the T_ckpt that remains when the
     copy itself is hidden. Measured on one H100 with the store written by the trainer: 0.13-0.16 ms per MB
     (docs/benchmarks.md, "GPU (H100)"); 0 models a trainer that touches no snapshot byte."""
+    host_s_per_snapshot: float = 0.0
+    """Training time lost per snapshot whatever its size: the trainer's host work per point (issuing the
+    copies, the hand-over, the other threads' Python competing with the training thread). With the copy into
+    the arena hashed on the device it is most of the cost (docs/simulator.md, "The trainer's host work")."""
     collective_latency_s: float = 20e-6  # α of derived collectives
     collectives: Mapping[str, CollectiveCost] = field(default_factory=dict)  # overrides by name
 
@@ -174,8 +178,9 @@ class HardwareSpec:
                      "network_bandwidth", "storage_bandwidth", "hbm_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"hardware.{name} must be > 0, got {getattr(self, name)}")
-        if self.host_s_per_byte < 0:
-            raise ValueError(f"hardware.host_s_per_byte must be >= 0, got {self.host_s_per_byte}")
+        for name in ("host_s_per_byte", "host_s_per_snapshot"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"hardware.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.mfu <= 1:
             raise ValueError(f"hardware.mfu must be in (0, 1], got {self.mfu}")
         unknown = set(self.collectives) - set(COLLECTIVES)
@@ -288,6 +293,36 @@ def config_from_dict(data: Mapping[str, Any]) -> SimConfig:
         hardware=_build(HardwareSpec, hw, "hardware"),
         recovery=_build(RecoverySpec, data.get("recovery", {}), "recovery"),
     )
+
+
+OVERRIDABLE = ("model", "parallel", "precision", "hardware", "recovery")
+
+
+def with_overrides(cfg: SimConfig, items: list[str]) -> SimConfig:
+    """``cfg`` with ``SECTION.FIELD=VALUE`` items applied in order (``moe-ft simulate/plan --set``; VALUE is
+    JSON: a number, ``true``, a quoted string, a list), each section validated again as a config file is."""
+    for item in items:
+        name, sep, text = item.partition("=")
+        section, dot, key = name.strip().partition(".")
+        if not sep or not dot or section not in OVERRIDABLE:
+            raise ValueError(f"--set {item!r}: expected SECTION.FIELD=VALUE with SECTION one of "
+                             f"{', '.join(OVERRIDABLE)} (e.g. hardware.host_s_per_snapshot=0.016)")
+        spec = getattr(cfg, section)
+        fields = sorted(f.name for f in dataclasses.fields(spec) if f.name != "collectives")
+        if key not in fields:
+            raise ValueError(f"--set {item!r}: {section} has no field {key!r}; its fields: {', '.join(fields)}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            raise ValueError(f"--set {item!r}: the value must be JSON (a number, true/false, a \"quoted\" "
+                             "string, a list)") from None
+        if isinstance(value, list):
+            value = tuple(value)
+        try:
+            cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(spec, **{key: value})})
+        except TypeError as exc:
+            raise ValueError(f"--set {item!r}: {exc}") from None
+    return cfg
 
 
 def load_config(path: str) -> SimConfig:

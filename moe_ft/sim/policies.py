@@ -219,12 +219,19 @@ def dense_stall_curve(cost: CostModel, spec: PolicySpec, intervals: np.ndarray) 
     """Stall of one dense checkpoint taken every ``k`` iterations, for each ``k`` of ``intervals``: the
     device-to-host copy the next forward and backward pass cannot hide (MoC-System eq. 10), the second phase
     (replication or storage) the interval cannot hide, and the trainer's host work on the bytes
-    (``HardwareSpec.host_s_per_byte``). :func:`dense_model` charges it and the interval rules choose on it."""
+    (:func:`host_work_s`). :func:`dense_model` charges it and the interval rules choose on it."""
     it = cost.iteration
     nbytes = max(cost.snapshot_bytes(s, "full") for s in range(cost.config.parallel.pp))
     d2h, second = _phase_times(cost, nbytes, spec.store)
     return (snapshot_stall_s(d2h, it.t_pipeline_s) + np.maximum(0.0, second - intervals * it.t_iter_s)
-            + nbytes * cost.config.hardware.host_s_per_byte)
+            + host_work_s(cost, nbytes))
+
+
+def host_work_s(cost: CostModel, nbytes: float) -> float:
+    """Training time a snapshot of ``nbytes`` per rank costs the trainer's host even where its copies are
+    hidden: ``HardwareSpec.host_s_per_byte`` per byte plus ``host_s_per_snapshot``."""
+    hw = cost.config.hardware
+    return nbytes * hw.host_s_per_byte + hw.host_s_per_snapshot
 
 
 def dense_model(cost: CostModel, spec: PolicySpec, interval: int) -> PolicyModel:
@@ -248,11 +255,11 @@ def _budget_bytes(cost: CostModel) -> float:
 
 def _per_iter_stall(cost: CostModel, nbytes: float) -> tuple[float, float]:
     """The stall a snapshot of ``nbytes`` per rank adds to its iteration (the copies' unhidden part, plus the
-    trainer's host work on the bytes: ``HardwareSpec.host_s_per_byte``), and the copies' time."""
+    trainer's host work: :func:`host_work_s`), and the copies' time."""
     it = cost.iteration
     d2h, second = _phase_times(cost, nbytes, "memory")
-    host = nbytes * cost.config.hardware.host_s_per_byte
-    return snapshot_stall_s(d2h, it.t_pipeline_s) + snapshot_stall_s(second, it.t_iter_s) + host, d2h + second
+    return (snapshot_stall_s(d2h, it.t_pipeline_s) + snapshot_stall_s(second, it.t_iter_s)
+            + host_work_s(cost, nbytes), d2h + second)
 
 
 def sparse_model(cost: CostModel, spec: PolicySpec) -> PolicyModel:

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from moe_ft.policy.window import find_window_size
+from moe_ft.sim.analytic import build_model, choose_dense_interval, evaluate
 from moe_ft.sim.config import (
     PRECISIONS,
     CollectiveCost,
@@ -17,6 +18,7 @@ from moe_ft.sim.config import (
 )
 from moe_ft.sim.costmodel import CostModel
 from moe_ft.sim.policies import _budget_bytes, _checkpoint_order, dense_model, parse_policy, sparse_model
+from moe_ft.sim.presets import get_preset
 from moe_ft.state.operators import OperatorId
 
 ZERO = CollectiveCost(alpha_s=0.0, beta_s_per_byte=0.0)
@@ -107,6 +109,27 @@ def test_t_ckpt_is_the_trainers_host_work_when_the_copies_are_hidden():
         model(-1.0)
 
 
+def test_a_cost_per_snapshot_is_charged_once_per_snapshot_whatever_its_size():
+    """``host_s_per_snapshot``: the trainer's host work per point (the arena path's cost, measured per snapshot
+    rather than per byte): once per dense checkpoint, once per iteration of a sparse window, PEC and selective."""
+    def cost(per_snapshot):
+        cfg = tiny(d2h=1e12)
+        hw = dataclasses.replace(cfg.hardware, network_bandwidth=1e15, host_s_per_byte=0.0,
+                                 host_s_per_snapshot=per_snapshot)
+        return CostModel(dataclasses.replace(cfg, hardware=hw))
+
+    dense = dense_model(cost(0.01), parse_policy("dense:interval=4"), 4)
+    assert dense.stall_s == pytest.approx(0.01) and dense.overhead == pytest.approx(0.01 / (4 * dense.t_iter_s))
+    sparse = sparse_model(cost(0.01), parse_policy("sparse"))
+    assert sparse.stall_s == pytest.approx(0.01 * sparse.period_iters)
+    assert sparse.overhead == pytest.approx(0.01 / sparse.t_iter_s)
+    for spec in ("pec:k=1", "selective"):
+        assert build_model(cost(0.01), parse_policy(spec), 3600.0).stall_s == pytest.approx(0.01)
+        assert build_model(cost(0.0), parse_policy(spec), 3600.0).stall_s == 0
+    with pytest.raises(ValueError, match="host_s_per_snapshot must be >= 0"):
+        cost(-0.5)
+
+
 def test_config_validation_messages():
     good = {"model": dataclasses.asdict(TINY_MODEL),
             "parallel": {"pp": 1, "dp": 2, "ep": 2, "micro_batch_size": 1, "global_batch_size": 8},
@@ -130,9 +153,6 @@ def test_the_dense_interval_rules_choose_on_the_stall_the_model_charges(mtbf_s):
     CheckFreq's the smallest whose charged overhead is within its cap, and Daly's delta the charged stall at
     interval 1: the trainer's host work included, where the rules once left it out (Gemini then ran at k = 2,
     ETTR 0.921 at a 30 min MTBF, where k = 9 gives 0.947)."""
-    from moe_ft.sim.analytic import choose_dense_interval, evaluate
-    from moe_ft.sim.presets import get_preset
-
     cost = CostModel(get_preset("deepseek-moe-16b"))
     assert cost.config.hardware.host_s_per_byte > 0
     gemini = evaluate(cost, parse_policy("gemini"), mtbf_s)

@@ -134,3 +134,17 @@ def test_cli_errors_and_plan():
     assert rc == 2
     rc, out = _cli(["plan", "--preset", "deepseek-moe-16b", "--mtbf", "20m"])
     assert rc == 0 and out.count("ETTR") >= 5 and "1. " in out
+
+
+def test_set_changes_one_field_of_a_preset():
+    """``--set SECTION.FIELD=VALUE``: the arena path's cost per snapshot (docs/simulator.md) in place of the
+    per-byte default changes T_ckpt, and nothing else of the preset."""
+    base = ["simulate", "--preset", "deepseek-moe-16b", "--mtbf", "30m", "--analytic-only", "--json",
+            "--policies", "sparse", "gemini"]
+    _, plain = _cli(base)
+    _, arena = _cli(base + ["--set", "hardware.host_s_per_byte=0", "--set", "hardware.host_s_per_snapshot=0.016"])
+    plain, arena = (json.loads(o)["results"]["30m"] for o in (plain, arena))
+    assert plain["sparse"]["t_iter"] == arena["sparse"]["t_iter"]
+    assert plain["sparse"]["t_ckpt"] == pytest.approx(0.44, abs=0.01)
+    assert arena["sparse"]["t_ckpt"] == pytest.approx(0.016)  # per iteration: one snapshot in each
+    assert arena["sparse"]["ettr"] > arena["gemini"]["ettr"] and plain["sparse"]["ettr"] < plain["gemini"]["ettr"]
