@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import pytest_timeout
 import torch
 from filelock import FileLock
 
@@ -57,6 +58,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_exception_interact(node, call, report):
+    """pytest-timeout stops a test's timer when the test fails (so that a debugger may take over), and a
+    teardown that then waits (a fixture's goodbye to a node agent the failed test left stopped) held a CI run
+    for 24 minutes. Without ``--pdb`` the timer is set again, from now, for what the test has left to run."""
+    if node.config.getoption("usepdb") or not isinstance(node, pytest.Item):
+        return
+    settings = pytest_timeout._get_item_settings(node)  # the plugin's settings for the item (not public API)
+    if settings.timeout and not settings.func_only:
+        node.config.hook.pytest_timeout_set_timer(item=node, settings=settings)
 
 
 @pytest.fixture(scope="session")
