@@ -56,7 +56,7 @@ def test_interleaved_ratio_is_active_over_paused_medians_without_block_boundarie
     stats = interleaved_stats(times, block, hook_s={t: 0.002 if not snapshots_paused(t, block) else 0.001
                                                    for t in times},
                               snapshot_iterations=frozenset(t for t in times if not snapshots_paused(t, block)))
-    assert stats["ratio"] == pytest.approx(1.1)
+    assert stats["ratio"] == pytest.approx(1.1) and stats["host_s_per_snapshot"] == pytest.approx(0.1)
     assert stats["blocks"] == {"active": 4, "paused": 3}  # 0 (2, 3), 8, 16, 24 (25) / 4, 12, 20
     assert stats["iterations"] == {"active": 2 + 3 + 3 + 1, "paused": 9}
     assert stats["snapshots"]["paused"] == 0 and stats["snapshots"]["active"] == 12

@@ -22,7 +22,8 @@ narrow part: ``tools/bench/gpu_snapshot.py`` reports both).
 ``--interleave K``: every launch alternates blocks of ``K`` iterations with snapshots taken and paused
 (``tools/bench/interleave.py``: a paused iteration takes none, as ``--ft-policy none``; ``K`` a multiple of
 the window); each variant's ``interleaved`` holds ``active_median_s``, ``paused_median_s``, their ``ratio``
-(the overhead measured inside one process, free of the launch-to-launch spread) and the blocks counted;
+(the overhead measured inside one process, free of the launch-to-launch spread), the blocks counted and
+``host_s_per_snapshot`` (their difference: the simulator's per-snapshot host cost, docs/simulator.md);
 ``median_iter_s`` of a sparse launch is then its active blocks' median. The ``none`` launch gets the same
 split of its iterations (``control``: its ratio shows the method's own noise). The launches then recover
 globally (``--ft-recovery-scope global``): the localized scope's survivor guard follows every snapshot, and

@@ -58,7 +58,9 @@ def interleaved_stats(iteration_s: Mapping[int, float], block: int, *, hook_s: M
     in; ``block_medians``: ``[first iteration, kind, median s]`` per block, in order (a drift over the launch
     shows there); ``hooks_ms``: median host time in the FT hooks per kind (``hook_s``); ``snapshots``: how
     many of ``snapshot_iterations`` (the iterations whose snapshot was submitted) fall in each kind of block,
-    0 for ``paused`` when pausing worked."""
+    0 for ``paused`` when pausing worked; ``host_s_per_snapshot``: the active median's excess over the paused
+    one, the simulator's ``hardware.host_s_per_snapshot`` where every active iteration takes a snapshot (sparse:
+    ``moe-ft plan --set hardware.host_s_per_byte=0 --set hardware.host_s_per_snapshot=...``)."""
     by_kind: dict[str, list[int]] = {"active": [], "paused": []}
     for t in sorted(iteration_s):
         kind = iteration_kind(t, block)
@@ -76,6 +78,7 @@ def interleaved_stats(iteration_s: Mapping[int, float], block: int, *, hook_s: M
             blocks.setdefault(t // block, []).append(iteration_s[t])
     out = {"block": block, "active_median_s": medians["active"], "paused_median_s": medians["paused"],
            "ratio": medians["active"] / medians["paused"],
+           "host_s_per_snapshot": max(0.0, medians["active"] - medians["paused"]),
            "ratio_ci95": _ratio_ci(iteration_s, by_kind, block),
            "blocks": {kind: len({t // block for t in its}) for kind, its in by_kind.items()},
            "iterations": {kind: len(its) for kind, its in by_kind.items()},
