@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_policy_common import make_catalog
+from test_policy_common import make_catalog, make_popularity
 
-from moe_ft.policy import PECConfig, PECPolicy
+from moe_ft.policy import PECConfig, PECPolicy, SelectiveConfig, SelectivePolicy
 from moe_ft.state.operators import Level
 from moe_ft.store import DenseRule, KeepTwoRecoverable, MemoryBackend, NewestFullRule, SnapshotStore, TripleBuffer
 
@@ -139,3 +139,62 @@ def test_triple_buffer_is_fine_for_dense_points():
                 point.put_meta({"iteration": t})
                 point.publish()
     assert _agree_per_rank(stores, ops_of, lambda o: DenseRule(operators=frozenset(o))) == 6
+
+
+def _most_held(policy, ops, iterations: int, popularity=None) -> int:
+    """Entries the store of a fault-free run holds at most under the runtime's retention (``KeepTwoRecoverable``
+    by the policy's ``NewestFullRule``), the point being written included; one entry per FULL operator."""
+    store = SnapshotStore(MemoryBackend(), retention=KeepTwoRecoverable(rule=NewestFullRule(operators=frozenset(ops))))
+    held = []
+    for t in range(iterations):
+        if popularity is not None:  # every expert routed alike: the selective policy's round robin
+            for layer in popularity.moe_layers:
+                popularity.record(layer, torch.full((popularity.num_experts,), 4))
+            popularity.end_iteration(t)
+        plan = {op: lvl for op, lvl in policy.plan(t, popularity).items() if op in ops and lvl != Level.NONE}
+        held.append(sum(len(store.catalog().point(it).entries) for it in store.points()) + len(plan))
+        with store.begin(t) as point:
+            for op, lvl in plan.items():
+                point.put(op, lvl, {"w": torch.zeros(2)})
+            point.put_meta({"iteration": t})
+            point.publish()
+        if popularity is not None:
+            popularity.mark_full(t, [op for op in plan if op.is_expert])
+    return max(held)
+
+
+def _counted(policy, ops) -> int:
+    return sum(op in ops and lvl == Level.FULL for plan in policy.retained_plans() for op, lvl in plan.items())
+
+
+@pytest.mark.parametrize("experts, k, ep", [(8, 1, 2), (8, 3, 2), (6, 2, 1), (4, 4, 1)])
+def test_what_pec_keeps_is_what_its_capacity_check_counts(experts, k, ep):
+    """The start's capacity check counts pec's snapshots by ``PECPolicy.retained_plans`` (one cycle of the
+    sequential selection and two more checkpoints): that is the most the store of a fault-free run holds at
+    any time, the point being written included. Three dense points' worth (the check's former count) is
+    less than that wherever the non-expert operators outweigh ``2K/N`` of the experts."""
+    policy = PECPolicy(PECConfig(k_snapshot=k), make_catalog(2, experts, ep=ep))
+    ops = {i.op for i in policy.operators if not i.op.is_expert or i.ep_rank == 0}  # rank 0's operators
+    counted = _counted(policy, ops)
+    assert _most_held(policy, ops, 4 * experts) == counted
+    # the former count (three dense points): too small for K = 1 of 8 experts (70 entries held, 42 counted),
+    # right for K = N (every checkpoint dense)
+    if (experts, k) == (8, 1):
+        assert counted > 3 * len(ops)
+    if k == experts:
+        assert counted == 3 * len(ops)
+
+
+@pytest.mark.parametrize("experts, budget_experts", [(8, 1), (8, 3), (6, 6)])
+def test_what_selective_keeps_with_even_tokens_is_what_its_capacity_check_counts(experts, budget_experts):
+    """``SelectivePolicy.retained_plans``: ``S_total`` experts per iteration reach every expert in
+    ceil(n / S_total) iterations when the tokens spread evenly, and the store holds that cycle, one iteration
+    more and the one being written (a lower bound: an expert routed fewer tokens waits longer)."""
+    catalog = make_catalog(2, experts)
+    non_expert = sum(i.bytes_full for i in catalog if not i.op.is_expert)
+    budget = non_expert + budget_experts * 300  # make_catalog's experts: 300 bytes FULL each
+    policy = SelectivePolicy(SelectiveConfig(local_budget=budget, remote_budget=budget), catalog)
+    ops = {i.op for i in catalog}
+    counted = _counted(policy, ops)
+    assert _most_held(policy, ops, 6 * experts, make_popularity(2, experts)) == counted
+    assert counted == (-(-2 * experts // budget_experts) + 2) * (len(ops) - 2 * experts + budget_experts)

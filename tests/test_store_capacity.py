@@ -46,7 +46,7 @@ def test_the_least_a_plan_keeps(small_tmpfs):
     assert rank_need(100, localized=True, replicas=2) == 1000
     assert rank_need(100, localized=True, replicas=0, log_bytes=10, window=3) == 400 + 40  # a window + 1 logged
     # a sparse window's snapshots (each operator FULL once, COMPUTE entries before): three windows' worth
-    assert rank_need(100, localized=True, replicas=1, point_bytes=160) == 160 * 3 * 2 + 100
+    assert rank_need(100, localized=True, replicas=1, kept_bytes=480) == 480 * 2 + 100
     fs = small_tmpfs("1m")
     dev = os.stat(fs).st_dev
     assert shortfall([RankNeed(dev, str(fs), 256 << 10)], str(fs / "store"), str(fs / "store" / "job")) is None

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Optional, Se
 
 from moe_ft.state.catalogue import copied_bytes
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo, SnapshotPlan
+from moe_ft.store.capacity import SNAPSHOT_POINTS
 from moe_ft.store.rules import DenseRule, RecoveryRule
 
 if TYPE_CHECKING:  # only for annotations: policies read counters, they never build them
@@ -107,6 +108,15 @@ class SnapshotPolicy(abc.ABC):
         window's: each operator FULL once, COMPUTE before it), for what the store must be able to hold
         (``moe_ft/store/capacity.py``); ``None``: one snapshot of every operator FULL."""
         return None
+
+    def retained_plans(self) -> Optional[list[SnapshotPlan]]:
+        """The plans of the snapshots the node-local store holds at the least under the runtime's retention
+        (``KeepTwoRecoverable``: the two newest recovery points, and the one being written), for the start's
+        capacity check (``moe_ft/store/capacity.py``); ``None``: that many snapshots of every operator FULL.
+        By default three recovery points' worth of :meth:`recovery_point_plans` (consecutive points do not
+        share snapshots: a dense point, a sparse window)."""
+        plans = self.recovery_point_plans()
+        return None if plans is None else plans * SNAPSHOT_POINTS
 
     def retention_rule(self, operators: Iterable[OperatorId]) -> RecoveryRule:
         """The completeness rule garbage collection keeps recovery points by (MoEvement §3.2: one complete

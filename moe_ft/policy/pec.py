@@ -176,10 +176,34 @@ class PECPolicy(SnapshotPolicy):
                 scores = expert_scores(popularity, order, "since_full")
                 picks = top_by_score(order, scores, min(k, n))
             else:
-                start = base_cursor + (c - base_c) * k + self._ordinal[layer] * k
-                picks = [order[(start + j) % n] for j in range(min(k, n))]
+                picks = self._sequential(layer, base_cursor + (c - base_c) * k, k)
             chosen[layer] = sorted(i.op for i in picks)
         return chosen
+
+    def _sequential(self, layer: int, cursor: int, k: int) -> list[OperatorInfo]:
+        """The ``k`` experts of ``layer`` sequential selection saves at ``cursor`` (the layer shifted by its
+        ordinal times ``k``: the module docstring)."""
+        order = self._order[layer]
+        start = cursor + self._ordinal[layer] * k
+        return [order[(start + j) % len(order)] for j in range(min(k, len(order)))]
+
+    def retained_plans(self) -> list[SnapshotPlan]:
+        """The snapshots the store holds at the least: the two newest recovery points by
+        :class:`NewestFullRule` reach back over one cycle of the sequential selection (every expert's newest
+        FULL entry: ceil(N/K) checkpoints, MoC-System §3.2) and one checkpoint more, and the one being written
+        comes on top: ceil(N/K) + 2 checkpoints at the current K, each with every non-expert operator FULL.
+        Load-aware selection keeps at least as many (an expert with few tokens waits longer for its FULL
+        snapshot): the sequential cycle is its lower bound."""
+        k = self.k
+        cycle = max(-(-len(order) // k) for order in self._order.values())
+        dense = {i.op: Level.FULL for i in self.operators if not i.op.is_expert}
+        plans = []
+        for c in range(cycle + 2):
+            levels = dict(dense)
+            for layer in self._order:
+                levels.update({i.op: Level.FULL for i in self._sequential(layer, c * k, k)})
+            plans.append(make_plan(self.operators, levels))
+        return plans
 
     def plan(self, iteration: int, popularity=None) -> SnapshotPlan:
         if not self.is_checkpoint(iteration):

@@ -167,6 +167,28 @@ class SelectivePolicy(SnapshotPolicy):
                 chosen.extend(i.op for i in top_by_score(exps, scores, s))
         return sorted(chosen)
 
+    def retained_plans(self) -> list[SnapshotPlan]:
+        """The snapshots the store holds at the least (``moe_ft/store/capacity.py``): the two newest recovery
+        points by :class:`NewestFullRule` reach back to every expert's newest FULL entry, which a rank saving
+        ``S_total`` of its ``n`` experts per iteration reaches in ceil(n / S_total) iterations when the tokens
+        spread evenly (an expert with fewer waits longer: a lower bound), plus one iteration more and the one
+        being written; each with the non-expert operators FULL and ``S_total`` experts of each rank."""
+        per_key = []
+        for key, layers in sorted(self._experts.items()):
+            experts = [i for exps in layers.values() for i in exps]
+            cost = max((i.bytes_full for i in experts), default=0)
+            avail = max(self.config.local_budget - self._non_expert_bytes[key], 0)
+            per_key.append((experts, min(len(experts), avail // cost if cost > 0 else len(experts))))
+        cycle = max((-(-len(experts) // s) for experts, s in per_key if s > 0), default=1)
+        dense = {i.op: Level.FULL for i in self.operators if not i.op.is_expert}
+        plans = []
+        for c in range(cycle + 2):
+            levels = dict(dense)
+            for experts, s in per_key:
+                levels.update({experts[(c * s + j) % len(experts)].op: Level.FULL for j in range(s)})
+            plans.append(make_plan(self.operators, levels))
+        return plans
+
     def selected_experts(self, iteration: int, popularity=None) -> list[OperatorId]:
         """Experts FULL in the local snapshot after ``iteration`` (SELECTEXPERTS(B_local))."""
         return self._select(self.config.local_budget, popularity, None, True)

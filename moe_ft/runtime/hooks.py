@@ -212,15 +212,15 @@ class FTRuntime(StepHooks):
             return sum(t.nbytes for t in registry[op].tensors(level).values()) if level != Level.NONE else 0
 
         full = sum(nbytes(op, Level.FULL) for op in registry)
-        plans = self.active.policy.recovery_point_plans()  # a sparse window's COMPUTE entries count too
-        point = None if plans is None else sum(nbytes(op, lvl) for plan in plans for op, lvl in plan.items()
-                                               if op in registry)
+        plans = self.active.policy.retained_plans()  # a sparse window's COMPUTE entries count too
+        kept = None if plans is None else sum(nbytes(op, lvl) for plan in plans for op, lvl in plan.items()
+                                              if op in registry)
         logs, replicas = self.find(UpstreamLogging), self.find(Replicas)
         replicating = replicas is not None and replicas.replication is not None
         need = rank_need(full, localized=self.survivor is not None,
                          replicas=cfg.replication.replicas if replicating else 0,
                          log_bytes=logs.stored_bytes_per_iteration() if logs is not None else 0,
-                         window=getattr(self.active.policy, "window_length", None) or 1, point_bytes=point)
+                         window=getattr(self.active.policy, "window_length", None) or 1, kept_bytes=kept)
         mine = RankNeed(os.stat(existing_dir(store_dir)).st_dev, mount_point(Path(store_dir)), need)
         needs = [RankNeed(**d) for d in comm.all_gather_object(asdict(mine))]
         errors = comm.all_gather_object(shortfall(needs, store_dir, cfg.job_dir()))

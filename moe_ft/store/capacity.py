@@ -4,13 +4,14 @@ A node-local store lives on a tmpfs (``/dev/shm`` by default), often small: a co
 ``/dev/shm`` is 64 MB. Without a check, the first snapshot that does not fit ended the run with an
 ``ENOSPC`` traceback. The lower bound computed here is what the retention rule keeps at the least:
 
-* snapshots: the two newest recoverable points plus the one being written; a recovery point holds every
-  operator of the rank at FULL once (``F``: the rank's operators at FULL), and a sparse window spreads them
-  over its iterations and adds COMPUTE entries before each operator's FULL one (MoEvement §3.2): ``3 x B``
-  per rank, ``B`` the bytes of one recovery point's snapshots as the policy plans them (``F`` for a dense
-  one; two whole windows and the one being written for a sparse one, whose last snapshot completes it);
+* snapshots: the two newest recoverable points plus the one being written, ``K`` per rank, the bytes of the
+  snapshots the policy plans for them (``SnapshotPolicy.retained_plans``). A dense recovery point holds every
+  operator of the rank at FULL once (``F``: the rank's operators at FULL): ``K = 3 x F``; a sparse window
+  spreads them over its iterations and adds COMPUTE entries before each operator's FULL one (MoEvement
+  §3.2): two whole windows and the one being written; PEC's points overlap (each expert's newest FULL entry,
+  MoC-System §3.2): one cycle of its expert selection and two more checkpoints;
 * a survivor point (localized scope): ``F``;
-* replicas held for peers (``--ft-replicas r``): the same ``3 x B`` for each peer whose points it holds;
+* replicas held for peers (``--ft-replicas r``): the same ``K`` for each peer whose points it holds;
 * the upstream log (pipeline parallelism, localized scope): every iteration from the oldest point kept, at
   least a window plus one iteration (``L x (W + 1)``, ``L`` the stored bytes of the first logged iteration;
   known once it is logged, so a recovery's start, which checks before any iteration, counts none).
@@ -41,11 +42,12 @@ class RankNeed:
 
 
 def rank_need(full_bytes: int, *, localized: bool, replicas: int, log_bytes: int = 0, window: int = 1,
-              point_bytes: int | None = None) -> int:
-    """The least a rank's stores occupy (see the module docstring): ``log_bytes`` per logged iteration,
-    ``window`` iterations per recovery point of ``point_bytes`` (``None``: ``full_bytes``, a dense point)."""
-    point = full_bytes if point_bytes is None else point_bytes
-    return point * SNAPSHOT_POINTS * (1 + replicas) + (full_bytes if localized else 0) + log_bytes * (window + 1)
+              kept_bytes: int | None = None) -> int:
+    """The least a rank's stores occupy (see the module docstring): ``kept_bytes`` of snapshots the
+    retention keeps (``None``: :data:`SNAPSHOT_POINTS` dense points of ``full_bytes``), ``log_bytes`` per
+    logged iteration, ``window`` iterations per recovery point."""
+    kept = full_bytes * SNAPSHOT_POINTS if kept_bytes is None else kept_bytes
+    return kept * (1 + replicas) + (full_bytes if localized else 0) + log_bytes * (window + 1)
 
 
 def existing_dir(path: str | Path) -> Path:
