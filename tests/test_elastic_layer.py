@@ -38,7 +38,9 @@ def cases(tmp_path_factory):
     for rank in range(4):
         with open(os.path.join(out, f"result_rank{rank}.json")) as f:
             per_rank.append(json.load(f))
-    return [(rank, case) for rank, rank_cases in enumerate(per_rank) for case in rank_cases]
+    cases = [(rank, case) for rank, rank_cases in enumerate(per_rank) for case in rank_cases]
+    assert cases, "the worker wrote no case"
+    return cases
 
 
 def test_plans_cover_uneven_and_stacked_replicas(cases):

@@ -81,11 +81,13 @@ def test_profiled_iterations_are_the_last_with_snapshots():
         last_snapshot_iterations(iters=24, warmup=4, block=4, n=9, what="--profile-worker 9")
 
 
-def test_profiling_submit_and_the_worker_in_one_run_is_refused():
+def test_profiling_submit_and_the_worker_in_one_run_is_refused(capsys):
     with pytest.raises(SystemExit):
         gpu_overhead.main(["--profile-submit", "1", "--profile-worker", "1", "--log-dir", "x"])
+    assert "--profile-submit and --profile-worker both replace the store's functions" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         gpu_overhead.main(["--profile-worker", "1"])  # no --log-dir
+    assert "write their tables into --log-dir: name one" in capsys.readouterr().err
 
 
 def test_skipping_the_default_launch_with_nothing_else_to_launch_is_refused(capsys):
@@ -496,3 +498,4 @@ def test_the_cpu_bench_of_the_mapped_seal_measures_the_snapshots_after_three_win
     assert 0 < out["issue_cpu_ms_median"] <= out["issue_cpu_ms_per_snapshot"] * 4
     with pytest.raises(SystemExit):
         mapped_seal_cpu.main(["--snapshots", "6", "--window", "2"])
+    assert "--snapshots must exceed three windows (6)" in capsys.readouterr().err

@@ -247,3 +247,7 @@ def test_fp8_emulation_and_fp16_pass_with_ft(data_prefix):
         args = parse_args(["--data-path", data_prefix, *flags, "--ft"], world_size=1,
                           extra_groups=[("FP8 emulation", FP8EmulationConfig), ("fault tolerance", FTConfig)])
         assert args.extra["FTConfig"].ft
+        if "--fp16" in flags:  # the precision flags survive beside --ft
+            assert args.model.fp16 and args.training.loss_scale == 1024
+        else:
+            assert args.extra["FP8EmulationConfig"].fp8_emulation

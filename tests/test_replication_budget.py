@@ -156,3 +156,6 @@ def test_the_plans_of_points_never_sent_are_forgotten():
         assert sender._plans == {}, budget
         sender.close()
         receiver.join(timeout=10)
+        # the plan was kept and used while the points were sent: E1 (NONE in it) reached no replica
+        assert replica.points() and all(E1 not in replica.catalog().point(t).entries
+                                        for t in replica.points()), budget

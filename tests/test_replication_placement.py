@@ -71,13 +71,16 @@ def test_a_lost_nodes_ranks_on_spares_of_other_nodes_are_placed(seed):
     nodes, groups = _random_layout(rng)
     lost = rng.choice(sorted(set(nodes)))
     others = sorted(set(nodes) - {lost})
-    if not others:
-        return
-    nodes = [rng.choice(others) if n == lost else n for n in nodes]
+    if others:  # one node: nothing survives to take its ranks, the layout stays (and r replicas cannot fit)
+        nodes = [rng.choice(others) if n == lost else n for n in nodes]
     r = rng.randint(1, 3)
-    if r > len(others) - 1:
+    survivors = len(set(nodes))
+    if r > survivors - 1:  # fewer other nodes than replicas: refused with the reason, never a partial plan
+        with pytest.raises(ValueError, match=f"--ft-replicas {r} needs at least {r + 1} nodes"):
+            place_replicas(ReplicaPlacementConfig(num_replicas=r), node_of=nodes, dp_groups=groups)
         return
     plan = place_replicas(ReplicaPlacementConfig(num_replicas=r), node_of=nodes, dp_groups=groups)
+    assert set(plan.peers) == set(range(len(nodes)))  # every rank has its plan
     for rank, peers in plan.peers.items():
         assert len(peers) == r and nodes[rank] not in {nodes[p] for p in peers}
         assert len({nodes[p] for p in peers}) == r
@@ -100,8 +103,9 @@ def test_dp_peers_preferred_when_on_other_nodes():
 def test_never_same_node_even_for_dp_peer():
     # DP group {0,1} lives on node 0: the peer shares the failure domain and must not be used
     plan = place_replicas(ReplicaPlacementConfig(num_replicas=1), node_of=[0, 0, 1, 1], dp_groups=[[0, 1], [2, 3]])
+    assert set(plan.peers) == {0, 1, 2, 3}
     for rank, peers in plan.peers.items():
-        assert [0, 0, 1, 1][peers[0]] != [0, 0, 1, 1][rank]
+        assert len(peers) == 1 and [0, 0, 1, 1][peers[0]] != [0, 0, 1, 1][rank]
 
 
 def test_too_few_nodes_is_a_clear_error():

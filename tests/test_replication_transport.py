@@ -30,7 +30,7 @@ def test_contract_in_process(tmp_path):
     thread.start()
     contract_receiver(hub.endpoint(1), 0, str(tmp_path / "receiver"))
     thread.join(60)
-    assert not errors, errors
+    assert not thread.is_alive() and not errors, errors
 
 
 def test_contract_gloo(tmp_path):
