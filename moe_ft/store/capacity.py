@@ -8,8 +8,9 @@ A node-local store lives on a tmpfs (``/dev/shm`` by default), often small: a co
   snapshots the policy plans for them (``SnapshotPolicy.retained_plans``). A dense recovery point holds every
   operator of the rank at FULL once (``F``: the rank's operators at FULL): ``K = 3 x F``; a sparse window
   spreads them over its iterations and adds COMPUTE entries before each operator's FULL one (MoEvement
-  §3.2): two whole windows and the one being written; PEC's points overlap (each expert's newest FULL entry,
-  MoC-System §3.2): one cycle of its expert selection and two more checkpoints;
+  §3.2): two whole windows and the one being written; the points of ``pec`` and ``selective`` overlap (each
+  expert's newest FULL entry, MoC-System §3.2, MoEtion §4.3): one cycle of their expert selection and two
+  snapshots more;
 * a survivor point (localized scope): ``F``;
 * replicas held for peers (``--ft-replicas r``): the same ``K`` for each peer whose points it holds;
 * the upstream log (pipeline parallelism, localized scope): every iteration from the oldest point kept, at
