@@ -138,12 +138,10 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
     thread next runs: until then a thread that gets the CPU first (a niced agent's, on a loaded machine) may
     still answer a request sent after the signal."""
 
+    from moe_ft.agent.server import proc_stat  # the agent's reading of /proc/<pid>/stat (a thread's too)
+
     def stopped() -> bool:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        states = [stat[0] for tid in os.listdir(f"/proc/{pid}/task") if (stat := proc_stat(int(tid)))]
         return bool(states) and set(states) <= {"T", "t"}
 
     os.kill(pid, signal.SIGSTOP)

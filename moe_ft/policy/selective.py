@@ -66,6 +66,13 @@ class SelectiveConfig:
                                remote_budget=int(net_bytes_per_s * t_iter_s), **kwargs)
 
 
+def _experts_within(experts: Sequence[OperatorInfo], budget: int) -> int:
+    """``S_total = floor(B / C_expert)`` (MoEtion §4.2): how many of ``experts`` a budget of ``budget`` bytes
+    buys, ``C_expert`` the largest FULL size among them (every expert when they have no bytes)."""
+    cost = max((i.bytes_full for i in experts), default=0)
+    return max(budget, 0) // cost if cost > 0 else len(experts)
+
+
 def allocate_proportional(total: int, risks: Sequence[float], caps: Sequence[int]) -> list[int]:
     """``S[i] = floor(R[i] / sum(R) × total)`` then the leftover one by one by largest remainder (ties:
     lower index), never above ``caps[i]`` (MoEtion Alg. 1, COMPUTES). With zero total risk the shares are
@@ -156,8 +163,7 @@ class SelectivePolicy(SnapshotPolicy):
             if not layers:
                 continue
             avail = budget - (self._non_expert_bytes[key] if charge_non_expert else 0)
-            cost = max(i.bytes_full for exps in layers.values() for i in exps)
-            s_total = max(avail, 0) // cost if cost > 0 else sum(len(e) for e in layers.values())
+            s_total = _experts_within([i for exps in layers.values() for i in exps], avail)
             scores = {}
             for exps in layers.values():
                 scores.update(expert_scores(popularity, exps, "since_full"))
@@ -176,9 +182,8 @@ class SelectivePolicy(SnapshotPolicy):
         per_key = []
         for key, layers in sorted(self._experts.items()):
             experts = [i for exps in layers.values() for i in exps]
-            cost = max((i.bytes_full for i in experts), default=0)
-            avail = max(self.config.local_budget - self._non_expert_bytes[key], 0)
-            per_key.append((experts, min(len(experts), avail // cost if cost > 0 else len(experts))))
+            avail = self.config.local_budget - self._non_expert_bytes[key]
+            per_key.append((experts, min(len(experts), _experts_within(experts, avail))))
         cycle = max((-(-len(experts) // s) for experts, s in per_key if s > 0), default=1)
         dense = {i.op: Level.FULL for i in self.operators if not i.op.is_expert}
         plans = []
