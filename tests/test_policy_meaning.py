@@ -79,8 +79,8 @@ def test_selective_budget_follows_measured_iteration_time():
     policy.observe_iteration_time(0.5)
     assert (policy.config.local_budget, policy.config.remote_budget) == (5_000, 5_000)
     non_expert = max(policy._non_expert_bytes.values())
-    policy.observe_iteration_time(1e-9)  # never below the non-expert bytes saved every iteration
-    assert policy.config.local_budget == non_expert
+    policy.observe_iteration_time(1e-9)  # never below the non-expert bytes saved every iteration and one expert
+    assert policy.config.local_budget == non_expert + max(i.bytes_full for i in ops if i.op.is_expert)
     fixed = FTConfig.from_flags(ft_policy="selective", ft_selective_local_budget=7_000).snapshot
     pinned = build_policy("selective", policy_class("selective").config_from_flags(fixed, 1.0), ops)
     pinned.observe_iteration_time(0.5)

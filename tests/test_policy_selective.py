@@ -43,7 +43,9 @@ def test_never_exceeds_either_budget_and_spends_it_greedily():
         for i in ops:
             non_expert[rank_key(i)] = non_expert.get(rank_key(i), 0) + (0 if i.op.is_expert else i.bytes_full)
         floor = max(non_expert.values())
-        local = floor + rng.randint(0, 6000)
+        # the local budget buys at least one expert of every rank (the policy refuses less: no expert saved)
+        local = max(n + max((i.bytes_full for i in ops if i.op.is_expert and rank_key(i) == key), default=0)
+                    for key, n in non_expert.items()) + rng.randint(0, 6000)
         remote = floor + rng.randint(0, local - floor)
         policy = SelectivePolicy(SelectiveConfig(local_budget=local, remote_budget=remote), ops)
         pop = make_popularity(layers, experts)
@@ -69,24 +71,56 @@ def test_layers_share_by_token_risk_and_top_experts_by_tokens_since_full():
     ops = make_catalog(2, 4, dense_full=100, dense_compute=10, expert_full=100, expert_compute=10)
     non_expert = sum(i.bytes_full for i in ops if not i.op.is_expert)
     pop = make_popularity(2, 4)
+    e = OperatorId.expert_op
+    pop.mark_full(0, [e(l, x) for l in range(2) for x in range(4)])  # a first snapshot saved every expert
     pop.record(0, torch.tensor([30, 0, 50, 10]))  # layer risk 90
     pop.record(1, torch.tensor([5, 3, 1, 1]))  # layer risk 10
-    pop.end_iteration(0)
+    pop.end_iteration(1)
     policy = SelectivePolicy(SelectiveConfig(local_budget=non_expert + 4 * 100, remote_budget=non_expert + 100), ops)
-    plan = policy.plan(0, pop)
-    e = OperatorId.expert_op
+    plan = policy.plan(1, pop)
     # S_total = 4: floor(0.9*4)=3, floor(0.1*4)=0, remainder (0.6 vs 0.4) -> layer 0 gets 4? cap 4 -> [4, 0]
     assert _full_experts(plan) == {e(0, 0), e(0, 1), e(0, 2), e(0, 3)}
-    remote = policy.remote_plan(0, plan, pop)
+    remote = policy.remote_plan(1, plan, pop)
     assert _full_experts(remote) == {e(0, 2)}  # S_total = 1: the riskiest expert
-    pop.mark_full(0, _full_experts(plan))
-    assert _full_experts(policy.plan(1, pop)) == {e(1, 0), e(1, 1), e(1, 2), e(1, 3)}
+    pop.mark_full(1, _full_experts(plan))
+    assert _full_experts(policy.plan(2, pop)) == {e(1, 0), e(1, 1), e(1, 2), e(1, 3)}
+
+
+def test_experts_never_saved_go_first_so_that_a_point_becomes_recoverable():
+    """Experts without a FULL entry are saved before any chosen by token risk, the riskiest first: with one
+    routed no tokens, ranking by tokens alone (MoEtion §4.3) never saves it, and no point is recoverable."""
+    ops = make_catalog(1, 4, dense_full=100, dense_compute=10, expert_full=100, expert_compute=10)
+    non_expert = sum(i.bytes_full for i in ops if not i.op.is_expert)
+    e = OperatorId.expert_op
+    policy = SelectivePolicy(SelectiveConfig(local_budget=non_expert + 2 * 100, remote_budget=non_expert + 100), ops)
+    routed = torch.tensor([40, 20, 10, 0])  # expert 3 is routed nothing, ever
+    pop, saved = make_popularity(1, 4), []
+    for t in range(8):
+        pop.record(0, routed)
+        pop.end_iteration(t)
+        saved.append(_full_experts(policy.plan(t, pop)))
+        pop.mark_full(t, saved[-1])
+    assert saved[:2] == [{e(0, 0), e(0, 1)}, {e(0, 2), e(0, 3)}]  # never saved: all first, the riskiest first
+    assert all(e(0, 3) not in s for s in saved[2:])  # then by tokens: expert 3 has none
+    # once saved, the paper's ranking decides: an expert saved once and routed nothing since is never saved
+    # again (and before, with the ranking alone, it was never saved at all)
+    pop = make_popularity(1, 4)
+    pop.mark_full(0, [e(0, 3)])
+    for t in range(8):
+        pop.record(0, routed)
+        pop.end_iteration(t)
+        plan = _full_experts(policy.plan(t, pop))
+        assert e(0, 3) not in plan
+        pop.mark_full(t, plan)
 
 
 def test_budget_below_non_expert_state_is_an_actionable_error():
     ops = make_catalog(2, 2)
     with pytest.raises(ValueError, match="local_budget .* non-expert"):
         SelectivePolicy(SelectiveConfig(local_budget=10, remote_budget=10), ops)
+    non_expert = sum(i.bytes_full for i in ops if not i.op.is_expert)
+    with pytest.raises(ValueError, match="buys no expert .* no point would be recoverable; raise the budget"):
+        SelectivePolicy(SelectiveConfig(local_budget=non_expert + 299, remote_budget=10**6), ops)  # experts: 300 B
     with pytest.raises(ValueError, match="remote_includes_non_expert=False"):
         SelectivePolicy(SelectiveConfig(local_budget=10**6, remote_budget=10), ops)
     policy = SelectivePolicy(SelectiveConfig(local_budget=10**6, remote_budget=300,

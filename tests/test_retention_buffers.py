@@ -141,15 +141,17 @@ def test_triple_buffer_is_fine_for_dense_points():
     assert _agree_per_rank(stores, ops_of, lambda o: DenseRule(operators=frozenset(o))) == 6
 
 
-def _most_held(policy, ops, iterations: int, popularity=None) -> int:
+def _most_held(policy, ops, iterations: int, popularity=None, tokens=None) -> int:
     """Entries the store of a fault-free run holds at most under the runtime's retention (``KeepTwoRecoverable``
-    by the policy's ``NewestFullRule``), the point being written included; one entry per FULL operator."""
+    by the policy's ``NewestFullRule``), the point being written included; one entry per FULL operator.
+    ``tokens``: each expert's tokens per iteration in every layer (default: 4 each)."""
     store = SnapshotStore(MemoryBackend(), retention=KeepTwoRecoverable(rule=NewestFullRule(operators=frozenset(ops))))
     held = []
     for t in range(iterations):
-        if popularity is not None:  # every expert routed alike: the selective policy's round robin
+        if popularity is not None:  # even tokens: the selective policy's round robin
             for layer in popularity.moe_layers:
-                popularity.record(layer, torch.full((popularity.num_experts,), 4))
+                popularity.record(layer, torch.tensor(tokens) if tokens is not None
+                                  else torch.full((popularity.num_experts,), 4))
             popularity.end_iteration(t)
         plan = {op: lvl for op, lvl in policy.plan(t, popularity).items() if op in ops and lvl != Level.NONE}
         held.append(sum(len(store.catalog().point(it).entries) for it in store.points()) + len(plan))
@@ -198,3 +200,20 @@ def test_what_selective_keeps_with_even_tokens_is_what_its_capacity_check_counts
     counted = _counted(policy, ops)
     assert _most_held(policy, ops, 6 * experts, make_popularity(2, experts)) == counted
     assert counted == (-(-2 * experts // budget_experts) + 2) * (len(ops) - 2 * experts + budget_experts)
+
+
+@pytest.mark.parametrize("experts, budget_experts", [(8, 1), (8, 3)])
+def test_selective_with_an_expert_routed_nothing_keeps_a_bounded_store(experts, budget_experts):
+    """An expert routed no tokens (and one routed few) is saved once, first, so that points become
+    recoverable; the store then holds at most ``n + 3`` points (module docstring of
+    ``moe_ft/policy/selective.py``). Ranked by tokens alone it was never saved: no point was ever
+    recoverable and the store kept every point."""
+    catalog = make_catalog(2, experts)
+    non_expert = sum(i.bytes_full for i in catalog if not i.op.is_expert)
+    budget = non_expert + budget_experts * 300
+    policy = SelectivePolicy(SelectiveConfig(local_budget=budget, remote_budget=budget), catalog)
+    ops = {i.op for i in catalog}
+    size = len(ops) - 2 * experts + budget_experts  # entries per snapshot
+    tokens = [2 ** (experts - 1 - e) for e in range(experts - 1)] + [0]  # skewed, and the last routed nothing
+    held = _most_held(policy, ops, 12 * experts, make_popularity(2, experts), tokens)
+    assert held <= (2 * experts + 3) * size

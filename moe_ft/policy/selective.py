@@ -13,6 +13,19 @@ is split over the rank's MoE layers in proportion to their token risk ``R[l]`` (
 FULL of the layer's experts), floors first, then largest remainders (Alg. 1 line 5 "adjust so that the
 sum is S_total"), capped at the layer's expert count; each layer saves its top ``S[l]`` experts by tokens
 since last FULL snapshot (§4.3), ties by OperatorId.
+
+**Experts never saved go first (not in the paper).** Ranked by tokens since their last FULL snapshot alone,
+an expert routed no tokens is never saved, nor is one routed few for as long as the popular experts regain
+more tokens in an iteration than it gathers in all iterations so far. Lossy recovery restores every expert
+from its newest FULL entry (§6), so until each has one no point is recoverable: a failure finds nothing to
+recover from, and the store, which keeps every point until one is recoverable, grows until the tmpfs is
+full (``tests/test_retention_buffers.py``; docs/policies.md, "MoEtion"). So an expert without a FULL
+entry (``ExpertPopularity.last_full_iteration`` < 0: a fresh job, or one resumed from a checkpoint with a new
+store) is saved before any chosen by token risk, from the same ``S_total`` (the riskiest of each layer, layer
+after layer, as the paper's split would share them when every layer's risk is alike): the first
+recovery point exists after ``ceil(n / S_total)`` iterations for a rank's ``n`` experts, whatever the
+routing. After that the paper's ranking decides; the store then holds at most ``n + 3`` points (one per
+expert's newest FULL entry, the two newest points and the one being written).
 """
 
 from __future__ import annotations
@@ -48,7 +61,6 @@ class SelectiveConfig:
     ``T_iter`` (:meth:`SelectivePolicy.observe_iteration_time`); ``None``: the budget is fixed."""
     remote_bandwidth: Optional[float] = None
     """The same for ``remote_budget``."""
-
     def __post_init__(self) -> None:
         if self.local_budget < 0 or self.remote_budget < 0:
             raise ValueError("SelectiveConfig budgets are byte counts and must be >= 0")
@@ -111,8 +123,11 @@ class SelectivePolicy(SnapshotPolicy):
 
     def observe_iteration_time(self, t_iter_s: float) -> None:
         """Budgets derived from a bandwidth follow the measured ``T_iter`` (MoEtion §4.2: ``B = BW × T_iter``),
-        never below the non-expert bytes MoEtion saves every iteration."""
-        floor = max(self._non_expert_bytes.values(), default=0)
+        never below the non-expert bytes MoEtion saves every iteration and one expert (a budget that buys no
+        expert never saves one: no point would be recoverable)."""
+        floor = max(self._non_expert_bytes[key] + max((i.bytes_full for exps in layers.values() for i in exps),
+                                                      default=0)
+                    for key, layers in self._experts.items()) if self._experts else 0
         if self.config.local_bandwidth is not None:
             self.config.local_budget = max(int(self.config.local_bandwidth * t_iter_s), floor)
         if self.config.remote_bandwidth is not None:
@@ -143,6 +158,15 @@ class SelectivePolicy(SnapshotPolicy):
                     f"FULL state on rank (pp={key[0]}, ep={key[1]}); MoEtion saves non-experts every "
                     "iteration, so raise the budget (bandwidth × iteration time) or use the sparse policy"
                 )
+            experts = [i for exps in self._experts[key].values() for i in exps]
+            if experts and _experts_within(experts, config.local_budget - nbytes) == 0:
+                raise ValueError(
+                    f"local_budget of {config.local_budget} bytes buys no expert on rank (pp={key[0]}, "
+                    f"ep={key[1]}) after its {nbytes} bytes of non-expert FULL state (an expert costs "
+                    f"{max(i.bytes_full for i in experts)} bytes): no expert would ever be saved and no point "
+                    "would be recoverable; raise the budget (--ft-selective-local-budget, or the bandwidth "
+                    "x iteration time) or use the sparse policy"
+                )
             if config.remote_includes_non_expert and nbytes > config.remote_budget:
                 raise ValueError(
                     f"remote_budget of {config.remote_budget} bytes is below the {nbytes} bytes of non-expert "
@@ -155,6 +179,7 @@ class SelectivePolicy(SnapshotPolicy):
         if popularity is None:
             raise ValueError("the selective policy ranks experts by tokens since their last FULL snapshot; "
                              "pass the ExpertPopularity counters to plan()/remote_plan()")
+        last_full = popularity.last_full_iteration.tolist()  # one host read
         chosen: list[OperatorId] = []
         for key, layers in sorted(self._experts.items()):
             layers = {l: [i for i in exps if candidates is None or i.op in candidates]
@@ -167,8 +192,15 @@ class SelectivePolicy(SnapshotPolicy):
             scores = {}
             for exps in layers.values():
                 scores.update(expert_scores(popularity, exps, "since_full"))
+            # experts never saved first (module docstring): each layer's riskiest, layer after layer
+            ranked = {l: sorted((i.op for i in exps if last_full[popularity.layer_pos(l)][i.op.expert] < 0),
+                                key=lambda op: (-scores[op], op)) for l, exps in layers.items()}
+            due = [op for _, _, op in sorted((n, l, op) for l, ops in ranked.items()
+                                             for n, op in enumerate(ops))][:s_total]
+            chosen.extend(due)
+            layers = {l: [i for i in exps if i.op not in due] for l, exps in layers.items()}
             risks = [sum(scores[i.op] for i in exps) for exps in layers.values()]
-            alloc = allocate_proportional(s_total, risks, [len(e) for e in layers.values()])
+            alloc = allocate_proportional(s_total - len(due), risks, [len(e) for e in layers.values()])
             for exps, s in zip(layers.values(), alloc):
                 chosen.extend(i.op for i in top_by_score(exps, scores, s))
         return sorted(chosen)
