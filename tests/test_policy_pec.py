@@ -87,7 +87,23 @@ def test_load_aware_picks_most_unsaved_tokens():
     e = OperatorId.expert_op
     assert sorted(_full_experts(policy.plan(0, pop))) == [e(0, 1), e(0, 2), e(1, 0), e(1, 3)]
     pop.mark_full(0, [e(0, 1), e(0, 2), e(1, 0), e(1, 3)])
-    assert sorted(_full_experts(policy.plan(0, pop))) == [e(0, 0), e(0, 3), e(1, 0), e(1, 2)]  # ties: OperatorId order
+    # experts never saved go first, the riskiest first: e(1, 1), routed no token, as well (by tokens alone
+    # e(1, 0), just saved, would tie with it at 0 and win on OperatorId order, and e(1, 1) would never be saved)
+    assert sorted(_full_experts(policy.plan(0, pop))) == [e(0, 0), e(0, 3), e(1, 1), e(1, 2)]
+
+
+def test_load_aware_saves_an_expert_routed_no_token_so_that_a_point_becomes_recoverable():
+    ops = make_catalog(1, 4)
+    policy = PECPolicy(PECConfig(k_snapshot=1, k_persist=1, selection="load_aware", dynamic_k=False), ops)
+    pop, saved = make_popularity(1, 4), set()
+    e = OperatorId.expert_op
+    for t in range(6):
+        pop.record(0, torch.tensor([9, 5, 2, 0]))  # expert 3: no token, ever
+        pop.end_iteration(t)
+        plan = _full_experts(policy.plan(t, pop))
+        saved |= set(plan)
+        pop.mark_full(t, plan)
+    assert saved == {e(0, 0), e(0, 1), e(0, 2), e(0, 3)}  # every expert has a FULL entry after N/K checkpoints
 
 
 def test_dynamic_k_doubles_after_accumulated_plt_crosses_threshold():

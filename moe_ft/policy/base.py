@@ -205,6 +205,15 @@ def expert_scores(
     return {i.op: float(rows[popularity.layer_pos(i.op.layer)][i.op.expert]) for i in experts}
 
 
+def never_saved(popularity: "ExpertPopularity", experts: Iterable[OperatorInfo]) -> set[OperatorId]:
+    """The experts of ``experts`` without a FULL snapshot yet (``last_full_iteration`` < 0). Policies that rank
+    experts by tokens since their last FULL snapshot save these first: ranked by tokens alone, an expert
+    routed none is never saved, and lossy recovery, which restores every expert from its newest FULL entry,
+    has no point until each has one (docs/policies.md, "MoEtion")."""
+    rows = popularity.last_full_iteration.tolist()  # one host read
+    return {i.op for i in experts if rows[popularity.layer_pos(i.op.layer)][i.op.expert] < 0}
+
+
 def top_by_score(candidates: Sequence[OperatorInfo], scores: Mapping[OperatorId, float], k: int) -> list[OperatorInfo]:
     """The ``k`` candidates with the highest score, ties broken by OperatorId order."""
     return sorted(candidates, key=lambda i: (-scores[i.op], i.op))[: max(k, 0)]

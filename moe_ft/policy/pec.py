@@ -11,7 +11,9 @@ saved by all layers of a pipeline stage at one checkpoint form one contiguous ru
 order: with ``R`` EP ranks holding ``N/R`` experts each (``R | N``), the numbers of FULL experts on any
 two EP ranks of a stage differ by at most one.
 *Load-aware selection* saves the ``K`` experts with the most tokens since their last FULL snapshot (the
-"unsaved updates" of §3.2; needs :meth:`ExpertPopularity.mark_full` after each snapshot).
+"unsaved updates" of §3.2; needs :meth:`ExpertPopularity.mark_full` after each snapshot), experts without a
+FULL entry yet first (not in the paper: by tokens alone an expert routed none is never saved, and lossy
+recovery has no point until every expert has a FULL entry; docs/policies.md).
 
 *Dynamic-K* (§5.3): the recovery code calls :meth:`PECPolicy.on_recovery` with the PLT of each recovery;
 once the PLT accumulated under the current ``K`` exceeds the threshold (3.75 %), ``K`` doubles (up to
@@ -33,6 +35,7 @@ from moe_ft.policy.base import (
     expert_scores,
     experts_by_layer,
     make_plan,
+    never_saved,
     top_by_score,
 )
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo, SnapshotPlan
@@ -174,7 +177,9 @@ class PECPolicy(SnapshotPolicy):
                     raise ValueError("pec selection='load_aware' ranks experts by tokens since their last FULL "
                                      "snapshot; pass the ExpertPopularity counters to plan()")
                 scores = expert_scores(popularity, order, "since_full")
-                picks = top_by_score(order, scores, min(k, n))
+                unsaved = never_saved(popularity, order)  # first, the riskiest first (else never, if routed none)
+                picks = top_by_score([i for i in order if i.op in unsaved], scores, min(k, n))
+                picks += top_by_score([i for i in order if i.op not in unsaved], scores, min(k, n) - len(picks))
             else:
                 picks = self._sequential(layer, base_cursor + (c - base_c) * k, k)
             chosen[layer] = sorted(i.op for i in picks)

@@ -40,6 +40,7 @@ from moe_ft.policy.base import (
     expert_scores,
     experts_by_layer,
     make_plan,
+    never_saved,
     rank_key,
     top_by_score,
 )
@@ -179,7 +180,6 @@ class SelectivePolicy(SnapshotPolicy):
         if popularity is None:
             raise ValueError("the selective policy ranks experts by tokens since their last FULL snapshot; "
                              "pass the ExpertPopularity counters to plan()/remote_plan()")
-        last_full = popularity.last_full_iteration.tolist()  # one host read
         chosen: list[OperatorId] = []
         for key, layers in sorted(self._experts.items()):
             layers = {l: [i for i in exps if candidates is None or i.op in candidates]
@@ -193,8 +193,9 @@ class SelectivePolicy(SnapshotPolicy):
             for exps in layers.values():
                 scores.update(expert_scores(popularity, exps, "since_full"))
             # experts never saved first (module docstring): each layer's riskiest, layer after layer
-            ranked = {l: sorted((i.op for i in exps if last_full[popularity.layer_pos(l)][i.op.expert] < 0),
-                                key=lambda op: (-scores[op], op)) for l, exps in layers.items()}
+            unsaved = never_saved(popularity, (i for exps in layers.values() for i in exps))
+            ranked = {l: sorted((i.op for i in exps if i.op in unsaved), key=lambda op: (-scores[op], op))
+                      for l, exps in layers.items()}
             due = [op for _, _, op in sorted((n, l, op) for l, ops in ranked.items()
                                              for n, op in enumerate(ops))][:s_total]
             chosen.extend(due)
