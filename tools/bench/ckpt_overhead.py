@@ -103,8 +103,8 @@ CONTROL = "none(control)"  # --control: a second session without snapshots, the 
 def labels(pp: int, two_copies: bool = False, agent_hash: bool = False, only: str = "",
            control: bool = False, xxh3: bool = False, agent_publish: bool = False) -> list[str]:
     """The sessions compared, in cycling order; ``only`` (``--policies``, comma-separated): just these of
-    :data:`POLICIES` (``none`` always, the baseline)."""
-    chosen = POLICIES if not only else ["none"] + [p for p in POLICIES[1:] if p in only.split(",")]
+    :data:`POLICIES`, in the order given (``none`` always, first: the baseline)."""
+    chosen = POLICIES if not only else ["none"] + [p for p in dict.fromkeys(only.split(",")) if p in POLICIES[1:]]
     return (chosen + ([BUBBLES] if pp > 1 and (not only or BUBBLES in only.split(",")) else [])
             + ([TWO_COPIES] if two_copies else []) + ([AGENT_HASH] if agent_hash else [])
             + ([AGENT_PUBLISH] if agent_publish else []) + ([XXH3] if xxh3 else []) + ([CONTROL] if control else []))
@@ -546,9 +546,9 @@ def main() -> int:
                         "the i-th core this process may use, cycling): a rank's snapshot thread then shares its "
                         "own rank's core, not the others'")
     p.add_argument("--policies", default="",
-                   help=f"comma-separated sessions to compare, of {', '.join(POLICIES[1:] + [BUBBLES])} ('none' "
-                        "is always one: the baseline); default all. Fewer sessions give each more cycles in the "
-                        "same time")
+                   help=f"comma-separated sessions to compare, of {', '.join(POLICIES[1:] + [BUBBLES])}, in the "
+                        "cycling order given ('none' is always one, first: the baseline); default all. Fewer "
+                        "sessions give each more cycles in the same time")
     p.add_argument("--profile-worker", type=int, default=0, metavar="N",
                    help="profile the sparse session's snapshot thread on N of its last snapshots "
                         "(tools/bench/worker_profile.py), each rank's into --profile-dir; wrapped calls cost a "
