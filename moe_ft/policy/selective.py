@@ -62,6 +62,7 @@ class SelectiveConfig:
     ``T_iter`` (:meth:`SelectivePolicy.observe_iteration_time`); ``None``: the budget is fixed."""
     remote_bandwidth: Optional[float] = None
     """The same for ``remote_budget``."""
+
     def __post_init__(self) -> None:
         if self.local_budget < 0 or self.remote_budget < 0:
             raise ValueError("SelectiveConfig budgets are byte counts and must be >= 0")

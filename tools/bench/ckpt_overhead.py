@@ -433,17 +433,15 @@ def summarize(runtime, out: str, names: list[str], warmup: int = 1) -> None:
                 for key in ("agent_verified", "agent_published"):  # the points it hashed, or published
                     if key in gathered[0][name]:
                         report[name][f"{key}_points"] = sum(g[name][key] for g in gathered)
-        report["_iterations"] = {name: {"cpu": {t: sum(g[name]["cpu_by_iter"][t] for g in gathered)
-                                                for t in set.intersection(*(set(g[name]["cpu_by_iter"]) for g in gathered))},
-                                        "main_cpu": {t: sum(g[name]["main_cpu_by_iter"][t] for g in gathered)
-                                                     for t in set.intersection(*(set(g[name]["main_cpu_by_iter"])
-                                                                                 for g in gathered))},
-                                        "sys_cpu": {t: sum(g[name]["usage_by_iter"][t][0] for g in gathered)
-                                                    for t in set.intersection(*(set(g[name]["usage_by_iter"])
-                                                                                for g in gathered))},
-                                        "minor_faults": {t: sum(g[name]["usage_by_iter"][t][1] for g in gathered)
-                                                         for t in set.intersection(*(set(g[name]["usage_by_iter"])
-                                                                                     for g in gathered))}}
+        def job_per_iteration(name: str, key: str, part: int | None = None) -> dict[int, float]:
+            """Per measured iteration of every rank: the sum over the ranks of ``key`` (of its ``part``)."""
+            its = set.intersection(*(set(g[name][key]) for g in gathered))
+            return {t: sum(g[name][key][t] if part is None else g[name][key][t][part] for g in gathered) for t in its}
+
+        report["_iterations"] = {name: {"cpu": job_per_iteration(name, "cpu_by_iter"),
+                                        "main_cpu": job_per_iteration(name, "main_cpu_by_iter"),
+                                        "sys_cpu": job_per_iteration(name, "usage_by_iter", 0),
+                                        "minor_faults": job_per_iteration(name, "usage_by_iter", 1)}
                                  for name in names}
         report["_setup"] = {"window": WINDOW, "warmup_cycles": warmup, "dense_k": DENSE_K,
                             "iterations": runtime.args.training.train_iters,
@@ -557,7 +555,8 @@ def main() -> int:
                    help="where --profile-worker writes worker_profile_sparse_rank<r>.txt and its JSON")
     p.add_argument("--iterations-json", default=None, metavar="PATH",
                    help="write every measured iteration's job CPU seconds (all ranks; 'cpu': every thread, "
-                        "'main_cpu': the training threads) per session to PATH, keyed by iteration")
+                        "'main_cpu': the training threads, 'sys_cpu': system time) and 'minor_faults' per session "
+                        "to PATH, keyed by iteration")
     p.add_argument("--cycles", type=int, default=0,
                    help="measured cycles (default: the model's, or --quick's)")
     p.add_argument("--nproc", type=int, default=4, choices=sorted(PP),
