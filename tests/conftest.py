@@ -72,6 +72,25 @@ def pytest_exception_interact(node, call, report):
         node.config.hook.pytest_timeout_set_timer(item=node, settings=settings)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_under_basetemp(tmp_path_factory):
+    """Temporary files of this session's processes, and of the processes they start, under pytest's base
+    directory (which pytest prunes to the last three runs) instead of ``/tmp``: ``torchrun`` and ``moe-ft
+    launch`` keep a log directory per job there when no ``--log-dir`` is given (``torchelastic_*``,
+    ``moe_ft_launch_*``), and every run of the suite left a few thousand."""
+    import tempfile  # only this fixture needs it
+
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    yield
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """Prefix of a small Megatron indexed dataset made from the generated corpus, written once per session
