@@ -49,7 +49,9 @@ def explain(cost: CostModel, result: PolicyResult, max_overhead: float = 0.03) -
     if spec.kind == "pec":
         return (f"PEC K={pm.knobs['k']} experts/layer per snapshot, overhead {result.overhead:.1%}; lossy: PLT ≈ "
                 f"{result.plt:.2%} (MoC budget {spec.plt_budget:.2%}); global restart, {er}")
-    return (f"selective: {pm.knobs['experts_per_iter']} experts/iter per rank fit the budget, overhead "
+    fits = "fit the budget" if pm.checkpoint_bytes <= _budget_bytes(pm.cost) else \
+        "(the least the runtime saves; beyond the budget: it stalls)"
+    return (f"selective: {pm.knobs['experts_per_iter']} experts/iter per rank {fits}, overhead "
             f"{result.overhead:.1%}; lossy: lost-update share ≈ {result.plt:.3%}; global restart, {er}")
 
 

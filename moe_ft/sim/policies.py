@@ -325,10 +325,12 @@ def selective_model(cost: CostModel, spec: PolicySpec) -> PolicyModel:
         if not experts:
             worst_bytes = max(worst_bytes, ne)
             continue
-        s_total = min(len(experts), moetion_experts_per_iter(max(0.0, budget - ne), experts[0].bytes_full))
+        # at least one: the runtime never plans fewer (a budget derived from the bandwidth is floored at the
+        # non-experts and one expert; a given one below that is refused), so the stall below charges the rest
+        s_total = max(1, min(len(experts), moetion_experts_per_iter(max(0.0, budget - ne), experts[0].bytes_full)))
         s_min = s_total if s_min is None else min(s_min, s_total)
         worst_bytes = max(worst_bytes, ne + s_total * experts[0].bytes_full)
-        stale = math.inf if s_total == 0 else (len(experts) / s_total - 1) / 2
+        stale = (len(experts) / s_total - 1) / 2
         worst_stale = max(worst_stale, stale)
     stall, t_snap = _per_iter_stall(cost, worst_bytes)
     return PolicyModel(spec=spec, cost=cost, period_iters=1, stall_s=stall, t_snapshot_s=t_snap,

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from moe_ft.policy.window import find_window_size
+from moe_ft.sim.advisor import explain
 from moe_ft.sim.analytic import build_model, choose_dense_interval, evaluate
 from moe_ft.sim.config import (
     PRECISIONS,
@@ -162,3 +163,23 @@ def test_the_dense_interval_rules_choose_on_the_stall_the_model_charges(mtbf_s):
     spec = parse_policy("checkfreq")
     k = choose_dense_interval(cost, spec, mtbf_s)
     assert dense_model(cost, spec, k).overhead <= spec.max_overhead < dense_model(cost, spec, k - 1).overhead
+
+
+def test_selective_on_a_link_too_slow_for_one_expert_saves_one_and_stalls_as_the_runtime_does():
+    """The runtime never plans fewer than one expert per iteration (a bandwidth-derived budget is floored at
+    the non-experts and one expert: ``SelectivePolicy.observe_iteration_time``), so the model does the same
+    and charges the stall, instead of reporting an infinite staleness for a plan the runtime does not run."""
+    def result(d2h):
+        cfg = tiny(d2h=d2h)
+        hw = dataclasses.replace(cfg.hardware, network_bandwidth=1e15, host_s_per_byte=0.0)
+        cost = CostModel(dataclasses.replace(cfg, hardware=hw))
+        res = evaluate(cost, parse_policy("selective"), 3600.0)
+        return res.model, explain(cost, res)
+
+    slow, why = result(1.0)  # 1 B/s: not even the non-expert state fits
+    assert slow.knobs["experts_per_iter"] == 1
+    assert math.isfinite(slow.lossy_staleness_iters) and slow.stall_s > 0
+    assert "1 experts/iter per rank (the least the runtime saves; beyond the budget: it stalls)" in why
+    fast, why = result(1e12)
+    assert fast.knobs["experts_per_iter"] == 4 and fast.stall_s == 0  # every local expert, hidden
+    assert "4 experts/iter per rank fit the budget" in why
