@@ -2,6 +2,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -78,8 +79,6 @@ def _temporary_files_under_basetemp(tmp_path_factory):
     directory (which pytest prunes to the last three runs) instead of ``/tmp``: ``torchrun`` and ``moe-ft
     launch`` keep a log directory per job there when no ``--log-dir`` is given (``torchelastic_*``,
     ``moe_ft_launch_*``), and every run of the suite left a few thousand."""
-    import tempfile  # only this fixture needs it
-
     before = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again

@@ -127,9 +127,7 @@ class SelectivePolicy(SnapshotPolicy):
         """Budgets derived from a bandwidth follow the measured ``T_iter`` (MoEtion §4.2: ``B = BW × T_iter``),
         never below the non-expert bytes MoEtion saves every iteration and one expert (a budget that buys no
         expert never saves one: no point would be recoverable)."""
-        floor = max(self._non_expert_bytes[key] + max((i.bytes_full for exps in layers.values() for i in exps),
-                                                      default=0)
-                    for key, layers in self._experts.items()) if self._experts else 0
+        floor = max(self._least_budget.values(), default=0)
         if self.config.local_bandwidth is not None:
             self.config.local_budget = max(int(self.config.local_bandwidth * t_iter_s), floor)
         if self.config.remote_bandwidth is not None:
@@ -153,6 +151,10 @@ class SelectivePolicy(SnapshotPolicy):
         self._experts: dict[RankKey, dict[int, list[OperatorInfo]]] = {}
         for key in self._non_expert_bytes:
             self._experts[key] = experts_by_layer(i for i in self.operators if rank_key(i) == key)
+        # the least budget of each rank: its non-expert state and one expert (none when it holds no expert)
+        self._least_budget: dict[RankKey, int] = {
+            key: nbytes + max((i.bytes_full for exps in self._experts[key].values() for i in exps), default=0)
+            for key, nbytes in self._non_expert_bytes.items()}
         for key, nbytes in sorted(self._non_expert_bytes.items()):
             if nbytes > config.local_budget:
                 raise ValueError(
@@ -160,12 +162,11 @@ class SelectivePolicy(SnapshotPolicy):
                     f"FULL state on rank (pp={key[0]}, ep={key[1]}); MoEtion saves non-experts every "
                     "iteration, so raise the budget (bandwidth × iteration time) or use the sparse policy"
                 )
-            experts = [i for exps in self._experts[key].values() for i in exps]
-            if experts and _experts_within(experts, config.local_budget - nbytes) == 0:
+            if config.local_budget < self._least_budget[key]:
                 raise ValueError(
                     f"local_budget of {config.local_budget} bytes buys no expert on rank (pp={key[0]}, "
                     f"ep={key[1]}) after its {nbytes} bytes of non-expert FULL state (an expert costs "
-                    f"{max(i.bytes_full for i in experts)} bytes): no expert would ever be saved and no point "
+                    f"{self._least_budget[key] - nbytes} bytes): no expert would ever be saved and no point "
                     "would be recoverable; raise the budget (--ft-selective-local-budget, or the bandwidth "
                     "x iteration time) or use the sparse policy"
                 )
@@ -197,8 +198,8 @@ class SelectivePolicy(SnapshotPolicy):
             unsaved = never_saved(popularity, (i for exps in layers.values() for i in exps))
             ranked = {l: sorted((i.op for i in exps if i.op in unsaved), key=lambda op: (-scores[op], op))
                       for l, exps in layers.items()}
-            due = [op for _, _, op in sorted((n, l, op) for l, ops in ranked.items()
-                                             for n, op in enumerate(ops))][:s_total]
+            due = {op for _, _, op in sorted((n, l, op) for l, ops in ranked.items()
+                                             for n, op in enumerate(ops))[:s_total]}
             chosen.extend(due)
             layers = {l: [i for i in exps if i.op not in due] for l, exps in layers.items()}
             risks = [sum(scores[i.op] for i in exps) for exps in layers.values()]
