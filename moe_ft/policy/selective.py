@@ -183,6 +183,10 @@ class SelectivePolicy(SnapshotPolicy):
             raise ValueError("the selective policy ranks experts by tokens since their last FULL snapshot; "
                              "pass the ExpertPopularity counters to plan()/remote_plan()")
         chosen: list[OperatorId] = []
+        # the counters read to the host once for every rank's experts, not once per rank and layer
+        every = [i for layers in self._experts.values() for exps in layers.values() for i in exps]
+        scores = expert_scores(popularity, every, "since_full")
+        unsaved = never_saved(popularity, every)
         for key, layers in sorted(self._experts.items()):
             layers = {l: [i for i in exps if candidates is None or i.op in candidates]
                       for l, exps in layers.items()}
@@ -191,11 +195,7 @@ class SelectivePolicy(SnapshotPolicy):
                 continue
             avail = budget - (self._non_expert_bytes[key] if charge_non_expert else 0)
             s_total = _experts_within([i for exps in layers.values() for i in exps], avail)
-            scores = {}
-            for exps in layers.values():
-                scores.update(expert_scores(popularity, exps, "since_full"))
             # experts never saved first (module docstring): each layer's riskiest, layer after layer
-            unsaved = never_saved(popularity, (i for exps in layers.values() for i in exps))
             ranked = {l: sorted((i.op for i in exps if i.op in unsaved), key=lambda op: (-scores[op], op))
                       for l, exps in layers.items()}
             due = {op for _, _, op in sorted((n, l, op) for l, ops in ranked.items()
