@@ -106,6 +106,42 @@ def test_pec_triple_buffer_keeps_each_operators_newest_full():
     assert torch.equal(store.load(2, E2, Level.FULL)["weight"], torch.full((2,), 2.0))
 
 
+def _flip_byte(store: SnapshotStore, iteration: int, op: OperatorId) -> None:
+    from moe_ft.store.manifest import entry_blob
+
+    blobs = store.backend._points[iteration]
+    name = entry_blob(op, Level.FULL)
+    blobs[name] = blobs[name][:40] + bytes([blobs[name][40] ^ 1]) + blobs[name][41:]
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "entry missing", "manifest missing"])
+def test_newest_full_rule_does_not_restore_an_older_full_entry_than_a_damaged_one(damage):
+    """A lossy rule restores each operator's newest FULL entry; where that entry is damaged, an older one of it
+    is not its newest state (the counters recorded with ``end`` were reset at the damaged one, and a
+    data-parallel replica with an intact entry would restore the newer one): the points that would restore the
+    older one are refused, the search goes back to a point before the damage."""
+    store = SnapshotStore(MemoryBackend())
+    put_point(store, 1, {E0: Level.FULL, E1: Level.FULL, D0: Level.FULL})
+    put_point(store, 2, {E0: Level.FULL, D0: Level.FULL})
+    put_point(store, 3, {E1: Level.FULL, D0: Level.FULL})
+    put_point(store, 4, {E0: Level.FULL, E1: Level.FULL, D0: Level.FULL})
+    rule = NewestFullRule(operators=frozenset([E0, E1, D0]))
+    assert store.newest_recoverable(rule, at_or_before=3, verify=True).full_at == {E0: 2, E1: 3, D0: 3}
+    if damage == "flipped byte":
+        _flip_byte(store, 2, E0)
+    elif damage == "entry missing":
+        from moe_ft.store.manifest import entry_blob
+
+        del store.backend._points[2][entry_blob(E0, Level.FULL)]
+    else:
+        from moe_ft.store.backend import MANIFEST
+
+        del store.backend._points[2][MANIFEST]
+    rp = store.newest_recoverable(rule, at_or_before=3, verify=True)
+    assert (rp.end, rp.full_at) == (1, {E0: 1, E1: 1, D0: 1})  # 3 and 2 would restore E0 from 1, older than 2
+    assert store.newest_recoverable(rule, verify=True).end == 4  # E0 FULL again at 4: the damage is behind it
+
+
 def test_dense_retention_and_newest_full():
     store = SnapshotStore(MemoryBackend(), retention=KeepNewestRecoverable(rule=DenseRule(operators=frozenset([E0, D0]))))
     put_point(store, 10, {E0: Level.FULL, D0: Level.FULL})

@@ -25,7 +25,8 @@ class Problem:
 
 class Catalog:
     def __init__(self, points: Mapping[int, PointRecord], problems: Iterable[Problem] = (),
-                 holes: Iterable[tuple[int, OperatorId]] = ()) -> None:
+                 holes: Iterable[tuple[int, OperatorId]] = (),
+                 damaged: Iterable[tuple[int, OperatorId | None]] = ()) -> None:
         self._points = dict(sorted(points.items()))
         self.problems: tuple[Problem, ...] = tuple(problems)
         self.holes: frozenset[tuple[int, OperatorId]] = frozenset(holes)
@@ -33,6 +34,13 @@ class Catalog:
         (not fetched from the replica peers, or found damaged). They stay listed: the operator's state at
         that iteration exists, this store just cannot restore it, so a recovery rule must not fall back
         to an older FULL entry of the operator as if it were the newest (``NewestFullRule``)."""
+        self.damaged: frozenset[tuple[int, OperatorId | None]] = frozenset(damaged)
+        """``(iteration, op)`` of local FULL entries dropped because they failed a check (``op`` ``None``: the
+        point's manifest, so any operator's entry there). Unlike the other
+        dropped entries they matter beyond their own point: the operator was saved FULL there, so an older
+        FULL entry of it is not its newest state (``NewestFullRule`` refuses the points that would restore
+        one: the token loss would miss the tokens in between, and a data-parallel replica whose entry is
+        intact would restore the newer one)."""
 
     @property
     def iterations(self) -> list[int]:
@@ -66,6 +74,11 @@ class Catalog:
     def newest_full_map(self, ops: Iterable[OperatorId], at_or_before: int | None = None) -> dict[OperatorId, int | None]:
         return {op: self.newest_full(op, at_or_before) for op in ops}
 
+    def newest_damaged(self, op: OperatorId, at_or_before: int) -> int | None:
+        """Iteration of the newest FULL entry of ``op`` at or before ``at_or_before`` dropped as damaged (or of a
+        point whose manifest was)."""
+        return max((it for it, o in self.damaged if o in (op, None) and it <= at_or_before), default=None)
+
     def unavailable(self, iteration: int, op: OperatorId, *, local_only: bool = False) -> bool:
         """Whether ``op``'s entry at ``iteration`` cannot be restored from this store: a hole, or (with
         ``local_only``) any remote entry, fetched or not."""
@@ -88,10 +101,13 @@ class Catalog:
         problems = self.problems + (Problem(iteration, entry.name, reason),)
         if entry.remote:
             assert entry.op is not None, "a remote entry is an operator's FULL entry"
-            return Catalog(points, problems, self.holes | {(iteration, entry.op)})
+            return Catalog(points, problems, self.holes | {(iteration, entry.op)}, self.damaged)
+        damaged = self.damaged
         if entry.op is None:
             new = replace(old, meta=None)
         else:
             new = replace(old, entries={op: e for op, e in old.entries.items() if op != entry.op})
+            if entry.level == Level.FULL:
+                damaged = damaged | {(iteration, entry.op)}
         points[iteration] = new
-        return Catalog(points, problems, self.holes)
+        return Catalog(points, problems, self.holes, damaged)

@@ -197,6 +197,10 @@ class NewestFullRule:
         # entry instead would lose tokens the recorded counters do not count.
         if any(it is None or catalog.unavailable(it, op, local_only=self.local_only) for op, it in full_at.items()):
             return None
+        # Likewise a newer FULL entry of it dropped as damaged (``Catalog.damaged``): its newest state is lost.
+        if catalog.damaged and any((d := catalog.newest_damaged(op, end)) is not None and d > cast(int, it)
+                                   for op, it in full_at.items()):
+            return None
         meta = _meta_refs(catalog, [end], self.require_meta)
         if meta is None:
             return None

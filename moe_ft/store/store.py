@@ -756,15 +756,18 @@ class SnapshotStore:
         points: dict[int, PointRecord] = {}
         problems: list[Problem] = []
         holes: list[tuple[int, OperatorId]] = []
+        damaged: list[tuple[int, OperatorId | None]] = []  # None: the point's manifest (any operator's entry)
         for it in self.points() if iterations is None else iterations:
             try:
                 record = self._decode(it, self.backend.read_blob(it, MANIFEST))
             except FileNotFoundError:
                 if it in self.points():  # a point without manifest; a concurrently deleted one is silent
                     problems.append(Problem(it, "point", "manifest missing"))
+                    damaged.append((it, None))
                 continue
             except CorruptEntryError as exc:
                 problems.append(Problem(it, "point", exc.reason))
+                damaged.append((it, None))
                 continue
             bad, fetched = [], []
             for entry in record.all_entries():
@@ -781,13 +784,15 @@ class SnapshotStore:
                 reason = "file missing" if size is None else f"size {size} != {entry.nbytes} in manifest"
                 problems.append(Problem(it, entry.name, reason))
                 bad.append(entry)
+                if entry.op is not None and entry.level == Level.FULL and not entry.remote:
+                    damaged.append((it, entry.op))
             entries = {op: e for op, e in record.entries.items() if e.remote or e not in bad}
             entries.update({e.op: replace(e, remote=False) for e in fetched if e.op is not None})  # all remote
             meta = None if record.meta in bad else record.meta
             points[it] = replace(record, entries=entries, meta=meta)
         for problem in problems:
             logger.warning("moe-ft store %s: skipping %s", self.backend.describe(), problem)
-        return Catalog(points, problems, holes)
+        return Catalog(points, problems, holes, damaged)
 
     # -- reading ---------------------------------------------------------------------------------------
     def _manifest(self, iteration: int) -> PointRecord | None:
@@ -970,7 +975,8 @@ class SnapshotStore:
         if not others:
             return Catalog(known)
         checked = self.catalog(others)
-        return Catalog({**known, **{p.iteration: p for p in checked.points()}}, checked.problems, checked.holes)
+        return Catalog({**known, **{p.iteration: p for p in checked.points()}}, checked.problems, checked.holes,
+                       checked.damaged)
 
     def gc(self) -> list[int]:
         """Delete the points the retention policy does not keep (and leftovers of dead writers)."""
