@@ -123,6 +123,92 @@ def test_an_agent_killed_while_it_publishes_leaves_nothing_torn_and_the_point_is
     assert theirs.points() == [1] and theirs.verify().iterations == [1] and publisher.client.restarts == 1
 
 
+def test_an_order_answered_late_writes_nothing_into_the_regions_its_writer_freed(published, tmp_path):
+    """A stopped agent does not answer within the bound: the trainer takes the order back and frees its regions,
+    the next points are copied into them; the agent, continued, refuses the order it held without writing a byte
+    (it used to seal the old entries over the new points and link the old index: no point was recoverable)."""
+    theirs, _, publisher = published
+    _put(theirs, 0)
+    agent = agent_pid(tmp_path / "agent" / "agent")
+    assert agent is not None
+    publisher.client.timeout_s = 1.0
+    try:
+        stop_process(agent)  # the order waits in its socket
+        with pytest.raises(RuntimeError, match="did not answer 'publish' within 1 s"):
+            _put(theirs, 1)
+        assert theirs.points() == [0] and theirs.staging() == []
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    publisher.client.timeout_s = 60.0
+    for it in (2, 3):
+        _put(theirs, it)
+    log = tmp_path / "agent" / "agent" / "agent.log"
+    deadline = time.monotonic() + 30
+    while "withdrew the order" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "point 1 not published: its writer" in log.read_text()
+    assert theirs.points() == [3] and theirs.verify().iterations == [3] and theirs.verify().problems == ()
+    for op, tensors in _tensors(3).items():
+        got = theirs.load(3, op, Level.FULL)
+        assert all(torch.equal(got[n], t) for n, t in tensors.items())
+
+
+@pytest.mark.parametrize("late", ["linked and kept", "linked and collected"])
+def test_regions_of_an_order_an_agent_still_holds_stay_allocated_until_it_lets_go(tmp_path, late):
+    """The trainer gave up on an order an agent had already claimed (it stopped while writing): the regions are
+    neither freed nor the point's until the agent lets go; then they are the point's where it linked it."""
+    from moe_ft.store import order_claim
+
+    store = _store(tmp_path, "j")
+    finisher = Finisher(_store(tmp_path, "j"))
+    held: list[PublishOrder] = []
+
+    class Publisher:
+        rank = 0
+
+        def publish(self, order, kinds, retention):
+            order.kinds = {id(k): k for k, _ in kinds}
+            order.layouts = {k.layout: layout for k, layout in kinds}
+            order.retention, order.retention_id = retention, 1
+            if order.iteration == 1:  # claimed, then no answer within the bound
+                assert order_claim.claim(store.backend.staging_dir, order.marker)
+                held.append(order)
+                raise RuntimeError("the node agent did not answer 'publish' within 1 s")
+            return finish_point(finisher, order)
+
+    store.publisher = Publisher()  # type: ignore[assignment]
+    _put(store, 0)
+    with pytest.raises(RuntimeError, match="did not answer"):
+        _put(store, 1)
+    alloc = store.backend._alloc
+    assert alloc is not None and list(alloc.in_doubt) != []
+    doubtful = {(seg, off) for token in alloc.in_doubt for seg, off, _ in alloc.pending[token]}
+    if late == "linked and kept":  # the agent goes on at once: point 1 is the newest, retention keeps it
+        assert finish_point(finisher, held[0])["deleted"] == [0]
+        with alloc.lock:
+            alloc.settle()
+        assert alloc.in_doubt == {} and {(seg, off) for seg, off, _ in alloc.points[1]} <= doubtful
+        assert store.verify().problems == () and store.verify().iterations == [1]
+        _put(store, 2)  # not into point 1's regions until it is collected
+        assert store.points() == [2]
+        return
+    for it in (2, 3):
+        _put(store, it)
+        taken = {(seg, off) for seg, off, _ in store.backend._index(it).values()}
+        assert not taken & doubtful, "a region of the order the agent holds was given to another point"
+    assert list(alloc.in_doubt) != []
+    # the agent goes on: it still holds the order, writes it and links the point (its garbage collection
+    # deletes it at once: older than 3), then lets go; the regions are then free again
+    assert finish_point(finisher, held[0])["deleted"] == [1]
+    assert store.verify().problems == () and store.verify().iterations == [3]
+    with alloc.lock:
+        alloc.settle()
+        free = alloc._free
+    assert alloc.in_doubt == {} and 1 not in alloc.points
+    assert all(any(s == seg and o <= off < o + n for s, o, n in free) for seg, off in doubtful)
+    store.backend.close()
+
+
 def test_an_order_whose_writer_is_gone_is_refused_and_a_linked_one_is_found(tmp_path):
     """The agent links no index for a writer after another process took the arena (it may have handed the
     regions out again); a trainer whose order failed after the link finds its point published."""

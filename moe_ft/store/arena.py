@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
+from moe_ft.store import order_claim
 from moe_ft.store.backend import (
     MANIFEST,
     BlobSink,
@@ -131,6 +132,7 @@ class _Allocator:
         self.pending: dict[int, list[Region]] = {}  # writer token -> regions not published yet
         self.open_tokens: set[int] = set()  # writers that may still allocate (not published, not aborted)
         self.deferred: dict[int, list[Region]] = {}  # deleted points another process still reads (see delete)
+        self.in_doubt: dict[int, tuple[int, str]] = {}  # writer token -> (iteration, marker): an agent holds it (settle)
         self.pinned: Callable[[], set[int]] = set  # the points other processes pin (the backend sets it)
         self.maps: dict[int, torch.Tensor] = {}  # segment -> its bytes, mapped shared (map_blob), never unmapped
         self._mms: dict[int, mmap.mmap] = {}  # segment -> its shared mapping, never unmapped
@@ -267,10 +269,34 @@ class _Allocator:
                     self._free[i - 1][2] += self._free[i][2]
                     del self._free[i]
 
+    def doubt(self, token: int, iteration: int, marker: str) -> None:
+        """Writer ``token`` handed its regions to a node agent that did not answer and still holds the order
+        (``moe_ft/store/order_claim.py``): they stay allocated, neither free nor a point's, until it lets go."""
+        with self.lock:
+            self.open_tokens.discard(token)
+            self.in_doubt[token] = (iteration, marker)
+
+    def settle(self) -> None:
+        """The regions of orders an agent no longer holds: the point's where it linked the point's index with
+        them, else free (the lock is held)."""
+        for token, (iteration, marker) in list(self.in_doubt.items()):
+            if order_claim.holder(self.directory / "staging", marker) is not None:
+                continue
+            del self.in_doubt[token]
+            index = _read_index(self.directory / "points" / f"{iteration:012d}.json")
+            mine = {(seg, off) for seg, off, _ in self.pending.get(token, [])}
+            if index is not None and {(seg, off) for seg, off, _ in index.values()} <= mine:
+                self.published(token, iteration, list(index.values()))
+            else:
+                self._release(self.pending.pop(token, []))
+
     def _reclaim(self) -> None:
         """Free the regions of points deleted by another process (their index is gone: the node agent's garbage
         collection, ``moe_ft/store/handoff.py``), but not those a reader pins now: it may have found the index
-        before it went (as in :meth:`delete`, the pins are read after the index is seen gone)."""
+        before it went (as in :meth:`delete`, the pins are read after the index is seen gone); and settle the
+        orders an agent held (:meth:`settle`)."""
+        if self.in_doubt:
+            self.settle()
         gone = [it for it in self.points if not os.path.exists(self.directory / "points" / f"{it:012d}.json")]
         if not gone and not self.deferred:
             return
@@ -585,6 +611,21 @@ class _ArenaWriter(PointWriter):
         with self._lock:
             return dict(self.blobs), regions
 
+    def order_marker(self) -> str:
+        return self.marker.name
+
+    def withdraw(self) -> str | int:
+        """The publisher did not answer: take the order back (``moe_ft/store/order_claim.py``). Returns
+        ``order_claim.WITHDRAWN`` or ``FINISHED`` (no agent writes the regions any more), else the pid of the
+        agent that holds it (then :meth:`doubt`)."""
+        return order_claim.withdraw(self.backend.staging_dir, self.marker.name)
+
+    def doubt(self) -> None:
+        """An agent still holds the order: the regions stay allocated until it lets go (``_Allocator.settle``)."""
+        self._done = True
+        self.alloc.doubt(self.token, self.iteration, self.marker.name)
+        self.backend._open.pop(self.marker.name, None)
+
     def handed_over(self, written: dict[str, Region]) -> None:
         """The other process linked the point's index, with the blobs it wrote at the start of the regions
         :meth:`hand_over` gave (``written``: where, how long): the regions are the point's."""
@@ -741,6 +782,12 @@ class ArenaBackend(StoreBackend):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.staging_dir / info.label)
             removed += 1
+        for name in os.listdir(self.staging_dir) if self.staging_dir.exists() else ():
+            parts = name.split(".")  # an agent's claim of an order (moe_ft/store/order_claim.py), both sides gone
+            if len(parts) == 4 and all(p.isdigit() for p in parts) and not any(
+                    pid_alive(int(p)) for p in (parts[1], parts[3])):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.staging_dir / name)
         for name in os.listdir(self.points_dir) if self.points_dir.exists() else ():
             if name.startswith(".") and name.endswith(".tmp") and not pid_alive(int(name.split(".")[2])):
                 with contextlib.suppress(FileNotFoundError):

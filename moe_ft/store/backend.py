@@ -139,6 +139,18 @@ class PointWriter(abc.ABC):
         """The other process published the point from :meth:`hand_over`, the blobs it wrote at ``written``."""
         raise ValueError(f"{type(self).__name__} hands no point over")
 
+    def order_marker(self) -> str:
+        """The name the other process claims the point's order by (``moe_ft/store/order_claim.py``)."""
+        raise ValueError(f"{type(self).__name__} hands no point over")
+
+    def withdraw(self) -> str | int:
+        """Take back an order the other process did not answer (``moe_ft/store/order_claim.py``)."""
+        raise ValueError(f"{type(self).__name__} hands no point over")
+
+    def doubt(self) -> None:
+        """The other process still holds the order: keep the point's regions until it lets go."""
+        raise ValueError(f"{type(self).__name__} hands no point over")
+
     @abc.abstractmethod
     def commit(self, manifest: bytes) -> None:
         """Store ``manifest`` as blob :data:`MANIFEST` and make the point visible, atomically. Raises

@@ -26,7 +26,10 @@ Failures, none of which leaves a torn or corrupt point visible:
 * the agent is killed before it linked the index: nothing is published; the trainer's client starts another
   agent and sends the order again, and the new agent writes the point again (sealing is a function of the
   order); after the link: the index exists, and the order sent again finds it naming the order's regions and
-  is answered without a byte written (a published point is never written again).
+  is answered without a byte written (a published point is never written again);
+* the agent does not answer within the trainer's bound (stopped, stuck): the trainer withdraws the order
+  before it frees its regions, and the agent claims an order before it writes a byte, so a late agent writes
+  nothing into regions given to later points (``moe_ft/store/order_claim.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store import order_claim
 from moe_ft.store.arena import ALIGN as PAGE
 from moe_ft.store.arena import ArenaBackend, Region, _read_index, _write_index
 from moe_ft.store.backend import MANIFEST, pid_alive
@@ -167,6 +171,9 @@ class PublishOrder:
     """Garbage collection's policy, when it changed since the last order (``None``: the last one sent)."""
     retention_id: int = 0
     """Which policy the agent must hold (an order after an agent restart finds none: :class:`MissingState`)."""
+    marker: str = ""
+    """The point's staging marker, which the agent claims before it writes (``moe_ft/store/order_claim.py``);
+    empty: no claim (a writer that cannot withdraw, e.g. a test's order)."""
 
 
 class MissingState(LookupError):
@@ -288,6 +295,30 @@ def finish_point(state: Finisher, order: PublishOrder) -> dict[str, Any]:
     done = handed_over_anyway(backend, order.iteration, order.blobs, rooms)
     if done is not None:  # sent again after an agent that published it died: published once, nothing rewritten
         return {"written": done, "deleted": []}
+    if order.marker and not order_claim.claim(backend.staging_dir, order.marker):
+        raise StoreError(f"{backend.describe()}: point {order.iteration} not published: its writer (pid "
+                         f"{order.writer_pid}) withdrew the order, having waited for the answer longer than its "
+                         "bound, and may have written another point into its regions since")
+    try:
+        with _for_writer(backend.directory, order.writer_pid) as theirs:
+            if not theirs:
+                raise StoreError(f"{backend.describe()}: point {order.iteration} not published: another process "
+                                 f"took the arena since its writer (pid {order.writer_pid}) allocated its regions")
+            manifest, record, written = _write_and_link(state, order, kinds)
+    finally:
+        if order.marker:
+            order_claim.release(backend.staging_dir, order.marker)
+    state.store._remember(order.iteration, manifest, record)
+    deleted = state.store.gc() if state.store.retention is not None else []
+    return {"written": written, "deleted": deleted}
+
+
+def _write_and_link(state: Finisher, order: PublishOrder, kinds: list) -> tuple[bytes, Any, dict[str, Region]]:
+    """Seal the entries, write the metadata entry and manifest, link the index (the caller holds the order and
+    checked that its writer still holds the arena, or holds it itself). Returns the manifest, its record and
+    where the blobs the agent wrote went."""
+    backend = state.store.backend
+    assert isinstance(backend, ArenaBackend)
     if state.segments is None:
         state.segments = SegmentWriter(backend.directory)
     entries = list(order.sealed)
@@ -309,10 +340,12 @@ def finish_point(state: Finisher, order: PublishOrder) -> dict[str, Any]:
     manifest, record = build_manifest(order.iteration, order.checksum, entries, meta, order.remote,
                                       writer_pid=order.writer_pid)
     blobs[MANIFEST] = _put(state.segments, backend, order, order.manifest_region, manifest, "manifest")
-    _link(backend, order, blobs)
-    state.store._remember(order.iteration, manifest, record)
-    deleted = state.store.gc() if state.store.retention is not None else []
-    return {"written": {name: blobs[name] for name in blobs if name not in order.blobs}, "deleted": deleted}
+    try:
+        _write_index(backend.points_dir, order.iteration, blobs, replace=False, fsync=order.fsync)
+    except FileExistsError:
+        raise StoreError(f"{backend.describe()}: point {order.iteration} is already published with other "
+                         "regions") from None
+    return manifest, record, {name: blobs[name] for name in blobs if name not in order.blobs}
 
 
 def _put(segments: SegmentWriter, backend: ArenaBackend, order: PublishOrder, region: Region, data: bytes,
@@ -328,19 +361,6 @@ def _put(segments: SegmentWriter, backend: ArenaBackend, order: PublishOrder, re
     if order.fsync:
         os.fsync(segments.fd(seg))
     return (seg, off, len(data))
-
-
-def _link(backend: ArenaBackend, order: PublishOrder, blobs: dict[str, Region]) -> None:
-    """Link the index (an order sent again after the link is answered before it writes anything)."""
-    with _for_writer(backend.directory, order.writer_pid) as theirs:
-        if not theirs:
-            raise StoreError(f"{backend.describe()}: point {order.iteration} not published: another process took "
-                             f"the arena since its writer (pid {order.writer_pid}) allocated its regions")
-        try:
-            _write_index(backend.points_dir, order.iteration, blobs, replace=False, fsync=order.fsync)
-        except FileExistsError:
-            raise StoreError(f"{backend.describe()}: point {order.iteration} is already published with other "
-                             "regions") from None
 
 
 def handed_over_anyway(backend: Any, iteration: int, blobs: dict[str, Region],

@@ -511,7 +511,7 @@ class PendingPoint:
             unsealed=[(id(kind), sums) for kind, _, sums in self._unsealed],
             sealed=list(self._entries.values()), meta=self._meta, remote=list(self._remote.values()), blobs=blobs,
             manifest_region=regions[MANIFEST], meta_order=self._meta_order, meta_region=regions.get(META_BLOB),
-            fsync=getattr(store.backend, "fsync", False))
+            fsync=getattr(store.backend, "fsync", False), marker=writer.order_marker())
         hook = getattr(store.backend, "_hook", None)
         try:
             if hook is not None:
@@ -521,7 +521,16 @@ class PendingPoint:
         except BaseException:
             found = handed_over_anyway(store.backend, self.iteration, blobs, regions)
             if found is None:
-                self.abort()
+                # the order taken back, so that no agent writes its regions once they are freed; the agent may
+                # have linked the point before it let go of the order (``moe_ft/store/order_claim.py``)
+                holder = writer.withdraw()
+                found = handed_over_anyway(store.backend, self.iteration, blobs, regions)
+            if found is None:
+                if isinstance(holder, int):  # a live agent still holds it: its regions stay allocated
+                    writer.doubt()
+                    self._state = "aborted"
+                else:
+                    self.abort()
                 raise
             written = found
         writer.handed_over(written)
