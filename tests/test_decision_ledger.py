@@ -36,3 +36,67 @@ def test_ranks_merge_and_the_bound_is_below_every_failed_point():
     merged = a.merge(b)
     assert merged.localized == {9: "a"} and merged.global_points == {8: "a", 5: "b"} and merged.below == 4
     assert merged.to_json() == {"localized": {"9": "a"}, "global": {"5": "b", "8": "a"}}
+
+
+def _driver_worker(rank: int, init: str, tmp: str) -> None:
+    """``driver.recover`` on one gloo rank, the localized attempt standing in for a loading rank whose replaying
+    peer failed: it rewrote the live weight with its survivor point, then every rank went to the global path."""
+    import os
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from moe_ft.localized.scope import Scope
+    from moe_ft.policy.dense import DenseConfig, DensePolicy
+    from moe_ft.recovery import driver, localized
+    from moe_ft.state.operators import OperatorId, OperatorInfo
+    from moe_ft.store import MemoryBackend, SnapshotStore
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    weight = torch.zeros(4)  # the live state a new process starts from: the initial weights
+
+    def run(inputs, scope):  # what localized.run does on a loading rank whose replaying peer then failed
+        scope.rewrote_state = True
+        weight.copy_(torch.full((4,), 7.0))
+        scope.mode, scope.reason = "global", "localized replay failed, rank 1: RuntimeError: replay diverged"
+
+    localized.decide = lambda inputs: Scope("localized", "stage 1 failed", target=7, failed=[1], replaying=[1],
+                                            loading=[0])
+    localized.run = run
+    d0 = OperatorId.dense(0)
+    cfg = SimpleNamespace(
+        snapshot=SimpleNamespace(store_dir=tmp, job_id="job"),
+        recovery=SimpleNamespace(min_recovery_level="none", recovery_scope="localized"),
+        persist=SimpleNamespace(interval=0, root=lambda save: None),
+        checkfree=SimpleNamespace(plus=False), job_dir=lambda: os.path.join(tmp, "job"))
+    session = SimpleNamespace(store=SnapshotStore(MemoryBackend()), name="dense", realign_retention=lambda: None,
+                              policy=DensePolicy(DenseConfig(), [OperatorInfo(op=d0, bytes_compute=16, bytes_full=48)]))
+    inputs = driver.RecoveryInputs(
+        config=cfg, state=SimpleNamespace(model=None, optimizer=SimpleNamespace(), scheduler=None),
+        args=SimpleNamespace(training=SimpleNamespace(save=None)), rank=0, world_size=1, start_iteration=0,
+        restart_count=1, step_fn=lambda t, o: None, registry=[d0], popularity=None, session=session,
+        survivor=None, survivor_points=SimpleNamespace(discard=lambda: None))
+    try:
+        driver.recover(inputs)
+        outcome = f"recovered with the live weight {weight.tolist()}"
+    except RuntimeError as e:
+        outcome = str(e)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(tmp, "outcome.txt"), "w") as f:
+        f.write(outcome)
+
+
+def test_a_failed_localized_attempt_and_no_common_point_is_an_error_not_a_resume_from_a_mixed_state(tmp_path):
+    """The fallback resumes from the state the process started with; a localized attempt that failed after it
+    loaded survivor points rewrote part of it, so training must not go on from it: the recovery fails, saying
+    so, and the ledger keeps the next attempt (new processes) from trying the localized recovery again."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_driver_worker, args=(f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=1, join=True)
+    outcome = (tmp_path / "outcome.txt").read_text()
+    assert "the localized recovery to iteration 7 failed" in outcome and "must start again" in outcome, outcome
+    assert DecisionLedger(str(tmp_path / "job"), rank=0).load().localized == {
+        7: "localized replay failed, rank 1: RuntimeError: replay diverged"}

@@ -66,6 +66,9 @@ class Scope:
     replay_from: int = -1
     """The earliest iteration a replaying rank re-runs (its window start + 1): the logs must reach back to it."""
     why_failed: dict[int, str] = field(default_factory=dict)
+    rewrote_state: bool = False
+    """The localized attempt began to load survivor points or replay into the live state: where it then failed,
+    only a recovery that restores every operator makes the state whole again."""
 
     def to_json(self) -> dict:
         return {**asdict(self), "why_failed": {str(k): v for k, v in self.why_failed.items()}}

@@ -169,6 +169,14 @@ def recover(inputs: RecoveryInputs) -> RecoveryReport:
     plan = plan_recovery(inputs, fetched, below=avoided.below)
     plan.plan.unavailable["survivor_point"] = f"not used: {scope.reason}"
     rs, source = restore_newest_point(inputs, plan, below=avoided.below, ledger=ledger)
+    if rs.point is None and scope.rewrote_state:
+        # the fallback resumes from the state this process started with (the initial weights or the --load
+        # checkpoint), which the failed localized attempt partly overwrote: not a state to train on
+        raise RuntimeError(
+            f"moe-ft recovery: the localized recovery to iteration {scope.target} failed ({scope.reason}) after "
+            "it had rewritten part of the live state, and no rank has a recovery point in common to rewrite all "
+            f"of it; the job must start again from {'the --load checkpoint' if inputs.start_iteration else 'its initial state'} "
+            "in new processes (the next attempt does not try the localized recovery again)")
     inputs.check_fault(lost_through + 1, "fallback")  # drills: lost while the global path rewrote the state
     if t_fetch > 0.0005 and fetched:
         rs.seconds["fetch"] = t_fetch
@@ -240,6 +248,8 @@ def try_localized(inputs: RecoveryInputs, *, lost_through: int, since_fault: flo
         return scope, None
     mine = _recording(ledger, LOCALIZED, lambda: scope.target, lambda: localized.run(inputs, scope))
     if mine is None:
+        if scope.rewrote_state and ledger is not None:  # a next attempt must not try it again (see recover)
+            ledger.record(LOCALIZED, scope.target, scope.reason)
         return scope, None
     outcomes = mine.pop("outcomes")
     inputs.session.store.discard_after(scope.target)

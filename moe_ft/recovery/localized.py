@@ -182,6 +182,7 @@ def run(inputs: "RecoveryInputs", scope: Scope) -> dict | None:
         out["seconds"]["exchange_logs"] = round(time.perf_counter() - t0, 4)
     progress = ReplayProgress.for_recovery(scope.target, scope.replaying,
                                            60.0 * inputs.args.training.distributed_timeout_minutes)
+    scope.rewrote_state = True  # on every rank: the loaders' live tensors change now, the replayers' as they go
     try:
         if out["role"] == "load":
             _load(inputs, scope, out)
