@@ -14,7 +14,8 @@ Counters, all ``[num_layers, num_experts]`` float64 (exact for integer counts be
 * ``ema``: ``A(t) = alpha * A(t-1) + (1 - alpha) * count(t)`` per iteration (MoEvement App. B,
   time-decayed popularity; one mini-batch = one iteration);
 * ``since_full``: tokens routed to each expert since its last FULL snapshot (MoEtion §4.3 "token
-  popularity", MoC §3.2 "unsaved updates"), reset by :meth:`ExpertPopularity.mark_full`.
+  popularity", MoC §3.2 "unsaved updates"), reset by :meth:`ExpertPopularity.mark_full`, and by
+  :meth:`ExpertPopularity.restored_from` for the experts a lossy recovery restored from an older entry.
 
 Besides the counters, ``routing_digest`` ``[num_layers]`` int64 is a digest of the routing decisions of the
 last closed iteration on *this* rank (which tokens of which micro-batch went to which experts,
@@ -29,7 +30,7 @@ snapshot of iteration ``t`` (a snapshot at ``t`` holds the state after the updat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -256,6 +257,25 @@ class ExpertPopularity:
             with torch._C.DisableTorchFunction():
                 self.since_full.numpy()[rows, cols] = 0.0
                 self.last_full_iteration.numpy()[rows, cols] = iteration
+
+    def restored_from(self, full_at: Mapping[tuple[int, int], int], end: int) -> None:
+        """A lossy recovery to the point ``end`` restored expert ``(layer, expert)`` from its FULL entry of
+        iteration ``full_at[(layer, expert)]``. For an entry older than ``end`` the expert's live state is
+        now that entry's: the tokens it had seen since then were reported lost by this recovery (MoC §3.1.2,
+        MoEtion §6), so none of them is unsaved any more and ``since_full`` restarts from zero, while
+        ``last_full_iteration`` is the entry's iteration. Left at their value of ``end``, a second recovery
+        from the same entry would report those tokens again. Experts FULL at ``end`` are left to
+        :meth:`mark_full`."""
+        rows, cols, its = [], [], []
+        for (layer, expert), f in full_at.items():
+            if f < end:
+                rows.append(self.layer_pos(layer))
+                cols.append(expert)
+                its.append(f)
+        if rows:
+            with torch._C.DisableTorchFunction():  # host counters, as in mark_full
+                self.since_full.numpy()[rows, cols] = 0.0
+                self.last_full_iteration.numpy()[rows, cols] = its
 
     # ---------------------------------------------------------------------------------- reading
     def counter(self, source: str) -> torch.Tensor:

@@ -393,7 +393,9 @@ def report_skipped(inputs: RecoveryInputs, rs: RecoveryState) -> None:
 
 def account_token_loss(inputs: RecoveryInputs, point) -> dict:
     """Popularity as of the point (its FULL experts marked); for a lossy policy the lost-token metric of
-    its paper per MoE layer, and the policy's reaction (e.g. Dynamic-K)."""
+    its paper per MoE layer, the counters of the experts restored from older entries restarted there (the
+    tokens reported now are not reported again by a later recovery), and the policy's reaction (e.g.
+    Dynamic-K)."""
     loss = {"tokens": 0.0, "metric": None, "value": 0.0}
     if point is None:
         return loss
@@ -407,9 +409,11 @@ def account_token_loss(inputs: RecoveryInputs, point) -> dict:
     tokens_per_iteration = t.global_batch_size * m.seq_length * m.moe_router_topk
     denom = torch.full((since_full.shape[0],), policy.token_loss_denominator(
         point.end, train_iters=t.train_iters, tokens_per_iteration=tokens_per_iteration))
-    loss = token_loss(end=point.end, expert_full_at=gather_expert_full_at(point.full_at), since_full=since_full,
+    expert_full_at = gather_expert_full_at(point.full_at)
+    loss = token_loss(end=point.end, expert_full_at=expert_full_at, since_full=since_full,
                       moe_layers=popularity.moe_layers, metric=policy.token_loss_metric, tokens_per_layer=denom,
                       over_layers=policy.token_loss_layers)
+    popularity.restored_from(expert_full_at, point.end)  # the tokens just reported are not counted again
     loss.update(policy.after_recovery(point.end, loss["value"]))
     return loss
 

@@ -1,0 +1,94 @@
+"""Token loss of lossy recoveries and the popularity counters they leave (``moe_ft/recovery/driver.py``
+``account_token_loss``, ``moe_ft/recovery/lossy.py``; MoC-System §3.1.2 PLT, MoEtion §6 MLT).
+
+No model: :class:`Run` drives the real policy and :class:`ExpertPopularity` through the runtime's sequence
+per iteration (``moe_ft/runtime/hooks.py``: close the iteration, plan, capture the metadata, ``mark_full``)
+with fixed per-expert token counts, and a recovery does what the machine's FINALIZE and the driver do:
+policy and counters from the metadata of ``end``, each expert from its newest FULL entry at or before
+``end``, then :func:`account_token_loss`. Every expected loss is counted by hand from the token counts.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moe_ft.policy.pec import PECConfig, PECPolicy
+from moe_ft.popularity import ExpertPopularity, PopularityConfig
+from moe_ft.recovery.driver import RecoveryInputs, account_token_loss
+from moe_ft.state.operators import Level, OperatorId, OperatorInfo
+from moe_ft.store.rules import RecoveryPoint
+
+torch.set_num_threads(1)
+
+TRAIN_ITERS = 100
+
+
+def operators(num_experts: int, expert_bytes: int = 30) -> list[OperatorInfo]:
+    return [OperatorInfo(op=OperatorId.dense(0), bytes_compute=10, bytes_full=30)] + [
+        OperatorInfo(op=OperatorId.expert_op(0, e), bytes_compute=expert_bytes // 3, bytes_full=expert_bytes)
+        for e in range(num_experts)]
+
+
+class Run:
+    """One MoE layer; every iteration routes ``tokens[e]`` tokens to expert ``e``."""
+
+    def __init__(self, policy, tokens: list[float]) -> None:
+        self.policy, self.tokens = policy, torch.tensor(tokens, dtype=torch.float64)
+        self.popularity = ExpertPopularity(PopularityConfig(moe_layers=[0], num_experts=len(tokens)))
+        self.plans: dict[int, dict[OperatorId, Level]] = {}
+        self.meta: dict[int, tuple[dict, dict]] = {}
+
+    def train(self, *iterations: int) -> None:
+        for t in iterations:
+            self.popularity.record(0, self.tokens)
+            self.popularity.end_iteration(t)
+            plan = self.policy.plan(t, self.popularity)
+            self.plans[t] = dict(plan)
+            self.meta[t] = (self.policy.state_dict(), self.popularity.state_dict())  # before mark_full
+            self.popularity.mark_full(t, [op for op, lvl in plan.items() if lvl == Level.FULL])
+
+    def full_at(self, end: int) -> dict[OperatorId, int]:
+        """Each operator's newest FULL snapshot at or before ``end`` (``NewestFullRule``)."""
+        out: dict[OperatorId, int] = {}
+        for t in sorted(t for t in self.plans if t <= end):
+            out.update({op: t for op, lvl in self.plans[t].items() if lvl == Level.FULL})
+        return out
+
+    def recover(self, end: int, policy=None) -> dict:
+        """Recover to ``end`` (``policy``: the restarted process's policy object, default this run's)."""
+        policy = self.policy if policy is None else policy
+        policy_state, popularity_state = self.meta[end]
+        policy.load_state_dict(policy_state)
+        self.popularity.load_state_dict(popularity_state)
+        point = RecoveryPoint(start=end, end=end, full_at=self.full_at(end), entries=())
+        for t in [t for t in self.plans if t > end]:  # the abandoned timeline
+            del self.plans[t], self.meta[t]
+        self.policy = policy
+        args = SimpleNamespace(training=SimpleNamespace(global_batch_size=int(self.tokens.sum()),
+                                                        train_iters=TRAIN_ITERS),
+                               model=SimpleNamespace(seq_length=1, moe_router_topk=1))
+        inputs = RecoveryInputs(config=None, state=None, args=args, rank=0, world_size=1, start_iteration=0,
+                                restart_count=1, step_fn=lambda t, opt: None, registry=None,
+                                popularity=self.popularity, session=SimpleNamespace(policy=policy))
+        return account_token_loss(inputs, point)
+
+
+def test_second_recovery_does_not_report_the_first_ones_loss_again():
+    """pec K=1 over 3 experts saves e0, e1, e2, e0, … A recovery to 4 restores e0 from 3 and e2 from 2
+    (losing iteration 4 of e0, 3 and 4 of e2); training resumes at 5 (e2 saved) and fails again. The
+    recovery to 5 restores e0 from 3 again: its live state had only iteration 5 since, the loss of 4 was
+    reported by the first recovery. e1 (restored from its FULL at 4, not saved since) loses iteration 5."""
+    run = Run(PECPolicy(PECConfig(k_snapshot=1, dynamic_k=False), operators(3)), tokens=[1.0, 10.0, 100.0])
+    run.train(0, 1, 2, 3, 4)
+    first = run.recover(4)
+    assert first["per_expert"] == [[1.0, 0.0, 200.0]] and first["tokens"] == 201.0
+    # the restored experts' counters are those of the entries they came from
+    assert run.popularity.since_full.tolist() == [[0.0, 0.0, 0.0]]
+    assert run.popularity.last_full_iteration.tolist() == [[3, 4, 2]]
+    run.train(5)
+    second = run.recover(5)
+    assert second["per_expert"] == [[1.0, 10.0, 0.0]] and second["tokens"] == 11.0
+    assert second["value"] == pytest.approx(11.0 / (TRAIN_ITERS * 111.0))
