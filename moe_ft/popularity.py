@@ -258,20 +258,18 @@ class ExpertPopularity:
                 self.since_full.numpy()[rows, cols] = 0.0
                 self.last_full_iteration.numpy()[rows, cols] = iteration
 
-    def restored_from(self, full_at: Mapping[tuple[int, int], int], end: int) -> None:
-        """A lossy recovery to the point ``end`` restored expert ``(layer, expert)`` from its FULL entry of
-        iteration ``full_at[(layer, expert)]``. For an entry older than ``end`` the expert's live state is
-        now that entry's: the tokens it had seen since then were reported lost by this recovery (MoC §3.1.2,
-        MoEtion §6), so none of them is unsaved any more and ``since_full`` restarts from zero, while
-        ``last_full_iteration`` is the entry's iteration. Left at their value of ``end``, a second recovery
-        from the same entry would report those tokens again. Experts FULL at ``end`` are left to
-        :meth:`mark_full`."""
+    def restored_from(self, full_at: Mapping[tuple[int, int], int]) -> None:
+        """A lossy recovery restored expert ``(layer, expert)`` from its FULL entry of iteration ``f =
+        full_at[(layer, expert)]``: its live state is that entry's, so ``since_full`` restarts from zero and
+        ``last_full_iteration`` is ``f``. For an entry older than the recovery point the tokens it had seen
+        since ``f`` were reported lost by that recovery (MoC §3.1.2, MoEtion §6); left in the counter, a
+        second recovery from the same entry would report them again. An entry of the point's own iteration
+        is what :meth:`mark_full` would record."""
         rows, cols, its = [], [], []
         for (layer, expert), f in full_at.items():
-            if f < end:
-                rows.append(self.layer_pos(layer))
-                cols.append(expert)
-                its.append(f)
+            rows.append(self.layer_pos(layer))
+            cols.append(expert)
+            its.append(f)
         if rows:
             with torch._C.DisableTorchFunction():  # host counters, as in mark_full
                 self.since_full.numpy()[rows, cols] = 0.0

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from moe_ft.policy.pec import PECConfig, PECPolicy
+from moe_ft.policy.selective import SelectivePolicy
 from moe_ft.popularity import ExpertPopularity, PopularityConfig
 from moe_ft.recovery.driver import RecoveryInputs, account_token_loss
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo
@@ -26,8 +27,8 @@ torch.set_num_threads(1)
 TRAIN_ITERS = 100
 
 
-def operators(num_experts: int, expert_bytes: int = 30) -> list[OperatorInfo]:
-    return [OperatorInfo(op=OperatorId.dense(0), bytes_compute=10, bytes_full=30)] + [
+def operators(num_experts: int, expert_bytes: int = 30, dense_bytes: int = 30) -> list[OperatorInfo]:
+    return [OperatorInfo(op=OperatorId.dense(0), bytes_compute=dense_bytes // 3, bytes_full=dense_bytes)] + [
         OperatorInfo(op=OperatorId.expert_op(0, e), bytes_compute=expert_bytes // 3, bytes_full=expert_bytes)
         for e in range(num_experts)]
 
@@ -92,3 +93,28 @@ def test_second_recovery_does_not_report_the_first_ones_loss_again():
     second = run.recover(5)
     assert second["per_expert"] == [[1.0, 10.0, 0.0]] and second["tokens"] == 11.0
     assert second["value"] == pytest.approx(11.0 / (TRAIN_ITERS * 111.0))
+
+
+def test_selective_marks_the_experts_saved_at_the_point_not_a_new_plan_of_it():
+    """selective's budget is bandwidth x the measured iteration time (MoEtion §4.2): 1.25 s buys 5 of the 8
+    experts after the non-expert state. The restarted process builds its policy before it has measured one
+    (1 s: 2 experts), so a plan of the point made again misses 3 of the experts saved there. After the
+    recovery every expert's counters are those of the entry it was restored from."""
+    flags = SimpleNamespace(selective_local_budget=0, selective_remote_budget=0, snapshot_bandwidth=3600.0)
+    ops = operators(8, expert_bytes=300, dense_bytes=3000)
+    measured = SelectivePolicy(SelectivePolicy.config_from_flags(flags, 1.25), ops)
+    measured.observe_iteration_time(1.25)
+    run = Run(measured, tokens=[5.0, 1.0, 7.0, 2.0, 9.0, 3.0, 4.0, 6.0])
+    run.train(0, 1, 2, 3, 4, 5)
+    saved_at_5 = {op.expert for op, lvl in run.plans[5].items() if op.is_expert and lvl == Level.FULL}
+    assert len(saved_at_5) == 5
+    full_at = run.full_at(5)
+    restarted = SelectivePolicy(SelectivePolicy.config_from_flags(flags, 1.0), ops)
+    run.recover(5, policy=restarted)
+    assert run.popularity.since_full.tolist() == [[0.0] * 8]
+    assert run.popularity.last_full_iteration.tolist() == [[full_at[OperatorId.expert_op(0, e)] for e in range(8)]]
+    # the next recovery loses iteration 6 of each expert not saved there, nothing more
+    run.train(6)
+    second = run.recover(6, policy=restarted)
+    saved_at_6 = {op.expert for op, lvl in run.plans[6].items() if op.is_expert and lvl == Level.FULL}
+    assert second["per_expert"] == [[0.0 if e in saved_at_6 else run.tokens[e].item() for e in range(8)]]

@@ -393,18 +393,18 @@ def report_skipped(inputs: RecoveryInputs, rs: RecoveryState) -> None:
 
 def account_token_loss(inputs: RecoveryInputs, point) -> dict:
     """Popularity as of the point (its FULL experts marked); for a lossy policy the lost-token metric of
-    its paper per MoE layer, the counters of the experts restored from older entries restarted there (the
+    its paper per MoE layer, every expert's counters restarted at the FULL entry it was restored from (the
     tokens reported now are not reported again by a later recovery), and the policy's reaction (e.g.
     Dynamic-K)."""
     loss = {"tokens": 0.0, "metric": None, "value": 0.0}
     if point is None:
         return loss
     policy, popularity = inputs.session.policy, inputs.popularity
-    plan = policy.plan(point.end, popularity)  # idempotent: the plan of `end` as it was
-    since_full = popularity.since_full.clone()  # as recorded at `end`, before mark_full(end)
-    popularity.mark_full(point.end, [op for op, lvl in plan.items() if lvl == Level.FULL])
-    if not policy.lossy:
+    if not policy.lossy:  # exact: the policy's state of `end` (its metadata) plans `end` as it was
+        plan = policy.plan(point.end, popularity)
+        popularity.mark_full(point.end, [op for op, lvl in plan.items() if lvl == Level.FULL])
         return loss
+    since_full = popularity.since_full.clone()  # as recorded at `end`, before mark_full(end)
     t, m = inputs.args.training, inputs.args.model
     tokens_per_iteration = t.global_batch_size * m.seq_length * m.moe_router_topk
     denom = torch.full((since_full.shape[0],), policy.token_loss_denominator(
@@ -413,7 +413,10 @@ def account_token_loss(inputs: RecoveryInputs, point) -> dict:
     loss = token_loss(end=point.end, expert_full_at=expert_full_at, since_full=since_full,
                       moe_layers=popularity.moe_layers, metric=policy.token_loss_metric, tokens_per_layer=denom,
                       over_layers=policy.token_loss_layers)
-    popularity.restored_from(expert_full_at, point.end)  # the tokens just reported are not counted again
+    # The experts saved at `end` are those restored from an entry of `end`, not a plan of `end` made again:
+    # selective's budget follows the iteration time measured before the failure (MoEtion §4.2), which the
+    # restarted policy has not measured, and a durable point holds only the experts pec persisted (MoC §5.1).
+    popularity.restored_from(expert_full_at)
     loss.update(policy.after_recovery(point.end, loss["value"]))
     return loss
 
