@@ -14,7 +14,12 @@ Counters, all ``[num_layers, num_experts]`` float64 (exact for integer counts be
 * ``ema``: ``A(t) = alpha * A(t-1) + (1 - alpha) * count(t)`` per iteration (MoEvement App. B,
   time-decayed popularity; one mini-batch = one iteration);
 * ``since_full``: tokens routed to each expert since its last FULL snapshot (MoEtion §4.3 "token
-  popularity", MoC §3.2 "unsaved updates"), reset by :meth:`ExpertPopularity.mark_full`.
+  popularity", MoC §3.2 "unsaved updates"), reset by :meth:`ExpertPopularity.mark_full`, and by
+  :meth:`ExpertPopularity.restored_from` for the experts a lossy recovery restored from an older entry;
+* ``since_persisted``: tokens routed to each expert since its last FULL entry written to the durable tier by
+  a policy that persists only part of each snapshot (MoC §5.1 two-level PEC), reset by
+  :meth:`ExpertPopularity.mark_persisted`. A durable point restores such an expert from that entry, which
+  can be older than its last snapshot FULL: the loss of that recovery is counted here.
 
 Besides the counters, ``routing_digest`` ``[num_layers]`` int64 is a digest of the routing decisions of the
 last closed iteration on *this* rank (which tokens of which micro-batch went to which experts,
@@ -29,7 +34,7 @@ snapshot of iteration ``t`` (a snapshot at ``t`` holds the state after the updat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -140,6 +145,8 @@ class ExpertPopularity:
         self.since_full = torch.zeros(shape, dtype=torch.float64)
         self.last_counts = torch.zeros(shape, dtype=torch.float64)  # hard counts of the last closed iteration
         self.last_full_iteration = torch.full(shape, -1, dtype=torch.int64)
+        self.since_persisted = torch.zeros(shape, dtype=torch.float64)
+        self.last_persisted_iteration = torch.full(shape, -1, dtype=torch.int64)
         self.last_iteration = -1  # last iteration closed by end_iteration
         # routing digest of the open iteration per layer (rank-local) and of the last closed one
         self._digest_pending = torch.zeros(shape[0], dtype=torch.int64, device=device)
@@ -230,6 +237,7 @@ class ExpertPopularity:
             self.hard += hard
             self.soft += soft
             self.since_full += hard
+            self.since_persisted += hard
             alpha = self.config.ema_alpha
             self.ema = alpha * self.ema + (1.0 - alpha) * hard
             self.last_counts = hard  # a view of this iteration's own host copy
@@ -243,6 +251,15 @@ class ExpertPopularity:
     def mark_full(self, iteration: int, experts: Iterable[OperatorId]) -> None:
         """Experts in ``experts`` (non-expert operators are ignored) got a FULL snapshot at ``iteration``:
         their tokens-since-last-FULL restart from zero."""
+        self._reset(self.since_full, self.last_full_iteration, iteration, experts)
+
+    def mark_persisted(self, iteration: int, experts: Iterable[OperatorId]) -> None:
+        """Experts in ``experts`` (non-expert operators are ignored) had their FULL entry of ``iteration``
+        written to the durable tier by a policy that persists part of each snapshot (MoC §5.1): their
+        tokens-since-last-persisted-FULL restart from zero."""
+        self._reset(self.since_persisted, self.last_persisted_iteration, iteration, experts)
+
+    def _reset(self, counter: torch.Tensor, last: torch.Tensor, iteration: int, experts: Iterable[OperatorId]) -> None:
         rows, cols = [], []
         for op in experts:
             if not op.is_expert:
@@ -254,8 +271,52 @@ class ExpertPopularity:
             cols.append(op.expert)
         if rows:  # the host counters through NumPy views: no tensor call per expert (every snapshot)
             with torch._C.DisableTorchFunction():
+                counter.numpy()[rows, cols] = 0.0
+                last.numpy()[rows, cols] = iteration
+
+    def since_entry(self, full_at: Mapping[tuple[int, int], int]) -> torch.Tensor:
+        """``[num_layers, num_experts]``: the tokens each expert ``(layer, expert)`` saw since its FULL entry
+        of iteration ``full_at[(layer, expert)]`` (experts not in ``full_at``: 0). Exact for the entry of its
+        last FULL snapshot (``since_full``) and for that of its last persisted FULL when that is older
+        (``since_persisted``: a durable point restores it from there); for an older entry still (one skipped
+        as corrupt, say) ``since_full`` is a lower bound."""
+        out = torch.zeros_like(self.since_full)
+        with torch._C.DisableTorchFunction():  # host counters: one NumPy read per expert
+            full, persisted = self.since_full.numpy(), self.since_persisted.numpy()
+            last_full, last_persisted = self.last_full_iteration.numpy(), self.last_persisted_iteration.numpy()
+            dst = out.numpy()
+            for (layer, expert), f in full_at.items():
+                row = self.layer_pos(layer)
+                older = f < last_full[row, expert] and f == last_persisted[row, expert]
+                dst[row, expert] = persisted[row, expert] if older else full[row, expert]
+        return out
+
+    def restored_from(self, full_at: Mapping[tuple[int, int], int], lost: torch.Tensor, *,
+                      durable: bool = False) -> None:
+        """A lossy recovery restored expert ``(layer, expert)`` from its FULL entry of iteration ``f =
+        full_at[(layer, expert)]`` and reported ``lost[row, expert]`` of its tokens lost (``[num_layers,
+        num_experts]``, :meth:`since_entry` for an entry older than the point, 0 for the point's own). Its
+        live state is that entry's, so ``since_full`` restarts from zero and ``last_full_iteration`` is
+        ``f``; the reported tokens leave ``since_persisted`` too (what remains are the saved but not
+        persisted ones before ``f``). Left in the counters, a second recovery from the same entry would
+        report them again (MoC §3.1.2, MoEtion §6). An entry of the point's own iteration is what
+        :meth:`mark_full` would record. ``durable``: the entries came from the durable tier, so each is
+        also the expert's last persisted FULL (as :meth:`mark_persisted` would record)."""
+        rows, cols, its = [], [], []
+        for (layer, expert), f in full_at.items():
+            rows.append(self.layer_pos(layer))
+            cols.append(expert)
+            its.append(f)
+        if rows:
+            with torch._C.DisableTorchFunction():  # host counters, as in mark_full
                 self.since_full.numpy()[rows, cols] = 0.0
-                self.last_full_iteration.numpy()[rows, cols] = iteration
+                self.last_full_iteration.numpy()[rows, cols] = its
+                persisted = self.since_persisted.numpy()
+                if durable:
+                    persisted[rows, cols] = 0.0
+                    self.last_persisted_iteration.numpy()[rows, cols] = its
+                else:
+                    persisted[rows, cols] = (persisted[rows, cols] - lost.numpy()[rows, cols]).clip(min=0.0)
 
     # ---------------------------------------------------------------------------------- reading
     def counter(self, source: str) -> torch.Tensor:
@@ -288,6 +349,8 @@ class ExpertPopularity:
             "since_full": self.since_full.clone(),
             "last_counts": self.last_counts.clone(),
             "last_full_iteration": self.last_full_iteration.clone(),
+            "since_persisted": self.since_persisted.clone(),
+            "last_persisted_iteration": self.last_persisted_iteration.clone(),
             "pending": self._host_copy(self._pending),
             "last_iteration": self.last_iteration,
             "routing_digest": self.routing_digest.clone(),
@@ -311,6 +374,11 @@ class ExpertPopularity:
         for name in ("hard", "soft", "ema", "since_full", "last_counts"):
             setattr(self, name, state[name].to(torch.float64).clone())
         self.last_full_iteration = state["last_full_iteration"].to(torch.int64).clone()
+        # states saved before the persisted counters existed: nothing known persisted (since_entry then
+        # counts from the last snapshot FULL, as those versions did)
+        self.since_persisted = state.get("since_persisted", state["since_full"]).to(torch.float64).clone()
+        self.last_persisted_iteration = state.get(
+            "last_persisted_iteration", torch.full(self.last_full_iteration.shape, -1)).to(torch.int64).clone()
         self._pending = state["pending"].to(device=self._pending.device, dtype=torch.float64).clone()
         self.last_iteration = int(state["last_iteration"])
         # states saved before the routing digest existed restore an empty one

@@ -47,6 +47,7 @@ def _worker(rank: int, init: str, out: str) -> None:
         with open(f"{out}/rank{rank}.json", "w") as f:
             json.dump({"end": point.end, "full_at": {str(op): it for op, it in point.full_at.items()},
                        "proposals": proposals}, f)
+        dist.barrier()  # neither rank tears the group down while the other still uses it
     finally:
         dist.destroy_process_group()
 

@@ -196,3 +196,29 @@ def test_open_buffers_follow_the_routing_device_and_read_back_once():
     resumed.load_state_dict(mid)  # a snapshot between micro-batches: the open counts come back
     resumed.end_iteration(0)
     assert torch.equal(resumed.hard, pop.hard) and torch.equal(resumed.routing_digest, pop.routing_digest)
+
+
+def test_persisted_counter_and_states_saved_before_it():
+    """``since_persisted`` counts from the last FULL a partial persist plan wrote (MoC §5.1 two-level PEC);
+    ``since_entry`` reads it for an expert whose entry is that older persisted one. A state saved before the
+    counter existed loads with nothing known persisted: the loss counts from the last snapshot FULL."""
+    x, y = OperatorId.expert_op(0, 0), OperatorId.expert_op(0, 1)
+    pop = ExpertPopularity(PopularityConfig(moe_layers=[0], num_experts=2))
+    for t in range(3):
+        pop.record(0, torch.tensor([3.0, 4.0]))
+        pop.end_iteration(t)
+        pop.mark_full(t, [x, y])
+        if t == 0:
+            pop.mark_persisted(t, [x, y])
+    pop.record(0, torch.tensor([3.0, 4.0]))
+    pop.end_iteration(3)
+    assert pop.since_full.tolist() == [[3.0, 4.0]] and pop.since_persisted.tolist() == [[9.0, 12.0]]
+    assert pop.last_persisted_iteration.tolist() == [[0, 0]]
+    # x from its snapshot FULL of 2, y from its persisted FULL of 0
+    assert pop.since_entry({(0, 0): 2, (0, 1): 0}).tolist() == [[3.0, 12.0]]
+    old = {k: v for k, v in pop.state_dict().items() if k not in ("since_persisted", "last_persisted_iteration")}
+    fresh = ExpertPopularity(pop.config)
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.since_persisted, pop.since_full)
+    assert fresh.last_persisted_iteration.tolist() == [[-1, -1]]
+    assert fresh.since_entry({(0, 0): 2, (0, 1): 0}).tolist() == [[3.0, 4.0]]

@@ -24,8 +24,11 @@ class Durable(Component):
     """The durable tier (MoC §5.1 two-level): background copies of recovery points, plus Megatron-format
     copies when every point of the policy is dense (plain Megatron loads them)."""
 
-    def __init__(self, writer, megatron_dense, rank: int) -> None:
+    def __init__(self, writer, megatron_dense, rank: int, popularity=None) -> None:
         self.writer, self.megatron_dense, self.rank = writer, megatron_dense, rank
+        self.popularity = popularity
+        """The job's :class:`moe_ft.popularity.ExpertPopularity`: told which experts a partial persist plan
+        wrote (``None``: nobody counts)."""
 
     @classmethod
     def build(cls, config: "DurableConfig", ctx, session) -> "Durable":
@@ -44,7 +47,7 @@ class Durable(Component):
         dense = None
         if session.policy.dense_points:
             dense = MegatronDenseWriter(config.dir, ctx.state)
-        return cls(writer, dense, ctx.rank)
+        return cls(writer, dense, ctx.rank, ctx.popularity)
 
     @property
     def directory(self) -> Path:
@@ -52,7 +55,12 @@ class Durable(Component):
 
     def after_snapshot(self, iteration, plan, session, replaying) -> None:
         due = self.writer.due(iteration)
-        self.writer.submit(iteration, session.policy.persist_plan(iteration, plan) if due else None)
+        persist_plan = session.policy.persist_plan(iteration, plan) if due else None
+        self.writer.submit(iteration, persist_plan)
+        if persist_plan is not None and self.popularity is not None:
+            # two-level PEC (MoC §5.1): a durable point restores an expert from its last persisted FULL, which
+            # can be older than its last snapshot FULL; the recovery counts its loss from there
+            self.popularity.mark_persisted(iteration, [op for op, lvl in persist_plan.items() if lvl == Level.FULL])
         if self.megatron_dense is not None:
             dense = bool(plan) and all(lvl == Level.FULL for lvl in plan.values())
             if dense and due and not replaying:

@@ -181,7 +181,7 @@ def recover(inputs: RecoveryInputs) -> RecoveryReport:
     if t_fetch > 0.0005 and fetched:
         rs.seconds["fetch"] = t_fetch
     report_skipped(inputs, rs)
-    loss = account_token_loss(inputs, rs.point)
+    loss = account_token_loss(inputs, rs.point, durable=source == "durable")
     drop_abandoned_timeline(inputs, rs, rebuilt=plan.plan.path == "checkfree")
     if rs.point is None:
         source = "checkpoint" if inputs.start_iteration else "initial"
@@ -401,25 +401,34 @@ def report_skipped(inputs: RecoveryInputs, rs: RecoveryState) -> None:
         rs.message = "; ".join(filter(None, [rs.message, "corrupt entries skipped: " + "; ".join(skipped)]))
 
 
-def account_token_loss(inputs: RecoveryInputs, point) -> dict:
+def account_token_loss(inputs: RecoveryInputs, point, durable: bool = False) -> dict:
     """Popularity as of the point (its FULL experts marked); for a lossy policy the lost-token metric of
-    its paper per MoE layer, and the policy's reaction (e.g. Dynamic-K)."""
+    its paper per MoE layer, every expert's counters restarted at the FULL entry it was restored from (the
+    tokens reported now are not reported again by a later recovery), and the policy's reaction (e.g.
+    Dynamic-K). ``durable``: the point came from the durable tier."""
     loss = {"tokens": 0.0, "metric": None, "value": 0.0}
     if point is None:
         return loss
     policy, popularity = inputs.session.policy, inputs.popularity
-    plan = policy.plan(point.end, popularity)  # idempotent: the plan of `end` as it was
-    since_full = popularity.since_full.clone()  # as recorded at `end`, before mark_full(end)
-    popularity.mark_full(point.end, [op for op, lvl in plan.items() if lvl == Level.FULL])
-    if not policy.lossy:
+    if not policy.lossy:  # exact: the policy's state of `end` (its metadata) plans `end` as it was
+        plan = policy.plan(point.end, popularity)
+        popularity.mark_full(point.end, [op for op, lvl in plan.items() if lvl == Level.FULL])
         return loss
     t, m = inputs.args.training, inputs.args.model
     tokens_per_iteration = t.global_batch_size * m.seq_length * m.moe_router_topk
-    denom = torch.full((since_full.shape[0],), policy.token_loss_denominator(
+    denom = torch.full((len(popularity.moe_layers),), policy.token_loss_denominator(
         point.end, train_iters=t.train_iters, tokens_per_iteration=tokens_per_iteration))
-    loss = token_loss(end=point.end, expert_full_at=gather_expert_full_at(point.full_at), since_full=since_full,
+    expert_full_at = gather_expert_full_at(point.full_at)
+    # the counters as recorded at `end`, before mark_full(end): since the last snapshot FULL, or since the
+    # last persisted one where a durable point restores an expert from there
+    since = popularity.since_entry(expert_full_at)
+    loss = token_loss(end=point.end, expert_full_at=expert_full_at, since_entry=since,
                       moe_layers=popularity.moe_layers, metric=policy.token_loss_metric, tokens_per_layer=denom,
                       over_layers=policy.token_loss_layers)
+    # The experts saved at `end` are those restored from an entry of `end`, not a plan of `end` made again:
+    # selective's budget follows the iteration time measured before the failure (MoEtion §4.2), which the
+    # restarted policy has not measured, and a durable point holds only the experts pec persisted (MoC §5.1).
+    popularity.restored_from(expert_full_at, torch.tensor(loss["per_expert"], dtype=torch.float64), durable=durable)
     loss.update(policy.after_recovery(point.end, loss["value"]))
     return loss
 
