@@ -386,6 +386,39 @@ def test_a_long_wait_for_a_stopped_agent_is_logged_and_a_goodbye_starts_no_agent
     assert (agent_dir / LOG_FILE).read_text().count("serving") == 1
 
 
+def test_a_request_a_stopped_agent_does_not_read_is_an_error_after_the_bound_not_a_hang(tmp_path):
+    """A request larger than the socket's buffer (a first publish order carries every entry layout) blocks its
+    send while the agent is stopped: the send is bounded too, raises the error of an unanswered request, drops
+    the torn connection and is not sent again; once the agent is killed the next request starts another."""
+    agent_dir = _agent_dir(tmp_path)
+    client = AgentClient(agent_dir, 0, timeout_s=0.5, idle_exit_s=30)
+    pid = client.call("ping")
+    stop_process(pid)
+    failed: list[BaseException] = []
+
+    def send_large() -> None:
+        try:
+            client.call("ping", b"x" * (4 << 20))
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            failed.append(exc)
+
+    sender = threading.Thread(target=send_large, daemon=True)
+    try:
+        sender.start()
+        sender.join(20)
+        assert not sender.is_alive(), "the send into a stopped agent hung"
+    finally:
+        os.kill(pid, signal.SIGKILL)  # never left stopped; a send still blocked then fails
+    sender.join(10)
+    (error,) = failed
+    assert isinstance(error, RuntimeError) and "did not answer 'ping' (its request was not read) within 0.5 s" in str(error)
+    assert f"kill -CONT {pid}" in str(error) and f"kill -9 {pid}" in str(error)
+    assert client._conn is None and client.restarts == 0  # dropped, and not sent to another agent
+    wait_until(lambda: agent_pid(agent_dir) is None, timeout=10)
+    assert client.call("ping") != pid and client.restarts == 1
+    client.bye()
+
+
 def test_a_directory_created_again_gets_another_socket_name_even_with_the_old_inode(tmp_path):
     """A store wiped and created again may get its old inode number (ext4 does): the socket name also hangs on
     the directory's key, made anew with it, so a new agent does not meet the old one's socket (and a trainer is

@@ -25,8 +25,16 @@ from moe_ft.cli.drill import run_job
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import DenseRule, KeepNewestRecoverable, StoreConfig, StoreError
 from moe_ft.store.backend import MANIFEST
+from moe_ft.store.codec import CHECKSUMS, PENDING, new_checksum
 from moe_ft.store.handoff import Finisher, MetaOrder, PublishOrder, finish_point, handed_over_anyway
-from moe_ft.store.manifest import META_BLOB
+from moe_ft.store.manifest import (
+    META_BLOB,
+    EntryRecord,
+    TensorRecord,
+    build_manifest,
+    entry_json_bound,
+    manifest_bound,
+)
 
 OPS = [OperatorId.expert_op(0, e) for e in range(3)]
 
@@ -343,3 +351,54 @@ def test_a_trainer_killed_after_it_sent_its_order_has_its_point_published_and_ke
         point.publish()
     assert store.points() == [3] and store.verify().problems == ()  # retention dropped 2 only after 3 was complete
     assert torch.equal(store.load(3, OPS[0], Level.FULL)["w"], torch.full((300,), 3.0))
+
+
+def _optimizer_names(layer: int, num_params: int) -> dict:
+    """A dense layer's tensors as the distributed optimizer names them (``moe_ft/state/shards.py``: each
+    parameter's master weights and moments tagged with the range this rank holds): long names, many of them."""
+    out = {}
+    for p in range(num_params):
+        name = f"decoder.layers.{layer}.self_attention.linear_qkv.parameter_{p}.weight"
+        out[name] = torch.full((16,), float(p))
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            out[f"{key}@0:8:16.{name}"] = torch.zeros(8)
+    return out
+
+
+def test_the_manifest_room_is_sized_from_the_tensor_tables_of_the_first_point_and_of_every_other(published):
+    """The trainer reserves the manifest's region before the agent encodes it: sized from the entries' tensor
+    records, the first point's manifest fits (two operators of 40 optimizer-named tensors: ~10 KB, where 2 KiB an
+    entry gave 8 KiB and every publish failed), and so does a later point of as many entries whose tables are
+    longer (a policy that saves other operators at each point)."""
+    theirs, _, _ = published
+    ops = [OperatorId.dense(0), OperatorId.dense(1)]
+    theirs.retention = KeepNewestRecoverable(rule=DenseRule(operators=frozenset(ops)))
+    sizes = []
+    for it, num_params in ((0, 10), (1, 10), (2, 40)):
+        with theirs.begin(it) as point:
+            for layer, op in enumerate(ops):
+                point.put(op, Level.FULL, _optimizer_names(layer, num_params))
+            point.put_meta({"iteration": it}, {"rng": torch.arange(3)})
+            point.publish()
+        assert theirs.points() == [it] and theirs.verify().iterations == [it]
+        sizes.append(theirs.backend.blob_size(it, MANIFEST))
+    assert 8192 < min(sizes[:2]) and sizes[2] > 2 * max(sizes[:2])  # twice the last would not have held it
+    got = theirs.load(2, ops[1], Level.FULL)
+    assert torch.equal(got["decoder.layers.1.self_attention.linear_qkv.parameter_39.weight"], torch.full((16,), 39.0))
+
+
+def test_the_manifest_bound_holds_for_every_kind_of_entry():
+    """``manifest_bound`` of the entries' JSON bounds is at least the manifest written, remote entries and a
+    metadata entry included, for every checksum (a deferred digest is empty, sha256's is 64 characters)."""
+    tables = [tuple(TensorRecord(f"master@0:{n}:{2 * n}.decoder.layers.{n}.w{i}", "float32", (n, 3), 12 * n)
+                    for i in range(n)) for n in (1, 7, 40)]
+    for algo in CHECKSUMS:
+        digest = new_checksum(algo).digest().hex()
+        entries = [EntryRecord(10 ** 11, OperatorId.dense(i), Level.FULL, f"dense.{i}.full.ent", 10 ** 9, digest, t)
+                   for i, t in enumerate(tables)]
+        remote = [EntryRecord(10 ** 11, OperatorId.expert_op(0, 1), Level.FULL, "e.ent", 99, PENDING, tables[1])]
+        meta = EntryRecord(10 ** 11, None, None, META_BLOB, 123456, PENDING, tables[0])
+        data, _ = build_manifest(10 ** 11, algo, entries, meta, remote)
+        bound = manifest_bound(10 ** 11, algo, [entry_json_bound(e, algo) for e in entries],
+                               entry_json_bound(meta, algo), [entry_json_bound(e, algo) for e in remote])
+        assert len(data) <= bound <= len(data) + 1024, (algo, len(data), bound)

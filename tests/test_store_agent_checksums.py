@@ -107,6 +107,44 @@ def test_an_unverified_entry_is_checked_for_its_structure_and_old_digests_never_
     assert [p.name for p in store._verified_path(0).parent.iterdir()] == ["3.json"]
 
 
+def _edit_header(store, iteration: int, blob: str, old: bytes, new: bytes) -> None:
+    """Replace ``old`` by ``new`` (as long) in a published entry's header: still valid JSON, another table."""
+    path, start, size = store.backend.blob_location(iteration, blob)
+    with open(path, "r+b") as f:
+        f.seek(start)
+        data = bytearray(f.read(size))
+        at = data.index(old)
+        data[at:at + len(old)] = new
+        f.seek(start)
+        f.write(data)
+
+
+@pytest.mark.parametrize("layout", ["arena", "files"])
+def test_an_unverified_entry_whose_tensor_table_is_damaged_is_a_corrupt_entry(tmp_path, layout):
+    """Before the agent hashed a point only its structure is checked: a header whose tensor table names bytes
+    beyond the entry, or a shape its bytes do not hold, is a corrupt entry that verify skips and load names
+    (it was a raw ``ValueError`` from the view of the buffer, through verify and the recovery search)."""
+    config = StoreConfig(root=str(tmp_path), job_id="j", rank=0, layout=layout, checksum_by="agent")
+    store = config.build()  # no retention: both points kept
+    rule = DenseRule(operators=frozenset(OPS))
+    _publish(store, 0)
+    _publish(store, 1)
+    point = store.catalog().point(1)
+    beyond, reshaped = (point.entries[op].blob for op in OPS)
+    _edit_header(store, 1, beyond, b'"nbytes":256', b'"nbytes":956')  # past the entry's end
+    _edit_header(store, 1, reshaped, b'"shape":[64]', b'"shape":[65]')  # 260 bytes for 256
+    catalog = store.verify()
+    assert {(p.iteration, p.what) for p in catalog.problems} >= {(1, f"{op}@FULL") for op in OPS}, catalog.problems
+    assert store.newest_recoverable(rule, verify=True).end == 0
+    for op, blob in zip(OPS, (beyond, reshaped)):
+        with pytest.raises(CorruptEntryError, match=f"iteration 1 {blob}: unreadable header"):
+            store.load(1, op, Level.FULL)
+        with pytest.raises(CorruptEntryError, match=f"iteration 1 {blob}: unreadable header"):
+            store.load(1, op, Level.FULL, out={"weight": torch.empty(64), "step": torch.empty(1, dtype=torch.int64)})
+    with pytest.raises(CorruptEntryError, match="unreadable header"):
+        store.record_verified(1)  # the agent records no digest of a damaged entry
+
+
 @pytest.mark.parametrize("hashed_first", [True, False])
 def test_a_durable_copy_of_a_verified_point_carries_its_digests(tmp_path, hashed_first):
     """The agent hashes a point, then copies it; a copy requested before the hashing ran (the trainer's

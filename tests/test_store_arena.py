@@ -208,3 +208,19 @@ def test_the_payload_goes_through_the_mapping_or_pwrite_with_the_same_bytes(tmp_
     reader = SnapshotStore(ArenaBackend(tmp_path / "s"))
     _check(reader, 3, rows)
     assert reader.verify().problems == ()
+
+
+def test_a_long_lived_reader_forgets_the_indexes_of_deleted_points(tmp_path):
+    """A reader that reads each point once while the writer's garbage collection deletes them (the node agent's
+    reader of a rank's store, for the whole run) keeps a bounded number of cached indexes, and a listing of the
+    points drops those of the points gone; it kept one per point ever read (~27 KB a point for 64 experts)."""
+    writer = _keep_newest(tmp_path / "s")
+    reader = SnapshotStore(open_backend(tmp_path / "s", create=False), shared_pins=True)
+    cache = reader.backend._index_cache
+    most = 0
+    for it in range(300):
+        _publish(writer, it, rows=1)
+        _check(reader, it, rows=1)
+        most = max(most, len(cache))
+    assert most <= 128, most  # the cache is swept when it doubled past 64 entries (arena._INDEX_CACHE_SWEEP)
+    assert reader.backend.list_points() == [299] and set(cache) <= {299}

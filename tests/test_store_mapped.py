@@ -327,6 +327,41 @@ def test_the_mapped_copier_writes_the_entries_put_writes(tmp_path, kernel, paced
         publisher.close()
 
 
+def test_host_resident_tensors_are_sealed_as_copied_at_issue_not_as_they_are_at_seal(tmp_path):
+    """A CUDA registry's host-resident tensors (torch Adam's CPU ``step`` counter) are copied into their regions
+    when the snapshot is issued and sealed later on the background thread; the training thread's next optimizer
+    step changes them in between. The digest is of the bytes copied (a remote entry's: of the tensor at issue),
+    so the point verifies and restores the state the snapshot took; hashed from the live tensor, it failed."""
+    from types import SimpleNamespace
+
+    from moe_ft.snapshot.mapped import MappedCopier
+
+    ops = [OperatorId.expert_op(0, e) for e in range(2)]
+    state = {op: {"weight": torch.randn(256), "step": torch.tensor(5.0)} for op in ops}
+    taken = {op: {k: v.clone() for k, v in t.items()} for op, t in state.items()}
+    items = [SimpleNamespace(op=op, level=lvl, out=state[op], srcs=list(state[op].values()))
+             for op, lvl in ((ops[0], Level.FULL), (ops[1], Level.FULL), (ops[1], Level.COMPUTE))]
+    st = store(tmp_path, "mapped")
+    copier = MappedCopier(st, None, on_device=lambda t: False)  # every source host-resident
+    job = copier.issue(7, 0, items, frozenset({ops[1]}))  # the training thread, at submit
+    for tensors in state.values():  # the training thread's next optimizer step, before the seal ran
+        tensors["step"].add_(1)
+        tensors["weight"].mul_(2)
+    with job.point as point:  # the background thread
+        copier.seal(job)
+        point.put_meta({"iteration": 7})
+        point.publish()
+    copier.close()
+    assert st.verify([7]).problems == ()
+    for op, level in ((ops[0], Level.FULL), (ops[1], Level.COMPUTE)):
+        got = st.load(7, op, level)
+        assert all(torch.equal(got[k], v) for k, v in taken[op].items()), (op, level)
+    ref = store(tmp_path, "ref")
+    with ref.begin(7) as p:
+        want = p.put_remote(ops[1], taken[ops[1]])
+    assert st.catalog([7]).point(7).entries[ops[1]].checksum == want.checksum
+
+
 _KILLED_WRITER = r"""
 import os, signal, sys
 from types import SimpleNamespace

@@ -7,7 +7,9 @@ directory the first one that finds no live agent (no pid file, or one naming no 
 and torchrun's process-group kill), and waits for its pid file.
 A connection that cannot be made or breaks (the agent was killed, or is leaving) is made again, starting a new
 agent, and the request resent once. An agent that does not answer (stopped, stuck) is an error after a bound,
-never a hang of the trainer's thread.
+never a hang of the trainer's thread: neither while the trainer waits for the answer nor while it sends a
+request larger than the socket's buffer (a first publish order carries every entry layout), which a stopped
+agent never reads.
 """
 
 from __future__ import annotations
@@ -142,6 +144,8 @@ class AgentClient:
         bounded: the kernel completes the connection to a stopped agent, whose challenge then never comes."""
         with socket.socket(socket.AF_UNIX) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.timeout_s))
+            # kept for the connection's life: a send the agent does not read for this long fails (call())
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.timeout_s))
             sock.connect(socket_address(self.agent_dir, key))
             conn = Connection(os.dup(sock.fileno()))
             try:
@@ -190,13 +194,17 @@ class AgentClient:
         """Send ``request``, return the answer. A connection that cannot be made or breaks (no agent, one
         that is leaving or was killed) is made again, starting a new agent, and the request (with the
         connection's hello) resent, once. An agent that does not answer within the request's bound raises
-        ``RuntimeError``, as does an exception the agent answers with."""
+        ``RuntimeError``, as does an exception the agent answers with, or a request the agent does not read
+        within :attr:`timeout_s` (not resent: it is not running, and a new connection would wait as long)."""
         for attempt in (0, 1):
             try:
                 conn = self._connect()
                 conn.send(request)
                 answer = self._answer(conn, request[0])
                 break
+            except BlockingIOError:  # the send timeout (SO_SNDTIMEO): part of the request may be in the socket
+                self._drop()  # the torn message must not be followed by another one on this connection
+                raise self._not_answering(f"{request[0]!r} (its request was not read)", self.timeout_s) from None
             except (EOFError, OSError):
                 self._drop()
                 if attempt:
@@ -238,5 +246,5 @@ class AgentClient:
 
 
 def _timeval(seconds: float) -> bytes:
-    """``struct timeval`` for ``SO_RCVTIMEO`` (0: no timeout)."""
+    """``struct timeval`` for ``SO_RCVTIMEO`` and ``SO_SNDTIMEO`` (0: no timeout)."""
     return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))

@@ -28,7 +28,8 @@ training loop. Here there are none:
   (header, padding, digest: a few hundred bytes), writes the metadata entry and links the point's index.
 
 The trainer process touches no payload byte on the host (``SnapshotRecord.host_bytes_touched`` counts only
-host-resident tensors, e.g. a CPU step counter). Tensors the table cannot take (not 4-byte aligned or not
+host-resident tensors, e.g. a CPU step counter: copied at issue, on the training thread, and hashed from that
+copy when the entry is sealed, since the training thread may change the tensor in between). Tensors the table cannot take (not 4-byte aligned or not
 whole words: small integer tensors) are hashed on the device one by one.
 """
 
@@ -206,6 +207,13 @@ class MappedJob:
     plan: _Plan | None = None
     rows: torch.Tensor | None = None  # pinned host rows the plan's sums are copied into
     host_bytes: int = 0
+    host_copies: dict = field(default_factory=dict)
+    """(entry index, tensor index) -> a host-resident tensor's bytes as copied into its region at issue: what
+    :meth:`MappedCopier.seal` hashes. The live tensor may have changed by then (a CPU step counter that the
+    next optimizer step increments), and its entry would fail its checksum."""
+    host_sums: dict = field(default_factory=dict)
+    """(entry index, tensor index) -> the lane sums of a remote entry's host-resident tensor, taken at issue
+    (nothing of it is copied to hash later)."""
 
 
 class MappedCopier:
@@ -283,7 +291,7 @@ class MappedCopier:
         typed_src: list[torch.Tensor] = []
         host_dst: list[torch.Tensor] = []
         host_src: list[torch.Tensor] = []
-        for (reserved, prep), kinds in zip(job.reserved, plan.slots):
+        for e, ((reserved, prep), kinds) in enumerate(zip(job.reserved, plan.slots)):
             if by_kernel and all(kind == "table" for kind, _ in kinds):
                 continue  # the kernel copies every tensor of the entry
             if prep.byte_srcs is not None:  # flat bytes: the pacer may cut them
@@ -294,7 +302,7 @@ class MappedCopier:
                 to_dst.extend(dsts)
                 to_src.extend(srcs)
                 continue
-            for d, s, dev, (kind, _) in zip(dsts, srcs, prep.on_device, kinds):
+            for i, (d, s, dev, (kind, _)) in enumerate(zip(dsts, srcs, prep.on_device, kinds)):
                 if by_kernel and kind == "table":
                     continue
                 if dev:
@@ -303,9 +311,16 @@ class MappedCopier:
                 else:
                     host_dst.append(d)
                     host_src.append(s)
+                    job.host_copies[e, i] = d
                     job.host_bytes += s.nbytes
         if host_dst:
             torch._foreach_copy_(host_dst, host_src)
+        first_remote = len(job.reserved)
+        for r, ((layout, prep), kinds) in enumerate(zip(job.remote, plan.slots[first_remote:])):
+            for i, (s, first, (kind, _)) in enumerate(zip(prep.entry.srcs, layout.first_words, kinds)):
+                if kind == "host":  # hashed now, as it is now: the digest is of the state this snapshot takes
+                    job.host_sums[first_remote + r, i] = entry_hash.lane_sums_of(s, first)
+                    job.host_bytes += s.nbytes
         if typed_dst:
             torch._foreach_copy_(typed_dst, typed_src, non_blocking=True)
         if dst and self.pacer is not None:
@@ -409,16 +424,19 @@ class MappedCopier:
         rows = job.rows.tolist()
         n_table = len(plan.table.tensors) if plan.table is not None else 0
         sums_per_entry = []
-        for (srcs, layout), kinds in zip(self._entries_of(job), plan.slots):
+        for e, ((_, layout), kinds) in enumerate(zip(self._entries_of(job), plan.slots)):
             sums = []
-            for s, first, (kind, i) in zip(srcs, layout.first_words, kinds):
+            for t, (first, (kind, i)) in enumerate(zip(layout.first_words, kinds)):
                 if kind == "table":
                     sums.append(rows[i])
                 elif kind == "single":
                     sums.append(rows[n_table + i])
-                else:
-                    sums.append(entry_hash.lane_sums_of(s, first))
-                    job.host_bytes += s.nbytes
+                elif (e, t) in job.host_sums:
+                    sums.append(job.host_sums[e, t])
+                else:  # the bytes copied at issue, not the live tensor (MappedJob.host_copies)
+                    copied = job.host_copies[e, t]
+                    sums.append(entry_hash.lane_sums_of(copied, first))
+                    job.host_bytes += copied.nbytes
             sums_per_entry.append(sums)
         for (reserved, _), sums in zip(job.reserved, sums_per_entry):
             reserved.finish(sums)

@@ -75,6 +75,9 @@ GROWTH = 4
 most ``1 + 1/GROWTH`` times the largest amount of data the retention rule ever kept."""
 LOCK_WAIT_S = 5.0
 """How long a writer waits for the lock of a predecessor that is exiting (killed, not yet reaped)."""
+_INDEX_CACHE_SWEEP = 64
+"""Cached point indexes a reader holds before it first looks for those of deleted points (then whenever the
+cache doubled since the last look): a handful of points exist at a time, so the bound is a few times that."""
 
 Region = tuple[int, int, int]  # (segment, offset, nbytes)
 
@@ -681,6 +684,7 @@ class ArenaBackend(StoreBackend):
         self._read_fds: dict[int, int] = {}
         self._read_lock = threading.Lock()
         self._index_cache: dict[int, tuple[tuple[int, int], dict[str, Region]]] = {}
+        self._cache_swept = 0  # entries of _index_cache after its last sweep (_forget_gone)
         found = format_file(self.directory, FORMAT, (self.points_dir, self.staging_dir, self.arena_dir), create)
         if found != FORMAT:
             raise StoreError(f"{self.directory / FORMAT_FILE}: store format {found} is not an arena store "
@@ -799,8 +803,21 @@ class ArenaBackend(StoreBackend):
         try:
             names = os.listdir(self.points_dir)
         except FileNotFoundError:
-            return []
-        return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
+            names = []
+        points = sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
+        self._forget_gone(points)
+        return points
+
+    def _forget_gone(self, listed: list[int] | None = None) -> None:
+        """Drop the cached indexes of points that are gone (not in ``listed``, else whose index file is
+        missing). A long-lived reader (the node agent's, per rank) reads each point once while another process
+        deletes them: entries dropped only when the same point is asked for again would grow without end."""
+        known = list(self._index_cache)  # one copy: other threads read and fill the cache meanwhile
+        kept = set(listed) if listed is not None else {it for it in known if self.has_point(it)}
+        for iteration in known:
+            if iteration not in kept:
+                self._index_cache.pop(iteration, None)
+        self._cache_swept = len(self._index_cache)
 
     def has_point(self, iteration: int) -> bool:
         return os.path.exists(self.points_dir / f"{iteration:012d}.json")  # one stat, not a listing
@@ -836,6 +853,8 @@ class ArenaBackend(StoreBackend):
         if blobs is None:
             return {} if path.exists() else None  # damaged index: a point that holds nothing readable
         self._index_cache[iteration] = (stamp, blobs)
+        if len(self._index_cache) > max(2 * self._cache_swept, _INDEX_CACHE_SWEEP):
+            self._forget_gone()  # a stat per cached point each time the cache doubled: amortised O(1) per point
         return blobs
 
     def blob_location(self, iteration: int, name: str) -> tuple[str, int, int]:

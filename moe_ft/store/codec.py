@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -511,8 +512,8 @@ def read_entry(
         digest.update(memoryview(body)[:split])
         final = digest.digest()
         _check_trailer(final, bytes(body[split:]), size - tail, checksum, algo, where)
-        header = _parse_header(bytes(body[:header_len]), key, where)
-        return DecodedEntry(header, _views(body, header["tensors"], where), final.hex())
+        header = _parse_header(bytes(body[:header_len]), key, where, _PREFIX.size + header_len, size - tail)
+        return DecodedEntry(header, _views(body, header["tensors"]), final.hex())
     header_bytes = bytearray(header_len)
     _read_exact(stream, memoryview(header_bytes), where)
     digest.update(header_bytes)
@@ -542,7 +543,7 @@ def read_entry(
     digest.update(memoryview(rest)[: len(rest) - tail])
     final = digest.digest()
     _check_trailer(final, bytes(rest[len(rest) - tail:]), size - tail, checksum, algo, where)
-    header = _parse_header(bytes(header_bytes), key, where)
+    header = _parse_header(bytes(header_bytes), key, where, _PREFIX.size + header_len, size - tail)
     return DecodedEntry(header, {rec["name"]: out[rec["name"]] for rec in table}, final.hex())
 
 
@@ -565,7 +566,7 @@ def digest_view(view: memoryview, *, checksum: str, algo: str, key: Mapping[str,
         digest.update(view[start:min(start + CHUNK, body)])
     final = digest.digest()
     _check_trailer(final, bytes(view[body:]), body, checksum, algo, where)
-    _parse_header(bytes(view[_PREFIX.size:_PREFIX.size + header_len]), key, where)
+    _parse_header(bytes(view[_PREFIX.size:_PREFIX.size + header_len]), key, where, _PREFIX.size + header_len, body)
     return final.hex()
 
 
@@ -582,14 +583,7 @@ def _out_table(header_bytes: bytearray, out: Mapping[str, torch.Tensor], start: 
     """The tensor table of an unverified header, checked against ``out`` and the file bounds."""
     try:
         table = list(json.loads(header_bytes)["tensors"])
-        pos = start
-        for rec in table:
-            # dtype and shape are read here so that a record missing them is refused with the others
-            name, _, _, offset, nbytes = (rec["name"], rec["dtype"], rec["shape"], int(rec["offset"]),
-                                          int(rec["nbytes"]))
-            if offset < pos or nbytes < 0 or offset + nbytes > end:
-                raise ValueError(f"tensor {name!r} lies outside the file")
-            pos = offset + nbytes
+        _check_table(table, start, end)
     except (ValueError, KeyError, TypeError) as exc:
         raise _Unusable(str(exc), caller=False) from None
     for rec in table:
@@ -601,6 +595,28 @@ def _out_table(header_bytes: bytearray, out: Mapping[str, torch.Tensor], start: 
                             f"{rec['dtype']}{rec['shape']}", caller=True)
         check_tensor(rec["name"], dst)
     return table
+
+
+def _check_table(table: list, start: int, end: int) -> None:
+    """Raise ``ValueError`` (``KeyError``, ``TypeError`` for a record missing a field) unless every record of a
+    header's tensor table can be read as it says: a known dtype, a shape of non-negative integers whose
+    elements take its ``nbytes``, its bytes inside ``[start, end)`` of the entry (after the header, before the
+    trailer), in order and aligned for its dtype. A header is parsed after the digest is checked, but an entry
+    whose digest is not recorded yet (:data:`PENDING`: ``--ft-checksum-by agent``) is checked for its
+    structure only, and its table must not steer a view outside the buffer."""
+    pos = start
+    for rec in table:
+        name, dtype_text, shape, offset, nbytes = rec["name"], rec["dtype"], rec["shape"], rec["offset"], rec["nbytes"]
+        dtype = DTYPES.get(dtype_text) if isinstance(dtype_text, str) else None
+        if not isinstance(name, str) or dtype is None:
+            raise ValueError(f"tensor {name!r}: unknown dtype {dtype_text!r}")
+        if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape):
+            raise ValueError(f"tensor {name!r}: shape {shape!r}")
+        if type(offset) is not int or type(nbytes) is not int or math.prod(shape) * dtype.itemsize != nbytes:
+            raise ValueError(f"tensor {name!r}: {nbytes!r} bytes for {dtype_text}{shape}")
+        if offset < pos or offset + nbytes > end or (offset - _PREFIX.size) % dtype.itemsize:
+            raise ValueError(f"tensor {name!r} at offset {offset!r} lies outside the file or is misaligned")
+        pos = offset + nbytes
 
 
 def _drain(stream: BinaryIO, digest: Any, nbytes: int, where: str) -> None:
@@ -625,10 +641,12 @@ def _check_trailer(final: bytes, trailer: bytes, body_len: int, checksum: str, a
                                        f"file {stored.hex()}, manifest {checksum})")
 
 
-def _parse_header(header_bytes: bytes, key: Mapping[str, Any], where: str) -> dict:
+def _parse_header(header_bytes: bytes, key: Mapping[str, Any], where: str, start: int, end: int) -> dict:
+    """The header, its tensor table checked against the entry's bounds ``[start, end)`` (:func:`_check_table`)."""
     try:
         header = json.loads(header_bytes)
         header["tensors"] = list(header["tensors"])
+        _check_table(header["tensors"], start, end)
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptEntryError(where, f"unreadable header ({exc})") from None
     if header.get("key") != dict(key):
@@ -636,12 +654,10 @@ def _parse_header(header_bytes: bytes, key: Mapping[str, Any], where: str) -> di
     return header
 
 
-def _views(body: bytearray, table: list[dict], where: str) -> dict[str, torch.Tensor]:
+def _views(body: bytearray, table: list[dict]) -> dict[str, torch.Tensor]:
     result = {}
-    for rec in table:
-        dtype = DTYPES.get(rec["dtype"])
-        if dtype is None:
-            raise CorruptEntryError(where, f"unknown dtype {rec['dtype']!r}")
+    for rec in table:  # checked by _parse_header
+        dtype = DTYPES[rec["dtype"]]
         start = rec["offset"] - _PREFIX.size
         if rec["nbytes"] == 0:
             result[rec["name"]] = torch.empty(rec["shape"], dtype=dtype)

@@ -68,6 +68,7 @@ from moe_ft.store.errors import StoreError
 from moe_ft.store.manifest import (
     META_BLOB,
     EntryRecord,
+    TensorRecord,
     build_manifest,
     entry_key,
     entry_record,
@@ -116,6 +117,12 @@ class MetaOrder:
         pickler.dump(dict(meta))
         return cls(out.getvalue(), tuple((name, dtype_name(t.dtype), tuple(t.shape),
                                           raw_bytes(check_tensor(name, t)).tobytes()) for name, t in tensors.items()))
+
+    def record(self, iteration: int) -> EntryRecord:
+        """The entry's record but its digest (``nbytes`` at most :meth:`room`): what the manifest reserved for
+        it is sized by (``manifest.entry_json_bound``)."""
+        return EntryRecord(iteration, None, None, META_BLOB, self.room(), "",
+                           tuple(TensorRecord(name, dtype, shape, len(data)) for name, dtype, shape, data in self.tensors))
 
     def room(self) -> int:
         """Bytes the entry takes at most. Its JSON is at most 8 bytes per byte of the pickle (pickled without a
@@ -181,11 +188,12 @@ class MissingState(LookupError):
     since): the trainer sends the order again with all of them."""
 
 
-def manifest_room(entries: int, last: int | None) -> int:
-    """Bytes to reserve for a manifest of ``entries`` entries: twice the last one's of as many entries (the
-    digests and numbers change, the names do not), else 2 KiB an entry; whole pages."""
-    need = 2 * last if last else 2048 * (entries + 1)
-    return -(-need // PAGE) * PAGE
+def manifest_room(bound: int) -> int:
+    """Bytes to reserve for a manifest of at most ``bound`` bytes (``manifest.manifest_bound`` of its entries'
+    tensor records, known when the point is handed over): whole pages. Not a guess from the last manifest of
+    as many entries: the first has none, and a policy that saves other operators at each point (sparse, pec)
+    names other tensors with as many entries; a manifest that does not fit fails the publish."""
+    return -(-bound // PAGE) * PAGE
 
 
 @contextlib.contextmanager

@@ -203,6 +203,23 @@ def _entry_json(e: EntryRecord) -> str:
             f'"tensors":{_tensors_json(e.tensors)}}}')
 
 
+def entry_json_bound(e: EntryRecord, algo: str) -> int:
+    """Bytes of ``e``'s JSON in a manifest whatever its digest: with the widest one ``algo`` gives (a record made
+    before its entry is sealed carries none yet; a deferred one, :data:`~moe_ft.store.codec.PENDING`, is empty)."""
+    return len(_entry_json(replace(e, checksum="0" * 2 * new_checksum(algo).digest_size)))
+
+
+def manifest_bound(iteration: int, algo: str, entries: Sequence[int], meta: int | None, remote: Sequence[int]) -> int:
+    """Bytes at most of the manifest :func:`build_manifest` writes for entries, a metadata entry and remote
+    entries whose JSON takes at most these (:func:`entry_json_bound`): what is reserved for it before it
+    exists, when another process writes it (``handoff.manifest_room``). The fields around the entries are
+    measured on an empty manifest of this process; ``created_unix``'s text varies by a few characters."""
+    empty = len(build_manifest(iteration, algo, [], None)[0])
+    listed = sum(n + 1 for n in entries)  # each entry and its comma
+    held = len('"remote":[],') + sum(n + 1 for n in remote) if remote else 0
+    return empty + 32 + listed + (meta or 0) + held
+
+
 def encode_manifest(iteration: int, algo: str, entries: list[EntryRecord], meta: EntryRecord | None) -> bytes:
     return build_manifest(iteration, algo, entries, meta)[0]
 

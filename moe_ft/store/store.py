@@ -64,8 +64,10 @@ from moe_ft.store.manifest import (
     build_manifest,
     decode_manifest,
     entry_blob,
+    entry_json_bound,
     entry_key,
     entry_record,
+    manifest_bound,
     seal_from_sums,
     table_records,
 )
@@ -496,8 +498,15 @@ class PendingPoint:
         """:meth:`publish` by ``publisher`` (``moe_ft/store/handoff.py``). When it fails, the point is published
         if its index names this point's regions (the publisher died after the link), else aborted."""
         store, writer = self._store, self._writer
-        entries = len(self._entries) + len(self._unsealed) + len(self._remote) + 1
-        rooms = {MANIFEST: manifest_room(entries, store._manifest_bytes.get(entries))}
+        algo = store.checksum
+        meta = self._meta if self._meta_order is None else self._meta_order.record(self.iteration)
+        bound = manifest_bound(
+            self.iteration, algo,
+            [store._entry_json_bound(kind, layout) for kind, layout, _ in self._unsealed]
+            + [entry_json_bound(e, algo) for e in self._entries.values()],
+            None if meta is None else entry_json_bound(meta, algo),
+            [entry_json_bound(e, algo) for e in self._remote.values()])
+        rooms = {MANIFEST: manifest_room(bound)}
         if self._meta_order is not None:
             rooms[META_BLOB] = self._meta_order.room()
         try:
@@ -535,7 +544,6 @@ class PendingPoint:
             written = found
         writer.handed_over(written)
         self._state = "published"
-        store._manifest_bytes[entries] = written[MANIFEST][2]
         if hook is not None:
             hook("after_commit", self.iteration, "")
         store._after_publish(self.iteration, collected=True)
@@ -569,7 +577,7 @@ class SnapshotStore:
         self.publisher: Publisher | None = None
         """Seals the handed-off entries, publishes each point and collects garbage in another process (the node
         agent: ``--ft-publish-by agent``, ``moe_ft/store/handoff.py``); ``None``: this process does."""
-        self._manifest_bytes: dict[int, int] = {}  # entries -> the last manifest's size (its region, handed over)
+        self._json_bounds: dict[int, int] = {}  # id(EntryKind) -> its record's manifest JSON at most (kinds are kept)
         self.on_publish: list[Callable[[int], None]] = []
         """Called with the iteration after each publish and its garbage collection, on the publishing thread
         (the node agent's durable copies are requested from here: no wait for the next iteration)."""
@@ -608,6 +616,15 @@ class SnapshotStore:
         if known is None:
             known = self._records_by_layout[id(layout)] = (layout, table_records(layout.table))
         return known[1]
+
+    def _entry_json_bound(self, kind: EntryKind, layout: EntryLayout) -> int:
+        """:func:`~moe_ft.store.manifest.entry_json_bound` of an entry of ``kind``, made once per kind (a point
+        handed over names hundreds of entries; their tensor tables do not change)."""
+        known = self._json_bounds.get(id(kind))
+        if known is None:
+            record = EntryRecord(0, kind.op, kind.level, kind.blob, layout.size, PENDING, self._tensor_records(layout))
+            known = self._json_bounds[id(kind)] = entry_json_bound(record, self.checksum)
+        return known
 
     def _entry_kind(self, op: OperatorId, level: Level, blob: str, layout: EntryLayout) -> EntryKind:
         """What the publisher is told of an entry of ``layout`` once (:class:`~moe_ft.store.handoff.EntryKind`),
