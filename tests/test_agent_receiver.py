@@ -72,9 +72,10 @@ class Node:
     def connect(self) -> socket.socket:
         return socket.create_connection((self.listener.host, self.listener.port), timeout=10)
 
-    def send_point(self, sock: socket.socket, it: int, manifest: bytes, blobs: dict[str, bytes]) -> int:
+    def send_point(self, sock: socket.socket, it: int, manifest: bytes, blobs: dict[str, bytes], **fields) -> int:
         """One point frame; returns the acknowledged iteration."""
-        header = self.header(iteration=it, manifest=len(manifest), blobs=[[k, len(v)] for k, v in blobs.items()])
+        header = self.header(iteration=it, manifest=len(manifest), blobs=[[k, len(v)] for k, v in blobs.items()],
+                             **fields)
         send(sock, header, [manifest, *blobs.values()])
         return LEN.unpack(recv_exactly(sock, LEN.size))[0]
 
@@ -156,6 +157,20 @@ def test_a_point_sent_whole_is_verified_published_and_acknowledged_and_close_end
     assert replicas.points() == [3] and replicas.verify().problems == ()
 
 
+def test_the_holder_keeps_as_many_points_as_the_owner_says(node):
+    """A fixed count held no complete sparse window of 6 points in 9 iterations of 24; the owner's frames say
+    how many newest points its recovery rule needs (``points_to_keep``), and the holder keeps that many."""
+    from moe_ft.agent.replicas import KEEP_POINTS
+
+    with node.connect() as sock:
+        for it in range(12):
+            assert node.send_point(sock, it, *node.point(it, rows=4), keep=10) == it
+    assert node.replicas().points() == list(range(2, 12))
+    with node.connect() as sock:  # an owner whose frames do not say: the default
+        assert node.send_point(sock, 12, *node.point(12, rows=4)) == 12
+    assert node.replicas().points() == list(range(13 - KEEP_POINTS, 13))
+
+
 @pytest.mark.parametrize("where", ["length", "header", "payload"])
 def test_a_sender_that_stalls_inside_a_message_is_cut_off_and_publishes_nothing(make_node, where, caplog):
     """A peer stopped mid-message (SIGSTOP, a partition) keeps its connection open and sends nothing more: the
@@ -217,6 +232,8 @@ def _bad_frames(node: Node) -> dict[str, bytes]:
         "the header's length beyond any header": LEN.pack(1 << 50) + b"{}",
         "per_holder not a bool": frame({**good, "per_holder": 1}),
         "root not a string": frame({**good, "root": None}),
+        "keep zero": frame({**good, "keep": 0}),
+        "keep a string": frame({**good, "keep": "8"}),
     }
 
 
@@ -224,7 +241,7 @@ PROBLEMS = ["not JSON", "not UTF-8", "not an object", "no kind", "unknown kind",
             "holder a bool", "iteration negative", "iteration beyond an ack", "blobs not a list",
             "a blob not a pair", "a blob name not a string", "a blob named twice", "a size negative",
             "a size a float", "a size beyond the store", "the header's length beyond any header",
-            "per_holder not a bool", "root not a string"]
+            "per_holder not a bool", "root not a string", "keep zero", "keep a string"]
 
 
 @pytest.mark.parametrize("problem", PROBLEMS)

@@ -159,3 +159,39 @@ def test_the_plans_of_points_never_sent_are_forgotten():
         # the plan was kept and used while the points were sent: E1 (NONE in it) reached no replica
         assert replica.points() and all(E1 not in replica.catalog().point(t).entries
                                         for t in replica.points()), budget
+
+
+def test_replicas_of_a_sparse_owner_hold_a_complete_window_whenever_its_store_does():
+    """The holders keep as many newest points as the owner's retention holds (``points_to_keep``: three windows
+    of the sparse policy), not a fixed 8, which held no complete window of 6 points after 9 of 24 iterations."""
+    from moe_ft.policy import SparseConfig, SparsePolicy
+    from moe_ft.replication.receiver import points_to_keep, publish_replica
+    from moe_ft.replication.transport import PointMessage
+    from moe_ft.state.operators import OperatorInfo
+    from moe_ft.store.backend import MANIFEST
+
+    w = 6
+    ops = [OperatorId.expert_op(0, e) for e in range(w)]
+    policy = SparsePolicy(SparseConfig(window=w, t_iter_s=1.0),
+                          [OperatorInfo(op=op, bytes_compute=32, bytes_full=96) for op in ops])
+    assert points_to_keep(policy) == 8 == points_to_keep(None)  # no window before the first plan
+    rule = SparseWindowRule.aligned(ops, w)
+    owner = SnapshotStore(MemoryBackend(), retention=KeepTwoRecoverable(rule=rule))
+    replica = SnapshotStore(MemoryBackend())
+    t = {"w": torch.ones(8)}
+    for it in range(4 * w):
+        policy.plan(it)
+        assert points_to_keep(policy) == 3 * w
+        with owner.begin(it) as point:
+            for e, op in enumerate(ops):
+                if e == it % w:
+                    point.put(op, Level.FULL, t)
+                elif e > it % w:
+                    point.put(op, Level.COMPUTE, t)  # frozen until its FULL snapshot in the window
+            point.put_meta({"iteration": it})
+            point.publish()
+        blobs = {b: owner.backend.read_blob(it, b) for b in owner.backend.blob_names(it) if b != MANIFEST}
+        message = PointMessage(0, it, owner.backend.read_blob(it, MANIFEST), blobs)
+        publish_replica(replica, message, keep_points=points_to_keep(policy))
+        ours, theirs = owner.newest_recoverable(rule), replica.newest_recoverable(rule)
+        assert (ours is None) == (theirs is None) and (ours is None or ours.end == theirs.end), it

@@ -58,7 +58,8 @@ HOST_ENV = "MOE_FT_AGENT_HOST"
 
 _LEN = struct.Struct(">Q")
 KEEP_POINTS = 8
-"""Newest replicated points kept per owner (as the trainer's receiver keeps them)."""
+"""Newest replicated points kept per owner when the owner's frames do not say (``keep``: what the owner's policy
+needs for a complete recovery point, :func:`moe_ft.replication.receiver.points_to_keep`)."""
 STALL_TIMEOUT_S = 60.0
 """A receive inside a message that makes no progress for this long ends the message as torn (nothing of it
 published, its buffer freed, the connection closed). A live sending agent holds the whole message in memory
@@ -170,6 +171,8 @@ class ReplicateRequest:
     """The point's plan: the message carries the operators it saves FULL (a policy's remote plan), else all."""
     budget: int | None = None
     """``B_remote`` bytes this iteration adds to the sender's credit (MoEtion §4.2), ``None``: no limit."""
+    keep: int = KEEP_POINTS
+    """Newest points the holders keep of this rank's replicas (sent with each point)."""
 
 
 def _send_frame(sock: socket.socket, header: dict, parts=()) -> None:
@@ -230,6 +233,9 @@ def parse_header(raw: memoryview) -> dict:
         if not (_is_uint64(value) if kind_of is int else isinstance(value, kind_of)):
             raise ValueError(f"{name} is {_brief(value)}, expected "
                              + ("a number in [0, 2^64)" if kind_of is int else f"a JSON {kind_of.__name__}"))
+    keep = header.get("keep", KEEP_POINTS)  # optional: an owner's frames before it was sent keep the default
+    if not (_is_uint64(keep) and keep >= 1):
+        raise ValueError(f"keep is {_brief(keep)}, expected a number of points >= 1")
     names: set[str] = set()
     for blob in header.get("blobs", ()) if kind == "point" else ():
         if not (isinstance(blob, list) and len(blob) == 2 and isinstance(blob[0], str) and _is_uint64(blob[1])):
@@ -244,8 +250,9 @@ class SocketSink(PointSink):
     """Sends rank ``owner``'s points to its peers' agents (one connection per peer, made at the first send
     and made again once after a broken one)."""
 
-    def __init__(self, owner: int, peers: tuple[Destination, ...], *, timeout_s: float = 300.0) -> None:
-        self.owner, self.timeout_s = owner, timeout_s
+    def __init__(self, owner: int, peers: tuple[Destination, ...], *, timeout_s: float = 300.0,
+                 keep: int = KEEP_POINTS) -> None:
+        self.owner, self.timeout_s, self.keep = owner, timeout_s, keep
         self.peers = {p.rank: p for p in peers}
         self._socks: dict[int, socket.socket] = {}
 
@@ -280,7 +287,7 @@ class SocketSink(PointSink):
                     raise PeerUnreachable(f"the node agent of rank {rank} at {dst.host}:{dst.port}: {exc}") from exc
 
     def send_point(self, dst: int, message: PointMessage) -> int:
-        header = {**self._header(self.peers[dst], "point"), "iteration": message.iteration,
+        header = {**self._header(self.peers[dst], "point"), "iteration": message.iteration, "keep": self.keep,
                   "manifest": len(message.manifest), "blobs": [[k, len(v)] for k, v in message.blobs.items()]}
         self._send(dst, header, [message.manifest, *message.blobs.values()])
         return message.nbytes
@@ -555,7 +562,8 @@ class ReplicaListener:
         stream = self._stream(header)
         message = PointMessage(owner=owner, iteration=iteration, manifest=manifest, blobs=blobs)
         try:
-            published, rejected = publish_replica(self._store(header), message, keep_points=KEEP_POINTS)
+            published, rejected = publish_replica(self._store(header), message,
+                                                  keep_points=header.get("keep", KEEP_POINTS))
         except Exception:  # a full disk, a store removed under it: logged, the stream goes on
             logger.exception("moe-ft agent: replica of rank %d iteration %d not published", owner, iteration)
             return

@@ -16,7 +16,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from moe_ft import comm
 from moe_ft.agent.client import AgentClient, AgentCpu
-from moe_ft.agent.replicas import Destination, ReplicaSelect, ReplicateRequest
+from moe_ft.agent.replicas import KEEP_POINTS, Destination, ReplicaSelect, ReplicateRequest
 from moe_ft.background import BackgroundWorker
 from moe_ft.replication.receiver import Rejection
 from moe_ft.replication.sender import SentRecord
@@ -44,8 +44,9 @@ class AgentSender:
     capture = None
 
     def __init__(self, client: AgentClient, *, rank: int, store, peers: Sequence[Destination],
-                 select: ReplicaSelect, budget: Callable[[], Optional[int]] | None = None) -> None:
-        self.client, self.rank, self.store = client, rank, store
+                 select: ReplicaSelect, budget: Callable[[], Optional[int]] | None = None,
+                 keep: Callable[[], int] = lambda: KEEP_POINTS) -> None:
+        self.client, self.rank, self.store, self.keep = client, rank, store, keep
         self.peers, self.select, self.budget = tuple(peers), select, budget
         self.sent: list[SentRecord] = []
         """The last message the agent sent (of the answer to the last request)."""
@@ -66,7 +67,7 @@ class AgentSender:
         budget = max(int(self.budget() or 0), 0) if self.budget is not None else None
         self._worker.submit(ReplicateRequest(
             rank=self.rank, iteration=iteration, store_dir=self.store.backend.describe(), peers=self.peers,
-            select=self.select, plan=None if plan is None else dict(plan), budget=budget))
+            select=self.select, plan=None if plan is None else dict(plan), budget=budget, keep=self.keep()))
 
     def _take(self, state: dict) -> None:
         self.replicated_iteration = state["replicated_iteration"]

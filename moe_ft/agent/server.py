@@ -444,6 +444,8 @@ class NodeAgent:
                     work.sender_key = key
             self._retire(retired)
             sender = work.sender
+            if isinstance(sender.transport, SocketSink):  # the owner's policy may change it (pec's K)
+                sender.transport.keep = req.keep
             sender.budget = None if req.budget is None else (lambda: req.budget)
             sender.submit(req.iteration, req.plan)
             return self._replica_state(work)

@@ -81,6 +81,7 @@ class ReplicationConfig:
         # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
         from moe_ft import comm
         from moe_ft.replication.component import Replicas
+        from moe_ft.replication.receiver import points_to_keep
         from moe_ft.replication.service import Layout, ReplicaFetch, Replication
 
         layout = Layout.gather(ranks_per_node=self.ranks_per_node,
@@ -89,7 +90,8 @@ class ReplicationConfig:
                                     store_root=session.store_root, job_id=session.job_id,
                                     remote_budget=self.remote_budget(ctx), recompute=self.recompute(ctx),
                                     compute_only=self.optimizer_recompute_local == "compute",
-                                    agent=self.agent_client(ctx, session))
+                                    agent=self.agent_client(ctx, session),
+                                    keep_points=lambda: points_to_keep(session.policy))
         planned = None
         if layout.simulated:  # one store root for every simulated node: the plan says what each holds
             planned = service.plan.sources[layout.rank] if service is not None else ()

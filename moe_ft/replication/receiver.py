@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 from moe_ft.replication.transport import PointMessage, Transport
 from moe_ft.store import SnapshotStore, StoreConfig
+from moe_ft.store.capacity import SNAPSHOT_POINTS
 from moe_ft.store.codec import digest_view
 from moe_ft.store.errors import CorruptEntryError
 from moe_ft.store.manifest import EntryRecord, build_manifest, decode_manifest
@@ -40,6 +41,9 @@ class ReceiverConfig:
     keep_points: int = 8
     """Newest replicated points kept per owner (older ones are deleted after each arrival); at least one
     sparse window plus the one in flight."""
+    keep: Callable[[], int] | None = None
+    """When set, read at each arrival instead of :attr:`keep_points` (:func:`points_to_keep` of the job's
+    policy, whose sparse window is known from its first plan on)."""
 
     def __post_init__(self) -> None:
         if self.keep_points < 1:
@@ -141,7 +145,8 @@ class ReplicaReceiver:
             logger.error("moe-ft replica receiver (from rank %d): %r", src, exc)
 
     def _accept(self, store: SnapshotStore, message: PointMessage) -> None:
-        published, rejected = publish_replica(store, message, keep_points=self.config.keep_points)
+        keep = self.config.keep() if self.config.keep is not None else self.config.keep_points
+        published, rejected = publish_replica(store, message, keep_points=keep)
         with self._lock:
             self.rejections.extend(rejected)
             if published:
@@ -153,6 +158,18 @@ def _write_blob(writer, name: str, data: bytes | memoryview) -> None:
     sink.expect(len(data))  # announced: the arena writes it straight into its region instead of gathering it
     sink.write(data)
     sink.close()
+
+
+def points_to_keep(policy, least: int = 8) -> int:
+    """Newest replicated points a holder keeps of an owner running ``policy``: as many as the owner's node-local
+    store holds at the least under its retention (``SnapshotPolicy.retained_plans``: three sparse windows, a pec
+    cycle and two checkpoints, each checkpoint ``interval`` iterations apart), so that the replicas hold a
+    complete recovery point as often as the owner's store does; ``least`` at the least. A fixed count of 8 held
+    no complete sparse window of 6 points in 9 iterations of 24. ``selective``'s count is its even-routing need
+    (``SelectivePolicy.retained_plans``), a lower bound."""
+    plans = policy.retained_plans() if policy is not None else None
+    interval = getattr(getattr(policy, "config", None), "interval", 1)  # dense k, pec I_ckpt: a point every iteration
+    return max(least, (len(plans) if plans else SNAPSHOT_POINTS) * max(int(interval), 1))
 
 
 def publish_replica(store: SnapshotStore, message: PointMessage, *, keep_points: int) -> tuple[bool, list[Rejection]]:

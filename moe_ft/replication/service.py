@@ -11,6 +11,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -137,14 +138,16 @@ class Replication:
     @staticmethod
     def build(*, num_replicas: int, layout: Layout, store, store_root: str, job_id: str,
               remote_budget=None, recompute=None, compute_only: bool = False,
-              agent=None) -> "Replication | None":
+              agent=None, keep_points: Callable[[], int] = lambda: 8) -> "Replication | None":
         """Collective (the dedicated group). ``None`` when there is nothing to replicate to: ``r = 0``, or a
         single-node job (no other failure domain; logged). ``remote_budget``: a callable returning
         ``B_remote`` (bytes per iteration this rank may send, MoEtion §4.2; read at every submit so it may
         follow ``T_iter``), or ``None`` for no limit (``sender.py``). ``agent``: the node agent's client, when
         the agents move the replicas (``moe_ft/agent/replication.py``; no gloo group then). ``recompute``: a callable returning the
         :class:`~moe_ft.replication.optim_recompute.GradCapture` of this rank, to send continuing experts as
-        gradients and recompute their optimizer step on the peers (MoEtion §5.2, ``recompute_stream.py``)."""
+        gradients and recompute their optimizer step on the peers (MoEtion §5.2, ``recompute_stream.py``).
+        ``keep_points``: how many newest points the holders keep of this rank's replicas, and this rank of its
+        sources' (:func:`~moe_ft.replication.receiver.points_to_keep`; the agents are told at every point)."""
         if num_replicas == 0:
             return None
         if len(set(layout.node_of)) == 1:
@@ -172,7 +175,7 @@ class Replication:
             ends = agent_endpoints(agent, rank=layout.rank, store_root=store_root, job_id=job_id,
                                    per_holder=holder is not None)
             sender = AgentSender(agent, rank=layout.rank, store=store, select=select, budget=remote_budget,
-                                 peers=[ends[p] for p in plan.peers[layout.rank]])
+                                 peers=[ends[p] for p in plan.peers[layout.rank]], keep=keep_points)
             receiver = AgentReceiver(agent, rank=layout.rank, sources=plan.sources[layout.rank], store_for=store_for)
             return Replication(sender, receiver, plan, layout)  # type: ignore[arg-type]
         config = GlooTransportConfig()
@@ -180,7 +183,7 @@ class Replication:
         receiver_cls, sender_cls, sender_extra = ReplicaReceiver, ReplicaSender, {}
         if recompute is not None:
             receiver_cls, sender_cls, sender_extra = RecomputeReceiver, RecomputeSender, {"capture": recompute()}
-        receiver = receiver_cls(ReceiverConfig(), transport, plan.sources[layout.rank], store_for)
+        receiver = receiver_cls(ReceiverConfig(keep=keep_points), transport, plan.sources[layout.rank], store_for)
         sender = sender_cls(SenderConfig(), store, transport, plan.peers[layout.rank], owner=layout.rank,
                             select=select, budget=remote_budget, **sender_extra)
         return Replication(sender, receiver, plan, layout, compute_only=compute_only and recompute is not None)
