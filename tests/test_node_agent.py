@@ -477,3 +477,21 @@ def test_a_point_collected_before_the_agent_hashed_it_is_one_line_not_a_tracebac
         rank.worker.close()
     (record,) = [r for r in caplog.records if "iteration 12" in r.getMessage()]
     assert "the point is gone" in record.getMessage() and record.exc_info is None
+
+
+def test_a_connection_that_breaks_twice_is_one_error_naming_the_agent_and_its_log(tmp_path, monkeypatch):
+    """The request is resent once on a new connection; where that breaks too, the error names the agent, the
+    request and the agent's log (it was a bare ``ConnectionRefusedError``/``EOFError`` from the socket)."""
+    client = AgentClient(tmp_path / "agent", rank=0)
+    attempts = []
+
+    def refuse():
+        attempts.append(1)
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(client, "_connect", refuse)
+    monkeypatch.setattr(client, "_await_gone", lambda pid: None)
+    with pytest.raises(RuntimeError, match=r"node agent of .* could not be reached for 'ping'.*Connection refused.*"
+                                           r"agent\.log") as info:
+        client.call("ping")
+    assert len(attempts) == 2 and isinstance(info.value.__cause__, ConnectionRefusedError)

@@ -240,3 +240,32 @@ def test_nodes_are_where_ranks_run():
     assert nodes_from_places([5, 5, 3, 3], ranks_per_node=0) == [1, 1, 0, 0]  # any numbering of the groups
     assert nodes_from_places([0, 0, 0, 0], ranks_per_node=2) == [0, 0, 1, 1]  # one agent: simulated by blocks
     assert nodes_from_places([0, 0, 0, 0], ranks_per_node=0) == [0, 0, 0, 0]
+
+
+def test_a_peer_that_cannot_read_what_it_must_send_fails_its_receivers_at_once(tmp_path, job):
+    """A holder whose point went missing between the plan and the send raises; the ranks waiting for it get the
+    end of its stream and fail too, at once, instead of waiting for the group's timeout (a day) while the
+    holder's process lives on (in-process restarts)."""
+    plan, topo = job
+    lose_node(tmp_path, 2)
+    fetch_plan = plan_fetch(inventories(tmp_path, plan), topo)
+    src = next(t.src for t in fetch_plan.transfers if t.dst == 4)
+    for store in [local_store(tmp_path, src), *(replica_store(tmp_path, src, o) for o in plan.sources[src])]:
+        for it in store.points():
+            store.delete_point(it)  # gone after the plan was made
+    hub = InProcessHub()
+    errors: dict[int, BaseException] = {}
+
+    def one(r):
+        try:
+            PeerFetch(hub.endpoint(r), r, local_store(tmp_path, r), lambda o: replica_store(tmp_path, r, o)).run(fetch_plan)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors[r] = exc
+
+    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a receiver still waits for the peer that failed"
+    assert src in errors and 4 in errors and "got None" in str(errors[4]), errors

@@ -194,8 +194,9 @@ class AgentClient:
         """Send ``request``, return the answer. A connection that cannot be made or breaks (no agent, one
         that is leaving or was killed) is made again, starting a new agent, and the request (with the
         connection's hello) resent, once. An agent that does not answer within the request's bound raises
-        ``RuntimeError``, as does an exception the agent answers with, or a request the agent does not read
-        within :attr:`timeout_s` (not resent: it is not running, and a new connection would wait as long)."""
+        ``RuntimeError``, as does an exception the agent answers with, a request the agent does not read
+        within :attr:`timeout_s` (not resent: it is not running, and a new connection would wait as long), or a
+        connection that broke again after it was made again (the error naming the agent and its log)."""
         for attempt in (0, 1):
             try:
                 conn = self._connect()
@@ -205,10 +206,13 @@ class AgentClient:
             except BlockingIOError:  # the send timeout (SO_SNDTIMEO): part of the request may be in the socket
                 self._drop()  # the torn message must not be followed by another one on this connection
                 raise self._not_answering(f"{request[0]!r} (its request was not read)", self.timeout_s) from None
-            except (EOFError, OSError):
+            except (EOFError, OSError) as exc:
                 self._drop()
                 if attempt:
-                    raise
+                    raise RuntimeError(
+                        f"the node agent of {self.agent_dir} (pid {self.pid}) could not be reached for {request[0]!r}: "
+                        f"{type(exc).__name__}: {exc}, twice, the second time with an agent started again; its log "
+                        f"is {self.agent_dir / LOG_FILE}") from exc
                 self._await_gone(self.pid)
         if isinstance(answer, BaseException):
             raise RuntimeError(f"node agent {self.pid}: {answer}") from answer

@@ -28,6 +28,7 @@ store), verified against the owner's checksum and added to the point (``Snapshot
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -295,8 +296,7 @@ class PeerFetch:
         for thread in threads:
             thread.start()
         try:
-            for transfer in (t for t in plan.transfers if t.src == self.rank):
-                self.transport.send_point(transfer.dst, self._message(transfer))
+            self._serve([t for t in plan.transfers if t.src == self.rank])
         finally:
             for thread in threads:
                 thread.join()
@@ -313,6 +313,21 @@ class PeerFetch:
                 result.nbytes += sum(m.nbytes for _, m in received[it])
         result.seconds = time.perf_counter() - start
         return result
+
+    def _serve(self, outgoing: list[Transfer]) -> None:
+        """Send this rank's transfers. One that cannot be read (a point deleted meanwhile, a full or damaged
+        file) ends the stream to every peer still waiting for this rank, so that their receives fail now: a
+        process that stays alive after the error (in-process restarts) would otherwise leave them waiting for
+        the dedicated group's timeout (a day)."""
+        for i, transfer in enumerate(outgoing):
+            try:
+                message = self._message(transfer)
+            except BaseException:
+                for dst in sorted({t.dst for t in outgoing[i:]}):
+                    with contextlib.suppress(Exception):  # the error below is the one to report
+                        self.transport.close_to(dst)
+                raise
+            self.transport.send_point(transfer.dst, message)
 
     def _message(self, transfer: Transfer) -> PointMessage:
         store = self.local if transfer.kind == PEER else self.replica_store_of(transfer.dst)
