@@ -224,3 +224,28 @@ def test_a_long_lived_reader_forgets_the_indexes_of_deleted_points(tmp_path):
         most = max(most, len(cache))
     assert most <= 128, most  # the cache is swept when it doubled past 64 entries (arena._INDEX_CACHE_SWEEP)
     assert reader.backend.list_points() == [299] and set(cache) <= {299}
+
+
+def test_a_point_published_again_and_deleted_again_while_pinned_frees_both_deferrals(tmp_path):
+    """A reader of another process pins point 5 while it is deleted (its regions are kept, deferred), the same
+    iteration is published again (after a rollback) and deleted again while still pinned: both deferrals'
+    regions are freed once the pin goes (the second deferral replaced the first, whose regions leaked)."""
+    store = SnapshotStore(ArenaBackend(tmp_path / "s"))
+    pins: set[int] = set()
+    store.backend.pinned_elsewhere = lambda: set(pins)  # type: ignore[method-assign]
+    _publish(store, 5)
+    alloc = store.backend._writer_allocator()
+    first = {(seg, off) for seg, off, _ in alloc.points[5]}
+    pins.add(5)
+    store.delete_point(5)
+    _publish(store, 5)
+    second = {(seg, off) for seg, off, _ in alloc.points[5]}
+    assert not first & second  # the first one's regions were still deferred
+    store.delete_point(5)
+    assert {(seg, off) for seg, off, _ in alloc.deferred[5]} == first | second
+    pins.clear()
+    _publish(store, 6)
+    store.delete_point(6)  # a deletion frees what no pin holds any more
+    assert alloc.deferred == {}
+    free = alloc._free
+    assert all(any(s == seg and o <= off < o + n for s, o, n in free) for seg, off in first | second)

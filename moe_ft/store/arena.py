@@ -307,7 +307,7 @@ class _Allocator:
         for it in gone:
             regions = self.points.pop(it)
             if it in now:
-                self.deferred[it] = regions
+                self.deferred.setdefault(it, []).extend(regions)  # a re-published iteration pinned again
             else:
                 self._release(regions)
         for it in [it for it in self.deferred if it not in now]:
@@ -402,7 +402,7 @@ class _Allocator:
             now = pinned()
             regions = self.points.pop(iteration, [])
             if existed and iteration in now:
-                self.deferred[iteration] = regions
+                self.deferred.setdefault(iteration, []).extend(regions)  # not the earlier deferral's
             else:
                 self._release(regions)
             for it in [it for it in self.deferred if it not in now]:

@@ -41,6 +41,7 @@ import io
 import mmap
 import os
 import pickle
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -273,10 +274,14 @@ class Finisher:
     layouts: dict[int, EntryLayout] = field(default_factory=dict)
     retention_id: int = 0
     segments: SegmentWriter | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    """One order at a time: a killed trainer's connection thread may still finish its last order while the
+    next trainer of the rank publishes on another (the mappings, the kinds and garbage collection are shared)."""
 
     def finish(self, order: PublishOrder) -> dict[str, Any]:
-        """:func:`finish_point` for this rank."""
-        return finish_point(self, order)
+        """:func:`finish_point` for this rank, one order at a time."""
+        with self.lock:
+            return finish_point(self, order)
 
 
 def finish_point(state: Finisher, order: PublishOrder) -> dict[str, Any]:
