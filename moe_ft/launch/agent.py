@@ -667,9 +667,23 @@ class SpareAgent(LocalElasticAgent):
         attempt = protocol.lock_next(store, self._keys, by=f"node{self._node}")
         if attempt is None:
             return True
+        try:
+            return self._decide_locked(worker_group, attempt)
+        except BaseException:
+            # fenced while reading what was announced, a signal, a spare that would not start: the attempt
+            # stays unannounced and its lock must go with this agent's decision, or no agent could announce
+            # it again (no replacement, no fallback, and the full restart refused). A store that fails here
+            # too must not hide the first error.
+            with contextlib.suppress(Exception):
+                protocol.release(store, self._keys, attempt)
+            raise
+
+    def _decide_locked(self, worker_group: WorkerGroup, attempt: int) -> bool:
+        """:meth:`_decide` once the decision lock of ``attempt`` is held."""
+        store = self._store_client(worker_group)
         self._apply_announcements(worker_group)  # what was announced before the lock may cover them
         if not self._dead:
-            store.delete_key(self._keys.decision(attempt))
+            protocol.release(store, self._keys, attempt)
             return True
         dead, detected = sorted(self._dead), min(self._dead.values())
         if self._remaining_restarts <= 0:  # torchrun's budget: failures the job survives, however recovered
