@@ -4,12 +4,15 @@ called in the order the race takes (no training, no rendezvous round)."""
 
 from __future__ import annotations
 
+import signal
+import sys
 import time
 
 import pytest
 
 from moe_ft.launch import protocol
 from moe_ft.launch.agent import Fenced
+from tests._ft_helpers import wait_until
 from tests._launch_helpers import launch_store, place, sleeping_agent
 
 
@@ -48,3 +51,34 @@ def test_a_decision_that_raises_releases_its_lock(store, tmp_path):
     finally:
         a._close_all()
         b._close_all()
+
+
+_RECORD_SIGNAL = r"""
+import signal, sys, time
+def record(signum, frame):
+    open(sys.argv[1], "w").write(signal.Signals(signum).name)
+    sys.exit(0)
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+    signal.signal(sig, record)
+open(sys.argv[2], "w").close()
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("received", [signal.SIGINT, signal.SIGHUP, signal.SIGQUIT], ids=lambda s: s.name)
+def test_the_workers_get_sigterm_whatever_signal_stopped_the_launcher(store, tmp_path, received):
+    """torch elastic's ``run`` shuts the agent down with the signal the launcher got; the workers keep their
+    state on SIGTERM only (``run_guarded``), so that is what they get (a real worker records it)."""
+    agent, group = sleeping_agent(store, tmp_path, "signal", 1)
+    place([agent], nodes=1)
+    got, ready = tmp_path / "got", tmp_path / "ready"
+    group.spec.entrypoint, group.spec.args = sys.executable, ("-c", _RECORD_SIGNAL, str(got), str(ready))
+    try:
+        proc = agent._start_one(group, name="rank0", rank=0, local_rank=0)
+        agent._workers = {0: proc}
+        wait_until(ready.exists, timeout=30, message="the worker's signal handlers")
+        agent._shutdown(received, timeout=10)
+        assert got.read_text() == "SIGTERM"
+        assert not proc.context.wait(0).is_failed()
+    finally:
+        agent._close_all()

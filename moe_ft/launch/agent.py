@@ -490,7 +490,12 @@ class SpareAgent(LocalElasticAgent):
         self._close_all()
 
     def _shutdown(self, death_sig=None, timeout: int = 30) -> None:
-        self._close_all(death_sig, timeout)
+        """torch elastic's ``run`` passes on the signal the launcher got (Ctrl-C's SIGINT, SIGHUP, SIGQUIT):
+        the workers get SIGTERM whatever it was, the one signal on which a survivor keeps its state
+        (``run_guarded``). Passed on as is, a SIGINT ended every worker in a ``KeyboardInterrupt`` traceback
+        (exit -2) with nothing held or published."""
+        del death_sig
+        self._close_all(signal.SIGTERM, timeout)
 
     def _exit_barrier(self) -> None:
         """With in-process replacement across nodes, a lost node never reaches torch elastic's exit barrier
