@@ -1,0 +1,117 @@
+"""A worker of ``moe-ft launch`` between two attempts (``pretrain_gpt_moe.main``): a real process whose
+training stack is stubbed (the attempt fails with a peer's error at once), stopped with a real SIGTERM in
+each window where it holds its survivor point outside an attempt."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests._ft_helpers import ROOT
+
+_WORKER = r"""
+import sys, time, types
+sys.path.insert(0, sys.argv[1])
+window = sys.argv[2]
+
+
+def stub(name, **attrs):
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    sys.modules[name] = module
+
+
+parses = []
+
+
+def parse_args(*args, **kwargs):
+    parses.append(1)
+    if window == "parse" and len(parses) > 1:  # the flags parsed again for the next attempt
+        print("WINDOW", flush=True)
+        time.sleep(30)
+    return types.SimpleNamespace()
+
+
+def pretrain(*args, **kwargs):
+    raise RuntimeError("[gloo] Connection closed by peer")
+
+
+stub("megatron.training.quiet", hold=lambda: None)
+stub("megatron.training.deferred_compile", import_megatron_core=lambda: None)
+stub("megatron.training.arguments", ArgumentError=type("ArgumentError", (Exception,), {}), parse_args=parse_args)
+stub("megatron.training.pretrain", pretrain=pretrain)
+stub("moe_ft.compat", activate_all=lambda: None)
+
+import pretrain_gpt_moe
+import moe_ft.launch.worker as worker
+from moe_ft.elastic import standby
+
+
+class Held:
+    rank = 1
+
+    def spill(self):
+        print("SPILLED", flush=True)
+        return types.SimpleNamespace(iteration=7, nbytes=1, seconds=0.0)
+
+
+class Hooks:
+    survivor = None
+
+    def survivor_point(self):
+        return Held()
+
+    def abandon(self):
+        if window == "abandon":  # closing the failed attempt
+            print("WINDOW", flush=True)
+            time.sleep(1)
+            print("ABANDONED", flush=True)
+
+
+class Member:
+    inprocess, reforming, gave_up, resized, rank = True, False, False, False, 1
+
+    def suspect(self):
+        pass
+
+    def rejoin(self, error, from_peer):
+        return True
+
+
+standby.enter = lambda args, membership: None
+pretrain_gpt_moe.step_hooks = lambda args, membership=None, carried=None: Hooks()
+worker.join = Member
+worker.sever_peer_connections = lambda devices=True: 0
+sys.exit(pretrain_gpt_moe.main([]))
+"""
+
+
+@pytest.mark.parametrize("window", ["abandon", "parse"])
+def test_a_sigterm_between_attempts_writes_the_held_point_and_leaves(window):
+    """SIGTERM while the survivor closes its failed attempt (the stop waits for the close), and while it
+    parses its flags again after a rejoin: it writes the point it holds and exits 1. Before, ``run_guarded``
+    had put the default action back when the attempt ended: the process died -15 and its point was lost."""
+    proc = subprocess.Popen([sys.executable, "-c", _WORKER, ROOT, window], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.stdout is not None
+    out = []
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("WINDOW"):
+                time.sleep(0.2)
+                proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    text = "".join(out)
+    assert "WINDOW" in text, text
+    assert rc == 1 and "leaves: stopped by signal SIGTERM" in text and "SPILLED" in text, text
+    if window == "abandon":  # the close ran to its end before the spill
+        assert text.index("ABANDONED") < text.index("SPILLED"), text
