@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 
 import pytest
+from torch.distributed.elastic.agent.server.api import WorkerState
 
 from moe_ft.launch import protocol
 from moe_ft.launch.agent import Fenced
@@ -82,3 +84,34 @@ def test_the_workers_get_sigterm_whatever_signal_stopped_the_launcher(store, tmp
         assert not proc.context.wait(0).is_failed()
     finally:
         agent._close_all()
+
+
+def test_a_node_whose_workers_finished_first_is_not_declared_lost(store, tmp_path):
+    """Node 0's worker exits 0 while node 1's still runs (its final flush, say): node 0's agent waits in the
+    exit barrier, node 1's keeps watching it for longer than ``--node-timeout``. Node 0 is not lost and its
+    finished rank goes to no spare; before, the barrier beat no more and node 1 handed rank 0 to its spare."""
+    a, group_a = sleeping_agent(store, tmp_path / "a", "done", 1, node_timeout_s=0.5)
+    b, group_b = sleeping_agent(store, tmp_path / "b", "done", 1, node_timeout_s=0.5, spares_per_node=1)
+    place([a, b], nodes=2)
+    group_a.spec.entrypoint, group_a.spec.args = sys.executable, ("-c", "pass")
+    keys = protocol.Keys("done")
+    barrier = None
+    try:
+        a._workers = {0: a._start_one(group_a, name="rank0", rank=0, local_rank=0)}
+        b._workers = {1: b._start_one(group_b, name="rank1", rank=1, local_rank=0)}
+        b._fill_spares(group_b)
+        assert wait_until(lambda: a._monitor_workers(group_a).state == WorkerState.SUCCEEDED, timeout=30)
+        barrier = threading.Thread(target=a._exit_barrier)
+        barrier.start()
+        watched = time.monotonic()
+        while time.monotonic() - watched < 2.0:  # four node timeouts of node 1's passes
+            assert b._monitor_workers(group_b).state == WorkerState.HEALTHY
+            time.sleep(0.1)
+        assert b._lost == set() and protocol.current_attempt(store, keys) == 0 and sorted(b._workers) == [1]
+        assert barrier.is_alive()  # node 1 has not finished: node 0 still waits for it
+        store.add(keys.exit(0), 1)  # node 1's workers finish
+        barrier.join(10)
+        assert not barrier.is_alive()
+    finally:
+        a._close_all()
+        b._close_all()

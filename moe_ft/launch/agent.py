@@ -499,14 +499,19 @@ class SpareAgent(LocalElasticAgent):
 
     def _exit_barrier(self) -> None:
         """With in-process replacement across nodes, a lost node never reaches torch elastic's exit barrier
-        (it counts every node of the rendezvous): count the live ones instead."""
+        (it counts every node of the rendezvous): count the live ones instead. The heartbeat goes on while
+        the agent waits here: the nodes still training watch it, and a node whose workers finished first
+        (by more than ``--node-timeout``) was declared lost and its finished ranks handed to spares."""
         if not self._inprocess or self._nodes == 1:
             super()._exit_barrier()
             return
         store, key = self._launch_store, self._keys.exit(self._seen)
         store.add(key, 1)
         deadline = time.monotonic() + self._exit_barrier_timeout
-        while int(store.add(key, 0)) < self._nodes - len(self._lost) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            store.add(self._keys.beat(self._node), 1)
+            if int(store.add(key, 0)) >= self._nodes - len(self._lost):
+                return
             time.sleep(0.05)
 
     def _kill_stopped(self) -> None:
