@@ -115,3 +115,31 @@ def test_a_node_whose_workers_finished_first_is_not_declared_lost(store, tmp_pat
     finally:
         a._close_all()
         b._close_all()
+
+
+def test_a_rank_that_died_while_another_node_shrank_the_job_is_replaced(store, tmp_path):
+    """``--nnodes 2:3``, no spares. Node 1's agent shrinks the job (node 2 lost); node 0's rank 0 died in the
+    same moment. Node 0's agent, deciding for it, takes in the shrink first: rank 0 stays dead under its new
+    number and gets a fresh process in the next attempt. Before, the shrink cleared every dead rank: rank 0
+    had no process and nobody replaced it."""
+    a, group_a = sleeping_agent(store, tmp_path / "a", "forget", 1, max_restarts=3, min_nodes=2, max_nodes=3)
+    b, group_b = sleeping_agent(store, tmp_path / "b", "forget", 1, max_restarts=3, min_nodes=2, max_nodes=3)
+    place([a, b], nodes=3)
+    keys = protocol.Keys("forget")
+    try:
+        a._workers = {0: a._start_one(group_a, name="rank0", rank=0, local_rank=0)}
+        b._workers = {1: b._start_one(group_b, name="rank1", rank=1, local_rank=0)}
+        a._apply_announcements(group_a)  # node 0's pass starts: nothing announced yet
+        b._lost, b._dead = {2}, {2: time.time()}
+        assert b._decide(group_b)
+        assert protocol.announcement(store, keys, 1)["resize"]["world_size"] == 2
+        a._workers[0].context.close()
+        a._reap(0, time.time())
+        assert a._decide(group_a)
+        info = protocol.announcement(store, keys, 2)
+        assert (info["kind"], info["failed"], info["holders"]) == ("inprocess", [0], {"0": 0})
+        assert sorted(a._workers) == [0] and a._workers[0].context.wait(0) is None and a._dead == {}
+        assert a._world == 2 and a._workers[0].local_rank == 0
+    finally:
+        a._close_all()
+        b._close_all()

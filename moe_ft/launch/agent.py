@@ -613,7 +613,7 @@ class SpareAgent(LocalElasticAgent):
             if info.get("kind") == "inprocess":
                 self._lost.update(info.get("lost", []))
                 if "resize" in info:
-                    self._apply_resize(info["resize"])
+                    self._apply_resize(info["resize"], info.get("failed", []))
                     continue
                 self._holders.update({int(r): n for r, n in info.get("holders", {}).items()})
                 for rank in info.get("failed", []):
@@ -802,19 +802,24 @@ class SpareAgent(LocalElasticAgent):
         resize = {"ranks": ranks, "world_size": len(live) * per_node, "nodes": index}
         protocol.publish(self._store_client(worker_group), self._keys, attempt, kind="inprocess", failed=dead,
                          detected_at=detected, lost=sorted(self._lost), resize=resize)
-        self._apply_resize(json.loads(json.dumps(resize)))
+        self._apply_resize(json.loads(json.dumps(resize)), dead)
         self._seen = self._attempt = attempt
         self._remaining_restarts -= 1
         print(f"moe-ft launch: no spare for ranks {', '.join(map(str, dead))} of lost node(s) "
               f"{sorted(self._lost)}; attempt {attempt} shrinks the job to {resize['world_size']} ranks on "
               f"{len(live)} node(s), the workers keep their processes", flush=True)
 
-    def _apply_resize(self, resize: dict) -> None:
-        """Take in a shrink (JSON form: string keys): this node's workers under their new ranks."""
+    def _apply_resize(self, resize: dict, failed: list[int]) -> None:
+        """Take in a shrink (JSON form: string keys) whose announcement covers the dead ranks ``failed``: this
+        node's workers under their new ranks. A rank that died here since the shrink was decided (not among
+        ``failed``) stays dead under its new number, for this agent's next decision: forgotten, it had no
+        process and nobody replaced it."""
         ranks = {int(old): new for old, new in resize["ranks"].items()}
         self._workers = {ranks[r]: p for r, p in self._workers.items() if r in ranks}
         self._home = {ranks[r]: n for r, n in self._home.items() if r in ranks}
-        self._holders, self._dead, self._freed = dict(self._home), {}, {}
+        self._holders = dict(self._home)
+        self._dead = {ranks[r]: seen for r, seen in self._dead.items() if r in ranks and r not in failed}
+        self._freed = {ranks[r]: device for r, device in self._freed.items() if r in ranks and r not in failed}
         self._world, self._groups = int(resize["world_size"]), {int(n): g for n, g in resize["nodes"].items()}
 
     def _announce_fallback(self, worker_group: WorkerGroup, failed: list[int], reason: str,
