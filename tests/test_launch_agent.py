@@ -143,3 +143,31 @@ def test_a_rank_that_died_while_another_node_shrank_the_job_is_replaced(store, t
     finally:
         a._close_all()
         b._close_all()
+
+
+def test_no_shrink_drops_a_rank_running_on_another_nodes_former_spare(store, tmp_path):
+    """``--nnodes 1:3``, one rank per node. Node 2 was lost earlier and its rank 2 runs on node 0's former
+    spare; now node 1 is lost with no spare left. Dropping the lost nodes' places would drop rank 2, which
+    runs: the agent falls back to a full restart instead of shrinking. Before, it shrank to rank 0 alone and
+    rank 2's process ran on outside the job, its agent tracking it no more. A shrink announced anyway stops
+    any worker of this node that it drops."""
+    agent, group = sleeping_agent(store, tmp_path, "shrink", 1, max_restarts=3, min_nodes=1, max_nodes=3)
+    place([agent], nodes=3)
+    agent._node, agent._holders[2], agent._lost = 0, 0, {2}
+    keys = protocol.Keys("shrink")
+    try:
+        agent._workers = {0: agent._start_one(group, name="rank0", rank=0, local_rank=0),
+                          2: agent._start_one(group, name="rank2", rank=2, local_rank=1)}
+        rank2 = agent._workers[2]
+        agent._lost.add(1)
+        agent._dead = {1: time.time()}
+        assert not agent._can_shrink([1])
+        assert not agent._decide(group)
+        assert protocol.announcement(store, keys, 1)["kind"] == "fallback"
+        assert agent._workers[2] is rank2 and rank2.context.wait(0) is None
+
+        agent._apply_resize({"ranks": {"0": 0}, "world_size": 1, "nodes": {"0": 0}}, [1])
+        assert sorted(agent._workers) == [0] and rank2.context.wait(0) is not None
+    finally:
+        agent._close_all()
+        rank2.context.close()

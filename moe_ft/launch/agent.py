@@ -764,10 +764,13 @@ class SpareAgent(LocalElasticAgent):
         return len(live) >= max(self._min_nodes, 1) and self._only_lost_nodes(dead)
 
     def _only_lost_nodes(self, dead: list[int]) -> bool:
-        """Every dead rank is a lost node's, and every live rank runs on its layout node (no earlier cross-node
-        take-over): the lost nodes' places can be dropped (shrink) or refilled (replacement node) whole."""
+        """Every dead rank is a lost node's, and every live rank runs on its layout node, a live one (no earlier
+        cross-node take-over): the lost nodes' places can be dropped (shrink) or refilled (replacement node)
+        whole. A live rank of a lost node runs on another node's former spare: a shrink would drop its place
+        and leave its process running outside the job."""
         return (all(self._home.get(r) in self._lost for r in dead)
-                and all(self._holders[r] == n for r, n in self._home.items() if n not in self._lost))
+                and all(self._holders.get(r) == n and n not in self._lost
+                        for r, n in self._home.items() if r not in dead))
 
     def _can_await(self, dead: list[int]) -> bool:
         """A fixed ``--nnodes N`` whose lost nodes' ranks no spare can take: the survivors wait in their
@@ -815,6 +818,10 @@ class SpareAgent(LocalElasticAgent):
         ``failed``) stays dead under its new number, for this agent's next decision: forgotten, it had no
         process and nobody replaced it."""
         ranks = {int(old): new for old, new in resize["ranks"].items()}
+        for rank in sorted(set(self._workers) - set(ranks)):  # refused by _only_lost_nodes: never left running
+            log.warning("moe-ft launch: the shrink drops rank %d, which runs on this node: its worker is stopped",
+                        rank)
+            self._workers[rank].context.close(timeout=self._shutdown_timeout)
         self._workers = {ranks[r]: p for r, p in self._workers.items() if r in ranks}
         self._home = {ranks[r]: n for r, n in self._home.items() if r in ranks}
         self._holders = dict(self._home)
