@@ -4,6 +4,7 @@ called in the order the race takes (no training, no rendezvous round)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -171,3 +172,34 @@ def test_no_shrink_drops_a_rank_running_on_another_nodes_former_spare(store, tmp
     finally:
         agent._close_all()
         rank2.context.close()
+
+
+def test_a_spare_another_agent_claimed_first_runs_its_rank_and_the_dead_rank_gets_another(store, tmp_path):
+    """Node 1 lists one spare. Node 0's agent gives it lost node 2's rank 2; before node 1's agent has seen
+    that (its pass began just before the claim), its own rank 1 dies and it plans its spare for it. The
+    claim fails: the spare runs rank 2 here (as the claim says) and rank 1 gets a fresh process. Before, the
+    failed claim was ignored: node 1's agent believed the spare ran rank 1 and announced it so, while the
+    spare took rank 2."""
+    a, group_a = sleeping_agent(store, tmp_path / "a", "race", 1, max_restarts=3)
+    b, group_b = sleeping_agent(store, tmp_path / "b", "race", 1, max_restarts=3, spares_per_node=1)
+    place([a, b], nodes=3)
+    keys = protocol.Keys("race")
+    try:
+        a._workers = {0: a._start_one(group_a, name="rank0", rank=0, local_rank=0)}
+        b._workers = {1: b._start_one(group_b, name="rank1", rank=1, local_rank=0)}
+        b._fill_spares(group_b)
+        (spare,) = b._spares
+        b._apply_announcements(group_b)  # node 1's pass starts: nothing announced or claimed yet
+        b._adopt_claimed_spares(group_b)
+        a._lost, a._dead = {2}, {2: time.time()}
+        assert a._decide(group_a) and protocol.announcement(store, keys, 1)["holders"] == {"2": 1}
+        b._workers[1].context.close()  # node 1's rank dies in the same pass
+        b._reap(1, time.time())
+        assert b._decide(group_b)
+        info = protocol.announcement(store, keys, 2)
+        assert (info["failed"], info["holders"]) == ([1], {"1": 1})
+        assert b._workers[2] is spare and b._workers[1] is not spare and b._workers[1].local_rank == 0
+        assert json.loads(store.get(keys.spare(b._workers[1].slot)))["rank"] == 1
+    finally:
+        a._close_all()
+        b._close_all()

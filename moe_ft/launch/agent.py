@@ -884,21 +884,22 @@ class SpareAgent(LocalElasticAgent):
         for rank, source in plan:
             if source != "remote":
                 device = self._freed.pop(rank, None)  # the rank ran here: its successor takes its device
-                if source == "local":
-                    proc = self._spares.pop(0)
-                    self._spare_exits = 0  # spares work here: the bound counts exits in a row
-                    if device is not None:  # the spare's own index goes to the next spare started
-                        proc.local_rank = device
-                else:  # a fresh process on a free device of this node: imports while the others wait
+                proc = self._claim_local(store, attempt, rank, device) if source == "local" else None
+                if proc is None and self._holders.get(rank) == self._node:
+                    # a fresh process on a free device of this node, imports while the others wait (planned,
+                    # or the local spares planned were claimed by other agents meanwhile)
                     device = self._free_device(worker_group) if device is None else device
-                    assert device is not None
-                    proc = self._start_spare(worker_group, device)
-                    fresh.append(rank)
-                protocol.claim_spare(store, self._keys, proc.slot, attempt, rank, proc.local_rank,
-                                     world_size=self._world, group_rank=self._groups[self._node])
-                self._workers[rank] = proc
-                assignments[rank] = (self._node, proc.slot)
-                continue
+                    if device is not None:
+                        proc = self._start_spare(worker_group, device)
+                        fresh.append(rank)
+                        protocol.claim_spare(store, self._keys, proc.slot, attempt, rank, proc.local_rank,
+                                             world_size=self._world, group_rank=self._groups[self._node])
+                if proc is not None:
+                    self._workers[rank] = proc
+                    assignments[rank] = (self._node, proc.slot)
+                    continue
+                if device is not None:  # none here after all: the device stays the rank's for a later pass
+                    self._freed[rank] = device
             while remote:  # a spare another node lists
                 node, slot, device = remote.pop(0)
                 if protocol.claim_spare(store, self._keys, slot, attempt, rank, device, world_size=self._world,
@@ -908,6 +909,22 @@ class SpareAgent(LocalElasticAgent):
             else:
                 missing.append(rank)
         return assignments, fresh, missing
+
+    def _claim_local(self, store, attempt: int, rank: int, device: int | None) -> _Process | None:
+        """Give ``rank`` a spare of this node (``device``: the index the rank's dead process held, which the
+        spare takes). Another node's agent may have claimed the spare for a lost node's rank since this
+        node's last pass (it is listed in the store): the spare then runs that rank here, as
+        :meth:`_adopt_claimed_spares` would have found, and the next one is tried. ``None``: none left."""
+        while self._spares:
+            proc = self._spares.pop(0)
+            index = proc.local_rank if device is None else device
+            if protocol.claim_spare(store, self._keys, proc.slot, attempt, rank, index, world_size=self._world,
+                                    group_rank=self._groups[self._node]):
+                self._spare_exits = 0  # spares work here: the bound counts exits in a row
+                proc.local_rank = index  # the spare's own index goes to the next spare started
+                return proc
+            self._workers[json.loads(store.get(self._keys.spare(proc.slot)))["rank"]] = proc
+        return None
 
     def _free_devices(self, worker_group: WorkerGroup) -> int:
         used = {p.local_rank for p in [*self._workers.values(), *self._spares]}
