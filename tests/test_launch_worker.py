@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests._ft_helpers import ROOT
 
@@ -115,3 +116,49 @@ def test_a_sigterm_between_attempts_writes_the_held_point_and_leaves(window):
     assert rc == 1 and "leaves: stopped by signal SIGTERM" in text and "SPILLED" in text, text
     if window == "abandon":  # the close ran to its end before the spill
         assert text.index("ABANDONED") < text.index("SPILLED"), text
+
+
+def test_a_formation_that_fails_halfway_leaves_nothing_for_the_next_attempt(monkeypatch):
+    """One rank, the CPU layer: Megatron's parallel state fails once its data-parallel group exists (a peer
+    died while the groups formed). The default group and the groups made so far are gone, so that the
+    process forms the next attempt's in the same process. Before, both stayed and the next formation
+    asserted "data parallel group is already initialized" (not a peer's failure: the survivor left)."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron.training.initialize import initialize_distributed, shutdown
+    from moe_ft.compat import cpu as cpu_compat
+
+    cpu_compat.activate()
+    args = SimpleNamespace(world_size=1, training=SimpleNamespace(distributed_timeout_minutes=1, verbose=False,
+                                                                  num_threads=1, deterministic=False),
+                           parallel=SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                                    expert_model_parallel_size=1, expert_tensor_parallel_size=1,
+                                                    use_tp_pp_dp_mapping=False))
+    create_group = ps.create_group
+
+    def dies_once_data_parallel_exists(*a, **k):  # the groups after it are never made
+        if ps._DATA_PARALLEL_GROUP is not None:
+            raise RuntimeError("[gloo] Connection closed by peer")
+        return create_group(*a, **k)
+
+    def default_group():  # the attempt's default group, as the launcher's store forms it
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
+
+    threads = torch.get_num_threads()
+    try:
+        default_group()
+        monkeypatch.setattr(ps, "create_group", dies_once_data_parallel_exists)
+        with pytest.raises(RuntimeError, match="closed by peer"):
+            initialize_distributed(args)
+        assert not dist.is_initialized() and ps._DATA_PARALLEL_GROUP is None
+        monkeypatch.setattr(ps, "create_group", create_group)
+        default_group()  # the next attempt
+        initialize_distributed(args)
+        assert ps.model_parallel_is_initialized()
+    finally:
+        shutdown()
+        torch.set_num_threads(threads)
