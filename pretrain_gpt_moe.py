@@ -14,6 +14,7 @@ the loop's hooks.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import signal
@@ -58,7 +59,6 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_EXIT_CODE
 
-    from megatron.training.pretrain import pretrain
     from moe_ft.compat import activate_all
 
     try:  # the CPU layer (before process groups and the model) and the writer shim (before the first save)
@@ -66,55 +66,61 @@ def main(argv=None) -> int:
     except RuntimeError as e:  # a Megatron-Core version the shims were not written for
         print(f"error: {e}", file=sys.stderr)
         return USAGE_EXIT_CODE
-    from moe_ft.elastic import standby
-    from moe_ft.launch.protocol import GAVE_UP_EXIT_CODE
     from moe_ft.launch.worker import join
+    from moe_ft.localized.survivor import AttemptStop
 
     membership = join()  # under moe-ft launch a spare waits here, imports done, until it is given a rank
-    held = None  # a survivor's state of its last completed iteration, kept in memory across attempts
-    while True:
-        left_out = standby.enter(args, membership)  # --ft-elastic: the global batch may leave this rank out
-        if left_out is not None:
-            return left_out
-        hooks = step_hooks(args, membership, held)
-        if hooks is None:
-            pretrain(args)
-            return 0
-        code, failure = _train_guarded(args, hooks, membership)
-        if code == 0:
-            standby.mark_done(args, membership)
-            return 0
-        held = hooks.survivor_point()
-        hooks.abandon()  # this attempt's threads and files; the process groups are gone already
-        del hooks
-        _free_device_memory()
-        rejoined = _rejoin(membership, failure)
-        if held is not None and (not rejoined or membership.resized):
-            _spill(held)  # a process restart, or a reshaped job's new ranks, read it in the node store
-            held = None
-        if not rejoined:
-            return GAVE_UP_EXIT_CODE if membership.gave_up else code  # gave up: the agent restarts everyone
-        # a peer failed and the agent replaced it: train again in this process (recovery follows), from
-        # freshly parsed flags: the configs in args.extra keep per-start decisions (e.g. --ft-elastic's plan)
-        args = parse_args(argv, extra_groups=extra_argument_groups())
+    stop = AttemptStop()
+    # under moe-ft launch, once around every attempt: a SIGTERM between two (the agent stops the workers)
+    # makes the process leave with what it holds written, never the default death that loses it
+    with stop.installed() if membership.inprocess else contextlib.nullcontext():
+        return _attempts(argv, args, membership, stop)
 
 
-def _rejoin(membership, failure) -> bool:
-    """Wait for the agent's next attempt (``Membership.rejoin``); a SIGTERM meanwhile (the agent stops the
-    workers) ends the wait: the process leaves, after writing what it holds."""
+def _attempts(argv, args, membership, stop) -> int:
+    """Train, and under ``moe-ft launch`` train again in this process after each failure the agents
+    replaced. A SIGTERM outside an attempt (the agent stops the workers) makes the process leave, after
+    writing the state it holds; while it closes a failed attempt, once that is done."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.pretrain import pretrain
+    from moe_ft.elastic import standby
+    from moe_ft.launch.protocol import GAVE_UP_EXIT_CODE
     from moe_ft.localized.survivor import SurvivorStop
 
-    def stop(signum, frame):
-        raise SurvivorStop(signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
+    held = None  # a survivor's state of its last completed iteration, kept in memory across attempts
+    code = 1
     try:
-        return membership.rejoin(*failure)
+        while True:
+            left_out = standby.enter(args, membership)  # --ft-elastic: the global batch may leave this rank out
+            if left_out is not None:
+                return left_out
+            hooks = step_hooks(args, membership, held)
+            if hooks is None:
+                pretrain(args)
+                return 0
+            code, failure = _train_guarded(args, hooks, membership)
+            if code == 0:
+                standby.mark_done(args, membership)
+                return 0
+            held = hooks.survivor_point()
+            with stop.deferred():
+                hooks.abandon()  # this attempt's threads and files; the process groups are gone already
+                del hooks
+                _free_device_memory()
+            rejoined = membership.rejoin(*failure)  # waits for the agent's next attempt
+            if held is not None and (not rejoined or membership.resized):
+                _spill(held)  # a process restart, or a reshaped job's new ranks, read it in the node store
+                held = None
+            if not rejoined:
+                return GAVE_UP_EXIT_CODE if membership.gave_up else code  # gave up: the agent restarts everyone
+            # a peer failed and the agent replaced it: train again in this process (recovery follows), from
+            # freshly parsed flags: the configs in args.extra keep per-start decisions (e.g. --ft-elastic's plan)
+            args = parse_args(argv, extra_groups=extra_argument_groups())
     except SurvivorStop as e:
         print(f"moe-ft launch: rank {membership.rank} leaves: {e}", file=sys.stderr, flush=True)
-        return False
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        if held is not None:
+            _spill(held)
+        return code
 
 
 def _spill(held) -> None:

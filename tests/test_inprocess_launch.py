@@ -25,7 +25,8 @@ from torch.distributed.elastic.agent.server.api import WorkerState
 from moe_ft.cli.drill import run_job
 from moe_ft.drills.faults import InjectedFault
 from moe_ft.launch import cli, protocol, worker
-from moe_ft.launch.agent import Fenced, LaunchLogs, SpareAgent, plan_replacements, rank_homes
+from moe_ft.launch.agent import Fenced, SpareAgent, plan_replacements, rank_homes
+from tests._launch_helpers import sleeping_agent
 
 ITERS, WINDOW = 10, 3
 
@@ -115,27 +116,10 @@ def test_replacement_policy_orders_local_spares_fresh_processes_then_remote_spar
                              remote_spares=0) == ([(2, "local"), (1, "fresh")], [])
 
 
-def _sleeping_agent(store, tmp_path, run_id: str, local_world_size: int, **agent_flags):
-    """A real ``SpareAgent`` on ``store`` whose processes sleep, and its worker group (no rendezvous round:
-    the caller sets the agent's layout)."""
-    from types import SimpleNamespace
-
-    from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
-
-    handler = SimpleNamespace(_store=store, get_run_id=lambda: run_id, use_agent_store=True)
-    spec = WorkerSpec(role="trainer", local_world_size=local_world_size, rdzv_handler=handler,
-                      entrypoint="python3", args=("-c", "import time; time.sleep(120)"), max_restarts=1,
-                      monitor_interval=0.1)
-    agent = SpareAgent(spec, LaunchLogs(root=str(tmp_path)), **agent_flags)
-    group = WorkerGroup(spec)
-    group.master_addr, group.master_port = "127.0.0.1", store.port
-    return agent, group
-
-
 def test_a_node_declared_lost_fences_itself(store, tmp_path):
     """An agent that was only slow finds its node among an announcement's ``lost``: it stops its workers
     (a real process here) and raises ``Fenced``, so that no rank runs twice."""
-    agent, group = _sleeping_agent(store, tmp_path, "fence", 1, node_timeout_s=1.0)
+    agent, group = sleeping_agent(store, tmp_path, "fence", 1, node_timeout_s=1.0)
     agent._node, agent._nodes, agent._world, agent._groups = 1, 2, 2, {0: 0, 1: 1}
     proc = agent._start_one(group, name="rank1", rank=1, local_rank=0)
     agent._workers = {1: proc}
@@ -160,7 +144,7 @@ def test_a_stall_of_the_watcher_is_not_a_lost_node(store, tmp_path, monkeypatch,
 
     clock = [100.0]
     monkeypatch.setattr(agent_module, "time", SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
-    agent, group = _sleeping_agent(store, tmp_path, "stall", 1, node_timeout_s=2.0)
+    agent, group = sleeping_agent(store, tmp_path, "stall", 1, node_timeout_s=2.0)
     agent._node, agent._nodes, agent._world, agent._groups = 0, 2, 2, {0: 0, 1: 1}
     agent._holders, agent._lost, agent._dead, agent._seen = {0: 0, 1: 1}, set(), {}, 0
     beat = protocol.Keys("stall").beat(1)
@@ -188,7 +172,7 @@ def test_the_process_taking_a_rank_takes_its_device(store, tmp_path):
     """A spare (or a fresh process) that takes a rank of its own node takes the dead process's device index
     (``LOCAL_RANK``): on a GPU node with one GPU per rank a spare's own index is no device. The spare's
     index goes to the next spare started. Real processes under a real agent."""
-    agent, group = _sleeping_agent(store, tmp_path, "devices", 2, spares_per_node=1)
+    agent, group = sleeping_agent(store, tmp_path, "devices", 2, spares_per_node=1)
     agent._node, agent._nodes, agent._world, agent._groups = 0, 1, 2, {0: 0}
     agent._holders, agent._home = {0: 0, 1: 0}, {0: 0, 1: 0}
     try:
@@ -224,7 +208,7 @@ def test_a_lost_node_without_spares_waits_for_a_replacement_node(store, tmp_path
 
     from torch.distributed.elastic.agent.server.api import Worker
 
-    agent, group = _sleeping_agent(store, tmp_path, "await", 2)
+    agent, group = sleeping_agent(store, tmp_path, "await", 2)
     agent._node, agent._nodes, agent._world, agent._groups = 0, 2, 4, {0: 0, 1: 1}
     agent._home = agent._holders = {0: 0, 1: 0, 2: 1, 3: 1}
     agent._lost, agent._dead = {1}, {2: 10.0, 3: 10.0}
@@ -246,7 +230,7 @@ def test_a_lost_node_without_spares_waits_for_a_replacement_node(store, tmp_path
                                 role_world_size=4) for i in range(2)]
             g.spec.rdzv_handler._state_holder = SimpleNamespace(state=SimpleNamespace(round=3))
 
-        joiner, joiner_group = _sleeping_agent(store, tmp_path / "joiner", "await", 2)
+        joiner, joiner_group = sleeping_agent(store, tmp_path / "joiner", "await", 2)
         placed(joiner, joiner_group, 0)
         placed(agent, group, 1)
         pids = {}
@@ -673,7 +657,7 @@ def test_a_stopped_worker_or_spare_is_killed_after_the_stop_timeout(store, tmp_p
     before that is left alone. Real processes under a real agent."""
     import signal
 
-    agent, group = _sleeping_agent(store, tmp_path, "stopped", 1, stop_timeout_s=0.5)
+    agent, group = sleeping_agent(store, tmp_path, "stopped", 1, stop_timeout_s=0.5)
     agent._finished = {}
     try:
         agent._workers = {0: agent._start_one(group, name="rank0", rank=0, local_rank=0)}
@@ -782,7 +766,7 @@ def test_an_agent_back_in_the_rendezvous_after_a_fallback_is_not_a_lost_node(sto
     with the in-process attempt's restart given back. A real agent and process, a real store."""
     import signal
 
-    agent, group = _sleeping_agent(store, tmp_path, "fellback", 1, node_timeout_s=0.3)
+    agent, group = sleeping_agent(store, tmp_path, "fellback", 1, node_timeout_s=0.3)
     agent._node, agent._nodes, agent._world, agent._groups = 1, 2, 2, {0: 0, 1: 1}
     agent._holders = agent._home = {0: 0, 1: 1}
     keys = protocol.Keys("fellback")

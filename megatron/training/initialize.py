@@ -111,21 +111,26 @@ def initialize_distributed(args: Args, timeout_s: float | None = None, join_time
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
             if "store" in store:
                 store["store"].set_timeout(timedelta(seconds=timeout_s))
-    if dist.get_world_size() != args.world_size:
-        raise RuntimeError(f"arguments were validated for world size {args.world_size} but the process group "
-                           f"has {dist.get_world_size()} ranks")
-
-    p = args.parallel
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        expert_model_parallel_size=p.expert_model_parallel_size,
-        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
-        distributed_timeout_minutes=max(1, round(timeout_s / 60)),
-        order="tp-cp-ep-pp-dp" if p.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",
-    )
+    try:
+        if dist.get_world_size() != args.world_size:
+            raise RuntimeError(f"arguments were validated for world size {args.world_size} but the process "
+                               f"group has {dist.get_world_size()} ranks")
+        p = args.parallel
+        ps.destroy_model_parallel()  # whatever a previous formation in this process left, even half made
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=p.tensor_model_parallel_size,
+            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+            expert_model_parallel_size=p.expert_model_parallel_size,
+            expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+            distributed_timeout_minutes=max(1, round(timeout_s / 60)),
+            order="tp-cp-ep-pp-dp" if p.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",
+        )
+    except BaseException:
+        # a peer died while the groups formed (or a stop): a process that goes on to the next attempt
+        # (moe-ft launch) must find neither this default group nor half of Megatron's groups, or its next
+        # formation asserts "data parallel group is already initialized" (no peer failure: it leaves)
+        shutdown(failed=True)
+        raise
 
 
 def set_seeds(seed: int) -> None:
@@ -146,8 +151,7 @@ def shutdown(failed: bool = False) -> None:
     ``_abort_process_group`` aborts every communicator at once (NCCL's inside one group call, so that
     their aborts cannot deadlock each other) and forgets every group, as a destroy does. On gloo the abort
     returns at once (the connections close once the groups are collected) and the same path runs."""
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    ps.destroy_model_parallel()  # also a half-made state, which model_parallel_is_initialized() says is none
     if not dist.is_initialized():
         return
     if failed:

@@ -490,18 +490,28 @@ class SpareAgent(LocalElasticAgent):
         self._close_all()
 
     def _shutdown(self, death_sig=None, timeout: int = 30) -> None:
-        self._close_all(death_sig, timeout)
+        """torch elastic's ``run`` passes on the signal the launcher got (Ctrl-C's SIGINT, SIGHUP, SIGQUIT):
+        the workers get SIGTERM whatever it was, the one signal on which a survivor keeps its state
+        (``run_guarded``). Passed on as is, a SIGINT ended every worker in a ``KeyboardInterrupt`` traceback
+        (exit -2) with nothing held or published."""
+        del death_sig
+        self._close_all(signal.SIGTERM, timeout)
 
     def _exit_barrier(self) -> None:
         """With in-process replacement across nodes, a lost node never reaches torch elastic's exit barrier
-        (it counts every node of the rendezvous): count the live ones instead."""
+        (it counts every node of the rendezvous): count the live ones instead. The heartbeat goes on while
+        the agent waits here: the nodes still training watch it, and a node whose workers finished first
+        (by more than ``--node-timeout``) was declared lost and its finished ranks handed to spares."""
         if not self._inprocess or self._nodes == 1:
             super()._exit_barrier()
             return
         store, key = self._launch_store, self._keys.exit(self._seen)
         store.add(key, 1)
         deadline = time.monotonic() + self._exit_barrier_timeout
-        while int(store.add(key, 0)) < self._nodes - len(self._lost) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            store.add(self._keys.beat(self._node), 1)
+            if int(store.add(key, 0)) >= self._nodes - len(self._lost):
+                return
             time.sleep(0.05)
 
     def _kill_stopped(self) -> None:
@@ -603,7 +613,7 @@ class SpareAgent(LocalElasticAgent):
             if info.get("kind") == "inprocess":
                 self._lost.update(info.get("lost", []))
                 if "resize" in info:
-                    self._apply_resize(info["resize"])
+                    self._apply_resize(info["resize"], info.get("failed", []))
                     continue
                 self._holders.update({int(r): n for r, n in info.get("holders", {}).items()})
                 for rank in info.get("failed", []):
@@ -667,9 +677,23 @@ class SpareAgent(LocalElasticAgent):
         attempt = protocol.lock_next(store, self._keys, by=f"node{self._node}")
         if attempt is None:
             return True
+        try:
+            return self._decide_locked(worker_group, attempt)
+        except BaseException:
+            # fenced while reading what was announced, a signal, a spare that would not start: the attempt
+            # stays unannounced and its lock must go with this agent's decision, or no agent could announce
+            # it again (no replacement, no fallback, and the full restart refused). A store that fails here
+            # too must not hide the first error.
+            with contextlib.suppress(Exception):
+                protocol.release(store, self._keys, attempt)
+            raise
+
+    def _decide_locked(self, worker_group: WorkerGroup, attempt: int) -> bool:
+        """:meth:`_decide` once the decision lock of ``attempt`` is held."""
+        store = self._store_client(worker_group)
         self._apply_announcements(worker_group)  # what was announced before the lock may cover them
         if not self._dead:
-            store.delete_key(self._keys.decision(attempt))
+            protocol.release(store, self._keys, attempt)
             return True
         dead, detected = sorted(self._dead), min(self._dead.values())
         if self._remaining_restarts <= 0:  # torchrun's budget: failures the job survives, however recovered
@@ -740,10 +764,13 @@ class SpareAgent(LocalElasticAgent):
         return len(live) >= max(self._min_nodes, 1) and self._only_lost_nodes(dead)
 
     def _only_lost_nodes(self, dead: list[int]) -> bool:
-        """Every dead rank is a lost node's, and every live rank runs on its layout node (no earlier cross-node
-        take-over): the lost nodes' places can be dropped (shrink) or refilled (replacement node) whole."""
+        """Every dead rank is a lost node's, and every live rank runs on its layout node, a live one (no earlier
+        cross-node take-over): the lost nodes' places can be dropped (shrink) or refilled (replacement node)
+        whole. A live rank of a lost node runs on another node's former spare: a shrink would drop its place
+        and leave its process running outside the job."""
         return (all(self._home.get(r) in self._lost for r in dead)
-                and all(self._holders[r] == n for r, n in self._home.items() if n not in self._lost))
+                and all(self._holders.get(r) == n and n not in self._lost
+                        for r, n in self._home.items() if r not in dead))
 
     def _can_await(self, dead: list[int]) -> bool:
         """A fixed ``--nnodes N`` whose lost nodes' ranks no spare can take: the survivors wait in their
@@ -778,19 +805,28 @@ class SpareAgent(LocalElasticAgent):
         resize = {"ranks": ranks, "world_size": len(live) * per_node, "nodes": index}
         protocol.publish(self._store_client(worker_group), self._keys, attempt, kind="inprocess", failed=dead,
                          detected_at=detected, lost=sorted(self._lost), resize=resize)
-        self._apply_resize(json.loads(json.dumps(resize)))
+        self._apply_resize(json.loads(json.dumps(resize)), dead)
         self._seen = self._attempt = attempt
         self._remaining_restarts -= 1
         print(f"moe-ft launch: no spare for ranks {', '.join(map(str, dead))} of lost node(s) "
               f"{sorted(self._lost)}; attempt {attempt} shrinks the job to {resize['world_size']} ranks on "
               f"{len(live)} node(s), the workers keep their processes", flush=True)
 
-    def _apply_resize(self, resize: dict) -> None:
-        """Take in a shrink (JSON form: string keys): this node's workers under their new ranks."""
+    def _apply_resize(self, resize: dict, failed: list[int]) -> None:
+        """Take in a shrink (JSON form: string keys) whose announcement covers the dead ranks ``failed``: this
+        node's workers under their new ranks. A rank that died here since the shrink was decided (not among
+        ``failed``) stays dead under its new number, for this agent's next decision: forgotten, it had no
+        process and nobody replaced it."""
         ranks = {int(old): new for old, new in resize["ranks"].items()}
+        for rank in sorted(set(self._workers) - set(ranks)):  # refused by _only_lost_nodes: never left running
+            log.warning("moe-ft launch: the shrink drops rank %d, which runs on this node: its worker is stopped",
+                        rank)
+            self._workers[rank].context.close(timeout=self._shutdown_timeout)
         self._workers = {ranks[r]: p for r, p in self._workers.items() if r in ranks}
         self._home = {ranks[r]: n for r, n in self._home.items() if r in ranks}
-        self._holders, self._dead, self._freed = dict(self._home), {}, {}
+        self._holders = dict(self._home)
+        self._dead = {ranks[r]: seen for r, seen in self._dead.items() if r in ranks and r not in failed}
+        self._freed = {ranks[r]: device for r, device in self._freed.items() if r in ranks and r not in failed}
         self._world, self._groups = int(resize["world_size"]), {int(n): g for n, g in resize["nodes"].items()}
 
     def _announce_fallback(self, worker_group: WorkerGroup, failed: list[int], reason: str,
@@ -848,21 +884,22 @@ class SpareAgent(LocalElasticAgent):
         for rank, source in plan:
             if source != "remote":
                 device = self._freed.pop(rank, None)  # the rank ran here: its successor takes its device
-                if source == "local":
-                    proc = self._spares.pop(0)
-                    self._spare_exits = 0  # spares work here: the bound counts exits in a row
-                    if device is not None:  # the spare's own index goes to the next spare started
-                        proc.local_rank = device
-                else:  # a fresh process on a free device of this node: imports while the others wait
+                proc = self._claim_local(store, attempt, rank, device) if source == "local" else None
+                if proc is None and self._holders.get(rank) == self._node:
+                    # a fresh process on a free device of this node, imports while the others wait (planned,
+                    # or the local spares planned were claimed by other agents meanwhile)
                     device = self._free_device(worker_group) if device is None else device
-                    assert device is not None
-                    proc = self._start_spare(worker_group, device)
-                    fresh.append(rank)
-                protocol.claim_spare(store, self._keys, proc.slot, attempt, rank, proc.local_rank,
-                                     world_size=self._world, group_rank=self._groups[self._node])
-                self._workers[rank] = proc
-                assignments[rank] = (self._node, proc.slot)
-                continue
+                    if device is not None:
+                        proc = self._start_spare(worker_group, device)
+                        fresh.append(rank)
+                        protocol.claim_spare(store, self._keys, proc.slot, attempt, rank, proc.local_rank,
+                                             world_size=self._world, group_rank=self._groups[self._node])
+                if proc is not None:
+                    self._workers[rank] = proc
+                    assignments[rank] = (self._node, proc.slot)
+                    continue
+                if device is not None:  # none here after all: the device stays the rank's for a later pass
+                    self._freed[rank] = device
             while remote:  # a spare another node lists
                 node, slot, device = remote.pop(0)
                 if protocol.claim_spare(store, self._keys, slot, attempt, rank, device, world_size=self._world,
@@ -872,6 +909,22 @@ class SpareAgent(LocalElasticAgent):
             else:
                 missing.append(rank)
         return assignments, fresh, missing
+
+    def _claim_local(self, store, attempt: int, rank: int, device: int | None) -> _Process | None:
+        """Give ``rank`` a spare of this node (``device``: the index the rank's dead process held, which the
+        spare takes). Another node's agent may have claimed the spare for a lost node's rank since this
+        node's last pass (it is listed in the store): the spare then runs that rank here, as
+        :meth:`_adopt_claimed_spares` would have found, and the next one is tried. ``None``: none left."""
+        while self._spares:
+            proc = self._spares.pop(0)
+            index = proc.local_rank if device is None else device
+            if protocol.claim_spare(store, self._keys, proc.slot, attempt, rank, index, world_size=self._world,
+                                    group_rank=self._groups[self._node]):
+                self._spare_exits = 0  # spares work here: the bound counts exits in a row
+                proc.local_rank = index  # the spare's own index goes to the next spare started
+                return proc
+            self._workers[json.loads(store.get(self._keys.spare(proc.slot)))["rank"]] = proc
+        return None
 
     def _free_devices(self, worker_group: WorkerGroup) -> int:
         used = {p.local_rank for p in [*self._workers.values(), *self._spares]}

@@ -31,6 +31,7 @@ import math
 import os
 import sys
 import uuid
+from typing import NoReturn
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic import rendezvous
@@ -46,6 +47,11 @@ from moe_ft.launch.agent import Fenced, LaunchLogs, SpareAgent
 from moe_ft.persist.config import DurableConfig
 from moe_ft.replication.config import ReplicationConfig
 from moe_ft.snapshot.config import SnapshotConfig
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""The longest ``--reform-timeout``, ``--node-timeout``, ``--stop-timeout`` and ``--monitor-interval`` taken
+(a week): a longer one reaches torch as a ``timedelta`` or a store timeout at the first recovery, which
+overflows there (``1e14`` s did) long after the launch."""
 
 
 def build_parser():
@@ -72,20 +78,44 @@ def build_parser():
 
 
 def parse_args(argv: list[str] | None = None):
-    """torchrun's flags and ours; a bad value exits 2 with argparse's one-line error."""
+    """torchrun's flags and ours; a bad value exits 2 with one line naming the flag (argparse's ``error``
+    would print torchrun's whole usage, 25 lines, above it)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+
+    def refuse(message: str) -> NoReturn:
+        print(f"{parser.prog}: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(protocol.USAGE_EXIT_CODE)
+
     if args.spares_per_node < 0:
-        parser.error(f"--spares-per-node must be >= 0 (got {args.spares_per_node})")
+        refuse(f"--spares-per-node must be >= 0 (got {args.spares_per_node})")
     for flag, value in (("--reform-timeout", args.reform_timeout), ("--node-timeout", args.node_timeout),
-                        ("--stop-timeout", args.stop_timeout)):
-        if not (math.isfinite(value) and value > 0):  # nan compares false; inf overflows a timedelta later
-            parser.error(f"{flag} must be a finite number of seconds > 0 (got {value})")
+                        ("--stop-timeout", args.stop_timeout), ("--monitor-interval", args.monitor_interval)):
+        # nan compares false; inf, or a value past the cap, overflows a timedelta at the first recovery
+        if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+            refuse(f"{flag} must be a finite number of seconds > 0, at most {MAX_TIMEOUT_S:.0f} (a week) "
+                   f"(got {value})")
+    # torchrun's own checks of these raise (AssertionError, ValueError) with a traceback, after the parse
+    try:
+        min_nodes, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
+    except (ValueError, RuntimeError):
+        refuse(f"--nnodes must be N or MIN:MAX, whole numbers (got {args.nnodes!r})")
+    if not 0 < min_nodes <= max_nodes:
+        refuse(f"--nnodes MIN:MAX needs 0 < MIN <= MAX (got {args.nnodes})")
+    try:
+        nproc = torchrun.determine_local_world_size(args.nproc_per_node)
+    except ValueError as e:
+        nproc, why = 0, f": {e}"
+    else:
+        why = ""
+    if nproc <= 0:
+        refuse(f"--nproc-per-node must be a number of processes > 0, or cpu, gpu, xpu or auto (got "
+               f"{args.nproc_per_node!r}{why})")
     if args.max_restarts < 0:
-        parser.error(f"--max-restarts must be >= 0 (got {args.max_restarts})")
+        refuse(f"--max-restarts must be >= 0 (got {args.max_restarts})")
     if args.full_restart and args.spares_per_node:
-        parser.error("--spares-per-node needs in-process recovery: drop --full-restart (a full restart starts "
-                     "every worker again and uses no spare)")
+        refuse("--spares-per-node needs in-process recovery: drop --full-restart (a full restart starts "
+               "every worker again and uses no spare)")
     if args.spares_per_node and args.max_restarts == 0:  # a fault-free run may launch so: a note, not an error
         print(f"moe-ft launch: --spares-per-node {args.spares_per_node} with --max-restarts 0: a failure stops the "
               "job (each replacement counts as a restart), no spare will take a rank", file=sys.stderr, flush=True)
@@ -94,7 +124,7 @@ def parse_args(argv: list[str] | None = None):
     if args.master_port is None:
         args.master_port = 29500
     if args.preload and (args.no_python or args.module):
-        parser.error("--preload runs a Python script file; drop --no-python / -m")
+        refuse("--preload runs a Python script file; drop --no-python / -m")
     return args
 
 
@@ -139,10 +169,19 @@ def _logs(args) -> LaunchLogs:
                       line_prefix_template=getattr(args, "log_line_prefix_template", None))
 
 
+def _refused(message: str) -> int:
+    """A launcher flag refused after the parse: one line, argparse's exit code."""
+    print(f"moe-ft launch: error: {message}", file=sys.stderr, flush=True)
+    return protocol.USAGE_EXIT_CODE
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    config, cmd, cmd_args = torchrun.config_from_args(args)
+    try:  # torchrun's checks of its flags (parse_args refuses the common mistakes by name first)
+        config, cmd, cmd_args = torchrun.config_from_args(args)
+    except (ValueError, AssertionError) as e:
+        return _refused(f"{e or type(e).__name__}: check the flags against moe-ft launch --help")
     entrypoint, entry_args, start_method = cmd, list(cmd_args), config.start_method
     if args.preload:
         entrypoint, entry_args = run_script, [args.training_script, *args.training_script_args]
@@ -154,9 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     params = rendezvous.RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr, **config.rdzv_configs)
+    try:  # the backend reads its options from --rdzv-conf here, and raises on a value it cannot read
+        handler = rdzv_registry.get_rendezvous_handler(params)
+    except ValueError as e:
+        return _refused(f"{e} Fix --rdzv-conf (KEY=VALUE,...; timeouts in whole seconds), --rdzv-endpoint or "
+                        "--rdzv-backend")
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint, args=tuple(entry_args),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=config.max_restarts,
+        rdzv_handler=handler, max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval, master_addr=None, master_port=None, local_addr=config.local_addr)
     inprocess = not args.full_restart and (config.max_nodes == 1 or config.rdzv_backend == "c10d")
     if not inprocess and not args.full_restart:
@@ -176,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     shutdown_rdzv = True
     try:
         result = agent.run()
+        if result is None:  # torch elastic's graceful exit: the rendezvous closed before this node was needed
+            print("moe-ft launch: the job's rendezvous closed without this node (a node beyond --nnodes MAX kept "
+                  "in reserve, and the job ended): nothing to run", file=sys.stderr, flush=True)
+            return 0
         if result.is_failed() and not result.failures:  # ranks of a lost node, found by the heartbeat watch:
             # no worker of this node failed, and torch's error report needs one (it asserts)
             print("moe-ft launch: the job stopped: node(s) were lost and could not be recovered (the lines above "

@@ -9,7 +9,8 @@ elastic's agent store), under ``moe_ft/launch/<run id>/``:
                             recovery treats any attempt > 0 as a restart).
 ``decide/<a>``              the agent that decides attempt ``a`` (a lock taken with ``compare_set``: with
                             several nodes, two agents may see failures at once; one announces, the other
-                            looks again once the announcement is out).
+                            looks again once the announcement is out). An agent that announces nothing
+                            after all (nothing left to decide, or its decision raised) deletes it.
 ``attempt/<a>``             JSON written before the counter reaches ``a``: ``kind`` (``"job"``: every worker
                             started again; ``"inprocess"``: failed ranks given to spares; ``"fallback"``: the
                             survivors must exit so that the agents restart everyone, for ``reason``;
@@ -175,6 +176,15 @@ def lock_next(store, keys: Keys, by: str) -> int | None:
     attempt = current_attempt(store, keys) + 1
     got = store.compare_set(keys.decision(attempt), "", by)
     return attempt if got in (by, by.encode()) else None
+
+
+def release(store, keys: Keys, attempt: int) -> None:
+    """Agent holding :func:`lock_next`'s ``attempt`` that announces nothing (nothing left to decide, or its
+    decision failed on the way: fenced, a signal, a process that would not start): free the lock. A lock
+    kept with the attempt unannounced would stop every agent from announcing it, and so any later
+    in-process replacement, fallback and full restart of the job. Once ``attempt`` is announced the key is
+    stale whatever it holds (:func:`lock_next` takes the attempt after the counter)."""
+    store.delete_key(keys.decision(attempt))
 
 
 def claim_spare(store, keys: Keys, slot: str, attempt: int, rank: int, local_rank: int, *,

@@ -47,6 +47,7 @@ Recovery reads either kind through the same four calls (``newest``, ``load``, ``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -55,7 +56,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -435,6 +436,45 @@ def discard_survivor_points(store) -> None:
     """After a recovery: the points describe a state the job has left."""
     for it in store.points():
         store.delete_point(it)
+
+
+class AttemptStop:
+    """The SIGTERM handler of a process that may run several attempts (``moe-ft launch``), installed once
+    around all of them. :func:`run_guarded` takes SIGTERM over during an attempt and puts this one back when
+    the attempt ends, so no moment between two attempts (closing the failed one, waiting for the next,
+    parsing the flags again, building the next runtime) is left to the default action, which ended the
+    process (exit -15) without writing the state it held. Raises :class:`SurvivorStop` on the main thread,
+    except inside :meth:`deferred`, which runs to its end first."""
+
+    def __init__(self) -> None:
+        self._deferring = False
+        self._pending: int | None = None
+
+    def __call__(self, signum, frame) -> None:
+        if self._deferring:
+            self._pending = signum
+            return
+        raise SurvivorStop(signum)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[AttemptStop]:
+        previous = signal.signal(signal.SIGTERM, self)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A stop asked for inside the block raises once the block is done (closing a failed attempt: its
+        threads write in the node store, as the spill that follows a stop does)."""
+        self._deferring, self._pending = True, None
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._pending is not None:
+            raise SurvivorStop(self._pending)
 
 
 def run_guarded(train: Callable[[], object], guard_of: Callable[[], SurvivorGuard | None],

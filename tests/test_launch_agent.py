@@ -1,0 +1,205 @@
+"""``moe-ft launch``'s agent (``moe_ft/launch/agent.py``) in the moments where two of its paths meet: real
+``SpareAgent``\\ s with real (sleeping) processes on a real ``TCPStore``, each monitor pass or decision
+called in the order the race takes (no training, no rendezvous round)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+
+import pytest
+from torch.distributed.elastic.agent.server.api import WorkerState
+
+from moe_ft.launch import protocol
+from moe_ft.launch.agent import Fenced
+from tests._ft_helpers import wait_until
+from tests._launch_helpers import launch_store, place, sleeping_agent
+
+
+@pytest.fixture
+def store():
+    return launch_store()
+
+
+def test_a_decision_that_raises_releases_its_lock(store, tmp_path):
+    """Node 1's agent takes the lock of attempt 2 for its dead rank, then finds node 1 declared lost in
+    attempt 1 (fenced). The lock goes with it: node 0's agent can still announce attempt 2 for its own dead
+    rank (a fallback here, the one restart spent), where before it found the lock held on every pass and
+    the job could neither replace nor restart."""
+    a, group_a = sleeping_agent(store, tmp_path / "a", "lock", 1, spares_per_node=1)
+    b, group_b = sleeping_agent(store, tmp_path / "b", "lock", 1)
+    place([a, b], nodes=3)
+    keys = protocol.Keys("lock")
+    try:
+        a._workers = {0: a._start_one(group_a, name="rank0", rank=0, local_rank=0)}
+        b._workers = {1: b._start_one(group_b, name="rank1", rank=1, local_rank=0)}
+        a._fill_spares(group_a)
+        b._apply_announcements(group_b)  # node 1's pass starts: nothing announced yet
+        a._lost, a._dead = {1}, {1: time.time()}  # node 0's agent declares node 1 lost: its spare takes rank 1
+        assert a._decide(group_a) and protocol.current_attempt(store, keys) == 1
+        b._workers[1].context.close()  # node 1's rank died in the same pass
+        b._reap(1, time.time())
+        with pytest.raises(Fenced):
+            b._decide(group_b)
+        assert not store.check([keys.decision(2)])
+
+        a._workers[0].context.close()
+        a._reap(0, time.time())
+        assert not a._decide(group_a)
+        assert protocol.current_attempt(store, keys) == 2
+        assert protocol.announcement(store, keys, 2)["kind"] == "fallback"
+    finally:
+        a._close_all()
+        b._close_all()
+
+
+_RECORD_SIGNAL = r"""
+import signal, sys, time
+def record(signum, frame):
+    open(sys.argv[1], "w").write(signal.Signals(signum).name)
+    sys.exit(0)
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+    signal.signal(sig, record)
+open(sys.argv[2], "w").close()
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("received", [signal.SIGINT, signal.SIGHUP, signal.SIGQUIT], ids=lambda s: s.name)
+def test_the_workers_get_sigterm_whatever_signal_stopped_the_launcher(store, tmp_path, received):
+    """torch elastic's ``run`` shuts the agent down with the signal the launcher got; the workers keep their
+    state on SIGTERM only (``run_guarded``), so that is what they get (a real worker records it)."""
+    agent, group = sleeping_agent(store, tmp_path, "signal", 1)
+    place([agent], nodes=1)
+    got, ready = tmp_path / "got", tmp_path / "ready"
+    group.spec.entrypoint, group.spec.args = sys.executable, ("-c", _RECORD_SIGNAL, str(got), str(ready))
+    try:
+        proc = agent._start_one(group, name="rank0", rank=0, local_rank=0)
+        agent._workers = {0: proc}
+        wait_until(ready.exists, timeout=30, message="the worker's signal handlers")
+        agent._shutdown(received, timeout=10)
+        assert got.read_text() == "SIGTERM"
+        assert not proc.context.wait(0).is_failed()
+    finally:
+        agent._close_all()
+
+
+def test_a_node_whose_workers_finished_first_is_not_declared_lost(store, tmp_path):
+    """Node 0's worker exits 0 while node 1's still runs (its final flush, say): node 0's agent waits in the
+    exit barrier, node 1's keeps watching it for longer than ``--node-timeout``. Node 0 is not lost and its
+    finished rank goes to no spare; before, the barrier beat no more and node 1 handed rank 0 to its spare."""
+    a, group_a = sleeping_agent(store, tmp_path / "a", "done", 1, node_timeout_s=0.5)
+    b, group_b = sleeping_agent(store, tmp_path / "b", "done", 1, node_timeout_s=0.5, spares_per_node=1)
+    place([a, b], nodes=2)
+    group_a.spec.entrypoint, group_a.spec.args = sys.executable, ("-c", "pass")
+    keys = protocol.Keys("done")
+    barrier = None
+    try:
+        a._workers = {0: a._start_one(group_a, name="rank0", rank=0, local_rank=0)}
+        b._workers = {1: b._start_one(group_b, name="rank1", rank=1, local_rank=0)}
+        b._fill_spares(group_b)
+        assert wait_until(lambda: a._monitor_workers(group_a).state == WorkerState.SUCCEEDED, timeout=30)
+        barrier = threading.Thread(target=a._exit_barrier)
+        barrier.start()
+        watched = time.monotonic()
+        while time.monotonic() - watched < 2.0:  # four node timeouts of node 1's passes
+            assert b._monitor_workers(group_b).state == WorkerState.HEALTHY
+            time.sleep(0.1)
+        assert b._lost == set() and protocol.current_attempt(store, keys) == 0 and sorted(b._workers) == [1]
+        assert barrier.is_alive()  # node 1 has not finished: node 0 still waits for it
+        store.add(keys.exit(0), 1)  # node 1's workers finish
+        barrier.join(10)
+        assert not barrier.is_alive()
+    finally:
+        a._close_all()
+        b._close_all()
+
+
+def test_a_rank_that_died_while_another_node_shrank_the_job_is_replaced(store, tmp_path):
+    """``--nnodes 2:3``, no spares. Node 1's agent shrinks the job (node 2 lost); node 0's rank 0 died in the
+    same moment. Node 0's agent, deciding for it, takes in the shrink first: rank 0 stays dead under its new
+    number and gets a fresh process in the next attempt. Before, the shrink cleared every dead rank: rank 0
+    had no process and nobody replaced it."""
+    a, group_a = sleeping_agent(store, tmp_path / "a", "forget", 1, max_restarts=3, min_nodes=2, max_nodes=3)
+    b, group_b = sleeping_agent(store, tmp_path / "b", "forget", 1, max_restarts=3, min_nodes=2, max_nodes=3)
+    place([a, b], nodes=3)
+    keys = protocol.Keys("forget")
+    try:
+        a._workers = {0: a._start_one(group_a, name="rank0", rank=0, local_rank=0)}
+        b._workers = {1: b._start_one(group_b, name="rank1", rank=1, local_rank=0)}
+        a._apply_announcements(group_a)  # node 0's pass starts: nothing announced yet
+        b._lost, b._dead = {2}, {2: time.time()}
+        assert b._decide(group_b)
+        assert protocol.announcement(store, keys, 1)["resize"]["world_size"] == 2
+        a._workers[0].context.close()
+        a._reap(0, time.time())
+        assert a._decide(group_a)
+        info = protocol.announcement(store, keys, 2)
+        assert (info["kind"], info["failed"], info["holders"]) == ("inprocess", [0], {"0": 0})
+        assert sorted(a._workers) == [0] and a._workers[0].context.wait(0) is None and a._dead == {}
+        assert a._world == 2 and a._workers[0].local_rank == 0
+    finally:
+        a._close_all()
+        b._close_all()
+
+
+def test_no_shrink_drops_a_rank_running_on_another_nodes_former_spare(store, tmp_path):
+    """``--nnodes 1:3``, one rank per node. Node 2 was lost earlier and its rank 2 runs on node 0's former
+    spare; now node 1 is lost with no spare left. Dropping the lost nodes' places would drop rank 2, which
+    runs: the agent falls back to a full restart instead of shrinking. Before, it shrank to rank 0 alone and
+    rank 2's process ran on outside the job, its agent tracking it no more. A shrink announced anyway stops
+    any worker of this node that it drops."""
+    agent, group = sleeping_agent(store, tmp_path, "shrink", 1, max_restarts=3, min_nodes=1, max_nodes=3)
+    place([agent], nodes=3)
+    agent._node, agent._holders[2], agent._lost = 0, 0, {2}
+    keys = protocol.Keys("shrink")
+    try:
+        agent._workers = {0: agent._start_one(group, name="rank0", rank=0, local_rank=0),
+                          2: agent._start_one(group, name="rank2", rank=2, local_rank=1)}
+        rank2 = agent._workers[2]
+        agent._lost.add(1)
+        agent._dead = {1: time.time()}
+        assert not agent._can_shrink([1])
+        assert not agent._decide(group)
+        assert protocol.announcement(store, keys, 1)["kind"] == "fallback"
+        assert agent._workers[2] is rank2 and rank2.context.wait(0) is None
+
+        agent._apply_resize({"ranks": {"0": 0}, "world_size": 1, "nodes": {"0": 0}}, [1])
+        assert sorted(agent._workers) == [0] and rank2.context.wait(0) is not None
+    finally:
+        agent._close_all()
+        rank2.context.close()
+
+
+def test_a_spare_another_agent_claimed_first_runs_its_rank_and_the_dead_rank_gets_another(store, tmp_path):
+    """Node 1 lists one spare. Node 0's agent gives it lost node 2's rank 2; before node 1's agent has seen
+    that (its pass began just before the claim), its own rank 1 dies and it plans its spare for it. The
+    claim fails: the spare runs rank 2 here (as the claim says) and rank 1 gets a fresh process. Before, the
+    failed claim was ignored: node 1's agent believed the spare ran rank 1 and announced it so, while the
+    spare took rank 2."""
+    a, group_a = sleeping_agent(store, tmp_path / "a", "race", 1, max_restarts=3)
+    b, group_b = sleeping_agent(store, tmp_path / "b", "race", 1, max_restarts=3, spares_per_node=1)
+    place([a, b], nodes=3)
+    keys = protocol.Keys("race")
+    try:
+        a._workers = {0: a._start_one(group_a, name="rank0", rank=0, local_rank=0)}
+        b._workers = {1: b._start_one(group_b, name="rank1", rank=1, local_rank=0)}
+        b._fill_spares(group_b)
+        (spare,) = b._spares
+        b._apply_announcements(group_b)  # node 1's pass starts: nothing announced or claimed yet
+        b._adopt_claimed_spares(group_b)
+        a._lost, a._dead = {2}, {2: time.time()}
+        assert a._decide(group_a) and protocol.announcement(store, keys, 1)["holders"] == {"2": 1}
+        b._workers[1].context.close()  # node 1's rank dies in the same pass
+        b._reap(1, time.time())
+        assert b._decide(group_b)
+        info = protocol.announcement(store, keys, 2)
+        assert (info["failed"], info["holders"]) == ([1], {"1": 1})
+        assert b._workers[2] is spare and b._workers[1] is not spare and b._workers[1].local_rank == 0
+        assert json.loads(store.get(keys.spare(b._workers[1].slot)))["rank"] == 1
+    finally:
+        a._close_all()
+        b._close_all()
