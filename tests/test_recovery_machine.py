@@ -365,3 +365,35 @@ def test_fault_during_replay_then_restart_recovers_again(job):
     assert s.phase is Phase.DONE and s.replayed == [4, 5] and [c.iteration for c in steps.calls] == [4, 5]
     assert mismatches(job, job.ref[5]) == []
     assert_step_state(job, job.ref[5])
+
+
+def test_an_infinite_recorded_norm_zeroes_the_gradients_as_megatrons_clipping_did(job):
+    """Training without a loss scaler: finite gradients whose fp32 sum of squares overflows give a global norm
+    of inf. Megatron clips by ``max_norm / (inf + 1e-6) = 0`` and steps with zero gradients; the replay clips by
+    the recorded norm the same way (it skipped clipping for a norm that is not finite: the raw gradients)."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    from moe_ft.recovery.optim import leaf_optimizers
+
+    opt = job.state.optimizer
+    before = capture(job, math.nan).tensors
+
+    def start_step() -> None:  # the weights, moments and step counters as before, and huge finite gradients
+        with torch.no_grad():
+            for (op, name), t in before.items():
+                job.registry[op].tensors(Level.FULL)[name].copy_(t)
+            for model in job.state.model:
+                for p in model.parameters():
+                    p.main_grad.fill_(1.0e19)
+
+    start_step()
+    assert not opt.prepare_grads()
+    for leaf in leaf_optimizers(opt):  # what Megatron's step does with the norm it computed
+        assert leaf.config.clip_grad > 0.0
+        clip_grad_by_total_norm_fp32(leaf.get_parameters(), max_norm=leaf.config.clip_grad, total_norm=math.inf)
+    opt.step_with_ready_grads()
+    megatron = capture(job, math.inf)
+    assert mismatches(job, Reference(before, {}, [], torch.empty(0), {}, math.nan)) != []  # the step moved them
+    start_step()
+    RecordedStepOptimizer(opt, grad_norm=math.inf, found_inf=False, frozen_mains=[]).step()
+    assert mismatches(job, megatron) == []

@@ -19,7 +19,6 @@ found-inf, loss-scale update), ``clip_grad_by_total_norm_fp32`` with the given n
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import torch
@@ -102,7 +101,8 @@ class RecordedStepOptimizer:
         norm = self.grad_norm if self.use_recorded_norm else float(self.inner.get_grad_norm())
         for opt in leaf_optimizers(self.inner):
             params = [p for p in opt.get_parameters() if p.grad is not None] if opt.optimizer is not None else []
-            if params and opt.config.clip_grad > 0.0 and math.isfinite(norm):
+            # as Megatron's step: an infinite norm clips by 0 (every gradient zeroed), a NaN one leaves them
+            if params and opt.config.clip_grad > 0.0:
                 clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=norm,
                                              use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
         return self.inner.step_with_ready_grads(), norm, None
