@@ -81,6 +81,16 @@ class FTConfig(LoopExtension):
             raise ValueError("--ft with --moe-grouped-gemm and --use-distributed-optimizer: an expert's state would be "
                              "slices of a flat optimizer shard, which the snapshots do not capture; drop "
                              "--moe-grouped-gemm (SequentialMLP experts) or --use-distributed-optimizer")
+        cls = self.snapshot.policy_cls
+        if (self.ft and getattr(args.model, "moe_grouped_gemm", False)
+                and getattr(args.model, "transformer_impl", "local") == "local" and not cls.lossy
+                and not cls.dense_points):
+            raise ValueError(f"--ft-policy {self.snapshot.policy} replays a window with some experts frozen "
+                             "(MoEvement §3.3), but GroupedMLP (--moe-grouped-gemm with --transformer-impl local) "
+                             "keeps a layer's local experts in one weight with one Adam step counter: one expert "
+                             "cannot stay frozen while another steps, and the replay would not be exact; drop "
+                             "--moe-grouped-gemm (SequentialMLP), use --transformer-impl transformer_engine (a "
+                             "weight per expert), or --ft-policy dense")
         if self.ft and self.recovery.capacity_boost and getattr(args.model, "moe_expert_capacity_factor", None) is None:
             raise ValueError("--ft-capacity-boost gives stale experts more *capacity*: it needs token dropping, "
                              "set --moe-expert-capacity-factor (e.g. 1.0); without it no expert drops tokens "

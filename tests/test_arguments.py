@@ -205,3 +205,25 @@ def test_the_snapshot_copy_piece_flag_reaches_the_engine_config(data_prefix):
     assert (default.snapshot_copy_by, default.snapshot_copy_programs) == ("dma", 16)
     with pytest.raises((ArgumentError, ValueError), match="snapshot-copy-piece-mb"):
         parse_args([*flags, "--ft-snapshot-copy-piece-mb", "-1"], world_size=1, extra_groups=groups)
+
+
+@pytest.mark.parametrize("policy,impl,refused", [("sparse", "local", True), ("dense", "local", False),
+                                                 ("pec", "local", False), ("sparse", "transformer_engine", False)])
+def test_a_replaying_policy_refuses_grouped_mlp_experts(policy, impl, refused):
+    """GroupedMLP (``--moe-grouped-gemm`` with the local implementation, which needs the CUDA ``grouped_gemm``
+    package: checked here on the config alone) keeps a layer's local experts in one weight with one Adam step
+    counter: a sparse window's replay cannot keep one expert frozen while another steps, so it is refused with
+    one line; policies that do not replay frozen experts, and Transformer Engine's weight per expert, are not."""
+    from types import SimpleNamespace
+
+    from moe_ft.config import FTConfig
+
+    args = SimpleNamespace(model=SimpleNamespace(moe_grouped_gemm=True, transformer_impl=impl,
+                                                 moe_expert_capacity_factor=None),
+                           parallel=SimpleNamespace(use_distributed_optimizer=False, pipeline_model_parallel_size=1))
+    config = FTConfig.from_flags(ft=True, ft_policy=policy)
+    if refused:
+        with pytest.raises(ValueError, match="one expert cannot stay frozen while another steps.*drop --moe-grouped-gemm"):
+            config.check_args(args)
+    else:
+        config.check_args(args)
