@@ -79,7 +79,10 @@ class BackgroundWorker(Generic[T]):
     # -- worker thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
         if self._setup is not None:
-            self._setup()
+            try:
+                self._setup()
+            except BaseException as exc:  # every item is then skipped: the thread lives on to drain them
+                self._fail(exc)
         while True:
             item = self._queue.get()
             if item is _STOP:
@@ -89,11 +92,16 @@ class BackgroundWorker(Generic[T]):
                 if self.error is None and not self._discard:
                     self._handle(item)
             except BaseException as exc:  # kept, and raised on the training thread's next call
-                self.error = exc
-                logger.error("%s: %r", self.name, exc)
+                self._fail(exc)
+            try:
+                if self._after is not None:
+                    self._after(item, self.error)
+            except BaseException as exc:  # as a handling error: a thread that died here would leave every
+                self._fail(exc)  # later drain() waiting for items nobody takes
             finally:
-                try:
-                    if self._after is not None:
-                        self._after(item, self.error)
-                finally:
-                    self._queue.task_done()
+                self._queue.task_done()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        logger.error("%s: %r", self.name, exc)

@@ -80,3 +80,24 @@ def test_close_with_discard_finishes_the_item_in_hand_and_skips_the_queued_ones(
         time.sleep(0.01)
     assert seen == [0] and not w.alive and not w.has_pending()
     w.raise_if_failed()  # discarding is no error
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("where", ["setup", "after"])
+def test_an_error_in_setup_or_after_is_kept_and_the_thread_still_drains(where):
+    """An exception of ``setup`` or ``after`` is the worker's error as one of ``handle`` is: the thread lives on
+    to skip the queued items, so ``drain`` raises it instead of waiting for items nobody takes (the thread
+    died before, and the next drain never returned)."""
+    handled = []
+
+    def fail(*_):
+        raise OSError("no room")
+
+    w = _worker(handled.append, **({"setup": fail} if where == "setup" else {"after": fail}))
+    for i in range(3):
+        w.submit(i)
+    with pytest.raises(RuntimeError, match="worker failed: OSError"):
+        w.drain()
+    assert handled == ([] if where == "setup" else [0]) and w.alive
+    w.close(5)
+    assert not w.alive
