@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from moe_ft.placement.allocation import held_fault_threshold
 from moe_ft.placement.layers import ExpertPlacementConfig, plan_layer
 from moe_ft.placement.migration import map_nodes, transfer_schedule
 
@@ -67,7 +68,7 @@ def rederive_expert_parallel(world_size: int, *, tp: int, pp: int, ep: int, num_
                      f"of a pipeline stage in a world of {world_size}")
     elif ep * slots < num_experts:
         raise ValueError(f"{ep} EP ranks x {slots} slots cannot hold {num_experts} experts; raise --ft-expert-slots")
-    f = min(min_replicas, (new_ep * slots) // num_experts)
+    f = held_fault_threshold(min_replicas, num_nodes=new_ep, slots_per_node=slots, num_experts=num_experts)
     if f < min_replicas:
         notes.append(f"fault threshold f {min_replicas} -> {f}: {new_ep} EP ranks x {slots} slots = "
                      f"{new_ep * slots} replicas cannot give {num_experts} experts {min_replicas} each")
