@@ -38,6 +38,16 @@ def test_rederive_keeps_or_shrinks_expert_parallel_and_says_why():
         rederive_expert_parallel(2, tp=1, pp=1, ep=4, num_experts=8, slots=2)
 
 
+def test_the_no_expert_parallel_size_error_names_slots_that_fit():
+    """6 ranks, EP 4, 8 experts, 2 slots: the valid EP sizes divide 6 and 8 (2 and 1), so 2 EP ranks need 4
+    slots; ceil(8 / 6) = 2 was named, with which the restart failed again."""
+    with pytest.raises(ValueError, match=r"raise --ft-expert-slots to 4 \(expert-parallel size 2\)"):
+        rederive_expert_parallel(6, tp=1, pp=1, ep=4, num_experts=8, slots=2)
+    assert rederive_expert_parallel(6, tp=1, pp=1, ep=4, num_experts=8, slots=4).ep_size == 2
+    with pytest.raises(ValueError, match=r"raise --ft-expert-slots to 7 \(expert-parallel size 1\)"):
+        rederive_expert_parallel(6, tp=1, pp=1, ep=4, num_experts=7, slots=2)  # 7 experts: only EP 1 divides
+
+
 def test_shrink_keeps_every_expert_from_the_surviving_node_without_fetches():
     # node 0 survives: its EP ranks 0 and 1 held every expert of PREV between them, and the new EP ranks 0, 1
     # both read node 0's stores
