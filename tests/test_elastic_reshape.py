@@ -120,10 +120,10 @@ def test_elastic_config_adjusts_the_expert_parallel_size_for_the_new_world():
 
     from moe_ft.elastic.config import ElasticConfig
 
-    def args(world, global_batch=None):
+    def args(world, global_batch=None, tp=1, etp=None):
         return SimpleNamespace(world_size=world, model=SimpleNamespace(num_experts=4),
-                               parallel=SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                                        expert_model_parallel_size=4),
+                               parallel=SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+                                                        expert_model_parallel_size=4, expert_tensor_parallel_size=etp),
                                training=SimpleNamespace(global_batch_size=global_batch, micro_batch_size=2))
 
     cfg = ElasticConfig(ft_elastic=True, ft_expert_slots=2)
@@ -145,6 +145,13 @@ def test_elastic_config_adjusts_the_expert_parallel_size_for_the_new_world():
     assert "world size 3 -> 2" in notes[0] and "rank 2 wait as spares" in notes[0], notes
     four = args(4, global_batch=8)
     assert cfg.adjust_parallel(four) == [] and (four.world_size, cfg.launched_world) == (4, 4)
+    # the flexible dispatcher covers neither TP nor ETP: refused before the EP arithmetic, which counted TP
+    # ranks instead of ETP ones (TP 2 x ETP 1 x EP 4 on 4 ranks re-derived; TP 1 x ETP 2 kept an EP that Megatron
+    # refuses once EP x ETP no longer divides the world)
+    for tp, etp in ((2, 1), (1, 2), (2, None)):
+        with pytest.raises(ValueError, match=f"covers neither tensor nor expert tensor parallelism \\(got TP {tp}"):
+            cfg.adjust_parallel(args(4, tp=tp, etp=etp))
+    assert cfg.adjust_parallel(args(4, etp=1)) == []
 
 
 def test_the_usable_world_keeps_the_global_batch():

@@ -130,6 +130,14 @@ class ElasticConfig(LoopExtension):
             return []
 
         p, m, t = args.parallel, args.model, args.training
+        tp = p.tensor_model_parallel_size
+        etp = p.expert_tensor_parallel_size or tp
+        if (tp, etp) != (1, 1):
+            # the flexible dispatcher runs whole experts on one rank each (no TP, no ETP), and the EP arithmetic
+            # below counts a stage's ranks as EP candidates; refused here, before it re-derives a wrong EP size
+            raise ValueError(f"--ft-elastic re-plans whole experts on the flexible dispatcher, which covers neither "
+                             f"tensor nor expert tensor parallelism (got TP {tp}, ETP {etp}); drop "
+                             f"--tensor-model-parallel-size / --expert-tensor-parallel-size")
         ep = p.expert_model_parallel_size
         slots = self.ft_expert_slots if self.ft_expert_slots is not None else m.num_experts // ep
         sizes = dict(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, ep=ep,
