@@ -38,6 +38,16 @@ def test_rederive_keeps_or_shrinks_expert_parallel_and_says_why():
         rederive_expert_parallel(2, tp=1, pp=1, ep=4, num_experts=8, slots=2)
 
 
+def test_the_no_expert_parallel_size_error_names_slots_that_fit():
+    """6 ranks, EP 4, 8 experts, 2 slots: the valid EP sizes divide 6 and 8 (2 and 1), so 2 EP ranks need 4
+    slots; ceil(8 / 6) = 2 was named, with which the restart failed again."""
+    with pytest.raises(ValueError, match=r"raise --ft-expert-slots to 4 \(expert-parallel size 2\)"):
+        rederive_expert_parallel(6, tp=1, pp=1, ep=4, num_experts=8, slots=2)
+    assert rederive_expert_parallel(6, tp=1, pp=1, ep=4, num_experts=8, slots=4).ep_size == 2
+    with pytest.raises(ValueError, match=r"raise --ft-expert-slots to 7 \(expert-parallel size 1\)"):
+        rederive_expert_parallel(6, tp=1, pp=1, ep=4, num_experts=7, slots=2)  # 7 experts: only EP 1 divides
+
+
 def test_shrink_keeps_every_expert_from_the_surviving_node_without_fetches():
     # node 0 survives: its EP ranks 0 and 1 held every expert of PREV between them, and the new EP ranks 0, 1
     # both read node 0's stores
@@ -110,10 +120,10 @@ def test_elastic_config_adjusts_the_expert_parallel_size_for_the_new_world():
 
     from moe_ft.elastic.config import ElasticConfig
 
-    def args(world, global_batch=None):
+    def args(world, global_batch=None, tp=1, etp=None):
         return SimpleNamespace(world_size=world, model=SimpleNamespace(num_experts=4),
-                               parallel=SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                                        expert_model_parallel_size=4),
+                               parallel=SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+                                                        expert_model_parallel_size=4, expert_tensor_parallel_size=etp),
                                training=SimpleNamespace(global_batch_size=global_batch, micro_batch_size=2))
 
     cfg = ElasticConfig(ft_elastic=True, ft_expert_slots=2)
@@ -135,6 +145,13 @@ def test_elastic_config_adjusts_the_expert_parallel_size_for_the_new_world():
     assert "world size 3 -> 2" in notes[0] and "rank 2 wait as spares" in notes[0], notes
     four = args(4, global_batch=8)
     assert cfg.adjust_parallel(four) == [] and (four.world_size, cfg.launched_world) == (4, 4)
+    # the flexible dispatcher covers neither TP nor ETP: refused before the EP arithmetic, which counted TP
+    # ranks instead of ETP ones (TP 2 x ETP 1 x EP 4 on 4 ranks re-derived; TP 1 x ETP 2 kept an EP that Megatron
+    # refuses once EP x ETP no longer divides the world)
+    for tp, etp in ((2, 1), (1, 2), (2, None)):
+        with pytest.raises(ValueError, match=f"covers neither tensor nor expert tensor parallelism \\(got TP {tp}"):
+            cfg.adjust_parallel(args(4, tp=tp, etp=etp))
+    assert cfg.adjust_parallel(args(4, etp=1)) == []
 
 
 def test_the_usable_world_keeps_the_global_batch():

@@ -4,16 +4,22 @@
 * the policies' dense point (``start_dense``): the snapshot of the rebalance iteration holds every operator
   FULL and is a window by itself; the window it interrupts is never a recovery point; the next window has
   the configured length; retention recognises the dense window;
-* flag validation.
+* flag validation;
+* the fault threshold the rebalance plans with (the world's, as the restart that built it).
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 from test_policy_common import make_catalog, make_popularity
 
 from moe_ft.elastic.config import ElasticConfig
 from moe_ft.elastic.live import canonical_mlps
+from moe_ft.elastic.rebalance import plan_rebalance
+from moe_ft.elastic.rebalance_component import LiveRebalance
 from moe_ft.policy import DenseConfig, DensePolicy, SparseConfig, SparsePolicy
 from moe_ft.policy.sparse import without_abandoned
 from moe_ft.state.operators import Level
@@ -101,3 +107,24 @@ def test_rebalance_refuses_policies_without_a_dense_point(policy, recompute):
     cfg = ElasticConfig(ft_elastic=True, ft_rebalance_interval=4, ft_expert_replicas=["1", "1", "1", "1"])
     with pytest.raises(ValueError, match=f"--ft-policy {policy} cannot take"):
         cfg.check_args(args)
+
+
+def _rebalance_on(plan: list[list[int]], fault_threshold: int) -> LiveRebalance:
+    """A ``LiveRebalance`` over one elastic MoE layer serving ``plan`` (``R[e][j]``); nothing else is used."""
+    layer = SimpleNamespace(layer_number=1, mlp=SimpleNamespace(replicas=torch.tensor(plan)))
+    model = [SimpleNamespace(decoder=SimpleNamespace(layers=[layer]))]
+    elastic = ElasticConfig(ft_elastic=True, ft_rebalance_interval=4, ft_fault_threshold=fault_threshold)
+    return LiveRebalance(elastic, SimpleNamespace(state=SimpleNamespace(model=model)), recorder=None)
+
+
+def test_rebalance_after_a_shrink_plans_with_the_fault_threshold_the_world_holds():
+    """Launched on 4 EP ranks x 2 slots with f = 2, shrunk to 2 EP ranks: 4 slots give 4 experts one copy
+    each, so the restart re-planned with f = 1; the rebalance must too (eq. 1 with f = 2 raised and stopped
+    the run at the first rebalance), and plan with the flag's f again once the world holds it."""
+    shrunk = [[1, 0], [1, 0], [0, 1], [0, 1]]
+    live = _rebalance_on(shrunk, fault_threshold=2)
+    assert live.placement.min_replicas == 1 and live.placement.slots_per_node == 2
+    out = plan_rebalance({0: shrunk}, {0: [5.0, 50.0, 30.0, 40.0]}, config=live.placement)
+    assert [sum(row) for row in out.new[0]] == [1, 1, 1, 1]
+    grown = [[1, 0, 1, 0], [1, 0, 0, 1], [0, 1, 1, 0], [0, 1, 0, 1]]
+    assert _rebalance_on(grown, fault_threshold=2).placement.min_replicas == 2

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron.training.extensions import LoopExtension
 from moe_ft.megatron_ext.dispatch.arithmetic import BACKENDS, FLEXIBLE
+from moe_ft.placement.allocation import held_fault_threshold
 from moe_ft.placement.layers import STRATEGIES, ExpertPlacementConfig, place, plan_layer
 from moe_ft.placement.loads import MeasuredLoads, read_trace_loads
 from moe_ft.placement.plans import plan_counts, validate_plan
@@ -43,7 +44,8 @@ class ElasticConfig(LoopExtension):
     """``c``: replicas one EP rank holds; with several slots of one expert a rank takes a larger share."""
     ft_fault_threshold: int = field(default=1, metadata=field_help(
         "Minimum replicas per expert for 'auto' (Lazarus f): any f-1 failed EP ranks are survivable."))
-    """``f`` of eq. 1; only used by ``auto``."""
+    """``f`` of eq. 1: used by ``auto`` and, with ``--ft-elastic``, by every re-plan (restart, fallback, in-run
+    rebalance), lowered to what that world's slots hold."""
     ft_expert_loads: list[float] | None = field(default=None, metadata=field_help(
         "Expected tokens per expert for 'auto' (default: uniform)."))
     """Popularity fed to eq. 1; one non-negative number per expert, the same for every MoE layer."""
@@ -128,6 +130,14 @@ class ElasticConfig(LoopExtension):
             return []
 
         p, m, t = args.parallel, args.model, args.training
+        tp = p.tensor_model_parallel_size
+        etp = p.expert_tensor_parallel_size or tp
+        if (tp, etp) != (1, 1):
+            # the flexible dispatcher runs whole experts on one rank each (no TP, no ETP), and the EP arithmetic
+            # below counts a stage's ranks as EP candidates; refused here, before it re-derives a wrong EP size
+            raise ValueError(f"--ft-elastic re-plans whole experts on the flexible dispatcher, which covers neither "
+                             f"tensor nor expert tensor parallelism (got TP {tp}, ETP {etp}); drop "
+                             f"--tensor-model-parallel-size / --expert-tensor-parallel-size")
         ep = p.expert_model_parallel_size
         slots = self.ft_expert_slots if self.ft_expert_slots is not None else m.num_experts // ep
         sizes = dict(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, ep=ep,
@@ -228,8 +238,8 @@ class ElasticConfig(LoopExtension):
                 loads = self.ft_expert_loads if self.ft_expert_loads is not None else [1.0] * num_experts
             if len(loads) != num_experts:
                 raise ValueError(f"--ft-expert-loads has {len(loads)} values for {num_experts} experts")
-            config = ExpertPlacementConfig(slots_per_node=slots, min_replicas=self.ft_fault_threshold,
-                                     strategy=self.ft_placement)
+            config = ExpertPlacementConfig(slots_per_node=slots, min_replicas=self._fault_threshold(
+                num_experts, ep_size, slots), strategy=self.ft_placement)
             plan = plan_layer(loads, ep_size, config).plan
         else:
             counts = [int(x) for x in self.ft_expert_replicas]
@@ -239,13 +249,24 @@ class ElasticConfig(LoopExtension):
             if sum(counts) != ep_size * slots and fallback is not None and fallback.kind == "fallback":
                 # the counts were the launched world's; eq. 1 re-allocates the slots of this one (Lazarus §4.1)
                 loads = fallback.previous.loads.get(layer_idx, [float(c) for c in counts])
-                config = ExpertPlacementConfig(slots_per_node=slots, min_replicas=1, strategy=self.ft_placement)
+                config = ExpertPlacementConfig(slots_per_node=slots, min_replicas=self._fault_threshold(
+                    num_experts, ep_size, slots), strategy=self.ft_placement)
                 return replica_map_from_plan(plan_layer(loads, ep_size, config).plan, num_experts)
             if sum(counts) != ep_size * slots:
                 raise ValueError(f"--ft-expert-replicas sums to {sum(counts)} but EP size {ep_size} x "
                                  f"--ft-expert-slots {slots} = {ep_size * slots} slots; make them agree")
             plan = place(counts, ep_size, ExpertPlacementConfig(slots_per_node=slots, strategy=self.ft_placement))
         return replica_map_from_plan(plan, num_experts)
+
+    def _fault_threshold(self, num_experts: int, ep_size: int, slots: int) -> int:
+        """``f`` of this world's eq. 1: with ``--ft-elastic`` the flag's lowered to what ``ep_size`` x ``slots``
+        hold, as ``adjust_parallel`` announced and a reshape re-plans (the fallback of a shrunken world would
+        otherwise die in eq. 1, or re-allocate with fewer copies than the world holds); else the flag's (an
+        impossible one is eq. 1's error)."""
+        if not self.ft_elastic:
+            return self.ft_fault_threshold
+        return held_fault_threshold(self.ft_fault_threshold, num_nodes=ep_size, slots_per_node=slots,
+                                    num_experts=num_experts)
 
     def _decide(self, num_experts: int, ep_size: int, slots: int, first_layer: int | None):
         # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)

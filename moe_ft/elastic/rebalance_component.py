@@ -31,6 +31,7 @@ from pathlib import Path
 from moe_ft import comm
 from moe_ft.elastic.live import apply_rebalance, current_plans, elastic_layers
 from moe_ft.elastic.rebalance import plan_rebalance
+from moe_ft.placement.allocation import held_fault_threshold
 from moe_ft.placement.layers import ExpertPlacementConfig
 from moe_ft.runtime.components import Component
 from moe_ft.state.registry import OperatorRegistry
@@ -53,8 +54,11 @@ class LiveRebalance(Component):
         self.layers = elastic_layers(runtime.state.model)
         first = next(iter(current_plans(self.layers).values()))
         slots = sum(row[0] for row in first)  # every EP rank has the same number of slots
-        self.placement = ExpertPlacementConfig(slots_per_node=slots, min_replicas=elastic.ft_fault_threshold,
-                                         strategy=elastic.ft_placement)
+        # after a shrink the restart planned with f lowered to what this world holds (reshape.py); eq. 1 with
+        # the flag's f would refuse every rebalance here, and after a grow the flag's f fits again
+        f = held_fault_threshold(elastic.ft_fault_threshold, num_nodes=len(first[0]), slots_per_node=slots,
+                                 num_experts=len(first))
+        self.placement = ExpertPlacementConfig(slots_per_node=slots, min_replicas=f, strategy=elastic.ft_placement)
         self.pending: tuple[int, dict] | None = None
         """``(iteration, new plans)`` moved but not yet in the layout record (until its dense point is out)."""
         self.history: list[dict] = []

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from moe_ft.placement.allocation import held_fault_threshold
 from moe_ft.placement.layers import ExpertPlacementConfig, plan_layer
 from moe_ft.placement.migration import map_nodes, transfer_schedule
 
@@ -59,15 +60,18 @@ def rederive_expert_parallel(world_size: int, *, tp: int, pp: int, ep: int, num_
         fits = [d for d in range(min(ep, stage_ranks), 0, -1)
                 if stage_ranks % d == 0 and num_experts % d == 0 and d * slots >= num_experts]
         if not fits:
+            # the slots that make the largest valid EP size fit: it must divide the stage's ranks and E too
+            # (ceil(E / stage ranks) alone names slot counts no valid EP size can use)
+            widest = max(d for d in range(1, min(ep, stage_ranks) + 1) if stage_ranks % d == 0 and num_experts % d == 0)
             raise ValueError(f"no expert-parallel size <= {ep} divides the {stage_ranks} ranks of a stage and holds "
                              f"{num_experts} experts in {slots} slots per rank; raise --ft-expert-slots to "
-                             f"{-(-num_experts // max(1, stage_ranks))} or restart on more nodes")
+                             f"{num_experts // widest} (expert-parallel size {widest}) or restart on more nodes")
         new_ep = fits[0]
         notes.append(f"expert-model-parallel-size {ep} -> {new_ep}: {ep} does not divide the {stage_ranks} ranks "
                      f"of a pipeline stage in a world of {world_size}")
     elif ep * slots < num_experts:
         raise ValueError(f"{ep} EP ranks x {slots} slots cannot hold {num_experts} experts; raise --ft-expert-slots")
-    f = min(min_replicas, (new_ep * slots) // num_experts)
+    f = held_fault_threshold(min_replicas, num_nodes=new_ep, slots_per_node=slots, num_experts=num_experts)
     if f < min_replicas:
         notes.append(f"fault threshold f {min_replicas} -> {f}: {new_ep} EP ranks x {slots} slots = "
                      f"{new_ep * slots} replicas cannot give {num_experts} experts {min_replicas} each")

@@ -17,6 +17,14 @@ from fractions import Fraction
 from typing import Sequence
 
 
+def held_fault_threshold(min_replicas: int, *, num_nodes: int, slots_per_node: int, num_experts: int) -> int:
+    """The ``f`` eq. 1 can keep on ``num_nodes`` x ``slots_per_node`` slots: ``min_replicas`` (the flag), lowered
+    to ``N x c // E`` when the slots cannot give every expert that many (a shrunken world, Lazarus §4.3), never
+    below 1 (a world without a slot per expert is :func:`allocate_replicas`'s error). Every planner of an
+    elastic job (restart, fallback, in-run rebalance) takes this one value, so they agree on the world."""
+    return max(1, min(min_replicas, num_nodes * slots_per_node // max(1, num_experts)))
+
+
 def allocate_replicas(
     loads: Sequence[float], *, num_nodes: int, slots_per_node: int, min_replicas: int
 ) -> list[int]:
