@@ -43,7 +43,8 @@ class ElasticConfig(LoopExtension):
         "Replica slots per EP rank (Lazarus c; default num_experts / EP size)."))
     """``c``: replicas one EP rank holds; with several slots of one expert a rank takes a larger share."""
     ft_fault_threshold: int = field(default=1, metadata=field_help(
-        "Minimum replicas per expert for 'auto' (Lazarus f): any f-1 failed EP ranks are survivable."))
+        "Minimum replicas per expert (Lazarus f) for 'auto' and, with --ft-elastic, every re-plan (lowered to "
+        "what a smaller world holds): any f-1 failed EP ranks are survivable."))
     """``f`` of eq. 1: used by ``auto`` and, with ``--ft-elastic``, by every re-plan (restart, fallback, in-run
     rebalance), lowered to what that world's slots hold."""
     ft_expert_loads: list[float] | None = field(default=None, metadata=field_help(
