@@ -180,3 +180,39 @@ def test_pec_incremental_k_persist(tmp_path):
     got = tier.store(0).load(3, e1, Level.FULL)
     assert torch.equal(got["w"], _tensors(0, 3, e1)["w"])
     writer.close()
+
+
+class _InterleavedTier(DurableTier):
+    """Rank 0's view of the tier (its own process): ``between`` runs once, right after the retention pass
+    listed the complete points — another node's writer acting in that window."""
+
+    between = None
+
+    def complete_points(self):
+        ends = super().complete_points()
+        if self.between is not None:
+            between, self.between = self.between, None
+            between()
+        return ends
+
+
+def test_retention_tolerates_markers_dropped_by_another_rank(tmp_path):
+    stores, _, config = _setup(tmp_path, keep=2)
+    tiers = [_InterleavedTier(tmp_path / "durable", "j", 2), DurableTier(tmp_path / "durable", "j", 2)]
+    rule = DenseRule(operators=frozenset(OPS))
+    writers = [PersistWriter(s, tiers[r], rule, rank=r, **config) for r, s in enumerate(stores)]
+    for it in range(6):
+        for r, s in enumerate(stores):
+            _write(s, r, it, {op: Level.FULL for op in OPS})
+    for end in (1, 3):
+        for w in writers:
+            w.persist(end)
+    # rank 0's gc lists [1, 3]; rank 1 then completes 5 and its gc drops complete/1 before rank 0 reads it
+    tiers[0].between = lambda: writers[1].persist(5)
+    record = writers[0].persist(5)
+    assert not record.complete and tiers[1].complete_points() == [3, 5]
+    writers[0].persist(5)  # the next pass settles rank 0 on the kept points
+    for r in range(2):
+        assert tiers[r].store(r).points() == [3, 5] and not tiers[r].store(r).verify().problems
+    for w in writers:
+        w.close()

@@ -12,6 +12,10 @@ A point is *complete* only when ``complete/<end>.json`` exists; the rank that fi
 ``done`` marker writes it (write to a temporary file, fsync, rename — atomic, idempotent). Retention keeps
 the newest ``keep`` complete points and whatever a newer, still incomplete point uses; it never deletes
 the newest complete point.
+
+Ranks (on different nodes) run their retention passes concurrently, and any of them may drop old
+``complete`` markers: every read of a marker tolerates the marker vanishing between the listing and the
+read (a vanished point is simply no longer kept).
 """
 
 from __future__ import annotations
@@ -88,10 +92,10 @@ class DurableTier:
         _atomic_write(self._done(rank, point.end), point_to_json(point))
         parts = {}
         for r in range(self.world_size):
-            path = self._done(r, point.end)
-            if not path.exists():
+            try:  # rank r's retention drops its markers of superseded points at any time
+                parts[str(r)] = json.loads(self._done(r, point.end).read_text())
+            except FileNotFoundError:
                 return False
-            parts[str(r)] = json.loads(path.read_text())
         _atomic_write(self.directory / "complete" / f"{point.end:012d}.json", {"end": point.end, "parts": parts})
         return True
 
@@ -106,15 +110,30 @@ class DurableTier:
         data = json.loads((self.directory / "complete" / f"{end:012d}.json").read_text())
         return CompletePoint(end, {int(r): point_from_json(p) for r, p in data["parts"].items()})
 
+    def _complete_or_none(self, end: int) -> CompletePoint | None:
+        """The complete point ending at ``end``, or ``None`` if another rank's retention just dropped it."""
+        try:
+            return self.complete(end)
+        except FileNotFoundError:
+            return None
+
     def newest_complete(self) -> CompletePoint | None:
-        ends = self.complete_points()
-        return self.complete(ends[-1]) if ends else None
+        for end in reversed(self.complete_points()):
+            if (point := self._complete_or_none(end)) is not None:
+                return point
+        return None
 
     def done_points(self, rank: int) -> list[int]:
         folder = self.directory / f"rank{rank}" / "done"
         if not folder.is_dir():
             return []
         return sorted(int(p.stem) for p in folder.iterdir() if p.suffix == ".json" and not p.name.startswith("."))
+
+    def _done_part(self, rank: int, end: int) -> RecoveryPoint | None:
+        try:  # this rank's in-process writer and the runtime's discard_after may both drop its markers
+            return point_from_json(json.loads(self._done(rank, end).read_text()))
+        except FileNotFoundError:
+            return None
 
     def gc(self, rank: int, keep: int) -> list[int]:
         """Delete ``rank``'s durable entries no kept point needs: the newest ``keep`` (>= 1) complete points
@@ -126,10 +145,14 @@ class DurableTier:
         newest = kept_ends[-1]
         needed: set[int] = set()
         for end in kept_ends:
-            needed.update(self.complete(end).parts[rank].iterations)
+            # a marker another rank dropped meanwhile is not kept: that rank saw newer complete points, whose
+            # entries this rank's own done markers (newer than ``newest``, below) keep
+            if (point := self._complete_or_none(end)) is not None:
+                needed.update(point.parts[rank].iterations)
         for end in self.done_points(rank):
             if end > newest:  # in flight on other ranks
-                needed.update(point_from_json(json.loads(self._done(rank, end).read_text())).iterations)
+                if (part := self._done_part(rank, end)) is not None:
+                    needed.update(part.iterations)
             elif end not in kept_ends:
                 self._done(rank, end).unlink(missing_ok=True)
         store = self.store(rank)
@@ -147,7 +170,8 @@ class DurableTier:
         the deleted iterations."""
         needed: set[int] = set()
         for end in self.complete_points():
-            needed.update(self.complete(end).parts[rank].iterations)
+            if (point := self._complete_or_none(end)) is not None:
+                needed.update(point.parts[rank].iterations)
         for end in self.done_points(rank):
             if end > iteration and end not in self.complete_points():
                 self._done(rank, end).unlink(missing_ok=True)
