@@ -1,5 +1,6 @@
 """Durable tier (MoC §5.1): completeness across ranks, retention, verification, sparse windows."""
 
+import json
 
 import pytest
 import torch
@@ -214,5 +215,46 @@ def test_retention_tolerates_markers_dropped_by_another_rank(tmp_path):
     writers[0].persist(5)  # the next pass settles rank 0 on the kept points
     for r in range(2):
         assert tiers[r].store(r).points() == [3, 5] and not tiers[r].store(r).verify().problems
+    for w in writers:
+        w.close()
+
+
+def test_point_of_another_world_size_is_not_complete(tmp_path, caplog):
+    """A job relaunched on 3 ranks finds the 2-rank job's complete point: not its own (its state is split
+    differently), reported once; its flushes work, and its own first complete point supersedes it."""
+    stores, tier2, config = _setup(tmp_path)
+    rule = DenseRule(operators=frozenset(OPS))
+    for it in range(2):
+        for r, s in enumerate(stores):
+            _write(s, r, it, {op: Level.FULL for op in OPS})
+    for r, s in enumerate(stores):
+        PersistWriter(s, tier2, rule, rank=r, **config).persist(1)
+    assert tier2.complete_points() == [1]
+    stores3 = [StoreConfig(root=str(tmp_path / "shm3"), job_id="j", rank=r).build() for r in range(3)]
+    tier3 = DurableTier(tmp_path / "durable", "j", 3)
+    writers = [PersistWriter(s, tier3, rule, rank=r, **config) for r, s in enumerate(stores3)]
+    for it in range(4):
+        for r, s in enumerate(stores3):
+            _write(s, r, it, {op: Level.FULL for op in OPS})
+    with caplog.at_level("WARNING", logger="moe_ft.persist"):
+        assert writers[2].persist(3).complete is False  # rank 2's retention: no KeyError on the old point
+        assert tier3.complete_points() == [] and tier3.newest_complete() is None
+        assert tier3.complete_points() == []
+    assert [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()] == [
+        f"moe-ft durable tier: ignoring the complete point ending at 1 in {tier3.directory}: written by 2 ranks, "
+        "this job has 3"]
+    # rank 1's done marker of the old world does not complete the new world's point 1
+    writers[2].persist(1)
+    assert writers[0].persist(1).complete is False and tier3.complete_points() == []
+    assert writers[0].persist(3).complete is False and writers[1].persist(3).complete is True
+    assert tier3.complete_points() == [3] and tier3.newest_complete().world_size == 3
+    writers[0].persist(3)  # retention drops the older, other-world marker
+    assert tier3.recorded_points() == [3] and tier2.complete_points() == []
+    # a marker written before the world size was recorded counts for the world its parts cover exactly
+    marker = tier3.directory / "complete" / f"{3:012d}.json"
+    data = json.loads(marker.read_text())
+    del data["world_size"]
+    marker.write_text(json.dumps(data))
+    assert tier3.complete_points() == [3] and tier2.complete_points() == []
     for w in writers:
         w.close()
