@@ -1,10 +1,13 @@
 """Durable tier (MoC §5.1): completeness across ranks, retention, verification, sparse windows."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from _ft_helpers import damage_blob
+from _ft_helpers import ROOT, damage_blob
 
 from moe_ft.persist import DurableTier, PersistWriter
 from moe_ft.persist.config import DurableConfig
@@ -258,3 +261,27 @@ def test_point_of_another_world_size_is_not_complete(tmp_path, caplog):
     assert tier3.complete_points() == [3] and tier2.complete_points() == []
     for w in writers:
         w.close()
+
+
+def test_staging_of_a_writer_killed_mid_copy_is_swept(tmp_path):
+    """A writer process that dies mid-copy leaves the point's staging in the durable tier: the next writer
+    of that rank sweeps it when it starts and after every flush."""
+    tier = DurableTier(tmp_path / "durable", "j", 1)
+    dead = ("import os, sys\nfrom moe_ft.persist import DurableTier\n"
+            "w = DurableTier(sys.argv[1], 'j', 1).store(0).backend.begin_point(1)\n"
+            "sink = w.open_blob('dense.L0.full.ent'); sink.write(b'x' * 100); sink.close()\n"
+            "os._exit(0)\n")  # no commit, no abort: as if SIGKILLed
+    subprocess.run([sys.executable, "-c", dead, str(tmp_path / "durable")], check=True, cwd=ROOT, timeout=60,
+                   env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert [(s.iteration, s.live) for s in tier.store(0).staging()] == [(1, False)]
+    stores, _, config = _setup(tmp_path, world=1)
+    writer = PersistWriter(stores[0], tier, DenseRule(operators=frozenset(OPS)), rank=0, **config)
+    assert tier.store(0).staging() == []
+    dead_again = dead.replace("begin_point(1)", "begin_point(3)")
+    subprocess.run([sys.executable, "-c", dead_again, str(tmp_path / "durable")], check=True, cwd=ROOT,
+                   timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    for it in range(2):
+        _write(stores[0], 0, it, {op: Level.FULL for op in OPS})
+    assert writer.persist(1).complete
+    assert tier.store(0).staging() == [] and tier.store(0).points() == [1]
+    writer.close()

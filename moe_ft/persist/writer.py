@@ -38,6 +38,10 @@ class PersistWriter:
         self.interval, self.keep, self.publish_timeout = interval, keep, publish_timeout
         self.store, self.tier, self.rule, self.rank = store, tier, rule, rank
         self.durable = tier.store(rank)
+        # the durable store keeps no retention of its own (the tier's markers decide), so nothing else ever
+        # removes a point's staging left by a writer killed mid-copy: swept when a writer starts and after
+        # every flush (staging of a live writer stays)
+        self.durable.backend.sweep_staging()
         self.records: list[PersistRecord] = []
         self.skipped: list[tuple[int, str]] = []
         self._worker: BackgroundWorker[tuple[int, Mapping[OperatorId, Level] | None]] = BackgroundWorker(
@@ -106,6 +110,7 @@ class PersistWriter:
     def _finish(self, point: RecoveryPoint, nbytes: int, start: float) -> PersistRecord:
         complete = self.tier.mark_done(self.rank, point)
         self.tier.gc(self.rank, self.keep)
+        self.durable.backend.sweep_staging()
         record = PersistRecord(point.end, nbytes, time.perf_counter() - start, complete)
         self.records.append(record)
         return record
