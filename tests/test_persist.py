@@ -244,7 +244,7 @@ def test_point_of_another_world_size_is_not_complete(tmp_path, caplog):
         assert tier3.complete_points() == [] and tier3.newest_complete() is None
         assert tier3.complete_points() == []
     assert [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()] == [
-        f"moe-ft durable tier: ignoring the complete point ending at 1 in {tier3.directory}: written by 2 ranks, "
+        f"moe-ft durable tier: ignoring the complete point ending at 1: in {tier3.directory}, written by 2 ranks, "
         "this job has 3"]
     # rank 1's done marker of the old world does not complete the new world's point 1
     writers[2].persist(1)
@@ -284,4 +284,30 @@ def test_staging_of_a_writer_killed_mid_copy_is_swept(tmp_path):
         _write(stores[0], 0, it, {op: Level.FULL for op in OPS})
     assert writer.persist(1).complete
     assert tier.store(0).staging() == [] and tier.store(0).points() == [1]
+    writer.close()
+
+
+def test_stray_and_damaged_files_in_complete_are_ignored(tmp_path, caplog):
+    stores, tier, config = _setup(tmp_path, world=1)
+    writer = PersistWriter(stores[0], tier, DenseRule(operators=frozenset(OPS)), rank=0, **config)
+    for it in range(4):
+        _write(stores[0], 0, it, {op: Level.FULL for op in OPS})
+    writer.persist(1)
+    writer.persist(3)
+    folder = tier.directory / "complete"
+    (folder / "README.json").write_text("{}")
+    (folder / "notes").mkdir()
+    (folder / f"{3:012d}.json").write_text('{"end": 3, "par')  # damaged after its atomic write
+    (tier.directory / "rank0" / "done" / "README.json").write_text("{}")
+    with caplog.at_level("WARNING", logger="moe_ft.persist"):
+        assert tier.complete_points() == [1] and tier.newest_complete().end == 1
+        assert tier.done_points(0) == [1, 3]
+        assert tier.complete_points() == [1]
+    assert len([r for r in caplog.records if "ending at 3: unreadable marker" in r.getMessage()]) == 1
+    # a complete/ that cannot be listed: one line naming it, not a raw traceback from int()
+    other = DurableTier(tmp_path / "other", "j", 1)
+    other.directory.mkdir(parents=True)
+    (other.directory / "complete").write_text("not a directory")
+    with pytest.raises(RuntimeError, match=f"cannot list {other.directory / 'complete'}: "):
+        other.complete_points()
     writer.close()

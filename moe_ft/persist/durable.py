@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,19 @@ from moe_ft.store import LocalFSBackend, SnapshotStore
 from moe_ft.store.rules import EntryRef, RecoveryPoint
 
 log = logging.getLogger("moe_ft.persist")
+_MARKER = re.compile(r"\d{12}\.json")
+"""A marker's name; anything else in ``complete/`` or ``done/`` (a README, an editor's backup) is not ours."""
+
+
+def _marker_ends(folder: Path) -> list[int]:
+    """Ends of the markers in ``folder``, ascending; a folder that cannot be listed is one clear error."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise RuntimeError(f"moe-ft durable tier: cannot list {folder}: {e.strerror or e}") from None
+    return sorted(int(n[:-5]) for n in names if _MARKER.fullmatch(n))
 
 
 def _atomic_write(path: Path, data: dict) -> None:
@@ -125,16 +139,25 @@ class DurableTier:
     def _markers(self) -> list[tuple[int, int | None]]:
         """``(end, world size)`` of every complete marker, of any world size, ascending."""
         folder = self.directory / "complete"
-        if not folder.is_dir():
-            return []
         out = []
-        for end in sorted(int(p.stem) for p in folder.iterdir() if p.suffix == ".json" and not p.name.startswith(".")):
+        for end in _marker_ends(folder):
             try:
                 data = json.loads((folder / f"{end:012d}.json").read_text())
             except FileNotFoundError:  # dropped by another rank's retention since the listing
                 continue
+            except (OSError, ValueError) as e:  # markers are written atomically: this one was damaged since
+                self._report(end, f"unreadable marker {folder / f'{end:012d}.json'} ({e})")
+                continue
+            if not isinstance(data, dict) or not isinstance(data.get("parts"), dict):
+                self._report(end, f"malformed marker {folder / f'{end:012d}.json'}")
+                continue
             out.append((end, _marker_world(data)))
         return out
+
+    def _report(self, end: int, why: str) -> None:
+        if end not in self._reported:
+            self._reported.add(end)
+            log.warning("moe-ft durable tier: ignoring the complete point ending at %d: %s", end, why)
 
     def recorded_points(self) -> list[int]:
         """Ends of the complete points of every world size (``moe-ft inspect``), ascending."""
@@ -147,11 +170,9 @@ class DurableTier:
         for end, world in self._markers():
             if world == self.world_size:
                 ends.append(end)
-            elif end not in self._reported:
-                self._reported.add(end)
-                log.warning("moe-ft durable tier: ignoring the complete point ending at %d in %s: written by %s "
-                            "ranks, this job has %d", end, self.directory,
-                            "an unknown number of" if world is None else world, self.world_size)
+            else:
+                self._report(end, f"in {self.directory}, written by {'an unknown number of' if world is None else world} "
+                                  f"ranks, this job has {self.world_size}")
         return ends
 
     def complete(self, end: int) -> CompletePoint:
@@ -172,10 +193,7 @@ class DurableTier:
         return None
 
     def done_points(self, rank: int) -> list[int]:
-        folder = self.directory / f"rank{rank}" / "done"
-        if not folder.is_dir():
-            return []
-        return sorted(int(p.stem) for p in folder.iterdir() if p.suffix == ".json" and not p.name.startswith("."))
+        return _marker_ends(self.directory / f"rank{rank}" / "done")
 
     def _done_part(self, rank: int, end: int) -> RecoveryPoint | None:
         try:  # this rank's in-process writer and the runtime's discard_after may both drop its markers
