@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from _ft_helpers import ROOT, damage_blob
+from _ft_helpers import ROOT, damage_blob, tiny_model_flags
 
 from moe_ft.persist import DurableTier, PersistWriter
 from moe_ft.persist.config import DurableConfig
@@ -311,3 +311,33 @@ def test_stray_and_damaged_files_in_complete_are_ignored(tmp_path, caplog):
     with pytest.raises(RuntimeError, match=f"cannot list {other.directory / 'complete'}: "):
         other.complete_points()
     writer.close()
+
+
+@pytest.mark.timeout(120)
+def test_megatron_dense_copy_records_what_save_checkpoint_does(tmp_path, corpus, megatron_world):
+    """The durable tier's Megatron-format copy carries the world size and padded vocabulary that
+    ``load_checkpoint`` checks, as a ``--save`` checkpoint does: without the world size, ``--load`` on
+    another number of ranks expected this world's per-rank RNG shards and failed."""
+    # Megatron is imported here, not at the top: the other tests of this file never build a model
+    from megatron.core import dist_checkpointing
+
+    from megatron.training.arguments import parse_args
+    from megatron.training.checkpointing import checkpoint_dir, save_checkpoint
+    from megatron.training.initialize import set_seeds
+    from megatron.training.model import build_train_state
+    from megatron.training.optimizer_state import ensure_optimizer_state
+    from moe_ft.persist.megatron_dense import MegatronDenseWriter
+
+    args = parse_args([*tiny_model_flags(train_iters=4), "--data-path", corpus], world_size=1)
+    set_seeds(args.training.seed)
+    state = build_train_state(args)
+    ensure_optimizer_state(state.optimizer)
+    writer = MegatronDenseWriter(str(tmp_path / "dense"), state)
+    writer.save(2)
+    writer.close()
+    assert writer.saved == [2]
+    save_checkpoint(str(tmp_path / "plain"), 2, state)
+    dense, plain = (dist_checkpointing.load_common_state_dict(checkpoint_dir(str(tmp_path / kind), 2))
+                    for kind in ("dense", "plain"))
+    assert set(dense) == set(plain)
+    assert (dense["world_size"], dense["padded_vocab_size"]) == (plain["world_size"], plain["padded_vocab_size"])
