@@ -18,16 +18,16 @@ pytestmark = pytest.mark.timeout(60)
 OPS = [OperatorId.dense(0), OperatorId.expert_op(0, 0), OperatorId.expert_op(0, 1)]
 
 
-def _tensors(rank, it, op):
-    g = torch.Generator().manual_seed(hash((rank, it, str(op))) % 2**31)
+def _tensors(rank, it, op, run=0):
+    g = torch.Generator().manual_seed(hash((rank, it, str(op), run)) % 2**31)
     return {"w": torch.randn(64, generator=g), "exp_avg.w": torch.randn(64, generator=g)}
 
 
-def _write(store, rank, it, plan):
+def _write(store, rank, it, plan, run=0):
     with store.begin(it) as point:
         for op, level in plan.items():
-            point.put(op, level, _tensors(rank, it, op))
-        point.put_meta({"it": it})
+            point.put(op, level, _tensors(rank, it, op, run))
+        point.put_meta({"it": it, "run": run})
         point.publish()
 
 
@@ -341,3 +341,28 @@ def test_megatron_dense_copy_records_what_save_checkpoint_does(tmp_path, corpus,
                     for kind in ("dense", "plain"))
     assert set(dense) == set(plain)
     assert (dense["world_size"], dense["padded_vocab_size"]) == (plain["world_size"], plain["padded_vocab_size"])
+
+
+def test_a_point_of_another_run_is_replaced_not_reused(tmp_path):
+    """Run A: rank 0 made point 3 durable, rank 1 was killed before its done marker (no complete point). The
+    relaunch starts fresh as run B (other values) on new nodes: its point 3 must be run B's on every rank,
+    never run A's bytes on rank 0 next to run B's on rank 1."""
+    _, tier, config = _setup(tmp_path)
+    rule = DenseRule(operators=frozenset(OPS))
+    runs = {}
+    for run in (0, 1):
+        runs[run] = [StoreConfig(root=str(tmp_path / f"shm{run}"), job_id="j", rank=r).build() for r in range(2)]
+        for it in range(4):
+            for r, s in enumerate(runs[run]):
+                _write(s, r, it, {op: Level.FULL for op in OPS}, run=run)
+    assert not PersistWriter(runs[0][0], tier, rule, rank=0, **config).persist(3).complete
+    writers = [PersistWriter(s, tier, rule, rank=r, **config) for r, s in enumerate(runs[1])]
+    assert writers[0].persist(3).nbytes > 0 and writers[1].persist(3).complete
+    for r in range(2):
+        for op in OPS:
+            got = tier.store(r).load(3, op, Level.FULL)
+            assert all(torch.equal(got[name], t) for name, t in _tensors(r, 3, op, run=1).items())
+        assert tier.store(r).load_meta(3).meta["run"] == 1
+    assert writers[0].persist(3).nbytes == 0  # its own bytes: not copied again
+    for w in writers:
+        w.close()

@@ -15,7 +15,7 @@ from moe_ft.persist.durable import DurableTier
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import SnapshotStore
 from moe_ft.store.codec import PENDING
-from moe_ft.store.manifest import build_manifest
+from moe_ft.store.manifest import EntryRecord, PointRecord, build_manifest
 from moe_ft.store.rules import EntryRef, RecoveryPoint, RecoveryRule
 
 
@@ -128,8 +128,10 @@ class PersistWriter:
         meta = source.meta if (None, None) in wanted else None
         if iteration in self.durable.points():
             held = self.durable.catalog([iteration]).point(iteration)
-            if held is not None and {(e.op, e.level) for e in held.all_entries()} >= wanted:
+            if held is not None and _holds(held, source, entries + ([meta] if meta else [])):
                 return 0  # already durable (a sparse window shared by consecutive flushes)
+            # missing entries, or other bytes: another run (a rank killed before its done marker, the job
+            # relaunched fresh) or an abandoned timeline wrote this iteration; never mix them into the point
             self.durable.delete_point(iteration)
         writer = self.durable.backend.begin_point(iteration)
         nbytes = 0
@@ -146,3 +148,12 @@ class PersistWriter:
             writer.abort()
             raise
         return nbytes
+
+
+def _holds(held: PointRecord, source: PointRecord, entries: list[EntryRecord]) -> bool:
+    """Whether the durable point ``held`` already has every one of ``entries`` of ``source`` byte for byte:
+    the same checksums (the manifests hold them; nothing is read)."""
+    if held.checksum_algo != source.checksum_algo:
+        return False
+    checksums = {(e.op, e.level): e.checksum for e in held.all_entries()}
+    return all(checksums.get((e.op, e.level)) == e.checksum for e in entries)
