@@ -1,9 +1,13 @@
 """Durable tier (MoC §5.1): completeness across ranks, retention, verification, sparse windows."""
 
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from _ft_helpers import damage_blob
+from _ft_helpers import ROOT, damage_blob, tiny_model_flags
 
 from moe_ft.persist import DurableTier, PersistWriter
 from moe_ft.persist.config import DurableConfig
@@ -14,16 +18,16 @@ pytestmark = pytest.mark.timeout(60)
 OPS = [OperatorId.dense(0), OperatorId.expert_op(0, 0), OperatorId.expert_op(0, 1)]
 
 
-def _tensors(rank, it, op):
-    g = torch.Generator().manual_seed(hash((rank, it, str(op))) % 2**31)
+def _tensors(rank, it, op, run=0):
+    g = torch.Generator().manual_seed(hash((rank, it, str(op), run)) % 2**31)
     return {"w": torch.randn(64, generator=g), "exp_avg.w": torch.randn(64, generator=g)}
 
 
-def _write(store, rank, it, plan):
+def _write(store, rank, it, plan, run=0):
     with store.begin(it) as point:
         for op, level in plan.items():
-            point.put(op, level, _tensors(rank, it, op))
-        point.put_meta({"it": it})
+            point.put(op, level, _tensors(rank, it, op, run))
+        point.put_meta({"it": it, "run": run})
         point.publish()
 
 
@@ -180,3 +184,185 @@ def test_pec_incremental_k_persist(tmp_path):
     got = tier.store(0).load(3, e1, Level.FULL)
     assert torch.equal(got["w"], _tensors(0, 3, e1)["w"])
     writer.close()
+
+
+class _InterleavedTier(DurableTier):
+    """Rank 0's view of the tier (its own process): ``between`` runs once, right after the retention pass
+    listed the complete points — another node's writer acting in that window."""
+
+    between = None
+
+    def complete_points(self):
+        ends = super().complete_points()
+        if self.between is not None:
+            between, self.between = self.between, None
+            between()
+        return ends
+
+
+def test_retention_tolerates_markers_dropped_by_another_rank(tmp_path):
+    stores, _, config = _setup(tmp_path, keep=2)
+    tiers = [_InterleavedTier(tmp_path / "durable", "j", 2), DurableTier(tmp_path / "durable", "j", 2)]
+    rule = DenseRule(operators=frozenset(OPS))
+    writers = [PersistWriter(s, tiers[r], rule, rank=r, **config) for r, s in enumerate(stores)]
+    for it in range(6):
+        for r, s in enumerate(stores):
+            _write(s, r, it, {op: Level.FULL for op in OPS})
+    for end in (1, 3):
+        for w in writers:
+            w.persist(end)
+    # rank 0's gc lists [1, 3]; rank 1 then completes 5 and its gc drops complete/1 before rank 0 reads it
+    tiers[0].between = lambda: writers[1].persist(5)
+    record = writers[0].persist(5)
+    assert not record.complete and tiers[1].complete_points() == [3, 5]
+    writers[0].persist(5)  # the next pass settles rank 0 on the kept points
+    for r in range(2):
+        assert tiers[r].store(r).points() == [3, 5] and not tiers[r].store(r).verify().problems
+    for w in writers:
+        w.close()
+
+
+def test_point_of_another_world_size_is_not_complete(tmp_path, caplog):
+    """A job relaunched on 3 ranks finds the 2-rank job's complete point: not its own (its state is split
+    differently), reported once; its flushes work, and its own first complete point supersedes it."""
+    stores, tier2, config = _setup(tmp_path)
+    rule = DenseRule(operators=frozenset(OPS))
+    for it in range(2):
+        for r, s in enumerate(stores):
+            _write(s, r, it, {op: Level.FULL for op in OPS})
+    for r, s in enumerate(stores):
+        PersistWriter(s, tier2, rule, rank=r, **config).persist(1)
+    assert tier2.complete_points() == [1]
+    stores3 = [StoreConfig(root=str(tmp_path / "shm3"), job_id="j", rank=r).build() for r in range(3)]
+    tier3 = DurableTier(tmp_path / "durable", "j", 3)
+    writers = [PersistWriter(s, tier3, rule, rank=r, **config) for r, s in enumerate(stores3)]
+    for it in range(4):
+        for r, s in enumerate(stores3):
+            _write(s, r, it, {op: Level.FULL for op in OPS})
+    with caplog.at_level("WARNING", logger="moe_ft.persist"):
+        assert writers[2].persist(3).complete is False  # rank 2's retention: no KeyError on the old point
+        assert tier3.complete_points() == [] and tier3.newest_complete() is None
+        assert tier3.complete_points() == []
+    assert [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()] == [
+        f"moe-ft durable tier: ignoring the complete point ending at 1: in {tier3.directory}, written by 2 ranks, "
+        "this job has 3"]
+    # rank 1's done marker of the old world does not complete the new world's point 1
+    writers[2].persist(1)
+    assert writers[0].persist(1).complete is False and tier3.complete_points() == []
+    assert writers[0].persist(3).complete is False and writers[1].persist(3).complete is True
+    assert tier3.complete_points() == [3] and tier3.newest_complete().world_size == 3
+    writers[0].persist(3)  # retention drops the older, other-world marker
+    assert tier3.recorded_points() == [3] and tier2.complete_points() == []
+    # a marker written before the world size was recorded counts for the world its parts cover exactly
+    marker = tier3.directory / "complete" / f"{3:012d}.json"
+    data = json.loads(marker.read_text())
+    del data["world_size"]
+    marker.write_text(json.dumps(data))
+    assert tier3.complete_points() == [3] and tier2.complete_points() == []
+    for w in writers:
+        w.close()
+
+
+def test_staging_of_a_writer_killed_mid_copy_is_swept(tmp_path):
+    """A writer process that dies mid-copy leaves the point's staging in the durable tier: the next writer
+    of that rank sweeps it when it starts and after every flush."""
+    tier = DurableTier(tmp_path / "durable", "j", 1)
+    dead = ("import os, sys\nfrom moe_ft.persist import DurableTier\n"
+            "w = DurableTier(sys.argv[1], 'j', 1).store(0).backend.begin_point(1)\n"
+            "sink = w.open_blob('dense.L0.full.ent'); sink.write(b'x' * 100); sink.close()\n"
+            "os._exit(0)\n")  # no commit, no abort: as if SIGKILLed
+    subprocess.run([sys.executable, "-c", dead, str(tmp_path / "durable")], check=True, cwd=ROOT, timeout=60,
+                   env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert [(s.iteration, s.live) for s in tier.store(0).staging()] == [(1, False)]
+    stores, _, config = _setup(tmp_path, world=1)
+    writer = PersistWriter(stores[0], tier, DenseRule(operators=frozenset(OPS)), rank=0, **config)
+    assert tier.store(0).staging() == []
+    dead_again = dead.replace("begin_point(1)", "begin_point(3)")
+    subprocess.run([sys.executable, "-c", dead_again, str(tmp_path / "durable")], check=True, cwd=ROOT,
+                   timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    for it in range(2):
+        _write(stores[0], 0, it, {op: Level.FULL for op in OPS})
+    assert writer.persist(1).complete
+    assert tier.store(0).staging() == [] and tier.store(0).points() == [1]
+    writer.close()
+
+
+def test_stray_and_damaged_files_in_complete_are_ignored(tmp_path, caplog):
+    stores, tier, config = _setup(tmp_path, world=1)
+    writer = PersistWriter(stores[0], tier, DenseRule(operators=frozenset(OPS)), rank=0, **config)
+    for it in range(4):
+        _write(stores[0], 0, it, {op: Level.FULL for op in OPS})
+    writer.persist(1)
+    writer.persist(3)
+    folder = tier.directory / "complete"
+    (folder / "README.json").write_text("{}")
+    (folder / "notes").mkdir()
+    (folder / f"{3:012d}.json").write_text('{"end": 3, "par')  # damaged after its atomic write
+    (tier.directory / "rank0" / "done" / "README.json").write_text("{}")
+    with caplog.at_level("WARNING", logger="moe_ft.persist"):
+        assert tier.complete_points() == [1] and tier.newest_complete().end == 1
+        assert tier.done_points(0) == [1, 3]
+        assert tier.complete_points() == [1]
+    assert len([r for r in caplog.records if "ending at 3: unreadable marker" in r.getMessage()]) == 1
+    # a complete/ that cannot be listed: one line naming it, not a raw traceback from int()
+    other = DurableTier(tmp_path / "other", "j", 1)
+    other.directory.mkdir(parents=True)
+    (other.directory / "complete").write_text("not a directory")
+    with pytest.raises(RuntimeError, match=f"cannot list {other.directory / 'complete'}: "):
+        other.complete_points()
+    writer.close()
+
+
+@pytest.mark.timeout(120)
+def test_megatron_dense_copy_records_what_save_checkpoint_does(tmp_path, corpus, megatron_world):
+    """The durable tier's Megatron-format copy carries the world size and padded vocabulary that
+    ``load_checkpoint`` checks, as a ``--save`` checkpoint does: without the world size, ``--load`` on
+    another number of ranks expected this world's per-rank RNG shards and failed."""
+    # Megatron is imported here, not at the top: the other tests of this file never build a model
+    from megatron.core import dist_checkpointing
+
+    from megatron.training.arguments import parse_args
+    from megatron.training.checkpointing import checkpoint_dir, save_checkpoint
+    from megatron.training.initialize import set_seeds
+    from megatron.training.model import build_train_state
+    from megatron.training.optimizer_state import ensure_optimizer_state
+    from moe_ft.persist.megatron_dense import MegatronDenseWriter
+
+    args = parse_args([*tiny_model_flags(train_iters=4), "--data-path", corpus], world_size=1)
+    set_seeds(args.training.seed)
+    state = build_train_state(args)
+    ensure_optimizer_state(state.optimizer)
+    writer = MegatronDenseWriter(str(tmp_path / "dense"), state)
+    writer.save(2)
+    writer.close()
+    assert writer.saved == [2]
+    save_checkpoint(str(tmp_path / "plain"), 2, state)
+    dense, plain = (dist_checkpointing.load_common_state_dict(checkpoint_dir(str(tmp_path / kind), 2))
+                    for kind in ("dense", "plain"))
+    assert set(dense) == set(plain)
+    assert (dense["world_size"], dense["padded_vocab_size"]) == (plain["world_size"], plain["padded_vocab_size"])
+
+
+def test_a_point_of_another_run_is_replaced_not_reused(tmp_path):
+    """Run A: rank 0 made point 3 durable, rank 1 was killed before its done marker (no complete point). The
+    relaunch starts fresh as run B (other values) on new nodes: its point 3 must be run B's on every rank,
+    never run A's bytes on rank 0 next to run B's on rank 1."""
+    _, tier, config = _setup(tmp_path)
+    rule = DenseRule(operators=frozenset(OPS))
+    runs = {}
+    for run in (0, 1):
+        runs[run] = [StoreConfig(root=str(tmp_path / f"shm{run}"), job_id="j", rank=r).build() for r in range(2)]
+        for it in range(4):
+            for r, s in enumerate(runs[run]):
+                _write(s, r, it, {op: Level.FULL for op in OPS}, run=run)
+    assert not PersistWriter(runs[0][0], tier, rule, rank=0, **config).persist(3).complete
+    writers = [PersistWriter(s, tier, rule, rank=r, **config) for r, s in enumerate(runs[1])]
+    assert writers[0].persist(3).nbytes > 0 and writers[1].persist(3).complete
+    for r in range(2):
+        for op in OPS:
+            got = tier.store(r).load(3, op, Level.FULL)
+            assert all(torch.equal(got[name], t) for name, t in _tensors(r, 3, op, run=1).items())
+        assert tier.store(r).load_meta(3).meta["run"] == 1
+    assert writers[0].persist(3).nbytes == 0  # its own bytes: not copied again
+    for w in writers:
+        w.close()

@@ -142,6 +142,18 @@ def _restore_adam_steps(optimizer) -> None:
                     inner.state[param]["step"] = torch.tensor(float(group["step"]))
 
 
+def checkpoint_state_dict(state: TrainState, iteration: int) -> dict:
+    """What a checkpoint of ``state`` after ``iteration`` iterations holds: the sharded state plus what
+    :func:`load_checkpoint` checks in another world (every writer of this format uses it, so that each of
+    its checkpoints loads where a ``--save`` one does)."""
+    sharded = _sharded_state_dict(state, is_loading=False)
+    sharded["scheduler"] = state.scheduler.state_dict()
+    sharded["iteration"] = iteration
+    sharded["world_size"] = dist.get_world_size()  # the RNG state is one shard per rank of this world
+    sharded["padded_vocab_size"] = padded_vocab(state)
+    return sharded
+
+
 def save_checkpoint(root: str, iteration: int, state: TrainState, hooks=None) -> str:
     """Collective: every rank calls it. Returns the checkpoint directory.
 
@@ -159,12 +171,7 @@ def save_checkpoint(root: str, iteration: int, state: TrainState, hooks=None) ->
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    sharded = _sharded_state_dict(state, is_loading=False)
-    sharded["scheduler"] = state.scheduler.state_dict()
-    sharded["iteration"] = iteration
-    sharded["world_size"] = dist.get_world_size()  # the RNG state is one shard per rank of this world
-    sharded["padded_vocab_size"] = padded_vocab(state)
-    request = dist_checkpointing.save(sharded, path, async_sharded_save=True)
+    request = dist_checkpointing.save(checkpoint_state_dict(state, iteration), path, async_sharded_save=True)
     if hooks is not None:
         request.finalize_fns.insert(0, lambda: hooks.during_checkpoint_write(iteration))
     request.execute_sync()

@@ -9,15 +9,26 @@ Layout::
       complete/<end>.json                   every rank's part is durable: the point is usable
 
 A point is *complete* only when ``complete/<end>.json`` exists; the rank that finds every rank's
-``done`` marker writes it (write to a temporary file, fsync, rename — atomic, idempotent). Retention keeps
+``done`` marker (of this world size) writes it (write to a temporary file, fsync, rename — atomic, idempotent). Retention keeps
 the newest ``keep`` complete points and whatever a newer, still incomplete point uses; it never deletes
 the newest complete point.
+
+Both markers record the world size that wrote them: a job relaunched on more or fewer ranks splits its
+state differently, so a point of another world size is not complete for it (and is dropped once this world
+has a newer complete point, whose retention deletes the older point's entries anyway). Markers written
+before the world size was recorded count for the world whose ranks their parts cover exactly.
+
+Ranks (on different nodes) run their retention passes concurrently, and any of them may drop old
+``complete`` markers: every read of a marker tolerates the marker vanishing between the listing and the
+read (a vanished point is simply no longer kept).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +36,21 @@ from pathlib import Path
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import LocalFSBackend, SnapshotStore
 from moe_ft.store.rules import EntryRef, RecoveryPoint
+
+log = logging.getLogger("moe_ft.persist")
+_MARKER = re.compile(r"\d{12}\.json")
+"""A marker's name; anything else in ``complete/`` or ``done/`` (a README, an editor's backup) is not ours."""
+
+
+def _marker_ends(folder: Path) -> list[int]:
+    """Ends of the markers in ``folder``, ascending; a folder that cannot be listed is one clear error."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise RuntimeError(f"moe-ft durable tier: cannot list {folder}: {e.strerror or e}") from None
+    return sorted(int(n[:-5]) for n in names if _MARKER.fullmatch(n))
 
 
 def _atomic_write(path: Path, data: dict) -> None:
@@ -63,6 +89,16 @@ class CompletePoint:
 
     end: int
     parts: dict[int, RecoveryPoint]
+    world_size: int | None
+    """The world size that wrote it (``None``: an unrecorded one, see the module docstring)."""
+
+
+def _marker_world(data: dict) -> int | None:
+    if "world_size" in data:
+        return int(data["world_size"])
+    # written before the world size was recorded: parts covering exactly ranks 0..n-1 tell it
+    ranks = {int(r) for r in data.get("parts", {})}
+    return len(ranks) if ranks == set(range(len(ranks))) and ranks else None
 
 
 class DurableTier:
@@ -75,6 +111,7 @@ class DurableTier:
         """The tier's root (``--ft-persist-dir`` or ``--save``)."""
         self.directory = self.root / "moe_ft" / job_id
         self.world_size = world_size
+        self._reported: set[int] = set()  # other-world points already reported (one line each)
 
     def store(self, rank: int) -> SnapshotStore:
         """Rank ``rank``'s durable entries, read and written through the usual verified store."""
@@ -85,36 +122,84 @@ class DurableTier:
 
     def mark_done(self, rank: int, point: RecoveryPoint) -> bool:
         """Record that ``rank``'s part of ``point`` is durable; returns whether the point became complete."""
-        _atomic_write(self._done(rank, point.end), point_to_json(point))
+        _atomic_write(self._done(rank, point.end), {**point_to_json(point), "world_size": self.world_size})
         parts = {}
         for r in range(self.world_size):
-            path = self._done(r, point.end)
-            if not path.exists():
+            try:  # rank r's retention drops its markers of superseded points at any time
+                data = json.loads(self._done(r, point.end).read_text())
+            except FileNotFoundError:
                 return False
-            parts[str(r)] = json.loads(path.read_text())
-        _atomic_write(self.directory / "complete" / f"{point.end:012d}.json", {"end": point.end, "parts": parts})
+            if data.pop("world_size", None) != self.world_size:  # left by a run of another world size
+                return False
+            parts[str(r)] = data
+        _atomic_write(self.directory / "complete" / f"{point.end:012d}.json",
+                      {"end": point.end, "world_size": self.world_size, "parts": parts})
         return True
 
-    def complete_points(self) -> list[int]:
-        """Ends of complete durable points, ascending."""
+    def _markers(self) -> list[tuple[int, int | None]]:
+        """``(end, world size)`` of every complete marker, of any world size, ascending."""
         folder = self.directory / "complete"
-        if not folder.is_dir():
-            return []
-        return sorted(int(p.stem) for p in folder.iterdir() if p.suffix == ".json" and not p.name.startswith("."))
+        out = []
+        for end in _marker_ends(folder):
+            try:
+                data = json.loads((folder / f"{end:012d}.json").read_text())
+            except FileNotFoundError:  # dropped by another rank's retention since the listing
+                continue
+            except (OSError, ValueError) as e:  # markers are written atomically: this one was damaged since
+                self._report(end, f"unreadable marker {folder / f'{end:012d}.json'} ({e})")
+                continue
+            if not isinstance(data, dict) or not isinstance(data.get("parts"), dict):
+                self._report(end, f"malformed marker {folder / f'{end:012d}.json'}")
+                continue
+            out.append((end, _marker_world(data)))
+        return out
+
+    def _report(self, end: int, why: str) -> None:
+        if end not in self._reported:
+            self._reported.add(end)
+            log.warning("moe-ft durable tier: ignoring the complete point ending at %d: %s", end, why)
+
+    def recorded_points(self) -> list[int]:
+        """Ends of the complete points of every world size (``moe-ft inspect``), ascending."""
+        return [end for end, _ in self._markers()]
+
+    def complete_points(self) -> list[int]:
+        """Ends of the complete durable points of this world size, ascending; a point of another world size
+        is reported (once) and skipped."""
+        ends = []
+        for end, world in self._markers():
+            if world == self.world_size:
+                ends.append(end)
+            else:
+                self._report(end, f"in {self.directory}, written by {'an unknown number of' if world is None else world} "
+                                  f"ranks, this job has {self.world_size}")
+        return ends
 
     def complete(self, end: int) -> CompletePoint:
         data = json.loads((self.directory / "complete" / f"{end:012d}.json").read_text())
-        return CompletePoint(end, {int(r): point_from_json(p) for r, p in data["parts"].items()})
+        return CompletePoint(end, {int(r): point_from_json(p) for r, p in data["parts"].items()}, _marker_world(data))
+
+    def _complete_or_none(self, end: int) -> CompletePoint | None:
+        """The complete point ending at ``end``, or ``None`` if another rank's retention just dropped it."""
+        try:
+            return self.complete(end)
+        except FileNotFoundError:
+            return None
 
     def newest_complete(self) -> CompletePoint | None:
-        ends = self.complete_points()
-        return self.complete(ends[-1]) if ends else None
+        for end in reversed(self.complete_points()):
+            if (point := self._complete_or_none(end)) is not None:
+                return point
+        return None
 
     def done_points(self, rank: int) -> list[int]:
-        folder = self.directory / f"rank{rank}" / "done"
-        if not folder.is_dir():
-            return []
-        return sorted(int(p.stem) for p in folder.iterdir() if p.suffix == ".json" and not p.name.startswith("."))
+        return _marker_ends(self.directory / f"rank{rank}" / "done")
+
+    def _done_part(self, rank: int, end: int) -> RecoveryPoint | None:
+        try:  # this rank's in-process writer and the runtime's discard_after may both drop its markers
+            return point_from_json(json.loads(self._done(rank, end).read_text()))
+        except FileNotFoundError:
+            return None
 
     def gc(self, rank: int, keep: int) -> list[int]:
         """Delete ``rank``'s durable entries no kept point needs: the newest ``keep`` (>= 1) complete points
@@ -126,10 +211,14 @@ class DurableTier:
         newest = kept_ends[-1]
         needed: set[int] = set()
         for end in kept_ends:
-            needed.update(self.complete(end).parts[rank].iterations)
+            # a marker another rank dropped meanwhile is not kept: that rank saw newer complete points, whose
+            # entries this rank's own done markers (newer than ``newest``, below) keep
+            if (point := self._complete_or_none(end)) is not None and rank in point.parts:
+                needed.update(point.parts[rank].iterations)
         for end in self.done_points(rank):
             if end > newest:  # in flight on other ranks
-                needed.update(point_from_json(json.loads(self._done(rank, end).read_text())).iterations)
+                if (part := self._done_part(rank, end)) is not None:
+                    needed.update(part.iterations)
             elif end not in kept_ends:
                 self._done(rank, end).unlink(missing_ok=True)
         store = self.store(rank)
@@ -138,6 +227,9 @@ class DurableTier:
             store.delete_point(it)
         for end in ends[:-max(1, keep)]:  # any rank may drop markers older than the kept points
             (self.directory / "complete" / f"{end:012d}.json").unlink(missing_ok=True)
+        for end, world in self._markers():  # another world's points older than ours: their entries just went
+            if world != self.world_size and end < newest:
+                (self.directory / "complete" / f"{end:012d}.json").unlink(missing_ok=True)
         return doomed
 
     def discard_after(self, rank: int, iteration: int) -> list[int]:
@@ -146,10 +238,12 @@ class DurableTier:
         new timeline's (a lossy run re-executes differently). Complete points are never touched. Returns
         the deleted iterations."""
         needed: set[int] = set()
-        for end in self.complete_points():
-            needed.update(self.complete(end).parts[rank].iterations)
+        complete = self.complete_points()
+        for end in complete:
+            if (point := self._complete_or_none(end)) is not None and rank in point.parts:
+                needed.update(point.parts[rank].iterations)
         for end in self.done_points(rank):
-            if end > iteration and end not in self.complete_points():
+            if end > iteration and end not in complete:
                 self._done(rank, end).unlink(missing_ok=True)
         store = self.store(rank)
         doomed = [it for it in store.points() if it > iteration and it not in needed]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-from megatron.training.checkpointing import TRACKER_FILE, _sharded_state_dict, checkpoint_dir, read_latest_iteration
+from megatron.training.checkpointing import TRACKER_FILE, checkpoint_dir, checkpoint_state_dict, read_latest_iteration
 from moe_ft import comm
 from moe_ft.compat import writer_queue
 
@@ -37,9 +37,9 @@ class MegatronDenseWriter:
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         comm.barrier()  # host coordination: the directory exists before any rank writes into it
-        sharded = _sharded_state_dict(self.state, is_loading=False)
-        sharded["scheduler"] = self.state.scheduler.state_dict()
-        sharded["iteration"] = iteration
+        # the state dict ``save_checkpoint`` writes: with its world size and padded vocabulary, --load of this
+        # copy works at another world size exactly as of a --save checkpoint
+        sharded = checkpoint_state_dict(self.state, iteration)
         request = dist_checkpointing.save(sharded, path, async_sharded_save=True)
 
         def publish() -> None:  # runs on every rank once all ranks' writes are done

@@ -57,8 +57,13 @@ def validate_durable(job_dir, *, num_layers: int, num_experts: int) -> tuple[int
     job_dir = Path(job_dir)
     if not (job_dir / "complete").is_dir():
         return None, [f"{job_dir}: no complete/ directory; not a durable tier (<persist_dir>/moe_ft/<job>)"]
-    world = len([p for p in job_dir.iterdir() if p.name.startswith("rank")])
-    tier = DurableTier(job_dir.parent.parent, job_dir.name, world)
+    # the newest point's own world size: rank directories of an earlier, larger world may outlive it
+    any_world = DurableTier(job_dir.parent.parent, job_dir.name, 1)
+    ends = any_world.recorded_points()
+    if not ends:
+        return None, [f"{job_dir}: no complete durable point"]
+    newest = any_world.complete(ends[-1])
+    tier = DurableTier(job_dir.parent.parent, job_dir.name, newest.world_size or len(newest.parts))
     point = tier.newest_complete()
     if point is None:
         return None, [f"{job_dir}: no complete durable point"]

@@ -15,7 +15,7 @@ from moe_ft.persist.durable import DurableTier
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import SnapshotStore
 from moe_ft.store.codec import PENDING
-from moe_ft.store.manifest import build_manifest
+from moe_ft.store.manifest import EntryRecord, PointRecord, build_manifest
 from moe_ft.store.rules import EntryRef, RecoveryPoint, RecoveryRule
 
 
@@ -38,6 +38,10 @@ class PersistWriter:
         self.interval, self.keep, self.publish_timeout = interval, keep, publish_timeout
         self.store, self.tier, self.rule, self.rank = store, tier, rule, rank
         self.durable = tier.store(rank)
+        # the durable store keeps no retention of its own (the tier's markers decide), so nothing else ever
+        # removes a point's staging left by a writer killed mid-copy: swept when a writer starts and after
+        # every flush (staging of a live writer stays)
+        self.durable.backend.sweep_staging()
         self.records: list[PersistRecord] = []
         self.skipped: list[tuple[int, str]] = []
         self._worker: BackgroundWorker[tuple[int, Mapping[OperatorId, Level] | None]] = BackgroundWorker(
@@ -106,6 +110,7 @@ class PersistWriter:
     def _finish(self, point: RecoveryPoint, nbytes: int, start: float) -> PersistRecord:
         complete = self.tier.mark_done(self.rank, point)
         self.tier.gc(self.rank, self.keep)
+        self.durable.backend.sweep_staging()
         record = PersistRecord(point.end, nbytes, time.perf_counter() - start, complete)
         self.records.append(record)
         return record
@@ -123,8 +128,10 @@ class PersistWriter:
         meta = source.meta if (None, None) in wanted else None
         if iteration in self.durable.points():
             held = self.durable.catalog([iteration]).point(iteration)
-            if held is not None and {(e.op, e.level) for e in held.all_entries()} >= wanted:
+            if held is not None and _holds(held, source, entries + ([meta] if meta else [])):
                 return 0  # already durable (a sparse window shared by consecutive flushes)
+            # missing entries, or other bytes: another run (a rank killed before its done marker, the job
+            # relaunched fresh) or an abandoned timeline wrote this iteration; never mix them into the point
             self.durable.delete_point(iteration)
         writer = self.durable.backend.begin_point(iteration)
         nbytes = 0
@@ -141,3 +148,12 @@ class PersistWriter:
             writer.abort()
             raise
         return nbytes
+
+
+def _holds(held: PointRecord, source: PointRecord, entries: list[EntryRecord]) -> bool:
+    """Whether the durable point ``held`` already has every one of ``entries`` of ``source`` byte for byte:
+    the same checksums (the manifests hold them; nothing is read)."""
+    if held.checksum_algo != source.checksum_algo:
+        return False
+    checksums = {(e.op, e.level): e.checksum for e in held.all_entries()}
+    return all(checksums.get((e.op, e.level)) == e.checksum for e in entries)
