@@ -366,3 +366,29 @@ def test_a_point_of_another_run_is_replaced_not_reused(tmp_path):
     assert writers[0].persist(3).nbytes == 0  # its own bytes: not copied again
     for w in writers:
         w.close()
+
+
+def test_a_complete_point_is_unmarked_while_its_ranks_replace_it_with_another_timeline(tmp_path):
+    """Point 3 is complete (both ranks, timeline 0). A lossy recovery rolled back before it and the new timeline
+    (other values) is persisted again rank by rank: from the first rank's replacement until the last rank's,
+    the point is not complete (it would restore rank 0 from one timeline and rank 1 from the other); then it
+    is complete again, of the new timeline on every rank."""
+    _, tier, config = _setup(tmp_path)
+    rule = DenseRule(operators=frozenset(OPS))
+    runs = {}
+    for run in (0, 1):
+        runs[run] = [StoreConfig(root=str(tmp_path / f"shm{run}"), job_id="j", rank=r).build() for r in range(2)]
+        for it in range(4):
+            for r, s in enumerate(runs[run]):
+                _write(s, r, it, {op: Level.FULL for op in OPS}, run=run)
+    first = [PersistWriter(s, tier, rule, rank=r, **config) for r, s in enumerate(runs[0])]
+    assert not first[0].persist(3).complete and first[1].persist(3).complete
+    assert tier.complete_points() == [3]
+    again = [PersistWriter(s, tier, rule, rank=r, **config) for r, s in enumerate(runs[1])]
+    assert again[0].persist(3).nbytes > 0
+    assert tier.complete_points() == [], "rank 0 holds the new timeline, rank 1 the old one"
+    assert again[1].persist(3).complete and tier.complete_points() == [3]
+    for r in range(2):
+        assert tier.store(r).load_meta(3).meta["run"] == 1
+    for w in (*first, *again):
+        w.close()

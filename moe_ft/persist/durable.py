@@ -192,6 +192,28 @@ class DurableTier:
                 return point
         return None
 
+    def unmark(self, rank: int, iteration: int) -> list[int]:
+        """``rank`` is about to replace its durable ``iteration`` (another run's or timeline's bytes): the
+        complete points whose part of ``rank`` uses it are no longer complete, nor are every rank's done markers
+        of them (the last rank to flush would mark the point complete again from the others' old ones), nor
+        ``rank``'s own done markers that use it. Dropped first, so that no recovery takes a point whose ranks'
+        parts come from two timelines while the ranks rewrite theirs one by one (each rank's next flush marks
+        its part done again, the last one the point complete). Returns the ends."""
+        dropped = []
+        for end in self.complete_points():
+            point = self._complete_or_none(end)
+            part = point.parts.get(rank) if point is not None else None
+            if part is not None and iteration in part.iterations:
+                (self.directory / "complete" / f"{end:012d}.json").unlink(missing_ok=True)
+                for r in range(self.world_size):
+                    self._done(r, end).unlink(missing_ok=True)
+                dropped.append(end)
+        for end in self.done_points(rank):
+            part = self._done_part(rank, end)
+            if part is not None and iteration in part.iterations:
+                self._done(rank, end).unlink(missing_ok=True)
+        return dropped
+
     def done_points(self, rank: int) -> list[int]:
         return _marker_ends(self.directory / f"rank{rank}" / "done")
 

@@ -131,7 +131,9 @@ class PersistWriter:
             if held is not None and _holds(held, source, entries + ([meta] if meta else [])):
                 return 0  # already durable (a sparse window shared by consecutive flushes)
             # missing entries, or other bytes: another run (a rank killed before its done marker, the job
-            # relaunched fresh) or an abandoned timeline wrote this iteration; never mix them into the point
+            # relaunched fresh) or an abandoned timeline wrote this iteration; never mix them into the point,
+            # nor leave a point marked complete while its parts come from two timelines
+            self.tier.unmark(self.rank, iteration)
             self.durable.delete_point(iteration)
         writer = self.durable.backend.begin_point(iteration)
         nbytes = 0
