@@ -392,3 +392,39 @@ def test_a_complete_point_is_unmarked_while_its_ranks_replace_it_with_another_ti
         assert tier.store(r).load_meta(3).meta["run"] == 1
     for w in (*first, *again):
         w.close()
+
+
+def test_a_fresh_run_drops_the_done_markers_an_earlier_run_left_past_its_start(tmp_path):
+    """Run A: rank 0 made point 3 durable and marked it done, rank 1 was killed first (no complete point). Run B
+    starts afresh and its rank 1 flushes point 3 first: the point must not become complete with rank 0's part
+    from run A (the component drops, at its start, every done marker and partial point past the start that no
+    complete point uses)."""
+    from types import SimpleNamespace
+
+    from moe_ft.persist.component import Durable
+
+    _, tier, config = _setup(tmp_path)
+    rule = DenseRule(operators=frozenset(OPS))
+    runs = {}
+    for run in (0, 1):
+        runs[run] = [StoreConfig(root=str(tmp_path / f"shm{run}"), job_id="j", rank=r).build() for r in range(2)]
+        for it in range(4):
+            for r, s in enumerate(runs[run]):
+                _write(s, r, it, {op: Level.FULL for op in OPS}, run=run)
+    old = PersistWriter(runs[0][0], tier, rule, rank=0, **config)
+    assert not old.persist(3).complete
+    old.close()
+    durable_config = SimpleNamespace(dir=str(tmp_path / "durable"), agent=False, interval=2, keep=2,
+                                     publish_timeout=300.0)
+    components = []
+    for r, store in enumerate(runs[1]):  # run B's ranks build their components (a start from iteration 0)
+        session = SimpleNamespace(job_id="j", store=store, retention_rule=rule, store_root=str(tmp_path / "shm1"),
+                                  policy=SimpleNamespace(dense_points=False))
+        ctx = SimpleNamespace(world_size=2, rank=r, start_iteration=0, state=None, popularity=None)
+        components.append(Durable.build(durable_config, ctx, session))
+    assert not components[1].writer.persist(3).complete, "rank 0's part would be run A's"
+    assert components[0].writer.persist(3).complete
+    for r in range(2):
+        assert tier.store(r).load_meta(3).meta["run"] == 1
+    for c in components:
+        c.close()

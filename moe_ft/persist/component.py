@@ -44,6 +44,10 @@ class Durable(Component):
         else:
             writer = PersistWriter(session.store, tier, session.retention_rule, rank=ctx.rank, interval=config.interval,
                                    keep=config.keep, publish_timeout=config.publish_timeout)
+        # this run owns every iteration after its start: an earlier run's done markers and partial points past
+        # it (a rank killed before the others finished the point) would otherwise join this run's parts into
+        # a "complete" point the moment this run's other ranks mark theirs done; complete points are kept
+        tier.discard_after(ctx.rank, ctx.start_iteration - 1)
         dense = None
         if session.policy.dense_points:
             dense = MegatronDenseWriter(config.dir, ctx.state)
