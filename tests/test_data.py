@@ -63,6 +63,29 @@ def test_preprocess_plain_text_and_errors(tmp_path):
         preprocess(str(tmp_path / "missing.jsonl"), str(tmp_path / "m"))
 
 
+def test_a_failed_preprocess_leaves_the_previous_dataset_as_it_was(tmp_path):
+    """Both files are written under temporary names and renamed into place at the end: a bad line or an
+    input without documents stops the run with the old ``.bin``/``.idx`` untouched (an old index beside a
+    truncated new ``.bin`` passed the start-up checks and failed in training), and nothing is left behind."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(50)))
+    out = str(tmp_path / "out")
+    assert preprocess(str(good), out) == 50
+    before = {ext: (tmp_path / f"out{ext}").read_bytes() for ext in (".bin", ".idx")}
+    (tmp_path / "bad.jsonl").write_text('{"text": "new"}\n' * 30 + "{bad\n")
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:31: not valid JSON"):
+        preprocess(str(tmp_path / "bad.jsonl"), out)
+    with pytest.raises(ValueError, match="holds no non-empty documents"):
+        preprocess(str(tmp_path / "empty.jsonl"), out)
+    assert {ext: (tmp_path / f"out{ext}").read_bytes() for ext in (".bin", ".idx")} == before
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "empty.jsonl", "good.jsonl", "out.bin", "out.idx"]
+    assert len(IndexedDataset(out)) == 50
+    assert preprocess(str(good), out) == 50 and sorted(os.listdir(tmp_path))[-2:] == ["out.bin", "out.idx"]
+
+
 def batches_equal(xs, ys):
     return all(torch.equal(getattr(x, k), getattr(y, k)) for x, y in zip(xs, ys, strict=True)
                for k in ("tokens", "labels", "loss_mask", "position_ids", "sample_ids"))
