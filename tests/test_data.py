@@ -86,6 +86,27 @@ def test_a_failed_preprocess_leaves_the_previous_dataset_as_it_was(tmp_path):
     assert preprocess(str(good), out) == 50 and sorted(os.listdir(tmp_path))[-2:] == ["out.bin", "out.idx"]
 
 
+@pytest.mark.parametrize("line, message", [
+    ('{"text": null}', "'text' holds null, not a string"),
+    ('{"text": 5}', "'text' holds 5, not a string"),
+    ('{"text": ["a"]}', "'text' holds [\"a\"], not a string"),
+    ('"some text"', "a JSON str, not an object"),
+    ("5", "a JSON int, not an object"),
+    ("[1]", "a JSON list, not an object"),
+])
+def test_preprocess_refuses_a_line_that_is_no_object_with_a_string(tmp_path, capsys, line, message):
+    """Every line is an object whose ``--json-key`` holds a string: ``{"text": null}`` became a document
+    reading "None", a bare string or number a TypeError traceback. One line naming the place, exit 2."""
+    from tools.preprocess_data import main
+
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "fine"}\n' + line + "\n")
+    assert main(["--input", str(path), "--output-prefix", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}:2: {message}"), lines
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
 def batches_equal(xs, ys):
     return all(torch.equal(getattr(x, k), getattr(y, k)) for x, y in zip(xs, ys, strict=True)
                for k in ("tokens", "labels", "loss_mask", "position_ids", "sample_ids"))

@@ -35,9 +35,16 @@ def iter_documents(path: str, json_key: str):
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{line_no}: not valid JSON ({e}); one JSON object per line") from e
+                if not isinstance(record, dict):
+                    raise ValueError(f"{path}:{line_no}: a JSON {type(record).__name__}, not an object; one "
+                                     f'{{"{json_key}": "..."}} per line')
                 if json_key not in record:
                     raise ValueError(f"{path}:{line_no}: no key {json_key!r}; pass --json-key")
-                yield str(record[json_key])
+                text = record[json_key]
+                if not isinstance(text, str):  # str() would train on "None", "5" or a list's repr
+                    raise ValueError(f"{path}:{line_no}: {json_key!r} holds {json.dumps(text)[:40]}, not a string; "
+                                     "give the document's text, or drop the line")
+                yield text
         else:
             block: list[str] = []
             for line in f:
