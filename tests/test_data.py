@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -212,8 +213,29 @@ def test_flag_forms():
 
 def test_token_ids_beyond_the_vocabulary_are_refused(prefix):
     check_token_ids([prefix], 257, "ByteLevel")
-    with pytest.raises(ValueError, match=r"holds token id 256, beyond the vocabulary of 200 \(--tokenizer-type ByteLevel\)"):
+    with pytest.raises(ArgumentError, match=r"holds token id 256, beyond the vocabulary of 200 \(--tokenizer-type "
+                       r"ByteLevel\): pass the tokenizer it was preprocessed with .* or --vocab-size 257 or more"):
         check_token_ids([prefix], 200, "ByteLevel")
+
+
+@pytest.mark.timeout(120)  # a subprocess importing Megatron (~5 s each)
+@pytest.mark.parametrize("ft", [[], ["--ft"]])
+def test_the_entry_script_refuses_token_ids_beyond_the_vocabulary_with_one_line(prefix, ft):
+    """The check runs inside ``pretrain`` (and, with ``--ft``, inside the guarded attempt): it was a
+    ``ValueError`` traceback, exit 1, which ``moe-ft launch`` treated as a rank's failure to replace. One
+    line naming the dataset, the largest id, the vocabulary and the fix; exit 2 (a usage error)."""
+    env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--num-experts", "4", "--micro-batch-size", "2",
+             "--global-batch-size", "2", "--train-iters", "2", "--data-path", prefix,
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", *ft]  # ids 0..100, padded to 128
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt_moe.py"), *flags], capture_output=True,
+                          text=True, timeout=90, env=env, cwd=ROOT)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-3000:])
+    assert lines[0].startswith(f"error: dataset {prefix} holds token id 256, beyond the vocabulary of 128 "
+                               "(--tokenizer-type NullTokenizer): pass the tokenizer"), lines
+    assert "--vocab-size 257 or more" in lines[0]
 
 
 def test_builders_lock_the_cache_they_write_even_without_data_cache_path(prefix, tmp_path):
