@@ -108,6 +108,19 @@ def test_preprocess_refuses_a_line_that_is_no_object_with_a_string(tmp_path, cap
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
 
 
+@pytest.mark.timeout(120)  # a subprocess importing Megatron-Core (~4 s)
+def test_the_preprocessing_script_prints_an_error_as_its_only_line(tmp_path):
+    """Run as a script, ``tools/preprocess_data.py`` holds back Megatron-Core's import warnings (Transformer
+    Engine and Apex absent: about 8 lines before the error's one)."""
+    (tmp_path / "in.jsonl").write_text("5\n")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input",
+                           str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"error: {tmp_path / 'in.jsonl'}:1: a JSON int, not an object; one "
+                                        '{"text": "..."} per line'], proc.stderr
+
+
 def batches_equal(xs, ys):
     return all(torch.equal(getattr(x, k), getattr(y, k)) for x, y in zip(xs, ys, strict=True)
                for k in ("tokens", "labels", "loss_mask", "position_ids", "sample_ids"))

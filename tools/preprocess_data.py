@@ -63,6 +63,10 @@ _TOKENIZER = None
 
 def _start_worker(spec: dict) -> None:
     global _TOKENIZER
+    # here, not at the top: run as a script, the repository is on sys.path only once __main__ put it there
+    from megatron.training.quiet import hold
+
+    hold()  # a spawned process imports Megatron-Core afresh: its fallback warnings again, once per worker
     from megatron.training.tokenizer import build_tokenizer
 
     _TOKENIZER = build_tokenizer(**spec)
@@ -162,6 +166,10 @@ def generated_dataset(directory: str, num_docs: int = 2000, seed: int = 0) -> st
 
 
 def main(argv=None) -> int:
+    # here, not at the top: run as a script, the repository is on sys.path only once __main__ put it there
+    from megatron.training.quiet import hold
+
+    hold()  # before Megatron-Core's first import: its ~8 lines of fallback warnings buried an error's one line
     from megatron.training.tokenizer import TOKENIZER_TYPES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
