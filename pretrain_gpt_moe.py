@@ -82,7 +82,6 @@ def _attempts(argv, args, membership, stop) -> int:
     replaced. A SIGTERM outside an attempt (the agent stops the workers) makes the process leave, after
     writing the state it holds; while it closes a failed attempt, once that is done."""
     from megatron.training.arguments import parse_args
-    from megatron.training.pretrain import pretrain
     from moe_ft.elastic import standby
     from moe_ft.launch.protocol import GAVE_UP_EXIT_CODE
     from moe_ft.localized.survivor import SurvivorStop
@@ -96,7 +95,7 @@ def _attempts(argv, args, membership, stop) -> int:
                 return left_out
             hooks = step_hooks(args, membership, held)
             if hooks is None:
-                pretrain(args)
+                _pretrain(args)
                 return 0
             code, failure = _train_guarded(args, hooks, membership)
             if code == 0:
@@ -121,6 +120,22 @@ def _attempts(argv, args, membership, stop) -> int:
         if held is not None:
             _spill(held)
         return code
+
+
+def _pretrain(args, **kwargs):
+    """``pretrain``, with flags that do not fit the data (an ``ArgumentError`` of its start-up checks: a token
+    id beyond the vocabulary) ending the process with one line and exit 2, as a bad flag does at parsing.
+    ``SystemExit`` is no ``Exception``: a guarded attempt does not publish and print a traceback for it, and
+    ``moe-ft launch``'s agent stops the job rather than give the rank to a spare that would stop the same way."""
+    from megatron.training.arguments import ArgumentError  # start-up time: after Megatron-Core's quiet import
+    from megatron.training.pretrain import pretrain
+    from moe_ft.launch.protocol import USAGE_EXIT_CODE
+
+    try:
+        return pretrain(args, **kwargs)
+    except ArgumentError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(USAGE_EXIT_CODE) from None
 
 
 def _spill(held) -> None:
@@ -155,7 +170,6 @@ def _train_guarded(args, hooks, membership) -> tuple[int, tuple[str, bool]]:
     after the first, every process (survivor or spare) waits at most ``--reform-timeout`` for the others
     to form the new process group (a rank that never arrives ends the attempt; the agent then restarts
     the whole group, whose fresh processes wait as long as at a first start)."""
-    from megatron.training.pretrain import pretrain
     from moe_ft.launch.protocol import reform_timeout_s
     from moe_ft.launch.worker import peer_failure, sever_peer_connections
     from moe_ft.localized.survivor import Regroup, run_guarded
@@ -173,7 +187,7 @@ def _train_guarded(args, hooks, membership) -> tuple[int, tuple[str, bool]]:
 
     # a stopped or failing rank publishes its state (survivor point) before it exits non-zero, or holds it
     join = reform_timeout_s() if membership.reforming else None
-    code = run_guarded(lambda: pretrain(args, hooks=hooks, join_timeout_s=join), lambda: hooks.survivor, on_failure,
+    code = run_guarded(lambda: _pretrain(args, hooks=hooks, join_timeout_s=join), lambda: hooks.survivor, on_failure,
                        hold=membership.inprocess)  # a process that may stay keeps its point in memory
     return code, failure
 

@@ -83,6 +83,22 @@ def test_inspect_errors(capsys, tmp_path):
         capsys, ["inspect", str(tmp_path), "--validate", "--num-layers", "1", "--num-experts", "2"])
 
 
+@pytest.mark.parametrize("content, kind", [('"x"', "str"), ("[1]", "list"), ("3", "int"), ("{", None)])
+def test_a_format_file_that_is_no_json_object_is_one_line(capsys, tmp_path, content, kind):
+    """``FORMAT.json`` holding valid JSON of another type than an object was an ``AttributeError`` traceback
+    ('str' object has no attribute 'get') in ``inspect`` and when a run opened the store; now a
+    ``StoreError`` naming the file, also for a backend opened directly (the durable tier's)."""
+    from moe_ft.store import StoreError
+    from moe_ft.store.local import LocalFSBackend
+
+    (tmp_path / "FORMAT.json").write_text(content)
+    message = _error(capsys, ["inspect", str(tmp_path)])
+    expected = f"holds a JSON {kind}, not the store's format object" if kind else "is unreadable"
+    assert message.startswith(f"{tmp_path / 'FORMAT.json'} {expected}"), message
+    with pytest.raises(StoreError, match=expected):
+        LocalFSBackend(tmp_path, create=False)
+
+
 def test_simulate_and_plan_errors(capsys, tmp_path):
     assert "cannot read config" in _error(capsys, ["simulate", "--config", str(tmp_path / "none.json")])
     (tmp_path / "bad.json").write_text("{")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -61,6 +62,63 @@ def test_preprocess_plain_text_and_errors(tmp_path):
         preprocess(str(tmp_path / "key.jsonl"), str(tmp_path / "k"))
     with pytest.raises(FileNotFoundError):
         preprocess(str(tmp_path / "missing.jsonl"), str(tmp_path / "m"))
+
+
+def test_a_failed_preprocess_leaves_the_previous_dataset_as_it_was(tmp_path):
+    """Both files are written under temporary names and renamed into place at the end: a bad line or an
+    input without documents stops the run with the old ``.bin``/``.idx`` untouched (an old index beside a
+    truncated new ``.bin`` passed the start-up checks and failed in training), and nothing is left behind."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(50)))
+    out = str(tmp_path / "out")
+    assert preprocess(str(good), out) == 50
+    before = {ext: (tmp_path / f"out{ext}").read_bytes() for ext in (".bin", ".idx")}
+    (tmp_path / "bad.jsonl").write_text('{"text": "new"}\n' * 30 + "{bad\n")
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:31: not valid JSON"):
+        preprocess(str(tmp_path / "bad.jsonl"), out)
+    with pytest.raises(ValueError, match="holds no non-empty documents"):
+        preprocess(str(tmp_path / "empty.jsonl"), out)
+    assert {ext: (tmp_path / f"out{ext}").read_bytes() for ext in (".bin", ".idx")} == before
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "empty.jsonl", "good.jsonl", "out.bin", "out.idx"]
+    assert len(IndexedDataset(out)) == 50
+    assert preprocess(str(good), out) == 50 and sorted(os.listdir(tmp_path))[-2:] == ["out.bin", "out.idx"]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"text": null}', "'text' holds null, not a string"),
+    ('{"text": 5}', "'text' holds 5, not a string"),
+    ('{"text": ["a"]}', "'text' holds [\"a\"], not a string"),
+    ('"some text"', "a JSON str, not an object"),
+    ("5", "a JSON int, not an object"),
+    ("[1]", "a JSON list, not an object"),
+])
+def test_preprocess_refuses_a_line_that_is_no_object_with_a_string(tmp_path, capsys, line, message):
+    """Every line is an object whose ``--json-key`` holds a string: ``{"text": null}`` became a document
+    reading "None", a bare string or number a TypeError traceback. One line naming the place, exit 2."""
+    from tools.preprocess_data import main
+
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "fine"}\n' + line + "\n")
+    assert main(["--input", str(path), "--output-prefix", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}:2: {message}"), lines
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+@pytest.mark.timeout(120)  # a subprocess importing Megatron-Core (~4 s)
+def test_the_preprocessing_script_prints_an_error_as_its_only_line(tmp_path):
+    """Run as a script, ``tools/preprocess_data.py`` holds back Megatron-Core's import warnings (Transformer
+    Engine and Apex absent: about 8 lines before the error's one)."""
+    (tmp_path / "in.jsonl").write_text("5\n")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input",
+                           str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"error: {tmp_path / 'in.jsonl'}:1: a JSON int, not an object; one "
+                                        '{"text": "..."} per line'], proc.stderr
 
 
 def batches_equal(xs, ys):
@@ -168,8 +226,29 @@ def test_flag_forms():
 
 def test_token_ids_beyond_the_vocabulary_are_refused(prefix):
     check_token_ids([prefix], 257, "ByteLevel")
-    with pytest.raises(ValueError, match=r"holds token id 256, beyond the vocabulary of 200 \(--tokenizer-type ByteLevel\)"):
+    with pytest.raises(ArgumentError, match=r"holds token id 256, beyond the vocabulary of 200 \(--tokenizer-type "
+                       r"ByteLevel\): pass the tokenizer it was preprocessed with .* or --vocab-size 257 or more"):
         check_token_ids([prefix], 200, "ByteLevel")
+
+
+@pytest.mark.timeout(120)  # a subprocess importing Megatron (~5 s each)
+@pytest.mark.parametrize("ft", [[], ["--ft"]])
+def test_the_entry_script_refuses_token_ids_beyond_the_vocabulary_with_one_line(prefix, ft):
+    """The check runs inside ``pretrain`` (and, with ``--ft``, inside the guarded attempt): it was a
+    ``ValueError`` traceback, exit 1, which ``moe-ft launch`` treated as a rank's failure to replace. One
+    line naming the dataset, the largest id, the vocabulary and the fix; exit 2 (a usage error)."""
+    env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--num-experts", "4", "--micro-batch-size", "2",
+             "--global-batch-size", "2", "--train-iters", "2", "--data-path", prefix,
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", *ft]  # ids 0..100, padded to 128
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt_moe.py"), *flags], capture_output=True,
+                          text=True, timeout=90, env=env, cwd=ROOT)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-3000:])
+    assert lines[0].startswith(f"error: dataset {prefix} holds token id 256, beyond the vocabulary of 128 "
+                               "(--tokenizer-type NullTokenizer): pass the tokenizer"), lines
+    assert "--vocab-size 257 or more" in lines[0]
 
 
 def test_builders_lock_the_cache_they_write_even_without_data_cache_path(prefix, tmp_path):

@@ -14,9 +14,12 @@ vocabulary of fewer than 65500 tokens, int32 above: Megatron-Core's ``DType.opti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import uuid
+from collections.abc import Iterator
 
 import torch
 
@@ -32,9 +35,16 @@ def iter_documents(path: str, json_key: str):
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{line_no}: not valid JSON ({e}); one JSON object per line") from e
+                if not isinstance(record, dict):
+                    raise ValueError(f"{path}:{line_no}: a JSON {type(record).__name__}, not an object; one "
+                                     f'{{"{json_key}": "..."}} per line')
                 if json_key not in record:
                     raise ValueError(f"{path}:{line_no}: no key {json_key!r}; pass --json-key")
-                yield str(record[json_key])
+                text = record[json_key]
+                if not isinstance(text, str):  # str() would train on "None", "5" or a list's repr
+                    raise ValueError(f"{path}:{line_no}: {json_key!r} holds {json.dumps(text)[:40]}, not a string; "
+                                     "give the document's text, or drop the line")
+                yield text
         else:
             block: list[str] = []
             for line in f:
@@ -53,6 +63,10 @@ _TOKENIZER = None
 
 def _start_worker(spec: dict) -> None:
     global _TOKENIZER
+    # here, not at the top: run as a script, the repository is on sys.path only once __main__ put it there
+    from megatron.training.quiet import hold
+
+    hold()  # a spawned process imports Megatron-Core afresh: its fallback warnings again, once per worker
     from megatron.training.tokenizer import build_tokenizer
 
     _TOKENIZER = build_tokenizer(**spec)
@@ -61,6 +75,20 @@ def _start_worker(spec: dict) -> None:
 def _encode(text: str) -> list[int]:
     assert _TOKENIZER is not None
     return _TOKENIZER.tokenize(text)
+
+
+def _replace_pair(staged: dict[str, str], output_prefix: str) -> None:
+    """Put the complete ``staged`` files (``.bin`` and ``.idx``: their paths) in place of
+    ``<output_prefix>.bin/.idx``. Two renames are not one atomic step, so the old ``.idx`` goes first:
+    between the steps, and after a crash between them, a reader finds no ``.idx`` (training stops with "not
+    found": run preprocessing again) rather than an old index beside a new ``.bin``, whose offsets point
+    past its end or at other documents; the new ``.idx`` comes last, when its ``.bin`` is in place. (A reader
+    that opened the old ``.idx`` before this ran can still meet the new ``.bin``: do not rewrite a dataset a
+    running job reads.)"""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(output_prefix + ".idx")
+    os.replace(staged[".bin"], output_prefix + ".bin")
+    os.replace(staged[".idx"], output_prefix + ".idx")
 
 
 def preprocess(input_path: str, output_prefix: str, json_key: str = "text", tokenizer_type: str = "ByteLevel",
@@ -85,16 +113,22 @@ def preprocess(input_path: str, output_prefix: str, json_key: str = "text", toke
             "tokenizer_model": tokenizer_model, "vocab_size": vocab_size}
     tokenizer = build_tokenizer(**spec)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    builder = IndexedDatasetBuilder(output_prefix + ".bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
-    documents = iter_documents(input_path, json_key)
-    pool = None
-    if workers > 1:
-        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_start_worker, initargs=(spec,))
-        encoded = pool.imap(_encode, documents, chunksize=64)  # in input order
-    else:
-        encoded = (tokenizer.tokenize(text) for text in documents)
+    # written beside the final names (same file system: the renames are atomic), put in place only once
+    # both are complete: a run that fails partway leaves an existing pair as it was
+    tag = f"{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    staged = {ext: f"{output_prefix}{ext}.{tag}" for ext in (".bin", ".idx")}
+    builder: IndexedDatasetBuilder | None = None
+    pool: multiprocessing.pool.Pool | None = None
     num_docs = 0
     try:
+        builder = IndexedDatasetBuilder(staged[".bin"], dtype=DType.optimal_dtype(tokenizer.vocab_size))
+        documents = iter_documents(input_path, json_key)
+        encoded: Iterator[list[int]]
+        if workers > 1:
+            pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_start_worker, initargs=(spec,))
+            encoded = pool.imap(_encode, documents, chunksize=64)  # in input order
+        else:
+            encoded = (tokenizer.tokenize(text) for text in documents)
         for ids in encoded:
             if not ids:
                 continue
@@ -103,12 +137,20 @@ def preprocess(input_path: str, output_prefix: str, json_key: str = "text", toke
             builder.add_item(torch.tensor(ids, dtype=torch.int64))
             builder.end_document()
             num_docs += 1
+        if num_docs == 0:
+            raise ValueError(f"{input_path} holds no non-empty documents")
+        builder.finalize(staged[".idx"])
+        _replace_pair(staged, output_prefix)
+    except BaseException:
+        if builder is not None:
+            builder.data_file.close()  # finalize closes it; a failure before leaves it open
+        for path in staged.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        raise
     finally:
         if pool is not None:
             pool.terminate()
-    if num_docs == 0:
-        raise ValueError(f"{input_path} holds no non-empty documents")
-    builder.finalize(output_prefix + ".idx")
     return num_docs
 
 
@@ -124,6 +166,10 @@ def generated_dataset(directory: str, num_docs: int = 2000, seed: int = 0) -> st
 
 
 def main(argv=None) -> int:
+    # here, not at the top: run as a script, the repository is on sys.path only once __main__ put it there
+    from megatron.training.quiet import hold
+
+    hold()  # before Megatron-Core's first import: its ~8 lines of fallback warnings buried an error's one line
     from megatron.training.tokenizer import TOKENIZER_TYPES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -36,6 +36,8 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from megatron.training.arguments import ArgumentError
+
 SPLITS = ("train", "valid", "test")
 
 
@@ -67,16 +69,18 @@ class DataConfig:
 
 def check_token_ids(prefixes: Sequence[str], vocab_size: int, tokenizer_name: str) -> None:
     """Refuse a dataset holding a token id the model's (padded) vocabulary cannot embed: on a GPU that is a
-    device-side assert deep in the embedding, on a CPU an index error."""
+    device-side assert deep in the embedding, on a CPU an index error. An ``ArgumentError``: the flags do not
+    fit the data, and the entry script prints it as one line, as it does a bad flag."""
     for prefix in prefixes:
         index = IndexedDataset(prefix, mmap=True)
         tokens = np.memmap(prefix + ".bin", dtype=index.index.dtype, mode="r")
         top = int(tokens.max()) if tokens.size else -1
         del tokens, index
         if top >= vocab_size:
-            raise ValueError(f"dataset {prefix} holds token id {top}, beyond the vocabulary of {vocab_size} "
-                             f"(--tokenizer-type {tokenizer_name}): preprocess it with the tokenizer the run "
-                             "uses, or pass that tokenizer")
+            raise ArgumentError(f"dataset {prefix} holds token id {top}, beyond the vocabulary of {vocab_size} "
+                                f"(--tokenizer-type {tokenizer_name}): pass the tokenizer it was preprocessed "
+                                f"with (--tokenizer-type and its files) or --vocab-size {top + 1} or more, or "
+                                "preprocess it with this run's tokenizer")
 
 
 @contextmanager

@@ -60,7 +60,21 @@ def format_file(directory: Path, fmt: dict, dirs: tuple[Path, ...], create: bool
         tmp = directory / f".FORMAT.json.{os.getpid()}"
         tmp.write_text(json.dumps(fmt))
         os.replace(tmp, path)
-    return json.loads(path.read_text())
+    return read_format(path)
+
+
+def read_format(path: Path) -> dict:
+    """What the ``FORMAT.json`` at ``path`` says (``FileNotFoundError`` when there is none): a JSON object,
+    else ``StoreError`` naming the file. Valid JSON of another type (``"x"``, ``[1]``) is refused here too:
+    every reader looks its fields up with ``.get``."""
+    try:
+        found = json.loads(path.read_text())
+    except ValueError as exc:  # UnicodeDecodeError is one too
+        raise StoreError(f"{path} is unreadable ({exc}): not a moe-ft store, or a damaged one") from None
+    if not isinstance(found, dict):
+        raise StoreError(f"{path} holds a JSON {type(found).__name__}, not the store's format object "
+                         '({"format": "moe-ft-store", "version": ...}): not a moe-ft store, or a damaged one')
+    return found
 
 
 def valid_blob_name(name: str) -> str:

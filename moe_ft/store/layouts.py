@@ -5,13 +5,11 @@ stores written by either stay readable."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from moe_ft.store.arena import ArenaBackend
-from moe_ft.store.backend import FaultHook, StoreBackend
-from moe_ft.store.errors import StoreError
+from moe_ft.store.backend import FaultHook, StoreBackend, read_format
 from moe_ft.store.local import LocalFSBackend
 
 LAYOUTS = ("arena", "files")
@@ -19,13 +17,10 @@ LAYOUTS = ("arena", "files")
 
 def layout_of(directory: str | os.PathLike) -> str | None:
     """``"arena"``, ``"files"``, or ``None`` when ``directory`` holds no store yet."""
-    fmt = Path(directory) / "FORMAT.json"
     try:
-        found = json.loads(fmt.read_text())
+        found = read_format(Path(directory) / "FORMAT.json")
     except FileNotFoundError:
         return None
-    except ValueError as exc:
-        raise StoreError(f"{fmt} is unreadable ({exc}): not a moe-ft store, or a damaged one") from None
     return "arena" if found.get("layout") == "arena" else "files"
 
 
