@@ -38,6 +38,13 @@ def test_flags_map_to_dataclasses(data_prefix):
     (["--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
     (["--moe-token-dispatcher-type", "flexible", "--use-distributed-optimizer", "--save", "ckpt"], 1,
      "need the plain optimizer"),
+    # the LR schedule: Megatron-Core's scheduler asserts these on every rank after the model is built
+    (["--lr", "1e-4"], 1, r"--lr 0.0001 is below --min-lr 0.0003 \(its default is 0.0003\): pass --min-lr 0.0001"),
+    (["--min-lr=-1e-5"], 1, "--min-lr must be >= 0"),
+    (["--lr-decay-iters", "0"], 1, "--lr-decay-iters must be positive, got 0"),
+    (["--lr-warmup-iters", "-1"], 1, "--lr-warmup-iters must be >= 0, got -1"),
+    (["--lr-decay-style", "constant", "--lr-warmup-iters", "100"], 1,
+     "--lr-warmup-iters 100 must be smaller than the decay iterations 100"),
 ])
 def test_bad_flags(flags, world, message, data_prefix):
     with pytest.raises(ArgumentError, match=message):

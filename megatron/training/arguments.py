@@ -434,8 +434,7 @@ def validate_args(args: Args) -> None:
         raise ArgumentError(f"--train-iters must be positive, got {t.train_iters}")
     if t.lr_decay_iters is None:
         t.lr_decay_iters = t.train_iters
-    if t.lr_warmup_iters >= t.lr_decay_iters and t.lr_decay_style != "constant":
-        raise ArgumentError("--lr-warmup-iters must be smaller than the decay iterations")
+    _validate_lr_schedule(t)
     if t.save_interval < 0 or t.log_interval <= 0 or t.eval_interval < 0:
         raise ArgumentError("--save-interval/--eval-interval must be >= 0 and --log-interval > 0")
     if m.moe_token_dispatcher_type == "flexible" and p.use_distributed_optimizer and (t.save or t.load):
@@ -463,6 +462,26 @@ def validate_args(args: Args) -> None:
         raise ArgumentError(f"--num-workers must be >= 0, got {d.num_workers}")
     if t.load and not os.path.isdir(t.load):
         raise ArgumentError(f"--load {t.load}: no such directory")
+
+
+def _validate_lr_schedule(t: TrainingArgs) -> None:
+    """What Megatron-Core's ``OptimizerParamScheduler`` asserts in its constructor, on every rank after the
+    model is built, checked here with the flag to change."""
+    default_min_lr = TrainingArgs.__dataclass_fields__["min_lr"].default
+    decay_iters = t.lr_decay_iters
+    assert decay_iters is not None  # filled in by validate_args
+    if t.min_lr < 0:
+        raise ArgumentError(f"--min-lr must be >= 0, got {t.min_lr:g}")
+    if t.lr < t.min_lr:
+        raise ArgumentError(f"--lr {t.lr:g} is below --min-lr {t.min_lr:g} (its default is {default_min_lr:g}): "
+                            f"pass --min-lr {t.lr:g} or lower, or a larger --lr")
+    if decay_iters <= 0:
+        raise ArgumentError(f"--lr-decay-iters must be positive, got {decay_iters}")
+    if t.lr_warmup_iters < 0:
+        raise ArgumentError(f"--lr-warmup-iters must be >= 0, got {t.lr_warmup_iters}")
+    if t.lr_warmup_iters >= decay_iters:  # asserted for every decay style, 'constant' included
+        raise ArgumentError(f"--lr-warmup-iters {t.lr_warmup_iters} must be smaller than the decay iterations "
+                            f"{decay_iters} (--lr-decay-iters, default --train-iters)")
 
 
 def _validate_virtual_pipeline(args: Args) -> None:
