@@ -29,6 +29,8 @@ def test_flags_map_to_dataclasses(data_prefix):
     (["--pipeline-model-parallel-size", "3"], 4, "world size 4 must be divisible"),
     (["--expert-model-parallel-size", "4", "--num-experts", "4"], 2, "ranks per stage must be divisible"),
     (["--global-batch-size", "3"], 2, "--global-batch-size 3 must be a positive multiple"),
+    (["--global-batch-size", "0"], 2, "--global-batch-size 0 must be a positive multiple"),
+    (["--global-batch-size", "-4"], 2, "--global-batch-size -4 must be a positive multiple"),
     (["--moe-grouped-gemm"], 1, "needs the grouped_gemm package"),
     (["--pipeline-model-parallel-size", "2", "--global-batch-size", "2", "--micro-batch-size", "1"], 4,
      "pipeline parallelism needs at least 2 micro-batches"),

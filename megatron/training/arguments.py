@@ -414,7 +414,9 @@ def validate_args(args: Args) -> None:
                             f"--seq-length {m.seq_length}")
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
-    if t.micro_batch_size <= 0 or t.global_batch_size % (t.micro_batch_size * dp):
+    if t.micro_batch_size <= 0:
+        raise ArgumentError(f"--micro-batch-size must be positive, got {t.micro_batch_size}")
+    if t.global_batch_size <= 0 or t.global_batch_size % (t.micro_batch_size * dp):
         raise ArgumentError(f"--global-batch-size {t.global_batch_size} must be a positive multiple of "
                             f"--micro-batch-size x data-parallel size = {t.micro_batch_size} x {dp}")
     if p.pipeline_model_parallel_size > 1 and args.num_microbatches < p.pipeline_model_parallel_size:
