@@ -37,6 +37,7 @@ def test_flags_map_to_dataclasses(data_prefix):
     (["--moe-router-topk", "5"], 1, "exceeds --num-experts"),
     (["--bf16", "--fp16"], 1, "exclusive"),
     (["--save-interval", "5"], 1, "--save-interval needs --save"),
+    (["--eval-interval", "2", "--eval-iters", "0"], 1, "--eval-interval 2 needs --eval-iters >= 1, got 0"),
     (["--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
     (["--moe-token-dispatcher-type", "flexible", "--use-distributed-optimizer", "--save", "ckpt"], 1,
      "need the plain optimizer"),

@@ -457,6 +457,9 @@ def validate_args(args: Args) -> None:
                 raise ArgumentError(f"--data-path {prefix}: {prefix + suffix} not found; create it with "
                                     f"`python tools/preprocess_data.py --append-eod --output-prefix {prefix} ...`")
     weights = split_weights(d.split)
+    if t.eval_interval and t.eval_iters <= 0:
+        raise ArgumentError(f"--eval-interval {t.eval_interval} needs --eval-iters >= 1, got {t.eval_iters}; "
+                            "pass --eval-iters 1 or more, or --eval-interval 0 to evaluate never")
     if t.eval_interval and not weights[1]:
         raise ArgumentError(f"--eval-interval {t.eval_interval} needs validation data: give --split a "
                             "validation weight, e.g. 98,2,0")
