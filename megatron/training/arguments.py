@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -244,8 +245,11 @@ def data_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
     except ValueError:
         raise ArgumentError(f"--data-path with several datasets takes weight/prefix pairs (W1 PREFIX1 W2 "
                             f"PREFIX2 ...); {' '.join(data_path[0::2])} are not all numbers") from None
-    if min(weights) < 0 or sum(weights) <= 0:
-        raise ArgumentError(f"--data-path weights must be non-negative with a positive sum, got {weights}")
+    # Megatron-Core's BlendedDataset asserts every weight > 0 (a zero weight is no way to leave a dataset out)
+    bad = [(w, prefix) for w, prefix in zip(weights, data_path[1::2]) if not (w > 0 and math.isfinite(w))]
+    if bad:
+        raise ArgumentError(f"--data-path weights must be positive and finite, got {bad[0][0]:g} for "
+                            f"{bad[0][1]}; drop that weight/prefix pair to leave the dataset out")
     return list(data_path[1::2]), weights
 
 
