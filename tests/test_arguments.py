@@ -39,6 +39,8 @@ def test_flags_map_to_dataclasses(data_prefix):
     (["--save-interval", "5"], 1, "--save-interval needs --save"),
     (["--eval-interval", "2", "--eval-iters", "0"], 1, "--eval-interval 2 needs --eval-iters >= 1, got 0"),
     (["--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--vocab-size", "301"], 2,
+     "--vocab-size 301 must be divisible by --tensor-model-parallel-size 2: pass --vocab-size 302"),
     (["--moe-token-dispatcher-type", "flexible", "--use-distributed-optimizer", "--save", "ckpt"], 1,
      "need the plain optimizer"),
     # the LR schedule: Megatron-Core's scheduler asserts these on every rank after the model is built

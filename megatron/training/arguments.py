@@ -348,6 +348,13 @@ def validate_args(args: Args) -> None:
     if m.vocab_size is not None and d.tokenizer_type not in SIZED_BY_FLAG and m.vocab_size < tokenizer.vocab_size:
         raise ArgumentError(f"--vocab-size {m.vocab_size} is smaller than --tokenizer-type {d.tokenizer_type}'s "
                             f"{tokenizer.vocab_size} ids; leave it out (the tokenizer's size, padded)")
+    tp = p.tensor_model_parallel_size
+    if m.vocab_size is not None and d.tokenizer_type not in SIZED_BY_FLAG and m.vocab_size % tp:
+        # the model takes this --vocab-size unpadded (model.vocab_size_for), and Megatron-Core splits the
+        # embedding and the output layer's rows evenly over the tensor-parallel ranks
+        raise ArgumentError(f"--vocab-size {m.vocab_size} must be divisible by --tensor-model-parallel-size {tp}: "
+                            f"pass --vocab-size {-(-m.vocab_size // tp) * tp}, or leave it out (the tokenizer's "
+                            "size, padded)")
     emulated = any(e.emulates_fp8 for e in extensions(args))
     if m.fp8_format and m.transformer_impl != "transformer_engine" and not emulated:
         raise ArgumentError("--fp8-format needs --transformer-impl transformer_engine (or --fp8-emulation to run "
