@@ -239,3 +239,22 @@ def test_a_replaying_policy_refuses_grouped_mlp_experts(policy, impl, refused):
             config.check_args(args)
     else:
         config.check_args(args)
+
+
+def test_load_without_a_complete_checkpoint_is_refused_at_parsing(data_prefix, tmp_path):
+    """``--load DIR`` is checked before any process starts: a directory without the tracker file, a tracker
+    that holds no number, or one naming a missing checkpoint each stop with one line (every rank raised a
+    ``CheckpointError`` traceback after building the model)."""
+    flags = ["--data-path", data_prefix, "--load", str(tmp_path)]
+    with pytest.raises(ArgumentError, match=r"--load \S+: no latest_checkpointed_iteration.txt, so no complete "
+                                            r"checkpoint .*leave --load out to start from scratch"):
+        parse_args(flags, world_size=1)
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    tracker.write_text("x")
+    with pytest.raises(ArgumentError, match="holds 'x', not an iteration number"):
+        parse_args(flags, world_size=1)
+    tracker.write_text("4")
+    with pytest.raises(ArgumentError, match="names iteration 4 but .*iter_0000004 is missing"):
+        parse_args(flags, world_size=1)
+    (tmp_path / "iter_0000004").mkdir()
+    assert parse_args(flags, world_size=1).training.load == str(tmp_path)

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from megatron.training.argument_utils import add_dataclass_arguments, dataclass_from_args, field_help
+from megatron.training.checkpoint_tracker import CheckpointError, latest_checkpoint
 from megatron.training.extensions import Extension, check_extension
 from megatron.training.tokenizer import SIZED_BY_FLAG, TOKENIZER_TYPES, tokenizer_from_args
 
@@ -476,8 +477,13 @@ def validate_args(args: Args) -> None:
                             "validation weight, e.g. 98,2,0")
     if d.num_workers < 0:
         raise ArgumentError(f"--num-workers must be >= 0, got {d.num_workers}")
-    if t.load and not os.path.isdir(t.load):
-        raise ArgumentError(f"--load {t.load}: no such directory")
+    if t.load:
+        if not os.path.isdir(t.load):
+            raise ArgumentError(f"--load {t.load}: no such directory")
+        try:  # here, not on every rank after the model is built
+            latest_checkpoint(t.load)
+        except CheckpointError as e:
+            raise ArgumentError(str(e)) from e
 
 
 def _validate_lr_schedule(t: TrainingArgs) -> None:

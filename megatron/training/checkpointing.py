@@ -24,30 +24,11 @@ from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, S
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron.training.checkpoint_tracker import TRACKER_FILE, CheckpointError, checkpoint_dir, latest_checkpoint
 from megatron.training.model import TrainState
 from megatron.training.optimizer_state import ensure_optimizer_state
 
 log = logging.getLogger("megatron.training")
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; the message says which and why."""
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def read_latest_iteration(root: str) -> int | None:
-    path = os.path.join(root, TRACKER_FILE)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    try:
-        return int(text)
-    except ValueError as e:
-        raise CheckpointError(f"{path} holds {text!r}, not an iteration number; fix or delete it") from e
 
 
 def rng_state() -> dict:
@@ -203,13 +184,7 @@ def load_checkpoint(root: str, state: TrainState, *, load_optim: bool = True, lo
     Collective. Raises :class:`CheckpointError` naming the problem. ``load_optim=False``
     (``--no-load-optim``): the model, the iteration and the LR schedule, not the optimizer state;
     ``load_rng=False`` (``--no-load-rng``): not the RNG states."""
-    iteration = read_latest_iteration(root)
-    if iteration is None:
-        raise CheckpointError(f"--load {root}: no {TRACKER_FILE}; nothing was saved there "
-                              f"(or the save did not complete)")
-    path = checkpoint_dir(root, iteration)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{root}/{TRACKER_FILE} names iteration {iteration} but {path} is missing")
+    iteration, path = latest_checkpoint(root)
     torn = torn_checkpoints(root, iteration)
     if torn and dist.get_rank() == 0:
         log.warning("ignoring %s in %s: newer than %s (iteration %d), the save did not finish",
