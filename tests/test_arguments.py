@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron.training.arguments import ArgumentError, parse_args  # noqa: E402
-from tests._ft_helpers import tiny_model_flags  # noqa: E402
+from tests._ft_helpers import tiny_model_flags, torchrun  # noqa: E402
 
 
 def test_flags_map_to_dataclasses(data_prefix):
@@ -257,4 +257,40 @@ def test_load_without_a_complete_checkpoint_is_refused_at_parsing(data_prefix, t
     with pytest.raises(ArgumentError, match="names iteration 4 but .*iter_0000004 is missing"):
         parse_args(flags, world_size=1)
     (tmp_path / "iter_0000004").mkdir()
-    assert parse_args(flags, world_size=1).training.load == str(tmp_path)
+    with pytest.raises(ArgumentError, match=r"cannot read .*iter_0000004"):  # no common.pt
+        parse_args(flags, world_size=1)
+
+
+@pytest.mark.timeout(240)  # two one-rank runs under torchrun
+def test_resuming_checks_the_lr_schedule_against_the_flags(corpus, tmp_path):
+    """``--load`` follows Megatron-LM: the checkpoint's LR/WD schedule must equal the flags' (checked at
+    parsing, one line naming the flag and both choices); ``--override-opt-param-scheduler`` trains on with the
+    flags' schedule, ``--use-checkpoint-opt-param-scheduler`` with the checkpoint's (the old silent default:
+    extending --train-iters kept the old decay length)."""
+    import math
+
+    ckpt = str(tmp_path / "ckpt")
+    flags = [*tiny_model_flags(global_batch_size=2, lr="3e-3", min_lr="3e-4", lr_decay_style="cosine",
+                               log_interval=1), "--data-path", corpus]
+    torchrun("pretrain_gpt_moe.py", [*flags, "--train-iters", "4", "--save", ckpt], nproc=1, timeout=120)
+    longer = [*flags, "--train-iters", "8", "--load", ckpt]
+    with pytest.raises(ArgumentError, match=r"^--lr-decay-iters \(default --train-iters\) is 8 here but 4 in the LR "
+                                            r"schedule of \S+iter_0000004: pass --override-opt-param-scheduler to "
+                                            r"train on with the flags' schedule, or --use-checkpoint-opt-param-"
+                                            r"scheduler to keep the checkpoint's$"):
+        parse_args(longer, world_size=1)
+    with pytest.raises(ArgumentError, match="^--lr is 0.01 here but 0.003 in the LR schedule"):
+        parse_args([*flags, "--train-iters", "4", "--load", ckpt, "--lr", "1e-2"], world_size=1)
+    with pytest.raises(ArgumentError, match="are exclusive"):
+        parse_args([*longer, "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"], world_size=1)
+    assert parse_args([*longer, "--use-checkpoint-opt-param-scheduler"], world_size=1).training.load == ckpt
+    # a longer --train-iters with the checkpoint's --lr-decay-iters resumes as is
+    parse_args([*longer, "--lr-decay-iters", "4"], world_size=1)
+
+    resumed = torchrun("pretrain_gpt_moe.py", [*longer, "--override-opt-param-scheduler"], nproc=1, timeout=120)
+    lrs = {int(line.split()[1].split("/")[0]): float(line.split("| lr ")[1].split()[0])
+           for line in resumed.stdout.splitlines() if line.startswith("iteration ")}
+    # the flags' cosine decay over 8 iterations from the checkpoint's position (the logged LR: the schedule
+    # after i iterations); the checkpoint's own decay over 4 would hold it at --min-lr
+    expected = {i: 3e-4 + 0.5 * (math.cos(math.pi * i / 8) + 1) * (3e-3 - 3e-4) for i in range(5, 9)}
+    assert set(lrs) == set(expected) and all(math.isclose(lrs[i], expected[i], rel_tol=2e-3) for i in lrs), lrs

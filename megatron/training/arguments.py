@@ -132,6 +132,13 @@ class TrainingArgs:
         "schedule still resume): for a checkpoint whose optimizer state does not map onto this run's, e.g. "
         "saved with another expert-parallel size."))
     no_load_rng: bool = field(default=False, metadata=field_help("--load without the saved RNG states."))
+    override_opt_param_scheduler: bool = field(default=False, metadata=field_help(
+        "--load: train with the LR/WD schedule of the flags (--lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, "
+        "--lr-decay-style, --weight-decay) from the checkpoint's position; default: the run stops when they differ "
+        "from the checkpoint's."))
+    use_checkpoint_opt_param_scheduler: bool = field(default=False, metadata=field_help(
+        "--load: train with the checkpoint's LR/WD schedule, whatever the flags say; default: the run stops when "
+        "they differ."))
     save_interval: int = field(default=0, metadata=field_help("Iterations between saves (0: end only)."))
     loss_scale: float | None = field(default=None, metadata=field_help(
         "--fp16: static loss scale (default: dynamic loss scaling)."))
@@ -484,6 +491,14 @@ def validate_args(args: Args) -> None:
             latest_checkpoint(t.load)
         except CheckpointError as e:
             raise ArgumentError(str(e)) from e
+        if t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler:
+            raise ArgumentError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are "
+                                "exclusive; pass one of them")
+        # start-up time: reading the checkpoint imports torch and Megatron-Core's dist_checkpointing
+        from megatron.training.resume_checks import check_resume
+
+        if (problem := check_resume(t)) is not None:
+            raise ArgumentError(problem)
 
 
 def _validate_lr_schedule(t: TrainingArgs) -> None:

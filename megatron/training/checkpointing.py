@@ -179,11 +179,15 @@ def padded_vocab(state: TrainState) -> int:
     return int(state.model[0].module.vocab_size)
 
 
-def load_checkpoint(root: str, state: TrainState, *, load_optim: bool = True, load_rng: bool = True) -> int:
+def load_checkpoint(root: str, state: TrainState, *, load_optim: bool = True, load_rng: bool = True,
+                    override_schedule: bool = False) -> int:
     """Load the newest complete checkpoint under ``root`` into ``state``; returns its iteration.
     Collective. Raises :class:`CheckpointError` naming the problem. ``load_optim=False``
     (``--no-load-optim``): the model, the iteration and the LR schedule, not the optimizer state;
-    ``load_rng=False`` (``--no-load-rng``): not the RNG states."""
+    ``load_rng=False`` (``--no-load-rng``): not the RNG states; ``override_schedule``
+    (``--override-opt-param-scheduler``): the LR/WD schedule of ``state.scheduler`` (the flags') from the
+    checkpoint's position, else the checkpoint's (equal to the flags' unless
+    ``--use-checkpoint-opt-param-scheduler``: checked at parsing)."""
     iteration, path = latest_checkpoint(root)
     torn = torn_checkpoints(root, iteration)
     if torn and dist.get_rank() == 0:
@@ -225,7 +229,10 @@ def load_checkpoint(root: str, state: TrainState, *, load_optim: bool = True, lo
         if load_optim:
             state.optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(state.optimizer)
-    state.scheduler.load_state_dict(common["scheduler"])
+    saved_schedule = common["scheduler"]
+    if override_schedule:  # the scheduler takes what it is given: give it its own values, the saved position
+        saved_schedule = {**state.scheduler.state_dict(), "num_steps": saved_schedule["num_steps"]}
+    state.scheduler.load_state_dict(saved_schedule)
     if "rng_state" in loaded:
         set_rng_state(loaded["rng_state"])
     if int(common["iteration"]) != iteration:
