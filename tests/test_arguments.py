@@ -261,18 +261,28 @@ def test_load_without_a_complete_checkpoint_is_refused_at_parsing(data_prefix, t
         parse_args(flags, world_size=1)
 
 
+RESUME_FLAGS = dict(global_batch_size=2, lr="3e-3", min_lr="3e-4", lr_decay_style="cosine", log_interval=1)
+
+
+@pytest.fixture(scope="module")
+def one_rank_checkpoint(corpus, tmp_path_factory):
+    """A checkpoint after 4 iterations of a one-rank run (global batch size 2, cosine decay over 4)."""
+    ckpt = str(tmp_path_factory.mktemp("resume") / "ckpt")
+    torchrun("pretrain_gpt_moe.py", [*tiny_model_flags(**RESUME_FLAGS), "--data-path", corpus, "--train-iters",
+                                     "4", "--save", ckpt], nproc=1, timeout=120)
+    return ckpt
+
+
 @pytest.mark.timeout(240)  # two one-rank runs under torchrun
-def test_resuming_checks_the_lr_schedule_against_the_flags(corpus, tmp_path):
+def test_resuming_checks_the_lr_schedule_against_the_flags(corpus, one_rank_checkpoint):
     """``--load`` follows Megatron-LM: the checkpoint's LR/WD schedule must equal the flags' (checked at
     parsing, one line naming the flag and both choices); ``--override-opt-param-scheduler`` trains on with the
     flags' schedule, ``--use-checkpoint-opt-param-scheduler`` with the checkpoint's (the old silent default:
     extending --train-iters kept the old decay length)."""
     import math
 
-    ckpt = str(tmp_path / "ckpt")
-    flags = [*tiny_model_flags(global_batch_size=2, lr="3e-3", min_lr="3e-4", lr_decay_style="cosine",
-                               log_interval=1), "--data-path", corpus]
-    torchrun("pretrain_gpt_moe.py", [*flags, "--train-iters", "4", "--save", ckpt], nproc=1, timeout=120)
+    ckpt = one_rank_checkpoint
+    flags = [*tiny_model_flags(**RESUME_FLAGS), "--data-path", corpus]
     longer = [*flags, "--train-iters", "8", "--load", ckpt]
     with pytest.raises(ArgumentError, match=r"^--lr-decay-iters \(default --train-iters\) is 8 here but 4 in the LR "
                                             r"schedule of \S+iter_0000004: pass --override-opt-param-scheduler to "
@@ -294,3 +304,20 @@ def test_resuming_checks_the_lr_schedule_against_the_flags(corpus, tmp_path):
     # after i iterations); the checkpoint's own decay over 4 would hold it at --min-lr
     expected = {i: 3e-4 + 0.5 * (math.cos(math.pi * i / 8) + 1) * (3e-3 - 3e-4) for i in range(5, 9)}
     assert set(lrs) == set(expected) and all(math.isclose(lrs[i], expected[i], rel_tol=2e-3) for i in lrs), lrs
+
+
+@pytest.mark.timeout(120)
+def test_resuming_with_another_global_batch_size_is_refused(corpus, one_rank_checkpoint):
+    """The data position of iteration i is i x the global batch size, which the checkpoint records: a --load
+    with another size (its default, micro-batch x data-parallel size, follows the world) would replay or skip
+    samples, so it stops with one line, whichever LR-schedule choice is passed."""
+    keep = ["--data-path", corpus, "--train-iters", "4", "--load", one_rank_checkpoint,
+            "--use-checkpoint-opt-param-scheduler"]
+    message = (r"^--global-batch-size 4 differs from the 2 that \S+iter_0000004 was trained with \(the resumed run "
+               r"would replay or skip data\): pass --global-batch-size 2$")
+    with pytest.raises(ArgumentError, match=message):
+        parse_args([*tiny_model_flags(**RESUME_FLAGS), *keep, "--global-batch-size", "4"], world_size=1)
+    by_default = tiny_model_flags(**{**RESUME_FLAGS, "global_batch_size": None})
+    with pytest.raises(ArgumentError, match=message):  # the default on two ranks: micro-batch 2 x 2
+        parse_args([*by_default, *keep], world_size=2)
+    assert parse_args([*by_default, *keep], world_size=1).training.global_batch_size == 2

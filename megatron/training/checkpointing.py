@@ -145,6 +145,7 @@ def save_checkpoint(root: str, iteration: int, state: TrainState, hooks=None) ->
     sharded["iteration"] = iteration
     sharded["world_size"] = dist.get_world_size()  # the RNG state is one shard per rank of this world
     sharded["padded_vocab_size"] = padded_vocab(state)
+    sharded["global_batch_size"] = state.global_batch_size  # the data position (checked at parsing on --load)
     request = dist_checkpointing.save(sharded, path, async_sharded_save=True)
     if hooks is not None:
         request.finalize_fns.insert(0, lambda: hooks.during_checkpoint_write(iteration))

@@ -128,6 +128,8 @@ class TrainState:
     optimizer: object
     scheduler: OptimizerParamScheduler
     config: TransformerConfig
+    global_batch_size: int
+    """Samples per iteration: saved with a checkpoint, whose data position is iteration x this."""
 
 
 def build_train_state(args: Args) -> TrainState:
@@ -203,4 +205,5 @@ def _finish_train_state(args: Args, config: TransformerConfig, model: list) -> T
         wd_incr_steps=t.train_iters * t.global_batch_size,
         wd_incr_style="constant",
     )
-    return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, config=config)
+    return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, config=config,
+                      global_batch_size=t.global_batch_size)

@@ -1,5 +1,7 @@
 """Parse-time checks of the ``--load`` checkpoint against this run's flags (before any process group).
 
+The global batch size must be the checkpoint's: the data position of iteration ``i`` is ``i`` x it.
+
 The LR/WD schedule (Megatron-LM's rule): by default the checkpoint's schedule must equal the one the flags
 give, else the run stops naming the flag; ``--override-opt-param-scheduler`` trains with the flags' schedule
 from the checkpoint's position, ``--use-checkpoint-opt-param-scheduler`` with the checkpoint's.
@@ -60,6 +62,12 @@ def check_resume(t) -> str | None:
         common = dist_checkpointing.load_common_state_dict(path)
     except Exception as e:  # noqa: BLE001 - many types; the message names the file
         return f"--load {t.load}: cannot read {path}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    saved_gbs = common.get("global_batch_size")  # absent from checkpoints saved before it was recorded
+    if saved_gbs is not None and saved_gbs != t.global_batch_size:
+        # the data position of iteration i is i x the global batch size (ReplayableData): another size
+        # replays or skips samples; its default, --micro-batch-size x data-parallel size, follows the world
+        return (f"--global-batch-size {t.global_batch_size} differs from the {saved_gbs} that {path} was trained "
+                f"with (the resumed run would replay or skip data): pass --global-batch-size {saved_gbs}")
     if t.override_opt_param_scheduler or t.use_checkpoint_opt_param_scheduler or "scheduler" not in common:
         return None
     return schedule_mismatch(common["scheduler"], flag_schedule(t), t.global_batch_size, path)

@@ -41,6 +41,7 @@ class MegatronDenseWriter:
         sharded = _sharded_state_dict(self.state, is_loading=False)
         sharded["scheduler"] = self.state.scheduler.state_dict()
         sharded["iteration"] = iteration
+        sharded["global_batch_size"] = self.state.global_batch_size  # a --load of it checks it at parsing
         request = dist_checkpointing.save(sharded, path, async_sharded_save=True)
 
         def publish() -> None:  # runs on every rank once all ranks' writes are done
