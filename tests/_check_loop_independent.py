@@ -92,7 +92,7 @@ def check_train(data: str, workdir: str) -> dict:
     save = os.path.join(workdir, "ckpt")
     reports = []
     for argv in (["--train-iters", "2", "--save", save, "--save-interval", "2"],
-                 ["--train-iters", "3", "--load", save]):
+                 ["--train-iters", "3", "--load", save, "--use-checkpoint-opt-param-scheduler"]):
         os.environ["MASTER_PORT"] = str(_free_port())
         report = pretrain(parse_args([*TINY, "--data-path", data, *argv]))
         reports.append(report.last_iteration)

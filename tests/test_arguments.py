@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron.training.arguments import ArgumentError, parse_args  # noqa: E402
-from tests._ft_helpers import tiny_model_flags  # noqa: E402
+from tests._ft_helpers import tiny_model_flags, torchrun  # noqa: E402
 
 
 def test_flags_map_to_dataclasses(data_prefix):
@@ -29,15 +29,27 @@ def test_flags_map_to_dataclasses(data_prefix):
     (["--pipeline-model-parallel-size", "3"], 4, "world size 4 must be divisible"),
     (["--expert-model-parallel-size", "4", "--num-experts", "4"], 2, "ranks per stage must be divisible"),
     (["--global-batch-size", "3"], 2, "--global-batch-size 3 must be a positive multiple"),
+    (["--global-batch-size", "0"], 2, "--global-batch-size 0 must be a positive multiple"),
+    (["--global-batch-size", "-4"], 2, "--global-batch-size -4 must be a positive multiple"),
     (["--moe-grouped-gemm"], 1, "needs the grouped_gemm package"),
     (["--pipeline-model-parallel-size", "2", "--global-batch-size", "2", "--micro-batch-size", "1"], 4,
      "pipeline parallelism needs at least 2 micro-batches"),
     (["--moe-router-topk", "5"], 1, "exceeds --num-experts"),
     (["--bf16", "--fp16"], 1, "exclusive"),
     (["--save-interval", "5"], 1, "--save-interval needs --save"),
+    (["--eval-interval", "2", "--eval-iters", "0"], 1, "--eval-interval 2 needs --eval-iters >= 1, got 0"),
     (["--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--vocab-size", "301"], 2,
+     "--vocab-size 301 must be divisible by --tensor-model-parallel-size 2: pass --vocab-size 302"),
     (["--moe-token-dispatcher-type", "flexible", "--use-distributed-optimizer", "--save", "ckpt"], 1,
      "need the plain optimizer"),
+    # the LR schedule: Megatron-Core's scheduler asserts these on every rank after the model is built
+    (["--lr", "1e-4"], 1, r"--lr 0.0001 is below --min-lr 0.0003 \(its default is 0.0003\): pass --min-lr 0.0001"),
+    (["--min-lr=-1e-5"], 1, "--min-lr must be >= 0"),
+    (["--lr-decay-iters", "0"], 1, "--lr-decay-iters must be positive, got 0"),
+    (["--lr-warmup-iters", "-1"], 1, "--lr-warmup-iters must be >= 0, got -1"),
+    (["--lr-decay-style", "constant", "--lr-warmup-iters", "100"], 1,
+     "--lr-warmup-iters 100 must be smaller than the decay iterations 100"),
 ])
 def test_bad_flags(flags, world, message, data_prefix):
     with pytest.raises(ArgumentError, match=message):
@@ -227,3 +239,85 @@ def test_a_replaying_policy_refuses_grouped_mlp_experts(policy, impl, refused):
             config.check_args(args)
     else:
         config.check_args(args)
+
+
+def test_load_without_a_complete_checkpoint_is_refused_at_parsing(data_prefix, tmp_path):
+    """``--load DIR`` is checked before any process starts: a directory without the tracker file, a tracker
+    that holds no number, or one naming a missing checkpoint each stop with one line (every rank raised a
+    ``CheckpointError`` traceback after building the model)."""
+    flags = ["--data-path", data_prefix, "--load", str(tmp_path)]
+    with pytest.raises(ArgumentError, match=r"--load \S+: no latest_checkpointed_iteration.txt, so no complete "
+                                            r"checkpoint .*leave --load out to start from scratch"):
+        parse_args(flags, world_size=1)
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    tracker.write_text("x")
+    with pytest.raises(ArgumentError, match="holds 'x', not an iteration number"):
+        parse_args(flags, world_size=1)
+    tracker.write_text("4")
+    with pytest.raises(ArgumentError, match="names iteration 4 but .*iter_0000004 is missing"):
+        parse_args(flags, world_size=1)
+    (tmp_path / "iter_0000004").mkdir()
+    with pytest.raises(ArgumentError, match=r"cannot read .*iter_0000004"):  # no common.pt
+        parse_args(flags, world_size=1)
+
+
+RESUME_FLAGS = dict(global_batch_size=2, lr="3e-3", min_lr="3e-4", lr_decay_style="cosine", log_interval=1)
+
+
+@pytest.fixture(scope="module")
+def one_rank_checkpoint(corpus, tmp_path_factory):
+    """A checkpoint after 4 iterations of a one-rank run (global batch size 2, cosine decay over 4)."""
+    ckpt = str(tmp_path_factory.mktemp("resume") / "ckpt")
+    torchrun("pretrain_gpt_moe.py", [*tiny_model_flags(**RESUME_FLAGS), "--data-path", corpus, "--train-iters",
+                                     "4", "--save", ckpt], nproc=1, timeout=120)
+    return ckpt
+
+
+@pytest.mark.timeout(240)  # two one-rank runs under torchrun
+def test_resuming_checks_the_lr_schedule_against_the_flags(corpus, one_rank_checkpoint):
+    """``--load`` follows Megatron-LM: the checkpoint's LR/WD schedule must equal the flags' (checked at
+    parsing, one line naming the flag and both choices); ``--override-opt-param-scheduler`` trains on with the
+    flags' schedule, ``--use-checkpoint-opt-param-scheduler`` with the checkpoint's (the old silent default:
+    extending --train-iters kept the old decay length)."""
+    import math
+
+    ckpt = one_rank_checkpoint
+    flags = [*tiny_model_flags(**RESUME_FLAGS), "--data-path", corpus]
+    longer = [*flags, "--train-iters", "8", "--load", ckpt]
+    with pytest.raises(ArgumentError, match=r"^--lr-decay-iters \(default --train-iters\) is 8 here but 4 in the LR "
+                                            r"schedule of \S+iter_0000004: pass --override-opt-param-scheduler to "
+                                            r"train on with the flags' schedule, or --use-checkpoint-opt-param-"
+                                            r"scheduler to keep the checkpoint's$"):
+        parse_args(longer, world_size=1)
+    with pytest.raises(ArgumentError, match="^--lr is 0.01 here but 0.003 in the LR schedule"):
+        parse_args([*flags, "--train-iters", "4", "--load", ckpt, "--lr", "1e-2"], world_size=1)
+    with pytest.raises(ArgumentError, match="are exclusive"):
+        parse_args([*longer, "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"], world_size=1)
+    assert parse_args([*longer, "--use-checkpoint-opt-param-scheduler"], world_size=1).training.load == ckpt
+    # a longer --train-iters with the checkpoint's --lr-decay-iters resumes as is
+    parse_args([*longer, "--lr-decay-iters", "4"], world_size=1)
+
+    resumed = torchrun("pretrain_gpt_moe.py", [*longer, "--override-opt-param-scheduler"], nproc=1, timeout=120)
+    lrs = {int(line.split()[1].split("/")[0]): float(line.split("| lr ")[1].split()[0])
+           for line in resumed.stdout.splitlines() if line.startswith("iteration ")}
+    # the flags' cosine decay over 8 iterations from the checkpoint's position (the logged LR: the schedule
+    # after i iterations); the checkpoint's own decay over 4 would hold it at --min-lr
+    expected = {i: 3e-4 + 0.5 * (math.cos(math.pi * i / 8) + 1) * (3e-3 - 3e-4) for i in range(5, 9)}
+    assert set(lrs) == set(expected) and all(math.isclose(lrs[i], expected[i], rel_tol=2e-3) for i in lrs), lrs
+
+
+@pytest.mark.timeout(120)
+def test_resuming_with_another_global_batch_size_is_refused(corpus, one_rank_checkpoint):
+    """The data position of iteration i is i x the global batch size, which the checkpoint records: a --load
+    with another size (its default, micro-batch x data-parallel size, follows the world) would replay or skip
+    samples, so it stops with one line, whichever LR-schedule choice is passed."""
+    keep = ["--data-path", corpus, "--train-iters", "4", "--load", one_rank_checkpoint,
+            "--use-checkpoint-opt-param-scheduler"]
+    message = (r"^--global-batch-size 4 differs from the 2 that \S+iter_0000004 was trained with \(the resumed run "
+               r"would replay or skip data\): pass --global-batch-size 2$")
+    with pytest.raises(ArgumentError, match=message):
+        parse_args([*tiny_model_flags(**RESUME_FLAGS), *keep, "--global-batch-size", "4"], world_size=1)
+    by_default = tiny_model_flags(**{**RESUME_FLAGS, "global_batch_size": None})
+    with pytest.raises(ArgumentError, match=message):  # the default on two ranks: micro-batch 2 x 2
+        parse_args([*by_default, *keep], world_size=2)
+    assert parse_args([*by_default, *keep], world_size=1).training.global_batch_size == 2

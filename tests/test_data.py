@@ -222,6 +222,11 @@ def test_flag_forms():
         data_blend(["0.3", "a", "b"])
     with pytest.raises(ArgumentError, match="not all numbers"):
         data_blend(["a", "0.3", "b", "0.7"])
+    # Megatron-Core's BlendedDataset asserts each weight > 0: refused here with the pair to drop
+    for weights in (("0", "1"), ("1", "-0.5"), ("nan", "1")):
+        with pytest.raises(ArgumentError, match=r"--data-path weights must be positive and finite, got \S+ for "
+                                                r"\w; drop that weight/prefix pair"):
+            data_blend([weights[0], "a", weights[1], "b"])
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused(prefix):

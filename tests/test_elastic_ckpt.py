@@ -74,9 +74,11 @@ def runs(tmp_path_factory, corpus):
     ck_a, ck_s = str(tmp / "ck_a"), str(tmp / "ck_s")
     result = {"A": run("A", PLAN_A, 6, "--save", ck_a, "--save-interval", "2", "--dump-at", "2")}
     a2 = _checkpoint_at(ck_a, 2, tmp)
-    result["A2"] = run("A2", PLAN_A, 4, "--load", a2)
-    result["B"] = run("B", PLAN_B, 4, "--load", a2)
-    result["S"] = run("S", [], 4, "--load", a2, "--save", ck_s)
+    # shorter runs from A's checkpoint keep A's LR schedule (decay over 6 iterations)
+    keep = "--use-checkpoint-opt-param-scheduler"
+    result["A2"] = run("A2", PLAN_A, 4, "--load", a2, keep)
+    result["B"] = run("B", PLAN_B, 4, "--load", a2, keep)
+    result["S"] = run("S", [], 4, "--load", a2, "--save", ck_s, keep)
     result["B2"] = run("B2", PLAN_B, 6, "--load", ck_s)
     return result
 

@@ -79,7 +79,8 @@ def test_rebalance_in_the_run_moves_state_exactly_and_recovers_bitwise(corpus, t
 
     # the checkpoint written under a rebalanced plan (spare slots included) loads into a job that starts
     # from the flags' plan: the spare slots the checkpoint lacks keep their values, training goes on
-    resumed = _run(corpus, tmp_path, "resumed", [*every, "--load", ckpt], iters=ITERS + 2)
+    resumed = _run(corpus, tmp_path, "resumed", [*every, "--load", ckpt, "--use-checkpoint-opt-param-scheduler"],
+                   iters=ITERS + 2)  # two more iterations on the checkpoint's LR schedule
     assert resumed["rc"] == 0, f"see {resumed['log']}"
     log = open(resumed["log"]).read()
     assert "Missing key" not in log and f"iteration     {ITERS + 2}/{ITERS + 2} | loss" in log, log[-2000:]

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 
 from megatron.training.argument_utils import add_dataclass_arguments, dataclass_from_args, field_help
+from megatron.training.checkpoint_tracker import CheckpointError, latest_checkpoint
 from megatron.training.extensions import Extension, check_extension
 from megatron.training.tokenizer import SIZED_BY_FLAG, TOKENIZER_TYPES, tokenizer_from_args
 
@@ -130,6 +132,13 @@ class TrainingArgs:
         "schedule still resume): for a checkpoint whose optimizer state does not map onto this run's, e.g. "
         "saved with another expert-parallel size."))
     no_load_rng: bool = field(default=False, metadata=field_help("--load without the saved RNG states."))
+    override_opt_param_scheduler: bool = field(default=False, metadata=field_help(
+        "--load: train with the LR/WD schedule of the flags (--lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, "
+        "--lr-decay-style, --weight-decay) from the checkpoint's position; default: the run stops when they differ "
+        "from the checkpoint's."))
+    use_checkpoint_opt_param_scheduler: bool = field(default=False, metadata=field_help(
+        "--load: train with the checkpoint's LR/WD schedule, whatever the flags say; default: the run stops when "
+        "they differ."))
     save_interval: int = field(default=0, metadata=field_help("Iterations between saves (0: end only)."))
     loss_scale: float | None = field(default=None, metadata=field_help(
         "--fp16: static loss scale (default: dynamic loss scaling)."))
@@ -244,8 +253,11 @@ def data_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
     except ValueError:
         raise ArgumentError(f"--data-path with several datasets takes weight/prefix pairs (W1 PREFIX1 W2 "
                             f"PREFIX2 ...); {' '.join(data_path[0::2])} are not all numbers") from None
-    if min(weights) < 0 or sum(weights) <= 0:
-        raise ArgumentError(f"--data-path weights must be non-negative with a positive sum, got {weights}")
+    # Megatron-Core's BlendedDataset asserts every weight > 0 (a zero weight is no way to leave a dataset out)
+    bad = [(w, prefix) for w, prefix in zip(weights, data_path[1::2]) if not (w > 0 and math.isfinite(w))]
+    if bad:
+        raise ArgumentError(f"--data-path weights must be positive and finite, got {bad[0][0]:g} for "
+                            f"{bad[0][1]}; drop that weight/prefix pair to leave the dataset out")
     return list(data_path[1::2]), weights
 
 
@@ -344,6 +356,13 @@ def validate_args(args: Args) -> None:
     if m.vocab_size is not None and d.tokenizer_type not in SIZED_BY_FLAG and m.vocab_size < tokenizer.vocab_size:
         raise ArgumentError(f"--vocab-size {m.vocab_size} is smaller than --tokenizer-type {d.tokenizer_type}'s "
                             f"{tokenizer.vocab_size} ids; leave it out (the tokenizer's size, padded)")
+    tp = p.tensor_model_parallel_size
+    if m.vocab_size is not None and d.tokenizer_type not in SIZED_BY_FLAG and m.vocab_size % tp:
+        # the model takes this --vocab-size unpadded (model.vocab_size_for), and Megatron-Core splits the
+        # embedding and the output layer's rows evenly over the tensor-parallel ranks
+        raise ArgumentError(f"--vocab-size {m.vocab_size} must be divisible by --tensor-model-parallel-size {tp}: "
+                            f"pass --vocab-size {-(-m.vocab_size // tp) * tp}, or leave it out (the tokenizer's "
+                            "size, padded)")
     emulated = any(e.emulates_fp8 for e in extensions(args))
     if m.fp8_format and m.transformer_impl != "transformer_engine" and not emulated:
         raise ArgumentError("--fp8-format needs --transformer-impl transformer_engine (or --fp8-emulation to run "
@@ -414,7 +433,9 @@ def validate_args(args: Args) -> None:
                             f"--seq-length {m.seq_length}")
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
-    if t.micro_batch_size <= 0 or t.global_batch_size % (t.micro_batch_size * dp):
+    if t.micro_batch_size <= 0:
+        raise ArgumentError(f"--micro-batch-size must be positive, got {t.micro_batch_size}")
+    if t.global_batch_size <= 0 or t.global_batch_size % (t.micro_batch_size * dp):
         raise ArgumentError(f"--global-batch-size {t.global_batch_size} must be a positive multiple of "
                             f"--micro-batch-size x data-parallel size = {t.micro_batch_size} x {dp}")
     if p.pipeline_model_parallel_size > 1 and args.num_microbatches < p.pipeline_model_parallel_size:
@@ -434,8 +455,7 @@ def validate_args(args: Args) -> None:
         raise ArgumentError(f"--train-iters must be positive, got {t.train_iters}")
     if t.lr_decay_iters is None:
         t.lr_decay_iters = t.train_iters
-    if t.lr_warmup_iters >= t.lr_decay_iters and t.lr_decay_style != "constant":
-        raise ArgumentError("--lr-warmup-iters must be smaller than the decay iterations")
+    _validate_lr_schedule(t)
     if t.save_interval < 0 or t.log_interval <= 0 or t.eval_interval < 0:
         raise ArgumentError("--save-interval/--eval-interval must be >= 0 and --log-interval > 0")
     if m.moe_token_dispatcher_type == "flexible" and p.use_distributed_optimizer and (t.save or t.load):
@@ -456,13 +476,49 @@ def validate_args(args: Args) -> None:
                 raise ArgumentError(f"--data-path {prefix}: {prefix + suffix} not found; create it with "
                                     f"`python tools/preprocess_data.py --append-eod --output-prefix {prefix} ...`")
     weights = split_weights(d.split)
+    if t.eval_interval and t.eval_iters <= 0:
+        raise ArgumentError(f"--eval-interval {t.eval_interval} needs --eval-iters >= 1, got {t.eval_iters}; "
+                            "pass --eval-iters 1 or more, or --eval-interval 0 to evaluate never")
     if t.eval_interval and not weights[1]:
         raise ArgumentError(f"--eval-interval {t.eval_interval} needs validation data: give --split a "
                             "validation weight, e.g. 98,2,0")
     if d.num_workers < 0:
         raise ArgumentError(f"--num-workers must be >= 0, got {d.num_workers}")
-    if t.load and not os.path.isdir(t.load):
-        raise ArgumentError(f"--load {t.load}: no such directory")
+    if t.load:
+        if not os.path.isdir(t.load):
+            raise ArgumentError(f"--load {t.load}: no such directory")
+        try:  # here, not on every rank after the model is built
+            latest_checkpoint(t.load)
+        except CheckpointError as e:
+            raise ArgumentError(str(e)) from e
+        if t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler:
+            raise ArgumentError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are "
+                                "exclusive; pass one of them")
+        # start-up time: reading the checkpoint imports torch and Megatron-Core's dist_checkpointing
+        from megatron.training.resume_checks import check_resume
+
+        if (problem := check_resume(t)) is not None:
+            raise ArgumentError(problem)
+
+
+def _validate_lr_schedule(t: TrainingArgs) -> None:
+    """What Megatron-Core's ``OptimizerParamScheduler`` asserts in its constructor, on every rank after the
+    model is built, checked here with the flag to change."""
+    default_min_lr = TrainingArgs.__dataclass_fields__["min_lr"].default
+    decay_iters = t.lr_decay_iters
+    assert decay_iters is not None  # filled in by validate_args
+    if t.min_lr < 0:
+        raise ArgumentError(f"--min-lr must be >= 0, got {t.min_lr:g}")
+    if t.lr < t.min_lr:
+        raise ArgumentError(f"--lr {t.lr:g} is below --min-lr {t.min_lr:g} (its default is {default_min_lr:g}): "
+                            f"pass --min-lr {t.lr:g} or lower, or a larger --lr")
+    if decay_iters <= 0:
+        raise ArgumentError(f"--lr-decay-iters must be positive, got {decay_iters}")
+    if t.lr_warmup_iters < 0:
+        raise ArgumentError(f"--lr-warmup-iters must be >= 0, got {t.lr_warmup_iters}")
+    if t.lr_warmup_iters >= decay_iters:  # asserted for every decay style, 'constant' included
+        raise ArgumentError(f"--lr-warmup-iters {t.lr_warmup_iters} must be smaller than the decay iterations "
+                            f"{decay_iters} (--lr-decay-iters, default --train-iters)")
 
 
 def _validate_virtual_pipeline(args: Args) -> None:

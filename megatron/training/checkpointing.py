@@ -24,30 +24,11 @@ from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, S
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron.training.checkpoint_tracker import TRACKER_FILE, CheckpointError, checkpoint_dir, latest_checkpoint
 from megatron.training.model import TrainState
 from megatron.training.optimizer_state import ensure_optimizer_state
 
 log = logging.getLogger("megatron.training")
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; the message says which and why."""
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def read_latest_iteration(root: str) -> int | None:
-    path = os.path.join(root, TRACKER_FILE)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    try:
-        return int(text)
-    except ValueError as e:
-        raise CheckpointError(f"{path} holds {text!r}, not an iteration number; fix or delete it") from e
 
 
 def rng_state() -> dict:
@@ -151,6 +132,7 @@ def checkpoint_state_dict(state: TrainState, iteration: int) -> dict:
     sharded["iteration"] = iteration
     sharded["world_size"] = dist.get_world_size()  # the RNG state is one shard per rank of this world
     sharded["padded_vocab_size"] = padded_vocab(state)
+    sharded["global_batch_size"] = state.global_batch_size  # the data position (checked at parsing on --load)
     return sharded
 
 
@@ -205,18 +187,16 @@ def padded_vocab(state: TrainState) -> int:
     return int(state.model[0].module.vocab_size)
 
 
-def load_checkpoint(root: str, state: TrainState, *, load_optim: bool = True, load_rng: bool = True) -> int:
+def load_checkpoint(root: str, state: TrainState, *, load_optim: bool = True, load_rng: bool = True,
+                    override_schedule: bool = False) -> int:
     """Load the newest complete checkpoint under ``root`` into ``state``; returns its iteration.
     Collective. Raises :class:`CheckpointError` naming the problem. ``load_optim=False``
     (``--no-load-optim``): the model, the iteration and the LR schedule, not the optimizer state;
-    ``load_rng=False`` (``--no-load-rng``): not the RNG states."""
-    iteration = read_latest_iteration(root)
-    if iteration is None:
-        raise CheckpointError(f"--load {root}: no {TRACKER_FILE}; nothing was saved there "
-                              f"(or the save did not complete)")
-    path = checkpoint_dir(root, iteration)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{root}/{TRACKER_FILE} names iteration {iteration} but {path} is missing")
+    ``load_rng=False`` (``--no-load-rng``): not the RNG states; ``override_schedule``
+    (``--override-opt-param-scheduler``): the LR/WD schedule of ``state.scheduler`` (the flags') from the
+    checkpoint's position, else the checkpoint's (equal to the flags' unless
+    ``--use-checkpoint-opt-param-scheduler``: checked at parsing)."""
+    iteration, path = latest_checkpoint(root)
     torn = torn_checkpoints(root, iteration)
     if torn and dist.get_rank() == 0:
         log.warning("ignoring %s in %s: newer than %s (iteration %d), the save did not finish",
@@ -257,7 +237,10 @@ def load_checkpoint(root: str, state: TrainState, *, load_optim: bool = True, lo
         if load_optim:
             state.optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(state.optimizer)
-    state.scheduler.load_state_dict(common["scheduler"])
+    saved_schedule = common["scheduler"]
+    if override_schedule:  # the scheduler takes what it is given: give it its own values, the saved position
+        saved_schedule = {**state.scheduler.state_dict(), "num_steps": saved_schedule["num_steps"]}
+    state.scheduler.load_state_dict(saved_schedule)
     if "rng_state" in loaded:
         set_rng_state(loaded["rng_state"])
     if int(common["iteration"]) != iteration:

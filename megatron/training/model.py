@@ -15,6 +15,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.training.arguments import Args, extensions
 from megatron.training.norm import with_sequence_parallel_norms
+from megatron.training.resume_checks import flag_schedule
 from megatron.training.tokenizer import SIZED_BY_FLAG, padded_vocab_size, tokenizer_from_args
 
 
@@ -127,6 +128,8 @@ class TrainState:
     optimizer: object
     scheduler: OptimizerParamScheduler
     config: TransformerConfig
+    global_batch_size: int
+    """Samples per iteration: saved with a checkpoint, whose data position is iteration x this."""
 
 
 def build_train_state(args: Args) -> TrainState:
@@ -191,18 +194,16 @@ def _finish_train_state(args: Args, config: TransformerConfig, model: list) -> T
     config.grad_scale_func = optimizer.scale_loss
     # the interleaved schedule takes one no_sync per chunk; the plain one a single callable
     config.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync
-    gbs = t.global_batch_size
+    # Megatron-Core's default use_checkpoint_opt_param_scheduler=True: its load_state_dict takes the state it
+    # is given. What --load gives it follows --override-opt-param-scheduler (checkpointing.load_checkpoint;
+    # the flags' default, equal schedules, is checked at parsing); moe-ft's recovery restores the same run's
+    # snapshots and must take their values (an elastic restart's default global batch size differs).
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if t.lr_warmup_iters else t.lr,
-        max_lr=t.lr,
-        min_lr=t.min_lr,
-        lr_warmup_steps=t.lr_warmup_iters * gbs,
-        lr_decay_steps=t.lr_decay_iters * gbs,
-        lr_decay_style=t.lr_decay_style,
-        start_wd=t.weight_decay,
-        end_wd=t.weight_decay,
-        wd_incr_steps=t.train_iters * gbs,
+        **flag_schedule(t),
+        wd_incr_steps=t.train_iters * t.global_batch_size,
         wd_incr_style="constant",
     )
-    return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, config=config)
+    return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, config=config,
+                      global_batch_size=t.global_batch_size)

@@ -50,7 +50,8 @@ def pretrain(args: Args, hooks=None, join_timeout_s: float | None = None):
         start = 0
         if args.training.load:
             start = load_checkpoint(args.training.load, state, load_optim=not args.training.no_load_optim,
-                                    load_rng=not args.training.no_load_rng)
+                                    load_rng=not args.training.no_load_rng,
+                                    override_schedule=args.training.override_opt_param_scheduler)
             if dist.get_rank() == 0:
                 print(f"resumed from {args.training.load} at iteration {start}", flush=True)
         save_fn = None

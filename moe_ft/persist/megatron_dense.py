@@ -18,7 +18,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-from megatron.training.checkpointing import TRACKER_FILE, checkpoint_dir, checkpoint_state_dict, read_latest_iteration
+from megatron.training.checkpoint_tracker import TRACKER_FILE, checkpoint_dir, read_latest_iteration
+from megatron.training.checkpointing import checkpoint_state_dict
 from moe_ft import comm
 from moe_ft.compat import writer_queue
 
