@@ -343,18 +343,24 @@ def test_megatron_dense_copy_records_what_save_checkpoint_does(tmp_path, corpus,
     assert (dense["world_size"], dense["padded_vocab_size"]) == (plain["world_size"], plain["padded_vocab_size"])
 
 
-def test_a_point_of_another_run_is_replaced_not_reused(tmp_path):
-    """Run A: rank 0 made point 3 durable, rank 1 was killed before its done marker (no complete point). The
-    relaunch starts fresh as run B (other values) on new nodes: its point 3 must be run B's on every rank,
-    never run A's bytes on rank 0 next to run B's on rank 1."""
-    _, tier, config = _setup(tmp_path)
-    rule = DenseRule(operators=frozenset(OPS))
+def _two_runs(tmp_path) -> dict[int, list]:
+    """Two runs' node-local stores of 2 ranks each (other values per run), dense points 0 … 3."""
     runs = {}
     for run in (0, 1):
         runs[run] = [StoreConfig(root=str(tmp_path / f"shm{run}"), job_id="j", rank=r).build() for r in range(2)]
         for it in range(4):
             for r, s in enumerate(runs[run]):
                 _write(s, r, it, {op: Level.FULL for op in OPS}, run=run)
+    return runs
+
+
+def test_a_point_of_another_run_is_replaced_not_reused(tmp_path):
+    """Run A: rank 0 made point 3 durable, rank 1 was killed before its done marker (no complete point). The
+    relaunch starts fresh as run B (other values) on new nodes: its point 3 must be run B's on every rank,
+    never run A's bytes on rank 0 next to run B's on rank 1."""
+    _, tier, config = _setup(tmp_path)
+    rule = DenseRule(operators=frozenset(OPS))
+    runs = _two_runs(tmp_path)
     assert not PersistWriter(runs[0][0], tier, rule, rank=0, **config).persist(3).complete
     writers = [PersistWriter(s, tier, rule, rank=r, **config) for r, s in enumerate(runs[1])]
     assert writers[0].persist(3).nbytes > 0 and writers[1].persist(3).complete
@@ -375,12 +381,7 @@ def test_a_complete_point_is_unmarked_while_its_ranks_replace_it_with_another_ti
     is complete again, of the new timeline on every rank."""
     _, tier, config = _setup(tmp_path)
     rule = DenseRule(operators=frozenset(OPS))
-    runs = {}
-    for run in (0, 1):
-        runs[run] = [StoreConfig(root=str(tmp_path / f"shm{run}"), job_id="j", rank=r).build() for r in range(2)]
-        for it in range(4):
-            for r, s in enumerate(runs[run]):
-                _write(s, r, it, {op: Level.FULL for op in OPS}, run=run)
+    runs = _two_runs(tmp_path)
     first = [PersistWriter(s, tier, rule, rank=r, **config) for r, s in enumerate(runs[0])]
     assert not first[0].persist(3).complete and first[1].persist(3).complete
     assert tier.complete_points() == [3]
@@ -405,12 +406,7 @@ def test_a_fresh_run_drops_the_done_markers_an_earlier_run_left_past_its_start(t
 
     _, tier, config = _setup(tmp_path)
     rule = DenseRule(operators=frozenset(OPS))
-    runs = {}
-    for run in (0, 1):
-        runs[run] = [StoreConfig(root=str(tmp_path / f"shm{run}"), job_id="j", rank=r).build() for r in range(2)]
-        for it in range(4):
-            for r, s in enumerate(runs[run]):
-                _write(s, r, it, {op: Level.FULL for op in OPS}, run=run)
+    runs = _two_runs(tmp_path)
     old = PersistWriter(runs[0][0], tier, rule, rank=0, **config)
     assert not old.persist(3).complete
     old.close()
