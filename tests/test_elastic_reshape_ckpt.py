@@ -60,8 +60,11 @@ def test_checkpoints_before_and_after_a_shrink_load_into_standard_ep(corpus, tmp
     assert (report / "elastic_1.json").exists(), "the 2-rank start must have re-planned (world 4 -> 2)"
     for ckpt, dump, iters, nproc in ((before, "a.json", 4, 2), (after, "b.json", 8, 2)):
         out = str(tmp_path / f"load_{ckpt.name}")
+        # the 2-rank run took its LR schedule from the 4-rank run's snapshots (decay over 4 iterations), as moe-ft
+        # recovery does: its checkpoint holds that schedule, which --train-iters 8 would change
         torchrun("tests/_workers_elastic_ckpt.py", [*MODEL, "--data-path", corpus, "--out", out, "--load", str(ckpt),
-                                                    "--train-iters", str(iters)], nproc=nproc, timeout=300)
+                                                    "--train-iters", str(iters), "--use-checkpoint-opt-param-scheduler"],
+                 nproc=nproc, timeout=300)
         saved = _as_worker_names(load_parameters(sorted(glob.glob(str(tmp_path / f"{dump}.params_rank*.pt")))))
         loaded = _loaded(out)
         assert set(saved) == set(loaded), sorted(set(saved) ^ set(loaded))[:5]
