@@ -45,11 +45,9 @@ def claim(staging: Path, marker: str) -> bool:
     now (taken here, held already, or taken over from an agent that died), ``False`` when its writer withdrew it
     or another live agent holds it (then it must write nothing)."""
     mine = staging / f"{marker}.{os.getpid()}"
-    try:
+    with contextlib.suppress(FileNotFoundError):  # gone: withdrawn, or claimed (here or by another agent)
         os.rename(staging / marker, mine)
         return True
-    except FileNotFoundError:
-        pass
     for pid, path in _claims(staging, marker):
         if pid == os.getpid():
             return True
