@@ -195,3 +195,20 @@ def test_replicas_of_a_sparse_owner_hold_a_complete_window_whenever_its_store_do
         publish_replica(replica, message, keep_points=points_to_keep(policy))
         ours, theirs = owner.newest_recoverable(rule), replica.newest_recoverable(rule)
         assert (ours is None) == (theirs is None) and (ours is None or ours.end == theirs.end), it
+
+
+def test_holders_keep_the_points_a_checkpoint_interval_spans():
+    """Dense and pec publish a point every iteration (NONE between checkpoints): the holders keep the owner's
+    retained checkpoints times their interval (``SnapshotPolicy.retained_points``)."""
+    from moe_ft.policy import DenseConfig, DensePolicy, PECConfig, PECPolicy
+    from moe_ft.replication.receiver import points_to_keep
+    from moe_ft.state.operators import OperatorInfo
+
+    infos = [OperatorInfo(op=OperatorId.expert_op(0, e), bytes_compute=32, bytes_full=96) for e in range(4)]
+    infos.append(OperatorInfo(op=OperatorId.dense(0), bytes_compute=32, bytes_full=96))
+    assert points_to_keep(DensePolicy(DenseConfig(interval=5), infos)) == 3 * 5
+    assert points_to_keep(DensePolicy(DenseConfig(interval=2), infos)) == 8  # 6: the least a holder keeps
+    pec = PECPolicy(PECConfig(k_snapshot=1, interval=3), infos)
+    pec.plan(0)
+    # a cycle of ceil(4/1) checkpoints and two more, each 3 iterations apart
+    assert pec.retained_points() == (4 + 2) * 3 == points_to_keep(pec)

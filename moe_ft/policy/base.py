@@ -118,6 +118,16 @@ class SnapshotPolicy(abc.ABC):
         plans = self.recovery_point_plans()
         return None if plans is None else plans * SNAPSHOT_POINTS
 
+    def retained_points(self) -> int:
+        """How many newest store points (one per iteration that publishes) the runtime's retention keeps at
+        the least: one per :meth:`retained_plans` (:data:`SNAPSHOT_POINTS` before the first plan), times the
+        iterations between two checkpoints for policies that checkpoint every ``interval`` iterations and
+        publish a point every iteration (they override it). A replica holder keeps that many points of its
+        owner (``moe_ft/replication/receiver.py``), so that the replicas hold a complete recovery point as
+        often as the owner's store does."""
+        plans = self.retained_plans()
+        return len(plans) if plans else SNAPSHOT_POINTS
+
     def retention_rule(self, operators: Iterable[OperatorId]) -> RecoveryRule:
         """The completeness rule garbage collection keeps recovery points by (MoEvement §3.2: one complete
         point kept while the next is in flight). Called after the first:meth:`plan` (and again after a

@@ -44,6 +44,11 @@ class DensePolicy(SnapshotPolicy):
     def is_checkpoint(self, iteration: int) -> bool:
         return iteration % self.config.interval == self.config.offset or iteration in self.forced
 
+    def retained_points(self) -> int:
+        """Every iteration publishes a point (NONE between checkpoints): each retained checkpoint spans
+        ``interval`` of them."""
+        return super().retained_points() * self.config.interval
+
     def start_dense(self, iteration: int) -> None:
         self.forced = {it for it in self.forced if it >= iteration} | {iteration}
 

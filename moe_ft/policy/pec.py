@@ -163,6 +163,11 @@ class PECPolicy(SnapshotPolicy):
     def is_checkpoint(self, iteration: int) -> bool:
         return iteration % self.config.interval == 0
 
+    def retained_points(self) -> int:
+        """Every iteration publishes a point (NONE between checkpoints): each retained checkpoint spans
+        ``interval`` of them."""
+        return super().retained_points() * self.config.interval
+
     def selected_experts(self, iteration: int, popularity=None) -> dict[int, list[OperatorId]]:
         """Per MoE layer, the experts FULL after ``iteration`` (empty lists off checkpoint iterations)."""
         if not self.is_checkpoint(iteration):

@@ -162,14 +162,11 @@ def _write_blob(writer, name: str, data: bytes | memoryview) -> None:
 
 def points_to_keep(policy, least: int = 8) -> int:
     """Newest replicated points a holder keeps of an owner running ``policy``: as many as the owner's node-local
-    store holds at the least under its retention (``SnapshotPolicy.retained_plans``: three sparse windows, a pec
-    cycle and two checkpoints, each checkpoint ``interval`` iterations apart), so that the replicas hold a
-    complete recovery point as often as the owner's store does; ``least`` at the least. A fixed count of 8 held
+    store holds at the least under its retention (``SnapshotPolicy.retained_points``), so that the replicas hold
+    a complete recovery point as often as the owner's store does; ``least`` at the least. A fixed count of 8 held
     no complete sparse window of 6 points in 9 iterations of 24. ``selective``'s count is its even-routing need
     (``SelectivePolicy.retained_plans``), a lower bound."""
-    plans = policy.retained_plans() if policy is not None else None
-    interval = getattr(getattr(policy, "config", None), "interval", 1)  # dense k, pec I_ckpt: a point every iteration
-    return max(least, (len(plans) if plans else SNAPSHOT_POINTS) * max(int(interval), 1))
+    return max(least, policy.retained_points() if policy is not None else SNAPSHOT_POINTS)
 
 
 def publish_replica(store: SnapshotStore, message: PointMessage, *, keep_points: int) -> tuple[bool, list[Rejection]]:
