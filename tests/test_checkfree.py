@@ -1,5 +1,6 @@
 """CheckFree / CheckFree+ building blocks (``moe_ft/checkfree``): the weighted average, the learning-rate
-boost, the swap schedule and the embedding/output copies. Single process, no process group."""
+boost, the swap schedule and the embedding/output copies. Single process; the recorded gradient norm is
+checked on the tiny model in a one-rank Megatron world."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from moe_ft.checkfree import (
     swapped_microbatches,
 )
 from moe_ft.store.errors import CorruptEntryError
+from tests._ft_helpers import tiny_model_flags
 
 
 # ------------------------------------------------------------------------------------ weighted average
@@ -123,6 +125,44 @@ def test_stage_layers_lists_layer_tensors_by_position():
     layers = stage_layers(chunk)
     assert [sorted(layer) for layer in layers] == [["weight"]] * 3
     assert layers[1]["weight"] is chunk.decoder.layers[1].weight  # live tensors: rebuild writes into them
+
+
+# ------------------------------------------------------------------------------- the recorded norm (w)
+@pytest.mark.timeout(90)
+def test_recorded_norm_is_over_the_transformer_layers_only(corpus, megatron_world):
+    """CheckFree §4.2 weights a neighbour by ``||grad W_{s,j}||^2`` of the stage that is averaged, and in the
+    paper the (de-)embedding is a stage of its own (§4.3, footnote 3). On one rank (first and last stage at
+    once) after two real training steps, ``CheckFreeNorms`` records the squared norm of the
+    ``decoder.layers.*`` gradients, not of the embedding, final norm and output layer too (before, the
+    output layer alone was most of it)."""
+    # Megatron and the runtime are imported here, not at the top: start-up time of this mostly pure module
+    from megatron.training.arguments import parse_args
+    from megatron.training.initialize import set_seeds
+    from megatron.training.model import build_train_state
+    from megatron.training.pretrain import build_data
+    from megatron.training.training import train_step
+    from moe_ft.checkfree.recovery import GRAD_SQ
+    from moe_ft.runtime.components import CheckFreeNorms
+
+    args = parse_args([*tiny_model_flags(seq_length=16, global_batch_size=4, train_iters=2), "--data-path", corpus],
+                      world_size=1)
+    set_seeds(args.training.seed)
+    state = build_train_state(args)
+    data = build_data(args)
+    for t in range(2):
+        train_step(state, data, t, args)
+    layers, outside = 0.0, {}
+    for name, p in state.model[0].named_parameters():
+        sq = float(p.main_grad.double().pow(2).sum())
+        if ".decoder.layers." in f".{name}":
+            layers += sq
+        else:
+            outside[name.removeprefix("module.")] = sq
+    assert {"embedding.word_embeddings.weight", "output_layer.weight"} <= set(outside)
+    assert outside["output_layer.weight"] > layers > 0  # leaving them in would change w, by a lot
+    recorded = CheckFreeNorms(state.model).snapshot_tensors()[GRAD_SQ]
+    assert recorded.shape == (1,) and recorded.dtype == torch.float32
+    assert math.isclose(float(recorded), layers, rel_tol=1e-5), (float(recorded), layers, outside)
 
 
 # ---------------------------------------------------------------------------------------- lr boost

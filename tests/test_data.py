@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -12,8 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron.training.arguments import ArgumentError, data_blend, split_weights  # noqa: E402
-from megatron.training.data import DataConfig, ReplayableData, build_datasets, check_token_ids  # noqa: E402
+from megatron.training.data import DataConfig, ReplayableData, build_datasets, check_token_ids, checked_index  # noqa: E402
 from megatron.training.tokenizer import ByteLevelTokenizer  # noqa: E402
+from tests._ft_helpers import free_port  # noqa: E402
 from tools.make_corpus import write_corpus  # noqa: E402
 from tools.preprocess_data import preprocess  # noqa: E402
 
@@ -234,6 +236,70 @@ def test_token_ids_beyond_the_vocabulary_are_refused(prefix):
     with pytest.raises(ArgumentError, match=r"holds token id 256, beyond the vocabulary of 200 \(--tokenizer-type "
                        r"ByteLevel\): pass the tokenizer it was preprocessed with .* or --vocab-size 257 or more"):
         check_token_ids([prefix], 200, "ByteLevel")
+
+
+def _copy(prefix: str, dst: str, *, bin_bytes: int | None = None, idx_bytes: int | None = None) -> str:
+    """A copy of the dataset ``prefix`` at ``dst``, its ``.bin`` / ``.idx`` cut to (or padded with zeros to)
+    the given sizes: a copy that stopped, or an index beside another corpus's tokens."""
+    for suffix, size in ((".bin", bin_bytes), (".idx", idx_bytes)):
+        with open(prefix + suffix, "rb") as f:
+            data = f.read()
+        if size is not None:
+            data = data[:size] + bytes(max(0, size - len(data)))
+        with open(dst + suffix, "wb") as f:
+            f.write(data)
+    return dst
+
+
+def test_a_bin_that_does_not_match_its_index_is_refused(prefix, tmp_path):
+    """Megatron-Core 0.16.1 never compares the ``.bin`` with its ``.idx``: a truncated copy failed at whichever
+    sample first lands past its end with the memory map, and read uninitialised memory as tokens without it.
+    Now one line at start naming both sizes and the fix; the intact copy opens."""
+    size = os.path.getsize(prefix + ".bin")
+    assert len(checked_index(_copy(prefix, str(tmp_path / "intact")))) == 300
+    fix = r"re-create it with `python tools/preprocess_data.py --append-eod --output-prefix \S+/cut \.\.\.` \(or copy"
+    with pytest.raises(ArgumentError, match=rf"^dataset \S+/cut: \S+/cut\.bin holds 1000 bytes but \S+/cut\.idx "
+                                            rf"describes {size} \(300 sequences, {size // 2} uint16 tokens\): the \.bin is "
+                                            rf"truncated; {fix}"):
+        checked_index(_copy(prefix, str(tmp_path / "cut"), bin_bytes=1000))
+    with pytest.raises(ArgumentError, match=rf"holds {size + 2} bytes but .* describes {size} .*longer than its index"):
+        checked_index(_copy(prefix, str(tmp_path / "long"), bin_bytes=size + 2))
+    with pytest.raises(ArgumentError, match=r"short\.idx cannot be read \(.+\); re-create it with"):
+        checked_index(_copy(prefix, str(tmp_path / "short"), idx_bytes=100))
+    with pytest.raises(ArgumentError, match=r"cut\.bin holds 1000 bytes"):  # the start-up scan opens it so
+        check_token_ids([prefix, str(tmp_path / "cut")], 257, "ByteLevel")
+
+
+@pytest.mark.timeout(180)  # subprocesses importing Megatron (~5 s each)
+@pytest.mark.parametrize("ft", [[], ["--ft"]])
+def test_the_entry_script_refuses_a_truncated_copy_with_one_line_and_trains_on_the_intact_one(prefix, tmp_path, ft):
+    """Before, a copy whose ``.bin`` was cut in half started training and stopped in the first iteration's
+    sample read with a ``ValueError`` traceback from Megatron-Core's reader, exit 1 (with
+    ``--no-mmap-bin-files`` the tokens read past the end were uninitialised memory: an ``IndexError`` in the
+    embedding, a device-side assert on a GPU); with ``--ft`` a rank failure. A cut ``.idx`` was a traceback at
+    start. Now exit 2 and one line each, as a bad flag (with ``--ft``: inside the guarded attempt, which then
+    stops the job instead of handing the rank to a spare); the intact copy of the same corpus trains."""
+    env = dict(os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--num-experts", "4", "--micro-batch-size", "2",
+             "--global-batch-size", "2", "--train-iters", "2", "--ft-store-dir", str(tmp_path / "store"), *ft]
+
+    def run(data: str):
+        return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt_moe.py"), *flags, "--data-path", data],
+                              capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+
+    cut_bin = _copy(prefix, str(tmp_path / "cut_bin"), bin_bytes=os.path.getsize(prefix + ".bin") // 2)
+    cut_idx = _copy(prefix, str(tmp_path / "cut_idx"), idx_bytes=100)
+    for data, line in ((cut_bin, f"error: dataset {cut_bin}: {cut_bin}.bin holds {os.path.getsize(cut_bin + '.bin')} "
+                                 f"bytes but {cut_bin}.idx describes {os.path.getsize(prefix + '.bin')} "),
+                       (cut_idx, f"error: dataset {cut_idx}: {cut_idx}.idx cannot be read (")):
+        proc = run(data)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, (data, proc.returncode, proc.stderr[-3000:])
+        assert lines[0].startswith(line) and "; re-create it with `python tools/preprocess_data.py" in lines[0], lines
+    intact = run(_copy(prefix, str(tmp_path / "intact")))
+    assert intact.returncode == 0 and re.search(r"^iteration +2/2 ", intact.stdout, re.M), intact.stderr[-3000:]
 
 
 @pytest.mark.timeout(120)  # a subprocess importing Megatron (~5 s each)

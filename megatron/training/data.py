@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.indexed_dataset import _IndexReader, get_bin_path, get_idx_path
 
 from megatron.training.arguments import ArgumentError
 
@@ -67,13 +68,42 @@ class DataConfig:
     mmap_bin_files: bool = True
 
 
+def checked_index(prefix: str) -> _IndexReader:
+    """Megatron-Core's reader of ``prefix``'s ``.idx``, refused with one line (an ``ArgumentError``) when the
+    ``.idx`` cannot be read or the ``.bin`` does not hold what it describes: ``sum(sequence lengths)`` tokens of
+    the index's dtype, from byte 0 (``tools/preprocess_data.py`` writes them contiguously). Megatron-Core
+    0.16.1 does not compare the two: a ``.bin`` cut short (a copy that stopped) fails at the first sample
+    past its end, in training, with a ``ValueError`` of the memory map's read, and reads uninitialised memory
+    as tokens without it (``--no-mmap-bin-files``: an index error in the embedding, a device-side assert on a
+    GPU).
+
+    The index reader rather than ``IndexedDataset``: the dataset would map the ``.bin`` too, and one whose
+    ``.idx`` fails to read prints an ignored ``AttributeError`` from its ``__del__`` after the line."""
+    fix = f"re-create it with `python tools/preprocess_data.py --append-eod --output-prefix {prefix} ...` (or copy " \
+          "both files again)"
+    try:
+        index = _IndexReader(get_idx_path(prefix), multimodal=False)
+    except (AssertionError, ValueError, struct.error) as e:  # its header asserts; numpy, struct: a short file
+        raise ArgumentError(f"dataset {prefix}: {get_idx_path(prefix)} cannot be read "
+                            f"({e or type(e).__name__}); {fix}") from None
+    expected = int(index.sequence_lengths.sum(dtype=np.int64)) * index.dtype_size
+    actual = os.path.getsize(get_bin_path(prefix))
+    if actual != expected:
+        raise ArgumentError(f"dataset {prefix}: {get_bin_path(prefix)} holds {actual} bytes but {get_idx_path(prefix)} "
+                            f"describes {expected} ({len(index)} sequences, {expected // index.dtype_size} "
+                            f"{np.dtype(index.dtype).name} tokens): the .bin is "
+                            f"{'truncated' if actual < expected else 'longer than its index'}; {fix}")
+    return index
+
+
 def check_token_ids(prefixes: Sequence[str], vocab_size: int, tokenizer_name: str) -> None:
     """Refuse a dataset holding a token id the model's (padded) vocabulary cannot embed: on a GPU that is a
     device-side assert deep in the embedding, on a CPU an index error. An ``ArgumentError``: the flags do not
-    fit the data, and the entry script prints it as one line, as it does a bad flag."""
+    fit the data, and the entry script prints it as one line, as it does a bad flag. Each dataset is opened
+    through :func:`checked_index` (its ``.bin`` against its ``.idx``) before it is scanned."""
     for prefix in prefixes:
-        index = IndexedDataset(prefix, mmap=True)
-        tokens = np.memmap(prefix + ".bin", dtype=index.index.dtype, mode="r")
+        index = checked_index(prefix)
+        tokens = np.memmap(get_bin_path(prefix), dtype=index.dtype, mode="r")
         top = int(tokens.max()) if tokens.size else -1
         del tokens, index
         if top >= vocab_size:

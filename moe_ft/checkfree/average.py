@@ -43,6 +43,8 @@ LayerTensors = Mapping[str, torch.Tensor]
 STRATEGIES = ("weighted", "uniform", "copy")
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_IN_LAYER = re.compile(r"(^|\.)decoder\.layers\.\d+\.")
+"""A transformer-layer parameter under any wrapper prefix (DDP's ``module.``, ``Float16Module``'s)."""
 
 
 @dataclass(frozen=True)
@@ -152,15 +154,23 @@ def squared_grad_norm(grads: Iterable[torch.Tensor | None]) -> float:
 
 
 def local_grad_sq(model_chunks) -> torch.Tensor:
-    """``[1]`` float32 tensor on the gradients' device: this rank's squared gradient norm (Megatron DDP's
-    ``main_grad`` buffers, else ``.grad``), computed without a host synchronisation (it is saved with the
-    snapshot, ``moe_ft/checkfree/recovery.py``). With the distributed optimizer only this rank's shard of
-    the buffer holds the data-parallel sum; the rest holds the rank's own gradient, of the same scale."""
+    """``[1]`` float32 tensor on the gradients' device: this rank's squared gradient norm over its transformer
+    layers (``decoder.layers.*``; Megatron DDP's ``main_grad`` buffers, else ``.grad``), computed without a
+    host synchronisation (it is saved with the snapshot, ``moe_ft/checkfree/recovery.py``).
+
+    CheckFree's ``w_j = ||grad W_{s,j}||^2`` (§4.2) is over the stage that is averaged: in the paper the
+    (de-)embedding sits on a stage of its own (S_0, §4.3 footnote 3), so a neighbour's weight is the norm of
+    its transformer blocks only. Megatron puts the embedding on the first stage and the final norm + output
+    layer on the last one; their gradients (the output layer's dominates a tiny model's norm) are left out,
+    so the first/last stage as a neighbour is weighted by the layers :func:`average_layers` averages. With
+    the distributed optimizer only this rank's shard of the buffer holds the data-parallel sum; the rest
+    holds the rank's own gradient, of the same scale."""
     def grad_of(p):
         g = getattr(p, "main_grad", None)
         return g if g is not None else p.grad
 
-    grads = [g for chunk in model_chunks for p in chunk.parameters() if (g := grad_of(p)) is not None]
+    grads = [g for chunk in model_chunks for name, p in chunk.named_parameters()
+             if _IN_LAYER.search(name) and (g := grad_of(p)) is not None]
     if not grads:
         return torch.zeros(1)
     return torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2).sum().reshape(1)

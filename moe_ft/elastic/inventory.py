@@ -21,6 +21,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Iterable
 
 from moe_ft.localized.survivor import SURVIVOR_SUBDIR
 from moe_ft.state import shards
@@ -153,6 +154,10 @@ class LayoutInventory:
     a corrupt entry is read from the next one."""
     ranges: dict[int, dict[OperatorId, list[Ranges]]] = field(default_factory=dict)
     """The sharded elements each copy of :attr:`candidates` holds (same order)."""
+    meta_stage: dict[int, list[frozenset[str]]] = field(default_factory=dict)
+    """Whose metadata each directory of :attr:`meta` holds (same order): :func:`stage_atoms` of the operators
+    of its point. The metadata is per pipeline stage (RNG seeded per stage, the per-group learning rates a
+    CheckFree boost raised, the recorded gradient norm), so a rank restores only its own stage's."""
 
     def summary(self) -> dict[int, dict[str, list[Ranges]]]:
         """``{iteration: {operator name: [ranges of each distinct copy]}}`` of the operators held at FULL, for
@@ -162,6 +167,13 @@ class LayoutInventory:
             if it in self.meta:
                 out[it] = {str(op): _distinct(self.ranges.get(it, {}).get(op, [{}])) for op in sorted(ops)}
         return out
+
+
+def stage_atoms(ops: Iterable[OperatorId]) -> frozenset[str]:
+    """What tells pipeline stages apart in a set of operators: their transformer layers (``L<k>``, global
+    indices) and the embedding / output layer. The same on every rank of a stage whatever its data- or
+    expert-parallel coordinates (those hold other experts of the same layers), disjoint between stages."""
+    return frozenset(f"L{op.layer}" if op.layer >= 0 else op.kind for op in ops)
 
 
 def _distinct(copies: list[Ranges]) -> list[Ranges]:
@@ -178,6 +190,7 @@ def node_inventory(store_dir: str, job_id: str, *, prefer_rank: int) -> LayoutIn
     meta: dict[int, list[StoreDir]] = {}
     candidates: dict[int, dict[OperatorId, list[StoreDir]]] = {}
     ranges: dict[int, dict[OperatorId, list[Ranges]]] = {}
+    meta_stage: dict[int, list[frozenset[str]]] = {}
     kinds = {"survivor": 0, "snapshot": 1, "replica": 2}  # a replica is read only where no own copy serves
     dirs = sorted(store_dirs(store_dir, job_id), key=lambda d: (d.rank != prefer_rank, kinds[d.kind], d.rank))
     for d in dirs:
@@ -191,4 +204,5 @@ def node_inventory(store_dir: str, job_id: str, *, prefer_rank: int) -> LayoutIn
                         shards.ranges_of(plan_free_name(t.name) for t in entry.tensors))
             if point.meta is not None:
                 meta.setdefault(point.iteration, []).append(d)
-    return LayoutInventory(full, meta, candidates, ranges)
+                meta_stage.setdefault(point.iteration, []).append(stage_atoms(point.entries))
+    return LayoutInventory(full, meta, candidates, ranges, meta_stage)

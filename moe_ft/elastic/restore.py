@@ -11,7 +11,8 @@ operator registry built for the new plan (``FTRuntime.build``):
    an operator, least-loaded first, and run in one global order (each pair of ranks meets its transfers in
    the same order, so the blocking sends and receives of the coordination group cannot deadlock);
 3. restores the step state of ``T`` (RNG, LR schedule, loss scaler, popularity) from its node's metadata or
-   a peer's, then, after a barrier, empties the old generation's store directories on its node (their
+   a peer's -- written by a rank of its own pipeline stage (``choose_meta``: the ranks are numbered again in
+   the new world, and the metadata holds the stage's RNG states and per-group learning rates) -- then, after a barrier, empties the old generation's store directories on its node (their
    points hold the old plan's operators) so that the new generation's snapshots start clean.
 
 Training resumes at ``T + 1`` with the same global batch (``ReplayableData``: ``GBS / (MBS x DP)``
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 from moe_ft import comm
-from moe_ft.elastic.inventory import node_inventory, store_dirs
+from moe_ft.elastic.inventory import node_inventory, stage_atoms, store_dirs
 from moe_ft.recovery.machine import restore_step_state
 from moe_ft.replication.component import Replicas
 from moe_ft.snapshot.restore import assemble_into, copy_checked, restore_meta
@@ -106,6 +107,24 @@ def copy_key(op_name: str, ranges: dict) -> str:
     return f"{op_name}@{digest}"
 
 
+def meta_key(stage: frozenset[str]) -> str:
+    """What the ranks exchange for the metadata of one pipeline stage (:func:`stage_atoms`)."""
+    return f"{META}@{hashlib.sha1(json.dumps(sorted(stage)).encode()).hexdigest()[:12]}"
+
+
+def choose_meta(stage: frozenset[str], offers: list[tuple[str, dict]]) -> tuple[str, str]:
+    """``(key, error)``: the first metadata copy (``offers``: ``(key, {"stage": atoms})`` in preference order)
+    written by a rank of this rank's pipeline stage (``stage``: :func:`stage_atoms` of its registry), i.e. whose
+    point's operators are this stage's. Another stage's would restore that stage's RNG states and per-group
+    learning rates (a CheckFree-boosted stage's boost would move to its neighbour)."""
+    for key, held in offers:
+        if held["stage"] and set(held["stage"]) <= stage:
+            return key, ""
+    layers = sorted(int(a[1:]) for a in stage if a.startswith("L"))
+    return "", (f"{META}: no node has the metadata of this rank's pipeline stage (layers {layers}) at the point; "
+                f"copies offered: {sorted(tuple(held['stage']) for _, held in offers)}")
+
+
 def choose_copies(registry, offers: dict[str, list[tuple[str, dict]]]) -> tuple[dict[str, list[str]], str]:
     """``({operator: [copy keys]}, error)``: for every operator of this rank, the copies to restore it from
     (``offers``: per operator ``(key, ranges)`` in preference order): one for a whole copy, with the
@@ -150,13 +169,17 @@ def restore_reshaped(decision, runtime) -> dict:
     registry = runtime.registry
     inventory = node_inventory(store_dir, job, prefer_rank=rank)
     local: dict[str, list] = {}  # copy key -> this node's directories holding it, in preference order
-    coverage: dict[str, tuple[str, dict]] = {META: (META, {})}
+    coverage: dict[str, tuple[str, dict]] = {}
     for op, dirs in inventory.candidates.get(point, {}).items():
         for d, ranges in zip(dirs, inventory.ranges[point][op]):
             key = copy_key(str(op), ranges)
             local.setdefault(key, []).append(d)
             coverage[key] = (str(op), ranges)
-    local[META] = list(inventory.meta.get(point, []))
+    for d, stage in zip(inventory.meta.get(point, []), inventory.meta_stage.get(point, [])):
+        key = meta_key(stage)  # the metadata is per pipeline stage: keyed by whose it is
+        local.setdefault(key, []).append(d)
+        coverage[key] = (META, {"stage": sorted(stage)})
+    my_stage = stage_atoms(registry)
     opened: dict = {}
 
     def store_of(d):
@@ -166,7 +189,7 @@ def restore_reshaped(decision, runtime) -> dict:
 
     def read(key: str):
         def from_dir(d):
-            if key == META:
+            if coverage[key][0] == META:
                 return restore_meta(store_of(d), point)
             return store_of(d).load(point, OperatorId.parse(coverage[key][0]), Level.FULL)
         return from_dir
@@ -185,7 +208,9 @@ def restore_reshaped(decision, runtime) -> dict:
                 if key not in (k for k, _ in offers.get(name, [])):
                     offers.setdefault(name, []).append((key, ranges))
         choice, error = choose_copies(registry, offers)
-        mine = [k for keys in choice.values() for k in keys] + [META]
+        my_meta, meta_error = choose_meta(my_stage, offers.get(META, []))
+        error = error or meta_error
+        mine = [k for keys in choice.values() for k in keys] + ([my_meta] if my_meta else [])
         needs = comm.all_gather_object({"need": [k for k in mine if k not in have], "error": error})
         errors = [f"rank {r}: {g['error']}" for r, g in enumerate(needs) if g["error"]]
         try:
@@ -219,7 +244,7 @@ def restore_reshaped(decision, runtime) -> dict:
     for src, dst, key in transfers:
         if rank == src:
             payload = loaded[key]
-            if key != META:
+            if coverage_name(key) != META:
                 stats["bytes_sent"] += sum(t.nbytes for t in payload.values())
             comm.send_object(payload, dst, group)
         elif rank == dst:
@@ -238,7 +263,7 @@ def restore_reshaped(decision, runtime) -> dict:
         stats[f"bytes_{kind}"] += nbytes
         stats[f"operators_{kind}"] += 1
     stats["copies_from_replicas"] = sum(getattr(d, "kind", "") == "replica" for d in served_by.values())
-    meta = loaded[META]
+    meta = loaded[my_meta]
     restore_step_state(meta[0], meta[1], train_state=runtime.state, popularity=runtime.popularity)
     opened.clear()
     loaded.clear()

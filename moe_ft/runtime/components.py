@@ -154,9 +154,10 @@ class IterationClock(Component):
 
 
 class CheckFreeNorms(Component):
-    """CheckFree's ``w`` (§4.2, Alg. 1 lines 1-2): this rank's squared gradient norm of every iteration,
-    saved with its snapshot (``checkfree.grad_sq``) so that a neighbouring stage that loses every copy of
-    its state can be rebuilt after the restart (``moe_ft/checkfree/recovery.py``)."""
+    """CheckFree's ``w`` (§4.2, Alg. 1 lines 1-2): this rank's squared gradient norm over its transformer
+    layers (not the embedding / output layer: ``average.local_grad_sq``) of every iteration, saved with its
+    snapshot (``checkfree.grad_sq``) so that a neighbouring stage that loses every copy of its state can be
+    rebuilt after the restart (``moe_ft/checkfree/recovery.py``)."""
 
     def __init__(self, model_chunks) -> None:
         self.model_chunks = model_chunks
