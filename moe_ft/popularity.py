@@ -21,6 +21,12 @@ Counters, all ``[num_layers, num_experts]`` float64 (exact for integer counts be
   :meth:`ExpertPopularity.mark_persisted`. A durable point restores such an expert from that entry, which
   can be older than its last snapshot FULL: the loss of that recovery is counted here.
 
+Besides the counters, each expert's last :data:`FULL_MARKS` FULL marks (``full_marks``: the iteration,
+``full_marks_hard``: its ``hard`` count then) make :meth:`ExpertPopularity.since_entry` exact for an entry
+older than the last FULL snapshot: a snapshot dropped after it was marked (the store was full), or an entry
+skipped as corrupt, leaves recovery restoring an expert from an earlier entry, whose tokens since are
+``hard`` now minus ``hard`` at its mark.
+
 Besides the counters, ``routing_digest`` ``[num_layers]`` int64 is a digest of the routing decisions of the
 last closed iteration on *this* rank (which tokens of which micro-batch went to which experts,
 :func:`routing_digest`); it is not summed over ranks. A sparse-to-dense replay compares it with the recorded
@@ -41,6 +47,9 @@ import torch
 from moe_ft.state.operators import OperatorId
 
 SOURCES = ("hard", "soft", "ema", "since_full")
+FULL_MARKS = 4
+"""FULL marks remembered per expert (:meth:`ExpertPopularity.since_entry` is exact for an entry of any of
+them): three snapshots of an expert dropped or damaged in a row are still counted exactly."""
 DIGEST_PRIME = 2**31 - 1
 
 
@@ -147,6 +156,9 @@ class ExpertPopularity:
         self.last_full_iteration = torch.full(shape, -1, dtype=torch.int64)
         self.since_persisted = torch.zeros(shape, dtype=torch.float64)
         self.last_persisted_iteration = torch.full(shape, -1, dtype=torch.int64)
+        # each expert's newest FULL marks, newest first: the iteration (-1: none) and ``hard`` then
+        self.full_marks = torch.full((FULL_MARKS, *shape), -1, dtype=torch.int64)
+        self.full_marks_hard = torch.zeros((FULL_MARKS, *shape), dtype=torch.float64)
         self.last_iteration = -1  # last iteration closed by end_iteration
         # routing digest of the open iteration per layer (rank-local) and of the last closed one
         self._digest_pending = torch.zeros(shape[0], dtype=torch.int64, device=device)
@@ -250,8 +262,17 @@ class ExpertPopularity:
 
     def mark_full(self, iteration: int, experts: Iterable[OperatorId]) -> None:
         """Experts in ``experts`` (non-expert operators are ignored) got a FULL snapshot at ``iteration``:
-        their tokens-since-last-FULL restart from zero."""
-        self._reset(self.since_full, self.last_full_iteration, iteration, experts)
+        their tokens-since-last-FULL restart from zero, and the mark is remembered with the ``hard`` count
+        of now (:meth:`since_entry`). Called when the snapshot is submitted: one the store later drops
+        keeps its mark, and recovery restores from an earlier one."""
+        rows, cols = self._reset(self.since_full, self.last_full_iteration, iteration, experts)
+        if rows:
+            with torch._C.DisableTorchFunction():
+                marks, marks_hard = self.full_marks.numpy(), self.full_marks_hard.numpy()
+                marks[1:, rows, cols] = marks[:-1, rows, cols]  # fancy indexing reads a copy first
+                marks_hard[1:, rows, cols] = marks_hard[:-1, rows, cols]
+                marks[0, rows, cols] = iteration
+                marks_hard[0, rows, cols] = self.hard.numpy()[rows, cols]
 
     def mark_persisted(self, iteration: int, experts: Iterable[OperatorId]) -> None:
         """Experts in ``experts`` (non-expert operators are ignored) had their FULL entry of ``iteration``
@@ -259,7 +280,9 @@ class ExpertPopularity:
         tokens-since-last-persisted-FULL restart from zero."""
         self._reset(self.since_persisted, self.last_persisted_iteration, iteration, experts)
 
-    def _reset(self, counter: torch.Tensor, last: torch.Tensor, iteration: int, experts: Iterable[OperatorId]) -> None:
+    def _reset(self, counter: torch.Tensor, last: torch.Tensor, iteration: int,
+               experts: Iterable[OperatorId]) -> tuple[list[int], list[int]]:
+        """Restart ``counter`` and set ``last`` to ``iteration`` for ``experts``; returns their rows and columns."""
         rows, cols = [], []
         for op in experts:
             if not op.is_expert:
@@ -273,22 +296,31 @@ class ExpertPopularity:
             with torch._C.DisableTorchFunction():
                 counter.numpy()[rows, cols] = 0.0
                 last.numpy()[rows, cols] = iteration
+        return rows, cols
 
     def since_entry(self, full_at: Mapping[tuple[int, int], int]) -> torch.Tensor:
         """``[num_layers, num_experts]``: the tokens each expert ``(layer, expert)`` saw since its FULL entry
-        of iteration ``full_at[(layer, expert)]`` (experts not in ``full_at``: 0). Exact for the entry of its
-        last FULL snapshot (``since_full``) and for that of its last persisted FULL when that is older
-        (``since_persisted``: a durable point restores it from there); for an older entry still (one skipped
-        as corrupt, say) ``since_full`` is a lower bound."""
+        of iteration ``full_at[(layer, expert)]`` (experts not in ``full_at``: 0). Exact for the entry of
+        any of its last :data:`FULL_MARKS` FULL marks (``hard`` minus ``hard`` at the mark: its last FULL
+        snapshot's is ``since_full``; an older one's when a newer snapshot was dropped or is damaged) and
+        for that of its last persisted FULL when that is older (``since_persisted``: a durable point
+        restores it from there); for an older entry still ``since_full`` is a lower bound."""
         out = torch.zeros_like(self.since_full)
         with torch._C.DisableTorchFunction():  # host counters: one NumPy read per expert
             full, persisted = self.since_full.numpy(), self.since_persisted.numpy()
             last_full, last_persisted = self.last_full_iteration.numpy(), self.last_persisted_iteration.numpy()
+            marks, marks_hard, hard = self.full_marks.numpy(), self.full_marks_hard.numpy(), self.hard.numpy()
             dst = out.numpy()
             for (layer, expert), f in full_at.items():
                 row = self.layer_pos(layer)
-                older = f < last_full[row, expert] and f == last_persisted[row, expert]
-                dst[row, expert] = persisted[row, expert] if older else full[row, expert]
+                if f == last_full[row, expert]:
+                    dst[row, expert] = full[row, expert]
+                elif f == last_persisted[row, expert]:
+                    dst[row, expert] = persisted[row, expert]
+                elif f >= 0 and f in (mine := marks[:, row, expert].tolist()):
+                    dst[row, expert] = hard[row, expert] - marks_hard[mine.index(f), row, expert]
+                else:
+                    dst[row, expert] = full[row, expert]
         return out
 
     def restored_from(self, full_at: Mapping[tuple[int, int], int], lost: torch.Tensor, *,
@@ -301,7 +333,9 @@ class ExpertPopularity:
         persisted ones before ``f``). Left in the counters, a second recovery from the same entry would
         report them again (MoC §3.1.2, MoEtion §6). An entry of the point's own iteration is what
         :meth:`mark_full` would record. ``durable``: the entries came from the durable tier, so each is
-        also the expert's last persisted FULL (as :meth:`mark_persisted` would record)."""
+        also the expert's last persisted FULL (as :meth:`mark_persisted` would record). Its FULL marks are
+        that entry alone, marked now: tokens since it are counted from here on (the older marks' entries
+        are not what its live state came from)."""
         rows, cols, its = [], [], []
         for (layer, expert), f in full_at.items():
             rows.append(self.layer_pos(layer))
@@ -311,6 +345,11 @@ class ExpertPopularity:
             with torch._C.DisableTorchFunction():  # host counters, as in mark_full
                 self.since_full.numpy()[rows, cols] = 0.0
                 self.last_full_iteration.numpy()[rows, cols] = its
+                marks, marks_hard = self.full_marks.numpy(), self.full_marks_hard.numpy()
+                marks[:, rows, cols] = -1
+                marks[0, rows, cols] = its
+                marks_hard[:, rows, cols] = 0.0
+                marks_hard[0, rows, cols] = self.hard.numpy()[rows, cols]
                 persisted = self.since_persisted.numpy()
                 if durable:
                     persisted[rows, cols] = 0.0
@@ -351,6 +390,8 @@ class ExpertPopularity:
             "last_full_iteration": self.last_full_iteration.clone(),
             "since_persisted": self.since_persisted.clone(),
             "last_persisted_iteration": self.last_persisted_iteration.clone(),
+            "full_marks": self.full_marks.clone(),
+            "full_marks_hard": self.full_marks_hard.clone(),
             "pending": self._host_copy(self._pending),
             "last_iteration": self.last_iteration,
             "routing_digest": self.routing_digest.clone(),
@@ -379,6 +420,10 @@ class ExpertPopularity:
         self.since_persisted = state.get("since_persisted", state["since_full"]).to(torch.float64).clone()
         self.last_persisted_iteration = state.get(
             "last_persisted_iteration", torch.full(self.last_full_iteration.shape, -1)).to(torch.int64).clone()
+        # states saved before the FULL marks existed: none known (since_entry then counts as those versions did)
+        self.full_marks = state.get("full_marks", torch.full(self.full_marks.shape, -1)).to(torch.int64).clone()
+        self.full_marks_hard = state.get("full_marks_hard", torch.zeros(self.full_marks_hard.shape)).to(
+            torch.float64).clone()
         self._pending = state["pending"].to(device=self._pending.device, dtype=torch.float64).clone()
         self.last_iteration = int(state["last_iteration"])
         # states saved before the routing digest existed restore an empty one

@@ -216,9 +216,39 @@ def test_persisted_counter_and_states_saved_before_it():
     assert pop.last_persisted_iteration.tolist() == [[0, 0]]
     # x from its snapshot FULL of 2, y from its persisted FULL of 0
     assert pop.since_entry({(0, 0): 2, (0, 1): 0}).tolist() == [[3.0, 12.0]]
-    old = {k: v for k, v in pop.state_dict().items() if k not in ("since_persisted", "last_persisted_iteration")}
+    old = {k: v for k, v in pop.state_dict().items()
+           if k not in ("since_persisted", "last_persisted_iteration", "full_marks", "full_marks_hard")}
     fresh = ExpertPopularity(pop.config)
     fresh.load_state_dict(old)
     assert torch.equal(fresh.since_persisted, pop.since_full)
     assert fresh.last_persisted_iteration.tolist() == [[-1, -1]]
     assert fresh.since_entry({(0, 0): 2, (0, 1): 0}).tolist() == [[3.0, 4.0]]
+
+
+def test_an_entry_older_than_the_last_full_mark_counts_its_tokens_exactly():
+    """A snapshot marked FULL when submitted and dropped later (store full), or an entry skipped as corrupt,
+    leaves recovery restoring the expert from an earlier entry: ``since_entry`` counts the tokens since that
+    one from the expert's FULL marks (``since_full`` would count from the dropped one: too few). Beyond the
+    last ``FULL_MARKS`` marks it falls back to ``since_full``; a state saved before the marks existed too."""
+    from moe_ft.popularity import FULL_MARKS
+
+    x = OperatorId.expert_op(0, 0)
+    pop = ExpertPopularity(PopularityConfig(moe_layers=[0], num_experts=2))
+    for t in range(FULL_MARKS + 2):
+        pop.record(0, torch.tensor([float(t + 1), 1.0]))
+        pop.end_iteration(t)
+        pop.mark_full(t, [x])
+    pop.record(0, torch.tensor([100.0, 1.0]))
+    pop.end_iteration(FULL_MARKS + 2)
+    total = pop.hard[0, 0].item()
+    for f in range(2, FULL_MARKS + 2):  # the last FULL_MARKS marks: exact
+        seen = sum(t + 1 for t in range(f + 1))
+        assert pop.since_entry({(0, 0): f}).tolist() == [[total - seen, 0.0]], f
+    assert pop.since_entry({(0, 0): 1}).tolist() == [[100.0, 0.0]]  # forgotten: since the last mark
+    old = {k: v for k, v in pop.state_dict().items() if k not in ("full_marks", "full_marks_hard")}
+    fresh = ExpertPopularity(pop.config)
+    fresh.load_state_dict(old)
+    assert fresh.since_entry({(0, 0): 3}).tolist() == [[100.0, 0.0]]
+    again = ExpertPopularity(pop.config)
+    again.load_state_dict(pop.state_dict())
+    assert again.since_entry({(0, 0): 3}).tolist() == pop.since_entry({(0, 0): 3}).tolist()

@@ -62,7 +62,9 @@ class Run:
         self.live: list[set[int]] = [set() for _ in tokens]
         self.entries: dict[int, dict[int, frozenset[int]]] = {}  # iteration -> expert -> its FULL entry
 
-    def train(self, *iterations: int) -> None:
+    def train(self, *iterations: int, dropped: tuple[int, ...] = ()) -> None:
+        """``dropped``: iterations whose snapshot the store dropped after it was submitted (full): marked
+        FULL like any other, but no entry of it exists."""
         for t in iterations:
             self.popularity.record(0, self.tokens)
             self.popularity.end_iteration(t)
@@ -74,6 +76,8 @@ class Run:
             self.popularity.mark_full(t, [op for op, lvl in plan.items() if lvl == Level.FULL])
             self.entries[t] = {op.expert: frozenset(self.live[op.expert]) for op, lvl in plan.items()
                                if op.is_expert and lvl == Level.FULL}
+            if t in dropped:
+                self.plans[t] = {}
             self.durable.after_snapshot(t, plan, SimpleNamespace(policy=self.policy), False)
 
     def full_at(self, end: int, durable: bool = False) -> dict[OperatorId, int]:
@@ -130,6 +134,16 @@ def test_second_recovery_does_not_report_the_first_ones_loss_again():
     assert second["per_expert"] == [truth]
     assert second["per_expert"] == [[1.0, 10.0, 0.0]] and second["tokens"] == 11.0
     assert second["value"] == pytest.approx(11.0 / (TRAIN_ITERS * 111.0))
+
+
+def test_a_snapshot_the_full_store_dropped_counts_the_tokens_since_the_entry_restored():
+    """pec K=1 over 3 experts saves e0 at 0 and 3, e1 at 1 and 4, e2 at 2 and 5; the store was full at 3
+    (the snapshot was marked FULL when submitted, then dropped). A recovery to 5 restores e0 from 0: it
+    lost iterations 1-5, not only 4-5 (what counting since the dropped snapshot reported)."""
+    run = Run(PECPolicy(PECConfig(k_snapshot=1, dynamic_k=False), operators(3)), tokens=[1.0, 10.0, 100.0])
+    run.train(0, 1, 2, 3, 4, 5, dropped=(3,))
+    loss, truth = run.recover(5)
+    assert loss["per_expert"] == [truth] == [[5.0, 10.0, 0.0]]
 
 
 def test_selective_marks_the_experts_saved_at_the_point_not_a_new_plan_of_it():

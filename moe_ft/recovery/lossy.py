@@ -4,7 +4,8 @@ Restoring expert ``(l, e)`` from its newest FULL entry ``f < end`` loses the upd
 to it in iterations ``f+1 … end``: exactly ``since_full[l, e]`` of the popularity counters as recorded
 with the snapshot of ``end`` (``mark_full(f)`` reset it after the snapshot of ``f``), or, when a durable
 point restores it from its last persisted FULL, older than its last snapshot FULL (two-level PEC, MoC §5.1),
-``since_persisted[l, e]`` (``ExpertPopularity.since_entry`` picks). An expert FULL at ``end`` loses
+``since_persisted[l, e]``, or, for an older entry still (a newer snapshot dropped or damaged), ``hard``
+minus ``hard`` at the entry's FULL mark (``ExpertPopularity.since_entry`` picks). An expert FULL at ``end`` loses
 nothing. Per layer the loss is divided by the expert-token assignments ``T_l · TopK``:
 PLT uses the whole training run (``train_iters`` iterations, MoC "throughout the training") and averages
 over the MoE layers (eq. 7: ``1/N_moe Σ``); MLT uses the tokens processed up to the recovery point
