@@ -50,6 +50,8 @@ def test_flags_map_to_dataclasses(data_prefix):
     (["--lr-warmup-iters", "-1"], 1, "--lr-warmup-iters must be >= 0, got -1"),
     (["--lr-decay-style", "constant", "--lr-warmup-iters", "100"], 1,
      "--lr-warmup-iters 100 must be smaller than the decay iterations 100"),
+    # the two choices of the LR-schedule rule apply to --ft recovery too, not only to --load
+    (["--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"], 1, "are exclusive; pass one of them"),
 ])
 def test_bad_flags(flags, world, message, data_prefix):
     with pytest.raises(ArgumentError, match=message):
