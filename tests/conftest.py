@@ -39,8 +39,8 @@ LONGEST_FIRST = (
     "test_localized_vpp", "test_replication_recovery", "test_checkfree_plus_run", "test_upstream_log",
     "test_recipes", "test_comm_rule", "test_runtime", "test_compat_writer_queue", "test_persist_fault",
     "test_tokenizers", "test_elastic_corrupt", "test_group_step_drill", "test_replication_runtime",
-    "test_bubble_snapshots_run", "test_checkfree_swap_pp", "test_store_capacity", "test_elastic_fallback",
-    "test_replication_transport", "test_loop_independent", "test_checkfree_comm",
+    "test_bubble_snapshots_run", "test_checkfree_swap_pp", "test_store_capacity", "test_recovery_schedule",
+    "test_elastic_fallback", "test_replication_transport", "test_loop_independent", "test_checkfree_comm",
 )
 """The modules that take longest (10-95 s each on one worker of the CI machine, mostly multi-process
 drills), longest first. ``make test`` runs the suite on several workers (pytest-xdist, one module per

@@ -50,6 +50,8 @@ def test_flags_map_to_dataclasses(data_prefix):
     (["--lr-warmup-iters", "-1"], 1, "--lr-warmup-iters must be >= 0, got -1"),
     (["--lr-decay-style", "constant", "--lr-warmup-iters", "100"], 1,
      "--lr-warmup-iters 100 must be smaller than the decay iterations 100"),
+    # the two choices of the LR-schedule rule apply to --ft recovery too, not only to --load
+    (["--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"], 1, "are exclusive; pass one of them"),
 ])
 def test_bad_flags(flags, world, message, data_prefix):
     with pytest.raises(ArgumentError, match=message):
@@ -297,12 +299,14 @@ def test_resuming_checks_the_lr_schedule_against_the_flags(corpus, one_rank_chec
     # a longer --train-iters with the checkpoint's --lr-decay-iters resumes as is
     parse_args([*longer, "--lr-decay-iters", "4"], world_size=1)
 
-    resumed = torchrun("pretrain_gpt_moe.py", [*longer, "--override-opt-param-scheduler"], nproc=1, timeout=120)
+    resumed = torchrun("pretrain_gpt_moe.py", [*longer, "--lr", "2e-3", "--override-opt-param-scheduler"], nproc=1,
+                       timeout=120)
     lrs = {int(line.split()[1].split("/")[0]): float(line.split("| lr ")[1].split()[0])
            for line in resumed.stdout.splitlines() if line.startswith("iteration ")}
-    # the flags' cosine decay over 8 iterations from the checkpoint's position (the logged LR: the schedule
-    # after i iterations); the checkpoint's own decay over 4 would hold it at --min-lr
-    expected = {i: 3e-4 + 0.5 * (math.cos(math.pi * i / 8) + 1) * (3e-3 - 3e-4) for i in range(5, 9)}
+    # the flags' cosine decay from --lr 2e-3 over 8 iterations from the checkpoint's position (the logged LR:
+    # the schedule after i iterations); the checkpoint's own decay over 4 would hold it at --min-lr, and its
+    # parameter groups' peak (3e-3, loaded with the optimizer state) would be the one decayed
+    expected = {i: 3e-4 + 0.5 * (math.cos(math.pi * i / 8) + 1) * (2e-3 - 3e-4) for i in range(5, 9)}
     assert set(lrs) == set(expected) and all(math.isclose(lrs[i], expected[i], rel_tol=2e-3) for i in lrs), lrs
 
 

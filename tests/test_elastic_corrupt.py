@@ -54,7 +54,9 @@ def test_corrupt_copies_are_excluded_and_a_lost_operator_fails_every_rank_togeth
     assert _damage(store, "corrupt", 3, OperatorId.embedding(), only=0) == [0]
     assert _damage(store, "corrupt", 3, OperatorId.expert_op(0, 1))  # every copy (one per data-parallel replica)
     assert _damage(store, "corrupt", 2, OperatorId.embedding(), only=0) == [0]  # the fallback point's too
-    proc = torchrun("pretrain_gpt_moe.py", [*common, "--train-iters", "6"], nproc=2, timeout=300, max_restarts=1)
+    # a longer run than the one that saved the snapshots: the flags' LR schedule from the reshape's point
+    proc = torchrun("pretrain_gpt_moe.py", [*common, "--train-iters", "6", "--override-opt-param-scheduler"], nproc=2,
+                    timeout=300, max_restarts=1)
     out = proc.stdout + proc.stderr
     assert "ElasticRestoreFailed: the agreed point 3 cannot be restored" in out, out[-4000:]
     assert "expert.L0.E1 of old rank" in out and "embedding of old rank 0" in out

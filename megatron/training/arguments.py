@@ -133,12 +133,12 @@ class TrainingArgs:
         "saved with another expert-parallel size."))
     no_load_rng: bool = field(default=False, metadata=field_help("--load without the saved RNG states."))
     override_opt_param_scheduler: bool = field(default=False, metadata=field_help(
-        "--load: train with the LR/WD schedule of the flags (--lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, "
-        "--lr-decay-style, --weight-decay) from the checkpoint's position; default: the run stops when they differ "
-        "from the checkpoint's."))
+        "--load, and --ft recovery from snapshots: train with the LR/WD schedule of the flags (--lr, --min-lr, "
+        "--lr-warmup-iters, --lr-decay-iters, --lr-decay-style, --weight-decay) from the saved position; default: "
+        "the run stops when they differ from the saved schedule."))
     use_checkpoint_opt_param_scheduler: bool = field(default=False, metadata=field_help(
-        "--load: train with the checkpoint's LR/WD schedule, whatever the flags say; default: the run stops when "
-        "they differ."))
+        "--load, and --ft recovery from snapshots: train with the saved LR/WD schedule, whatever the flags say; "
+        "default: the run stops when they differ."))
     save_interval: int = field(default=0, metadata=field_help("Iterations between saves (0: end only)."))
     loss_scale: float | None = field(default=None, metadata=field_help(
         "--fp16: static loss scale (default: dynamic loss scaling)."))
@@ -484,6 +484,9 @@ def validate_args(args: Args) -> None:
                             "validation weight, e.g. 98,2,0")
     if d.num_workers < 0:
         raise ArgumentError(f"--num-workers must be >= 0, got {d.num_workers}")
+    if t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler:  # --load and FT recovery
+        raise ArgumentError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are "
+                            "exclusive; pass one of them")
     if t.load:
         if not os.path.isdir(t.load):
             raise ArgumentError(f"--load {t.load}: no such directory")
@@ -491,9 +494,6 @@ def validate_args(args: Args) -> None:
             latest_checkpoint(t.load)
         except CheckpointError as e:
             raise ArgumentError(str(e)) from e
-        if t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler:
-            raise ArgumentError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are "
-                                "exclusive; pass one of them")
         # start-up time: reading the checkpoint imports torch and Megatron-Core's dist_checkpointing
         from megatron.training.resume_checks import check_resume
 

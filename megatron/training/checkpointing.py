@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron.training.checkpoint_tracker import TRACKER_FILE, CheckpointError, checkpoint_dir, latest_checkpoint
 from megatron.training.model import TrainState
 from megatron.training.optimizer_state import ensure_optimizer_state
+from megatron.training.resume_checks import take_flags_schedule
 
 log = logging.getLogger("megatron.training")
 
@@ -194,7 +195,7 @@ def load_checkpoint(root: str, state: TrainState, *, load_optim: bool = True, lo
     (``--no-load-optim``): the model, the iteration and the LR schedule, not the optimizer state;
     ``load_rng=False`` (``--no-load-rng``): not the RNG states; ``override_schedule``
     (``--override-opt-param-scheduler``): the LR/WD schedule of ``state.scheduler`` (the flags') from the
-    checkpoint's position, else the checkpoint's (equal to the flags' unless
+    checkpoint's position (``resume_checks.take_flags_schedule``), else the checkpoint's (equal to the flags' unless
     ``--use-checkpoint-opt-param-scheduler``: checked at parsing)."""
     iteration, path = latest_checkpoint(root)
     torn = torn_checkpoints(root, iteration)
@@ -237,10 +238,10 @@ def load_checkpoint(root: str, state: TrainState, *, load_optim: bool = True, lo
         if load_optim:
             state.optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(state.optimizer)
-    saved_schedule = common["scheduler"]
-    if override_schedule:  # the scheduler takes what it is given: give it its own values, the saved position
-        saved_schedule = {**state.scheduler.state_dict(), "num_steps": saved_schedule["num_steps"]}
-    state.scheduler.load_state_dict(saved_schedule)
+    flags = {k: v for k, v in state.scheduler.state_dict().items() if k != "num_steps"}  # built from the flags
+    state.scheduler.load_state_dict(common["scheduler"])
+    if override_schedule:  # the flags' values from the saved position, in the parameter groups too
+        take_flags_schedule(state.scheduler, flags)
     if "rng_state" in loaded:
         set_rng_state(loaded["rng_state"])
     if int(common["iteration"]) != iteration:

@@ -15,7 +15,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.training.arguments import Args, extensions
 from megatron.training.norm import with_sequence_parallel_norms
-from megatron.training.resume_checks import flag_schedule
+from megatron.training.resume_checks import flag_state
 from megatron.training.tokenizer import SIZED_BY_FLAG, padded_vocab_size, tokenizer_from_args
 
 
@@ -195,15 +195,9 @@ def _finish_train_state(args: Args, config: TransformerConfig, model: list) -> T
     # the interleaved schedule takes one no_sync per chunk; the plain one a single callable
     config.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync
     # Megatron-Core's default use_checkpoint_opt_param_scheduler=True: its load_state_dict takes the state it
-    # is given. What --load gives it follows --override-opt-param-scheduler (checkpointing.load_checkpoint;
-    # the flags' default, equal schedules, is checked at parsing); moe-ft's recovery restores the same run's
-    # snapshots and must take their values (an elastic restart's default global batch size differs).
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if t.lr_warmup_iters else t.lr,
-        **flag_schedule(t),
-        wd_incr_steps=t.train_iters * t.global_batch_size,
-        wd_incr_style="constant",
-    )
+    # is given. --load and moe-ft's recovery give it the saved state, then the flags' values where
+    # --override-opt-param-scheduler says so (resume_checks.take_flags_schedule); by default the two are
+    # equal (checked at parsing for --load, before restoring for recovery: moe_ft/recovery/schedule.py).
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0 if t.lr_warmup_iters else t.lr, **flag_state(t))
     return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, config=config,
                       global_batch_size=t.global_batch_size)

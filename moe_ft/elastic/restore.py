@@ -12,8 +12,11 @@ operator registry built for the new plan (``FTRuntime.build``):
    the same order, so the blocking sends and receives of the coordination group cannot deadlock);
 3. restores the step state of ``T`` (RNG, LR schedule, loss scaler, popularity) from its node's metadata or
    a peer's -- written by a rank of its own pipeline stage (``choose_meta``: the ranks are numbered again in
-   the new world, and the metadata holds the stage's RNG states and per-group learning rates) -- then, after a barrier, empties the old generation's store directories on its node (their
-   points hold the old plan's operators) so that the new generation's snapshots start clean.
+   the new world, and the metadata holds the stage's RNG states and per-group learning rates) -- then, after a
+   barrier, empties the old generation's store directories on its node (their points hold the old plan's
+   operators) so that the new generation's snapshots start clean. Before it restores anything, the metadata of
+   ``T`` is checked against the flags' LR schedule and global batch size (``moe_ft/recovery/schedule.py``,
+   every rank; a refusal stops every rank and leaves the stores as they were).
 
 Training resumes at ``T + 1`` with the same global batch (``ReplayableData``: ``GBS / (MBS x DP)``
 micro-batches per rank on the new data-parallel size). The math equals the fault-free run up to float
@@ -37,6 +40,7 @@ import torch
 from moe_ft import comm
 from moe_ft.elastic.inventory import node_inventory, stage_atoms, store_dirs
 from moe_ft.recovery.machine import restore_step_state
+from moe_ft.recovery.schedule import ScheduleRule, stop_unless_agreed
 from moe_ft.replication.component import Replicas
 from moe_ft.snapshot.restore import assemble_into, copy_checked, restore_meta
 from moe_ft.state import shards
@@ -249,6 +253,10 @@ def restore_reshaped(decision, runtime) -> dict:
             comm.send_object(payload, dst, group)
         elif rank == dst:
             loaded[key] = comm.recv_object(src, group)
+    # Megatron-LM's LR-schedule rule (moe_ft/recovery/schedule.py), on every rank before anything is restored
+    # or a store emptied: the point was saved by the old world's run, whose flags may differ
+    rule = ScheduleRule(training=runtime.args.training)
+    stop_unless_agreed(rule.problem(loaded[my_meta][0], f"the snapshot of iteration {point} (the reshape's point)"), rank)
     fetched = {key for _, dst, key in transfers if dst == rank}
     for op in registry:
         keys = choice[str(op)]
@@ -265,6 +273,7 @@ def restore_reshaped(decision, runtime) -> dict:
     stats["copies_from_replicas"] = sum(getattr(d, "kind", "") == "replica" for d in served_by.values())
     meta = loaded[my_meta]
     restore_step_state(meta[0], meta[1], train_state=runtime.state, popularity=runtime.popularity)
+    rule.after_restore(runtime.state)
     opened.clear()
     loaded.clear()
     stats["seconds"] = round(time.perf_counter() - t0, 4)

@@ -339,6 +339,14 @@ class StoredPoints:
     def meta(self, iteration: int) -> tuple[dict, dict[str, torch.Tensor]]:
         return restore_meta(self.store, iteration)
 
+    def newest_meta(self) -> tuple[str, dict] | None:
+        """``(what it is, metadata)`` of the newest point published, unverified (``None``: none)."""
+        points = self.store.points()
+        if not points:
+            return None
+        return (f"the survivor point of iteration {points[-1]} in {self.store.backend.describe()}",
+                restore_meta(self.store, points[-1])[0])
+
     def discard(self) -> None:
         discard_survivor_points(self.store)
 
@@ -379,6 +387,12 @@ class HeldPoint:
     def meta(self, iteration: int) -> tuple[dict, dict[str, torch.Tensor]]:
         self._check(iteration)
         return dict(self.step_meta), dict(self.tensors)
+
+    def newest_meta(self) -> tuple[str, dict] | None:
+        """``(what it is, metadata)`` of the point held (``None``: discarded)."""
+        if self.discarded:
+            return None
+        return f"the survivor point of iteration {self.iteration} held by rank {self.rank}", dict(self.step_meta)
 
     def discard(self) -> None:
         """The job recovered past this state: free the tensors."""

@@ -4,6 +4,9 @@ every rank has and account for what the failure cost.
 :func:`recover` takes everything it acts on in one :class:`RecoveryInputs` (the runtime builds it; recovery
 never imports the training loop: the loop's step function comes in as ``step_fn``). It runs named steps:
 
+0. :func:`check_saved_schedules`  what every rank may restore against the flags' LR schedule and global batch
+                               size, before anything is restored or a store changed (``schedule.py``: Megatron-LM's
+                               rule, as ``--load``; a refusal stops every rank with one line)
 1. :func:`lost_iterations`     newest iteration any rank completed (progress records, collective)
 2. :func:`fetch_lost_points`   rebuild node-local stores of a lost node from peers (collective)
    :func:`try_localized`       survivors load the state they published, only the failed stages replay from
@@ -16,6 +19,9 @@ never imports the training loop: the loop's step function comes in as ``step_fn`
 5. :func:`account_token_loss`  popularity as of the point; lossy policies: PLT/MLT (MoC eq. 7, MoEtion §6)
 6. :func:`drop_abandoned_timeline`  store points after the resume point; retention by the restored policy
 7. :func:`build_report`, then :func:`record_recovery_levels` (per-operator levels, audit log, lr boost)
+
+Once a point is restored (localized or global), ``--override-opt-param-scheduler`` puts the flags' LR schedule at
+its position (:meth:`ScheduleRule.after_restore`), before the report's digest.
 
 What a policy means for recovery (its completeness rule, whether it is lossy, its metric) is asked of the
 policy object (``moe_ft/policy/base.py``), never decided here by name.
@@ -47,6 +53,7 @@ from moe_ft.recovery.lossy import gather_expert_full_at, token_loss
 from moe_ft.recovery.machine import MachineConfig, Phase, Recovery, RecoveryContext, RecoveryState
 from moe_ft.recovery.progress import last_completed
 from moe_ft.recovery.report import RecoveryReport
+from moe_ft.recovery.schedule import ScheduleRule, recovery_sources, stop_unless_agreed
 from moe_ft.replication.component import Replicas
 from moe_ft.state.operators import Level
 
@@ -152,6 +159,7 @@ def recover(inputs: RecoveryInputs) -> RecoveryReport:
     resumes at is ``report.recovery_point['resume']``)."""
     t0 = time.perf_counter()
     since_fault = seconds_since_last_fault(inputs.faults)
+    rule = check_saved_schedules(inputs)
     lost_through = lost_iterations(inputs)
     t_fetch = time.perf_counter()
     fetched = fetch_lost_points(inputs)
@@ -159,7 +167,7 @@ def recover(inputs: RecoveryInputs) -> RecoveryReport:
     ledger = DecisionLedger(inputs.config.job_dir(), inputs.rank)
     avoided = agreed_avoided(ledger)
     scope, report = try_localized(inputs, lost_through=lost_through, since_fault=since_fault, t0=t0,
-                                  ledger=ledger, avoided=avoided)
+                                  ledger=ledger, avoided=avoided, rule=rule)
     if report is not None:
         note_avoided(report, avoided)
         ledger.clear()
@@ -178,6 +186,8 @@ def recover(inputs: RecoveryInputs) -> RecoveryReport:
             f"of it; the job must start again from {'the --load checkpoint' if inputs.start_iteration else 'its initial state'} "
             "in new processes (the next attempt does not try the localized recovery again)")
     inputs.check_fault(lost_through + 1, "fallback")  # drills: lost while the global path rewrote the state
+    if rs.point is not None:  # else the --load checkpoint's or the initial schedule, which follows the rule
+        rule.after_restore(inputs.state)
     if t_fetch > 0.0005 and fetched:
         rs.seconds["fetch"] = t_fetch
     report_skipped(inputs, rs)
@@ -195,6 +205,19 @@ def recover(inputs: RecoveryInputs) -> RecoveryReport:
     discard_survivor_points(inputs)
     ledger.clear()
     return report
+
+
+def check_saved_schedules(inputs: RecoveryInputs) -> ScheduleRule:
+    """Step 0 (collective): every rank checks what it may restore from -- its node-local points not older
+    than the ``--load`` checkpoint, its survivor point, the newest complete durable point -- against the
+    flags (``schedule.py``), before anything is restored, fetched or deleted; a refusal stops every rank.
+    Returns the rule, which applies ``--override-opt-param-scheduler`` once a point is restored."""
+    rule = ScheduleRule(training=inputs.args.training)
+    lo = inputs.start_iteration - 1
+    sources = recovery_sources(inputs.session.store, lo=lo, survivor_points=inputs.survivor_points,
+                               durable=durable_store(inputs, newer_than=lo))
+    stop_unless_agreed(rule.first_problem(sources), inputs.rank)
+    return rule
 
 
 # ------------------------------------------------------------------------------- failed decisions
@@ -231,10 +254,12 @@ def _recording(ledger: DecisionLedger | None, scope: str, iteration: Callable[[]
 
 # ------------------------------------------------------------------------------------- localized scope
 def try_localized(inputs: RecoveryInputs, *, lost_through: int, since_fault: float | None, t0: float,
-                  ledger: DecisionLedger | None = None, avoided: Avoided | None = None):
+                  ledger: DecisionLedger | None = None, avoided: Avoided | None = None,
+                  rule: ScheduleRule | None = None):
     """Localized recovery (``localized.py``, collective): ``(scope, report)`` when it recovered the job,
     ``(scope, None)`` when the global path must run (``scope.reason`` says why). A localized recovery to
-    the same target failed before (``avoided``): the global path, saying so."""
+    the same target failed before (``avoided``): the global path, saying so. ``rule``: the LR-schedule rule
+    applied to the recovered state (``schedule.py``)."""
 
     if inputs.survivor is not None:
         inputs.survivor.forget()  # the live state is about to be rewritten
@@ -252,6 +277,8 @@ def try_localized(inputs: RecoveryInputs, *, lost_through: int, since_fault: flo
             ledger.record(LOCALIZED, scope.target, scope.reason)
         return scope, None
     outcomes = mine.pop("outcomes")
+    if rule is not None:  # every rank holds the state of the target now (the replaying ranks' lost iterations too)
+        rule.after_restore(inputs.state)
     inputs.session.store.discard_after(scope.target)
     inputs.session.realign_retention()
     return scope, build_localized_report(inputs, scope, mine, outcomes, lost_through=lost_through,
