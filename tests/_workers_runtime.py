@@ -80,6 +80,7 @@ def main() -> int:
         "bytes_per_iter": [r.bytes for r in records],
         "dense1_bytes": sum(reg[op].nbytes(Level.FULL) for op in reg),
         "meta_keys": sorted(store.load_meta(last).meta) if last in catalog.iterations else [],
+        "window_bandwidth": getattr(policy.config, "bandwidth_bytes_per_s", None),  # sparse, window="auto"
     }
     with open(os.path.join(out, f"result_rank{int(os.environ['RANK'])}.json"), "w") as f:
         json.dump(result, f)

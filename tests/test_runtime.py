@@ -43,6 +43,22 @@ def test_sparse_store_holds_full_window_matching_live_tensors(tmp_path, corpus):
             assert key in res["meta_keys"], key
 
 
+def test_the_auto_window_is_sized_for_the_replicas(tmp_path, corpus):
+    """``--ft-sparse-window 0`` with replicas and ``--ft-replication-bandwidth``: FindWindowSize runs against
+    that bandwidth over the replicas where it is below ``--ft-snapshot-bandwidth`` (each snapshot leaves the
+    rank once per replica within the iteration), the budget the planner assumes (docs/simulator.md)."""
+    store = tmp_path / "store"
+    torchrun("tests/_workers_runtime.py", ["--out", str(tmp_path), "--data-path", corpus, "--train-iters", "4",
+                                          "--ft-store-dir", str(store), *tiny_model_flags("single", log_interval=4),
+                                          "--ft", "--ft-policy", "sparse", "--ft-sparse-window", "0",
+                                          "--ft-snapshot-bandwidth", "1e15", "--ft-replicas", "1",
+                                          "--ft-ranks-per-node", "1", "--ft-replication-bandwidth", "3e12"], nproc=2)
+    for rank in range(2):
+        res = json.load(open(tmp_path / f"result_rank{rank}.json"))
+        assert res["window_bandwidth"] == 3e12, (rank, res["window_bandwidth"])
+        assert res["window"] == [3, 3]  # every operator fits at that bandwidth: W = 1
+
+
 def test_sigkill_leaves_store_readable(tmp_path, corpus):
     store = tmp_path / "store"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)

@@ -38,7 +38,8 @@ def register(subparsers) -> None:
     _add_common(sim)
     sim.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES,
                      help="policies: dense[:interval=N|oracle|daly|cap][:store=memory|storage], sparse"
-                          "[:localized=0|paper][:launcher=inprocess|torchrun], pec[:k=N|fit|dynamic], selective, or gemini, checkfreq, dense-daly, moc")
+                          "[:localized=0|paper], pec[:k=N|fit|dynamic], selective, each with [:launcher=inprocess|"
+                          "torchrun], or gemini, checkfreq, dense-daly, moc")
     sim.add_argument("--hours", type=float, default=12.0, help="simulated run length (default 12, as MoEvement §5.2)")
     sim.add_argument("--seed", type=int, default=0, help="seed of the failure process")
     sim.add_argument("--trace", metavar="CSV", help="replay a failure trace (header time_s,nodes) instead of Poisson")
@@ -144,6 +145,7 @@ def run_plan(args) -> int:
 
     if args.json:
         print(json.dumps({format_duration(m): [{"rank": r.rank, "policy": r.result.policy, "reason": r.reason,
+                                                 "launcher": r.run.launcher, "flags": r.run.flags,
                                                  **row_dict(r.result, None)} for r in recs]
                           for m, recs in out.items()}, indent=1))
         return 0
@@ -151,4 +153,5 @@ def run_plan(args) -> int:
         print(f"MTBF {format_duration(mtbf)} ({cost.config.name}):")
         for r in recs:
             print(f"  {r.rank}. {r.result.policy:<20} ETTR {r.result.ettr:.3f}  {r.reason}")
+            print(f"     run: {r.run}")
     return 0

@@ -27,6 +27,7 @@ from moe_ft.store.rules import DenseRule, RecoveryRule
 if TYPE_CHECKING:  # only for annotations: policies read counters, they never build them
     from moe_ft.config import FTConfig
     from moe_ft.popularity import ExpertPopularity
+    from moe_ft.replication.config import ReplicationConfig
     from moe_ft.snapshot.config import SnapshotConfig
 
 RankKey = tuple[int, int]
@@ -87,9 +88,12 @@ class SnapshotPolicy(abc.ABC):
 
     # ---------------------------------------------------------------- what the plans mean elsewhere
     @classmethod
-    def config_from_flags(cls, flags: "SnapshotConfig", t_iter_s: float) -> Any:
+    def config_from_flags(cls, flags: "SnapshotConfig", t_iter_s: float, *,
+                          replication: Optional["ReplicationConfig"] = None) -> Any:
         """This policy's config dataclass from the ``--ft-*`` snapshot flags; ``t_iter_s``: the measured
-        iteration time (budgets and windows derived from a bandwidth need it)."""
+        iteration time (budgets and windows derived from a bandwidth need it); ``replication``: the replication
+        flags (``--ft-replicas``, ``--ft-replication-bandwidth``), which bound those budgets too
+        (:func:`moe_ft.policy.window.snapshot_copy_bandwidth`); ``None``: no replicas."""
         raise ValueError(f"policy {cls.name!r} cannot be built from --ft-* flags: give it a config_from_flags "
                          "classmethod, or build it with build_policy(name, config, operators)")
 

@@ -31,7 +31,7 @@ class DensePolicy(SnapshotPolicy):
     starts_dense = True
 
     @classmethod
-    def config_from_flags(cls, flags, t_iter_s: float) -> DenseConfig:
+    def config_from_flags(cls, flags, t_iter_s: float, *, replication=None) -> DenseConfig:
         return DenseConfig(interval=flags.dense_interval)
 
     def __init__(self, config: DenseConfig, operators: Sequence[OperatorInfo]) -> None:

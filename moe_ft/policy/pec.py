@@ -92,8 +92,10 @@ class PECPolicy(SnapshotPolicy):
     token_loss_metric = "PLT"
 
     @classmethod
-    def config_from_flags(cls, flags, t_iter_s: float) -> "PECConfig":
-        return PECConfig(k_snapshot=flags.pec_k, k_persist=flags.pec_k_persist, selection=flags.pec_selection)
+    def config_from_flags(cls, flags, t_iter_s: float, *, replication=None) -> "PECConfig":
+        """``--ft-pec-k`` experts per layer, doubled by Dynamic-K (MoC §5.3) unless ``--ft-pec-fixed-k``."""
+        return PECConfig(k_snapshot=flags.pec_k, k_persist=flags.pec_k_persist, selection=flags.pec_selection,
+                         dynamic_k=not flags.pec_fixed_k)
 
     @classmethod
     def check_flags(cls, config) -> None:

@@ -44,6 +44,7 @@ from moe_ft.policy.base import (
     rank_key,
     top_by_score,
 )
+from moe_ft.policy.window import snapshot_copy_bandwidth
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo, SnapshotPlan
 from moe_ft.store.rules import NewestFullRule
 
@@ -115,13 +116,22 @@ class SelectivePolicy(SnapshotPolicy):
     recomputes_optimizer_on_peer = True  # --ft-optimizer-recompute: MoEtion §5.2 stable periods
 
     @classmethod
-    def config_from_flags(cls, flags, t_iter_s: float) -> "SelectiveConfig":
-        """MoEtion §4: ``B_local = bandwidth × T_iter`` unless given; ``B_remote`` defaults to ``B_local``."""
+    def config_from_flags(cls, flags, t_iter_s: float, *, replication=None) -> "SelectiveConfig":
+        """MoEtion §4.2: ``B_local = --ft-snapshot-bandwidth × T_iter`` unless given. ``B_remote`` unless given:
+        :func:`snapshot_copy_bandwidth` × ``T_iter``, which is ``B_local`` unless replicas with a known
+        ``--ft-replication-bandwidth`` bound it (that bandwidth over ``--ft-replicas``: the sender spends it on
+        every peer); with ``B_local`` given and ``B_remote`` not, ``B_remote = B_local``."""
         local = flags.selective_local_budget or int(flags.snapshot_bandwidth * t_iter_s)
         derived = None if flags.selective_local_budget else flags.snapshot_bandwidth
-        remote_derived = derived if not flags.selective_remote_budget else None
-        return SelectiveConfig(local_budget=local, remote_budget=flags.selective_remote_budget or local,
-                               local_bandwidth=derived, remote_bandwidth=remote_derived)
+        remote_derived = None
+        if derived is not None and not flags.selective_remote_budget:
+            remote_derived = snapshot_copy_bandwidth(
+                snapshot_bandwidth=derived,
+                replication_bandwidth=replication.replication_bandwidth if replication is not None else 0.0,
+                num_replicas=replication.replicas if replication is not None else 0)
+        remote = flags.selective_remote_budget or (int(remote_derived * t_iter_s) if remote_derived else local)
+        return SelectiveConfig(local_budget=local, remote_budget=remote, local_bandwidth=derived,
+                               remote_bandwidth=remote_derived)
 
     def observe_iteration_time(self, t_iter_s: float) -> None:
         """Budgets derived from a bandwidth follow the measured ``T_iter`` (MoEtion §4.2: ``B = BW × T_iter``),
@@ -173,7 +183,8 @@ class SelectivePolicy(SnapshotPolicy):
             if config.remote_includes_non_expert and nbytes > config.remote_budget:
                 raise ValueError(
                     f"remote_budget of {config.remote_budget} bytes is below the {nbytes} bytes of non-expert "
-                    f"FULL state on rank (pp={key[0]}, ep={key[1]}); raise it, or set "
+                    f"FULL state on rank (pp={key[0]}, ep={key[1]}); raise it (--ft-selective-remote-budget, or "
+                    "--ft-replication-bandwidth / --ft-replicas x iteration time), or set "
                     "remote_includes_non_expert=False when data parallelism already replicates that state"
                 )
 

@@ -28,6 +28,7 @@ from moe_ft.policy.sparse_schedule import (
     order_operators,
     should_reorder,
 )
+from moe_ft.policy.window import snapshot_copy_bandwidth
 from moe_ft.state.operators import OperatorId, OperatorInfo, SnapshotPlan
 from moe_ft.store.errors import StoreError
 from moe_ft.store.rules import SparseWindowRule
@@ -63,7 +64,8 @@ class SparseConfig:
     window: Union[int, str] = "auto"
     """``W_sparse``: ``"auto"`` (``FindWindowSize`` per device, Alg. 1) or a fixed number of iterations."""
     bandwidth_bytes_per_s: Optional[float] = None
-    """Device-to-host bandwidth of one device (``B_PCIe``); needed by ``window="auto"``."""
+    """Bytes/s of ``T_iter`` one device's snapshots may take (``B_PCIe``, or less where replication bounds it:
+    :func:`moe_ft.policy.window.snapshot_copy_bandwidth`); needed by ``window="auto"``."""
     t_iter_s: Optional[float] = None
     """Iteration time ``T_Iter`` in seconds; needed by ``window="auto"``."""
     order: str = "popularity"
@@ -108,12 +110,18 @@ class SparsePolicy(SnapshotPolicy):
     reads_popularity = True
 
     @classmethod
-    def config_from_flags(cls, flags, t_iter_s: float) -> SparseConfig:
-        """A fixed ``--ft-sparse-window``, or ``FindWindowSize`` (Alg. 1) from the bandwidth and ``t_iter_s``."""
+    def config_from_flags(cls, flags, t_iter_s: float, *, replication=None) -> SparseConfig:
+        """A fixed ``--ft-sparse-window``, or ``FindWindowSize`` (Alg. 1) at ``t_iter_s`` from the bandwidth
+        :func:`snapshot_copy_bandwidth` gives: ``--ft-snapshot-bandwidth``, and with replicas and a known
+        ``--ft-replication-bandwidth`` that bandwidth over ``--ft-replicas`` (each snapshot leaves the rank
+        once per replica within the iteration, or the replicas fall behind)."""
         if flags.sparse_window:
             return SparseConfig(window=flags.sparse_window, order=flags.sparse_order)
-        return SparseConfig(window="auto", bandwidth_bytes_per_s=flags.snapshot_bandwidth, t_iter_s=t_iter_s,
-                            order=flags.sparse_order)
+        bandwidth = snapshot_copy_bandwidth(
+            snapshot_bandwidth=flags.snapshot_bandwidth,
+            replication_bandwidth=replication.replication_bandwidth if replication is not None else 0.0,
+            num_replicas=replication.replicas if replication is not None else 0)
+        return SparseConfig(window="auto", bandwidth_bytes_per_s=bandwidth, t_iter_s=t_iter_s, order=flags.sparse_order)
 
     def recovery_rule(self, operators, *, store=None, start_iteration: int = 0):
         """A complete window (MoEvement §3.3): the windows recorded in the store's metadata when there are

@@ -8,6 +8,10 @@ operators of that slice are FULL and every later operator is COMPUTE (``Generate
 It searches down to one active operator per iteration (the paper's bound of 2 has no justification and
 turns a fitting window of one operator per iteration into a stalling one). With uniform sizes the result
 equals the paper's.
+
+The budget is one rank's snapshot bytes per iteration (:func:`snapshot_copy_bandwidth` × ``T_iter``): the
+runtime's policies (``sparse.py``, ``selective.py``) and the simulator (``moe_ft/sim/policies.py``) both take
+it from :func:`snapshot_copy_bandwidth`, so the planner plans the window the runtime picks.
 """
 
 from __future__ import annotations
@@ -16,6 +20,27 @@ import math
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Sequence
+
+
+def snapshot_copy_bandwidth(*, snapshot_bandwidth: float, replication_bandwidth: float = 0.0,
+                            num_replicas: int = 0) -> float:
+    """Bytes per second of ``T_iter`` one rank's snapshots may take without their copies falling behind.
+
+    The device-to-host copy moves them at ``snapshot_bandwidth`` (MoEvement Alg. 1, line 14: ``ckpt_size /
+    B_PCIe <= T_Iter``). When the snapshots are replicated to ``num_replicas`` peers and the network bytes/s a
+    rank may spend on its replicas is known (``replication_bandwidth``, MoEtion §4.2's ``B_remote = BW_net ×
+    T_iter``, spent over every peer), each snapshot must also leave the rank ``num_replicas`` times within the
+    iteration: the bound is the smaller of the two. ``replication_bandwidth`` 0 (unknown, unlimited) or no
+    replicas: the device-to-host link alone, as MoEvement's Alg. 1 has it.
+    """
+    if snapshot_bandwidth <= 0:
+        raise ValueError(f"snapshot bandwidth must be positive bytes/s, got {snapshot_bandwidth}")
+    if replication_bandwidth < 0 or num_replicas < 0:
+        raise ValueError(f"replication bandwidth and replica count must be >= 0, got {replication_bandwidth} "
+                         f"and {num_replicas}")
+    if num_replicas and replication_bandwidth:
+        return min(snapshot_bandwidth, replication_bandwidth / num_replicas)
+    return snapshot_bandwidth
 
 
 @dataclass(frozen=True)
@@ -58,7 +83,8 @@ def find_window_size(
     bandwidth_bytes_per_s: float,
     t_iter_s: float,
 ) -> WindowChoice:
-    """Smallest window whose busiest snapshot fits in one iteration (MoEvement Alg. 1, ``FindWindowSize``).
+    """Smallest window whose busiest snapshot fits in one iteration (MoEvement Alg. 1, ``FindWindowSize``):
+    ``peak_bytes <= bandwidth_bytes_per_s × t_iter_s``, the bandwidth from :func:`snapshot_copy_bandwidth`.
 
     Starts with every operator active and makes one fewer active per step, as the paper does.
     """

@@ -23,7 +23,9 @@ class ReplicationConfig:
         "Ranks per node for replica placement (0 = LOCAL_WORLD_SIZE); smaller values simulate nodes."))
     replication_bandwidth: float = field(default=0.0, metadata=field_help(
         "Network bytes/s one rank may spend on replicas: B_remote = this x the measured iteration time "
-        "(MoEtion §4.2); the newest recovery point goes first, older ones are skipped (0 = unlimited)."))
+        "(MoEtion §4.2); the newest recovery point goes first, older ones are skipped (0 = unlimited). Also "
+        "bounds the snapshots: the sparse window (--ft-sparse-window 0) and selective's B_remote are sized so "
+        "that --ft-replicas copies of each snapshot fit it (on a job of one node, which sends no replicas, too)."))
     replicate_by: str = field(default="trainer", metadata=field_help(
         "Who moves the replicas: 'trainer' (threads of the training process, over a dedicated gloo group) or "
         "'agent' (the node agents: the trainer names each published point to its node's agent, which reads it "

@@ -165,7 +165,7 @@ class FTRuntime(StepHooks):
                                           self.registry.ep_size)
         self._t_iter_s = t_iter_s
         ctx = self.build_context(t_iter_s)
-        session = self.config.snapshot.build(ctx)
+        session = self.config.snapshot.build(ctx, replication=self.config.replication)
         self.sessions = [session] if session is not None else []
         self.active = session
         if session is not None and self.config.snapshot.snapshot_bubble_aware:
@@ -246,7 +246,8 @@ class FTRuntime(StepHooks):
 
     def build_session(self, snapshot_config, job_suffix: str = ""):
         """Another snapshot session over the same registry (the overhead benchmark compares policies)."""
-        return snapshot_config.build(self.build_context(self._t_iter_s), job_suffix=job_suffix)
+        return snapshot_config.build(self.build_context(self._t_iter_s), job_suffix=job_suffix,
+                                     replication=self.config.replication)
 
     # ------------------------------------------------------------------------ faults and recovery
     def check_fault(self, iteration: int, phase: str) -> None:

@@ -210,7 +210,12 @@ class RecoverySpec:
     rank forms the new attempt's process groups and rebuilds its model; measured 0.3–0.7 s on 4 CPU ranks,
     an assumption for NCCL at scale)."""
     replicas: int = 2  # peer copies of each in-memory snapshot (MoEvement §4, r = 2)
-    frozen_cost: float = 2.0 / 3.0  # frozen operator: forward + input grad, no weight grad (MoEvement §3.3)
+    frozen_cost: float = 1.0
+    """A frozen operator's share of an active one's replay cost, as the runtime replays: it computes the frozen
+    operators' weight gradients and drops them (docs/recovery.md), so 1."""
+    paper_frozen_cost: float = 2.0 / 3.0
+    """The same in MoEvement's model (``sparse:localized=paper``): forward and input gradient, no weight
+    gradient (§3.3's "≈33 %" saving)."""
     sync_overlap: float = 0.5  # share of the DP gradient sync hidden behind the backward pass
 
     def __post_init__(self) -> None:
@@ -219,8 +224,8 @@ class RecoverySpec:
                              "must be >= 0")
         if self.replicas < 0:
             raise ValueError("recovery.replicas must be >= 0")
-        if not 0 < self.frozen_cost <= 1 or not 0 <= self.sync_overlap <= 1:
-            raise ValueError("recovery.frozen_cost must be in (0, 1] and sync_overlap in [0, 1]")
+        if not 0 < self.frozen_cost <= 1 or not 0 < self.paper_frozen_cost <= 1 or not 0 <= self.sync_overlap <= 1:
+            raise ValueError("recovery.frozen_cost and paper_frozen_cost must be in (0, 1] and sync_overlap in [0, 1]")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,8 @@ averages these over failure positions; the simulator (:mod:`moe_ft.sim.simulator
 
 Snapshots go in two phases per rank: device→host over PCIe, which must finish within the next forward and
 backward pass (MoC eq. 10), then ``r`` copies to peers over the network (or one to durable storage for
-``store="storage"``), which may take until the next snapshot starts.
+``store="storage"``), which may take until the next snapshot starts. The budgets the sparse window, PEC's
+fitting K and selective's experts are sized by are the runtime's (:func:`_budget_bytes`).
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moe_ft.policy.window import WindowChoice, find_window_size
+from moe_ft.policy.window import WindowChoice, find_window_size, snapshot_copy_bandwidth
 from moe_ft.sim.costmodel import CostModel, RankOperator
 from moe_ft.sim.formulas import moetion_experts_per_iter, snapshot_stall_s
 
 POLICY_KINDS = ("dense", "sparse", "pec", "selective")
-ALIASES = {
-    "gemini": "dense:store=memory:interval=oracle",
-    "checkfreq": "dense:store=storage:interval=cap:max_overhead=0.03",
+ALIASES = {  # the paper baselines Gemini, CheckFreq and MoC-System restart the whole job after a failure
+    "gemini": "dense:store=memory:interval=oracle:launcher=torchrun",
+    "checkfreq": "dense:store=storage:interval=cap:max_overhead=0.03:launcher=torchrun",
     "dense-daly": "dense:interval=daly",
-    "moc": "pec:k=dynamic",
+    "moc": "pec:k=dynamic:launcher=torchrun",
     "moetion": "selective",
     "moevement": "sparse",
 }
@@ -49,12 +50,14 @@ class PolicySpec:
     back, only the failed stage replays; ``moe_ft/recovery/localized.py``), ``paper`` = MoEvement §3.4's
     model (only the failed data-parallel group restarts, ``localized_restart_s``, the others pause)."""
     launcher: str = "inprocess"
-    """sparse (runtime model): how the job gets its processes back. ``inprocess``: ``moe-ft launch`` with
-    spares, the survivors keep their processes, spares take the lost node's ranks (``recovery.
+    """How the job gets its processes back, for every policy (``moe-ft launch`` recovers whatever the policy;
+    ``sparse:localized=paper`` charges MoEvement's ``localized_restart_s`` instead). ``inprocess``: ``moe-ft
+    launch`` with spares, the survivors keep their processes, spares take the lost node's ranks (``recovery.
     inprocess_detect_s`` + ``inprocess_reform_s``); ``torchrun``: every process starts again (the global
-    ``restart_s``; also ``moe-ft launch``'s fallback to a full restart). Not modelled: ``moe-ft launch`` with
-    no spare left on a fixed node count, where the survivors keep their processes and wait for a replacement
-    node (its provisioning and start are the cluster's, not the launcher's)."""
+    ``restart_s``; also ``moe-ft launch``'s fallback to a full restart, and what the aliases ``gemini``,
+    ``checkfreq`` and ``moc`` use: those systems restart the job). Not modelled: ``moe-ft launch`` with no spare
+    left on a fixed node count, where the survivors keep their processes and wait for a replacement node (its
+    provisioning and start are the cluster's, not the launcher's)."""
     plt_budget: float = 0.0375  # pec: MoC's PLT threshold (§3, Dynamic-K)
     k0: int = 0  # pec k=dynamic: K the simulated run starts from (0: the largest K that fits, MoC §5.3)
 
@@ -76,7 +79,9 @@ class PolicySpec:
 def parse_policy(text: str) -> PolicySpec:
     """``dense``, ``dense:interval=57``, ``dense:store=storage:interval=cap``, ``pec:k=2``,
     ``sparse:localized=0`` (global replay), ``sparse:localized=paper`` (MoEvement's restart model; the
-    default ``sparse`` = ``sparse:localized=runtime`` models what the runtime does) or an alias (``gemini``, ``checkfreq``, ``dense-daly``, ``moc``, ``moetion``)."""
+    default ``sparse`` = ``sparse:localized=runtime`` models what the runtime does), any of them with
+    ``:launcher=torchrun`` (a full restart instead of ``moe-ft launch``'s in-process recovery), or an alias
+    (``gemini``, ``checkfreq``, ``dense-daly``, ``moc``, ``moetion``, ``moevement``)."""
     label = text.strip()
     expanded = ALIASES.get(label, label)
     kind, *pairs = expanded.split(":")
@@ -143,9 +148,9 @@ class PolicyModel:
     def restart_load_s(self) -> float:
         """Restart (global, or MoEvement's localized one for ``localized=paper``) plus loading the replacement
         node's state; the runtime's localized recovery (``localized=runtime``) adds the survivors' dump and
-        load of their state (device to host and back, ``d2h_bandwidth``). Sparse under ``moe-ft launch``
-        (``launcher=inprocess``) replaces the global restart with the lost node's detection and the
-        re-formation of the groups around the spares."""
+        load of their state (device to host and back, ``d2h_bandwidth``). Under ``moe-ft launch``
+        (``launcher=inprocess``, any policy) the lost node's detection and the re-formation of the groups
+        around the spares replace the global restart."""
         cfg = self.cost.config
         hw = cfg.hardware
         held = self.cost.max_held_bytes
@@ -158,7 +163,7 @@ class PolicyModel:
             return cfg.recovery.localized_restart_s + load
         survivors = 2.0 * held / hw.d2h_bandwidth if self.localized else 0.0
         restart = cfg.recovery.restart_s
-        if self.spec.kind == "sparse" and self.spec.launcher == "inprocess":
+        if self.spec.launcher == "inprocess":
             restart = cfg.recovery.inprocess_detect_s + cfg.recovery.inprocess_reform_s
         return restart + survivors + load
 
@@ -176,11 +181,18 @@ class PolicyModel:
             return base + self.t_snapshot_s + (phase - math.floor(phase)) * self.t_iter_s
         return base + self._sparse_replay_s(phase + self.t_snapshot_s / self.t_iter_s, stage_idx, segment)
 
+    @property
+    def frozen_cost(self) -> float:
+        """A frozen operator's replay cost relative to an active one's: ``recovery.frozen_cost`` (the runtime
+        computes and drops its weight gradient: 1), or ``recovery.paper_frozen_cost`` under MoEvement's model
+        (``localized=paper``; §3.3: no weight gradient, ≈ 2/3)."""
+        rec = self.cost.config.recovery
+        return rec.paper_frozen_cost if self.localized and self.spec.localized_model == "paper" else rec.frozen_cost
+
     def _sparse_replay_s(self, phase: float, stage_idx: int, segment: int) -> float:
         """Sparse-to-dense conversion over the last complete window, then the iterations since
-        (MoEvement §3.3: on average ⌈3/2·W⌉ iterations). Frozen operators cost ``frozen_cost``."""
-        cfg = self.cost.config
-        frozen = cfg.recovery.frozen_cost
+        (MoEvement §3.3: on average ⌈3/2·W⌉ iterations). Frozen operators cost :attr:`frozen_cost`."""
+        frozen = self.frozen_cost
         ops = _checkpoint_order(self.cost.rank_operators(stage_idx))
         choice = self.windows[stage_idx]
         total = sum(o.flops_share for o in ops) or 1.0
@@ -243,36 +255,45 @@ def dense_model(cost: CostModel, spec: PolicySpec, interval: int) -> PolicyModel
                        checkpoint_bytes=nbytes, knobs={"interval": interval, "store": spec.store})
 
 
+def _copy_bandwidth(cost: CostModel) -> float:
+    """The bytes/s per second of ``T_iter`` the runtime sizes snapshots by
+    (:func:`~moe_ft.policy.window.snapshot_copy_bandwidth`), with ``d2h_bandwidth`` as ``--ft-snapshot-bandwidth``
+    and ``network_bandwidth`` as ``--ft-replication-bandwidth`` for ``recovery.replicas`` replicas."""
+    hw = cost.config.hardware
+    return snapshot_copy_bandwidth(snapshot_bandwidth=hw.d2h_bandwidth, replication_bandwidth=hw.network_bandwidth,
+                                   num_replicas=cost.config.recovery.replicas)
+
+
 def _budget_bytes(cost: CostModel) -> float:
-    """Per-rank bytes one iteration can snapshot without a stall: device→host within the forward and
-    backward pass, replication within the iteration (MoEtion §4.2 B_local and B_remote)."""
-    cfg, it = cost.config, cost.iteration
-    local = cfg.hardware.d2h_bandwidth * it.t_pipeline_s
-    if cfg.recovery.replicas == 0:
-        return local
-    return min(local, cfg.hardware.network_bandwidth / cfg.recovery.replicas * it.t_iter_s)
+    """Per-rank bytes one iteration may snapshot as the runtime sizes them (MoEvement Alg. 1's check, MoEtion
+    §4.2's B_local and B_remote): :func:`_copy_bandwidth` × ``T_iter``. ``T_iter``, not the forward and backward
+    pass the device-to-host copy actually has, because ``T_iter`` is what the runtime measures
+    (``IterationClock``); the part of a copy that the pass cannot hide is charged as a stall."""
+    return _copy_bandwidth(cost) * cost.iteration.t_iter_s
 
 
-def _per_iter_stall(cost: CostModel, nbytes: float) -> tuple[float, float]:
-    """The stall a snapshot of ``nbytes`` per rank adds to its iteration (the copies' unhidden part, plus the
-    trainer's host work: :func:`host_work_s`), and the copies' time."""
+def _per_iter_stall(cost: CostModel, nbytes: float, remote_bytes: float | None = None) -> tuple[float, float]:
+    """The stall a snapshot of ``nbytes`` per rank, of which ``remote_bytes`` (default: all) are replicated,
+    adds to its iteration (the copies' unhidden part, plus the trainer's host work: :func:`host_work_s`), and
+    the copies' time."""
     it = cost.iteration
-    d2h, second = _phase_times(cost, nbytes, "memory")
+    d2h, _ = _phase_times(cost, nbytes, "memory")
+    _, second = _phase_times(cost, nbytes if remote_bytes is None else remote_bytes, "memory")
     return (snapshot_stall_s(d2h, it.t_pipeline_s) + snapshot_stall_s(second, it.t_iter_s)
             + host_work_s(cost, nbytes), d2h + second)
 
 
 def sparse_model(cost: CostModel, spec: PolicySpec) -> PolicyModel:
-    """MoEvement sparse checkpointing: per stage, ``FindWindowSize`` (Alg. 1, per-operator sizes) with
-    the budget of :func:`_budget_bytes`; the job's window is the largest stage window."""
+    """MoEvement sparse checkpointing: per stage, ``FindWindowSize`` (Alg. 1, per-operator sizes) at the
+    runtime's bandwidth (:func:`_copy_bandwidth`) and ``T_iter``; the job's window is the largest stage window."""
     it = cost.iteration
-    budget = _budget_bytes(cost)
+    bandwidth = _copy_bandwidth(cost)
     windows, peaks = [], []
     for s in range(cost.config.parallel.pp):
         ops = _checkpoint_order(cost.rank_operators(s))
         # the model's sizes are float bytes; Alg. 1's arithmetic is the same for them
         choice = find_window_size([o.bytes_full for o in ops], [o.bytes_compute for o in ops],  # type: ignore[misc]
-                                  bandwidth_bytes_per_s=budget / it.t_iter_s, t_iter_s=it.t_iter_s)
+                                  bandwidth_bytes_per_s=bandwidth, t_iter_s=it.t_iter_s)
         windows.append(choice)
         peaks.append(choice.peak_bytes)
     peak = max(peaks)
@@ -313,26 +334,42 @@ def pec_model(cost: CostModel, spec: PolicySpec, k: int | None = None) -> Policy
                        lossy_staleness_iters=(num_experts / k - 1) / 2)
 
 
+def selective_budgets(cost: CostModel) -> tuple[float, float]:
+    """``(B_local, B_remote)`` per rank as the runtime derives them (``SelectivePolicy.config_from_flags``):
+    ``B_local = d2h_bandwidth × T_iter``, ``B_remote = _budget_bytes`` (smaller where the replicas bound it)."""
+    return cost.config.hardware.d2h_bandwidth * cost.iteration.t_iter_s, _budget_bytes(cost)
+
+
 def selective_model(cost: CostModel, spec: PolicySpec) -> PolicyModel:
     """MoEtion: non-expert state every iteration, then ``S_total = B/C_expert`` experts (§4.2–4.3) from
-    the remaining budget, the most at-risk first (round robin when popularity is uniform)."""
-    budget = _budget_bytes(cost)
-    worst_stale, worst_bytes, s_min = 0.0, 0.0, None
+    the remaining budget, the most at-risk first (round robin when popularity is uniform): the local snapshot
+    from ``B_local``, the replicas from ``B_remote`` (:func:`selective_budgets`). A lost node comes back from
+    its replicas, so the replicated experts set the staleness."""
+    local_budget, remote_budget = selective_budgets(cost)
+    worst_stale, worst_local, worst_remote = 0.0, 0.0, 0.0
+    knobs: dict = dict.fromkeys(("experts_per_iter", "replicated_per_iter", "experts_per_rank"))  # the stalest stage
     for s in range(cost.config.parallel.pp):
         ops = cost.rank_operators(s)
         experts = [o for o in ops if o.op.is_expert]
         ne = sum(o.bytes_full for o in ops if not o.op.is_expert)
         if not experts:
-            worst_bytes = max(worst_bytes, ne)
+            worst_local, worst_remote = max(worst_local, ne), max(worst_remote, ne)
             continue
-        # at least one: the runtime never plans fewer (a budget derived from the bandwidth is floored at the
-        # non-experts and one expert; a given one below that is refused), so the stall below charges the rest
-        s_total = max(1, min(len(experts), moetion_experts_per_iter(max(0.0, budget - ne), experts[0].bytes_full)))
-        s_min = s_total if s_min is None else min(s_min, s_total)
-        worst_bytes = max(worst_bytes, ne + s_total * experts[0].bytes_full)
-        stale = (len(experts) / s_total - 1) / 2
+
+        def experts_within(budget: float) -> int:
+            # at least one: the runtime never plans fewer (a budget derived from the bandwidth is floored at the
+            # non-experts and one expert; a given one below that is refused), so the stall below charges the rest
+            return max(1, min(len(experts), moetion_experts_per_iter(max(0.0, budget - ne), experts[0].bytes_full)))
+
+        s_local, s_remote = experts_within(local_budget), experts_within(remote_budget)
+        s_remote = min(s_remote, s_local)  # the replicas carry experts of the local snapshot only
+        worst_local = max(worst_local, ne + s_local * experts[0].bytes_full)
+        worst_remote = max(worst_remote, ne + s_remote * experts[0].bytes_full)
+        stale = (len(experts) / s_remote - 1) / 2
+        if knobs["experts_per_rank"] is None or stale > worst_stale:
+            knobs = {"experts_per_iter": s_local, "replicated_per_iter": s_remote, "experts_per_rank": len(experts)}
         worst_stale = max(worst_stale, stale)
-    stall, t_snap = _per_iter_stall(cost, worst_bytes)
+    stall, t_snap = _per_iter_stall(cost, worst_local, worst_remote)
     return PolicyModel(spec=spec, cost=cost, period_iters=1, stall_s=stall, t_snapshot_s=t_snap,
-                       checkpoint_bytes=worst_bytes, knobs={"experts_per_iter": s_min},
+                       checkpoint_bytes=worst_local, knobs=knobs,
                        lossy_staleness_iters=worst_stale)

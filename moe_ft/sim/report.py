@@ -57,14 +57,23 @@ def to_json_obj(config_name: str, rows: dict[float, list[Row]], meta: dict) -> d
             "results": {format_duration(m): {r.policy: row_dict(r, s) for r, s in rs} for m, rs in rows.items()}}
 
 
+def _knobs(r: PolicyResult) -> str:
+    if r.kind == "sparse":
+        return f"W={r.window}"
+    if r.kind == "dense":
+        return f"k={r.interval}"
+    if r.kind == "selective":  # experts saved, replicated, of a rank's (the stalest stage)
+        return f"S={r.knobs['experts_per_iter']} rep={r.knobs['replicated_per_iter']}/{r.knobs['experts_per_rank']}"
+    return ",".join(f"{k}={v}" for k, v in r.knobs.items())
+
+
 def format_table(config_name: str, rows: dict[float, list[Row]]) -> str:
     head = (f"{'MTBF':>5} {'policy':<28} {'knobs':<16} {'T_iter':>7} {'T_ckpt':>7} {'ovh':>6} {'E[R]':>7} "
             f"{'ETTR':>6} {'sim':>6} {'fails':>5} {'lost: ckpt/restart/recompute (s)':>34}")
     lines = [f"config: {config_name}", head, "-" * len(head)]
     for mtbf, rs in rows.items():
         for r, s in sorted(rs, key=lambda x: -x[0].ettr):
-            knobs = f"W={r.window}" if r.kind == "sparse" else (
-                f"k={r.interval}" if r.kind == "dense" else ",".join(f"{k}={v}" for k, v in r.knobs.items()))
+            knobs = _knobs(r)
             sim = f"{s.ettr:6.3f} {s.num_failures:5d} " + "/".join(
                 f"{s.lost_s[c]:.0f}" for c in ("checkpoint", "restart", "recompute")).rjust(34) if s else ""
             lines.append(f"{format_duration(mtbf):>5} {r.policy:<28} {knobs:<16} {r.t_iter_s:7.2f} {r.t_ckpt_s:7.2f} "

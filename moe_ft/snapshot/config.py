@@ -11,6 +11,7 @@ from moe_ft.policy.factory import NO_SNAPSHOTS, POLICY_CHOICES, policy_class
 from moe_ft.snapshot.session import build_session
 
 if TYPE_CHECKING:
+    from moe_ft.replication.config import ReplicationConfig
     from moe_ft.runtime.context import BuildContext
 
 
@@ -28,19 +29,24 @@ class SnapshotConfig:
     pec_k_persist: int = field(default=1, metadata=field_help(
         "pec: K_persist experts per layer of each checkpoint also written to the durable tier (MoC §5.1 "
         "two-level PEC); 1 <= K_persist <= --ft-pec-k."))
+    pec_fixed_k: bool = field(default=False, metadata=field_help(
+        "pec: keep K at --ft-pec-k for the whole run; without it Dynamic-K (MoC §5.3) doubles K after recoveries "
+        "whose PLT adds up past 3.75 %."))
     pec_selection: str = field(default="sequential", metadata=field_help(
         "pec: expert selection.", choices=["sequential", "load_aware"]))
     sparse_window: int = field(default=0, metadata=field_help(
         "sparse: W_sparse in iterations; 0 = FindWindowSize (MoEvement Alg. 1) from --ft-snapshot-bandwidth "
-        "and the measured time of the first iteration."))
+        "(bounded by --ft-replication-bandwidth / --ft-replicas when both are set) and the measured iteration "
+        "time, found again when it changes."))
     sparse_order: str = field(default="popularity", metadata=field_help(
         "sparse: operator order (MoEvement §3.5, App. B).", choices=["popularity", "soft", "ema"]))
     snapshot_bandwidth: float = field(default=25e9, metadata=field_help(
-        "Device-to-host bytes/s of one rank (B_PCIe; sparse window, selective local budget)."))
+        "Device-to-host bytes/s of one rank (B_PCIe; sparse window, selective budgets)."))
     selective_local_budget: int = field(default=0, metadata=field_help(
         "selective: B_local bytes per iteration per rank; 0 = bandwidth x first iteration time."))
     selective_remote_budget: int = field(default=0, metadata=field_help(
-        "selective: B_remote bytes per iteration per rank; 0 = same as the local budget."))
+        "selective: B_remote bytes per iteration per rank; 0 = the local budget, or less where "
+        "--ft-replication-bandwidth / --ft-replicas x the iteration time is less (with a derived local budget)."))
     snapshot_slots: int = field(default=2, metadata=field_help("Host buffer sets of the snapshot engine."))
     snapshot_bubble_aware: bool = field(default=False, metadata=field_help(
         "Bubble-aware snapshots (MoEtion §5.3, Alg. 4; CPU engine, pipeline parallelism): the part of each "
@@ -124,10 +130,11 @@ class SnapshotConfig:
     def enabled(self) -> bool:
         return self.policy != NO_SNAPSHOTS
 
-    def build(self, ctx: "BuildContext", *, job_suffix: str = ""):
+    def build(self, ctx: "BuildContext", *, job_suffix: str = "", replication: "ReplicationConfig | None" = None):
         """Policy + store + engine (collective-free; every rank builds the same policy), or ``None`` for
-        ``--ft-policy none``. See :func:`moe_ft.snapshot.session.build_session`."""
+        ``--ft-policy none``. ``replication``: the replication flags, which bound the policy's budgets. See
+        :func:`moe_ft.snapshot.session.build_session`."""
         if not self.enabled:
             return None
 
-        return build_session(self, ctx, job_suffix=job_suffix)
+        return build_session(self, ctx, job_suffix=job_suffix, replication=replication)

@@ -21,6 +21,7 @@ from moe_ft.store.codec import DEFAULT_CHECKSUM
 from moe_ft.store.retention import KeepTwoRecoverable
 
 if TYPE_CHECKING:
+    from moe_ft.replication.config import ReplicationConfig
     from moe_ft.runtime.context import BuildContext
     from moe_ft.snapshot.config import SnapshotConfig
 
@@ -71,12 +72,14 @@ class SnapshotSession:
         return self.publisher.metrics() if self.publisher is not None else {}
 
 
-def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: str = "") -> SnapshotSession:
-    """Build the policy from the flags (every rank the same), open its first window at the start
-    iteration, and the store and engine of this rank."""
+def build_session(config: "SnapshotConfig", ctx: "BuildContext", *, job_suffix: str = "",
+                  replication: "ReplicationConfig | None" = None) -> SnapshotSession:
+    """Build the policy from the flags (every rank the same; ``replication``: the replication flags, which
+    bound its budgets), open its first window at the start iteration, and the store and engine of this rank."""
 
     cls = config.policy_cls
-    policy = build_policy(config.policy, cls.config_from_flags(config, ctx.t_iter_s), ctx.catalogue)
+    policy = build_policy(config.policy, cls.config_from_flags(config, ctx.t_iter_s, replication=replication),
+                          ctx.catalogue)
     policy.plan(ctx.start_iteration, ctx.popularity)  # opens the first window (sparse)
     operators = list(ctx.registry)
     retention = KeepTwoRecoverable(rule=policy.retention_rule(operators))

@@ -157,7 +157,8 @@ def test_the_dense_interval_rules_choose_on_the_stall_the_model_charges(mtbf_s):
     cost = CostModel(get_preset("deepseek-moe-16b"))
     assert cost.config.hardware.host_s_per_byte > 0
     gemini = evaluate(cost, parse_policy("gemini"), mtbf_s)
-    fixed = [evaluate(cost, parse_policy(f"dense:store=memory:interval={k}"), mtbf_s) for k in range(1, 41)]
+    fixed = [evaluate(cost, parse_policy(f"dense:store=memory:interval={k}:launcher=torchrun"), mtbf_s)
+             for k in range(1, 41)]
     assert gemini.ettr == pytest.approx(max(r.ettr for r in fixed), rel=1e-9)
     assert gemini.interval == max(fixed, key=lambda r: r.ettr).interval > 2
     spec = parse_policy("checkfreq")
@@ -179,7 +180,7 @@ def test_selective_on_a_link_too_slow_for_one_expert_saves_one_and_stalls_as_the
     slow, why = result(1.0)  # 1 B/s: not even the non-expert state fits
     assert slow.knobs["experts_per_iter"] == 1
     assert math.isfinite(slow.lossy_staleness_iters) and slow.stall_s > 0
-    assert "1 experts/iter per rank (the least the runtime saves; beyond the budget: it stalls)" in why
+    assert "1 saved and 1 replicated per iteration (the least the runtime saves; beyond the budget: it stalls)" in why
     fast, why = result(1e12)
     assert fast.knobs["experts_per_iter"] == 4 and fast.stall_s == 0  # every local expert, hidden
-    assert "4 experts/iter per rank fit the budget" in why
+    assert "of 4 experts per rank, 4 saved and 4 replicated per iteration within the budgets" in why
