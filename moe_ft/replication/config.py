@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from megatron.training.argument_utils import field_help, non_negative
+from moe_ft.replication.recompute_limits import DISTRIBUTED_OPTIMIZER, FP8_WEIGHTS, GROUPED_MLP
 
 if TYPE_CHECKING:
     from moe_ft.runtime.context import BuildContext
@@ -73,6 +74,20 @@ class ReplicationConfig:
             raise ValueError(f"--ft-optimizer-recompute exploits the stable periods of selective expert "
                              f"checkpointing (MoEtion §5.2); --ft-policy {name} has none: use --ft-policy "
                              "selective or drop --ft-optimizer-recompute")
+
+    def check_args(self, args) -> None:
+        """Checks against the model's flags (``FTConfig.check_args``, at parsing): the layouts whose expert
+        updates a peer cannot replay (``recompute_limits.py``; the built optimizer is checked again in
+        ``optim_recompute.main_params``)."""
+        if not self.optimizer_recompute:
+            return
+        m = args.model
+        if args.parallel.use_distributed_optimizer:
+            raise ValueError(DISTRIBUTED_OPTIMIZER)
+        if m.moe_grouped_gemm and m.transformer_impl == "local":
+            raise ValueError(GROUPED_MLP)
+        if m.fp8_format and any(extra.emulates_fp8 for extra in args.extra.values()):
+            raise ValueError(FP8_WEIGHTS)
 
     def build(self, ctx: "BuildContext", session):
         """The replication component of ``session``'s store (collective), or ``None`` (no store, r = 0, or a
