@@ -36,7 +36,7 @@ class CheckFreeConfig:
         "pipeline stages in swapped order (partners trade layer weights, moe_ft/checkfree/swap_pp.py), and the "
         "embedding / output layer are copied to the neighbouring stage after every step, so that a lost first or "
         "last stage can be rebuilt (approximate) when no snapshot, replica or durable point holds it. Needs --ft, "
-        ">= 4 pipeline stages with equal layer counts; recoveries that rebuild a stage need --ft-min-recovery-level "
+        ">= 4 pipeline stages with equal layer counts, one model chunk per rank (no virtual pipeline stages); recoveries that rebuild a stage need --ft-min-recovery-level "
         "approximate or none."))
 
     def check(self, ft: bool) -> None:

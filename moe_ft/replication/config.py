@@ -36,8 +36,8 @@ class ReplicationConfig:
     optimizer_recompute: bool = field(default=False, metadata=field_help(
         "Asynchronous optimizer recomputation (MoEtion §5.2, Alg. 3): an expert FULL in consecutive points is "
         "sent to the peers as the gradients of its step, and each peer replays the optimizer update to keep "
-        "its FULL state (fp32/bf16 torch Adam, no distributed optimizer); needs --ft-replicas and "
-        "--ft-policy selective."))
+        "its FULL state (fp32/bf16 torch Adam, no distributed optimizer, SequentialMLP experts, no "
+        "--fp8-emulation); needs --ft-replicas and --ft-policy selective."))
     optimizer_recompute_local: str = field(default="full", metadata=field_help(
         "What the owner snapshots of an expert sent as gradients (--ft-optimizer-recompute): 'full' writes its "
         "FULL state locally as well (a local restart needs no peer); 'compute' writes only its compute "
