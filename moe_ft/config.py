@@ -74,8 +74,14 @@ class FTConfig(LoopExtension):
         return dataclass_from_flags(cls, **flags)
 
     def check_args(self, args) -> None:
-        """Checks against the model's flags (``args``: Megatron's parsed ``Args``)."""
+        """Checks against the model's flags (``args``: Megatron's parsed ``Args``); each component checks its
+        own flags (``check_args`` of its config)."""
         self.checkfree.check_args(args)
+        if self.ft:  # without --ft no component is built: its flags have nothing to refuse
+            self.snapshot.check_args(args)
+            self.replication.check_args(args)
+            if self.snapshot.enabled:  # the durable tier copies snapshots: --ft-policy none builds none
+                self.persist.check_args(args)
         if (self.ft and getattr(args.model, "moe_grouped_gemm", False)
                 and getattr(args.parallel, "use_distributed_optimizer", False)):
             raise ValueError("--ft with --moe-grouped-gemm and --use-distributed-optimizer: an expert's state would be "

@@ -100,10 +100,13 @@ def test_rebalance_refuses_policies_without_a_dense_point(policy, recompute):
     ft = FTConfig(ft=True, snapshot=SnapshotConfig(policy=policy),
                   replication=ReplicationConfig(replicas=1 if recompute else 0, optimizer_recompute=recompute))
     args = SimpleNamespace(extra={"FTConfig": ft},
-                           model=SimpleNamespace(moe_token_dispatcher_type="flexible", num_layers=2, num_experts=4),
+                           model=SimpleNamespace(moe_token_dispatcher_type="flexible", num_layers=2, num_experts=4,
+                                                 moe_expert_capacity_factor=None, moe_grouped_gemm=False),
                            parallel=SimpleNamespace(pipeline_model_parallel_size=1, use_distributed_optimizer=False,
                                                     num_layers_per_virtual_pipeline_stage=None,
-                                                    virtual_pipeline_model_parallel_size=None))
+                                                    virtual_pipeline_model_parallel_size=None,
+                                                    tensor_model_parallel_size=1, expert_tensor_parallel_size=None,
+                                                    expert_model_parallel_size=1))
     cfg = ElasticConfig(ft_elastic=True, ft_rebalance_interval=4, ft_expert_replicas=["1", "1", "1", "1"])
     with pytest.raises(ValueError, match=f"--ft-policy {policy} cannot take"):
         cfg.check_args(args)

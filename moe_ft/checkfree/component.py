@@ -23,6 +23,7 @@ from megatron.core import parallel_state as ps
 from moe_ft import comm
 from moe_ft.checkfree.copies import COPIED, CopyStore, copied_tensors, copy_holders
 from moe_ft.checkfree.lr_boost import GROUP_LR, capture_group_lr
+from moe_ft.checkfree.swap import check_one_chunk
 from moe_ft.checkfree.swap_pp import PartnerSwap
 from moe_ft.runtime.components import Component
 
@@ -66,8 +67,7 @@ class CopiesComponent(Component):
     """Copies of the embedding / output layer on the neighbouring stage (``copies.py``)."""
 
     def __init__(self, model_chunks, directory: str) -> None:
-        if len(model_chunks) != 1:
-            raise ValueError("CheckFree+ copies one model chunk per rank; virtual pipeline stages are not supported")
+        check_one_chunk(len(model_chunks))  # refused at parsing (CheckFreeConfig.check_args); built directly too
         self.stage, self.pp_ranks = _pipeline()
         holders = copy_holders(len(self.pp_ranks))
         self.owned = {kind: self.pp_ranks[holder] for kind, (owner, holder) in holders.items() if owner == self.stage}

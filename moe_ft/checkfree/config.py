@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from megatron.training.argument_utils import field_help
 from moe_ft.checkfree.copies import CopyStore
-from moe_ft.checkfree.swap import check_num_stages
+from moe_ft.checkfree.swap import check_num_stages, check_one_chunk
 
 COPIES_DIRNAME = "checkfree_copies"
 
@@ -36,7 +36,7 @@ class CheckFreeConfig:
         "pipeline stages in swapped order (partners trade layer weights, moe_ft/checkfree/swap_pp.py), and the "
         "embedding / output layer are copied to the neighbouring stage after every step, so that a lost first or "
         "last stage can be rebuilt (approximate) when no snapshot, replica or durable point holds it. Needs --ft, "
-        ">= 4 pipeline stages with equal layer counts; recoveries that rebuild a stage need --ft-min-recovery-level "
+        ">= 4 pipeline stages with equal layer counts, one model chunk per rank (no virtual pipeline stages); recoveries that rebuild a stage need --ft-min-recovery-level "
         "approximate or none."))
 
     def check(self, ft: bool) -> None:
@@ -53,6 +53,8 @@ class CheckFreeConfig:
         pp = args.parallel.pipeline_model_parallel_size
         try:
             check_num_stages(pp)
+            # validate_args leaves None for one chunk per rank, else the chunks per rank (>= 2)
+            check_one_chunk(args.parallel.virtual_pipeline_model_parallel_size or 1)
         except ValueError as e:
             raise ValueError(f"--ft-checkfree-plus: {e}") from None
         if args.model.num_layers % pp:

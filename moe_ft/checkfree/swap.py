@@ -37,6 +37,15 @@ def check_num_stages(num_stages: int) -> None:
                          "recovers intermediate stages only")
 
 
+def check_one_chunk(num_chunks: int) -> None:
+    """CheckFree+ swaps a rank's whole stage and copies its embedding / output layer: one model chunk per
+    pipeline rank (virtual pipeline stages would interleave other stages' layers into it)."""
+    if num_chunks != 1:
+        raise ValueError(f"CheckFree+ swaps and copies one model chunk per pipeline rank, got {num_chunks} (virtual "
+                         "pipeline stages): drop --num-layers-per-virtual-pipeline-stage / "
+                         "--virtual-pipeline-model-parallel-size")
+
+
 def is_swapped(microbatch_idx: int) -> bool:
     """Whether micro-batch ``microbatch_idx`` (0-based within its iteration) runs out of order."""
     if microbatch_idx < 0:

@@ -36,7 +36,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from moe_ft import comm
 from moe_ft.checkfree.average import stage_layers
-from moe_ft.checkfree.swap import is_swapped, swap_partner
+from moe_ft.checkfree.swap import check_one_chunk, is_swapped, swap_partner
 
 
 class SwapLayerMixin:
@@ -75,8 +75,7 @@ class PartnerSwap:
     """One rank's side of the swap (ranks with no partner hold an inactive instance)."""
 
     def __init__(self, model_chunks, *, pp_rank: int, pp_ranks: list[int]) -> None:
-        if len(model_chunks) != 1:
-            raise ValueError("CheckFree+ swaps one model chunk per rank; virtual pipeline stages are not supported")
+        check_one_chunk(len(model_chunks))  # refused at parsing (CheckFreeConfig.check_args); built directly too
         partner_stage = swap_partner(pp_rank, len(pp_ranks))
         self.partner = pp_ranks[partner_stage] if partner_stage is not None else None
         self.gpt = getattr(model_chunks[0], "module", model_chunks[0])

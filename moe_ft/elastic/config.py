@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.training.extensions import LoopExtension
-from moe_ft.megatron_ext.dispatch.arithmetic import BACKENDS, FLEXIBLE
-from moe_ft.placement.allocation import held_fault_threshold
+from moe_ft.megatron_ext.dispatch.arithmetic import BACKENDS, FLEXIBLE, check_flexible_model
+from moe_ft.placement.allocation import allocate_replicas, held_fault_threshold
 from moe_ft.placement.layers import STRATEGIES, ExpertPlacementConfig, place, plan_layer
 from moe_ft.placement.loads import MeasuredLoads, read_trace_loads
 from moe_ft.placement.plans import plan_counts, validate_plan
@@ -158,8 +158,14 @@ class ElasticConfig(LoopExtension):
 
     def check_args(self, args) -> None:
         """Parse-time checks against the model flags (``megatron/training/arguments.py`` calls this)."""
-        if self.enabled and args.model.moe_token_dispatcher_type != FLEXIBLE:
+        m, p = args.model, args.parallel
+        if self.enabled and m.moe_token_dispatcher_type != FLEXIBLE:
             raise ValueError(f"--ft-expert-replicas needs --moe-token-dispatcher-type {FLEXIBLE}")
+        if m.moe_token_dispatcher_type == FLEXIBLE:  # what the elastic layer and its dispatcher refuse at build
+            check_flexible_model(expert_tp_size=p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
+                                 capacity_factor=m.moe_expert_capacity_factor,
+                                 sequential_experts=not m.moe_grouped_gemm)
+            self.check_plan(m.num_experts, p.expert_model_parallel_size)
         if self.measured is not None:
             self.measured.check_model(args.model.num_layers, args.model.num_experts)
         if self.ft_elastic:
@@ -223,9 +229,7 @@ class ElasticConfig(LoopExtension):
                     raise RuntimeError(f"no re-planned replica map for MoE layer {layer_idx}")
                 return torch.tensor(plans[layer_idx], dtype=torch.int64)
         if self.ft_expert_replicas is None:
-            if self.ft_expert_slots not in (None, num_experts // ep_size) or num_experts % ep_size:
-                raise ValueError("without --ft-expert-replicas the plan is standard EP (num_experts / EP size "
-                                 "slots per rank); pass --ft-expert-replicas to use other slot counts")
+            self._check_standard(num_experts, ep_size)
             plan = tuple(tuple(range(j * slots, (j + 1) * slots)) for j in range(ep_size))
         elif self.ft_expert_replicas == ["auto"]:
             if self.measured is not None:
@@ -236,16 +240,12 @@ class ElasticConfig(LoopExtension):
                     raise ValueError(f"{self.measured.source} has loads of {len(loads)} experts for a model "
                                      f"with {num_experts}")
             else:
-                loads = self.ft_expert_loads if self.ft_expert_loads is not None else [1.0] * num_experts
-            if len(loads) != num_experts:
-                raise ValueError(f"--ft-expert-loads has {len(loads)} values for {num_experts} experts")
+                loads = self._flag_loads(num_experts)
             config = ExpertPlacementConfig(slots_per_node=slots, min_replicas=self._fault_threshold(
                 num_experts, ep_size, slots), strategy=self.ft_placement)
             plan = plan_layer(loads, ep_size, config).plan
         else:
-            counts = [int(x) for x in self.ft_expert_replicas]
-            if len(counts) != num_experts:
-                raise ValueError(f"--ft-expert-replicas has {len(counts)} counts for {num_experts} experts")
+            counts = self._counts(num_experts)
             fallback = self.restart if self.ft_elastic and self.restart is not None else None
             if sum(counts) != ep_size * slots and fallback is not None and fallback.kind == "fallback":
                 # the counts were the launched world's; eq. 1 re-allocates the slots of this one (Lazarus §4.1)
@@ -253,11 +253,59 @@ class ElasticConfig(LoopExtension):
                 config = ExpertPlacementConfig(slots_per_node=slots, min_replicas=self._fault_threshold(
                     num_experts, ep_size, slots), strategy=self.ft_placement)
                 return replica_map_from_plan(plan_layer(loads, ep_size, config).plan, num_experts)
-            if sum(counts) != ep_size * slots:
-                raise ValueError(f"--ft-expert-replicas sums to {sum(counts)} but EP size {ep_size} x "
-                                 f"--ft-expert-slots {slots} = {ep_size * slots} slots; make them agree")
+            self._check_slots_filled(counts, ep_size, slots)
             plan = place(counts, ep_size, ExpertPlacementConfig(slots_per_node=slots, strategy=self.ft_placement))
         return replica_map_from_plan(plan, num_experts)
+
+    def check_plan(self, num_experts: int, ep_size: int) -> None:
+        """What :meth:`replica_map` would refuse on every rank at model build, from the flags alone
+        (:meth:`check_args`, at parsing). With ``--ft-elastic`` only what no world changes: the plan (EP size,
+        slots, fault threshold) is decided at build, from the snapshots."""
+        slots = self.ft_expert_slots if self.ft_expert_slots is not None else num_experts // ep_size
+        if self.ft_expert_replicas is None:
+            if not self.ft_elastic:
+                self._check_standard(num_experts, ep_size)
+        elif self.ft_expert_replicas == ["auto"]:
+            # measured loads were checked against the model (MeasuredLoads.check_model); eq. 1's refusals
+            # (slots that cannot hold every expert f times) do not depend on the loads
+            loads = self._flag_loads(num_experts) if self.measured is None else [1.0] * num_experts
+            if not self.ft_elastic:
+                try:
+                    allocate_replicas(loads, num_nodes=ep_size, slots_per_node=slots,
+                                      min_replicas=self.ft_fault_threshold)
+                except ValueError as e:  # eq. 1 speaks of nodes, slots and f: name their flags
+                    raise ValueError(f"--ft-expert-replicas auto on {ep_size} EP ranks (the nodes) with "
+                                     f"--ft-expert-slots {slots} and --ft-fault-threshold {self.ft_fault_threshold} "
+                                     f"(f): {e}") from None
+        else:
+            counts = self._counts(num_experts)
+            if not self.ft_elastic:
+                self._check_slots_filled(counts, ep_size, slots)
+
+    def _check_standard(self, num_experts: int, ep_size: int) -> None:
+        if self.ft_expert_slots not in (None, num_experts // ep_size) or num_experts % ep_size:
+            raise ValueError(f"--ft-expert-slots {self.ft_expert_slots} without --ft-expert-replicas: the plan is "
+                             f"standard EP (--num-experts {num_experts} / EP size {ep_size} slots per rank); pass "
+                             "--ft-expert-replicas to use other slot counts, or drop --ft-expert-slots")
+
+    def _flag_loads(self, num_experts: int) -> list[float]:
+        loads = self.ft_expert_loads if self.ft_expert_loads is not None else [1.0] * num_experts
+        if len(loads) != num_experts:
+            raise ValueError(f"--ft-expert-loads has {len(loads)} values for {num_experts} experts (--num-experts)")
+        return loads
+
+    def _counts(self, num_experts: int) -> list[int]:
+        counts = [int(x) for x in self.ft_expert_replicas or ()]
+        if len(counts) != num_experts:
+            raise ValueError(f"--ft-expert-replicas has {len(counts)} counts for {num_experts} experts "
+                             "(--num-experts): give one count per expert")
+        return counts
+
+    @staticmethod
+    def _check_slots_filled(counts: list[int], ep_size: int, slots: int) -> None:
+        if sum(counts) != ep_size * slots:
+            raise ValueError(f"--ft-expert-replicas sums to {sum(counts)} but EP size {ep_size} x "
+                             f"--ft-expert-slots {slots} = {ep_size * slots} slots; make them agree")
 
     def _fault_threshold(self, num_experts: int, ep_size: int, slots: int) -> int:
         """``f`` of this world's eq. 1: with ``--ft-elastic`` the flag's lowered to what ``ep_size`` x ``slots``

@@ -17,7 +17,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from moe_ft.megatron_ext.dispatch.arithmetic import FLEXIBLE, DispatchConfig
+from moe_ft.megatron_ext.dispatch.arithmetic import FLEXIBLE, DispatchConfig, check_flexible_model
 from moe_ft.megatron_ext.dispatch.dispatcher import ElasticTokenDispatcher
 from moe_ft.megatron_ext.elastic_experts import ElasticExperts
 
@@ -40,8 +40,9 @@ class ElasticMoELayer(MoELayer):
             super().__init__(config, submodules, layer_number, pg_collection)
             return
         experts_spec = submodules.experts
-        if not (isinstance(experts_spec, ModuleSpec) and issubclass(experts_spec.module, SequentialMLP)):
-            raise ValueError("the flexible dispatcher needs SequentialMLP experts; drop --moe-grouped-gemm")
+        # refused at parsing (ElasticConfig.check_args); a layer built from another spec is checked here
+        check_flexible_model(sequential_experts=isinstance(experts_spec, ModuleSpec)
+                             and issubclass(experts_spec.module, SequentialMLP))
         if config.moe_shared_expert_overlap:
             raise ValueError("the flexible dispatcher does not overlap shared experts; unset "
                              "moe_shared_expert_overlap")

@@ -50,6 +50,13 @@ class DurableConfig:
             raise ValueError("--ft-persist-interval needs a durable directory: pass --ft-persist-dir or --save")
         return out
 
+    def check_args(self, args) -> None:
+        """Checks against the training flags (``FTConfig.check_args``, at parsing): an interval needs a
+        directory to write to (:meth:`resolved`'s refusal, before any process group rather than after the
+        first iteration, when the writer is built)."""
+        if self.interval:
+            self.resolved(args.training.save)
+
     def build(self, ctx: "BuildContext", session):
         """The durable writer of ``session``'s store (plus Megatron-format copies when the policy's points
         are dense), or ``None``."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from megatron.training.argument_utils import field_help, non_negative
+from moe_ft.replication.recompute_limits import DISTRIBUTED_OPTIMIZER, FP8_WEIGHTS, GROUPED_MLP
 
 if TYPE_CHECKING:
     from moe_ft.runtime.context import BuildContext
@@ -35,8 +36,8 @@ class ReplicationConfig:
     optimizer_recompute: bool = field(default=False, metadata=field_help(
         "Asynchronous optimizer recomputation (MoEtion §5.2, Alg. 3): an expert FULL in consecutive points is "
         "sent to the peers as the gradients of its step, and each peer replays the optimizer update to keep "
-        "its FULL state (fp32/bf16 torch Adam, no distributed optimizer); needs --ft-replicas and "
-        "--ft-policy selective."))
+        "its FULL state (fp32/bf16 torch Adam, no distributed optimizer, SequentialMLP experts, no "
+        "--fp8-emulation); needs --ft-replicas and --ft-policy selective."))
     optimizer_recompute_local: str = field(default="full", metadata=field_help(
         "What the owner snapshots of an expert sent as gradients (--ft-optimizer-recompute): 'full' writes its "
         "FULL state locally as well (a local restart needs no peer); 'compute' writes only its compute "
@@ -73,6 +74,20 @@ class ReplicationConfig:
             raise ValueError(f"--ft-optimizer-recompute exploits the stable periods of selective expert "
                              f"checkpointing (MoEtion §5.2); --ft-policy {name} has none: use --ft-policy "
                              "selective or drop --ft-optimizer-recompute")
+
+    def check_args(self, args) -> None:
+        """Checks against the model's flags (``FTConfig.check_args``, at parsing): the layouts whose expert
+        updates a peer cannot replay (``recompute_limits.py``; the built optimizer is checked again in
+        ``optim_recompute.main_params``)."""
+        if not self.optimizer_recompute:
+            return
+        m = args.model
+        if args.parallel.use_distributed_optimizer:
+            raise ValueError(DISTRIBUTED_OPTIMIZER)
+        if m.moe_grouped_gemm and m.transformer_impl == "local":
+            raise ValueError(GROUPED_MLP)
+        if m.fp8_format and any(extra.emulates_fp8 for extra in args.extra.values()):
+            raise ValueError(FP8_WEIGHTS)
 
     def build(self, ctx: "BuildContext", session):
         """The replication component of ``session``'s store (collective), or ``None`` (no store, r = 0, or a

@@ -40,6 +40,7 @@ from typing import Iterable, Mapping
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from moe_ft.replication.recompute_limits import DISTRIBUTED_OPTIMIZER, FP8_WEIGHTS, GROUPED_MLP
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.state.optimizer_views import leaf_optimizers
 from moe_ft.store.codec import read_entry, write_entry
@@ -101,9 +102,7 @@ def main_params(registry, optimizer, ops: Iterable[OperatorId]) -> dict[Operator
     by_state: dict[int, MainParam] = {}
     for leaf in leaf_optimizers(optimizer):
         if isinstance(leaf, DistributedOptimizer):
-            raise ValueError("--ft-optimizer-recompute does not support --use-distributed-optimizer: the peer "
-                             "would hold one data-parallel shard of each expert and cannot rebuild its compute "
-                             "weights; drop one of the two flags")
+            raise ValueError(DISTRIBUTED_OPTIMIZER)
         inner = leaf.optimizer
         if inner is None:
             continue
@@ -116,9 +115,10 @@ def main_params(registry, optimizer, ops: Iterable[OperatorId]) -> dict[Operator
     out: dict[OperatorId, dict[str, MainParam]] = {}
     for op in ops:
         state = registry[op]
-        if state.wide or state.shards:
-            raise ValueError(f"{op}: --ft-optimizer-recompute does not support FP8 weights or sharded optimizer "
-                             "state; run without it")
+        if state.wide:
+            raise ValueError(f"{op}: {FP8_WEIGHTS}")
+        if state.shards:
+            raise ValueError(f"{op}: {DISTRIBUTED_OPTIMIZER}")
         params = {}
         for name in state.compute:
             avg = state.optim.get(f"exp_avg.{name}")
@@ -126,8 +126,7 @@ def main_params(registry, optimizer, ops: Iterable[OperatorId]) -> dict[Operator
                 continue  # frozen parameter: no update to replay
             mp = by_state.get(id(avg))
             if mp is None:
-                raise ValueError(f"{op}: {name} has no optimizer state of its own (a GroupedMLP view); "
-                                 "--ft-optimizer-recompute needs SequentialMLP (no --moe-grouped-gemm)")
+                raise ValueError(f"{op}: {name} is a GroupedMLP view. {GROUPED_MLP}")
             if mp.main.device.type != "cpu":
                 raise ValueError(f"{op}: {name} is updated on {mp.main.device}; the peer replays updates on "
                                  "the host and would not be bitwise equal; run without --ft-optimizer-recompute")

@@ -10,6 +10,7 @@ import json
 
 from moe_ft.localized.upstream_log import P2PSeam
 from moe_ft.runtime.components import Component
+from moe_ft.snapshot.bubbles import check_pipeline
 
 
 class BubbleScheduling(Component):
@@ -25,9 +26,7 @@ class BubbleScheduling(Component):
     @classmethod
     def build(cls, session, *, pipeline_size: int, trace_out: str = "", rank: int = 0) -> "BubbleScheduling":
         schedule = session.engine.config.bubbles
-        if pipeline_size < 2:
-            raise ValueError("--ft-snapshot-bubble-aware schedules snapshot copies into pipeline bubbles; this job "
-                             "has --pipeline-model-parallel-size 1 (no bubbles): drop the flag or use PP > 1")
+        check_pipeline(pipeline_size)  # refused at parsing (SnapshotConfig.check_args); built directly too
         if session.engine.cuda:
             raise ValueError("--ft-snapshot-bubble-aware applies to the CPU snapshot engine; on CUDA the copy is a "
                              "side-stream DMA issued at submit (docs/snapshot.md): drop the flag")

@@ -33,6 +33,13 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 
+def check_pipeline(pipeline_size: int) -> None:
+    """Bubble-aware snapshots need a pipeline: with one stage no rank ever waits for a neighbour."""
+    if pipeline_size < 2:
+        raise ValueError(f"--ft-snapshot-bubble-aware schedules snapshot copies into pipeline bubbles; this job has "
+                         f"--pipeline-model-parallel-size {pipeline_size} (no bubbles): drop the flag or use PP > 1")
+
+
 def estimate_bubble_time_1f1b(*, pp_size: int, t_fwd_s: float, t_bwd_s: float) -> float:
     """Idle seconds of one stage per 1F1B iteration with uniform per-micro-batch times (Alg. 4,
     ``EstimateBubbleTime``): the iteration lasts ``(m + p - 1)(t_f + t_b)`` and every stage computes

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from megatron.training.argument_utils import field_help, non_negative
 from moe_ft.policy.factory import NO_SNAPSHOTS, POLICY_CHOICES, policy_class
+from moe_ft.snapshot.bubbles import check_pipeline
 from moe_ft.snapshot.session import build_session
 
 if TYPE_CHECKING:
@@ -120,6 +121,11 @@ class SnapshotConfig:
         if self.publish_by == "agent" and self.store_layout != "arena":
             raise ValueError("--ft-publish-by agent hands the node agent regions of the trainer's arena: it needs "
                              f"--ft-store-layout arena, got {self.store_layout!r}")
+
+    def check_args(self, args) -> None:
+        """Checks against the model's flags (``FTConfig.check_args``, at parsing)."""
+        if self.snapshot_bubble_aware:
+            check_pipeline(args.parallel.pipeline_model_parallel_size)
 
     @property
     def policy_cls(self):

@@ -47,8 +47,29 @@ BACKENDS = ("torch", "triton")
 FLEXIBLE = "flexible"
 """The ``--moe-token-dispatcher-type`` value that selects the elastic MoE layer and this dispatcher."""
 
+
+def check_flexible_model(*, expert_tp_size: int = 1, capacity_factor: float | None = None,
+                         pad_to_capacity: bool = False, sequential_experts: bool = True) -> None:
+    """What the flexible dispatcher serves, a ``ValueError`` naming the flag to change otherwise: whole experts
+    on one rank each (expert tensor-parallel size 1), every routed token processed (no dropping, no padding:
+    the forward equals standard EP), one MLP per replica (``SequentialMLP``). Checked from the flags at
+    parsing (``ElasticConfig.check_args``) and again where the layer is built (the dispatcher, the elastic
+    MoE layer)."""
+    if expert_tp_size != 1:
+        raise ValueError(f"--moe-token-dispatcher-type {FLEXIBLE} runs whole experts on one rank each, not expert "
+                         f"tensor parallelism (got size {expert_tp_size}): drop --expert-tensor-parallel-size, or "
+                         "use alltoall / allgather")
+    if capacity_factor is not None or pad_to_capacity:
+        raise ValueError(f"--moe-token-dispatcher-type {FLEXIBLE} never drops or pads tokens: drop "
+                         "--moe-expert-capacity-factor (and --ft-capacity-boost, which needs it), or use alltoall / "
+                         "allgather")
+    if not sequential_experts:
+        raise ValueError(f"--moe-token-dispatcher-type {FLEXIBLE} needs SequentialMLP experts (one MLP per replica): "
+                         "drop --moe-grouped-gemm")
+
+
 __all__ = [
-    "FLEXIBLE",
+    "FLEXIBLE", "check_flexible_model",
     "BACKENDS", "DispatchConfig", "DispatchPermutation", "DispatchSchedule", "all_send_counts", "build_permutation",
     "capacity", "dispatch_schedule", "permute", "recv_expert_order", "unpermute",
 ]

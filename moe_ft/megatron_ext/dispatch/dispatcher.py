@@ -28,6 +28,7 @@ from moe_ft.megatron_ext.dispatch.arithmetic import (
     DispatchConfig,
     DispatchPermutation,
     build_permutation,
+    check_flexible_model,
     dispatch_schedule,
     permute,
     recv_expert_order,
@@ -68,12 +69,9 @@ class ElasticTokenDispatcher(MoETokenDispatcher):
 
     def __init__(self, replicas: torch.Tensor, config, pg_collection, dispatch_config: DispatchConfig):
         super().__init__(config=config, pg_collection=pg_collection)
-        if self.tp_size != 1:
-            raise ValueError("the flexible dispatcher supports expert tensor parallel size 1 only; "
-                             "set --expert-tensor-parallel-size 1")
-        if config.moe_expert_capacity_factor is not None or config.moe_pad_expert_input_to_capacity:
-            raise ValueError("the flexible dispatcher never drops or pads tokens; unset "
-                             "moe_expert_capacity_factor / moe_pad_expert_input_to_capacity")
+        # refused at parsing (ElasticConfig.check_args); a dispatcher built directly is checked here
+        check_flexible_model(expert_tp_size=self.tp_size, capacity_factor=config.moe_expert_capacity_factor,
+                             pad_to_capacity=config.moe_pad_expert_input_to_capacity)
         if config.moe_router_padding_for_quantization:
             raise ValueError("the flexible dispatcher does not pad routing for quantization (fp8/fp4)")
         num_experts = config.num_moe_experts
