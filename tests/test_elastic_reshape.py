@@ -120,7 +120,7 @@ def test_elastic_config_adjusts_the_expert_parallel_size_for_the_new_world():
 
     from moe_ft.elastic.config import ElasticConfig
 
-    def args(world, global_batch=None, tp=1, etp=None):
+    def args(world, global_batch=8, tp=1, etp=None):
         return SimpleNamespace(world_size=world, model=SimpleNamespace(num_experts=4),
                                parallel=SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
                                                         expert_model_parallel_size=4, expert_tensor_parallel_size=etp),
@@ -137,6 +137,9 @@ def test_elastic_config_adjusts_the_expert_parallel_size_for_the_new_world():
         ElasticConfig(ft_elastic=True).adjust_parallel(args(2))
     off = args(2)
     assert ElasticConfig().adjust_parallel(off) == [] and off.parallel.expert_model_parallel_size == 4
+    # Megatron's default global batch follows the data-parallel size: not one a shrink keeps
+    with pytest.raises(ValueError, match=r"pass --global-batch-size \(e.g. 8, --micro-batch-size x"):
+        ElasticConfig(ft_elastic=True, ft_expert_slots=2).adjust_parallel(args(4, global_batch=None))
     # a global batch of 8 (4 micro-batches of 2) does not split over 3 ranks: 2 train, rank 2 waits
     cfg = ElasticConfig(ft_elastic=True, ft_expert_slots=4)
     three = args(3, global_batch=8)

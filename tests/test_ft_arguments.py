@@ -64,6 +64,11 @@ REFUSED = {
         "ep2", {"expert_tensor_parallel_size": 2}, 4, FLEXIBLE_EP2,
         "--moe-token-dispatcher-type flexible runs whole experts on one rank each, not expert tensor parallelism "
         "(got size 2): drop --expert-tensor-parallel-size"),
+    "elastic without a fixed global batch": (
+        "ep2", {"global_batch_size": None, "moe_token_dispatcher_type": "flexible"}, 4,
+        ["--ft", "--ft-elastic"],
+        "--ft-elastic keeps the global batch over a shrink or grow, so it must be fixed: pass --global-batch-size "
+        "(e.g. 8, --micro-batch-size x the data-parallel size of this world)"),
 }
 
 # each refusal's neighbour that must still parse (world size, layout, overrides, flags)
@@ -78,6 +83,7 @@ ACCEPTED = {
     "FP8 emulation with selective": ("single", {"fp8_format": "e4m3"}, 1, ["--fp8-emulation", "--ft", "--ft-policy",
                                                                           "selective"]),
     "bubble-aware snapshots on two stages": ("pp2", {}, 4, ["--ft", "--ft-snapshot-bubble-aware"]),
+    "elastic with a global batch": ("ep2", {"moe_token_dispatcher_type": "flexible"}, 4, ["--ft", "--ft-elastic"]),
     "flexible, standard EP": ("ep2", {"expert_tensor_parallel_size": 1}, 4, FLEXIBLE_EP2),
     "flexible, counts": ("ep2", {}, 4, [*FLEXIBLE_EP2, "--ft-expert-replicas", "2", "2", "2", "2",
                                         "--ft-expert-slots", "4"]),

@@ -121,11 +121,11 @@ class ElasticConfig(LoopExtension):
             raise ValueError("--ft-expert-loads-window needs --ft-expert-loads-from")
 
     def adjust_parallel(self, args) -> list[str]:
-        """``--ft-elastic``: the EP size for the world torchrun gave this start (``reshape.rederive_expert_parallel``;
+        """``--ft-elastic``: the EP size for the world torchrun gave this start (``reshape.usable_world_size``;
         a shrunken world may no longer be divisible by the flag's EP size). Meant to run before Megatron's
         argument validation; returns the log lines of what changed (none when nothing did)."""
         # start-up time: flag parsing must not import Megatron-Core's model code (one-line errors, fast --help)
-        from moe_ft.elastic.reshape import rederive_expert_parallel, usable_world_size
+        from moe_ft.elastic.reshape import usable_world_size
 
         if not self.ft_elastic:
             return []
@@ -143,13 +143,18 @@ class ElasticConfig(LoopExtension):
         slots = self.ft_expert_slots if self.ft_expert_slots is not None else m.num_experts // ep
         sizes = dict(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, ep=ep,
                      num_experts=m.num_experts, slots=slots, min_replicas=self.ft_fault_threshold)
-        if t.global_batch_size is None:  # Megatron then takes one micro-batch per data-parallel rank
-            change = rederive_expert_parallel(args.world_size, **sizes)
-        else:  # the global batch stays: a world it does not split over trains on fewer ranks
-            usable = usable_world_size(args.world_size, global_batch=t.global_batch_size,
-                                       micro_batch=t.micro_batch_size, **sizes)
-            change, self.launched_world = usable.change, args.world_size
-            args.world_size = usable.usable
+        if t.global_batch_size is None:
+            # Megatron's default (one micro-batch per data-parallel rank) follows the world: a shrink would train
+            # another global batch, and the restore refuses it (docs/recovery.md); refused at the start instead
+            dp = args.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size) or 1
+            raise ValueError(f"--ft-elastic keeps the global batch over a shrink or grow, so it must be fixed: pass "
+                             f"--global-batch-size (e.g. {t.micro_batch_size * dp}, --micro-batch-size x the "
+                             f"data-parallel size of this world)")
+        # the global batch stays: a world it does not split over trains on fewer ranks
+        usable = usable_world_size(args.world_size, global_batch=t.global_batch_size,
+                                   micro_batch=t.micro_batch_size, **sizes)
+        change, self.launched_world = usable.change, args.world_size
+        args.world_size = usable.usable
         if change.ep_size != ep:
             p.expert_model_parallel_size = change.ep_size
             if self.ft_expert_slots is None:

@@ -100,7 +100,7 @@ def usable_world_size(world_size: int, *, tp: int, pp: int, ep: int, num_experts
     :func:`rederive_expert_parallel` finds an EP size. The global batch is never changed: it is the
     optimisation's hyper-parameter (Lazarus §5 keeps it too), so a world that no data-parallel size fits
     trains on fewer ranks, and the ranks ``U … world_size - 1`` wait as spares. Raises ``ValueError`` when
-    no world fits (the message names the smallest one that would)."""
+    no world fits (the message says why the largest world a data-parallel size fits cannot hold the experts)."""
     if global_batch < 1 or micro_batch < 1 or global_batch % micro_batch:
         raise ValueError(f"--global-batch-size {global_batch} must be a positive multiple of --micro-batch-size "
                          f"{micro_batch}")
@@ -125,7 +125,7 @@ def usable_world_size(world_size: int, *, tp: int, pp: int, ep: int, num_experts
         return UsableWorld(world_size, usable, change)
     raise ValueError(f"no world of at most {world_size} ranks keeps the global batch of {global_batch} "
                      f"({micro_batches} micro-batches of {micro_batch}) with tensor x pipeline parallel size "
-                     f"{tp} x {pp}" + (f" ({reasons[-1]})" if reasons else "") + "; restart on more nodes")
+                     f"{tp} x {pp}" + (f" ({reasons[0]})" if reasons else "") + "; restart on more nodes")
 
 
 @dataclass(frozen=True)
