@@ -59,6 +59,14 @@ def test_checkfree_only_for_intermediate_non_consecutive_stages():
     assert rebuilt == {1: (0, 2), 3: (2, 4)}
 
 
+def test_no_checkfree_with_virtual_pipeline_stages():
+    """CheckFree rebuilds one model chunk per rank: with virtual stages the plan starts over (with its reason)
+    instead of choosing a rebuild that raises once it runs."""
+    plan = decide(pipelines(4, lost=[1]), durable_end=None, load_iteration=0, lossy=False, model_chunks=2)
+    assert (plan.path, plan.level) == ("start_over", "start_over")
+    assert "CheckFree rebuilds one model chunk per rank and this job has 2 (virtual pipeline stages)" in plan.reason
+
+
 def test_checkfree_plus_rebuilds_first_and_last_stage_from_the_swap_partner():
     plan = decide(pipelines(4, lost=[0]), durable_end=None, load_iteration=0, lossy=False, checkfree_plus=True)
     assert (plan.path, plan.level, plan.rebuilt) == ("checkfree", "approximate", {0: (1,)})

@@ -365,7 +365,8 @@ def plan_recovery(inputs: RecoveryInputs, fetched: dict, below: int | None = Non
         rank=inputs.rank, find=find, fetched_here=bool(fetched.get("fetched", {}).get(str(inputs.rank), {}).get("points")),
         durable_end=durable[1] if durable else None, load_iteration=inputs.start_iteration, lossy=policy.lossy,
         min_level=inputs.config.recovery.min_recovery_level, audit_path=audit_path(inputs),
-        restart_count=inputs.restart_count, checkfree_plus=inputs.config.checkfree.plus)
+        restart_count=inputs.restart_count, checkfree_plus=inputs.config.checkfree.plus,
+        model_chunks=len(inputs.state.model))
     if ctx.plan.path == "checkfree":
         planner.prepare_checkfree(ctx, rank=inputs.rank, find=find, store=inputs.session.store,
                                   registry=inputs.registry, lossy=policy.lossy, state=inputs.state,

@@ -120,8 +120,9 @@ def checkfree_sources(inventories: Sequence[RankInventory], plus: bool = False) 
 
 
 def decide(inventories: Sequence[RankInventory], *, durable_end: int | None, load_iteration: int,
-           lossy: bool, checkfree_plus: bool = False) -> RecoveryPlan:
-    """The job's recovery path (pure; every rank computes the same from the gathered inventories)."""
+           lossy: bool, checkfree_plus: bool = False, model_chunks: int = 1) -> RecoveryPlan:
+    """The job's recovery path (pure; every rank computes the same from the gathered inventories).
+    ``model_chunks``: model chunks per rank (virtual pipeline stages); CheckFree rebuilds one."""
     lost = sorted(inv.rank for inv in inventories if inv.memory_end < 0)
     if not lost:
         return RecoveryPlan("memory", "lossy" if lossy else "exact",
@@ -133,7 +134,11 @@ def decide(inventories: Sequence[RankInventory], *, durable_end: int | None, loa
     if load_iteration > 0:
         return RecoveryPlan("checkpoint", "durable", f"{missing} and there is no durable point; the --load "
                                                      f"checkpoint (iteration {load_iteration}) is older", lost_ranks=lost)
-    rebuilt, why_not = checkfree_sources(inventories, plus=checkfree_plus)
+    if model_chunks > 1:
+        rebuilt, why_not = {}, (f"CheckFree rebuilds one model chunk per rank and this job has {model_chunks} "
+                                "(virtual pipeline stages)")
+    else:
+        rebuilt, why_not = checkfree_sources(inventories, plus=checkfree_plus)
     if rebuilt:
         stages = sorted({inv.pp_rank for inv in inventories if inv.rank in rebuilt})
         how = ("neighbours (CheckFree) or, for a first/last stage, their swap partner and the embedding/output "
@@ -214,7 +219,7 @@ class PlanContext:
 
 def plan_recovery(*, rank: int, find, fetched_here: bool, durable_end: int | None, load_iteration: int,
                   lossy: bool, min_level: str, audit_path: str | None = None, restart_count: int = 0,
-                  checkfree_plus: bool = False) -> PlanContext:
+                  checkfree_plus: bool = False, model_chunks: int = 1) -> PlanContext:
     """Gather every rank's inventory, decide, refuse below ``min_level`` (collective, host path; a refusal
     is audited too). ``find(at_or_before)``: this rank's newest point in its memory tier (bounded by
     ``--load``)."""
@@ -225,7 +230,7 @@ def plan_recovery(*, rank: int, find, fetched_here: bool, durable_end: int | Non
                          memory_end=point.end if point is not None else -1, fetched=fetched_here)
     inventories = [RankInventory(**d) for d in comm.all_gather_object(asdict(mine))]
     plan = decide(inventories, durable_end=durable_end, load_iteration=load_iteration, lossy=lossy,
-                  checkfree_plus=checkfree_plus)
+                  checkfree_plus=checkfree_plus, model_chunks=model_chunks)
     try:
         check_min_level(plan.level, min_level, plan.reason)
     except RecoveryRefused as e:
