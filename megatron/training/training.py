@@ -227,6 +227,9 @@ def train(state: TrainState, data: ReplayableData, args: Args, start_iteration: 
     tokens_per_iter = t.global_batch_size * args.model.seq_length
     for chunk in state.model:
         chunk.train()
+    # Megatron-Core's module-level aux-loss tracker may hold the partial sums of an iteration a failed attempt
+    # of this process began (moe-ft launch trains again in-process); recovery's replay logs the next values
+    moe_utils.clear_aux_losses_tracker()
     start_iteration = hooks.on_train_start(state, data, args, start_iteration)
     report.first_iteration = report.last_iteration = start_iteration
     for iteration in range(start_iteration, t.train_iters):
