@@ -134,6 +134,19 @@ def test_budget_below_non_expert_state_is_an_actionable_error():
     assert all(remote[op] == Level.NONE for op in remote if not op.is_expert)
 
 
+def test_a_budget_derived_from_a_bandwidth_is_floored_at_build_as_when_measured():
+    """``B = BW x T_iter`` with the estimate of ``T_iter`` the policy is built with is raised to the least budget
+    (non-expert state and one expert) as every measured ``T_iter`` raises it; it was refused at build, so a run
+    whose first estimate was short stopped where the next measurement would have been floored."""
+    ops = make_catalog(2, 2)
+    non_expert = sum(i.bytes_full for i in ops if not i.op.is_expert)
+    tiny = SelectiveConfig(local_budget=10, remote_budget=10, local_bandwidth=10.0, remote_bandwidth=10.0)
+    policy = SelectivePolicy(tiny, ops)
+    assert policy.config.local_budget == non_expert + 300 == policy.config.remote_budget  # experts: 300 B
+    policy.observe_iteration_time(1.0)
+    assert policy.config.local_budget == non_expert + 300
+
+
 def test_from_bandwidth_multiplies_bandwidth_by_iteration_time():
     cfg = SelectiveConfig.from_bandwidth(host_bytes_per_s=50e9, net_bytes_per_s=12.5e9, t_iter_s=2.0)
     assert (cfg.local_budget, cfg.remote_budget) == (100_000_000_000, 25_000_000_000)

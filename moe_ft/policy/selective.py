@@ -137,12 +137,22 @@ class SelectivePolicy(SnapshotPolicy):
         """Budgets derived from a bandwidth follow the measured ``T_iter`` (MoEtion §4.2: ``B = BW × T_iter``),
         never below the non-expert bytes MoEtion saves every iteration and one expert (a budget that buys no
         expert never saves one: no point would be recoverable)."""
+        if self.config.local_bandwidth is not None:
+            self.config.local_budget = int(self.config.local_bandwidth * t_iter_s)
+        if self.config.remote_bandwidth is not None:
+            self.config.remote_budget = int(self.config.remote_bandwidth * t_iter_s)
+        self._floor_derived_budgets()
+
+    def _floor_derived_budgets(self) -> None:
+        """Raise the budgets derived from a bandwidth to the least the policy can work with: every rank's
+        non-expert state and one expert (remote: the non-expert state when it is replicated); budgets given as
+        bytes are left as given (the constructor refuses one too small)."""
         floor = max(self._least_budget.values(), default=0)
         if self.config.local_bandwidth is not None:
-            self.config.local_budget = max(int(self.config.local_bandwidth * t_iter_s), floor)
+            self.config.local_budget = max(self.config.local_budget, floor)
         if self.config.remote_bandwidth is not None:
             remote_floor = floor if self.config.remote_includes_non_expert else 0
-            self.config.remote_budget = max(int(self.config.remote_bandwidth * t_iter_s), remote_floor)
+            self.config.remote_budget = max(self.config.remote_budget, remote_floor)
 
     def recovery_rule(self, operators, *, store=None, start_iteration: int = 0):
         """Each operator's newest FULL entry (MoEtion §6: stale experts are restored from older snapshots)."""
@@ -165,6 +175,9 @@ class SelectivePolicy(SnapshotPolicy):
         self._least_budget: dict[RankKey, int] = {
             key: nbytes + max((i.bytes_full for exps in self._experts[key].values() for i in exps), default=0)
             for key, nbytes in self._non_expert_bytes.items()}
+        # budgets derived from a bandwidth are floored as at every measured T_iter (observe_iteration_time):
+        # the estimate of T_iter the policy is built with must not refuse what the first measurement allows
+        self._floor_derived_budgets()
         for key, nbytes in sorted(self._non_expert_bytes.items()):
             if nbytes > config.local_budget:
                 raise ValueError(
