@@ -144,13 +144,33 @@ def set_seeds(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def forget_transformer_engine_fp8_state() -> None:
+    """Reset Transformer Engine's process-wide FP8 state (``FP8GlobalStateManager``, class attributes; TE
+    2.9-2.11 ``transformer_engine/pytorch/quantization.py``). With delayed scaling every TE module appends its
+    amax, amax history and scale, at its first FP8 forward, to global lists keyed by the recipe and
+    ``hash()`` of the amax-reduction group; every exit of an FP8 autocast region then reduces each list over
+    its group and updates every module's scale and history in it. A process that trains again after leaving
+    its groups (an in-process ``moe-ft launch`` attempt builds a new model and new groups) would keep the
+    previous attempt's model in those lists, alive, under a key whose group it left: the next region's exit
+    would reduce over that group, and a list the new model shares a key with would be longer than on a
+    freshly started rank. TE's own tests reset it between models the same way."""
+    try:
+        # optional dependency: Transformer Engine (its FP8 path is the only one with this state)
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    except ImportError:
+        return
+    FP8GlobalStateManager.reset()
+
+
 def shutdown(failed: bool = False) -> None:
-    """Leave Megatron's parallel state and every process group. ``failed``: training raised (a peer died,
-    or this attempt is being left): abort the groups instead of destroying them. Destroying waits for the
-    groups' pending work, which a dead peer never completes on NCCL; torch 2.13's
+    """Leave Megatron's parallel state and every process group, and forget Transformer Engine's FP8 state
+    that refers to them (:func:`forget_transformer_engine_fp8_state`). ``failed``: training raised (a peer
+    died, or this attempt is being left): abort the groups instead of destroying them. Destroying waits for
+    the groups' pending work, which a dead peer never completes on NCCL; torch 2.13's
     ``_abort_process_group`` aborts every communicator at once (NCCL's inside one group call, so that
     their aborts cannot deadlock each other) and forgets every group, as a destroy does. On gloo the abort
     returns at once (the connections close once the groups are collected) and the same path runs."""
+    forget_transformer_engine_fp8_state()
     ps.destroy_model_parallel()  # also a half-made state, which model_parallel_is_initialized() says is none
     if not dist.is_initialized():
         return

@@ -18,7 +18,10 @@ weights):
 * TE modules' delayed-scaling state ``fp8_meta["scaling_fwd"|"scaling_bwd"]`` (``scale``, ``scale_inv``,
   ``amax_history``): per module, stored with the operator of the module's first parameter (a grouped expert
   GEMM's state is shared by its local experts and lives with the first one; every snapshot of a window's
-  first iteration holds every operator, so it is always restored).
+  first iteration holds every operator, so it is always restored); a module without parameters (TE's
+  ``DotProductAttention``, which keeps scaling state for FP8 attention) with the operator its path names.
+  TE creates this state at a module's first FP8 forward: ``moe_ft.precision.te_fp8`` creates it before a
+  registry is built on a model that has not run one (a recovery).
 
 TE's forward pass writes the delayed-scaling state in place (the amax history rolls and the scale is
 recomputed when an FP8 autocast region ends), while a snapshot's copy of iteration ``t`` may still run
@@ -130,8 +133,9 @@ def module_scaling_state(module) -> dict[str, torch.Tensor]:
 
 def quantized_state(gpt) -> tuple[dict[str, QuantizedWeight], dict[str, tuple[str, torch.Tensor]]]:
     """Everything FP8 in ``gpt`` (an unwrapped model): ``(weights, scaling)`` with ``weights[param name]``
-    the parameter's :class:`QuantizedWeight` and ``scaling[name] = (owner param name, tensor)`` for the TE
-    modules' ``fp8_meta`` tensors (``owner``: the module's first parameter, which names the operator)."""
+    the parameter's :class:`QuantizedWeight` and ``scaling[name] = (owner, tensor)`` for the TE modules'
+    ``fp8_meta`` tensors (``owner`` names the operator: the module's first parameter, or ``name`` itself for a
+    module without parameters)."""
     weights = {}
     for name, param in gpt.named_parameters():
         q = quantized_weight(param)
@@ -143,11 +147,12 @@ def quantized_state(gpt) -> tuple[dict[str, QuantizedWeight], dict[str, tuple[st
         if not state:
             continue
         first = next((n for n, _ in module.named_parameters(recurse=False)), None)
-        if first is None:
-            raise ValueError(f"module {mname!r} has FP8 scaling state but no parameter to attribute it to")
+        if first is None and not mname:
+            raise ValueError("the model itself has FP8 scaling state but no parameter to attribute it to")
         prefix = f"{mname}." if mname else ""
         for suffix, tensor in state.items():
-            scaling[prefix + suffix] = (prefix + first, tensor)
+            # a module without parameters (TE's DotProductAttention) belongs to the operator its path names
+            scaling[prefix + suffix] = (prefix + (first if first is not None else suffix), tensor)
     return weights, scaling
 
 

@@ -42,6 +42,7 @@ from moe_ft.localized.component import UpstreamLogging
 from moe_ft.localized.survivor import HeldPoint, Regroup, StoredPoints, SurvivorGuard, survivor_store
 from moe_ft.megatron_ext.router import attach_popularity
 from moe_ft.popularity import ExpertPopularity, PopularityConfig
+from moe_ft.precision.te_fp8 import ensure_te_scaling_state
 from moe_ft.recovery.component import Boost
 from moe_ft.recovery.driver import RecoveryInputs, last_fault_time, recover, should_recover
 from moe_ft.recovery.planner import RecoveryRefused
@@ -159,6 +160,9 @@ class FTRuntime(StepHooks):
     def build(self, t_iter_s: float) -> None:
         """Registry, catalogue, the snapshot session and the components that serve it (collective)."""
 
+        # TE creates its delayed-scaling state at a module's first FP8 forward; a recovery builds the registry
+        # on a rebuilt model before any: create it now, so that the registry lists it either way
+        ensure_te_scaling_state(self.state.model)
         self.registry = OperatorRegistry.from_megatron(self.state.model, self.state.optimizer)
         # replicated experts (flexible dispatcher) are listed under their first holder's EP rank
         self.catalogue = gather_catalogue(catalogue_infos(self.registry.infos(), self.state.model),

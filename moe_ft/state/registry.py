@@ -27,7 +27,9 @@ name>.fp8_data`` (FP8 bytes), ``.fp8_scale_inv``, and the scaling state (``.fp8_
 ``.fp8_amax_history``, or TE's quantizer scale/amax) — stored as they are, never widened. The wide weight
 the FP8 data is quantized from (the emulation's fp32/bf16 parameter; none for TE) is not read by forward:
 it is saved with FULL only (``OperatorState.wide``; for fp32 training it is the aliased master). TE modules'
-``fp8_meta`` scaling tensors are compute weights of the operator of the module's first parameter.
+``fp8_meta`` scaling tensors are compute weights of the operator of the module's first parameter (of its
+path for a module without parameters); TE creates them at a module's first FP8 forward, so a registry built
+before any forward needs them created first (``moe_ft.precision.te_fp8.ensure_te_scaling_state``).
 Buffers of a ``torch.float8_*`` dtype are compute weights of their operator.
 
 Optimizer state is created by the first optimizer step (torch's Adam initialises lazily): build the
