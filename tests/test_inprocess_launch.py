@@ -45,11 +45,12 @@ def test_protocol_announces_attempts_and_assigns_spares(store):
     waiter = threading.Thread(target=lambda: got.update(protocol.wait_for_assignment(store, keys, "0.0")))
     waiter.start()
     assert protocol.claim_spare(store, keys, "0.0", 1, rank=3, local_rank=3)
-    attempt = protocol.announce(store, keys, kind="inprocess", failed=[3], detected_at=12.5)
+    attempt = protocol.announce(store, keys, kind="inprocess", failed=[3], detected_at=12.5, slots={3: "0.0"})
     waiter.join(5)
     assert attempt == 1 and got == {"rank": 3, "local_rank": 3, "attempt": 1}
     assert protocol.wait_for_attempt_after(store, keys, 0, timeout_s=1) == 1
-    assert protocol.announcement(store, keys, 1) == {"kind": "inprocess", "failed": [3], "detected_at": 12.5}
+    assert protocol.announcement(store, keys, 1) == {"kind": "inprocess", "failed": [3], "detected_at": 12.5,
+                                                     "slots": {"3": "0.0"}}
     # pids: ranks 0-2 kept theirs, rank 3 (replaced) did not matter
     for rank, (before, after) in enumerate([(10, 10), (11, 11), (12, 12), (13, 99)]):
         store.set(keys.pid(0, rank), str(before))

@@ -41,7 +41,7 @@ import signal
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from string import Template
 from typing import Any
@@ -128,6 +128,22 @@ class _NodeWatch:
     silent: float = 0.0
     """Seconds of silence counted so far: each gap between two reads counts for at most half the timeout
     (``SpareAgent._beat_and_watch``)."""
+
+
+@dataclass
+class _Claims:
+    """What a decision took before it announced (``SpareAgent._assign``), so that a decision that raises gives it
+    all back (``SpareAgent._undo``): a spare claimed for a rank that no announcement names never runs it, and the
+    next decision finds every spare and device that was free before."""
+
+    store: list[tuple[str, str]] = field(default_factory=list)
+    """``(slot, assignment)`` of every spare claimed in the store, this node's and other nodes'."""
+    local: list[tuple[int, _Process, int]] = field(default_factory=list)
+    """``(rank, spare, its device before)``: this node's spares given a rank."""
+    fresh: list[tuple[int, _Process]] = field(default_factory=list)
+    """``(rank, process)``: processes started for a rank."""
+    freed: dict[int, int] = field(default_factory=dict)
+    """Dead rank → the device it left, taken by the process planned for it."""
 
 
 class SpareAgent(LocalElasticAgent):
@@ -622,14 +638,14 @@ class SpareAgent(LocalElasticAgent):
         self._seen = max(self._seen, newest)
 
     def _adopt_claimed_spares(self, worker_group: WorkerGroup) -> None:
-        """Spares of this node that another node's agent gave a rank become this node's workers."""
+        """Spares of this node that another node's agent gave a rank become this node's workers, once the
+        attempt that gives it is announced (a claim whose decision failed is released and never taken)."""
         store = self._store_client(worker_group)
         for spare in list(self._spares):
-            key = self._keys.spare(spare.slot)
-            if store.check([key]):
-                rank = json.loads(store.get(key))["rank"]
+            assignment = protocol.spare_assignment(store, self._keys, spare.slot)
+            if assignment is not None and protocol.claim_stands(store, self._keys, spare.slot, assignment):
                 self._spares.remove(spare)
-                self._workers[rank] = spare
+                self._workers[assignment["rank"]] = spare
 
     def _beat_and_watch(self, worker_group: WorkerGroup) -> None:
         """Bump this node's heartbeat; declare the watched node lost when its heartbeat stood still for
@@ -677,18 +693,37 @@ class SpareAgent(LocalElasticAgent):
         attempt = protocol.lock_next(store, self._keys, by=f"node{self._node}")
         if attempt is None:
             return True
+        claims = _Claims()
         try:
-            return self._decide_locked(worker_group, attempt)
+            return self._decide_locked(worker_group, attempt, claims)
         except BaseException:
             # fenced while reading what was announced, a signal, a spare that would not start: the attempt
-            # stays unannounced and its lock must go with this agent's decision, or no agent could announce
-            # it again (no replacement, no fallback, and the full restart refused). A store that fails here
-            # too must not hide the first error.
+            # stays unannounced. The spares it claimed go back first (while the lock still keeps every other
+            # agent from announcing the attempt), then its lock, or no agent could announce it again (no
+            # replacement, no fallback, and the full restart refused). A store that fails here too must not
+            # hide the first error.
+            with contextlib.suppress(Exception):
+                self._undo(store, claims)
             with contextlib.suppress(Exception):
                 protocol.release(store, self._keys, attempt)
             raise
 
-    def _decide_locked(self, worker_group: WorkerGroup, attempt: int) -> bool:
+    def _undo(self, store, claims: _Claims) -> None:
+        """Give back what a decision that raised took (:class:`_Claims`): its claims in the store, this node's
+        spares (as spares again, on their own devices), the processes it started for ranks (stopped), and the
+        dead ranks' devices."""
+        for slot, claim in claims.store:
+            protocol.release_spare(store, self._keys, slot, claim)
+        for rank, proc, device in reversed(claims.local):
+            self._workers.pop(rank, None)
+            proc.local_rank = device
+            self._spares.insert(0, proc)
+        for rank, proc in claims.fresh:
+            self._workers.pop(rank, None)
+            proc.context.close(timeout=self._shutdown_timeout)
+        self._freed.update(claims.freed)
+
+    def _decide_locked(self, worker_group: WorkerGroup, attempt: int, claims: _Claims) -> bool:
         """:meth:`_decide` once the decision lock of ``attempt`` is held."""
         store = self._store_client(worker_group)
         self._apply_announcements(worker_group)  # what was announced before the lock may cover them
@@ -708,7 +743,7 @@ class SpareAgent(LocalElasticAgent):
                 f"rank{'s' if len(new) > 1 else ''} {', '.join(map(str, new))} failed while the job waited for "
                 f"a replacement of node(s) {sorted(self._lost)}"), attempt)
             return False
-        assignments, fresh, missing = self._assign(worker_group, attempt, dead)
+        assignments, fresh, missing = self._assign(worker_group, attempt, dead, claims)
         if missing and not assignments and self._can_shrink(dead):
             self._shrink(worker_group, attempt, dead, detected)
             return True
@@ -722,7 +757,8 @@ class SpareAgent(LocalElasticAgent):
             return False
         holders = {rank: node for rank, (node, _) in assignments.items()}
         protocol.publish(store, self._keys, attempt, kind="inprocess", failed=dead, detected_at=detected,
-                         holders=holders, lost=sorted(self._lost))
+                         holders=holders, lost=sorted(self._lost),
+                         slots={rank: slot for rank, (_, slot) in assignments.items()})
         self._holders.update(holders)
         self._dead = {}
         self._seen = self._attempt = attempt
@@ -869,11 +905,13 @@ class SpareAgent(LocalElasticAgent):
             self._refunded = self._seen
             self._remaining_restarts = min(self._remaining_restarts + 1, worker_group.spec.max_restarts)
 
-    def _assign(self, worker_group: WorkerGroup, attempt: int,
-                dead: list[int]) -> tuple[dict[int, tuple[int, str]], list[int], list[int]]:
+    def _assign(self, worker_group: WorkerGroup, attempt: int, dead: list[int],
+                claims: _Claims | None = None) -> tuple[dict[int, tuple[int, str]], list[int], list[int]]:
         """Give each dead rank a process as :func:`plan_replacements` orders it, claiming remote spares
-        with ``compare_set`` (one another agent claimed first is skipped). Returns ``(rank → (node, slot),
+        with ``compare_set`` (one another agent claimed first is skipped); every claim, spare and device
+        taken is recorded in ``claims`` (:meth:`_undo` gives them back). Returns ``(rank → (node, slot),
         ranks given fresh processes, ranks left without one)``."""
+        claims = _Claims() if claims is None else claims
         store = self._store_client(worker_group)
         remote = self._listed_spares(store)
         plan, missing = plan_replacements(dead, node=self._node, holders=self._holders,
@@ -884,7 +922,9 @@ class SpareAgent(LocalElasticAgent):
         for rank, source in plan:
             if source != "remote":
                 device = self._freed.pop(rank, None)  # the rank ran here: its successor takes its device
-                proc = self._claim_local(store, attempt, rank, device) if source == "local" else None
+                if device is not None:
+                    claims.freed[rank] = device
+                proc = self._claim_local(store, attempt, rank, device, claims) if source == "local" else None
                 if proc is None and self._holders.get(rank) == self._node:
                     # a fresh process on a free device of this node, imports while the others wait (planned,
                     # or the local spares planned were claimed by other agents meanwhile)
@@ -892,39 +932,57 @@ class SpareAgent(LocalElasticAgent):
                     if device is not None:
                         proc = self._start_spare(worker_group, device)
                         fresh.append(rank)
-                        protocol.claim_spare(store, self._keys, proc.slot, attempt, rank, proc.local_rank,
-                                             world_size=self._world, group_rank=self._groups[self._node])
+                        claims.fresh.append((rank, proc))
+                        claim = protocol.claim_spare(store, self._keys, proc.slot, attempt, rank, proc.local_rank,
+                                                     world_size=self._world, group_rank=self._groups[self._node])
+                        assert claim is not None, f"spare {proc.slot} was started a moment ago: nobody claimed it"
+                        claims.store.append((proc.slot, claim))
                 if proc is not None:
                     self._workers[rank] = proc
                     assignments[rank] = (self._node, proc.slot)
                     continue
                 if device is not None:  # none here after all: the device stays the rank's for a later pass
                     self._freed[rank] = device
+                    del claims.freed[rank]
             while remote:  # a spare another node lists
                 node, slot, device = remote.pop(0)
-                if protocol.claim_spare(store, self._keys, slot, attempt, rank, device, world_size=self._world,
-                                        group_rank=self._groups[node]):
+                claim = protocol.claim_spare(store, self._keys, slot, attempt, rank, device, world_size=self._world,
+                                             group_rank=self._groups[node])
+                if claim is not None:
+                    claims.store.append((slot, claim))
                     assignments[rank] = (node, slot)
                     break
             else:
                 missing.append(rank)
         return assignments, fresh, missing
 
-    def _claim_local(self, store, attempt: int, rank: int, device: int | None) -> _Process | None:
+    def _claim_local(self, store, attempt: int, rank: int, device: int | None, claims: _Claims) -> _Process | None:
         """Give ``rank`` a spare of this node (``device``: the index the rank's dead process held, which the
         spare takes). Another node's agent may have claimed the spare for a lost node's rank since this
         node's last pass (it is listed in the store): the spare then runs that rank here, as
-        :meth:`_adopt_claimed_spares` would have found, and the next one is tried. ``None``: none left."""
-        while self._spares:
-            proc = self._spares.pop(0)
-            index = proc.local_rank if device is None else device
-            if protocol.claim_spare(store, self._keys, proc.slot, attempt, rank, index, world_size=self._world,
-                                    group_rank=self._groups[self._node]):
-                self._spare_exits = 0  # spares work here: the bound counts exits in a row
-                proc.local_rank = index  # the spare's own index goes to the next spare started
-                return proc
-            self._workers[json.loads(store.get(self._keys.spare(proc.slot)))["rank"]] = proc
-        return None
+        :meth:`_adopt_claimed_spares` would have found, and the next one is tried (one whose claim no
+        announcement names, left by a fallback, stays a spare). ``None``: none left."""
+        kept: list[_Process] = []
+        try:
+            while self._spares:
+                proc = self._spares.pop(0)
+                index = proc.local_rank if device is None else device
+                claim = protocol.claim_spare(store, self._keys, proc.slot, attempt, rank, index, world_size=self._world,
+                                             group_rank=self._groups[self._node])
+                if claim is not None:
+                    claims.store.append((proc.slot, claim))
+                    claims.local.append((rank, proc, proc.local_rank))
+                    self._spare_exits = 0  # spares work here: the bound counts exits in a row
+                    proc.local_rank = index  # the spare's own index goes to the next spare started
+                    return proc
+                taken = protocol.spare_assignment(store, self._keys, proc.slot)
+                if taken is not None and protocol.claim_stands(store, self._keys, proc.slot, taken):
+                    self._workers[taken["rank"]] = proc
+                else:
+                    kept.append(proc)
+            return None
+        finally:
+            self._spares[:0] = kept
 
     def _free_devices(self, worker_group: WorkerGroup) -> int:
         used = {p.local_rank for p in [*self._workers.values(), *self._spares]}
