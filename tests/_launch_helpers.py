@@ -37,6 +37,6 @@ def place(agents, *, nodes: int, per_node: int = 1) -> None:
     home = {r: r // per_node for r in range(world)}
     for node, agent in enumerate(agents):
         agent._node, agent._nodes, agent._world = node, nodes, world
-        agent._slot_prefix = f"r0.{node}"  # as _start_workers names them: no two nodes' spares share a slot
+        agent._round_tag = "r0"  # as _start_workers names the round: no two nodes' spares share a slot
         agent._groups = {n: n for n in range(nodes)}
         agent._home, agent._holders = dict(home), dict(home)

@@ -200,6 +200,38 @@ def test_a_node_whose_workers_finished_first_is_not_declared_lost(store, tmp_pat
         b._close_all()
 
 
+def test_a_node_that_finished_and_left_is_not_declared_lost(store, tmp_path):
+    """Node 0's worker exits 0 and its agent's exit-barrier wait runs out (300 s in torch elastic, 0.3 s here)
+    while node 1's worker still runs: node 0's agent leaves and beats no more. Node 1's agent, watching it for
+    four node timeouts, declares nothing lost, announces nothing and claims none of node 0's (stopped) spares.
+    Before, it declared node 0 lost and gave the finished rank 0 to its spare, and still listed node 0's
+    stopped spare for the next lost rank."""
+    a, group_a = sleeping_agent(store, tmp_path / "a", "left", 1, node_timeout_s=0.5, spares_per_node=1)
+    b, group_b = sleeping_agent(store, tmp_path / "b", "left", 1, node_timeout_s=0.5, spares_per_node=1)
+    place([a, b], nodes=2)
+    keys = protocol.Keys("left")
+    try:
+        a._fill_spares(group_a)  # a sleeping spare; the worker then exits 0 at once
+        group_a.spec.entrypoint, group_a.spec.args = sys.executable, ("-c", "pass")
+        a._workers = {0: a._start_one(group_a, name="rank0", rank=0, local_rank=0)}
+        b._workers = {1: b._start_one(group_b, name="rank1", rank=1, local_rank=0)}
+        b._fill_spares(group_b)
+        assert [node for node, _, _ in b._listed_spares(store)] == [0]
+        assert wait_until(lambda: a._monitor_workers(group_a).state == WorkerState.SUCCEEDED, timeout=30)
+        a._exit_barrier_timeout = 0.3
+        a._exit_barrier()  # runs out: node 1 has not finished
+        assert int(store.add(keys.exit(0), 0)) == 1
+        watched = time.monotonic()
+        while time.monotonic() - watched < 2.0:  # four node timeouts of node 1's passes
+            assert b._monitor_workers(group_b).state == WorkerState.HEALTHY
+            time.sleep(0.1)
+        assert b._lost == set() and protocol.current_attempt(store, keys) == 0 and sorted(b._workers) == [1]
+        assert b._listed_spares(store) == []
+    finally:
+        a._close_all()
+        b._close_all()
+
+
 def test_a_rank_that_died_while_another_node_shrank_the_job_is_replaced(store, tmp_path):
     """``--nnodes 2:3``, no spares. Node 1's agent shrinks the job (node 2 lost); node 0's rank 0 died in the
     same moment. Node 0's agent, deciding for it, takes in the shrink first: rank 0 stays dead under its new

@@ -186,9 +186,13 @@ class SpareAgent(LocalElasticAgent):
         """Spares that exited while waiting since one last took a rank (:data:`SPARE_EXITS`)."""
         self._published_spares = ""
         self._slots = 0
-        self._slot_prefix = ""
-        """``<rendezvous round>.<node>``: a spare's slot names its round, so that a replacement agent of the
-        same node (a new process counting from 0) never reads an assignment given to a spare of the lost one."""
+        self._round_tag = ""
+        """``r<rendezvous round>`` (``p<pid>`` without rounds): a spare's slot (``<round>.<node>.<n>``) names its
+        round, so that a replacement agent of the same node (a new process counting from 0) never reads an
+        assignment given to a spare of the lost one; ``finished/<round>/<node>`` names it too."""
+        self._finished_nodes: set[int] = set()
+        """Nodes of this round whose workers all finished (``finished/<round>/<node>``): never watched, never
+        lost, their spares gone."""
         self._launch_store: Any = None
         self._keys = protocol.Keys(spec.rdzv_handler.get_run_id())
         self._attempt = 0
@@ -299,7 +303,7 @@ class SpareAgent(LocalElasticAgent):
         return free[0] if free else None
 
     def _start_spare(self, worker_group: WorkerGroup, local_rank: int) -> _Process:
-        slot = f"{self._slot_prefix}.{self._slots}"
+        slot = f"{self._round_tag}.{self._node}.{self._slots}"
         self._slots += 1
         return self._start_one(worker_group, name=f"spare_{slot}", rank=-1, local_rank=local_rank, slot=slot)
 
@@ -323,6 +327,10 @@ class SpareAgent(LocalElasticAgent):
             if device is None:  # this node runs a lost node's rank on a former spare's device
                 break
             self._spares.append(self._start_spare(worker_group, device))
+        self._list_spares(worker_group)
+
+    def _list_spares(self, worker_group: WorkerGroup) -> None:
+        """Write this node's waiting spares to ``spares/<node>`` when they changed (in-process only)."""
         if self._inprocess:
             listed = json.dumps([{"slot": p.slot, "local_rank": p.local_rank} for p in self._spares])
             if listed != self._published_spares:
@@ -350,7 +358,7 @@ class SpareAgent(LocalElasticAgent):
         spec = worker_group.spec
         per_node = spec.local_world_size
         self._node, self._nodes = worker_group.group_rank or 0, worker_group.group_world_size or 1
-        self._slot_prefix = f"{_round_or_pid(spec.rdzv_handler)}.{self._node}"
+        self._round_tag = _round_or_pid(spec.rdzv_handler)
         self._groups, self._world = {n: n for n in range(self._nodes)}, worker_group.workers[0].world_size
         if keep and self._awaiting:  # a replacement node joins: the survivors keep their ranks, whatever
             renumber = {old: old for old in kept}  # number the new round gives their node
@@ -369,6 +377,7 @@ class SpareAgent(LocalElasticAgent):
             self._home = rank_homes(self._groups, per_node=per_node, world_size=self._world, attempt=self._attempt)
             self._holders = dict(self._home)
             self._lost, self._dead, self._watch, self._seen = set(), {}, None, self._attempt
+            self._finished_nodes = set()
             self._falling_back = False
             self._awaiting, self._surplus, self._freed = set(), set(), {}
             self._store_client(worker_group).set(self._keys.surplus(self._node), "[]")
@@ -516,8 +525,9 @@ class SpareAgent(LocalElasticAgent):
     def _exit_barrier(self) -> None:
         """With in-process replacement across nodes, a lost node never reaches torch elastic's exit barrier
         (it counts every node of the rendezvous): count the live ones instead. The heartbeat goes on while
-        the agent waits here: the nodes still training watch it, and a node whose workers finished first
-        (by more than ``--node-timeout``) was declared lost and its finished ranks handed to spares."""
+        the agent waits here, and the node is listed finished (``_monitor_workers``) before it comes: once the
+        wait runs out (``exit_barrier_timeout``, 300 s) the agent leaves and beats no more, and the nodes still
+        training, which watch it, would otherwise declare it lost and hand its finished ranks to spares."""
         if not self._inprocess or self._nodes == 1:
             super()._exit_barrier()
             return
@@ -576,9 +586,12 @@ class SpareAgent(LocalElasticAgent):
         if not self._workers and self._surplus and self._store_client(worker_group).check([self._keys.done]):
             self._finished = {r: None for r in self._surplus}  # this node's workers all stood by; the job ended
         if self._finished and len(self._finished) >= len(self._workers) and not self._dead:
-            for spare in self._spares:
+            if self._inprocess:  # before the exit barrier, whose wait may run out before the others finish
+                self._store_client(worker_group).set(self._keys.finished(self._round_tag, self._node), "1")
+            closing, self._spares = self._spares, []
+            self._list_spares(worker_group)  # unlisted before they stop: no other node's agent claims them
+            for spare in closing:
                 spare.context.close()
-            self._spares = []
             # torch elastic records an event per worker of the group (its round's ranks), which this node may
             # no longer run (another node's spare took them, or they stood by)
             values = {w.global_rank: None for w in worker_group.workers}
@@ -661,9 +674,9 @@ class SpareAgent(LocalElasticAgent):
         store.add(self._keys.beat(self._node), 1)
         live = [n for n in range(self._nodes) if n not in self._lost]
         after = [n for n in live if n > self._node] + [n for n in live if n < self._node]
-        if not after:
+        node = next((n for n in after if not self._has_finished(store, n)), None)
+        if node is None:
             return
-        node = after[0]
         beat = int(store.add(self._keys.beat(node), 0))
         now = time.monotonic()
         watch = self._watch
@@ -685,6 +698,14 @@ class SpareAgent(LocalElasticAgent):
         print(f"moe-ft launch: node {node} sent no heartbeat for {now - watch.since:.1f} s: lost "
               f"(ranks {sorted(r for r, h in self._holders.items() if h == node)})", flush=True)
         self._watch = None
+
+    def _has_finished(self, store, node: int) -> bool:
+        """Whether ``node``'s workers all finished in this round (``finished/<round>/<node>``): its agent waits in
+        the exit barrier, and leaves once the barrier is done or its wait ran out. Either way it is no failure:
+        nobody watches it, declares it lost or gives its ranks away."""
+        if node not in self._finished_nodes and store.check([self._keys.finished(self._round_tag, node)]):
+            self._finished_nodes.add(node)
+        return node in self._finished_nodes
 
     def _decide(self, worker_group: WorkerGroup) -> bool:
         """Announce the next attempt for the dead ranks: ``False`` when the job must restart instead (a
@@ -992,7 +1013,8 @@ class SpareAgent(LocalElasticAgent):
         """``(node, slot, device)`` of the waiting spares the other live nodes list."""
         out = []
         for node in range(self._nodes):
-            if node == self._node or node in self._lost or not store.check([self._keys.node_spares(node)]):
+            if (node == self._node or node in self._lost or self._has_finished(store, node)
+                    or not store.check([self._keys.node_spares(node)])):
                 continue
             out += [(node, s["slot"], s["local_rank"]) for s in json.loads(store.get(self._keys.node_spares(node)))]
         return out
