@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
 
-from moe_ft.launch.agent import LaunchLogs, SpareAgent
+from moe_ft.launch.agent import SpareAgent
+from moe_ft.launch.logs import LaunchLogs
 
 
 def launch_store() -> dist.TCPStore:

@@ -1,4 +1,4 @@
-"""``moe-ft launch``'s agent (``moe_ft/launch/agent.py``) in the moments where two of its paths meet: real
+"""``moe-ft launch``'s agent (``moe_ft/launch/agent.py`` and its layers) in the moments where two of its paths meet: real
 ``SpareAgent``\\ s with real (sleeping) processes on a real ``TCPStore``, each monitor pass or decision
 called in the order the race takes (no training, no rendezvous round)."""
 
@@ -15,7 +15,7 @@ import pytest
 from torch.distributed.elastic.agent.server.api import WorkerState
 
 from moe_ft.launch import protocol
-from moe_ft.launch.agent import Fenced
+from moe_ft.launch.membership import Fenced
 from tests._ft_helpers import ROOT, wait_until
 from tests._launch_helpers import launch_store, place, sleeping_agent
 
