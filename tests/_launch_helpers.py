@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerSpec
 
-from moe_ft.launch.agent import LaunchLogs, SpareAgent
+from moe_ft.launch.agent import SpareAgent
+from moe_ft.launch.logs import LaunchLogs
 
 
 def launch_store() -> dist.TCPStore:
@@ -37,5 +38,6 @@ def place(agents, *, nodes: int, per_node: int = 1) -> None:
     home = {r: r // per_node for r in range(world)}
     for node, agent in enumerate(agents):
         agent._node, agent._nodes, agent._world = node, nodes, world
+        agent._round_tag = "r0"  # as _start_workers names the round: no two nodes' spares share a slot
         agent._groups = {n: n for n in range(nodes)}
         agent._home, agent._holders = dict(home), dict(home)

@@ -25,7 +25,9 @@ from torch.distributed.elastic.agent.server.api import WorkerState
 from moe_ft.cli.drill import run_job
 from moe_ft.drills.faults import InjectedFault
 from moe_ft.launch import cli, protocol, worker
-from moe_ft.launch.agent import Fenced, SpareAgent, plan_replacements, rank_homes
+from moe_ft.launch.agent import SpareAgent
+from moe_ft.launch.membership import Fenced
+from moe_ft.launch.policy import plan_replacements, rank_homes
 from tests._launch_helpers import sleeping_agent
 
 ITERS, WINDOW = 10, 3
@@ -45,11 +47,12 @@ def test_protocol_announces_attempts_and_assigns_spares(store):
     waiter = threading.Thread(target=lambda: got.update(protocol.wait_for_assignment(store, keys, "0.0")))
     waiter.start()
     assert protocol.claim_spare(store, keys, "0.0", 1, rank=3, local_rank=3)
-    attempt = protocol.announce(store, keys, kind="inprocess", failed=[3], detected_at=12.5)
+    attempt = protocol.announce(store, keys, kind="inprocess", failed=[3], detected_at=12.5, slots={3: "0.0"})
     waiter.join(5)
     assert attempt == 1 and got == {"rank": 3, "local_rank": 3, "attempt": 1}
     assert protocol.wait_for_attempt_after(store, keys, 0, timeout_s=1) == 1
-    assert protocol.announcement(store, keys, 1) == {"kind": "inprocess", "failed": [3], "detected_at": 12.5}
+    assert protocol.announcement(store, keys, 1) == {"kind": "inprocess", "failed": [3], "detected_at": 12.5,
+                                                     "slots": {"3": "0.0"}}
     # pids: ranks 0-2 kept theirs, rank 3 (replaced) did not matter
     for rank, (before, after) in enumerate([(10, 10), (11, 11), (12, 12), (13, 99)]):
         store.set(keys.pid(0, rank), str(before))
@@ -140,10 +143,10 @@ def test_a_stall_of_the_watcher_is_not_a_lost_node(store, tmp_path, monkeypatch,
     read comes late."""
     from types import SimpleNamespace
 
-    from moe_ft.launch import agent as agent_module
+    from moe_ft.launch import membership
 
     clock = [100.0]
-    monkeypatch.setattr(agent_module, "time", SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
+    monkeypatch.setattr(membership, "time", SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
     agent, group = sleeping_agent(store, tmp_path, "stall", 1, node_timeout_s=2.0)
     agent._node, agent._nodes, agent._world, agent._groups = 0, 2, 2, {0: 0, 1: 1}
     agent._holders, agent._lost, agent._dead, agent._seen = {0: 0, 1: 1}, set(), {}, 0
@@ -630,7 +633,7 @@ def test_spares_that_keep_exiting_are_not_started_for_ever(caplog):
     ``SPARE_EXITS`` exits in a row the node starts no more (a failed rank then gets a fresh process)."""
     from types import SimpleNamespace
 
-    from moe_ft.launch.agent import SPARE_EXITS, SpareAgent
+    from moe_ft.launch.spares import SPARE_EXITS
 
     started: list[str] = []
 

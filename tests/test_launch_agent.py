@@ -1,9 +1,10 @@
-"""``moe-ft launch``'s agent (``moe_ft/launch/agent.py``) in the moments where two of its paths meet: real
+"""``moe-ft launch``'s agent (``moe_ft/launch/agent.py`` and its layers) in the moments where two of its paths meet: real
 ``SpareAgent``\\ s with real (sleeping) processes on a real ``TCPStore``, each monitor pass or decision
 called in the order the race takes (no training, no rendezvous round)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import signal
 import sys
@@ -14,8 +15,8 @@ import pytest
 from torch.distributed.elastic.agent.server.api import WorkerState
 
 from moe_ft.launch import protocol
-from moe_ft.launch.agent import Fenced
-from tests._ft_helpers import wait_until
+from moe_ft.launch.membership import Fenced
+from tests._ft_helpers import ROOT, wait_until
 from tests._launch_helpers import launch_store, place, sleeping_agent
 
 
@@ -54,6 +55,87 @@ def test_a_decision_that_raises_releases_its_lock(store, tmp_path):
     finally:
         a._close_all()
         b._close_all()
+
+
+_JOIN = r"""
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+slot = os.environ.get("MOE_FT_SPARE_SLOT")
+from moe_ft.launch import worker
+membership = worker.join()  # a spare waits here for its rank
+if slot:
+    with open(os.path.join(sys.argv[2], slot), "w") as f:
+        f.write(f"{membership.rank} {membership.attempt}")
+time.sleep(120)
+"""
+
+
+def test_a_decision_that_raises_gives_back_the_spares_it_claimed(store, tmp_path, monkeypatch):
+    """Node 0's rank 0 died and node 2 is lost. Node 0's agent claims node 1's spare for rank 2, then cannot
+    start a fresh process for rank 0 (the fork fails): the decision raises, and gives back what it took. Node 1
+    keeps listing its spare and holds it as a spare, node 0 keeps rank 0's device, and when node 1's own rank 1
+    dies next its agent gives rank 1 to that spare, whose process (a real worker in ``join``) runs rank 1.
+    Before, the claim stayed: node 1's agent took the spare as rank 2's worker, its process started rank 2 in
+    an attempt nobody announced, rank 1 went to a fresh process, and node 0 forgot rank 0's device."""
+    a, group_a = sleeping_agent(store, tmp_path / "a", "undo", 1, max_restarts=3)
+    b, group_b = sleeping_agent(store, tmp_path / "b", "undo", 1, max_restarts=3, spares_per_node=1)
+    place([a, b], nodes=3)
+    ran = tmp_path / "ran"
+    ran.mkdir()
+    group_b.spec.entrypoint, group_b.spec.args = sys.executable, ("-c", _JOIN, ROOT, str(ran))
+    keys = protocol.Keys("undo")
+
+    def fork_fails(*args, **kwargs):
+        raise OSError(errno.EAGAIN, "fork: Resource temporarily unavailable")
+
+    try:
+        a._workers = {0: a._start_one(group_a, name="rank0", rank=0, local_rank=0)}
+        b._workers = {1: b._start_one(group_b, name="rank1", rank=1, local_rank=0)}
+        b._fill_spares(group_b)
+        (spare,) = b._spares
+        a._workers[0].context.close()
+        a._reap(0, time.time())
+        a._lost, a._dead[2] = {2}, time.time()
+        monkeypatch.setattr(a, "_start_spare", fork_fails)
+        with pytest.raises(OSError, match="fork"):
+            a._decide(group_a)
+        b._adopt_claimed_spares(group_b)
+        b._fill_spares(group_b)
+        assert b._spares == [spare] and sorted(b._workers) == [1]
+        assert json.loads(store.get(keys.node_spares(1))) == [{"slot": spare.slot, "local_rank": 1}]
+        assert a._freed == {0: 0} and sorted(a._dead) == [0, 2] and not store.check([keys.decision(1)])
+
+        b._workers[1].context.close()
+        b._reap(1, time.time())
+        assert b._decide(group_b)
+        info = protocol.announcement(store, keys, 1)
+        assert (info["failed"], info["slots"]) == ([1], {"1": spare.slot}) and b._workers[1] is spare
+        assert wait_until(lambda: (ran / spare.slot).exists(), timeout=60, message="the spare taking its rank")
+        assert (ran / spare.slot).read_text() == "1 1"
+    finally:
+        a._close_all()
+        b._close_all()
+
+
+def test_a_spare_acts_only_on_a_claim_its_attempt_names(store):
+    """A claim stands once its attempt's announcement gives the rank to the slot: a spare that read a claim its
+    decision then released waits on, and takes the rank the announced attempt gives it."""
+    keys = protocol.Keys("stands")
+    got: dict = {}
+    waiter = threading.Thread(target=lambda: got.update(protocol.wait_for_assignment(store, keys, "r0.1.0")),
+                              daemon=True)
+    waiter.start()
+    first = protocol.claim_spare(store, keys, "r0.1.0", 1, rank=2, local_rank=1)
+    assert first is not None and protocol.claim_stands(store, keys, "r0.1.0", json.loads(first)) is None
+    protocol.release_spare(store, keys, "r0.1.0", first)  # the claiming decision raised
+    assert protocol.spare_assignment(store, keys, "r0.1.0") is None
+    second = protocol.claim_spare(store, keys, "r0.1.0", 1, rank=1, local_rank=1)
+    assert second is not None and not got
+    protocol.announce(store, keys, kind="inprocess", failed=[1], detected_at=1.0, slots={1: "r0.1.0"})
+    waiter.join(10)
+    assert got == {"rank": 1, "local_rank": 1, "attempt": 1}
+    assert protocol.claim_stands(store, keys, "r0.1.0", json.loads(first)) is False
+    assert protocol.claim_stands(store, keys, "r0.1.0", json.loads(second)) is True
 
 
 _RECORD_SIGNAL = r"""
@@ -113,6 +195,38 @@ def test_a_node_whose_workers_finished_first_is_not_declared_lost(store, tmp_pat
         store.add(keys.exit(0), 1)  # node 1's workers finish
         barrier.join(10)
         assert not barrier.is_alive()
+    finally:
+        a._close_all()
+        b._close_all()
+
+
+def test_a_node_that_finished_and_left_is_not_declared_lost(store, tmp_path):
+    """Node 0's worker exits 0 and its agent's exit-barrier wait runs out (300 s in torch elastic, 0.3 s here)
+    while node 1's worker still runs: node 0's agent leaves and beats no more. Node 1's agent, watching it for
+    four node timeouts, declares nothing lost, announces nothing and claims none of node 0's (stopped) spares.
+    Before, it declared node 0 lost and gave the finished rank 0 to its spare, and still listed node 0's
+    stopped spare for the next lost rank."""
+    a, group_a = sleeping_agent(store, tmp_path / "a", "left", 1, node_timeout_s=0.5, spares_per_node=1)
+    b, group_b = sleeping_agent(store, tmp_path / "b", "left", 1, node_timeout_s=0.5, spares_per_node=1)
+    place([a, b], nodes=2)
+    keys = protocol.Keys("left")
+    try:
+        a._fill_spares(group_a)  # a sleeping spare; the worker then exits 0 at once
+        group_a.spec.entrypoint, group_a.spec.args = sys.executable, ("-c", "pass")
+        a._workers = {0: a._start_one(group_a, name="rank0", rank=0, local_rank=0)}
+        b._workers = {1: b._start_one(group_b, name="rank1", rank=1, local_rank=0)}
+        b._fill_spares(group_b)
+        assert [node for node, _, _ in b._listed_spares(store)] == [0]
+        assert wait_until(lambda: a._monitor_workers(group_a).state == WorkerState.SUCCEEDED, timeout=30)
+        a._exit_barrier_timeout = 0.3
+        a._exit_barrier()  # runs out: node 1 has not finished
+        assert int(store.add(keys.exit(0), 0)) == 1
+        watched = time.monotonic()
+        while time.monotonic() - watched < 2.0:  # four node timeouts of node 1's passes
+            assert b._monitor_workers(group_b).state == WorkerState.HEALTHY
+            time.sleep(0.1)
+        assert b._lost == set() and protocol.current_attempt(store, keys) == 0 and sorted(b._workers) == [1]
+        assert b._listed_spares(store) == []
     finally:
         a._close_all()
         b._close_all()

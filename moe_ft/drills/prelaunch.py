@@ -154,7 +154,13 @@ def _fork_server(path: Any, args: Any, passfds: Any) -> int:
     """What ``multiprocessing.forkserver`` calls to start its server (``util.spawnv_passfds``), done by a
     fork: the child keeps only the standard streams and the two descriptors the server is handed (its
     listening socket and the read end of the clients' liveness pipe) and runs the server loop, with
-    nothing left to preload."""
+    nothing left to preload.
+
+    The server starts a session of its own, which every worker forked from it inherits, as torch elastic
+    starts each worker of a script (``start_new_session=True``): a terminal's Ctrl-C (SIGINT to its
+    foreground process group), or its hang-up, then reaches the launcher only, which stops the workers
+    with SIGTERM, the signal on which a worker writes the survivor point it holds. In the launcher's group, a
+    forked worker got the SIGINT itself and died in a ``KeyboardInterrupt`` with its point."""
     if len(passfds) != 2:  # another Python's server protocol (3.11 and 3.12 pass these two): spawn it
         return _SPAWNV_PASSFDS(path, args, passfds)
     listener_fd, alive_r = passfds
@@ -164,6 +170,7 @@ def _fork_server(path: Any, args: Any, passfds: Any) -> int:
     if pid:
         return pid
     try:
+        os.setsid()
         keep = sorted({0, 1, 2, listener_fd, alive_r})
         for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
             os.closerange(low + 1, high)

@@ -43,7 +43,9 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from moe_ft.agent.client import ensure_agent
 from moe_ft.drills.prelaunch import PreloadError, run_script, use_preloaded_forkserver
 from moe_ft.launch import protocol
-from moe_ft.launch.agent import Fenced, LaunchLogs, SpareAgent
+from moe_ft.launch.agent import SpareAgent
+from moe_ft.launch.logs import LaunchLogs
+from moe_ft.launch.membership import Fenced
 from moe_ft.persist.config import DurableConfig
 from moe_ft.replication.config import ReplicationConfig
 from moe_ft.snapshot.config import SnapshotConfig

@@ -22,13 +22,18 @@ elastic's agent store), under ``moe_ft/launch/<run id>/``:
                             (an in-process shrink: ``ranks`` old → new, ``world_size``, ``nodes`` → their
                             new group ranks), ``nodes`` (a replacement node joined after an ``"await"``:
                             each node of the new rendezvous round → the group rank its workers keep, the
-                            replacement taking the lost node's), ``spent_by`` (a fallback because the
+                            replacement taking the lost node's), ``slots`` (an in-process replacement:
+                            rank → the spare slot given it), ``spent_by`` (a fallback because the
                             workers could not go on in attempt ``spent_by``, which spent one of
                             ``--max-restarts`` for its failure: the agents give it back, so that one
                             failure spends one restart however it is recovered).
 ``spare/<slot>``            (slot ``r<round>.<node>.<n>``: unique across replacement agents) JSON
                             assignment of a spare: ``rank``, ``local_rank``, ``attempt``,
                             ``world_size``, ``group_rank`` (set with ``compare_set``: a spare is given once).
+                            A claim stands once ``attempt/<a>`` names the slot (``slots``); the spare and
+                            its node's agent act on it only then. An agent whose decision fails after it
+                            claimed spares empties their keys again (``""``: not given), before it frees
+                            the decision lock.
 ``spares/<node>``           JSON list of the node's waiting spares: ``[{"slot", "local_rank"}]`` (its agent
                             rewrites it when it changes; another node's agent may give them lost ranks).
 ``beat/<node>``             counter the node's agent bumps every monitor pass (its liveness).
@@ -45,6 +50,10 @@ elastic's agent store), under ``moe_ft/launch/<run id>/``:
 ``suspect/<a>``             counter: workers of attempt ``a`` whose collectives failed because a peer died
                             (the agents then declare a silent node lost sooner).
 ``exit/<a>``                counter: agents whose workers finished in attempt ``a`` (the exit barrier).
+``finished/<r>/<node>``     set by a node's agent once its workers all finished in rendezvous round ``r``
+                            (``r<round>``; ``p<pid>`` without rounds), before it waits in the exit barrier
+                            and leaves: the other agents never watch it, declare it lost or claim its
+                            spares (it beats no more once its wait runs out).
 ``standby/<a>/<rank>``      written by a worker of attempt ``a`` that the global batch leaves out (``--ft-elastic``:
                             the job trains on fewer ranks than it has) once its held state is in the node
                             store: JSON ``{"usable"}``; it then exits :data:`STANDBY_EXIT_CODE` and its agent
@@ -152,6 +161,9 @@ class Keys:
     def exit(self, attempt: int) -> str:
         return prefix(self.run_id) + f"exit/{attempt}"
 
+    def finished(self, rdzv_round: str, node: int) -> str:
+        return prefix(self.run_id) + f"finished/{rdzv_round}/{node}"
+
     def pid(self, attempt: int, rank: int) -> str:
         return prefix(self.run_id) + f"pid/{attempt}/{rank}"
 
@@ -188,14 +200,41 @@ def release(store, keys: Keys, attempt: int) -> None:
 
 
 def claim_spare(store, keys: Keys, slot: str, attempt: int, rank: int, local_rank: int, *,
-                world_size: int | None = None, group_rank: int | None = None) -> bool:
+                world_size: int | None = None, group_rank: int | None = None) -> str | None:
     """Give spare ``slot`` rank ``rank`` in ``attempt`` (and the job's current world size and the spare's
-    node's group rank: both change when the job shrinks); ``False`` when it was already given."""
+    node's group rank: both change when the job shrinks). Returns the assignment written (what
+    :func:`release_spare` takes back), ``None`` when the spare was already given. The claim stands once
+    ``attempt``'s announcement names the slot (:func:`claim_stands`)."""
     given = {"world_size": world_size, "group_rank": group_rank}
     value = json.dumps({"rank": rank, "local_rank": local_rank, "attempt": attempt,
                         **{k: v for k, v in given.items() if v is not None}})
     got = store.compare_set(keys.spare(slot), "", value)
-    return got in (value, value.encode())
+    return value if got in (value, value.encode()) else None
+
+
+def release_spare(store, keys: Keys, slot: str, claim: str) -> None:
+    """Agent whose decision failed after :func:`claim_spare` returned ``claim`` (before it frees the decision
+    lock, so before any agent can announce that attempt): the spare is free again. The key is emptied, not
+    deleted: ``compare_set`` from ``""`` claims it again, and a reader never waits on a key that vanished
+    between its check and its read."""
+    store.compare_set(keys.spare(slot), claim, "")
+
+
+def spare_assignment(store, keys: Keys, slot: str) -> dict | None:
+    """The assignment claimed for spare ``slot``, ``None`` when it has none (never claimed, or released)."""
+    key = keys.spare(slot)
+    value = store.get(key) if store.check([key]) else b""
+    return json.loads(value) if value else None
+
+
+def claim_stands(store, keys: Keys, slot: str, assignment: dict) -> bool | None:
+    """Whether ``assignment`` (of spare ``slot``) stands: ``True`` once its attempt's announcement gives the
+    rank to this slot, ``False`` when the attempt was announced without it (the claiming decision failed and
+    released it, or fell back), ``None`` while the attempt is not announced yet."""
+    attempt = int(assignment["attempt"])
+    if current_attempt(store, keys) < attempt:
+        return None
+    return announcement(store, keys, attempt).get("slots", {}).get(str(assignment["rank"])) == slot
 
 
 def publish(store, keys: Keys, attempt: int, *, kind: str, failed: list[int], detected_at: float,
@@ -240,11 +279,14 @@ def wait_for_attempt_after(store, keys: Keys, attempt: int, timeout_s: float, po
 
 
 def wait_for_assignment(store, keys: Keys, slot: str, poll_s: float = 0.02) -> dict:
-    """Spare: block until the agent assigns ``slot`` a rank (a spare never assigned is stopped by the agent)."""
-    key = keys.spare(slot)
-    while not store.check([key]):
+    """Spare: block until the agents give ``slot`` a rank and announce the attempt that names it (a spare never
+    assigned is stopped by its agent). A claim whose decision failed is released and never acted on: the
+    spare waits for the next one."""
+    while True:
+        assignment = spare_assignment(store, keys, slot)
+        if assignment is not None and claim_stands(store, keys, slot, assignment):
+            return assignment
         time.sleep(poll_s)
-    return json.loads(store.get(key))
 
 
 def reform_timeout_s() -> float:
