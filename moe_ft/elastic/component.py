@@ -75,10 +75,11 @@ class ElasticRecorder(Component):
         return self.decision.iteration + 1
 
     def report_fallback(self) -> None:
-        """A world change that live copies cannot serve: the reason goes into the report (rank 0), and this
-        node's points of the old generation are dropped -- their operators belong to the old plan and the
-        old world, so only a point every rank can load remains: the durable tier or ``--load`` (the usual
-        recovery path then takes the newest complete one and says so)."""
+        """A world change that live copies cannot serve: the reason goes into the report (rank 0), and every
+        point of the old generation on this node is dropped (collective, ``restore.discard_node_points``: the
+        snapshot and survivor points of its old ranks and the replicas it held for any old rank) -- their
+        operators belong to the old plan and the old world, so only a point every rank can load remains: the
+        durable tier or ``--load`` (the usual recovery path then takes the newest complete one and says so)."""
 
         if self.decision.kind != "fallback":
             return

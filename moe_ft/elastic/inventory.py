@@ -118,8 +118,12 @@ class StoreDir:
     """``StoreConfig.root`` and ``job_id`` that open it: ``<root>/<job_id>/rank<rank>``."""
     job_id: str
 
+    @property
+    def config(self) -> StoreConfig:
+        return StoreConfig(root=self.root, job_id=self.job_id, rank=self.rank)
+
     def open(self):
-        return StoreConfig(root=self.root, job_id=self.job_id, rank=self.rank).build()
+        return self.config.build()
 
 
 def store_dirs(store_dir: str, job_id: str) -> list[StoreDir]:
@@ -136,6 +140,26 @@ def store_dirs(store_dir: str, job_id: str) -> list[StoreDir]:
             if path.is_dir() and path.name[4:].isdigit():
                 out.append(StoreDir(kind, int(path.name[4:]), root, name))
     return out
+
+
+def old_generation_share(dirs: list[StoreDir], *, rank: int, ranks_here: set[int],
+                         world_size: int) -> tuple[list[StoreDir], list[StoreDir]]:
+    """``(to empty, to remove)``: rank ``rank``'s share of dropping the previous generation's points from its
+    node's store directories ``dirs`` (:func:`store_dirs`), after a reshape restore or a ``fallback`` decision.
+    ``ranks_here``: the new world's ranks that share this node's store root.
+
+    Every directory goes, whoever's it was, and each is one rank's job: a rank empties those with its own
+    number (its snapshot and survivor stores, which it writes again, and replicas of that number); the node's
+    lowest rank takes the others. It removes those of ranks the new world does not have and the snapshot and
+    survivor stores of ranks that run on other nodes now (no rank here writes them), and empties the replica
+    stores of the other ranks without removing them (the new placement may make a rank here their holder,
+    whose receiver, or node agent, keeps the store open). Pure."""
+    mine = [d for d in dirs if d.rank == rank]
+    if rank != min(ranks_here):
+        return mine, []
+    others = [d for d in dirs if d.rank not in ranks_here]
+    remove = [d for d in others if d.rank >= world_size or d.kind != "replica"]
+    return mine + [d for d in others if d not in remove], remove
 
 
 Ranges = dict[str, tuple[int, int, int]]

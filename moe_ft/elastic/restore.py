@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -38,7 +39,7 @@ from pathlib import Path
 import torch
 
 from moe_ft import comm
-from moe_ft.elastic.inventory import node_inventory, stage_atoms, store_dirs
+from moe_ft.elastic.inventory import node_inventory, old_generation_share, stage_atoms, store_dirs
 from moe_ft.recovery.machine import restore_step_state
 from moe_ft.recovery.schedule import ScheduleRule, stop_unless_agreed
 from moe_ft.replication.component import Replicas
@@ -303,7 +304,7 @@ def _quarantine(bad: set, point: int) -> None:
 
 def discard_old_generation(runtime, store_dir: str, job_id: str) -> None:
     """After a reshape restore: empty this rank's snapshot store (old plan) and drop the replicas it holds,
-    then :func:`discard_node_points` for the rest."""
+    then :func:`discard_node_points` for the rest of the node (collective)."""
     runtime.active.store.discard_after(-1)
     replicas = runtime.find(Replicas)
     if replicas is not None and replicas.replication is not None:
@@ -312,16 +313,24 @@ def discard_old_generation(runtime, store_dir: str, job_id: str) -> None:
 
 
 def discard_node_points(store_dir: str, job_id: str, rank: int, world_size: int) -> None:
-    """This rank's snapshot and survivor points, and (each node's first rank) the directories of old ranks
-    that the new world does not have. Every rank read its node's inventory before this (the decision's
-    all-gather), so nothing still needs them."""
+    """Collective: drop every point of the previous generation from this node's stores -- the snapshot and
+    survivor points of the ranks that ran here and the replicas the node held for any rank of the old world --,
+    each directory by one rank of the node (:func:`~moe_ft.elastic.inventory.old_generation_share`). They
+    hold the old world's plan and shards, and a rank of the new world with an old rank's number is not that
+    rank: kept, the usual recovery would fetch them as its points, and the next decision count them. Every rank
+    read its node's inventory before this (the decision's all-gather; a reshape's restore, then a barrier), so
+    nothing still needs them. The durable tier is not touched."""
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    for d in store_dirs(store_dir, job_id):
-        if d.rank == rank:
-            d.open().discard_after(-1)
-        elif local_rank == 0 and d.rank >= world_size:
-            shutil.rmtree(Path(d.root) / d.job_id / f"rank{d.rank}", ignore_errors=True)
+    # the ranks that share this node's store root (node-local): the same host and path (the drills' simulated
+    # nodes share a host, each with a root of its own; those of one launcher share one root)
+    here = (socket.gethostname(), os.path.realpath(Path(store_dir) / job_id))
+    ranks_here = {r for r, key in comm.all_gather_object((rank, here)) if key == here}
+    empty, remove = old_generation_share(store_dirs(store_dir, job_id), rank=rank, ranks_here=ranks_here,
+                                         world_size=world_size)
+    for d in remove:
+        shutil.rmtree(d.config.directory, ignore_errors=True)
+    for d in empty:
+        d.open().discard_after(-1)
 
 
 def write_report(decision, report_dir: str, section: dict, *, last_completed: int) -> None:
