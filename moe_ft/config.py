@@ -80,6 +80,7 @@ class FTConfig(LoopExtension):
         if self.ft:  # without --ft no component is built: its flags have nothing to refuse
             self.snapshot.check_args(args)
             self.replication.check_args(args)
+            self.recovery.check_args(args)
             if self.snapshot.enabled:  # the durable tier copies snapshots: --ft-policy none builds none
                 self.persist.check_args(args)
         if (self.ft and getattr(args.model, "moe_grouped_gemm", False)

@@ -19,6 +19,7 @@ from moe_ft.recovery.planner import (
     checkfree_sources,
     decide,
     operator_sources,
+    replay_source,
     summarize,
 )
 from moe_ft.state.operators import OperatorId
@@ -134,6 +135,34 @@ def test_operator_sources():
                                      "expert.L0.E1": "replay_beside_rebuilt"}
     assert set(src(point=None, resumed_from="checkpoint").values()) == {"checkpoint"}
     assert set(src(point=None, resumed_from="initial").values()) == {"start_over"}
+
+
+def test_a_replay_without_determinism_is_not_reported_exact():
+    """``--no-deterministic``: the operators a replay computed (FULL entry older than the point's end) reach
+    ``nondeterministic``, below ``exact`` and above ``durable``; what was restored bitwise keeps its source."""
+    window = Point(3, 5, {OPS[0]: 5, OPS[1]: 4, OPS[2]: 3})
+    src = lambda **kw: operator_sources(OPS, **{"path": "memory", "point": window, "rebuilt_here": False,  # noqa: E731
+                                                "fetched_here": False, "lossy": False, "resumed_from": "memory",
+                                                "deterministic": False, **kw})
+    replayed = {"embedding": "window_replay", "dense.L0": "nondeterministic_replay",
+                "expert.L0.E1": "nondeterministic_replay"}
+    assert src() == replayed
+    assert src(fetched_here=True) == {**replayed, "embedding": "peer_replica"}
+    assert set(src(point=Point(5, 5, {op: 5 for op in OPS})).values()) == {"local_point"}
+    assert set(src(resumed_from="durable").values()) == {"durable_point"}
+    assert src(lossy=True) == {"embedding": "local_point", "dense.L0": "lossy", "expert.L0.E1": "lossy"}
+    assert src(path="checkfree")["dense.L0"] == "replay_beside_rebuilt"
+    levels = summarize([src()])
+    assert levels["level"] == "nondeterministic"
+    assert LEVELS.index("durable") < LEVELS.index("nondeterministic") < LEVELS.index("exact")
+    check_min_level("nondeterministic", "nondeterministic", "why")
+    check_min_level("nondeterministic", "durable", "why")
+    with pytest.raises(RecoveryRefused, match="best available recovery is nondeterministic"):
+        check_min_level("nondeterministic", "exact", "why")
+    with pytest.raises(RecoveryRefused):
+        check_min_level("durable", "nondeterministic", "why")
+    # the localized scope: a replaying rank's operators
+    assert replay_source(True) == "window_replay" and replay_source(False) == "nondeterministic_replay"
 
 
 def test_summary_keeps_each_operators_worst_source_and_the_job_level():

@@ -64,6 +64,11 @@ REFUSED = {
         "ep2", {"expert_tensor_parallel_size": 2}, 4, FLEXIBLE_EP2,
         "--moe-token-dispatcher-type flexible runs whole experts on one rank each, not expert tensor parallelism "
         "(got size 2): drop --expert-tensor-parallel-size"),
+    "an exact minimum recovery level without determinism": (
+        "single", {}, 1, ["--no-deterministic", "--ft", "--ft-min-recovery-level", "exact"],
+        "--ft-min-recovery-level exact needs bitwise replays, but --no-deterministic lets kernels differ from run "
+        "to run (a replayed iteration is then not bitwise): drop --no-deterministic, or pass "
+        "--ft-min-recovery-level nondeterministic (or lower)"),
     "elastic without a fixed global batch": (
         "ep2", {"global_batch_size": None, "moe_token_dispatcher_type": "flexible"}, 4,
         ["--ft", "--ft-elastic"],
@@ -83,6 +88,10 @@ ACCEPTED = {
     "FP8 emulation with selective": ("single", {"fp8_format": "e4m3"}, 1, ["--fp8-emulation", "--ft", "--ft-policy",
                                                                           "selective"]),
     "bubble-aware snapshots on two stages": ("pp2", {}, 4, ["--ft", "--ft-snapshot-bubble-aware"]),
+    "no determinism, the default minimum level": ("single", {}, 1, ["--no-deterministic", "--ft"]),
+    "no determinism, replays not bitwise accepted": ("single", {}, 1, ["--no-deterministic", "--ft",
+                                                                       "--ft-min-recovery-level", "nondeterministic"]),
+    "an exact minimum level, deterministic": ("single", {}, 1, ["--ft", "--ft-min-recovery-level", "exact"]),
     "elastic with a global batch": ("ep2", {"moe_token_dispatcher_type": "flexible"}, 4, ["--ft", "--ft-elastic"]),
     "flexible, standard EP": ("ep2", {"expert_tensor_parallel_size": 1}, 4, FLEXIBLE_EP2),
     "flexible, counts": ("ep2", {}, 4, [*FLEXIBLE_EP2, "--ft-expert-replicas", "2", "2", "2", "2",

@@ -214,3 +214,22 @@ def test_lossy_token_loss_matches_counters(drill_env, policy, layout):
     if policy == "pec":
         assert value > 0.0375, "the drill should cross the Dynamic-K threshold"
         assert loss["k_before"] == 1 and loss["k_after"] == 2
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("scope", ["localized", "global"])
+def test_a_replay_without_determinism_is_reported_below_exact(drill_env, scope):
+    """``--no-deterministic``: a replay runs the same iterations on the same data, but on GPU its kernels may
+    give other bits than the run that failed, so the report says ``nondeterministic``, not ``exact`` (whatever
+    this CPU computes: the report cannot tell). Localized: the replaying stage's operators;
+    global: the operators the window replay computed (an operator FULL at the point's end stays exact)."""
+    res = run_job(job=f"nondeterministic_{scope}", workdir=drill_env["work"], faults=["2:5"], max_restarts=1,
+                  timeout=300, layout="ep2pp2", policy="sparse", iters=ITERS, data=drill_env["data"],
+                  store=drill_env["store"], window=WINDOW, extra=["--no-deterministic"], scope=scope)
+    assert res["rc"] == 0, f"see {res['log']}"
+    (report,) = res["reports"]
+    assert report["scope"]["mode"] == scope, report["scope"]["reason"]
+    levels = report["recovery_levels"]
+    assert levels["level"] == "nondeterministic" and levels["sources"].get("nondeterministic_replay"), levels
+    assert set(levels["sources"]) <= {"nondeterministic_replay", "survivor_point", "window_replay"}, levels
+    assert "| level nondeterministic (" in Path(res["log"]).read_text()

@@ -70,7 +70,28 @@ def transformer_config(args: Args) -> TransformerConfig:
         fp8_amax_compute_algo=m.fp8_amax_compute_algo,
         gradient_accumulation_fusion=False,
         variable_seq_lengths=False,
+        batch_p2p_comm=not shares_one_peer(p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size),
     )
+
+
+def shares_one_peer(pp_size: int, vp_size: int | None) -> bool:
+    """Whether a pipeline rank's previous and next rank are the same peer in one p2p exchange: two pipeline
+    ranks with virtual stages (the interleaved schedule's ring wraps, so rank 0's previous rank is rank 1).
+
+    Megatron-Core's batched exchange (``batch_p2p_comm``, ``_batched_p2p_ops``) then posts the sends to that
+    peer as [gradient to previous, activation to next] and the receives as [activation from previous,
+    gradient from next]: ops between one pair in one direction match in the order posted
+    (``torch.distributed.batch_isend_irecv``), so an exchange that carries both (more than two micro-batches)
+    swaps activation and gradient (the loss diverges, and a localized replay, fed the logged
+    tensors by direction, is no longer the run it replays). Megatron-LM refuses that combination
+    (``validate_args``: the interleaved schedule without ``--overlap-p2p-communication`` needs PP > 2)
+    and by default runs it unbatched. So does this: in the unbatched exchange (``_p2p_ops``) the even rank
+    sends [to next, to previous] and the odd rank receives [from previous, from next] on the pipeline group
+    (the same tensors in the same order: each rank is the other's previous and next), the reverse direction
+    likewise on the default group, and every call completes before the next (no ``overlap_p2p_comm``). On
+    GPU both groups are NCCL (``initialize_distributed``), and NCCL runs an unbatched send or receive on a
+    two-rank communicator of its group, in order: only the two pipeline ranks take part."""
+    return pp_size == 2 and vp_size is not None
 
 
 def layer_spec(args: Args):

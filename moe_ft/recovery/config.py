@@ -29,10 +29,12 @@ class RecoverConfig:
         "recovery lost for it (0 = off). Needs token dropping (--moe-expert-capacity-factor)."))
     min_recovery_level: str = field(default="none", metadata=field_help(
         "The worst correctness level a recovery may reach, else the job stops with a one-line error: 'exact' "
-        "(sparse replay, own point, peer replica), 'durable' (+ durable point or --load checkpoint), 'lossy' "
-        "(+ pec/selective, PLT/MLT), 'approximate' (+ CheckFree rebuild of a lost pipeline stage), 'none' "
-        "(+ starting over). Levels per operator are in the recovery report (moe_ft/recovery/planner.py).",
-        choices=["exact", "durable", "lossy", "approximate", "none"]))
+        "(sparse replay, own point, peer replica: bitwise), 'nondeterministic' (+ a replay with "
+        "--no-deterministic: the same iterations on the same data, not bitwise), 'durable' (+ durable point or "
+        "--load checkpoint), 'lossy' (+ pec/selective, PLT/MLT), 'approximate' (+ CheckFree rebuild of a lost "
+        "pipeline stage), 'none' (+ starting over). Levels per operator are in the recovery report "
+        "(moe_ft/recovery/planner.py).",
+        choices=["exact", "nondeterministic", "durable", "lossy", "approximate", "none"]))
     survivor_deadline: float = field(default=0.0, metadata=field_help(
         "Seconds a stopped rank may spend publishing its survivor point before it gives up unpublished (0 = "
         "the launcher's SIGTERM-to-SIGKILL grace, TORCH_ELASTIC_SHUTDOWN_TIMEOUT or torch elastic's 30 s, "
@@ -54,9 +56,18 @@ class RecoverConfig:
             raise ValueError(f"--ft-survivor-deadline must be >= 0 seconds (0: derived), got {self.survivor_deadline}")
         if self.capacity_boost < 0:
             raise ValueError(f"--ft-capacity-boost must be >= 0 (a fraction, 0.1 = 10 %), got {self.capacity_boost}")
-        if self.min_recovery_level not in ("exact", "durable", "lossy", "approximate", "none"):
-            raise ValueError(f"--ft-min-recovery-level must be exact, durable, lossy, approximate or none, got "
-                             f"{self.min_recovery_level!r}")
+        if self.min_recovery_level not in ("exact", "nondeterministic", "durable", "lossy", "approximate", "none"):
+            raise ValueError(f"--ft-min-recovery-level must be exact, nondeterministic, durable, lossy, approximate "
+                             f"or none, got {self.min_recovery_level!r}")
+
+    def check_args(self, args) -> None:
+        """Checks against the model's flags (``FTConfig.check_args``, with ``--ft``): a replay is bitwise only
+        with deterministic kernels, so ``--ft-min-recovery-level exact`` would refuse every replay of a
+        ``--no-deterministic`` job (its replays reach level ``nondeterministic``, ``moe_ft/recovery/planner.py``)."""
+        if self.min_recovery_level == "exact" and not args.training.deterministic:
+            raise ValueError("--ft-min-recovery-level exact needs bitwise replays, but --no-deterministic lets "
+                             "kernels differ from run to run (a replayed iteration is then not bitwise): drop "
+                             "--no-deterministic, or pass --ft-min-recovery-level nondeterministic (or lower)")
 
     def build(self, state, popularity, *, rank: int, runtime) -> list:
         """The recovery components this start needs: the hang watchdog (``--ft-hang-timeout``) and the

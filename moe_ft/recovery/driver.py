@@ -289,9 +289,10 @@ def build_localized_report(inputs: RecoveryInputs, scope, mine: dict, outcomes: 
                            since_fault: float | None, t0: float) -> RecoveryReport:
 
     state = inputs.state
-    source = "survivor_point" if mine["role"] == "load" else "window_replay"
+    replayed = planner.replay_source(inputs.args.training.deterministic)
+    source = "survivor_point" if mine["role"] == "load" else replayed
     levels = planner.summarize(comm.all_gather_object({str(op): source for op in inputs.registry}))
-    levels.update(path="localized", planned="exact", reason=scope.reason,
+    levels.update(path="localized", planned=planner.SOURCE_LEVEL[replayed], reason=scope.reason,
                   min_level=inputs.config.recovery.min_recovery_level, unavailable={}, rebuilt=[])
     seconds = phase_seconds(mine["seconds"], t0, since_fault)
     slowest = {key: max((o["seconds"].get(key, 0.0) for o in outcomes), default=0.0) for key in ("load", "replay_total")}
@@ -497,8 +498,8 @@ def record_recovery_levels(inputs: RecoveryInputs, plan, rs: RecoveryState, sour
         boost_rebuilt_stage(inputs.state, rs.resume_iteration)
     levels = planner.record_levels(plan, rank=inputs.rank, ops=list(inputs.registry), rs=rs, source=source,
                                    lossy=inputs.session.policy.lossy, min_level=inputs.config.recovery.min_recovery_level,
-                                   audit_path=audit_path(inputs),
-                                   report=report)
+                                   audit_path=audit_path(inputs), report=report,
+                                   deterministic=inputs.args.training.deterministic)
     for r in levels["rebuilt"]:
         report.message = "; ".join(filter(None, [report.message, (
             f"rank {r['rank']} rebuilt by CheckFree from ranks {r['from']} (weights {r['weights'][0]:.3f}/"

@@ -3,6 +3,7 @@ that is.
 
 Sources, best first, with their correctness level::
     window_replay   sparse window + replay from the rank's own store (MoEvement §3.3)    exact
+    nondeterministic_replay  a replay with --no-deterministic (same iterations and data)  nondeterministic
     local_point     a dense point of the rank's own store (no replay)                   exact
     survivor_point  the state a surviving rank published when the job stopped           exact (localized scope)
     peer_replica    the rank's points fetched from replica holders / DP peers           exact
@@ -43,15 +44,17 @@ from moe_ft.checkfree.recovery import (
 )
 from moe_ft.recovery.agreement import agree_on_point
 
-LEVELS = ("start_over", "approximate", "lossy", "durable", "exact")
-"""Correctness levels, worst first."""
+LEVELS = ("start_over", "approximate", "lossy", "durable", "nondeterministic", "exact")
+"""Correctness levels, worst first. ``exact`` is bitwise the state the failed run had; ``nondeterministic``:
+replayed on the same data, but with ``--no-deterministic`` kernels that need not give the same bits twice."""
 
-MIN_LEVEL_CHOICES = ("exact", "durable", "lossy", "approximate", "none")
+MIN_LEVEL_CHOICES = ("exact", "nondeterministic", "durable", "lossy", "approximate", "none")
 """``--ft-min-recovery-level``: the worst level a recovery may reach (``none``: any, even starting over)."""
 
 SOURCE_LEVEL = {"window_replay": "exact", "local_point": "exact", "survivor_point": "exact", "peer_replica": "exact",
-                "durable_point": "durable", "checkpoint": "durable", "lossy": "lossy", "checkfree": "approximate",
-                "replay_beside_rebuilt": "approximate", "start_over": "start_over"}
+                "nondeterministic_replay": "nondeterministic", "durable_point": "durable", "checkpoint": "durable",
+                "lossy": "lossy", "checkfree": "approximate", "replay_beside_rebuilt": "approximate",
+                "start_over": "start_over"}
 SOURCE_ORDER = tuple(SOURCE_LEVEL)
 
 
@@ -150,23 +153,34 @@ def decide(inventories: Sequence[RankInventory], *, durable_end: int | None, loa
                         lost_ranks=lost)
 
 
+def replay_source(deterministic: bool) -> str:
+    """The source of an operator a replay computed: ``window_replay`` (exact), or with ``--no-deterministic``
+    ``nondeterministic_replay``: the same iterations on the same data, but kernels (atomics, cuBLAS and
+    attention algorithms on GPU) that may give other bits than the run that failed."""
+    return "window_replay" if deterministic else "nondeterministic_replay"
+
+
 def operator_sources(ops: Iterable, *, path: str, point, rebuilt_here: bool, fetched_here: bool, lossy: bool,
-                     resumed_from: str) -> dict[str, str]:
+                     resumed_from: str, deterministic: bool = True) -> dict[str, str]:
     """``{operator: source}`` for this rank's operators after the restore. ``point``: the agreed
     ``RecoveryPoint`` (``None``: no point was restored); ``resumed_from``: the driver's source
-    (``memory`` / ``durable`` / ``checkpoint`` / ``initial``)."""
+    (``memory`` / ``durable`` / ``checkpoint`` / ``initial``); ``deterministic``: ``--deterministic`` (without
+    it, an operator the replay computed, whose FULL entry is older than the point's end, is not bitwise)."""
     out = {}
     for op in ops:
+        replayed = point is not None and point.end > point.start and point.full_at.get(op, point.end) < point.end
         if rebuilt_here:
             src = "checkfree"
         elif point is None:
             src = "checkpoint" if resumed_from == "checkpoint" else "start_over"
         elif lossy and point.full_at.get(op, point.end) < point.end:
             src = "lossy"
-        elif path == "checkfree" and point.end > point.start and point.full_at.get(op, point.end) < point.end:
+        elif path == "checkfree" and replayed:
             src = "replay_beside_rebuilt"  # trained during the replay with a rebuilt stage in the pipeline
         elif resumed_from == "durable":
-            src = "durable_point"
+            src = "durable_point"  # its replay is no worse than re-executing after an older point
+        elif replayed and not deterministic:
+            src = replay_source(deterministic)
         elif fetched_here:
             src = "peer_replica"
         else:
@@ -276,13 +290,15 @@ def prepare_checkfree(ctx: PlanContext, *, rank: int, find, store, registry, los
 
 
 def record_levels(ctx: PlanContext, *, rank: int, ops, rs, source: str, lossy: bool, min_level: str,
-                  audit_path: str | None, report) -> dict:
+                  audit_path: str | None, report, deterministic: bool) -> dict:
     """Per-operator sources after the restore (gathered), the report's ``recovery_levels``, the audit-log
-    line (rank 0), and the final check against ``min_level`` (collective)."""
+    line (rank 0), and the final check against ``min_level`` (collective). ``deterministic``:
+    ``--deterministic`` (:func:`operator_sources`)."""
 
     plan = ctx.plan
     mine = operator_sources(ops, path=plan.path, point=rs.point, rebuilt_here=ctx.rebuilt is not None,
-                            fetched_here=ctx.fetched_here, lossy=lossy, resumed_from=source)
+                            fetched_here=ctx.fetched_here, lossy=lossy, resumed_from=source,
+                            deterministic=deterministic)
     rebuilt = None
     if ctx.rebuilt is not None:
         w = ctx.rebuilt.weights

@@ -38,9 +38,9 @@ class RecoveryReport:
     Empty without the boost."""
     recovery_levels: dict = field(default_factory=dict)
     """Where each operator's state came from and how exact it is (``moe_ft/recovery/planner.py``):
-    ``{"level": the worst level reached (exact | durable | lossy | approximate | start_over), "sources":
-    {source: operators}, "operators": {operator: source}, "path", "planned", "reason", "min_level",
-    "unavailable": {source: why}, "rebuilt": [{"rank", "from", "weights", "note"}] (CheckFree)}``."""
+    ``{"level": the worst level reached (exact | nondeterministic | durable | lossy | approximate |
+    start_over), "sources": {source: operators}, "operators": {operator: source}, "path", "planned", "reason",
+    "min_level", "unavailable": {source: why}, "rebuilt": [{"rank", "from", "weights", "note"}] (CheckFree)}``."""
     scope: dict = field(default_factory=dict)
     """Which ranks rolled back (``moe_ft/localized/scope.py``, ``moe_ft/recovery/localized.py``): ``{"mode":
     "localized"|"global", "reason", "target", "failed", "replaying", "loading", "failed_stages", "components",

@@ -45,6 +45,7 @@ from moe_ft.popularity import ExpertPopularity, PopularityConfig
 from moe_ft.precision.te_fp8 import ensure_te_scaling_state
 from moe_ft.recovery.component import Boost
 from moe_ft.recovery.driver import RecoveryInputs, last_fault_time, recover, should_recover
+from moe_ft.recovery.fresh_start import held_points, stale_store_error
 from moe_ft.recovery.planner import RecoveryRefused
 from moe_ft.replication.component import Replicas
 from moe_ft.runtime import components as C
@@ -112,6 +113,13 @@ class FTRuntime(StepHooks):
         if attach_popularity(state.model, self.popularity) == 0:
             raise RuntimeError("no PopularityRouter in the model: the layer spec was built without FTConfig "
                                "(pass the FT flags through pretrain_gpt_moe.extra_argument_groups)")
+        elastic = elastic_component(args, self)  # --ft-elastic: layout records; a changed world is re-planned
+        resuming = elastic is not None and elastic.reshaping  # every operator from the old world's points
+        recover, restart_count = False, 0
+        if cfg.snapshot.enabled and not resuming:
+            recover, restart_count = should_recover(cfg, args)  # collective: every rank decides alike
+            if not recover:
+                self._check_fresh_store()  # collective, before anything is written into the job directory
         job_dir = Path(cfg.job_dir())
         job_dir.mkdir(parents=True, exist_ok=True)  # --ft-policy none builds no store that would create it
         self.faults = cfg.drill.build(str(job_dir))
@@ -135,7 +143,6 @@ class FTRuntime(StepHooks):
             if UpstreamLogging.wanted(args, cfg):  # collective: every rank decides alike
                 self.components.append(UpstreamLogging.build(job_dir, self.rank))
 
-        elastic = elastic_component(args, self)  # --ft-elastic: layout records; a changed world is re-planned
         if elastic is not None:
             self.components.append(elastic)
 
@@ -143,13 +150,24 @@ class FTRuntime(StepHooks):
             if rebalance is not None:
                 self.components.append(rebalance)
             elastic.report_fallback()  # a world change live copies cannot serve: the reason, then the usual path
-        if elastic is not None and elastic.reshaping:
+        if elastic is not None and resuming:
             start_iteration = elastic.restore()  # every operator at the agreed point, onto the new plan
-        elif cfg.snapshot.enabled:
-            recover, restart_count = should_recover(cfg, args)  # collective: every rank decides alike
-            if recover:
-                start_iteration = self._recover(state, data, args, start_iteration, restart_count)
+        elif recover:
+            start_iteration = self._recover(state, data, args, start_iteration, restart_count)
         return start_iteration
+
+    def _check_fresh_store(self) -> None:
+        """Collective: a start that does not recover stops every rank with one line (exit 2) when the job's
+        node-local store holds points of an earlier run under this ``--ft-job-id``
+        (``moe_ft/recovery/fresh_start.py``): the first snapshot would collide with them."""
+        cfg = self.config
+        held = held_points(cfg.snapshot.store_dir, cfg.snapshot.job_id)
+        mine = stale_store_error(cfg.job_dir(), held, cfg.recovery.recover) if held else ""
+        errors = comm.all_gather_object(mine)
+        if any(errors):
+            if self.rank == next(r for r, e in enumerate(errors) if e):
+                print(f"error: {next(e for e in errors if e)}", file=sys.stderr, flush=True)
+            raise SystemExit(USAGE_EXIT_CODE)
 
     def build_context(self, t_iter_s: float) -> BuildContext:
         return BuildContext(state=self.state, args=self.args, rank=self.rank, world_size=self.world_size,
