@@ -74,10 +74,10 @@ def _driver_worker(rank: int, init: str, tmp: str) -> None:
     session = SimpleNamespace(store=SnapshotStore(MemoryBackend()), name="dense", realign_retention=lambda: None,
                               policy=DensePolicy(DenseConfig(), [OperatorInfo(op=d0, bytes_compute=16, bytes_full=48)]))
     inputs = driver.RecoveryInputs(
-        config=cfg, state=SimpleNamespace(model=None, optimizer=SimpleNamespace(), scheduler=None),
+        config=cfg, state=SimpleNamespace(model=[object()], optimizer=SimpleNamespace(), scheduler=None),
         args=SimpleNamespace(training=SimpleNamespace(save=None)), rank=0, world_size=1, start_iteration=0,
         restart_count=1, step_fn=lambda t, o: None, registry=[d0], popularity=None, session=session,
-        survivor=None, survivor_points=SimpleNamespace(discard=lambda: None))
+        survivor=None, survivor_points=SimpleNamespace(discard=lambda: None, newest_meta=lambda: None))
     try:
         driver.recover(inputs)
         outcome = f"recovered with the live weight {weight.tolist()}"
