@@ -118,7 +118,9 @@ class FTRuntime(StepHooks):
         recover, restart_count = False, 0
         if cfg.snapshot.enabled and not resuming:
             recover, restart_count = should_recover(cfg, args)  # collective: every rank decides alike
-            if not recover:
+            # an elastic fallback (a world change no live copy serves) drops the old world's points itself
+            fallback = elastic is not None and elastic.decision.kind == "fallback"
+            if not recover and not fallback:
                 self._check_fresh_store()  # collective, before anything is written into the job directory
         job_dir = Path(cfg.job_dir())
         job_dir.mkdir(parents=True, exist_ok=True)  # --ft-policy none builds no store that would create it
