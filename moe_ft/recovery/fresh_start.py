@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from moe_ft.elastic.inventory import store_dirs
-from moe_ft.store import StoreConfig, StoreError, open_backend
+from moe_ft.store import StoreError, open_backend
 
 
 def held_points(store_dir: str, job_id: str) -> dict[str, list[int]]:
@@ -24,7 +24,7 @@ def held_points(store_dir: str, job_id: str) -> dict[str, list[int]]:
     job_dir = os.path.join(store_dir, job_id)
     out = {}
     for d in store_dirs(store_dir, job_id):
-        path = StoreConfig(root=d.root, job_id=d.job_id, rank=d.rank).directory
+        path = d.config.directory
         try:
             points = open_backend(path, create=False).list_points()
         except StoreError:
