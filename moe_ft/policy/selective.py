@@ -44,7 +44,7 @@ from moe_ft.policy.base import (
     rank_key,
     top_by_score,
 )
-from moe_ft.policy.window import snapshot_copy_bandwidth
+from moe_ft.policy.window import flags_copy_bandwidth
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo, SnapshotPlan
 from moe_ft.store.rules import NewestFullRule
 
@@ -118,17 +118,14 @@ class SelectivePolicy(SnapshotPolicy):
     @classmethod
     def config_from_flags(cls, flags, t_iter_s: float, *, replication=None) -> "SelectiveConfig":
         """MoEtion §4.2: ``B_local = --ft-snapshot-bandwidth × T_iter`` unless given. ``B_remote`` unless given:
-        :func:`snapshot_copy_bandwidth` × ``T_iter``, which is ``B_local`` unless replicas with a known
+        :func:`~moe_ft.policy.window.snapshot_copy_bandwidth` × ``T_iter``, which is ``B_local`` unless replicas with a known
         ``--ft-replication-bandwidth`` bound it (that bandwidth over ``--ft-replicas``: the sender spends it on
         every peer); with ``B_local`` given and ``B_remote`` not, ``B_remote = B_local``."""
         local = flags.selective_local_budget or int(flags.snapshot_bandwidth * t_iter_s)
         derived = None if flags.selective_local_budget else flags.snapshot_bandwidth
         remote_derived = None
         if derived is not None and not flags.selective_remote_budget:
-            remote_derived = snapshot_copy_bandwidth(
-                snapshot_bandwidth=derived,
-                replication_bandwidth=replication.replication_bandwidth if replication is not None else 0.0,
-                num_replicas=replication.replicas if replication is not None else 0)
+            remote_derived = flags_copy_bandwidth(derived, replication)
         remote = flags.selective_remote_budget or (int(remote_derived * t_iter_s) if remote_derived else local)
         return SelectiveConfig(local_budget=local, remote_budget=remote, local_bandwidth=derived,
                                remote_bandwidth=remote_derived)

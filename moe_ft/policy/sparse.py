@@ -28,7 +28,7 @@ from moe_ft.policy.sparse_schedule import (
     order_operators,
     should_reorder,
 )
-from moe_ft.policy.window import snapshot_copy_bandwidth
+from moe_ft.policy.window import flags_copy_bandwidth
 from moe_ft.state.operators import OperatorId, OperatorInfo, SnapshotPlan
 from moe_ft.store.errors import StoreError
 from moe_ft.store.rules import SparseWindowRule
@@ -112,15 +112,12 @@ class SparsePolicy(SnapshotPolicy):
     @classmethod
     def config_from_flags(cls, flags, t_iter_s: float, *, replication=None) -> SparseConfig:
         """A fixed ``--ft-sparse-window``, or ``FindWindowSize`` (Alg. 1) at ``t_iter_s`` from the bandwidth
-        :func:`snapshot_copy_bandwidth` gives: ``--ft-snapshot-bandwidth``, and with replicas and a known
+        :func:`~moe_ft.policy.window.snapshot_copy_bandwidth` gives: ``--ft-snapshot-bandwidth``, and with replicas and a known
         ``--ft-replication-bandwidth`` that bandwidth over ``--ft-replicas`` (each snapshot leaves the rank
         once per replica within the iteration, or the replicas fall behind)."""
         if flags.sparse_window:
             return SparseConfig(window=flags.sparse_window, order=flags.sparse_order)
-        bandwidth = snapshot_copy_bandwidth(
-            snapshot_bandwidth=flags.snapshot_bandwidth,
-            replication_bandwidth=replication.replication_bandwidth if replication is not None else 0.0,
-            num_replicas=replication.replicas if replication is not None else 0)
+        bandwidth = flags_copy_bandwidth(flags.snapshot_bandwidth, replication)
         return SparseConfig(window="auto", bandwidth_bytes_per_s=bandwidth, t_iter_s=t_iter_s, order=flags.sparse_order)
 
     def recovery_rule(self, operators, *, store=None, start_iteration: int = 0):

@@ -43,6 +43,16 @@ def snapshot_copy_bandwidth(*, snapshot_bandwidth: float, replication_bandwidth:
     return snapshot_bandwidth
 
 
+def flags_copy_bandwidth(snapshot_bandwidth: float, replication=None) -> float:
+    """:func:`snapshot_copy_bandwidth` for ``--ft-snapshot-bandwidth`` and the replication flags
+    (``replication``: a config with ``replication_bandwidth`` and ``replicas``, ``--ft-replication-bandwidth``
+    and ``--ft-replicas``; ``None``: no replicas)."""
+    if replication is None:
+        return snapshot_copy_bandwidth(snapshot_bandwidth=snapshot_bandwidth)
+    return snapshot_copy_bandwidth(snapshot_bandwidth=snapshot_bandwidth,
+                                   replication_bandwidth=replication.replication_bandwidth,
+                                   num_replicas=replication.replicas)
+
 @dataclass(frozen=True)
 class WindowChoice:
     """``window``: W_sparse iterations; ``num_active``: operators FULL per iteration (the last slice may
