@@ -19,7 +19,8 @@ from moe_ft.persist.component import Durable
 from moe_ft.policy.pec import PECConfig, PECPolicy
 from moe_ft.policy.selective import SelectivePolicy
 from moe_ft.popularity import ExpertPopularity, PopularityConfig
-from moe_ft.recovery.driver import RecoveryInputs, account_token_loss
+from moe_ft.recovery.driver import account_token_loss
+from moe_ft.recovery.inputs import RecoveryInputs
 from moe_ft.state.operators import Level, OperatorId, OperatorInfo
 from moe_ft.store.rules import RecoveryPoint
 

@@ -16,7 +16,7 @@ from moe_ft.elastic.holders import layer_replica_maps
 from moe_ft.elastic.inventory import LayoutRecord, write_record
 from moe_ft.elastic.restore import discard_node_points, restore_reshaped, write_report
 from moe_ft.launch.worker import launch_facts
-from moe_ft.recovery.driver import last_fault_time
+from moe_ft.recovery.inputs import last_fault_time
 from moe_ft.recovery.progress import last_completed
 from moe_ft.runtime.components import Component
 from moe_ft.state.naming import plan_free_name

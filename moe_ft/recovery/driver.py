@@ -10,8 +10,8 @@ never imports the training loop: the loop's step function comes in as ``step_fn`
 1. :func:`lost_iterations`     newest iteration any rank completed (progress records, collective)
 2. :func:`fetch_lost_points`   rebuild node-local stores of a lost node from peers (collective)
    :func:`try_localized`       survivors load the state they published, only the failed stages replay from
-                               their neighbours' logs (``localized.py``); on success recovery ends
-                               here, else the steps below run with the reason in the report
+                               their neighbours' logs (``localized_attempt.py``, ``localized.py``); on success
+                               recovery ends here, else the steps below run with the reason in the report
 3. :func:`plan_recovery`       the planner (``planner.py``) picks the source, refuses below
                                ``--ft-min-recovery-level``; CheckFree rebuilds a lost stage (collective)
 4. :func:`restore_newest_point`  the state machine (``machine.py``) on the memory tier, else on the newest
@@ -32,9 +32,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -42,13 +40,20 @@ import torch.distributed as dist
 from moe_ft import comm
 from moe_ft.checkfree.recovery import boost_rebuilt_stage
 from moe_ft.digest import global_digest
-from moe_ft.launch.worker import peer_failure
-from moe_ft.localized.component import UpstreamLogging
 from moe_ft.persist import DurableTier
-from moe_ft.persist.component import Durable
-from moe_ft.recovery import localized, planner
+from moe_ft.recovery import planner
 from moe_ft.recovery.bounded import BoundedStore
-from moe_ft.recovery.ledger import GLOBAL, LOCALIZED, Avoided, DecisionLedger
+from moe_ft.recovery.decisions import agreed_avoided, note_avoided, recording
+from moe_ft.recovery.inputs import (
+    RecoveryInputs,
+    audit_path,
+    discard_survivor_points,
+    durable_store,
+    phase_seconds,
+    seconds_since_last_fault,
+)
+from moe_ft.recovery.ledger import GLOBAL, DecisionLedger
+from moe_ft.recovery.localized_attempt import try_localized
 from moe_ft.recovery.lossy import gather_expert_full_at, token_loss
 from moe_ft.recovery.machine import MachineConfig, Phase, Recovery, RecoveryContext, RecoveryState
 from moe_ft.recovery.progress import last_completed
@@ -59,79 +64,8 @@ from moe_ft.state.operators import Level
 
 if TYPE_CHECKING:
     from moe_ft.config import FTConfig
-    from moe_ft.drills.faults import FaultPlan
-    from moe_ft.popularity import ExpertPopularity
-    from moe_ft.snapshot.session import SnapshotSession
-    from moe_ft.state.registry import OperatorRegistry
-
-T = TypeVar("T")
 
 
-@dataclass(kw_only=True, frozen=True)
-class RecoveryInputs:
-    """Everything one recovery reads or changes, read-only: the runtime's components are looked up by type
-    (:meth:`find`), never passed as named handles."""
-
-    config: "FTConfig"
-    state: Any
-    """The loop's ``TrainState`` (model chunks, optimizer with its state initialised, scheduler)."""
-    args: Any
-    """Megatron's parsed ``Args`` (batch size, sequence length, top-k, ``--save``, train iterations)."""
-    rank: int
-    world_size: int
-    start_iteration: int
-    """The ``--load`` iteration (or 0): recovery never restores a point older than it."""
-    restart_count: int
-    step_fn: Callable[[int, Any], Any]
-    """``step_fn(iteration, optimizer)`` runs one training iteration (replay)."""
-    registry: "OperatorRegistry"
-    popularity: "ExpertPopularity"
-    session: "SnapshotSession"
-    components: tuple = ()
-    """The runtime's components (``moe_ft/runtime/components.py`` and the packages' ``component.py``)."""
-    faults: Optional["FaultPlan"] = None
-    check_fault: Callable[[int, str], None] = lambda iteration, phase: None
-    survivor: Any = None
-    """This rank's :class:`moe_ft.localized.survivor.SurvivorGuard` (``None``: localized scope off)."""
-    survivor_points: Any = None
-    """This rank's survivor point, held in memory (``moe_ft.localized.survivor.HeldPoint``: the process
-    stayed) or in its node store (``StoredPoints``), or ``None`` (localized scope off)."""
-
-    def find(self, cls: type[T]) -> T | None:
-        """The runtime's component of type ``cls`` (``None``: the job runs without it)."""
-        return next((c for c in self.components if isinstance(c, cls)), None)
-
-
-    @property
-    def durable_dir(self) -> Path | None:
-        """The durable tier's job directory (rank 0's progress record there outlives every node)."""
-        durable = self.find(Durable)
-        return durable.directory if durable is not None else None
-
-    @property
-    def upstream(self) -> UpstreamLogging | None:
-        """The upstream-logging component (``moe_ft/localized/component.py``; ``None``: no logs)."""
-        return self.find(UpstreamLogging)
-
-    @property
-    def log_dir(self):
-        """The upstream log directory, every iteration queued for it published (``None``: no logs)."""
-        upstream = self.upstream
-        if upstream is None:
-            return None
-        upstream.drain()
-        return upstream.log_dir
-
-
-def phase_seconds(phases: dict, t0: float, since_fault: float | None) -> dict:
-    """A report's ``seconds``: the recovery's phases, ``restore`` (this rank's state back: ``load`` plus
-    ``fetch`` from peers), ``total`` since ``t0`` and ``restart`` (the fault to the start of recovery)."""
-    out = {k: round(v, 4) for k, v in phases.items()}
-    out["restore"] = round(phases.get("load", 0.0) + phases.get("fetch", 0.0), 4)
-    out["total"] = round(time.perf_counter() - t0, 4)
-    if since_fault is not None:
-        out["restart"] = round(since_fault, 4)
-    return out
 
 def should_recover(cfg: "FTConfig", args) -> tuple[bool, int]:
     """Whether this start is a recovery, and the (largest) torchrun restart count (collective).
@@ -220,117 +154,6 @@ def check_saved_schedules(inputs: RecoveryInputs) -> ScheduleRule:
     return rule
 
 
-# ------------------------------------------------------------------------------- failed decisions
-def agreed_avoided(ledger: DecisionLedger) -> Avoided:
-    """The decisions any rank recorded as failed (collective): every rank avoids the same ones."""
-    avoided = Avoided()
-    for data in comm.all_gather_object(ledger.load().to_json()):
-        avoided = avoided.merge(Avoided.from_json(data))
-    return avoided
-
-
-def note_avoided(report: RecoveryReport, avoided: Avoided) -> None:
-    """Say in the report which failed decisions this recovery did not repeat."""
-    if not avoided:
-        return
-    report.scope["avoided"] = avoided.to_json()
-    parts = [f"localized recovery to iteration {t} ({why})" for t, why in sorted(avoided.localized.items())]
-    parts += [f"restoring point {p} ({why})" for p, why in sorted(avoided.global_points.items())]
-    report.message = (f"{report.message}; " if report.message else "") + (
-        "not repeated, it failed before: " + "; ".join(parts))
-
-
-def _recording(ledger: DecisionLedger | None, scope: str, iteration: Callable[[], int | None], run: Callable[[], Any]):
-    """``run()``; when it raises an error of its own (not a failed collective: a peer died), record the
-    decision (``scope``, ``iteration()``) as failed before the error ends the attempt."""
-    try:
-        return run()
-    except Exception as e:
-        at = iteration()
-        if ledger is not None and at is not None and not peer_failure(e):
-            ledger.record(scope, at, f"{type(e).__name__}: {e}")
-        raise
-
-
-# ------------------------------------------------------------------------------------- localized scope
-def try_localized(inputs: RecoveryInputs, *, lost_through: int, since_fault: float | None, t0: float,
-                  ledger: DecisionLedger | None = None, avoided: Avoided | None = None,
-                  rule: ScheduleRule | None = None):
-    """Localized recovery (``localized.py``, collective): ``(scope, report)`` when it recovered the job,
-    ``(scope, None)`` when the global path must run (``scope.reason`` says why). A localized recovery to
-    the same target failed before (``avoided``): the global path, saying so. ``rule``: the LR-schedule rule
-    applied to the recovered state (``schedule.py``)."""
-
-    if inputs.survivor is not None:
-        inputs.survivor.forget()  # the live state is about to be rewritten
-    scope = localized.decide(inputs)
-    if not scope.localized:
-        return scope, None
-    if avoided is not None and scope.target in avoided.localized:
-        why = avoided.localized[scope.target]
-        scope.mode, scope.reason = "global", (f"a localized recovery to iteration {scope.target} failed before "
-                                              f"({why}): widened to the global scope")
-        return scope, None
-    mine = _recording(ledger, LOCALIZED, lambda: scope.target, lambda: localized.run(inputs, scope))
-    if mine is None:
-        if scope.rewrote_state and ledger is not None:  # a next attempt must not try it again (see recover)
-            ledger.record(LOCALIZED, scope.target, scope.reason)
-        return scope, None
-    outcomes = mine.pop("outcomes")
-    if rule is not None:  # every rank holds the state of the target now (the replaying ranks' lost iterations too)
-        rule.after_restore(inputs.state)
-    inputs.session.store.discard_after(scope.target)
-    inputs.session.realign_retention()
-    return scope, build_localized_report(inputs, scope, mine, outcomes, lost_through=lost_through,
-                                         since_fault=since_fault, t0=t0)
-
-
-def build_localized_report(inputs: RecoveryInputs, scope, mine: dict, outcomes: list[dict], *, lost_through: int,
-                           since_fault: float | None, t0: float) -> RecoveryReport:
-
-    state = inputs.state
-    replayed = planner.replay_source(inputs.args.training.deterministic)
-    source = "survivor_point" if mine["role"] == "load" else replayed
-    levels = planner.summarize(comm.all_gather_object({str(op): source for op in inputs.registry}))
-    levels.update(path="localized", planned=planner.SOURCE_LEVEL[replayed], reason=scope.reason,
-                  min_level=inputs.config.recovery.min_recovery_level, unavailable={}, rebuilt=[])
-    seconds = phase_seconds(mine["seconds"], t0, since_fault)
-    slowest = {key: max((o["seconds"].get(key, 0.0) for o in outcomes), default=0.0) for key in ("load", "replay_total")}
-    seconds["replay"] = round(slowest["replay_total"], 4)  # the replaying stage's, whichever rank reports
-    seconds["restore"] = round(max(seconds["restore"], slowest["load"]), 4)
-    window = mine.get("window") or [scope.target, scope.target]
-    report = RecoveryReport(
-        policy=inputs.session.name, restart_count=inputs.restart_count,
-        failed={"last_completed": lost_through,
-                "faults_fired": [str(f) for f in inputs.faults.fired()] if inputs.faults else []},
-        recovery_point={"source": "survivor" if mine["role"] == "load" else "memory", "start": window[0],
-                        "end": scope.target, "resume": scope.target + 1, "proposals": []},
-        replayed_iterations=list(mine["replayed"]),
-        reexecuted_iterations=list(range(scope.target + 1, lost_through + 1)),
-        seconds=seconds, bytes_loaded=mine["bytes_loaded"],
-        token_loss={"tokens": 0.0, "metric": None, "value": 0.0},
-        recovered_digest=global_digest(state.model, state.optimizer, state.scheduler), message=scope.reason,
-        recovery_levels=levels,
-        scope={**scope.to_json(),
-               "replayed": {str(o["rank"]): o["replayed"] for o in outcomes if o["role"] == "replay"},
-               "loaded": [o["rank"] for o in outcomes if o["role"] == "load"],
-               "log_bytes_read": {str(o["rank"]): o["log_bytes"] for o in outcomes if o["role"] == "replay"},
-               "bytes_loaded": {str(o["rank"]): o["bytes_loaded"] for o in outcomes},
-               "seconds": {str(o["rank"]): o["seconds"] for o in outcomes},
-               "stage_iterations_replayed": sum(len(o["replayed"]) for o in outcomes if o["role"] == "replay")})
-    if inputs.rank == 0:
-        planner.append_audit(audit_path(inputs), {"restart_count": report.restart_count, "policy": report.policy,
-                                                  "resume": scope.target + 1, **levels})
-    discard_survivor_points(inputs)
-    return report
-
-
-def discard_survivor_points(inputs: RecoveryInputs) -> None:
-    """The survivor points describe a state the job has left once it recovered (every path)."""
-    if inputs.survivor_points is not None:
-        inputs.survivor_points.discard()
-
-
 # ------------------------------------------------------------------------------------------------ steps
 def lost_iterations(inputs: RecoveryInputs) -> int:
     """The newest iteration any rank completed before the failure (collective)."""
@@ -397,7 +220,7 @@ def restore_newest_point(inputs: RecoveryInputs, plan=None, *, below: int | None
     own = plan.store if plan is not None and plan.store is not None else inputs.session.store
     rs = RecoveryState(fallback_iteration=inputs.start_iteration)
     point_end = lambda: rs.point.end if rs.point is not None else None  # noqa: E731
-    _recording(ledger, GLOBAL, point_end,
+    recording(ledger, GLOBAL, point_end,
                lambda: _machine(inputs, BoundedStore(own, lo=lo, hi=below), rs,
                                 check_routing=plan.check_routing if plan is not None else True))
     if rs.point is not None:
@@ -409,7 +232,7 @@ def restore_newest_point(inputs: RecoveryInputs, plan=None, *, below: int | None
     memory = rs
     rs = RecoveryState(fallback_iteration=inputs.start_iteration, skipped=list(memory.skipped))
     hi = complete_end if below is None else min(complete_end, below)
-    _recording(ledger, GLOBAL, point_end, lambda: _machine(inputs, BoundedStore(store, hi=hi), rs))
+    recording(ledger, GLOBAL, point_end, lambda: _machine(inputs, BoundedStore(store, hi=hi), rs))
     rs.proposals = memory.proposals + rs.proposals
     rs.seconds = {k: memory.seconds.get(k, 0.0) + rs.seconds.get(k, 0.0) for k in {*memory.seconds, *rs.seconds}}
     if rs.point is None:
@@ -506,36 +329,3 @@ def record_recovery_levels(inputs: RecoveryInputs, plan, rs: RecoveryState, sour
             f"{r['weights'][1]:.3f}{', ' + r['note'] if r['note'] else ''}), learning rate x1.1")]))
 
 
-# ---------------------------------------------------------------------------------------------- helpers
-def audit_path(inputs: RecoveryInputs) -> str:
-    """The job's append-only recovery audit log (rank 0 writes it): ``<job dir>/recovery_audit.jsonl``."""
-    return os.path.join(inputs.config.job_dir(), "recovery_audit.jsonl")
-
-
-def last_fault_time(faults) -> float | None:
-    """Drills: the wall time of the newest fired fault (its marker's mtime); ``None`` without fired faults."""
-    fired = faults.fired() if faults else []
-    if not fired:
-        return None
-    return max((faults.marker_dir / f.marker_name).stat().st_mtime for f in fired)
-
-
-def seconds_since_last_fault(faults) -> float | None:
-    """Drills: wall seconds from the newest fired fault to now, i.e. failure detection + restart + process
-    start + model build; ``None`` without fired faults."""
-    at = last_fault_time(faults)
-    return None if at is None else time.time() - at
-
-
-def durable_store(inputs: RecoveryInputs, newer_than: int):
-    """``(this rank's durable store, end of the newest complete durable point)`` if that point is newer than
-    ``newer_than`` (the ``--load`` checkpoint's last iteration), else ``None``. Same answer on every rank
-    (the completion markers are shared)."""
-
-    cfg = inputs.config
-    root = cfg.persist.root(inputs.args.training.save)
-    if not (cfg.persist.interval and root):
-        return None
-    tier = DurableTier(root, cfg.snapshot.job_id, dist.get_world_size())
-    ends = [e for e in tier.complete_points() if e > newer_than]
-    return (tier.store(inputs.rank), ends[-1]) if ends else None

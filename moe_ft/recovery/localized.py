@@ -39,7 +39,7 @@ from moe_ft.recovery.heartbeat import ReplayProgress
 from moe_ft.recovery.machine import MachineConfig, Recovery, RecoveryContext, RecoveryState, restore_step_state
 
 if TYPE_CHECKING:
-    from moe_ft.recovery.driver import RecoveryInputs
+    from moe_ft.recovery.inputs import RecoveryInputs
 
 
 def _contiguous_tail(iterations: list[int]) -> tuple[int, int] | None:

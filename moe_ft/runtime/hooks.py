@@ -44,8 +44,9 @@ from moe_ft.megatron_ext.router import attach_popularity
 from moe_ft.popularity import ExpertPopularity, PopularityConfig
 from moe_ft.precision.te_fp8 import ensure_te_scaling_state
 from moe_ft.recovery.component import Boost
-from moe_ft.recovery.driver import RecoveryInputs, last_fault_time, recover, should_recover
+from moe_ft.recovery.driver import recover, should_recover
 from moe_ft.recovery.fresh_start import held_points, stale_store_error
+from moe_ft.recovery.inputs import RecoveryInputs, last_fault_time
 from moe_ft.recovery.planner import RecoveryRefused
 from moe_ft.replication.component import Replicas
 from moe_ft.runtime import components as C
