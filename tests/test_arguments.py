@@ -152,8 +152,8 @@ def test_deterministic_with_transformer_engine_sets_or_refuses_its_switch(data_p
     --no-deterministic takes any value. (TE stands in as an empty module: only its import is checked here.)"""
     import types
 
-    from megatron.training.arguments import TE_NONDETERMINISTIC_ENV
     from megatron.training.initialize import deterministic_environment
+    from megatron.training.validation import TE_NONDETERMINISTIC_ENV
 
     monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
     flags = ["--transformer-impl", "transformer_engine", "--data-path", data_prefix]

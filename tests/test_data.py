@@ -12,9 +12,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron.training.arguments import ArgumentError, data_blend, split_weights  # noqa: E402
+from megatron.training.arguments import ArgumentError  # noqa: E402
 from megatron.training.data import DataConfig, ReplayableData, build_datasets, check_token_ids, checked_index  # noqa: E402
 from megatron.training.tokenizer import ByteLevelTokenizer  # noqa: E402
+from megatron.training.validation import data_blend, split_weights  # noqa: E402
 from tests._ft_helpers import free_port  # noqa: E402
 from tools.make_corpus import write_corpus  # noqa: E402
 from tools.preprocess_data import preprocess  # noqa: E402

@@ -21,7 +21,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron.training.arguments import TE_NONDETERMINISTIC_ENV, parse_args  # noqa: E402
+from megatron.training.arguments import parse_args  # noqa: E402
+from megatron.training.validation import TE_NONDETERMINISTIC_ENV  # noqa: E402
 from moe_ft.store import entry_hash  # noqa: E402
 from pretrain_gpt_moe import extra_argument_groups  # noqa: E402
 from tests._ft_helpers import free_port, wait_until  # noqa: E402

@@ -20,7 +20,8 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
 from megatron.training import quiet
-from megatron.training.arguments import TE_NONDETERMINISTIC_ENV, Args
+from megatron.training.arguments import Args
+from megatron.training.validation import TE_NONDETERMINISTIC_ENV
 
 log = logging.getLogger("megatron.training")
 

@@ -13,10 +13,11 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.training.arguments import Args, extensions
+from megatron.training.arguments import Args
 from megatron.training.norm import with_sequence_parallel_norms
 from megatron.training.resume_checks import flag_state
 from megatron.training.tokenizer import SIZED_BY_FLAG, padded_vocab_size, tokenizer_from_args
+from megatron.training.validation import extensions
 
 
 def vocab_size_for(args: Args) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megatron.training.arguments import Args, data_blend, split_weights
+from megatron.training.arguments import Args
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.data import DataConfig, ReplayableData, build_datasets, check_token_ids
 from megatron.training.initialize import initialize_distributed, set_seeds, shutdown
@@ -12,6 +12,7 @@ from megatron.training.model import build_train_state, vocab_size_for
 from megatron.training.quiet import summary
 from megatron.training.tokenizer import tokenizer_from_args
 from megatron.training.training import train
+from megatron.training.validation import data_blend, split_weights
 
 
 def data_config(args: Args) -> DataConfig:
