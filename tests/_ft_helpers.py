@@ -179,7 +179,7 @@ def torchrun(script: str, args: list[str], nproc: int = 4, timeout: float = 240,
         try:
             out, err = popen.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:  # every worker prints its stacks (SIGUSR1), then the tree goes
-            from moe_ft.drills.cluster import dump_stacks_then_kill
+            from moe_ft.drills.processes import dump_stacks_then_kill
 
             dump_stacks_then_kill(popen.pid)
             out, err = popen.communicate()

@@ -12,8 +12,8 @@ import psutil
 import pytest
 from _ft_helpers import wait_until
 
-from moe_ft.drills.cluster import kill_tree
 from moe_ft.drills.faults import Fault, FaultPlan, InjectedFault
+from moe_ft.drills.processes import kill_tree
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -192,7 +192,7 @@ def test_sigterm_stays_pending_on_a_paused_worker_until_it_resumes():
     """The elastic join pauses the running workers until their agent's SIGTERM is pending (moe_ft/drills/cluster.py)."""
     import signal
 
-    from moe_ft.drills.cluster import alive, sigterm_pending
+    from moe_ft.drills.processes import alive, sigterm_pending
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
                             stdout=subprocess.PIPE, text=True)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
 
-from moe_ft.drills.cluster import kill_tree
+from moe_ft.drills.processes import kill_tree
 from moe_ft.launch import cli, protocol
 from moe_ft.launch.agent import SpareAgent
 from tests._ft_helpers import ROOT, free_port, wait_until

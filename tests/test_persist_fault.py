@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from megatron.training.checkpointing import TRACKER_FILE, torn_checkpoints
-from moe_ft.cli.drill import ROOT, job_argv, kill_tree, read_digest
+from moe_ft.cli.drill import ROOT, job_argv, read_digest
+from moe_ft.drills.processes import kill_tree
 
 ITERS, SAVE_INTERVAL = 6, 2
 

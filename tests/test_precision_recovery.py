@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_ft.cli.drill import ROOT, TINY, kill_tree, read_digest, read_reports
+from moe_ft.cli.drill import ROOT, TINY, read_digest, read_reports
+from moe_ft.drills.processes import kill_tree
 
 pytestmark = pytest.mark.multiproc
 

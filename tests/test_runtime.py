@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from moe_ft.drills.cluster import kill_tree
+from moe_ft.drills.processes import kill_tree
 from tests._ft_helpers import ROOT, tiny_model_flags, torchrun
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]

@@ -44,12 +44,11 @@ from moe_ft.drills.cluster import (
     ClusterConfig,
     NodeJoin,
     SimulatedCluster,
-    dump_stacks_then_kill,
-    kill_tree,  # noqa: F401  (also used by tests)
     redone_iterations,
 )
 from moe_ft.drills.faults import KINDS, PHASES, Fault
 from moe_ft.drills.launchers import LAUNCHERS, default_launcher, launcher_argv
+from moe_ft.drills.processes import dump_stacks_then_kill
 from moe_ft.drills.report import read_digest, read_reports
 from tools.make_corpus import write_corpus
 

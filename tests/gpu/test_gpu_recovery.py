@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_ft.cli.drill import TINY, kill_tree, read_digest, read_reports
+from moe_ft.cli.drill import TINY, read_digest, read_reports
+from moe_ft.drills.processes import kill_tree
 from tests.gpu._results import record
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
