@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from moe_ft.checkfree.config import CheckFreeConfig
+from moe_ft.checkfree.recovery import read_copies
 from moe_ft.elastic.inventory import REPLICA_SUBDIR, StoreDir, node_inventory, old_generation_share, store_dirs
-from moe_ft.elastic.restore import discard_node_points
+from moe_ft.elastic.restore import discard_node_points, old_copy_dirs
 from moe_ft.localized.survivor import SURVIVOR_SUBDIR
 from moe_ft.persist.durable import DurableTier
 from moe_ft.replication.receiver import replica_store_config
@@ -79,3 +81,40 @@ def test_each_old_directory_is_one_ranks_job():
     assert remove == sorted([(kind, rank) for kind in ("snapshot", "survivor") for rank in (0, 2, 4, 5)]
                             + [("replica", 4), ("replica", 5)])
     assert len(empty) + len(remove) + len(share(3)[0]) == len(dirs)
+
+
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def test_a_world_change_drops_the_old_worlds_checkfree_copies(tmp_path):
+    """CheckFree+ copies are named by holder rank and iteration. Old rank 0 of this node held the embedding copies
+    of iterations 5-9; the new world (new rank 0 here) restored iteration 6 and copied 7 itself. Its owner lost
+    between its snapshot of 8 and sending that copy, the rebuild asks rank 0 for the copy of 8: it must be
+    missing (the rebuild is then refused, as in the same world), not the old world's abandoned iteration 8."""
+    root, checkfree = tmp_path / "store", CheckFreeConfig(plus=True)
+    for rank in (0, 5):  # old rank 5 ran here too; the new world has no rank 5
+        old = checkfree.copy_store(str(root / JOB), rank)
+        for it in range(5, 10):
+            old.refresh("embedding", it, {EMBEDDING: torch.full((4, 2), float(it))})
+
+    discard_node_points(str(root), JOB, rank=0, world_size=4)
+
+    new = checkfree.copy_store(str(root / JOB), 0)
+    new.refresh("embedding", 7, {EMBEDDING: torch.full((4, 2), -7.0)})
+    assert read_copies(new, lost_stage=0, num_stages=4, iteration=7, rank=0)["copies"]["embedding"][EMBEDDING][0, 0] == -7
+    assert "no embedding copy of iteration 8" in read_copies(new, lost_stage=0, num_stages=4, iteration=8,
+                                                              rank=0)["missing"]
+    assert not (root / JOB / "checkfree_copies" / "rank5").exists()
+
+
+def test_each_old_copy_directory_is_one_ranks_job(tmp_path):
+    """Each rank removes its own number's copies before it trains; the node's lowest rank those of numbers no
+    rank here has."""
+    for rank in range(5):
+        (tmp_path / f"rank{rank}").mkdir()
+
+    def share(rank):
+        return [p.name for p in old_copy_dirs(tmp_path, rank=rank, ranks_here={1, 3})]
+
+    assert share(3) == ["rank3"]
+    assert share(1) == ["rank0", "rank1", "rank2", "rank4"]
