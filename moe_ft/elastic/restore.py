@@ -313,19 +313,35 @@ def discard_old_generation(runtime, store_dir: str, job_id: str) -> None:
     discard_node_points(store_dir, job_id, runtime.rank, runtime.world_size)
 
 
-def discard_node_points(store_dir: str, job_id: str, rank: int, world_size: int) -> None:
+def discard_if_behind(decision, store_dir: str, job_id: str, rank: int, world_size: int) -> None:
+    """Collective when some rank is ``decision.behind`` (``restart.RestartDecision``): the nodes of those ranks
+    drop every point of their stores (:func:`discard_node_points`) before anything reads them. Such a node ran
+    no rank of the generation that just ended -- it waited as a spare (``standby.py``: a node of spares only
+    runs no rank of the new world, so the world change that made it one did not sweep it) -- and what it holds
+    is an older generation's: other rank numbers and plan, and points of a timeline the job may have left (the
+    older generation's iterations after the point its successor restored). The decision did not count them.
+    Kept, a reshape would restore them (iteration 9 of the generation before, not the 7 of the one that just
+    ended), and the usual recovery serve them as the points of the rank that now has their number."""
+    if decision.behind:
+        discard_node_points(store_dir, job_id, rank, world_size, drop=rank in decision.behind)
+
+
+def discard_node_points(store_dir: str, job_id: str, rank: int, world_size: int, *, drop: bool = True) -> None:
     """Collective: drop every point of the previous generation from this node's stores -- the snapshot and
     survivor points of the ranks that ran here, the replicas the node held for any rank of the old world and the
     CheckFree+ copies its holders kept (:func:`old_copy_dirs`) --, each directory by one rank of the node (:func:`~moe_ft.elastic.inventory.old_generation_share`). They
     hold the old world's plan and shards, and a rank of the new world with an old rank's number is not that
     rank: kept, the usual recovery would fetch them as its points, and the next decision count them. Every rank
     read its node's inventory before this (the decision's all-gather; a reshape's restore, then a barrier), so
-    nothing still needs them. The durable tier is not touched."""
+    nothing still needs them. The durable tier is not touched. ``drop=False``: this rank only takes part in the
+    collective (:func:`discard_if_behind`)."""
 
     # the ranks that share this node's store root (node-local): the same host and path (the drills' simulated
     # nodes share a host, each with a root of its own; those of one launcher share one root)
     here = (socket.gethostname(), os.path.realpath(Path(store_dir) / job_id))
     ranks_here = {r for r, key in comm.all_gather_object((rank, here)) if key == here}
+    if not drop:  # another node's sweep (every rank of a node drops, or none)
+        return
     empty, remove = old_generation_share(store_dirs(store_dir, job_id), rank=rank, ranks_here=ranks_here,
                                          world_size=world_size)
     for d in remove:
