@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import time
@@ -121,6 +122,44 @@ def test_agents_replicate_verified_points_reject_a_damaged_one_and_end_the_strea
 
     nodes.sender.close()  # the agent ends rank 0's stream: the holder's end-of-training wait returns
     nodes.receiver.join(timeout=20)
+    nodes.bye()
+
+
+def _deleted_files_held(pid: int, under: str) -> list[str]:
+    """Files under ``under`` that process ``pid`` holds open or mapped although they were deleted."""
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # a descriptor closed meanwhile
+            held.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    with open(f"/proc/{pid}/maps") as maps:
+        held += [line.split(None, 5)[-1].strip() for line in maps]
+    return [path for path in held if path.startswith(under) and path.endswith("(deleted)")]
+
+
+def test_an_agent_lets_go_of_a_replica_store_removed_under_it(tmp_path):
+    """An elastic world change removes the replica stores of ranks the new world does not have
+    (``moe_ft/elastic/restore.py``). The agent that wrote one held its arena segments open and mapped, so their
+    pages stayed taken on the node's tmpfs for the agent's life (32.8 MB of 32.8 for three 8 MB points of a
+    rank, measured on /dev/shm). It closes them within a second or so; replicas that arrive later, once the
+    holder's store is made again, are published where recovery reads them."""
+    nodes = Nodes(tmp_path)
+    _publish(nodes.store, 0)
+    nodes.sender.submit(0)
+    nodes.sender.flush()
+    wait_until(lambda: nodes.receiver.poll().get(0, {}).get("received") == 1, timeout=20)
+    directory = str(nodes.replicas().backend.describe())
+    agent = nodes.clients[1].pid
+    assert _deleted_files_held(agent, directory) == []
+    shutil.rmtree(directory)
+    wait_until(lambda: _deleted_files_held(agent, directory) == [], timeout=20,
+               message=f"node B's agent still holds {_deleted_files_held(agent, directory)}")
+
+    store = replica_store_config(root=nodes.roots[1], job_id="j", owner=0).build()  # the new holder's (its receiver)
+    _publish(nodes.store, 1)
+    nodes.sender.submit(1)
+    nodes.sender.flush()
+    wait_until(lambda: store.points() == [1], timeout=20)
+    nodes.check_replica(1)
     nodes.bye()
 
 

@@ -11,10 +11,26 @@ snapshot points (new rank 1 runs on node 2) for the rest of the run.
 
 from __future__ import annotations
 
-import torch
+import json
+import os
 
-from moe_ft.elastic.inventory import REPLICA_SUBDIR, StoreDir, node_inventory, old_generation_share, store_dirs
-from moe_ft.elastic.restore import discard_node_points
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_ft.checkfree.config import CheckFreeConfig
+from moe_ft.checkfree.recovery import read_copies
+from moe_ft.elastic.inventory import (
+    REPLICA_SUBDIR,
+    LayoutRecord,
+    StoreDir,
+    node_inventory,
+    old_generation_share,
+    store_dirs,
+    write_record,
+)
+from moe_ft.elastic.restart import decide, ranks_behind, required_operators
+from moe_ft.elastic.restore import discard_if_behind, discard_node_points, old_copy_dirs
 from moe_ft.localized.survivor import SURVIVOR_SUBDIR
 from moe_ft.persist.durable import DurableTier
 from moe_ft.replication.receiver import replica_store_config
@@ -79,3 +95,106 @@ def test_each_old_directory_is_one_ranks_job():
     assert remove == sorted([(kind, rank) for kind in ("snapshot", "survivor") for rank in (0, 2, 4, 5)]
                             + [("replica", 4), ("replica", 5)])
     assert len(empty) + len(remove) + len(share(3)[0]) == len(dirs)
+
+
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def test_a_world_change_drops_the_old_worlds_checkfree_copies(tmp_path):
+    """CheckFree+ copies are named by holder rank and iteration. Old rank 0 of this node held the embedding copies
+    of iterations 5-9; the new world (new rank 0 here) restored iteration 6 and copied 7 itself. Its owner lost
+    between its snapshot of 8 and sending that copy, the rebuild asks rank 0 for the copy of 8: it must be
+    missing (the rebuild is then refused, as in the same world), not the old world's abandoned iteration 8."""
+    root, checkfree = tmp_path / "store", CheckFreeConfig(plus=True)
+    for rank in (0, 5):  # old rank 5 ran here too; the new world has no rank 5
+        old = checkfree.copy_store(str(root / JOB), rank)
+        for it in range(5, 10):
+            old.refresh("embedding", it, {EMBEDDING: torch.full((4, 2), float(it))})
+
+    discard_node_points(str(root), JOB, rank=0, world_size=4)
+
+    new = checkfree.copy_store(str(root / JOB), 0)
+    new.refresh("embedding", 7, {EMBEDDING: torch.full((4, 2), -7.0)})
+    assert read_copies(new, lost_stage=0, num_stages=4, iteration=7, rank=0)["copies"]["embedding"][EMBEDDING][0, 0] == -7
+    assert "no embedding copy of iteration 8" in read_copies(new, lost_stage=0, num_stages=4, iteration=8,
+                                                              rank=0)["missing"]
+    assert not (root / JOB / "checkfree_copies" / "rank5").exists()
+
+
+def test_each_old_copy_directory_is_one_ranks_job(tmp_path):
+    """Each rank removes its own number's copies before it trains; the node's lowest rank those of numbers no
+    rank here has."""
+    for rank in range(5):
+        (tmp_path / f"rank{rank}").mkdir()
+
+    def share(rank):
+        return [p.name for p in old_copy_dirs(tmp_path, rank=rank, ranks_here={1, 3})]
+
+    assert share(3) == ["rank3"]
+    assert share(1) == ["rank0", "rank1", "rank2", "rank4"]
+
+
+def _spare_worker(rank: int, init: str, base: str) -> None:
+    """Node A (rank 0) ran generation 1 (world 3) to iteration 7; node B (rank 1) ran rank 2 of generation 0
+    (world 4, to iteration 9), then waited as a spare through generation 1 and kept the survivor point of 9
+    it spilled. Now they train together (world 2)."""
+    from megatron.core import parallel_state as ps  # start-up time of the other tests' processes
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # a node per rank
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    ps.initialize_model_parallel()
+    try:
+        root = f"{base}/node{rank}"
+        ops = sorted(required_operators(1, 2), key=str)
+        plans, loads = {0: [[1, 0], [0, 1]]}, {0: [1.0, 1.0]}
+        if rank == 0:
+            write_record(root, JOB, 0, LayoutRecord(1, 3, 1, 7, plans, loads))
+            _publish_all(StoreConfig(root=root, job_id=JOB, rank=0).build(), [6, 7], ops)
+        else:
+            write_record(root, JOB, 2, LayoutRecord(0, 4, 1, 9, plans, loads))
+            _publish_all(StoreConfig(root=f"{root}/{JOB}", job_id=SURVIVOR_SUBDIR, rank=2).build(), [9], ops)
+        decision = decide(store_dir=root, job_id=JOB, num_layers=1, num_experts=2, ep_size=1, slots=2,
+                          min_replicas=1, strategy="mro")
+        discard_if_behind(decision, root, JOB, rank=rank, world_size=2)
+        with open(f"{base}/rank{rank}.json", "w") as f:
+            json.dump({"kind": decision.kind, "iteration": decision.iteration, "behind": decision.behind,
+                       "points": sorted(node_inventory(root, JOB, prefer_rank=rank).full)}, f)
+        dist.barrier()
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _publish_all(store, iterations, ops) -> None:
+    for it in iterations:
+        with store.begin(it) as point:
+            for op in ops:
+                point.put(op, Level.FULL, {"w": torch.full((4,), float(it))})
+            point.put_meta({"iteration": it})
+            point.publish()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_former_spares_node_drops_the_older_generation_it_kept(tmp_path):
+    """A node that waited as a spare through a generation runs no rank of it, so that world change did not sweep
+    it. When it trains again, the decision neither counts its older generation's points nor lets the restore
+    read them: before, it restored iteration 9 of generation 0 (a timeline generation 1 left when it restored
+    an earlier point) instead of generation 1's 7, and node B offered it to every rank."""
+    import torch.multiprocessing as mp  # start-up time: only the multi-process tests need it
+
+    mp.spawn(_spare_worker, args=(f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=2, join=True)
+    node_a, node_b = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert (node_a["kind"], node_a["iteration"], node_a["behind"]) == ("reshape", 7, [1]), node_a
+    assert node_a["points"] == [6, 7] and node_b["points"] == [], (node_a, node_b)
+
+
+def test_a_node_is_behind_only_with_records_all_older():
+    """A node without records holds nothing of the job (new, or a first start); one with a record of the newest
+    generation trained in it."""
+    def gathered(*generations):
+        return [{"rank": r, "records": [{"generation": g} for g in gens]} for r, gens in enumerate(generations)]
+
+    assert ranks_behind(gathered([2], [1], [], [1, 2]), 2) == [1]
+    assert ranks_behind(gathered([0], [0]), 0) == []

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 from moe_ft.replication.placement import needs_replication
 from moe_ft.replication.receiver import Rejection, publish_replica, replica_store_config
 from moe_ft.replication.transport import PeerUnreachable, PointMessage, PointSink
+from moe_ft.store.backend import dir_id
 from moe_ft.store.capacity import existing_dir, used_bytes
 
 if TYPE_CHECKING:
@@ -370,6 +371,8 @@ class ReplicaListener:
         (malformed, a destination outside this agent's replica stores, more than the store can hold). Nothing
         of such a message is published, and its connection is closed."""
         self._stores: dict[tuple, "SnapshotStore"] = {}
+        self._homes: dict[tuple, tuple[int, int] | None] = {}
+        """The identity (``moe_ft.store.backend.dir_id``) of each cached store's directory when it was opened."""
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, name="moe-ft-agent-replicas", daemon=True).start()
 
@@ -462,7 +465,26 @@ class ReplicaListener:
             if store is None:
                 store = self._stores[key] = replica_store_config(root=key[0], job_id=key[1], owner=key[2],
                                                                  holder=key[3]).build()
+                self._homes[key] = dir_id(store.backend.describe())
             return store
+
+    def let_go_of_removed(self) -> list[str]:
+        """Close the cached replica stores whose directory was removed since they were opened (a world change
+        drops the old world's replica stores, ``moe_ft/elastic/restore.py``), and return their directories.
+        Their writer kept the deleted arena segments open and mapped: the pages stayed taken on the node's
+        tmpfs for as long as the agent ran, unless the same owner's replicas came here again. A later message
+        for that store opens its directory anew. One whose point is being written is kept for the next call."""
+        out = []
+        with self._lock:
+            for key in [k for k, store in self._stores.items() if dir_id(store.backend.describe()) != self._homes[k]]:
+                backend = self._stores[key].backend
+                release = getattr(backend, "release_writer", None)  # the files layout holds no descriptor
+                if release is not None and not release():
+                    continue
+                getattr(backend, "close", lambda: None)()  # its read descriptors
+                del self._stores[key], self._homes[key]
+                out.append(backend.describe())
+        return out
 
     def _stream(self, header: dict) -> StreamState:
         with self._lock:

@@ -91,6 +91,11 @@ def proc_stat(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[19])
 
 
+LET_GO_TICKS = 5
+"""Every this many ticks of the serve loop (0.2 s each) the agent closes what it holds of removed store
+directories (:meth:`NodeAgent._let_go_of_removed`)."""
+
+
 def _same_dir(path: Path, inode: int, key: bytes) -> bool:
     """Whether ``path`` is still the directory the agent serves (its inode, and its key: an inode number may
     be given again to a directory created anew)."""
@@ -144,6 +149,8 @@ class _Rank:
     """Its replication to the peers' agents (``--ft-replicate-by agent``), once it asked for one."""
     sender_key: tuple = ()
     """The replication's store and peers (``sender`` is made again when they change: a new run)."""
+    home: tuple[int, int] | None = None
+    """The identity of ``store``'s directory when it was opened (``moe_ft.store.backend.dir_id``)."""
     worker: BackgroundWorker = field(init=False)
 
     def __post_init__(self) -> None:
@@ -196,6 +203,8 @@ class NodeAgent:
     """It is leaving (:meth:`_leave`): requests are left unanswered from then on."""
     finishers: dict[tuple[int, str], "Finisher"] = field(default_factory=dict)
     """Per rank and store whose points are handed over (``--ft-publish-by agent``): what publishes them here."""
+    finisher_homes: dict[tuple[int, str], tuple[int, int] | None] = field(default_factory=dict)
+    """The identity of each finisher's store directory when it was opened (``moe_ft.store.backend.dir_id``)."""
 
     def serve(self) -> None:
         key = (self.directory / KEY_FILE).read_bytes()
@@ -210,7 +219,11 @@ class NodeAgent:
         os.replace(pid_tmp, self.directory / PID_FILE)  # found by the trainers from here on
         print(f"moe-ft agent {os.getpid()}: serving {self.directory} (started by {self.started_by})", flush=True)
         threading.Thread(target=self._accept, args=(server, key), name="moe-ft-agent-accept", daemon=True).start()
+        ticks = 0
         while not self._stop.wait(0.2):
+            ticks += 1
+            if ticks % LET_GO_TICKS == 0:
+                self._let_go_of_removed()
             with self._lock:
                 idle = self._connected == 0 and time.monotonic() - self._last_seen > self.idle_exit_s
                 done = bool(self.ever) and not self.active and self._connected == 0
@@ -225,6 +238,33 @@ class NodeAgent:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _let_go_of_removed(self) -> None:
+        """Close what the agent holds open of store directories removed under it (an elastic world change drops
+        the old world's stores on the node, ``moe_ft/elastic/restore.py``): the read descriptors of a rank's
+        store, a publisher's store, and the replica stores the listener writes. Open, they kept the deleted
+        arena segments' pages on the node's tmpfs for the agent's life. Each reopens its directory when it is
+        used again. Nothing is read from a removed store meanwhile: the arena checks a descriptor against the
+        path before it reads (``moe_ft/store/arena.py``)."""
+        # start-up time of the agent: the store is imported with the first request
+        from moe_ft.store.backend import dir_id
+
+        with self._lock:
+            ranks = [r for r in self.ranks.values() if dir_id(r.store.backend.describe()) != r.home]
+            for rank in ranks:
+                getattr(rank.store.backend, "close", lambda: None)()  # the files layout holds no descriptor
+                rank.home = dir_id(rank.store.backend.describe())
+            gone = [self.finishers.pop(k) for k in list(self.finishers) if dir_id(k[1]) != self.finisher_homes[k]]
+            for key in [k for k in self.finisher_homes if k not in self.finishers]:
+                del self.finisher_homes[key]
+        for finisher in gone:  # its order lock: one being finished keeps its mappings until it is done
+            with finisher.lock:
+                if finisher.segments is not None:
+                    finisher.segments.close()
+                getattr(finisher.store.backend, "close", lambda: None)()
+        if self.listener is not None:
+            for directory in self.listener.let_go_of_removed():
+                logger.warning("moe-ft agent: replica store %s was removed: closed", directory)
 
     def _leave(self, server: socket.socket) -> None:
         """Be found no more before the slow close of :meth:`_close` (up to a minute per rank): a trainer that
@@ -340,13 +380,14 @@ class NodeAgent:
         for its queued copies: every other rank's requests would wait with it)."""
         # start-up time of the agent: the store is imported with the first request
         from moe_ft.store import SnapshotStore, open_backend
+        from moe_ft.store.backend import dir_id
 
         rank = self.ranks.get(number)
         if rank is None or rank.store.backend.describe() != store_dir:
             if rank is not None:
                 retired.append(rank)
             store = SnapshotStore(open_backend(store_dir, create=False), shared_pins=True)
-            rank = self.ranks[number] = _Rank(number, store)
+            rank = self.ranks[number] = _Rank(number, store, home=dir_id(store_dir))
         self.active.add(number)
         self.ever.add(number)
         return rank
@@ -371,6 +412,7 @@ class NodeAgent:
         connection thread: the trainer waits for the answer before its allocator takes the point's regions."""
         # start-up time of the agent: the store is imported with the first request
         from moe_ft.store import SnapshotStore, open_backend
+        from moe_ft.store.backend import dir_id
         from moe_ft.store.handoff import Finisher
 
         with self._lock:
@@ -381,6 +423,7 @@ class NodeAgent:
                 store = SnapshotStore(open_backend(order.store_dir, create=False), checksum=order.checksum,
                                       shared_pins=True)
                 finisher = self.finishers[(order.rank, order.store_dir)] = Finisher(store)
+                self.finisher_homes[(order.rank, order.store_dir)] = dir_id(order.store_dir)
         answer = finisher.finish(order)
         times = os.times()
         return {**answer, "cpu_s": times.user + times.system}

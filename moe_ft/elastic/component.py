@@ -14,7 +14,7 @@ from moe_ft import comm
 from moe_ft.drills.report import dump_parameters
 from moe_ft.elastic.holders import layer_replica_maps
 from moe_ft.elastic.inventory import LayoutRecord, write_record
-from moe_ft.elastic.restore import discard_node_points, restore_reshaped, write_report
+from moe_ft.elastic.restore import discard_if_behind, discard_node_points, restore_reshaped, write_report
 from moe_ft.launch.worker import launch_facts
 from moe_ft.recovery.inputs import last_fault_time
 from moe_ft.recovery.progress import last_completed
@@ -73,6 +73,15 @@ class ElasticRecorder(Component):
                   f"({section['operators_local']} operators node-local, {section['operators_peer']} from peers), "
                   f"resuming at {self.decision.iteration + 1}", flush=True)
         return self.decision.iteration + 1
+
+    def drop_older_generation(self) -> None:
+        """Collective, before anything reads the node stores: a node that ran no rank of the generation that
+        just ended (it waited as a spare) drops the older generation's points it kept
+        (``restore.discard_if_behind``; the decision did not count them)."""
+        discard_if_behind(self.decision, self.store_dir, self.job_id, self.runtime.rank, self.runtime.world_size)
+        if self.runtime.rank in self.decision.behind:
+            print(f"moe-ft elastic: rank {self.runtime.rank}'s node ran no rank of generation "
+                  f"{self.decision.previous.generation} (a spare): the older points it kept were dropped", flush=True)
 
     def report_fallback(self) -> None:
         """A world change that live copies cannot serve: the reason goes into the report (rank 0), and every

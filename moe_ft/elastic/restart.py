@@ -60,6 +60,11 @@ class RestartDecision:
     ep_size: int = 0
     ranks: list[dict] = field(default_factory=list)
     """Every rank's ``rank``, ``node``, ``ep_rank`` and node inventory summary (from the all-gather)."""
+    behind: list[int] = field(default_factory=list)
+    """Ranks on a node whose layout records are all of a generation before :attr:`previous`'s: the node ran no
+    rank of that generation (it waited as a spare, ``standby.py``), so what its stores hold is an older
+    generation's (another plan, other rank numbers, perhaps a timeline the job left). Its points are not counted
+    here, and the node drops them before anything reads them (``restore.discard_if_behind``)."""
 
 
 def required_operators(num_layers: int, num_experts: int) -> set[OperatorId]:
@@ -125,6 +130,14 @@ def _missing(op: str, copies: list[Ranges], sharded: Mapping[str, Mapping[str, i
     return f"optimizer state elements {s}:{e} of {param}{more}"
 
 
+def ranks_behind(gathered: list[dict], generation: int) -> list[int]:
+    """The ranks (``gathered``: each rank's ``rank`` and its node's layout ``records``) whose node kept records,
+    all of a generation before ``generation``: it ran no rank of that generation (:attr:`RestartDecision.behind`).
+    A node without records (a new one, or a first start) holds nothing of the job. Pure."""
+    return sorted(g["rank"] for g in gathered
+                  if g["records"] and max(r["generation"] for r in g["records"]) < generation)
+
+
 def stage_of_layers(first_layers: dict[int, int], layers) -> dict[int, int]:
     """``{layer: pipeline stage}`` from the first MoE layer each stage builds (``first_layers``: stage ->
     layer; one model chunk per rank): a layer belongs to the stage with the largest first layer not above it."""
@@ -158,17 +171,19 @@ def decide(*, store_dir: str, job_id: str, num_layers: int, num_experts: int, ep
     ranks = [{k: g[k] for k in ("rank", "node", "ep_rank", "pp_rank")} for g in gathered]
     if previous is None:
         return RestartDecision("fresh", 0, world_size=world, ep_size=ep_size, ranks=ranks)
+    behind = ranks_behind(gathered, previous.generation)
     if (previous.world_size, previous.ep_size) == (world, ep_size):
         return RestartDecision("same", previous.generation, previous, dict(previous.plans), world_size=world,
-                               ep_size=ep_size, ranks=ranks)
+                               ep_size=ep_size, ranks=ranks, behind=behind)
     generation = previous.generation + 1
     notes = [f"world {previous.world_size} -> {world} ranks (EP {previous.ep_size} -> {ep_size})"]
-    inventories = {g["node"]: {int(k): v for k, v in g["inventory"].items()} for g in gathered}
+    inventories = {g["node"]: {int(k): v for k, v in g["inventory"].items()} if g["rank"] not in behind else {}
+                   for g in gathered}
     point, reason = newest_complete_point(inventories, required_operators(num_layers, num_experts),
                                           previous.sharded)
     if point < 0:
         return RestartDecision("fallback", generation, previous, notes=notes, reason=reason, world_size=world,
-                               ep_size=ep_size, ranks=ranks)
+                               ep_size=ep_size, ranks=ranks, behind=behind)
     change = rederive_expert_parallel(world, tp=1, pp=pipeline_size, ep=ep_size, num_experts=num_experts,
                                       slots=slots, min_replicas=min_replicas)
     notes += list(change.notes)
@@ -188,4 +203,4 @@ def decide(*, store_dir: str, job_id: str, num_layers: int, num_experts: int, ep
     out = replan(held, loads, ep_size=ep_size,
                  config=ExpertPlacementConfig(slots_per_node=slots, min_replicas=change.min_replicas, strategy=strategy))
     return RestartDecision("reshape", generation, previous, out.replicas, point, notes, out, world_size=world,
-                           ep_size=ep_size, ranks=ranks)
+                           ep_size=ep_size, ranks=ranks, behind=behind)

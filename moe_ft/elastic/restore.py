@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from moe_ft import comm
+from moe_ft.checkfree.config import COPIES_DIRNAME
 from moe_ft.elastic.inventory import node_inventory, old_generation_share, stage_atoms, store_dirs
 from moe_ft.recovery.machine import restore_step_state
 from moe_ft.recovery.schedule import ScheduleRule, stop_unless_agreed
@@ -312,25 +313,60 @@ def discard_old_generation(runtime, store_dir: str, job_id: str) -> None:
     discard_node_points(store_dir, job_id, runtime.rank, runtime.world_size)
 
 
-def discard_node_points(store_dir: str, job_id: str, rank: int, world_size: int) -> None:
+def discard_if_behind(decision, store_dir: str, job_id: str, rank: int, world_size: int) -> None:
+    """Collective when some rank is ``decision.behind`` (``restart.RestartDecision``): the nodes of those ranks
+    drop every point of their stores (:func:`discard_node_points`) before anything reads them. Such a node ran
+    no rank of the generation that just ended -- it waited as a spare (``standby.py``: a node of spares only
+    runs no rank of the new world, so the world change that made it one did not sweep it) -- and what it holds
+    is an older generation's: other rank numbers and plan, and points of a timeline the job may have left (the
+    older generation's iterations after the point its successor restored). The decision did not count them.
+    Kept, a reshape would restore them (iteration 9 of the generation before, not the 7 of the one that just
+    ended), and the usual recovery serve them as the points of the rank that now has their number."""
+    if decision.behind:
+        discard_node_points(store_dir, job_id, rank, world_size, drop=rank in decision.behind)
+
+
+def discard_node_points(store_dir: str, job_id: str, rank: int, world_size: int, *, drop: bool = True) -> None:
     """Collective: drop every point of the previous generation from this node's stores -- the snapshot and
-    survivor points of the ranks that ran here and the replicas the node held for any rank of the old world --,
-    each directory by one rank of the node (:func:`~moe_ft.elastic.inventory.old_generation_share`). They
+    survivor points of the ranks that ran here, the replicas the node held for any rank of the old world and the
+    CheckFree+ copies its holders kept (:func:`old_copy_dirs`) --, each directory by one rank of the node (:func:`~moe_ft.elastic.inventory.old_generation_share`). They
     hold the old world's plan and shards, and a rank of the new world with an old rank's number is not that
     rank: kept, the usual recovery would fetch them as its points, and the next decision count them. Every rank
     read its node's inventory before this (the decision's all-gather; a reshape's restore, then a barrier), so
-    nothing still needs them. The durable tier is not touched."""
+    nothing still needs them. The durable tier is not touched. ``drop=False``: this rank only takes part in the
+    collective (:func:`discard_if_behind`)."""
 
     # the ranks that share this node's store root (node-local): the same host and path (the drills' simulated
     # nodes share a host, each with a root of its own; those of one launcher share one root)
     here = (socket.gethostname(), os.path.realpath(Path(store_dir) / job_id))
     ranks_here = {r for r, key in comm.all_gather_object((rank, here)) if key == here}
+    if not drop:  # another node's sweep (every rank of a node drops, or none)
+        return
     empty, remove = old_generation_share(store_dirs(store_dir, job_id), rank=rank, ranks_here=ranks_here,
                                          world_size=world_size)
     for d in remove:
         shutil.rmtree(d.config.directory, ignore_errors=True)
     for d in empty:
         d.open().discard_after(-1)
+    for path in old_copy_dirs(Path(store_dir) / job_id / COPIES_DIRNAME, rank=rank, ranks_here=ranks_here):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def old_copy_dirs(root: Path, *, rank: int, ranks_here: set[int]) -> list[Path]:
+    """Rank ``rank``'s share of the CheckFree+ copy directories ``root/rank<r>`` (``moe_ft/checkfree/copies.py``)
+    of the previous generation: its own number's, and the lowest rank of the node those of numbers no rank here
+    has (no rank writes them again). Copies are named by holder rank and iteration only, so new rank ``r``'s
+    rebuild would otherwise take the old world's copy of an iteration it never copied (the old world's
+    abandoned timeline, or another old rank's stage) where the copy is missing (CheckFree §4.3: the copy makes
+    the rebuilt embedding / output layer exact). Each rank removes its own before it trains, so no rank here
+    writes into a directory while it is removed."""
+    out = []
+    for path in sorted(root.glob("rank*")):
+        number = path.name[4:]
+        if path.is_dir() and number.isdigit() and (
+                int(number) == rank or (rank == min(ranks_here) and int(number) not in ranks_here)):
+            out.append(path)
+    return out
 
 
 def write_report(decision, report_dir: str, section: dict, *, last_completed: int) -> None:

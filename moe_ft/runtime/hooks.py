@@ -115,6 +115,8 @@ class FTRuntime(StepHooks):
             raise RuntimeError("no PopularityRouter in the model: the layer spec was built without FTConfig "
                                "(pass the FT flags through pretrain_gpt_moe.extra_argument_groups)")
         elastic = elastic_component(args, self)  # --ft-elastic: layout records; a changed world is re-planned
+        if elastic is not None:
+            elastic.drop_older_generation()  # collective: a former spare's node holds an older generation's points
         resuming = elastic is not None and elastic.reshaping  # every operator from the old world's points
         recover, restart_count = False, 0
         if cfg.snapshot.enabled and not resuming:

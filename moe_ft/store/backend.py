@@ -36,6 +36,16 @@ MANIFEST = "MANIFEST.json"
 _PIN_TOKENS = itertools.count()
 
 
+def dir_id(path: str | os.PathLike) -> tuple[int, int] | None:
+    """``(device, inode)`` of directory ``path``, ``None`` once it is gone: a store directory removed (and
+    perhaps created again) is another one, whatever a process still holds open of the first."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs (the writer of a staging point, the holder of a lock)."""
     try:
