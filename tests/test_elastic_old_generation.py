@@ -31,6 +31,7 @@ from moe_ft.elastic.inventory import (
 )
 from moe_ft.elastic.restart import decide, ranks_behind, required_operators
 from moe_ft.elastic.restore import discard_if_behind, discard_node_points, old_copy_dirs
+from moe_ft.localized.component import log_root
 from moe_ft.localized.survivor import SURVIVOR_SUBDIR
 from moe_ft.persist.durable import DurableTier
 from moe_ft.replication.receiver import replica_store_config
@@ -132,6 +133,20 @@ def test_each_old_copy_directory_is_one_ranks_job(tmp_path):
 
     assert share(3) == ["rank3"]
     assert share(1) == ["rank0", "rank1", "rank2", "rank4"]
+
+
+def test_a_world_change_drops_the_upstream_logs_of_numbers_no_rank_here_has(tmp_path):
+    """Old ranks 0 and 5 logged here; the new world has rank 0 here and no rank 5. Rank 5's logs are never written
+    or pruned again: the sweep removes them; rank 0's own directory, open in its upstream logging, stays."""
+    root = tmp_path / "store"
+    for rank in (0, 5):
+        (log_root(root / JOB, rank) / "7").mkdir(parents=True)
+
+    discard_node_points(str(root), JOB, rank=0, world_size=4)
+
+    assert (log_root(root / JOB, 0) / "7").is_dir()
+    assert not log_root(root / JOB, 5).exists()
+    assert [p.name for p in old_copy_dirs(tmp_path, rank=3, ranks_here={1, 3}, own=False)] == []
 
 
 def _spare_worker(rank: int, init: str, base: str) -> None:

@@ -41,6 +41,7 @@ import torch
 from moe_ft import comm
 from moe_ft.checkfree.config import COPIES_DIRNAME
 from moe_ft.elastic.inventory import node_inventory, old_generation_share, stage_atoms, store_dirs
+from moe_ft.localized.component import upstream_root
 from moe_ft.recovery.machine import restore_step_state
 from moe_ft.recovery.schedule import ScheduleRule, stop_unless_agreed
 from moe_ft.replication.component import Replicas
@@ -329,7 +330,8 @@ def discard_if_behind(decision, store_dir: str, job_id: str, rank: int, world_si
 def discard_node_points(store_dir: str, job_id: str, rank: int, world_size: int, *, drop: bool = True) -> None:
     """Collective: drop every point of the previous generation from this node's stores -- the snapshot and
     survivor points of the ranks that ran here, the replicas the node held for any rank of the old world and the
-    CheckFree+ copies its holders kept (:func:`old_copy_dirs`) --, each directory by one rank of the node (:func:`~moe_ft.elastic.inventory.old_generation_share`). They
+    CheckFree+ copies its holders kept (:func:`old_copy_dirs`), the upstream logs of old rank numbers no rank here
+    has --, each directory by one rank of the node (:func:`~moe_ft.elastic.inventory.old_generation_share`). They
     hold the old world's plan and shards, and a rank of the new world with an old rank's number is not that
     rank: kept, the usual recovery would fetch them as its points, and the next decision count them. Every rank
     read its node's inventory before this (the decision's all-gather; a reshape's restore, then a barrier), so
@@ -350,21 +352,28 @@ def discard_node_points(store_dir: str, job_id: str, rank: int, world_size: int,
         d.open().discard_after(-1)
     for path in old_copy_dirs(Path(store_dir) / job_id / COPIES_DIRNAME, rank=rank, ranks_here=ranks_here):
         shutil.rmtree(path, ignore_errors=True)
+    # upstream logs: only of numbers no rank here has. A rank's own log directory is open in its upstream
+    # logging (an arena); what it holds of the old world is never read (a replay's range starts after the
+    # window of its own snapshot store, emptied above, and each iteration is written anew before it is
+    # read) and goes with the log's retention, but nothing would ever write or prune the others again
+    for path in old_copy_dirs(upstream_root(Path(store_dir) / job_id), rank=rank, ranks_here=ranks_here, own=False):
+        shutil.rmtree(path, ignore_errors=True)
 
 
-def old_copy_dirs(root: Path, *, rank: int, ranks_here: set[int]) -> list[Path]:
+def old_copy_dirs(root: Path, *, rank: int, ranks_here: set[int], own: bool = True) -> list[Path]:
     """Rank ``rank``'s share of the CheckFree+ copy directories ``root/rank<r>`` (``moe_ft/checkfree/copies.py``)
     of the previous generation: its own number's, and the lowest rank of the node those of numbers no rank here
     has (no rank writes them again). Copies are named by holder rank and iteration only, so new rank ``r``'s
     rebuild would otherwise take the old world's copy of an iteration it never copied (the old world's
     abandoned timeline, or another old rank's stage) where the copy is missing (CheckFree §4.3: the copy makes
     the rebuilt embedding / output layer exact). Each rank removes its own before it trains, so no rank here
-    writes into a directory while it is removed."""
+    writes into a directory while it is removed. ``own=False``: only the lowest rank's share of numbers no rank
+    here has (the upstream logs' ``root/rank<r>``, :func:`moe_ft.localized.component.log_root`)."""
     out = []
     for path in sorted(root.glob("rank*")):
         number = path.name[4:]
         if path.is_dir() and number.isdigit() and (
-                int(number) == rank or (rank == min(ranks_here) and int(number) not in ranks_here)):
+                (own and int(number) == rank) or (rank == min(ranks_here) and int(number) not in ranks_here)):
             out.append(path)
     return out
 

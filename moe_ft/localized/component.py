@@ -20,9 +20,14 @@ from moe_ft.localized.upstream_log import LogRecorder, P2PSeam
 from moe_ft.runtime.components import Component
 
 
+def upstream_root(job_dir: str | Path) -> Path:
+    """``<store_dir>/<job>/upstream``: every rank's log directory on this node (:func:`log_root`)."""
+    return Path(job_dir) / "upstream"
+
+
 def log_root(job_dir: str | Path, rank: int) -> Path:
     """``<store_dir>/<job>/upstream/rank<r>``: beside the snapshot store, on the same tmpfs."""
-    return Path(job_dir) / "upstream" / f"rank{rank}"
+    return upstream_root(job_dir) / f"rank{rank}"
 
 
 def oldest_needed(store) -> int | None:
