@@ -22,7 +22,8 @@ import pytest
 import torch
 from _ft_helpers import wait_until
 
-from moe_ft.agent.replicas import PORT_ENV, ReplicaListener
+from moe_ft.agent.addresses import PORT_ENV
+from moe_ft.agent.replicas import ReplicaListener
 from moe_ft.replication.receiver import replica_store_config
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import StoreConfig
@@ -160,7 +161,7 @@ def test_a_point_sent_whole_is_verified_published_and_acknowledged_and_close_end
 def test_the_holder_keeps_as_many_points_as_the_owner_says(node):
     """A fixed count held no complete sparse window of 6 points in 9 iterations of 24; the owner's frames say
     how many newest points its recovery rule needs (``points_to_keep``), and the holder keeps that many."""
-    from moe_ft.agent.replicas import KEEP_POINTS
+    from moe_ft.agent.wire import KEEP_POINTS
 
     with node.connect() as sock:
         for it in range(12):
@@ -346,7 +347,7 @@ def test_every_blob_is_verified_on_arrival_against_the_owners_digests(node, capl
 def test_an_accepted_connection_probes_a_silent_peer():
     """An idle connection whose sending node vanished without closing ends after the keepalive probes (about two
     minutes) instead of holding its thread for the kernel's default of hours."""
-    from moe_ft.agent.replicas import KEEPALIVE_S, keepalive
+    from moe_ft.agent.wire import KEEPALIVE_S, keepalive
 
     with socket.socket() as sock:
         keepalive(sock)

@@ -23,16 +23,9 @@ import pytest
 import torch
 from _ft_helpers import stop_process, wait_until
 
+from moe_ft.agent.addresses import PORT_FILE, agent_port, listen_ports
 from moe_ft.agent.client import AgentClient, agent_pid
-from moe_ft.agent.replicas import (
-    PORT_FILE,
-    Destination,
-    ReplicaSelect,
-    ReplicateRequest,
-    SocketSink,
-    agent_port,
-    listen_ports,
-)
+from moe_ft.agent.replicas import Destination, ReplicaSelect, ReplicateRequest, SocketSink
 from moe_ft.agent.replication import AgentReceiver, AgentSender
 from moe_ft.agent.server import NodeAgent
 from moe_ft.replication.receiver import replica_store_config

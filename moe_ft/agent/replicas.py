@@ -19,28 +19,33 @@ What runs where:
   of it and is closed; the message counts in :attr:`ReplicaListener.torn`. A ``close`` frame ends one
   owner's stream to one holder: the holder's trainer waits for it at the end of training.
 
-Wire format of one frame: ``uint64`` header length (big-endian), the JSON header, then the payload
-(the receiving agent answers each frame with a ``uint64`` once it has published or rejected it):
-``{"kind": "point", "owner", "iteration", "holder", "root", "job_id", "per_holder", "manifest": n,
-"blobs": [[name, n], ...]}`` followed by the manifest and the blobs, or ``{"kind": "close", "owner",
-"holder", "root", "job_id", "per_holder"}`` with no payload.
+The frames are in ``wire.py``, the agents' addresses in ``addresses.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import shutil
 import socket
-import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moe_ft.agent.addresses import AGENT_PORTS, FALLBACK_PORTS, PORT_FILE, listen_ports
+from moe_ft.agent.wire import (
+    KEEP_POINTS,
+    LEN,
+    MAX_HEADER_BYTES,
+    brief,
+    keepalive,
+    parse_header,
+    recv_exact,
+    recv_into,
+    send_frame,
+)
 from moe_ft.replication.placement import needs_replication
 from moe_ft.replication.receiver import Rejection, publish_replica, replica_store_config
 from moe_ft.replication.transport import PeerUnreachable, PointMessage, PointSink
@@ -54,13 +59,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("moe_ft.agent")
 
-HOST_ENV = "MOE_FT_AGENT_HOST"
-"""The address the node agent listens on for its peers' replicas (default: this host name's address)."""
-
-_LEN = struct.Struct(">Q")
-KEEP_POINTS = 8
-"""Newest replicated points kept per owner when the owner's frames do not say (``keep``: what the owner's policy
-needs for a complete recovery point, :func:`moe_ft.replication.receiver.points_to_keep`)."""
 STALL_TIMEOUT_S = 60.0
 """A receive inside a message that makes no progress for this long ends the message as torn (nothing of it
 published, its buffer freed, the connection closed). A live sending agent holds the whole message in memory
@@ -70,63 +68,11 @@ and the message's buffer, one more for each retry. It is shorter than the sender
 (:class:`SocketSink`, 300 s): the receiver lets go first, and the sender, once it runs again, finds the
 connection broken and sends the point again on a new one. Between messages a connection waits without a
 limit: it holds no buffer, and the next point comes when the next snapshot does."""
-MAX_HEADER_BYTES = 16 << 20
-"""Longest frame header accepted: one ``[name, size]`` pair (~60 bytes) per entry makes a quarter of a
-million entries, far more than a rank's point holds; a longer one is a bogus length, refused before its
-buffer is allocated."""
-_MAX_UINT64 = (1 << 64) - 1  # numbers in a header: the acknowledgement carries the iteration as a uint64
-
-
-PORT_ENV = "MOE_FT_AGENT_PORT"
-"""The port the node agent listens on for replicas (default: one derived from its directory, so that an agent
-started again after a crash listens where its peers send)."""
-PORT_FILE = "replica.port"
-"""In the agent directory while an agent listens: the port it got. An agent started again after a crash tries
-it first (its predecessor may have had to take another port than :func:`agent_port`, and the peers gathered
-that one); an agent that exits on its own removes it."""
 CLOSED_DIR = "streams"
 """In the agent directory: ``closed.<holder>.<owner>`` once owner's stream into holder ended. The holder's
 trainer waits for the end of every stream at the end of training; an agent started again after the end
 arrived (the previous one was killed) would otherwise never report it, and the trainer would wait out its
 timeout. A new run of the holder (``replica_open``) removes its markers."""
-
-
-AGENT_PORTS = (20000, 32000)
-"""The agents' port range, ``[start, end)``: below Linux's default ephemeral ports (32768-60999)."""
-FALLBACK_PORTS = 32
-"""Ports of that range an agent tries after its own are taken (:meth:`ReplicaListener._bind`)."""
-
-
-def agent_port(agent_dir: str | os.PathLike) -> int:
-    """``$MOE_FT_AGENT_PORT``, else a port in [20000, 32000) derived from the agent directory's path (the
-    same on every start of the node's agent; peers gathered it once, at build). The range lies below Linux's
-    default ephemeral ports (``net.ipv4.ip_local_port_range``: 32768-60999), so that no outgoing
-    connection on the node holds it by chance."""
-    if os.environ.get(PORT_ENV):
-        return int(os.environ[PORT_ENV])
-    digest = hashlib.sha1(os.path.realpath(agent_dir).encode()).digest()
-    return AGENT_PORTS[0] + int.from_bytes(digest[:4], "big") % (AGENT_PORTS[1] - AGENT_PORTS[0])
-
-
-def listen_ports(agent_dir: str | os.PathLike) -> tuple[int, ...]:
-    """The ports an agent tries, in order: its crashed predecessor's (:data:`PORT_FILE`), then
-    :func:`agent_port`."""
-    try:
-        previous = int((Path(agent_dir) / PORT_FILE).read_text())
-    except (FileNotFoundError, ValueError):
-        return (agent_port(agent_dir),)
-    return tuple(dict.fromkeys((previous, agent_port(agent_dir))))
-
-
-def agent_host() -> str:
-    """``$MOE_FT_AGENT_HOST``, else the address this node's host name resolves to, else loopback."""
-    host = os.environ.get(HOST_ENV)
-    if host:
-        return host
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -176,77 +122,6 @@ class ReplicateRequest:
     """Newest points the holders keep of this rank's replicas (sent with each point)."""
 
 
-def _send_frame(sock: socket.socket, header: dict, parts=()) -> None:
-    head = json.dumps(header).encode()
-    sock.sendall(_LEN.pack(len(head)) + head)
-    for part in parts:
-        sock.sendall(memoryview(part))
-
-
-def _recv_into(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock``; ``False`` when the connection ends first. A receive that waits longer than
-    the socket's timeout raises ``TimeoutError``."""
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            return False
-        got += n
-    return True
-
-
-def _recv_exact(sock: socket.socket, nbytes: int) -> memoryview | None:
-    """``nbytes`` bytes, or ``None`` when the connection ends first (at a frame boundary or inside one)."""
-    view = memoryview(bytearray(nbytes))
-    return view if _recv_into(sock, view) else None
-
-
-def _brief(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:77]}..."
-
-
-_HEADER_FIELDS = {"owner": int, "holder": int, "root": str, "job_id": str, "per_holder": bool}
-_POINT_FIELDS = {"iteration": int, "manifest": int, "blobs": list}
-
-
-def _is_uint64(value: object) -> bool:
-    # a JSON true is a Python int too: refused as a number
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_UINT64
-
-
-def parse_header(raw: memoryview) -> dict:
-    """A frame's header (see the module docstring), checked before anything is allocated from its sizes or
-    written where it says: ``ValueError`` naming the problem (not a JSON object, an unknown kind, a field
-    missing or of another type, a number negative or beyond a ``uint64``, a blob not a ``[name, size]`` pair
-    or listed twice). Where it says to write is the listener's to check (:meth:`ReplicaListener.destination`)."""
-    try:
-        header = json.loads(bytes(raw))
-    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8; nested too deep for the decoder
-        raise ValueError(f"the header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
-    kind = header.get("kind")
-    if kind not in ("point", "close"):
-        raise ValueError(f"unknown kind {_brief(kind)}")
-    for name, kind_of in {**_HEADER_FIELDS, **(_POINT_FIELDS if kind == "point" else {})}.items():
-        value = header.get(name)
-        if not (_is_uint64(value) if kind_of is int else isinstance(value, kind_of)):
-            raise ValueError(f"{name} is {_brief(value)}, expected "
-                             + ("a number in [0, 2^64)" if kind_of is int else f"a JSON {kind_of.__name__}"))
-    keep = header.get("keep", KEEP_POINTS)  # optional: an owner's frames before it was sent keep the default
-    if not (_is_uint64(keep) and keep >= 1):
-        raise ValueError(f"keep is {_brief(keep)}, expected a number of points >= 1")
-    names: set[str] = set()
-    for blob in header.get("blobs", ()) if kind == "point" else ():
-        if not (isinstance(blob, list) and len(blob) == 2 and isinstance(blob[0], str) and _is_uint64(blob[1])):
-            raise ValueError(f"blob {_brief(blob)} is not a [name, size] pair")
-        if blob[0] in names:
-            raise ValueError(f"blob {_brief(blob[0])} is listed twice")
-        names.add(blob[0])
-    return header
-
-
 class SocketSink(PointSink):
     """Sends rank ``owner``'s points to its peers' agents (one connection per peer, made at the first send
     and made again once after a broken one)."""
@@ -277,8 +152,8 @@ class SocketSink(PointSink):
         for attempt in (0, 1):
             try:
                 sock = self._sock(rank)
-                _send_frame(sock, header, parts)
-                if _recv_exact(sock, _LEN.size) is None:
+                send_frame(sock, header, parts)
+                if recv_exact(sock, LEN.size) is None:
                     raise ConnectionError("the connection closed before the acknowledgement")
                 return
             except OSError as exc:
@@ -320,21 +195,6 @@ class _Torn(Exception):
 
 class _Refused(Exception):
     """A frame's header refused (the reason says why)."""
-
-
-KEEPALIVE_S = (60, 10, 6)
-"""TCP keepalive of an accepted replica connection: first probe after 60 s idle, then every 10 s, 6 unanswered
-probes end it. Between messages a connection waits without a limit (:data:`STALL_TIMEOUT_S`); when the sending
-node vanished (powered off, partitioned) without closing, the probes end the connection within two minutes and
-free its thread, instead of the kernel's default of over two hours."""
-
-
-def keepalive(sock: socket.socket) -> None:
-    """Turn on :data:`KEEPALIVE_S` for ``sock`` (the TCP_KEEP* options where the platform has them)."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE_S):
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def available_memory() -> int:
@@ -447,7 +307,7 @@ class ReplicaListener:
         own = replica_store_config(root=str(self.job_dir.parent), job_id=self.job_dir.name, owner=header["owner"],
                                    holder=holder).directory
         if os.path.realpath(named) != os.path.realpath(own):  # ValueError itself for a NUL in the path
-            raise ValueError(f"root {_brief(header['root'])} and job_id {_brief(header['job_id'])} name {named}, "
+            raise ValueError(f"root {brief(header['root'])} and job_id {brief(header['job_id'])} name {named}, "
                              f"not this agent's replica store {own}")
         return own
 
@@ -519,7 +379,7 @@ class ReplicaListener:
         else:
             self._publish(header, payload)
         try:
-            conn.sendall(_LEN.pack(header.get("iteration", 0)))  # the sender's acknowledgement
+            conn.sendall(LEN.pack(header.get("iteration", 0)))  # the sender's acknowledgement
         except OSError:
             return False
         return True
@@ -527,7 +387,7 @@ class ReplicaListener:
     def _read_frame(self, conn: socket.socket) -> tuple[dict, memoryview] | None:
         """The next frame's checked header and payload (one buffer, allocated once the header passed), or
         ``None`` when the connection ends between frames. Raises :class:`_Torn` or :class:`_Refused`."""
-        head = memoryview(bytearray(_LEN.size))
+        head = memoryview(bytearray(LEN.size))
         conn.settimeout(None)  # between messages: no limit (:data:`STALL_TIMEOUT_S`)
         try:
             got = conn.recv_into(head)
@@ -537,7 +397,7 @@ class ReplicaListener:
             return None
         conn.settimeout(self.stall_timeout_s)
         self._receive(conn, head[got:], "inside a frame's length")
-        nbytes = _LEN.unpack(head)[0]
+        nbytes = LEN.unpack(head)[0]
         if nbytes > MAX_HEADER_BYTES:
             raise _Refused(f"a header of {nbytes} bytes, more than any header ({MAX_HEADER_BYTES})")
         raw = memoryview(bytearray(nbytes))
@@ -564,7 +424,7 @@ class ReplicaListener:
 
     def _receive(self, conn: socket.socket, view: memoryview, where: str) -> None:
         try:
-            if _recv_into(conn, view):
+            if recv_into(conn, view):
                 return
         except TimeoutError:
             raise _Torn(f"stalled {where} (no byte for {self.stall_timeout_s:g} s)") from None

@@ -1,5 +1,5 @@
 """The trainer's side of replication by the node agents (``--ft-replicate-by agent``; the agents' side and the
-wire: ``moe_ft/agent/replicas.py``).
+wire: ``moe_ft/agent/replicas.py``, ``wire.py``).
 
 :func:`agent_endpoints` (collective, at build) has every rank's node agent listen for replicas and gathers
 where each rank's replicas go; :class:`AgentSender` and :class:`AgentReceiver` then stand in for the
@@ -16,7 +16,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from moe_ft import comm
 from moe_ft.agent.client import AgentClient, AgentCpu
-from moe_ft.agent.replicas import KEEP_POINTS, Destination, ReplicaSelect, ReplicateRequest
+from moe_ft.agent.replicas import Destination, ReplicaSelect, ReplicateRequest
+from moe_ft.agent.wire import KEEP_POINTS
 from moe_ft.background import BackgroundWorker
 from moe_ft.replication.receiver import Rejection
 from moe_ft.replication.sender import SentRecord

@@ -451,7 +451,8 @@ class NodeAgent:
 
     def _replica(self, kind: str, args: tuple):
         # start-up time of the agent: replication is imported with the first request for it
-        from moe_ft.agent.replicas import ReplicaListener, SocketSink, agent_host
+        from moe_ft.agent.addresses import agent_host
+        from moe_ft.agent.replicas import ReplicaListener, SocketSink
         from moe_ft.replication.sender import ReplicaSender, SenderConfig, end_streams
 
         with self._lock:  # listening from the first replication request on (an agent started again after a
