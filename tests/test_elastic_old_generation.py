@@ -32,7 +32,7 @@ from moe_ft.elastic.inventory import (
 from moe_ft.elastic.restart import decide, ranks_behind, required_operators
 from moe_ft.elastic.restore import discard_if_behind, discard_node_points, old_copy_dirs
 from moe_ft.localized.component import log_root
-from moe_ft.localized.survivor import SURVIVOR_SUBDIR
+from moe_ft.localized.survivor_points import SURVIVOR_SUBDIR
 from moe_ft.persist.durable import DurableTier
 from moe_ft.replication.receiver import replica_store_config
 from moe_ft.state.operators import Level, OperatorId

@@ -12,14 +12,8 @@ import signal
 import pytest
 import torch
 
-from moe_ft.localized.survivor import (
-    SurvivorGuard,
-    SurvivorStop,
-    load_survivor_point,
-    newest_survivor_point,
-    run_guarded,
-    survivor_store,
-)
+from moe_ft.localized.survivor import SurvivorGuard, SurvivorStop, run_guarded
+from moe_ft.localized.survivor_points import load_survivor_point, newest_survivor_point, survivor_store
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.state.registry import OperatorState
 

@@ -7,7 +7,7 @@ hard counts, the loads eq. 1 allocates from, Lazarus §4.1) and the iteration. A
 records its nodes kept to learn the plan it ran (same world: keep it; other world: re-plan from it).
 
 **LayoutInventory** (:func:`node_inventory`): every point in this node's stores of the job -- the snapshot stores
-``<job>/rank<r>``, the survivor points ``<job>/survivor/rank<r>`` (``moe_ft/localized/survivor.py``) and the
+``<job>/rank<r>``, the survivor points ``<job>/survivor/rank<r>`` (``moe_ft/localized/survivor_points.py``) and the
 replicas this node holds for its peers ``<job>/replicas[/holder<h>]/rank<r>`` (a lost node's points live on
 only there) -- with the operators it holds at ``FULL``, whether it has metadata and, with the distributed
 optimizer, which elements of each parameter's optimizer state each copy holds (``moe_ft/state/shards.py``:
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterable
 
-from moe_ft.localized.survivor import SURVIVOR_SUBDIR
+from moe_ft.localized.survivor_points import SURVIVOR_SUBDIR
 from moe_ft.state import shards
 from moe_ft.state.naming import plan_free_name
 from moe_ft.state.operators import Level, OperatorId

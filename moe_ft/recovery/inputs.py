@@ -56,7 +56,7 @@ class RecoveryInputs:
     survivor: Any = None
     """This rank's :class:`moe_ft.localized.survivor.SurvivorGuard` (``None``: localized scope off)."""
     survivor_points: Any = None
-    """This rank's survivor point, held in memory (``moe_ft.localized.survivor.HeldPoint``: the process
+    """This rank's survivor point, held in memory (``moe_ft.localized.survivor_points.HeldPoint``: the process
     stayed) or in its node store (``StoredPoints``), or ``None`` (localized scope off)."""
 
     def find(self, cls: type[T]) -> T | None:

@@ -95,7 +95,7 @@ def stop_unless_agreed(problem: str | None, rank: int) -> None:
 def recovery_sources(store, *, lo: int, survivor_points=None, durable=None) -> list[SavedState]:
     """What a recovery may restore from on this rank: every point of the node-local ``store`` that ends at
     ``lo`` (the ``--load`` iteration - 1) or later, newest first; the survivor point (``survivor_points``,
-    ``moe_ft/localized/survivor.py``; ``None``: localized scope off); the newest complete durable point
+    ``moe_ft/localized/survivor_points.py``; ``None``: localized scope off); the newest complete durable point
     (``durable``: ``(its store, its end)``, or ``None``)."""
     out = [_point(store, it, "snapshot") for it in reversed(store.points()) if it >= lo]
     if survivor_points is not None:

@@ -39,7 +39,8 @@ from moe_ft.elastic.rebalance_component import rebalance_component
 from moe_ft.launch.protocol import GROWS_ENV, REFUSED_EXIT_CODE, USAGE_EXIT_CODE
 from moe_ft.launch.worker import launch_facts
 from moe_ft.localized.component import UpstreamLogging
-from moe_ft.localized.survivor import HeldPoint, Regroup, StoredPoints, SurvivorGuard, survivor_store
+from moe_ft.localized.survivor import Regroup, SurvivorGuard
+from moe_ft.localized.survivor_points import HeldPoint, StoredPoints, survivor_store
 from moe_ft.megatron_ext.router import attach_popularity
 from moe_ft.popularity import ExpertPopularity, PopularityConfig
 from moe_ft.precision.te_fp8 import ensure_te_scaling_state
