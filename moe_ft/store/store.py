@@ -221,6 +221,10 @@ def _discard(buf) -> None:
     """A sink that keeps nothing (``put_remote`` hashes an entry without storing it)."""
 
 
+_VIEW_CACHE = 4096
+"""Entries' byte views :class:`SnapshotStore` keeps (by place and layout; a snapshot has tens of entries)."""
+
+
 class ReservedEntry:
     """An operator's entry laid out in a mapped store region (:meth:`PendingPoint.reserve`): copy the
     tensors' bytes into their places (:meth:`byte_views`, or the typed :attr:`views`; a device-to-host copy
@@ -248,10 +252,18 @@ class ReservedEntry:
         return mapping.data_ptr() + offset
 
     def byte_views(self) -> list[torch.Tensor]:
-        """Each tensor's bytes in the region, as flat ``uint8`` tensors (one split for all of them)."""
+        """Each tensor's bytes in the region, as flat ``uint8`` tensors (one split for all of them). Made once
+        per place and layout (:meth:`SnapshotStore._byte_views`): a snapshot's entries land in the places of
+        earlier ones again and again."""
         if not self.layout.table:
             return []
-        return list(self._region[:self.layout.body].split_with_sizes(self.layout.splits)[1::2])
+        mapping, offset, _ = self._mapped
+        key = (mapping.data_ptr() + offset, id(self.layout))
+        views = self._point._store._views.get(key)
+        if views is None:
+            views = self._point._store._remember_views(
+                key, self.layout, list(self._region[:self.layout.body].split_with_sizes(self.layout.splits)[1::2]))
+        return list(views)
 
     @property
     def views(self) -> dict[str, torch.Tensor]:
@@ -345,16 +357,18 @@ class PendingPoint:
                 self.touched += written.hashed + written.nbytes
         return written
 
-    def put(self, op: OperatorId, level: Level, tensors: Mapping[str, torch.Tensor]) -> EntryRecord | None:
+    def put(self, op: OperatorId, level: Level, tensors: Mapping[str, torch.Tensor], specs=None) -> EntryRecord | None:
         """Write the entry (iteration, ``op``, ``level``): named contiguous CPU tensors of any dtype. Returns its
-        record; ``None`` when the process that publishes the point seals it (:attr:`SnapshotStore.publisher`)."""
+        record; ``None`` when the process that publishes the point seals it (:attr:`SnapshotStore.publisher`).
+        ``specs``: the tensors' :func:`~moe_ft.store.codec.tensor_specs`, if the caller keeps them (the snapshot
+        engine writes the same tensors at every snapshot)."""
         if not isinstance(op, OperatorId):
             raise TypeError(f"op must be an OperatorId, got {type(op).__name__}")
         level = Level(level)
         if level == Level.NONE:
             raise ValueError(f"{op}: level NONE saves nothing; leave the operator out instead")
         if self._store.copies_hashing:
-            return self._copy_hashing(op, level, tensors)
+            return self._copy_hashing(op, level, tensors, specs)
         self._reserve(str(op))
         blob = entry_blob(op, level)
         record = entry_record(self.iteration, op, level, blob,
@@ -363,14 +377,15 @@ class PendingPoint:
             self._entries[op] = record
         return record
 
-    def _copy_hashing(self, op: OperatorId, level: Level, tensors: Mapping[str, torch.Tensor]) -> EntryRecord | None:
+    def _copy_hashing(self, op: OperatorId, level: Level, tensors: Mapping[str, torch.Tensor],
+                      specs=None) -> EntryRecord | None:
         """:meth:`put` in one pass over the payload (:attr:`SnapshotStore.copies_hashing`): the entry is laid out
         in a region of the arena, each tensor is copied into its place by a copy that sums its words as it reads
         them (:func:`~moe_ft.store.entry_hash.copy_lane_sums`), and the entry is sealed from those sums. The
         bytes are those :func:`~moe_ft.store.codec.write_entry` writes; the digest covers what was read from
         the tensors, so a byte changed in the region after the copy is found by every reader."""
         checked = {name: check_tensor(name, t) for name, t in tensors.items()}
-        entry = self.reserve(op, level, checked)
+        entry = self.reserve(op, level, checked, specs)
         sums = [entry_hash.copy_lane_sums(t, view, first)
                 for t, view, first in zip(checked.values(), entry.byte_views(), entry.first_words)]
         record = entry.finish(sums)
@@ -596,6 +611,17 @@ class SnapshotStore:
         self._layouts: dict[tuple, EntryLayout] = {}  # entries laid out for copies in place, by blob and shapes
         self._records_by_layout: dict[int, tuple[EntryLayout, tuple[TensorRecord, ...]]] = {}
         self._kinds: dict[tuple[str, int], EntryKind] = {}  # by blob and layout id (layouts are never dropped)
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # ReservedEntry.byte_views by place
+
+    def _remember_views(self, key: tuple[int, int], layout: EntryLayout, views: list[torch.Tensor]
+                        ) -> tuple[torch.Tensor, ...]:
+        """Keep the byte views of an entry of ``layout`` at the address ``key[0]`` (``key[1]``: the layout's id;
+        layouts are cached for the store's life, so the id names one). The views hold their segment's mapping,
+        which the arena never unmaps anyway: no other mapping can come to that address while they are kept."""
+        if len(self._views) >= _VIEW_CACHE:  # places drift as points come and go: keep it bounded
+            self._views.clear()
+        kept = self._views[key] = tuple(views)
+        return kept
 
     def __repr__(self) -> str:
         return f"SnapshotStore({self.backend.describe()})"
