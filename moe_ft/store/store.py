@@ -221,10 +221,6 @@ def _discard(buf) -> None:
     """A sink that keeps nothing (``put_remote`` hashes an entry without storing it)."""
 
 
-_VIEW_CACHE = 4096
-"""Entries' byte views :class:`SnapshotStore` keeps (by place and layout; a snapshot has tens of entries)."""
-
-
 class ReservedEntry:
     """An operator's entry laid out in a mapped store region (:meth:`PendingPoint.reserve`): copy the
     tensors' bytes into their places (:meth:`byte_views`, or the typed :attr:`views`; a device-to-host copy
@@ -252,18 +248,10 @@ class ReservedEntry:
         return mapping.data_ptr() + offset
 
     def byte_views(self) -> list[torch.Tensor]:
-        """Each tensor's bytes in the region, as flat ``uint8`` tensors (one split for all of them). Made once
-        per place and layout (:meth:`SnapshotStore._byte_views`): a snapshot's entries land in the places of
-        earlier ones again and again."""
+        """Each tensor's bytes in the region, as flat ``uint8`` tensors (one split for all of them)."""
         if not self.layout.table:
             return []
-        mapping, offset, _ = self._mapped
-        key = (mapping.data_ptr() + offset, id(self.layout))
-        views = self._point._store._views.get(key)
-        if views is None:
-            views = self._point._store._remember_views(
-                key, self.layout, list(self._region[:self.layout.body].split_with_sizes(self.layout.splits)[1::2]))
-        return list(views)
+        return list(self._region[:self.layout.body].split_with_sizes(self.layout.splits)[1::2])
 
     @property
     def views(self) -> dict[str, torch.Tensor]:
@@ -611,17 +599,6 @@ class SnapshotStore:
         self._layouts: dict[tuple, EntryLayout] = {}  # entries laid out for copies in place, by blob and shapes
         self._records_by_layout: dict[int, tuple[EntryLayout, tuple[TensorRecord, ...]]] = {}
         self._kinds: dict[tuple[str, int], EntryKind] = {}  # by blob and layout id (layouts are never dropped)
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # ReservedEntry.byte_views by place
-
-    def _remember_views(self, key: tuple[int, int], layout: EntryLayout, views: list[torch.Tensor]
-                        ) -> tuple[torch.Tensor, ...]:
-        """Keep the byte views of an entry of ``layout`` at the address ``key[0]`` (``key[1]``: the layout's id;
-        layouts are cached for the store's life, so the id names one). The views hold their segment's mapping,
-        which the arena never unmaps anyway: no other mapping can come to that address while they are kept."""
-        if len(self._views) >= _VIEW_CACHE:  # places drift as points come and go: keep it bounded
-            self._views.clear()
-        kept = self._views[key] = tuple(views)
-        return kept
 
     def __repr__(self) -> str:
         return f"SnapshotStore({self.backend.describe()})"
