@@ -31,3 +31,25 @@ def test_a_missing_dataset_is_refused_with_the_fix(tmp_path, capsys):
         ft_hooks.main(["--data-path", str(tmp_path / "none")])
     assert e.value.code == 2
     assert "examples/prepare_data.sh" in capsys.readouterr().err  # and that leaving it out generates one
+
+
+@pytest.mark.timeout(300)
+def test_interleaved_blocks_split_the_hooks_into_taken_and_paused(corpus, capsys):
+    # iterations 20-35 in blocks of 4: 20-23 paused, 24-27 taken, 28-31 paused, 32-35 taken; a block's first
+    # iteration counts for neither kind
+    assert ft_hooks.main(["--runs", "1", "--iters", "36", "--warmup", "20", "--window", "4", "--interleave", "4",
+                          "--data-path", corpus, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["iterations_per_run"] == {"taken": 6, "paused": 6}
+    taken, paused = result["ms_per_iteration"]["taken"], result["ms_per_iteration"]["paused"]
+    for name in ("FTRuntime._snapshot", "SnapshotEngine.submit", "hooks.capture_step_meta"):
+        assert taken[name]["cpu_ms"] > 0 and name not in paused, name  # a paused iteration takes no snapshot
+    for name in ("FTRuntime.on_step_end", "ExpertPopularity.end_iteration"):
+        assert taken[name]["cpu_ms"] > 0 and paused[name]["cpu_ms"] > 0, name
+
+
+def test_interleave_must_hold_whole_windows(capsys):
+    with pytest.raises(SystemExit) as e:
+        ft_hooks.main(["--window", "8", "--interleave", "12"])
+    assert e.value.code == 2
+    assert "not a multiple of --window 8" in capsys.readouterr().err

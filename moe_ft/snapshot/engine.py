@@ -58,6 +58,7 @@ from moe_ft.snapshot.buffers import HostBuffers
 from moe_ft.snapshot.mapped import COPY_BY, MappedCopier, available
 from moe_ft.snapshot.pacing import CopyPacer
 from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store.codec import tensor_specs
 from moe_ft.store.errors import store_full
 
 
@@ -167,10 +168,31 @@ class _Entry:
     dev_bufs: list
     host_srcs: list
     host_bufs: list
+    specs: tuple | None = None
+    """:func:`moe_ft.store.codec.tensor_specs` of ``out`` on the CPU direct path (its tensors are fixed: the
+    store lays the entry out from them at every snapshot); ``None``: the store computes them."""
     staged: list = field(default_factory=list)
     staged_from: list = field(default_factory=list)
     """Forward-mutated tensors (``OperatorState.forward_mutated``): the entry copies ``staged[i]``, which
     :meth:`SnapshotEngine.submit` refreshes from the live ``staged_from[i]`` on the compute stream."""
+
+
+_LAID_CACHE = 256
+"""Plans whose entries :meth:`SnapshotEngine._lay_out` keeps (per slot; a sparse window has ``W`` of them)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Laid:
+    """One plan's entries in one slot, in operator order, with the record's totals (made once per plan)."""
+
+    items: tuple  # (_Entry, ...)
+    nbytes: int
+    num_full: int
+    num_compute: int
+    remote_bytes: int
+    remote: frozenset
+    staged: list  # the forward-mutated tensors' copies (_Entry.staged) of every entry, and their sources
+    staged_from: list
 
 
 @dataclass(kw_only=True)
@@ -231,6 +253,7 @@ class SnapshotEngine:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="moe-ft-snapshot-write") if threads > 1 else None
         self._untimed: deque[_Job] = deque()  # GPU jobs whose device stall is not known yet
         self._entries: dict[tuple[int, OperatorId, Level], _Entry] = {}
+        self._laid: dict[tuple, _Laid] = {}
         self.records: list[SnapshotRecord] = []
         self.paused: str = ""
         """Non-empty while snapshots are paused: the store's file system is full (``ENOSPC``/``EDQUOT``);
@@ -260,32 +283,15 @@ class SnapshotEngine:
         # Only host-side bookkeeping happens here, on CPU tensors: leave any torch-function mode of the
         # training thread (the CPU compatibility layer's) out of it, it costs ~10 us per tensor access.
         with _no_torch_function(not self.cuda):
-            items, total, nfull, ncomp, hashed = [], 0, 0, 0, 0
-            for op, level in sorted(plan.items()):
-                if level == Level.NONE or op not in self.registry:
-                    continue
-                if op in remote:
-                    if level != Level.FULL:
-                        raise ValueError(f"{op}: only a FULL entry can be left to the replica peers (plan: "
-                                         f"{Level(level).name})")
-                    entry = self._entry(slot, op, Level.FULL)
-                    items.append(self._entry(slot, op, Level.COMPUTE))
-                    total += items[-1].nbytes
-                    hashed += entry.nbytes
-                else:
-                    entry = self._entry(slot, op, Level(level))
-                    total += entry.nbytes
-                items.append(entry)
-                nfull += level == Level.FULL
-                ncomp += level == Level.COMPUTE
-            record = SnapshotRecord(iteration=iteration, bytes=total, num_full=nfull, num_compute=ncomp,
-                                    stall_s=waited, slot_wait_s=waited, remote_bytes=hashed)
-            job = _Job(record=record, slot=slot, items=items, meta=dict(meta), meta_tensors={},
-                       remote=frozenset(remote))
+            laid = self._lay_out(slot, plan, remote)
+            record = SnapshotRecord(iteration=iteration, bytes=laid.nbytes, num_full=laid.num_full,
+                                    num_compute=laid.num_compute, stall_s=waited, slot_wait_s=waited,
+                                    remote_bytes=laid.remote_bytes)
+            job = _Job(record=record, slot=slot, items=list(laid.items), meta=dict(meta), meta_tensors={},
+                       remote=laid.remote)
             self._stage_meta(job, meta_tensors)
-            staged = [(b, s) for e in items for b, s in zip(e.staged, e.staged_from)]
-            if staged:  # written by the next forward: captured now, on the compute stream (_Entry.staged)
-                torch._foreach_copy_([b for b, _ in staged], [s for _, s in staged])
+            if laid.staged:  # written by the next forward: captured now, on the compute stream (_Entry.staged)
+                torch._foreach_copy_(laid.staged, laid.staged_from)
         if self.mapped is not None:
             self._issue_mapped(job)
         elif self.cuda:
@@ -294,6 +300,41 @@ class SnapshotEngine:
         self.records.append(record)
         self._worker.submit(job)
         return record
+
+    def _lay_out(self, slot: int, plan: Mapping[OperatorId, Level], remote: frozenset[OperatorId]) -> "_Laid":
+        """The entries of ``plan`` in ``slot`` and their totals, made once per plan (a sparse window's plans
+        repeat every window; each call would otherwise sort the plan and look up every entry again). Keyed by
+        the plan's contents, not its identity: a caller may change a plan it handed in before."""
+        remote = remote if isinstance(remote, frozenset) else frozenset(remote)
+        key = (slot, tuple(plan.items()), remote)
+        laid = self._laid.get(key)
+        if laid is not None:
+            return laid
+        items, total, nfull, ncomp, hashed = [], 0, 0, 0, 0
+        for op, level in sorted(plan.items()):
+            if level == Level.NONE or op not in self.registry:
+                continue
+            if op in remote:
+                if level != Level.FULL:
+                    raise ValueError(f"{op}: only a FULL entry can be left to the replica peers (plan: "
+                                     f"{Level(level).name})")
+                entry = self._entry(slot, op, Level.FULL)
+                items.append(self._entry(slot, op, Level.COMPUTE))
+                total += items[-1].nbytes
+                hashed += entry.nbytes
+            else:
+                entry = self._entry(slot, op, Level(level))
+                total += entry.nbytes
+            items.append(entry)
+            nfull += level == Level.FULL
+            ncomp += level == Level.COMPUTE
+        if len(self._laid) >= _LAID_CACHE:  # reordered windows make new plans: keep the cache bounded
+            self._laid.clear()
+        laid = self._laid[key] = _Laid(
+            items=tuple(items), nbytes=total, num_full=nfull, num_compute=ncomp, remote_bytes=hashed,
+            remote=remote, staged=[b for e in items for b in e.staged],
+            staged_from=[s for e in items for s in e.staged_from])
+        return laid
 
     def _entry(self, slot: int, op: OperatorId, level: Level) -> _Entry:
         entry = self._entries.get((slot, op, level))
@@ -313,7 +354,7 @@ class SnapshotEngine:
                 srcs, bufs = list(tensors.values()), list(out.values())
             dev = [self.cuda and self.mapped is None and s.is_cuda for s in srcs]
             entry = _Entry(op=op, level=level, srcs=srcs, bufs=bufs, out=out,
-                           nbytes=sum(t.nbytes for t in out.values()),
+                           nbytes=sum(t.nbytes for t in out.values()), specs=_specs(out) if self.direct else None,
                            dev_srcs=[s for s, d in zip(srcs, dev) if d], dev_bufs=[b for b, d in zip(bufs, dev) if d],
                            host_srcs=[s for s, d in zip(srcs, dev) if not d],
                            host_bufs=[b for b, d in zip(bufs, dev) if not d],
@@ -588,6 +629,15 @@ def _mapped_off(config: EngineConfig, cuda: bool, store) -> str:
     return available(store, cuda)
 
 
+def _specs(out: Mapping[str, torch.Tensor]) -> tuple | None:
+    """:func:`tensor_specs` of an entry's tensors, ``None`` for a dtype the store refuses (its ``put`` then says
+    which, at the snapshot)."""
+    try:
+        return tensor_specs(out)
+    except ValueError:
+        return None
+
+
 def _copy_entries(entries) -> None:
     """Copy the entries' live tensors into their host buffers: one dispatch for all of them."""
     bufs = [buf for entry in entries for buf in entry.bufs]
@@ -600,7 +650,7 @@ def _put(point, entry: _Entry, remote: frozenset) -> None:
     if entry.level == Level.FULL and entry.op in remote:
         point.put_remote(entry.op, entry.out)
     else:
-        point.put(entry.op, entry.level, entry.out)
+        point.put(entry.op, entry.level, entry.out, entry.specs)
 
 
 def _put_timed(point, entry: _Entry, remote: frozenset) -> float:

@@ -345,16 +345,18 @@ class PendingPoint:
                 self.touched += written.hashed + written.nbytes
         return written
 
-    def put(self, op: OperatorId, level: Level, tensors: Mapping[str, torch.Tensor]) -> EntryRecord | None:
+    def put(self, op: OperatorId, level: Level, tensors: Mapping[str, torch.Tensor], specs=None) -> EntryRecord | None:
         """Write the entry (iteration, ``op``, ``level``): named contiguous CPU tensors of any dtype. Returns its
-        record; ``None`` when the process that publishes the point seals it (:attr:`SnapshotStore.publisher`)."""
+        record; ``None`` when the process that publishes the point seals it (:attr:`SnapshotStore.publisher`).
+        ``specs``: the tensors' :func:`~moe_ft.store.codec.tensor_specs`, if the caller keeps them (the snapshot
+        engine writes the same tensors at every snapshot)."""
         if not isinstance(op, OperatorId):
             raise TypeError(f"op must be an OperatorId, got {type(op).__name__}")
         level = Level(level)
         if level == Level.NONE:
             raise ValueError(f"{op}: level NONE saves nothing; leave the operator out instead")
         if self._store.copies_hashing:
-            return self._copy_hashing(op, level, tensors)
+            return self._copy_hashing(op, level, tensors, specs)
         self._reserve(str(op))
         blob = entry_blob(op, level)
         record = entry_record(self.iteration, op, level, blob,
@@ -363,14 +365,15 @@ class PendingPoint:
             self._entries[op] = record
         return record
 
-    def _copy_hashing(self, op: OperatorId, level: Level, tensors: Mapping[str, torch.Tensor]) -> EntryRecord | None:
+    def _copy_hashing(self, op: OperatorId, level: Level, tensors: Mapping[str, torch.Tensor],
+                      specs=None) -> EntryRecord | None:
         """:meth:`put` in one pass over the payload (:attr:`SnapshotStore.copies_hashing`): the entry is laid out
         in a region of the arena, each tensor is copied into its place by a copy that sums its words as it reads
         them (:func:`~moe_ft.store.entry_hash.copy_lane_sums`), and the entry is sealed from those sums. The
         bytes are those :func:`~moe_ft.store.codec.write_entry` writes; the digest covers what was read from
         the tensors, so a byte changed in the region after the copy is found by every reader."""
         checked = {name: check_tensor(name, t) for name, t in tensors.items()}
-        entry = self.reserve(op, level, checked)
+        entry = self.reserve(op, level, checked, specs)
         sums = [entry_hash.copy_lane_sums(t, view, first)
                 for t, view, first in zip(checked.values(), entry.byte_views(), entry.first_words)]
         record = entry.finish(sums)
