@@ -245,7 +245,7 @@ def test_point_of_another_world_size_is_not_complete(tmp_path, caplog):
         assert tier3.complete_points() == []
     assert [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()] == [
         f"moe-ft durable tier: ignoring the complete point ending at 1: in {tier3.directory}, written by 2 ranks, "
-        "this job has 3"]
+        "this job has 3 ranks"]
     # rank 1's done marker of the old world does not complete the new world's point 1
     writers[2].persist(1)
     assert writers[0].persist(1).complete is False and tier3.complete_points() == []
