@@ -117,6 +117,12 @@ class DurableTier:
         self.world_size = world_size
         self._reported: set[int] = set()  # other-world points already reported (one line each)
 
+    def of_world(self, world_size: int) -> "DurableTier":
+        """The same directory for a job of ``world_size`` ranks; a point already reported is not again."""
+        tier = DurableTier(self.root, self.directory.name, world_size)
+        tier._reported = self._reported
+        return tier
+
     def store(self, rank: int) -> SnapshotStore:
         """Rank ``rank``'s durable entries, read and written through the usual verified store."""
         return SnapshotStore(LocalFSBackend(self.directory / f"rank{rank}", fsync=True))
