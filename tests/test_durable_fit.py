@@ -133,3 +133,26 @@ def test_a_relaunch_that_cannot_load_the_durable_points_stops_before_deleting_th
     line = refused("store3", 2, hidden_size=64, ffn_hidden_size=128)
     assert line.startswith(f"error: the durable point ending at iteration 3 in {job} does not fit this model (")
     assert line.endswith(fix) and "dense.L0/" in line, line
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+def test_a_recovery_from_an_older_durable_point_names_the_point_it_restored(corpus, tmp_path):
+    """Point 7's entry on rank 0 is damaged: the relaunch recovers from point 5 and says so. Before, the
+    message named the newest complete point ("recovered from the newest complete durable point (iteration
+    7)") while it had restored point 5."""
+    flags = [*tiny_model_flags("single", train_iters=8, log_interval=1), "--data-path", corpus, "--ft",
+             "--ft-policy", "dense", "--ft-job-id", "job", "--ft-persist-interval", "2", "--ft-persist-dir",
+             str(tmp_path / "durable")]
+    torchrun("pretrain_gpt_moe.py", [*flags, "--ft-store-dir", str(tmp_path / "store")], nproc=2, timeout=150)
+    job = tmp_path / "durable" / "moe_ft" / "job"
+    blob = job / "rank0" / "points" / f"{7:012d}" / "output.full.ent"
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    blob.write_bytes(bytes(data))
+    proc = torchrun("pretrain_gpt_moe.py", [*flags, "--ft-store-dir", str(tmp_path / "store2")], nproc=2,
+                    timeout=150)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("moe-ft recovery |"))
+    assert "recovery point durable [5, 5]" in line, line
+    assert (f"recovered from the complete durable point ending at iteration 5 (the newer complete point ending at 7 "
+            f"did not restore on every rank) in {job}") in line, line

@@ -246,8 +246,11 @@ def restore_newest_point(inputs: RecoveryInputs, plan=None, *, below: int | None
     rs.seconds = {k: memory.seconds.get(k, 0.0) + rs.seconds.get(k, 0.0) for k in {*memory.seconds, *rs.seconds}}
     if rs.point is None:
         return rs, "memory"
+    # the point restored: an older complete point when a newer one failed its checks on some rank
+    passed = "" if rs.point.end == complete_end else \
+        f" (the newer complete point ending at {complete_end} did not restore on every rank)"
     rs.message = (f"no recovery point in every rank's memory tier (node-local stores and replicas); "
-                  f"recovered from the newest complete durable point (iteration {complete_end}) in "
+                  f"recovered from the complete durable point ending at iteration {rs.point.end}{passed} in "
                   f"{os.path.dirname(store.backend.describe())}")
     return rs, "durable"
 
