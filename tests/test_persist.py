@@ -245,7 +245,7 @@ def test_point_of_another_world_size_is_not_complete(tmp_path, caplog):
         assert tier3.complete_points() == []
     assert [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()] == [
         f"moe-ft durable tier: ignoring the complete point ending at 1: in {tier3.directory}, written by 2 ranks, "
-        "this job has 3"]
+        "this job has 3 ranks"]
     # rank 1's done marker of the old world does not complete the new world's point 1
     writers[2].persist(1)
     assert writers[0].persist(1).complete is False and tier3.complete_points() == []
@@ -424,3 +424,41 @@ def test_a_fresh_run_drops_the_done_markers_an_earlier_run_left_past_its_start(t
         assert tier.store(r).load_meta(3).meta["run"] == 1
     for c in components:
         c.close()
+
+
+def test_inspect_validate_reads_only_and_checks_older_points(tmp_path, capsys):
+    """``--validate`` opens the tier read-only: a missing rank directory is one finding per point, never
+    created (before, ``DurableTier.store`` created ``rank1/{FORMAT.json,points,staging,trash}`` and every
+    operator of rank 1 was listed INVALID). A damaged newest point with a valid older one exits 0 and says
+    that recovery uses the older one."""
+    from moe_ft.cli.main import main
+
+    stores, tier, config = _setup(tmp_path)
+    rule = DenseRule(operators=frozenset(OPS[:2]))
+    writers = [PersistWriter(s, tier, rule, rank=r, **config) for r, s in enumerate(stores)]
+    for it in (1, 3):
+        for r, s in enumerate(stores):
+            _write(s, r, it, {op: Level.FULL for op in OPS[:2]})
+            writers[r].persist(it)
+    for w in writers:
+        w.close()
+    job = str(tier.directory)
+    blob = tier.directory / "rank0" / "points" / f"{3:012d}" / "expert.L0.E0.full.ent"
+    data = bytearray(blob.read_bytes())
+    data[100] ^= 4
+    blob.write_bytes(bytes(data))
+    assert main(["inspect", job, "--validate", "--num-layers", "1", "--num-experts", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "INVALID: point 3: rank 0: iteration 3 expert.L0.E0@FULL" in out
+    assert out.endswith("durable point ending at iteration 1: every entry verified, 1 x 1 experts present; recovery "
+                        "passes over the newer point(s) [3] and uses this one\n"), out
+
+    import shutil
+
+    shutil.rmtree(tier.directory / "rank1")
+    assert main(["inspect", job, "--validate", "--num-layers", "1", "--num-experts", "1"]) == 1
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if "rank 1" in line] == [
+        f"INVALID: point {end}: rank 1 holds no part of point {end} ({tier.directory / 'rank1'} is missing or not a "
+        "store)" for end in (3, 1)], out
+    assert not (tier.directory / "rank1").exists()

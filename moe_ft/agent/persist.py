@@ -32,6 +32,8 @@ class AgentPersistence:
         self.client = AgentClient(agent_dir, rank, idle_exit_s=idle_exit_s)
         self.client.call("ping")  # start (or find) the agent now, not at the first due snapshot
         self.records: list[PersistRecord] = []
+        self.paused = ""
+        """Non-empty while the agent's copies of this rank are paused (the durable directory is full)."""
         self.agent_cpu = AgentCpu()
         self._iteration = -1
         self._due: deque[tuple[int, Mapping[OperatorId, Level] | None]] = deque()
@@ -69,6 +71,7 @@ class AgentPersistence:
 
     def _take(self, state: dict) -> None:
         self.records = state["records"]
+        self.paused = state.get("paused", "")  # an agent started by an older moe-ft does not say
         self.agent_cpu.take(self._iteration, state["cpu_s"])
 
     def agent_cpu_ms_per_iteration(self) -> float | None:

@@ -530,7 +530,9 @@ class NodeAgent:
         """A rank's finished copies (``PersistRecord``) and the agent process's CPU seconds so far (user +
         system, every thread: what the node pays for the agent, reported per iteration by the trainers)."""
         times = os.times()
-        return {"records": list(rank.writer.records) if rank is not None and rank.writer is not None else [],
+        writer = rank.writer if rank is not None else None
+        return {"records": list(writer.records) if writer is not None else [],
+                "paused": writer.paused if writer is not None else "",
                 "verified": rank.verified if rank is not None else 0, "cpu_s": times.user + times.system}
 
 

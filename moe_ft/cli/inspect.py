@@ -94,20 +94,26 @@ def _print_text(report: dict, entries: bool) -> None:
 
 def _validate(args: argparse.Namespace) -> int:
     # start-up time: `moe-ft` imports every subcommand module for --help; torch only when this command runs
-    from moe_ft.persist.validate import validate_durable
+    from moe_ft.persist.validate import validate_durable_points
 
     if args.num_layers < 1 or args.num_experts < 1:
         raise UsageError("--validate needs --num-layers and --num-experts (the model's), both >= 1")
-    with user_input(OSError):
-        end, problems = validate_durable(args.store_dir, num_layers=args.num_layers, num_experts=args.num_experts)
-    if end is None:  # not a durable tier, or one without a complete point
-        raise UsageError("; ".join(problems))
-    for problem in problems:
-        print(f"INVALID: {problem}")
-    if end is not None and not problems:
-        print(f"durable point ending at iteration {end}: every entry verified, "
-              f"{args.num_layers} x {args.num_experts} experts present")
-    return 1 if problems else 0
+    with user_input(OSError, ValueError):
+        checked = validate_durable_points(args.store_dir, num_layers=args.num_layers, num_experts=args.num_experts)
+    if not checked:
+        raise UsageError(f"{args.store_dir}: no complete durable point")
+    for end, problems in checked:
+        for problem in problems:
+            print(f"INVALID: point {end}: {problem}")
+    end, problems = checked[-1]
+    if problems:
+        print(f"no complete durable point is valid ({len(checked)} checked): recovery cannot use the durable tier")
+        return 1
+    older = f"; recovery passes over the newer point(s) {[e for e, _ in checked[:-1]]} and uses this one" \
+        if len(checked) > 1 else ""
+    print(f"durable point ending at iteration {end}: every entry verified, "
+          f"{args.num_layers} x {args.num_experts} experts present{older}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:

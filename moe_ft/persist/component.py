@@ -85,9 +85,12 @@ class Durable(Component):
         self.writer.rule = session.retention_rule  # the operators this rank holds now
 
     def metrics(self, record) -> dict:
-        out = {}
+        out: dict[str, float | str] = {}
         if isinstance(self.writer, AgentPersistence) and (ms := self.writer.agent_cpu_ms_per_iteration()) is not None:
             out["agent_cpu_ms"] = ms  # the node agent's CPU, not the trainer's
+        paused = self.writer.paused or (self.megatron_dense.paused if self.megatron_dense is not None else "")
+        if paused:
+            out["durable_paused"] = paused
         ends = self.writer.tier.complete_points() if self.writer.records else []
         if not ends:
             return out

@@ -57,11 +57,15 @@ def _atomic_write(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # pid and thread: the node agent writes markers of several ranks from one process at once
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full directory: the marker is written whole or not at all, and no stray file stays
+        tmp.unlink(missing_ok=True)
+        raise
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -113,9 +117,20 @@ class DurableTier:
         self.world_size = world_size
         self._reported: set[int] = set()  # other-world points already reported (one line each)
 
+    def of_world(self, world_size: int) -> "DurableTier":
+        """The same directory for a job of ``world_size`` ranks; a point already reported is not again."""
+        tier = DurableTier(self.root, self.directory.name, world_size)
+        tier._reported = self._reported
+        return tier
+
     def store(self, rank: int) -> SnapshotStore:
         """Rank ``rank``'s durable entries, read and written through the usual verified store."""
         return SnapshotStore(LocalFSBackend(self.directory / f"rank{rank}", fsync=True))
+
+    def reader(self, rank: int) -> SnapshotStore:
+        """Rank ``rank``'s durable entries, opened read-only: nothing is created (``StoreError`` when the rank's
+        directory is no store: missing, or without its ``FORMAT.json``)."""
+        return SnapshotStore(LocalFSBackend(self.directory / f"rank{rank}", create=False))
 
     def _done(self, rank: int, end: int) -> Path:
         return self.directory / f"rank{rank}" / "done" / f"{end:012d}.json"
@@ -172,8 +187,30 @@ class DurableTier:
                 ends.append(end)
             else:
                 self._report(end, f"in {self.directory}, written by {'an unknown number of' if world is None else world} "
-                                  f"ranks, this job has {self.world_size}")
+                                  f"ranks, this job has {self.world_size} rank{'s' if self.world_size > 1 else ''}")
         return ends
+
+    def newer_other_world(self, newer_than: int) -> CompletePoint | None:
+        """The newest complete point of another world size (or an unknown one) that is newer than
+        ``newer_than`` and than every complete point of this world size, or ``None``: what a start of this
+        world size could not recover from, and whose entries its retention would delete."""
+        markers = self._markers()
+        own = max((end for end, world in markers if world == self.world_size), default=-1)
+        for end, world in reversed(markers):
+            if end <= max(newer_than, own):
+                return None
+            if world != self.world_size and (point := self._complete_or_none(end)) is not None:
+                return point
+        return None
+
+    def _parts_of(self, rank: int, ends) -> set[int]:
+        """The iterations ``rank``'s parts of the complete points ending at ``ends`` use (a point another
+        rank's retention just dropped uses none)."""
+        needed: set[int] = set()
+        for end in ends:
+            if (point := self._complete_or_none(end)) is not None and rank in point.parts:
+                needed.update(point.parts[rank].iterations)
+        return needed
 
     def complete(self, end: int) -> CompletePoint:
         data = json.loads((self.directory / "complete" / f"{end:012d}.json").read_text())
@@ -200,12 +237,13 @@ class DurableTier:
         parts come from two timelines while the ranks rewrite theirs one by one (each rank's next flush marks
         its part done again, the last one the point complete). Returns the ends."""
         dropped = []
-        for end in self.complete_points():
+        for end in self.recorded_points():  # another world's point too: its rank ``rank`` is this directory
             point = self._complete_or_none(end)
-            part = point.parts.get(rank) if point is not None else None
-            if part is not None and iteration in part.iterations:
+            if point is None or (part := point.parts.get(rank)) is None:
+                continue
+            if iteration in part.iterations:
                 (self.directory / "complete" / f"{end:012d}.json").unlink(missing_ok=True)
-                for r in range(self.world_size):
+                for r in range(max(self.world_size, len(point.parts))):
                     self._done(r, end).unlink(missing_ok=True)
                 dropped.append(end)
         for end in self.done_points(rank):
@@ -257,13 +295,11 @@ class DurableTier:
     def discard_after(self, rank: int, iteration: int) -> list[int]:
         """After a rollback to ``iteration``: drop ``rank``'s durable points (and done markers) newer than it
         that no complete point uses — the abandoned timeline's partial flushes, which must not mix with the
-        new timeline's (a lossy run re-executes differently). Complete points are never touched. Returns
-        the deleted iterations."""
-        needed: set[int] = set()
-        complete = self.complete_points()
-        for end in complete:
-            if (point := self._complete_or_none(end)) is not None and rank in point.parts:
-                needed.update(point.parts[rank].iterations)
+        new timeline's (a lossy run re-executes differently). Complete points are never touched, those of
+        another world size neither (an elastic reshape's new world: the old world's points stay until this
+        world's retention supersedes them). Returns the deleted iterations."""
+        complete = self.recorded_points()
+        needed = self._parts_of(rank, complete)
         for end in self.done_points(rank):
             if end > iteration and end not in complete:
                 self._done(rank, end).unlink(missing_ok=True)

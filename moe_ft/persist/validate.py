@@ -14,6 +14,7 @@ from typing import Iterable, Mapping
 
 from moe_ft.persist.durable import DurableTier
 from moe_ft.state.operators import OperatorId
+from moe_ft.store import StoreError
 from moe_ft.store.rules import RecoveryPoint
 
 
@@ -49,27 +50,52 @@ def refuse_mixed_iterations(point: RecoveryPoint, loaded: Mapping[OperatorId, in
 
 
 def validate_durable(job_dir, *, num_layers: int, num_experts: int) -> tuple[int | None, list[str]]:
-    """Round-trip check of the newest complete point of a durable tier (``<persist_dir>/moe_ft/<job>``):
-    every entry each rank's part needs is present and passes its checksum, the parts form one point, and
-    every expert of every layer is FULL in it. Returns ``(end, problems)``; ``end`` is ``None`` if there is
-    no complete point."""
+    """Round-trip check of the newest complete point of a durable tier: ``(end, problems)``; ``end`` is
+    ``None`` without a complete point or a durable tier (the problem says which)."""
+    try:
+        checked = validate_durable_points(job_dir, num_layers=num_layers, num_experts=num_experts)
+    except ValueError as e:
+        return None, [str(e)]
+    return checked[0] if checked else (None, [f"{job_dir}: no complete durable point"])
+
+
+def validate_durable_points(job_dir, *, num_layers: int, num_experts: int) -> list[tuple[int, list[str]]]:
+    """Round-trip check of the complete points of a durable tier (``<persist_dir>/moe_ft/<job>``), newest
+    first, as a recovery takes them: every entry each rank's part needs is present and passes its checksum,
+    the parts form one point, and every expert of every layer is FULL in it. Returns ``[(end, problems)]`` down
+    to the first valid point (empty problems), or every point when none is; ``[]`` without a complete point.
+    Read-only: nothing is created or changed (a rank directory that is missing is a problem of the point). A
+    ``ValueError`` names a directory that is no durable tier."""
 
     job_dir = Path(job_dir)
     if not (job_dir / "complete").is_dir():
-        return None, [f"{job_dir}: no complete/ directory; not a durable tier (<persist_dir>/moe_ft/<job>)"]
+        raise ValueError(f"{job_dir}: no complete/ directory; not a durable tier (<persist_dir>/moe_ft/<job>)")
     # the newest point's own world size: rank directories of an earlier, larger world may outlive it
     any_world = DurableTier(job_dir.parent.parent, job_dir.name, 1)
     ends = any_world.recorded_points()
     if not ends:
-        return None, [f"{job_dir}: no complete durable point"]
+        return []
     newest = any_world.complete(ends[-1])
-    tier = DurableTier(job_dir.parent.parent, job_dir.name, newest.world_size or len(newest.parts))
-    point = tier.newest_complete()
-    if point is None:
-        return None, [f"{job_dir}: no complete durable point"]
+    tier = any_world.of_world(newest.world_size or len(newest.parts))
+    out = []
+    for end in reversed(tier.complete_points()):
+        point = tier.complete(end)
+        problems = _point_problems(tier, point, num_layers=num_layers, num_experts=num_experts)
+        out.append((end, problems))
+        if not problems:
+            break
+    return out
+
+
+def _point_problems(tier: DurableTier, point, *, num_layers: int, num_experts: int) -> list[str]:
     problems = validate_experts(point.parts, num_layers=num_layers, num_experts=num_experts)
     for rank, part in sorted(point.parts.items()):
-        store = tier.store(rank)
+        try:  # read-only: a rank directory that is missing is a finding, never created
+            store = tier.reader(rank)
+        except StoreError:
+            problems.append(f"rank {rank} holds no part of point {point.end} ({tier.directory / f'rank{rank}'} is "
+                            "missing or not a store)")
+            continue
         catalog = store.verify(part.iterations)
         problems += [f"rank {rank}: iteration {p.iteration} {p.what}: {p.reason}" for p in catalog.problems]
         for ref in part.entries:
@@ -78,4 +104,4 @@ def validate_durable(job_dir, *, num_layers: int, num_experts: int) -> tuple[int
             if entry is None or (ref.op is not None and entry.level != ref.level):
                 what = "metadata" if ref.op is None else f"{ref.op}@{ref.level.name if ref.level else 'any level'}"
                 problems.append(f"rank {rank}: {what} of iteration {ref.iteration} missing or corrupt")
-    return point.end, problems
+    return problems

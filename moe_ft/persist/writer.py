@@ -6,6 +6,9 @@ the last rank to finish makes the point complete. The training thread only enque
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Mapping
@@ -15,8 +18,11 @@ from moe_ft.persist.durable import DurableTier
 from moe_ft.state.operators import Level, OperatorId
 from moe_ft.store import SnapshotStore
 from moe_ft.store.codec import PENDING
+from moe_ft.store.errors import store_full
 from moe_ft.store.manifest import EntryRecord, PointRecord, build_manifest
 from moe_ft.store.rules import EntryRef, RecoveryPoint, RecoveryRule
+
+log = logging.getLogger("moe_ft.persist")
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class PersistWriter:
         self.durable.backend.sweep_staging()
         self.records: list[PersistRecord] = []
         self.skipped: list[tuple[int, str]] = []
+        self.paused = ""
+        """Non-empty while the durable copies are paused: the durable directory is full (``ENOSPC``/``EDQUOT``)."""
         self._worker: BackgroundWorker[tuple[int, Mapping[OperatorId, Level] | None]] = BackgroundWorker(
             f"moe-ft-persist{rank}", self._persist_job,
             describe=lambda e: f"durable persistence of rank {self.rank} failed: {e!r}")
@@ -84,17 +92,70 @@ class PersistWriter:
             time.sleep(0.002)
 
     def persist(self, iteration: int, persist_plan: Mapping[OperatorId, Level] | None = None) -> PersistRecord | None:
-        """Synchronous body of one flush (the thread calls it; tests may too)."""
+        """Synchronous body of one flush (the thread calls it; tests may too). A durable directory without room
+        (``ENOSPC``, ``EDQUOT``) pauses the copies instead of ending the run (:meth:`_pause`)."""
+        try:
+            record = self._persist(iteration, persist_plan)
+        except OSError as e:
+            if not store_full(e):
+                raise
+            self._pause(iteration, e)
+            return None
+        if self.paused and record is not None:
+            print(f"moe-ft durable copies resumed at iteration {iteration}: {self.tier.directory} has room again",
+                  file=sys.stderr, flush=True)
+            self.paused = ""
+        return record
+
+    def _pause(self, iteration: int, error: OSError) -> None:
+        """The durable directory is full: this flush is dropped (its staging was aborted, and a marker is
+        written whole or not at all: nothing torn is ever marked done or complete), training goes on, the
+        next due iteration tries again. Recovery meanwhile uses the newest complete point kept (retention
+        deletes old points only after a newer one is complete)."""
+        self.skipped.append((iteration, f"durable directory full: {error.strerror}"))
+        if not self.paused:
+            newest = self.tier.complete_points()
+            kept = f"the newest complete durable point (iteration {newest[-1]}) is kept" if newest else \
+                "no durable point is complete yet"
+            print(f"moe-ft durable copies paused (persist dir full) at iteration {iteration} on rank {self.rank}: "
+                  f"{self.tier.directory}: {error.strerror}; training goes on, {kept}, copies resume when space "
+                  f"returns (free space there, or --ft-persist-dir on a larger file system)", file=sys.stderr,
+                  flush=True)
+        self.paused = "persist dir full"
+
+    def _persist(self, iteration: int, persist_plan: Mapping[OperatorId, Level] | None) -> PersistRecord | None:
         start = time.perf_counter()
         if persist_plan is not None:
             return self._persist_incremental(iteration, persist_plan, start)
-        point = self.store.newest_recoverable(self.rule, at_or_before=iteration, verify=True)
-        if point is None:
-            self.skipped.append((iteration, "no recovery point in the node-local store yet"))
-            return None
-        with self.store.pin(point.iterations):
+        with contextlib.ExitStack() as pins:
+            # pinned before its bytes are verified and read: the node-local retention may delete any point
+            # it does not see pinned, between a listing and the pin (the listing says nothing of such a point)
+            point = self.store.newest_recoverable(self.rule, at_or_before=iteration, report=False)
+            if point is None:
+                self.skipped.append((iteration, "no recovery point in the node-local store yet"))
+                return None
+            for _ in range(2):  # the newest point; once more, an older one if an entry of it is corrupt
+                pins.enter_context(self.store.pin(point.iterations))
+                if not set(point.iterations) <= set(self.store.points()):
+                    return self._skip(iteration, f"the node-local retention deleted point {point.end} before it "
+                                                 "was pinned (newer points superseded it); the next due iteration "
+                                                 "copies a newer one")
+                verified = self.store.newest_recoverable(self.rule, at_or_before=point.end, verify=True, report=False)
+                if verified is None:
+                    return self._skip(iteration, "no recovery point of the node-local store verifies")
+                if set(verified.iterations) <= set(point.iterations):
+                    point = verified
+                    break
+                point = verified  # verified before it was pinned: pinned now, and its presence checked again
+            else:
+                return self._skip(iteration, "the node-local points changed while they were verified")
             nbytes = sum(self._copy(point, it) for it in point.iterations)
         return self._finish(point, nbytes, start)
+
+    def _skip(self, iteration: int, why: str) -> None:
+        """One line for a flush that copies nothing (the next due iteration tries again)."""
+        self.skipped.append((iteration, why))
+        log.warning("moe-ft durable copy of iteration %d skipped on rank %d: %s", iteration, self.rank, why)
 
     def _persist_incremental(self, iteration: int, plan: Mapping[OperatorId, Level], start: float):
         refs = tuple(EntryRef(iteration, op, Level(level)) for op, level in sorted(plan.items())

@@ -41,6 +41,7 @@ from moe_ft import comm
 from moe_ft.checkfree.recovery import boost_rebuilt_stage
 from moe_ft.digest import global_digest
 from moe_ft.persist import DurableTier
+from moe_ft.persist.fit import durable_misfit, durable_misfit_error
 from moe_ft.recovery import planner
 from moe_ft.recovery.bounded import BoundedStore
 from moe_ft.recovery.decisions import agreed_avoided, note_avoided, recording
@@ -49,6 +50,7 @@ from moe_ft.recovery.inputs import (
     audit_path,
     discard_survivor_points,
     durable_store,
+    durable_tier,
     phase_seconds,
     seconds_since_last_fault,
 )
@@ -148,9 +150,16 @@ def check_saved_schedules(inputs: RecoveryInputs) -> ScheduleRule:
     Returns the rule, which applies ``--override-opt-param-scheduler`` once a point is restored."""
     rule = ScheduleRule(training=inputs.args.training)
     lo = inputs.start_iteration - 1
+    durable = durable_store(inputs, newer_than=lo)
     sources = recovery_sources(inputs.session.store, lo=lo, survivor_points=inputs.survivor_points,
-                               durable=durable_store(inputs, newer_than=lo))
-    stop_unless_agreed(rule.first_problem(sources), inputs.rank)
+                               durable=durable)
+    problem = rule.first_problem(sources)
+    tier = durable_tier(inputs)
+    if problem is None and durable is not None and tier is not None:
+        # a relaunch with other model flags: stop before the planner starts over and retention replaces the points
+        misfit = durable_misfit(tier, durable[1], inputs.rank, inputs.registry)
+        problem = None if misfit is None else durable_misfit_error(tier, durable[1], misfit)
+    stop_unless_agreed(problem, inputs.rank)
     return rule
 
 
@@ -237,8 +246,11 @@ def restore_newest_point(inputs: RecoveryInputs, plan=None, *, below: int | None
     rs.seconds = {k: memory.seconds.get(k, 0.0) + rs.seconds.get(k, 0.0) for k in {*memory.seconds, *rs.seconds}}
     if rs.point is None:
         return rs, "memory"
+    # the point restored: an older complete point when a newer one failed its checks on some rank
+    passed = "" if rs.point.end == complete_end else \
+        f" (the newer complete point ending at {complete_end} did not restore on every rank)"
     rs.message = (f"no recovery point in every rank's memory tier (node-local stores and replicas); "
-                  f"recovered from the newest complete durable point (iteration {complete_end}) in "
+                  f"recovered from the complete durable point ending at iteration {rs.point.end}{passed} in "
                   f"{os.path.dirname(store.backend.describe())}")
     return rs, "durable"
 

@@ -127,10 +127,17 @@ def durable_store(inputs: RecoveryInputs, newer_than: int):
     ``newer_than`` (the ``--load`` checkpoint's last iteration), else ``None``. Same answer on every rank
     (the completion markers are shared)."""
 
+    tier = durable_tier(inputs)
+    if tier is None:
+        return None
+    ends = [e for e in tier.complete_points() if e > newer_than]
+    return (tier.store(inputs.rank), ends[-1]) if ends else None
+
+
+def durable_tier(inputs: RecoveryInputs) -> DurableTier | None:
+    """The job's durable tier at this world size (``None``: no ``--ft-persist-interval``)."""
     cfg = inputs.config
     root = cfg.persist.root(inputs.args.training.save)
     if not (cfg.persist.interval and root):
         return None
-    tier = DurableTier(root, cfg.snapshot.job_id, dist.get_world_size())
-    ends = [e for e in tier.complete_points() if e > newer_than]
-    return (tier.store(inputs.rank), ends[-1]) if ends else None
+    return DurableTier(root, cfg.snapshot.job_id, dist.get_world_size())

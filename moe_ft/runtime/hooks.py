@@ -35,6 +35,7 @@ from moe_ft.cli.digest import write_digest
 from moe_ft.config import FTConfig
 from moe_ft.elastic.component import elastic_component
 from moe_ft.elastic.holders import catalogue_infos
+from moe_ft.elastic.inventory import read_records
 from moe_ft.elastic.rebalance_component import rebalance_component
 from moe_ft.launch.protocol import GROWS_ENV, REFUSED_EXIT_CODE, USAGE_EXIT_CODE
 from moe_ft.launch.worker import launch_facts
@@ -42,6 +43,8 @@ from moe_ft.localized.component import UpstreamLogging
 from moe_ft.localized.survivor import Regroup, SurvivorGuard
 from moe_ft.localized.survivor_points import HeldPoint, StoredPoints, survivor_store
 from moe_ft.megatron_ext.router import attach_popularity
+from moe_ft.persist.durable import DurableTier
+from moe_ft.persist.fit import other_world_error
 from moe_ft.popularity import ExpertPopularity, PopularityConfig
 from moe_ft.precision.te_fp8 import ensure_te_scaling_state
 from moe_ft.recovery.component import Boost
@@ -120,6 +123,8 @@ class FTRuntime(StepHooks):
             elastic.drop_older_generation()  # collective: a former spare's node holds an older generation's points
         resuming = elastic is not None and elastic.reshaping  # every operator from the old world's points
         recover, restart_count = False, 0
+        if cfg.snapshot.enabled and cfg.persist.interval and not resuming:
+            self._check_durable_tier(elastic is not None)  # collective, before the tier is read or changed
         if cfg.snapshot.enabled and not resuming:
             recover, restart_count = should_recover(cfg, args)  # collective: every rank decides alike
             # an elastic fallback (a world change no live copy serves) drops the old world's points itself
@@ -168,7 +173,24 @@ class FTRuntime(StepHooks):
         (``moe_ft/recovery/fresh_start.py``): the first snapshot would collide with them."""
         cfg = self.config
         held = held_points(cfg.snapshot.store_dir, cfg.snapshot.job_id)
-        mine = stale_store_error(cfg.job_dir(), held, cfg.recovery.recover) if held else ""
+        self._stop_on_any(stale_store_error(cfg.job_dir(), held, cfg.recovery.recover) if held else "")
+
+    def _check_durable_tier(self, elastic: bool) -> None:
+        """Collective: a start whose durable tier holds complete points of another world size, newer than
+        the ``--load`` checkpoint and than any of this world size, stops every rank with one line (exit 2)
+        before anything reads or changes the tier (``moe_ft/persist/fit.py``): this world cannot load them,
+        and its retention would delete them."""
+        cfg = self.config
+        root = cfg.persist.root(self.args.training.save)
+        if not root:  # refused at parsing (an interval needs a directory)
+            return
+        tier = DurableTier(root, cfg.snapshot.job_id, self.world_size)
+        hint = not elastic and bool(read_records(cfg.snapshot.store_dir, cfg.snapshot.job_id))
+        self._stop_on_any(other_world_error(tier, newer_than=self.start_iteration - 1, elastic_hint=hint))
+
+    def _stop_on_any(self, mine: str | None) -> None:
+        """Collective: when any rank has an error line, the lowest such rank prints it and every rank stops
+        (exit 2)."""
         errors = comm.all_gather_object(mine)
         if any(errors):
             if self.rank == next(r for r, e in enumerate(errors) if e):
@@ -251,11 +273,7 @@ class FTRuntime(StepHooks):
                          window=getattr(self.active.policy, "window_length", None) or 1, kept_bytes=kept)
         mine = RankNeed(os.stat(existing_dir(store_dir)).st_dev, mount_point(Path(store_dir)), need)
         needs = [RankNeed(**d) for d in comm.all_gather_object(asdict(mine))]
-        errors = comm.all_gather_object(shortfall(needs, store_dir, cfg.job_dir()))
-        if any(errors):
-            if self.rank == next(r for r, e in enumerate(errors) if e):
-                print(f"error: {next(e for e in errors if e)}", file=sys.stderr, flush=True)
-            raise SystemExit(USAGE_EXIT_CODE)
+        self._stop_on_any(shortfall(needs, store_dir, cfg.job_dir()))
 
     def reconfigure(self, iteration: int, change):
         """Collective, after ``iteration``'s optimizer step: ``change(registry)`` moves operators between

@@ -24,6 +24,8 @@ def format_line(iteration: int, m: dict) -> str:
     if "recompute_sent" in m:
         parts.append(f"recompute {m['recompute_sent']} grads, {m['recomputed']} rebuilt, "
                      f"{m['recompute_failures']} failed")
+    if "durable_paused" in m:
+        parts.append(f"durable copies paused ({m['durable_paused']})")
     if "persist_end" in m:
         parts.append(f"durable {m['persist_end'] + 1} ({m['persist_mb_s']:.1f} MB/s)")
     if "agent_verified" in m:

@@ -16,6 +16,7 @@ import torch
 from moe_ft.state import shards
 from moe_ft.state.naming import plan_free_name
 from moe_ft.state.operators import Level, OperatorId
+from moe_ft.store.codec import dtype_name
 
 
 @torch.no_grad()
@@ -48,6 +49,24 @@ def copy_checked(state, live: dict, stored: dict, *, what: str, fix: str) -> int
     for hook in getattr(state, "after_restore", ()):
         hook()
     return total
+
+
+def entry_misfit(registry, entry) -> str | None:
+    """Why the stored entry described by ``entry`` (a manifest's ``EntryRecord``: tensor names, dtypes and
+    shapes; no byte read) cannot be restored into this rank's operator -- :func:`copy_checked` would refuse
+    it -- or ``None``. The metadata entry and an operator this rank does not hold are not checked here."""
+    if entry.op is None or entry.op not in registry:
+        return None
+    live = {plan_free_name(n): t for n, t in registry[entry.op].tensors(Level(entry.level)).items()}
+    stored = {plan_free_name(t.name): t for t in entry.tensors}
+    if set(stored) != set(live):
+        missing, extra = sorted(set(live) - set(stored)), sorted(set(stored) - set(live))
+        return f"{entry.op}: this model's tensors {missing[:2]} are not stored, the stored {extra[:2]} are not this model's"
+    for name, dst in live.items():
+        src = stored[name]
+        if tuple(src.shape) != tuple(dst.shape) or src.dtype != dtype_name(dst.dtype):
+            return f"{entry.op}/{name}: stored {src.dtype}{list(src.shape)}, this model's {dtype_name(dst.dtype)}{list(dst.shape)}"
+    return None
 
 
 @torch.no_grad()

@@ -778,10 +778,11 @@ class SnapshotStore:
     def _where(self, iteration: int, blob: str) -> str:
         return f"{self.backend.describe()} iteration {iteration} {blob}"
 
-    def catalog(self, iterations: Iterable[int] | None = None) -> Catalog:
+    def catalog(self, iterations: Iterable[int] | None = None, *, report: bool = True) -> Catalog:
         """Read the manifests. A point whose manifest is damaged, or an entry whose file is missing or has
-        the wrong size, is left out with a warning naming it (``Catalog.problems``). Checksums of entry
-        bytes are verified by :meth:`load` / :meth:`verify`, not here."""
+        the wrong size, is left out with a warning naming it (``Catalog.problems``; ``report=False``: no
+        warning, for a listing that may race with the retention deleting a point, before it pins what it
+        reads). Checksums of entry bytes are verified by :meth:`load` / :meth:`verify`, not here."""
         points: dict[int, PointRecord] = {}
         problems: list[Problem] = []
         holes: list[tuple[int, OperatorId]] = []
@@ -819,7 +820,7 @@ class SnapshotStore:
             entries.update({e.op: replace(e, remote=False) for e in fetched if e.op is not None})  # all remote
             meta = None if record.meta in bad else record.meta
             points[it] = replace(record, entries=entries, meta=meta)
-        for problem in problems:
+        for problem in problems if report else ():
             logger.warning("moe-ft store %s: skipping %s", self.backend.describe(), problem)
         return Catalog(points, problems, holes, damaged)
 
@@ -933,10 +934,11 @@ class SnapshotStore:
         return self.catalog().newest_full(op, at_or_before)
 
     def newest_recoverable(self, rule: RecoveryRule, *, at_or_before: int | None = None,
-                           verify: bool = False) -> RecoveryPoint | None:
+                           verify: bool = False, report: bool = True) -> RecoveryPoint | None:
         """Newest recovery point ``rule`` accepts. With ``verify`` every entry it needs is checksummed
-        first; a corrupt one is skipped with a warning and the search continues without it."""
-        catalog = self.catalog()
+        first; a corrupt one is skipped with a warning and the search continues without it. ``report``: as
+        :meth:`catalog`'s (checksum failures are reported either way)."""
+        catalog = self.catalog(report=report)
         verified: set[EntryRef] = set()
         while True:
             point = newest_recoverable(catalog, rule, at_or_before)
