@@ -156,3 +156,27 @@ def test_a_recovery_from_an_older_durable_point_names_the_point_it_restored(corp
     assert "recovery point durable [5, 5]" in line, line
     assert (f"recovered from the complete durable point ending at iteration 5 (the newer complete point ending at 7 "
             f"did not restore on every rank) in {job}") in line, line
+
+
+def test_a_rank_whose_durable_directory_is_gone_reads_nothing_and_creates_nothing(tmp_path, capsys):
+    """Every rank marked its part of points 1 and 3 done, then rank 1's directory was lost. Its recovery offers
+    no durable point (every rank then passes the tier over alike, and the report says the tier did not restore),
+    says why in one line, and leaves the tier as it found it: it used to open the tier for writing and create an
+    empty ``rank1`` store, after which ``moe-ft inspect`` saw "0 published points" instead of a missing part."""
+    import shutil
+
+    from moe_ft.recovery.inputs import durable_store
+
+    tier = _complete_point(tmp_path, 2)
+    shutil.rmtree(tier.directory / "rank1")
+    before = _tree(tier.directory)
+    inputs = SimpleNamespace(
+        rank=1, world_size=2, args=SimpleNamespace(training=SimpleNamespace(save=None)),
+        config=SimpleNamespace(snapshot=SimpleNamespace(job_id="j"),
+                               persist=SimpleNamespace(interval=2, root=lambda save: str(tmp_path / "durable"))))
+    store, end = durable_store(inputs, newer_than=-1)
+    assert end == 3 and store.points() == []
+    assert "have no part of this rank" in capsys.readouterr().err
+    assert _tree(tier.directory) == before and not (tier.directory / "rank1").exists()
+    own, _ = durable_store(SimpleNamespace(**{**vars(inputs), "rank": 0}), newer_than=-1)
+    assert own.points() == [1, 3]

@@ -244,7 +244,12 @@ def restore_newest_point(inputs: RecoveryInputs, plan=None, *, below: int | None
     recording(ledger, GLOBAL, point_end, lambda: _machine(inputs, BoundedStore(store, hi=hi), rs))
     rs.proposals = memory.proposals + rs.proposals
     rs.seconds = {k: memory.seconds.get(k, 0.0) + rs.seconds.get(k, 0.0) for k in {*memory.seconds, *rs.seconds}}
-    if rs.point is None:
+    if rs.point is None:  # the durable tier's points did not restore on every rank either: say so
+        tier = durable_tier(inputs)
+        assert tier is not None  # durable_store found its points
+        rs.message = (f"the durable tier's complete points up to iteration {complete_end} in "
+                      f"{tier.directory} did not restore on every rank (the lines above "
+                      f"say why); {rs.message}")
         return rs, "memory"
     # the point restored: an older complete point when a newer one failed its checks on some rank
     passed = "" if rs.point.end == complete_end else \

@@ -8,16 +8,16 @@ The runtime builds the inputs (``moe_ft/runtime/hooks.py``); the steps are in ``
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
-import torch.distributed as dist
-
 from moe_ft.localized.component import UpstreamLogging
 from moe_ft.persist import DurableTier
 from moe_ft.persist.component import Durable
+from moe_ft.store import MemoryBackend, SnapshotStore, StoreError
 
 if TYPE_CHECKING:
     from moe_ft.config import FTConfig
@@ -131,7 +131,15 @@ def durable_store(inputs: RecoveryInputs, newer_than: int):
     if tier is None:
         return None
     ends = [e for e in tier.complete_points() if e > newer_than]
-    return (tier.store(inputs.rank), ends[-1]) if ends else None
+    if not ends:
+        return None
+    try:  # read only: a recovery creates nothing in the tier
+        store = tier.reader(inputs.rank)
+    except StoreError as e:  # its directory is gone although every rank marked its part done
+        print(f"moe-ft recovery rank {inputs.rank}: the durable tier's complete points up to iteration {ends[-1]} "
+              f"have no part of this rank ({e}): they cannot be restored", file=sys.stderr, flush=True)
+        store = SnapshotStore(MemoryBackend())  # proposes no point: every rank passes the tier over alike
+    return store, ends[-1]
 
 
 def durable_tier(inputs: RecoveryInputs) -> DurableTier | None:
@@ -140,4 +148,4 @@ def durable_tier(inputs: RecoveryInputs) -> DurableTier | None:
     root = cfg.persist.root(inputs.args.training.save)
     if not (cfg.persist.interval and root):
         return None
-    return DurableTier(root, cfg.snapshot.job_id, dist.get_world_size())
+    return DurableTier(root, cfg.snapshot.job_id, inputs.world_size)
