@@ -186,6 +186,7 @@ class SpareAgent(RecoveryDecisions):
             time.sleep(0.05)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._started_in_pass = []  # each process started before this pass is held (_workers, _spares) or stopped
         self._kill_stopped()
         if self._inprocess:
             self._apply_announcements(worker_group)
