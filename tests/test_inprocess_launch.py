@@ -28,7 +28,7 @@ from moe_ft.launch import cli, protocol, worker
 from moe_ft.launch.agent import SpareAgent
 from moe_ft.launch.membership import Fenced
 from moe_ft.launch.policy import plan_replacements, rank_homes
-from tests._launch_helpers import sleeping_agent
+from tests._launch_helpers import sleeping_agent, store_client
 
 ITERS, WINDOW = 10, 3
 
@@ -44,7 +44,8 @@ def test_protocol_announces_attempts_and_assigns_spares(store):
     assert protocol.announcement(store, keys, 1) == {}
     assert protocol.wait_for_attempt_after(store, keys, 0, timeout_s=0.1) is None  # nobody announced
     got = {}
-    waiter = threading.Thread(target=lambda: got.update(protocol.wait_for_assignment(store, keys, "0.0")))
+    spare = store_client(store)  # a wait in the store holds its client's connection
+    waiter = threading.Thread(target=lambda: got.update(protocol.wait_for_assignment(spare, keys, "0.0")))
     waiter.start()
     assert protocol.claim_spare(store, keys, "0.0", 1, rank=3, local_rank=3)
     attempt = protocol.announce(store, keys, kind="inprocess", failed=[3], detected_at=12.5, slots={3: "0.0"})
