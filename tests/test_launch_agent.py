@@ -235,9 +235,53 @@ def test_a_node_whose_workers_finished_first_is_not_declared_lost(store, tmp_pat
             time.sleep(0.1)
         assert b._lost == set() and protocol.current_attempt(store, keys) == 0 and sorted(b._workers) == [1]
         assert barrier.is_alive()  # node 1 has not finished: node 0 still waits for it
-        store.add(keys.exit(0), 1)  # node 1's workers finish
+        store.set(keys.finished("r0", 1), "1")  # node 1's workers finish
         barrier.join(10)
         assert not barrier.is_alive()
+    finally:
+        a._close_all()
+        b._close_all()
+
+
+def test_nodes_that_read_different_attempts_leave_the_exit_barrier_together(store, tmp_path):
+    """Node 1's agent reads the announcements at the start of its pass (none new), and stalls in the store
+    (the drills' store once stalled every agent for about 5 s); meanwhile node 0's agent announces attempt 1 and
+    both nodes' workers finish. Node 1's pass then finds its worker finished: the two agents enter the exit
+    barrier having applied different attempts (0 and 1), and both leave it at once. Before, each counted itself
+    under its own newest attempt (``exit/0``, ``exit/1``) and both waited out the barrier's timeout (300 s in
+    torch elastic, 3 s here)."""
+    a, group_a = sleeping_agent(store, tmp_path / "a", "apart", 1)
+    b, group_b = sleeping_agent(store, tmp_path / "b", "apart", 1)
+    place([a, b], nodes=2)
+    for group in (group_a, group_b):
+        group.spec.entrypoint, group.spec.args = sys.executable, ("-c", "pass")
+    keys = protocol.Keys("apart")
+    adopt = b._adopt_claimed_spares
+
+    def stalled_pass(group):  # between node 1's read of the announcements and its look at its processes
+        adopt(group)
+        protocol.announce(store, keys, kind="inprocess", failed=[0], detected_at=time.time(), holders={0: 0})
+        assert wait_until(lambda: a._monitor_workers(group_a).state == WorkerState.SUCCEEDED, timeout=30)
+        wait_until(lambda: b._workers[1].context.wait(0) is not None, timeout=30, message="node 1's worker done")
+
+    try:
+        a._workers = {0: a._start_one(group_a, name="rank0", rank=0, local_rank=0)}
+        b._workers = {1: b._start_one(group_b, name="rank1", rank=1, local_rank=0)}
+        b._adopt_claimed_spares = stalled_pass
+        assert b._monitor_workers(group_b).state == WorkerState.SUCCEEDED
+        assert (a._seen, b._seen) == (1, 0)
+        left = {}
+        for agent in (a, b):
+            agent._exit_barrier_timeout = 3.0
+        barriers = [threading.Thread(target=lambda agent=agent: (agent._exit_barrier(),
+                                                                  left.update({agent._node: time.monotonic()})))
+                    for agent in (a, b)]
+        began = time.monotonic()
+        for barrier in barriers:
+            barrier.start()
+        for barrier in barriers:
+            barrier.join(10)
+        assert sorted(left) == [0, 1] and max(left.values()) - began < 2.0, {n: t - began for n, t in left.items()}
     finally:
         a._close_all()
         b._close_all()
@@ -263,7 +307,7 @@ def test_a_node_that_finished_and_left_is_not_declared_lost(store, tmp_path):
         assert wait_until(lambda: a._monitor_workers(group_a).state == WorkerState.SUCCEEDED, timeout=30)
         a._exit_barrier_timeout = 0.3
         a._exit_barrier()  # runs out: node 1 has not finished
-        assert int(store.add(keys.exit(0), 0)) == 1
+        assert store.check([keys.finished("r0", 0)]) and not store.check([keys.finished("r0", 1)])
         watched = time.monotonic()
         while time.monotonic() - watched < 2.0:  # four node timeouts of node 1's passes
             assert b._monitor_workers(group_b).state == WorkerState.HEALTHY

@@ -50,11 +50,11 @@ elastic's agent store), under ``moe_ft/launch/<run id>/``:
                             state), wait for the round's attempt and take their ranks in it.
 ``suspect/<a>``             counter: workers of attempt ``a`` whose collectives failed because a peer died
                             (the agents then declare a silent node lost sooner).
-``exit/<a>``                counter: agents whose workers finished in attempt ``a`` (the exit barrier).
 ``finished/<r>/<node>``     set by a node's agent once its workers all finished in rendezvous round ``r``
                             (``r<round>``; ``p<pid>`` without rounds), before it waits in the exit barrier
-                            and leaves: the other agents never watch it, declare it lost or claim its
-                            spares (it beats no more once its wait runs out).
+                            (which ends once every live node of the round is listed so) and leaves: the
+                            other agents never watch it, declare it lost or claim its spares (it beats no
+                            more once its wait runs out).
 ``standby/<a>/<rank>``      written by a worker of attempt ``a`` that the global batch leaves out (``--ft-elastic``:
                             the job trains on fewer ranks than it has) once its held state is in the node
                             store: JSON ``{"usable"}``; it then exits :data:`STANDBY_EXIT_CODE` and its agent
@@ -163,9 +163,6 @@ class Keys:
 
     def suspect(self, attempt: int) -> str:
         return prefix(self.run_id) + f"suspect/{attempt}"
-
-    def exit(self, attempt: int) -> str:
-        return prefix(self.run_id) + f"exit/{attempt}"
 
     def finished(self, rdzv_round: str, node: int) -> str:
         return prefix(self.run_id) + f"finished/{rdzv_round}/{node}"
