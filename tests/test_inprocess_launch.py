@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -576,6 +577,7 @@ def test_workers_and_spares_are_stopped_together():
 
     agent = object.__new__(SpareAgent)
     agent._workers, agent._spares, agent._shutdown_timeout = {r: proc() for r in range(3)}, [proc()], 30
+    agent._started_in_pass, agent._starter = [], ThreadPoolExecutor(max_workers=1)  # no start under way
     start = time.monotonic()
     agent._close_all()
     assert len(closing) == 4 and max(closing) - start < 0.4 and time.monotonic() - start < 1.5
