@@ -18,6 +18,11 @@ def launch_store() -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 
 
+def store_client(store: dist.TCPStore) -> dist.TCPStore:
+    """Another client of ``store``'s server (one a spare waits on: a wait in the store holds its connection)."""
+    return dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=10))
+
+
 def sleeping_agent(store, tmp_path, run_id: str, local_world_size: int, *, max_restarts: int = 1,
                    **agent_flags) -> tuple[SpareAgent, WorkerGroup]:
     """A real ``SpareAgent`` on ``store`` whose processes sleep, and its worker group (no rendezvous round:

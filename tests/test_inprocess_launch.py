@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -28,7 +29,7 @@ from moe_ft.launch import cli, protocol, worker
 from moe_ft.launch.agent import SpareAgent
 from moe_ft.launch.membership import Fenced
 from moe_ft.launch.policy import plan_replacements, rank_homes
-from tests._launch_helpers import sleeping_agent
+from tests._launch_helpers import sleeping_agent, store_client
 
 ITERS, WINDOW = 10, 3
 
@@ -44,7 +45,8 @@ def test_protocol_announces_attempts_and_assigns_spares(store):
     assert protocol.announcement(store, keys, 1) == {}
     assert protocol.wait_for_attempt_after(store, keys, 0, timeout_s=0.1) is None  # nobody announced
     got = {}
-    waiter = threading.Thread(target=lambda: got.update(protocol.wait_for_assignment(store, keys, "0.0")))
+    spare = store_client(store)  # a wait in the store holds its client's connection
+    waiter = threading.Thread(target=lambda: got.update(protocol.wait_for_assignment(spare, keys, "0.0")))
     waiter.start()
     assert protocol.claim_spare(store, keys, "0.0", 1, rank=3, local_rank=3)
     attempt = protocol.announce(store, keys, kind="inprocess", failed=[3], detected_at=12.5, slots={3: "0.0"})
@@ -575,6 +577,7 @@ def test_workers_and_spares_are_stopped_together():
 
     agent = object.__new__(SpareAgent)
     agent._workers, agent._spares, agent._shutdown_timeout = {r: proc() for r in range(3)}, [proc()], 30
+    agent._started_in_pass, agent._starter = [], ThreadPoolExecutor(max_workers=1)  # no start under way
     start = time.monotonic()
     agent._close_all()
     assert len(closing) == 4 and max(closing) - start < 0.4 and time.monotonic() - start < 1.5

@@ -17,7 +17,7 @@ from torch.distributed.elastic.agent.server.api import WorkerState
 from moe_ft.launch import protocol
 from moe_ft.launch.membership import Fenced
 from tests._ft_helpers import ROOT, wait_until
-from tests._launch_helpers import launch_store, place, sleeping_agent
+from tests._launch_helpers import launch_store, place, sleeping_agent, store_client
 
 
 @pytest.fixture
@@ -122,7 +122,8 @@ def test_a_spare_acts_only_on_a_claim_its_attempt_names(store):
     decision then released waits on, and takes the rank the announced attempt gives it."""
     keys = protocol.Keys("stands")
     got: dict = {}
-    waiter = threading.Thread(target=lambda: got.update(protocol.wait_for_assignment(store, keys, "r0.1.0")),
+    spare = store_client(store)
+    waiter = threading.Thread(target=lambda: got.update(protocol.wait_for_assignment(spare, keys, "r0.1.0")),
                               daemon=True)
     waiter.start()
     first = protocol.claim_spare(store, keys, "r0.1.0", 1, rank=2, local_rank=1)
@@ -136,6 +137,48 @@ def test_a_spare_acts_only_on_a_claim_its_attempt_names(store):
     assert got == {"rank": 1, "local_rank": 1, "attempt": 1}
     assert protocol.claim_stands(store, keys, "r0.1.0", json.loads(first)) is False
     assert protocol.claim_stands(store, keys, "r0.1.0", json.loads(second)) is True
+
+
+class CountingStore:
+    """A store client that counts the requests made through it (a wait that runs out is two: the wait and its
+    cancel)."""
+
+    def __init__(self, store):
+        self._store, self.requests = store, 0
+
+    def __getattr__(self, name):
+        method = getattr(self._store, name)
+
+        def call(*args, **kwargs):
+            self.requests += 1
+            try:
+                return method(*args, **kwargs)
+            except Exception:
+                self.requests += name == "wait"
+                raise
+        return call
+
+
+def test_a_waiting_spare_loads_the_store_only_when_an_attempt_is_announced(store):
+    """A spare waits in the store for the next announcement: a few requests while it waits, none while a claim
+    waits for its attempt, and it takes its rank as soon as the attempt is announced. Before, it looked every
+    20 ms: about 50 requests a second while unclaimed and 150 while a claim waited, per spare, on the one
+    store every node uses."""
+    keys = protocol.Keys("quiet")
+    spare = CountingStore(store_client(store))
+    got: dict = {}
+    waiter = threading.Thread(target=lambda: got.update(protocol.wait_for_assignment(spare, keys, "r0.1.0")),
+                              daemon=True)
+    waiter.start()
+    time.sleep(1.0)
+    idle = spare.requests
+    assert idle <= 4, f"{idle} store requests in 1 s of waiting"
+    assert protocol.claim_spare(store, keys, "r0.1.0", 1, rank=1, local_rank=0)
+    time.sleep(0.5)  # the agent's decision goes on: other claims, fresh processes
+    assert spare.requests == idle and not got
+    protocol.announce(store, keys, kind="inprocess", failed=[1], detected_at=1.0, slots={1: "r0.1.0"})
+    waiter.join(5)
+    assert got == {"rank": 1, "local_rank": 0, "attempt": 1}
 
 
 _RECORD_SIGNAL = r"""
@@ -192,9 +235,53 @@ def test_a_node_whose_workers_finished_first_is_not_declared_lost(store, tmp_pat
             time.sleep(0.1)
         assert b._lost == set() and protocol.current_attempt(store, keys) == 0 and sorted(b._workers) == [1]
         assert barrier.is_alive()  # node 1 has not finished: node 0 still waits for it
-        store.add(keys.exit(0), 1)  # node 1's workers finish
+        store.set(keys.finished("r0", 1), "1")  # node 1's workers finish
         barrier.join(10)
         assert not barrier.is_alive()
+    finally:
+        a._close_all()
+        b._close_all()
+
+
+def test_nodes_that_read_different_attempts_leave_the_exit_barrier_together(store, tmp_path):
+    """Node 1's agent reads the announcements at the start of its pass (none new), and stalls in the store
+    (the drills' store once stalled every agent for about 5 s); meanwhile node 0's agent announces attempt 1 and
+    both nodes' workers finish. Node 1's pass then finds its worker finished: the two agents enter the exit
+    barrier having applied different attempts (0 and 1), and both leave it at once. Before, each counted itself
+    under its own newest attempt (``exit/0``, ``exit/1``) and both waited out the barrier's timeout (300 s in
+    torch elastic, 3 s here)."""
+    a, group_a = sleeping_agent(store, tmp_path / "a", "apart", 1)
+    b, group_b = sleeping_agent(store, tmp_path / "b", "apart", 1)
+    place([a, b], nodes=2)
+    for group in (group_a, group_b):
+        group.spec.entrypoint, group.spec.args = sys.executable, ("-c", "pass")
+    keys = protocol.Keys("apart")
+    adopt = b._adopt_claimed_spares
+
+    def stalled_pass(group):  # between node 1's read of the announcements and its look at its processes
+        adopt(group)
+        protocol.announce(store, keys, kind="inprocess", failed=[0], detected_at=time.time(), holders={0: 0})
+        assert wait_until(lambda: a._monitor_workers(group_a).state == WorkerState.SUCCEEDED, timeout=30)
+        wait_until(lambda: b._workers[1].context.wait(0) is not None, timeout=30, message="node 1's worker done")
+
+    try:
+        a._workers = {0: a._start_one(group_a, name="rank0", rank=0, local_rank=0)}
+        b._workers = {1: b._start_one(group_b, name="rank1", rank=1, local_rank=0)}
+        b._adopt_claimed_spares = stalled_pass
+        assert b._monitor_workers(group_b).state == WorkerState.SUCCEEDED
+        assert (a._seen, b._seen) == (1, 0)
+        left = {}
+        for agent in (a, b):
+            agent._exit_barrier_timeout = 3.0
+        barriers = [threading.Thread(target=lambda agent=agent: (agent._exit_barrier(),
+                                                                  left.update({agent._node: time.monotonic()})))
+                    for agent in (a, b)]
+        began = time.monotonic()
+        for barrier in barriers:
+            barrier.start()
+        for barrier in barriers:
+            barrier.join(10)
+        assert sorted(left) == [0, 1] and max(left.values()) - began < 2.0, {n: t - began for n, t in left.items()}
     finally:
         a._close_all()
         b._close_all()
@@ -220,7 +307,7 @@ def test_a_node_that_finished_and_left_is_not_declared_lost(store, tmp_path):
         assert wait_until(lambda: a._monitor_workers(group_a).state == WorkerState.SUCCEEDED, timeout=30)
         a._exit_barrier_timeout = 0.3
         a._exit_barrier()  # runs out: node 1 has not finished
-        assert int(store.add(keys.exit(0), 0)) == 1
+        assert store.check([keys.finished("r0", 0)]) and not store.check([keys.finished("r0", 1)])
         watched = time.monotonic()
         while time.monotonic() - watched < 2.0:  # four node timeouts of node 1's passes
             assert b._monitor_workers(group_b).state == WorkerState.HEALTHY

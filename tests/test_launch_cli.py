@@ -1,15 +1,17 @@
 """``moe-ft launch``'s command line (``moe_ft/launch/cli.py``): a mistake in a launcher flag is one line naming
 the flag, exit 2, before anything starts; a node the job's rendezvous never needed ends cleanly; a Ctrl-C
-reaches the workers as the launcher's SIGTERM only."""
+reaches the workers as the launcher's SIGTERM only, also when it comes while a worker starts."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 from datetime import timedelta
 
+import psutil
 import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
@@ -92,8 +94,7 @@ def test_ctrl_c_reaches_a_preloaded_worker_only_as_the_launchers_sigterm(tmp_pat
                                     start_new_session=True)
     try:
         wait_until(ready.exists, timeout=120, message="the preloaded worker's start")
-        # and the agent holds it: it lists its spares (none) once every worker of the group is started; a
-        # signal while a process is still being started reaches no process (torch elastic's start window)
+        # and the whole group is started: the agent lists its spares (none) once every worker of it is
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         wait_until(lambda: store.check([protocol.Keys("ctrl_c").node_spares(0)]), timeout=60,
                    message="the agent's worker group")
@@ -104,3 +105,85 @@ def test_ctrl_c_reaches_a_preloaded_worker_only_as_the_launchers_sigterm(tmp_pat
             kill_tree(launcher.pid)
             launcher.wait()
     assert got.read_text() == "SIGTERM\n", (tmp_path / "launcher.log").read_text()[-3000:]
+
+
+_STOP_THE_LAUNCHER = r"""
+import os, signal, sys, time
+got, sent = sys.argv[1], sys.argv[2]
+def record(signum, frame):
+    with open(got, "a") as f:
+        f.write(signal.Signals(signum).name + "\n")
+    sys.exit(1)
+signal.signal(signal.SIGTERM, record)
+# the launcher: this worker's grandparent under --preload (the fork server between), else its parent
+os.kill(int(os.environ.get("MOE_FT_AGENT_PID") or os.getppid()), signal.SIGTERM)
+open(sent, "w").close()
+time.sleep(120)
+"""
+
+_LATE_START = r"""
+import os, sys, time
+from moe_ft.launch import cli, processes
+start_processes = processes.start_processes
+sent = sys.argv[-1]
+def late(*args, **kwargs):
+    # a loaded machine: start_processes returns after the process it started already runs; here only once
+    # that process has stopped the launcher (and the signal's handler had time to run in the main thread)
+    context = start_processes(*args, **kwargs)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(sent) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    return context
+processes.start_processes = late
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def _marked(mark: str) -> list[psutil.Process]:
+    """The live processes whose environment holds ``MOE_FT_TEST_MARK=mark``: a launcher and everything it
+    started (forks and spawned interpreters alike keep the launcher's environment)."""
+    out = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get("MOE_FT_TEST_MARK") == mark:
+                out.append(proc)
+        except psutil.Error:  # gone, or not ours to read
+            continue
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("preload", [True, False], ids=["preload", "script"])
+def test_a_stop_signal_while_a_worker_starts_stops_that_worker_too(tmp_path, preload):
+    """The launcher gets SIGTERM while torch elastic's ``start_processes`` is still starting a worker (the
+    worker exists, its context has not come back): here the worker itself sends it, and ``start_processes``
+    returns late, as on a loaded machine. The worker gets the launcher's SIGTERM (it writes its held point on
+    it) and nothing the launcher started outlives it. Before, the signal's ``SignalException`` was raised
+    inside ``start_processes`` and the worker was held by nobody: it ran on without a signal, and under
+    ``--preload`` it kept the fork server alive and the launcher never exited (multiprocessing joins its
+    children at exit, and the worker waited for the launcher to collect its return value)."""
+    script, got, sent = tmp_path / "worker.py", tmp_path / "got", tmp_path / "sent"
+    script.write_text(_STOP_THE_LAUNCHER)
+    mark = f"{os.getpid()}.{tmp_path.name}"
+    port = free_port()
+    cmd = [sys.executable, "-c", _LATE_START, "--nnodes", "1", "--nproc-per-node", "1",
+           *(["--preload"] if preload else []), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--rdzv-id", "late", "--log-dir", str(tmp_path / "logs"), str(script), str(got), str(sent)]
+    env = dict(os.environ, MOE_FT_TEST_MARK=mark,
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(tmp_path / "launcher.log", "w") as log:
+        launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+    try:
+        wait_until(sent.exists, timeout=150, message="the worker's start")
+        launcher.wait(timeout=60)
+        wait_until(lambda: not _marked(mark), timeout=30, message="every process the launcher started gone")
+    finally:
+        if launcher.poll() is None:
+            kill_tree(launcher.pid)
+            launcher.wait()
+        for proc in _marked(mark):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    assert got.exists() and got.read_text() == "SIGTERM\n", (tmp_path / "launcher.log").read_text()[-3000:]

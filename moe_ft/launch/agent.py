@@ -169,23 +169,28 @@ class SpareAgent(RecoveryDecisions):
 
     def _exit_barrier(self) -> None:
         """With in-process replacement across nodes, a lost node never reaches torch elastic's exit barrier
-        (it counts every node of the rendezvous): count the live ones instead. The heartbeat goes on while
-        the agent waits here, and the node is listed finished (``_monitor_workers``) before it comes: once the
-        wait runs out (``exit_barrier_timeout``, 300 s) the agent leaves and beats no more, and the nodes still
-        training, which watch it, would otherwise declare it lost and hand its finished ranks to spares."""
+        (it counts every node of the rendezvous): wait for the live ones instead, each listed finished in this
+        rendezvous round (``finished/<round>/<node>``, which ``_monitor_workers`` sets before the barrier). The
+        round is the same on every node; the newest attempt an agent applied is not: an agent whose pass read
+        the announcements just before another announced an attempt counted itself under the attempt before,
+        the others under the new one, and each side waited out the barrier's timeout. The heartbeat goes on
+        while the agent waits here: once the wait runs out (``exit_barrier_timeout``, 300 s) the agent leaves
+        and beats no more, and the nodes still training, which watch it, would otherwise declare it lost and
+        hand its finished ranks to spares."""
         if not self._inprocess or self._nodes == 1:
             super()._exit_barrier()
             return
-        store, key = self._launch_store, self._keys.exit(self._seen)
-        store.add(key, 1)
+        store = self._launch_store
         deadline = time.monotonic() + self._exit_barrier_timeout
         while time.monotonic() < deadline:
             store.add(self._keys.beat(self._node), 1)
-            if int(store.add(key, 0)) >= self._nodes - len(self._lost):
+            live = [n for n in range(self._nodes) if n not in self._lost]
+            if store.check([self._keys.finished(self._round_tag, n) for n in live]):
                 return
             time.sleep(0.05)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._started_in_pass = []  # each process started before this pass is held (_workers, _spares) or stopped
         self._kill_stopped()
         if self._inprocess:
             self._apply_announcements(worker_group)

@@ -2,22 +2,36 @@
 (torch elastic's ``start_processes`` with one process, so that a death ends only that process), its
 environment, its collection when it dies, stopping them all together, and killing a process that stood
 stopped past ``--stop-timeout``. A layer of :class:`~moe_ft.launch.agent.SpareAgent`.
+
+**Starts and stop signals.** torch elastic stops its agent with a Python signal handler that raises
+``SignalException`` in the main thread, wherever it is. Raised inside ``start_processes`` after the fork
+and before the process context comes back (measured: in the forkserver client's read of the new pid,
+under ``--preload``), it leaves a process nobody holds: it outlived the agent, and under ``--preload`` the
+agent itself never exited (multiprocessing joins the child at exit, and the child, torch's ``_wrap``,
+waits for the agent to collect its return value). So every start runs on the agent's start thread, which
+no signal handler interrupts, and lists its process (``_started_in_pass``) before handing it back; a stop
+signal raises in the main thread while it waits, and :meth:`ProcessSupervision._close_all` lets a start
+under way finish, then stops what it started with the rest.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 from torch.distributed.elastic.agent.server.api import WorkerGroup
-from torch.distributed.elastic.multiprocessing import start_processes
+from torch.distributed.elastic.multiprocessing import SignalException, start_processes
 
 from moe_ft.launch import protocol
-from moe_ft.launch.state import AgentState, WorkerProcess
+from moe_ft.launch.state import START_THREAD, AgentState, WorkerProcess
+
+log = logging.getLogger("moe_ft.launch")
 
 
 class ProcessSupervision(AgentState):
@@ -55,15 +69,28 @@ class ProcessSupervision(AgentState):
 
     def _start_one(self, worker_group: WorkerGroup, *, name: str, rank: int, local_rank: int,
                    slot: str = "") -> WorkerProcess:
+        """Start one process, on the start thread (the module docstring says why); a stop signal that comes
+        meanwhile raises here, in the main thread, and the process is stopped with the others."""
         spec = worker_group.spec
         assert spec.entrypoint is not None
+        env = self._env(worker_group, rank=rank, local_rank=local_rank, slot=slot)
+        handle_stop_signals()
+        return self._starter.submit(self._start_listed, spec, name=name, env=env, rank=rank, local_rank=local_rank,
+                                    slot=slot).result()
+
+    def _start_listed(self, spec, *, name: str, env: dict[str, str], rank: int, local_rank: int,
+                      slot: str) -> WorkerProcess:
+        """On the start thread: start the process and list it (``_started_in_pass``) before the main thread
+        holds it."""
+        assert spec.entrypoint is not None
         context = start_processes(
-            name=spec.role, entrypoint=spec.entrypoint, args={0: tuple(spec.args)},
-            envs={0: self._env(worker_group, rank=rank, local_rank=local_rank, slot=slot)},
+            name=spec.role, entrypoint=spec.entrypoint, args={0: tuple(spec.args)}, envs={0: env},
             logs_specs=self._logs.specs(name, local_rank),
             log_line_prefixes=self._logs.prefix(spec.role, rank if rank >= 0 else f"spare{slot}", local_rank),
             start_method=self._start_method)
-        return WorkerProcess(context, local_rank, slot)
+        proc = WorkerProcess(context, local_rank, slot)
+        self._started_in_pass.append(proc)
+        return proc
 
     def _reap(self, rank: int, seen: float) -> None:
         """A worker of this node died (seen at wall time ``seen``): its process is collected and its device
@@ -77,13 +104,16 @@ class ProcessSupervision(AgentState):
         """Stop every worker and spare together: each runs in a context of its own, whose ``close`` signals it
         and waits up to ``timeout`` for it (a worker writes its held state before it exits); one after the
         other, N workers would take N times as long, and a scheduler's grace period could end before the
-        last was even signalled."""
-        procs = [*self._workers.values(), *self._spares]
+        last was even signalled. A start still under way (a stop signal came during it) finishes first, and
+        the processes started since the agent's pass began are stopped too: a stop signal may have come
+        before the caller held one (``_started_in_pass``)."""
+        self._starter.submit(_nothing).result()
+        procs = list({id(p): p for p in [*self._workers.values(), *self._spares, *self._started_in_pass]}.values())
         wait = timeout if timeout is not None else self._shutdown_timeout
         if procs:
             with ThreadPoolExecutor(len(procs), thread_name_prefix="moe-ft-launch-close") as pool:
                 list(pool.map(lambda proc: proc.context.close(death_sig, wait), procs))
-        self._workers, self._spares = {}, []
+        self._workers, self._spares, self._started_in_pass = {}, [], []
 
     def _kill_stopped(self) -> None:
         """Kill this node's processes that stood stopped (SIGSTOP, SIGTSTP: a job-control stop) for
@@ -106,6 +136,44 @@ class ProcessSupervision(AgentState):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         self._stopped = stopped
+
+
+def _nothing() -> None:
+    """A no-op for the start thread: once it ran, every start submitted before it has finished."""
+
+
+def _raise_signal_exception(signum: int, frame) -> None:
+    """torch elastic's stop: the agent's ``run`` catches ``SignalException`` and stops the workers."""
+    sigval = signal.Signals(signum)
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+
+
+class _SignalsHandledByTheAgent(logging.Filter):
+    """torch elastic's ``PContext.start`` warns, at each start off the main thread, that it installs no signal
+    handler there; the agent installs them itself (:func:`handle_stop_signals`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.threadName or "").startswith(START_THREAD) or "signal handler" not in record.getMessage()
+
+
+_QUIET = _SignalsHandledByTheAgent()
+
+
+def handle_stop_signals() -> None:
+    """Install torch elastic's stop handler (``SignalException``) for ``TORCHELASTIC_SIGNALS_TO_HANDLE``, as
+    torch's ``PContext.start`` does in the main thread: the agent's starts run on its start thread, where
+    torch installs none. Nothing to do off the main thread (Python handles signals there only)."""
+    pcontext_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if _QUIET not in pcontext_log.filters:
+        pcontext_log.addFilter(_QUIET)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(","):
+        sig = getattr(signal, name.strip(), None)
+        if isinstance(sig, signal.Signals):
+            signal.signal(sig, _raise_signal_exception)
+        else:
+            log.warning("moe-ft launch: TORCHELASTIC_SIGNALS_TO_HANDLE names %r, not a signal: not handled", name)
 
 
 def is_stopped(pid: int) -> bool:

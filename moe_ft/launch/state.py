@@ -10,6 +10,7 @@ reaches the store that the agents and the workers share (``protocol.py``).
 from __future__ import annotations
 
 import inspect
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -21,6 +22,9 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, PContext
 
 from moe_ft.launch import protocol
 from moe_ft.launch.logs import LaunchLogs
+
+START_THREAD = "moe-ft-launch-start"
+"""The name of the agent's start thread (``AgentState._starter``)."""
 
 
 @dataclass
@@ -89,6 +93,11 @@ class AgentState(LocalElasticAgent):
         self._workers: dict[int, WorkerProcess] = {}
         """This node's workers by global rank (a lost node's ranks may run here, on former spares)."""
         self._spares: list[WorkerProcess] = []
+        self._started_in_pass: list[WorkerProcess] = []
+        """Processes started since this agent's pass began (listed by the start thread, so that a stop signal
+        that comes before the caller holds one still stops it; ``processes.py``)."""
+        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=START_THREAD)
+        """Where every process is started: no signal handler interrupts a start there (``processes.py``)."""
         self._spare_exits = 0
         """Spares that exited while waiting since one last took a rank (:data:`~moe_ft.launch.spares.SPARE_EXITS`)."""
         self._published_spares = ""
