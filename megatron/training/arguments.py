@@ -6,7 +6,9 @@ Validation runs before any process-group work and stops with one actionable line
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,6 +199,11 @@ class Args:
     world_size: int = 1
     extra: dict = field(default_factory=dict)
     """Config dataclasses of other components (e.g. ``FTConfig``), keyed by class name."""
+    run_id: str = ""
+    """This run's identity (:func:`run_identity` of its command line; empty: unknown). Every checkpoint it
+    saves records it, and ``--no-load-optim``/``--no-load-rng`` do not apply to a checkpoint that carries it:
+    a restart of the run (torchrun, ``moe-ft launch``, a resubmitted job with the same flags) loads the
+    optimizer and RNG state it saved itself, the flags apply to the checkpoint the run was started from."""
 
     @property
     def data_parallel_size(self) -> int:
@@ -228,8 +235,18 @@ def parse_args(argv=None, world_size: int | None = None, extra_groups=()) -> Arg
     """Parse Megatron flags plus the flags of ``extra_groups`` ((title, dataclass) pairs); each extra
     dataclass instance lands in ``args.extra[cls.__name__]``. Validation errors raise
     :class:`ArgumentError` (an extra dataclass validates itself in ``__post_init__``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     namespace = build_parser(extra_groups).parse_args(argv)
-    return args_from_namespace(namespace, world_size, extra_groups)
+    args = args_from_namespace(namespace, world_size, extra_groups)
+    args.run_id = run_identity(argv)
+    return args
+
+
+def run_identity(argv: list[str]) -> str:
+    """The identity of a run with the command line ``argv`` (the flags, in their order): the same in every
+    process of the run and every restart of it, which all take the same flags; another for a run with other
+    flags (a finetune from a pretraining checkpoint differs at least in ``--no-load-optim``)."""
+    return hashlib.sha256("\0".join(argv).encode()).hexdigest()[:16]
 
 
 def args_from_namespace(namespace: argparse.Namespace, world_size: int | None = None,
