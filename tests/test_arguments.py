@@ -243,14 +243,21 @@ def test_a_replaying_policy_refuses_grouped_mlp_experts(policy, impl, refused):
         config.check_args(args)
 
 
-def test_load_without_a_complete_checkpoint_is_refused_at_parsing(data_prefix, tmp_path):
-    """``--load DIR`` is checked before any process starts: a directory without the tracker file, a tracker
-    that holds no number, or one naming a missing checkpoint each stop with one line (every rank raised a
-    ``CheckpointError`` traceback after building the model)."""
+def test_load_without_a_checkpoint_starts_from_scratch_unless_exit_on_missing_checkpoint(data_prefix, tmp_path):
+    """``--load DIR`` without a checkpoint (no directory, or no tracker file in it: a fresh ``--load D --save D``
+    job) starts from scratch, as Megatron-LM (the run says so in one line: ``test_checkpoint_flags.py``); before,
+    it stopped with exit 2. ``--exit-on-missing-checkpoint`` stops at parsing with one line instead. A tracker
+    file that holds no number, or names a missing checkpoint, stops with one line either way (every rank raised
+    a ``CheckpointError`` traceback after building the model)."""
+    missing = tmp_path / "missing"
+    for root in (missing, tmp_path):
+        flags = ["--data-path", data_prefix, "--load", str(root)]
+        assert parse_args(flags, world_size=1).training.load == str(root)
+        with pytest.raises(ArgumentError, match=r"^--load \S+: (no such directory|no latest_checkpointed_iteration"
+                                                r".txt, so no complete checkpoint .*), and --exit-on-missing-"
+                                                r"checkpoint is given: .*drop the flag to start from scratch$"):
+            parse_args([*flags, "--exit-on-missing-checkpoint"], world_size=1)
     flags = ["--data-path", data_prefix, "--load", str(tmp_path)]
-    with pytest.raises(ArgumentError, match=r"--load \S+: no latest_checkpointed_iteration.txt, so no complete "
-                                            r"checkpoint .*leave --load out to start from scratch"):
-        parse_args(flags, world_size=1)
     tracker = tmp_path / "latest_checkpointed_iteration.txt"
     tracker.write_text("x")
     with pytest.raises(ArgumentError, match="holds 'x', not an iteration number"):

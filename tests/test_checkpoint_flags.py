@@ -3,6 +3,7 @@ the checkpoint a run starts from, not to the ones it saved (a restart loads its 
 """
 
 import logging
+import os
 import shutil
 
 import pytest
@@ -99,14 +100,20 @@ def test_no_load_flags_skip_only_another_runs_checkpoint(corpus, tmp_path, megat
 
 @pytest.mark.timeout(400)  # three two-rank launches under torchrun, one with a restart
 def test_a_restart_under_ft_recovers_exactly_with_no_load_optim(corpus, tmp_path):
-    """``--load D --save D --no-load-optim --no-load-rng`` with ``--ft``, a rank killed at iteration 5 right
+    """A fresh ``--load D --save D`` job starts from scratch. Then ``--load D --save D --no-load-optim
+    --no-load-rng`` with ``--ft``, a rank killed at iteration 5 right
     after the checkpoint of iteration 4: the restart's ``--load`` falls on that checkpoint, which this run saved,
     so it loads its optimizer and RNG states, and the run ends bitwise equal to the fault-free run with the same
     flags. Before, the restart loaded it without them (Adam's moments reset mid-run), the recovery took that
     checkpoint as its point and reported success with another final state."""
     base, store = str(tmp_path / "base"), str(tmp_path / "store")
     job = [*TINY, *LAYOUTS["dp2ep2"], "--lr-decay-iters", "8", "--data-path", corpus]
-    torchrun("pretrain_gpt_moe.py", [*job, "--train-iters", "3", "--save", base], nproc=2)  # a brought checkpoint
+    # the brought checkpoint, from a fresh --load D --save D job: no checkpoint in D yet, so it starts from
+    # scratch with one line, as Megatron-LM (it stopped with exit 2)
+    out = torchrun("pretrain_gpt_moe.py", [*job, "--train-iters", "3", "--load", base, "--save", base], nproc=2).stdout
+    assert out.count(f"warning: --load {base}: no such directory: starting from scratch "
+                     "(--exit-on-missing-checkpoint stops instead)") == 1
+    assert "resumed from" not in out and os.path.isdir(os.path.join(base, "iter_0000003"))
 
     def run(name: str, faults: list[str]) -> str:
         ckpt, digest = str(tmp_path / name), str(tmp_path / f"{name}.json")

@@ -122,7 +122,11 @@ class TrainingArgs:
         "--load the model but not the optimizer state (Adam moments start at zero; the iteration and the LR "
         "schedule still resume): for a checkpoint whose optimizer state does not map onto this run's, e.g. "
         "saved with another expert-parallel size."))
-    no_load_rng: bool = field(default=False, metadata=field_help("--load without the saved RNG states."))
+    no_load_rng: bool = field(default=False, metadata=field_help(
+        "--load without the saved RNG states. Both flags apply to the checkpoint a run starts from: a checkpoint "
+        "the run saved itself (a restart with --load and --save in one directory) loads whole."))
+    exit_on_missing_checkpoint: bool = field(default=False, metadata=field_help(
+        "Stop (exit 2) when --load holds no checkpoint; default: warn and start from scratch, as Megatron-LM."))
     override_opt_param_scheduler: bool = field(default=False, metadata=field_help(
         "--load, and --ft recovery from snapshots: train with the LR/WD schedule of the flags (--lr, --min-lr, "
         "--lr-warmup-iters, --lr-decay-iters, --lr-decay-style, --weight-decay) from the saved position; default: "
