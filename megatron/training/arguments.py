@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron.training.argument_utils import add_dataclass_arguments, dataclass_from_args, field_help
 from megatron.training.tokenizer import TOKENIZER_TYPES
+from megatron.training.unsupported_flags import check_unsupported
 from megatron.training.validation import ArgumentError, extensions, validate_args
 
 
@@ -225,9 +226,17 @@ GROUPS = (("model", ModelArgs, "model"), ("parallel", ParallelArgs, "parallelism
           ("training", TrainingArgs, "training"), ("data", DataArgs, "data"))
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, its errors raised as :class:`ArgumentError` (one line) instead of its usage (over a hundred
+    lines, on every rank) and an exit."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ArgumentError(f"{message} (--help lists the flags)")
+
+
 def build_parser(extra_groups=()) -> argparse.ArgumentParser:
     """``extra_groups``: (title, dataclass) pairs other components add (e.g. the ``--ft-*`` flags)."""
-    parser = argparse.ArgumentParser(description="Pretrain a Mixture-of-Experts GPT with Megatron-Core.")
+    parser = OneLineParser(description="Pretrain a Mixture-of-Experts GPT with Megatron-Core.")
     for _, cls, title in GROUPS:
         add_dataclass_arguments(parser, cls, title)
     for title, cls in extra_groups:
@@ -240,6 +249,7 @@ def parse_args(argv=None, world_size: int | None = None, extra_groups=()) -> Arg
     dataclass instance lands in ``args.extra[cls.__name__]``. Validation errors raise
     :class:`ArgumentError` (an extra dataclass validates itself in ``__post_init__``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    check_unsupported(argv)  # Megatron-LM flags with a replacement: named with it, before argparse's answer
     namespace = build_parser(extra_groups).parse_args(argv)
     args = args_from_namespace(namespace, world_size, extra_groups)
     args.run_id = run_identity(argv)
