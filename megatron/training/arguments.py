@@ -166,7 +166,8 @@ class DataArgs:
     )
     split: list[str] = field(
         default_factory=lambda: ["98,2,0"], metadata=field_help(
-            "Train/valid/test split weights of each dataset's documents: 949,50,1 or 949 50 1.")
+            "Train/valid/test split weights of each dataset's documents: 949,50,1 or 949 50 1; missing "
+            "weights are 0 (99,1 is 99,1,0), as Megatron-Core.")
     )
     data_cache_path: str | None = field(
         default=None, metadata=field_help(

@@ -296,14 +296,20 @@ def _validate_tensor_parallel(args: Args) -> None:
 
 
 def split_weights(split: list[str]) -> list[float]:
-    """``--split`` as three weights (``949,50,1``, ``949 50 1`` or a mix)."""
+    """``--split`` as three weights (``949,50,1``, ``949 50 1`` or a mix). Fewer than three weights are padded
+    with 0 (``99,1`` is ``99,1,0``), as Megatron-Core's ``parse_and_normalize_split`` does."""
     parts = [p for item in split for p in item.replace(",", " ").split()]
     try:
         weights = [float(p) for p in parts]
     except ValueError:
-        raise ArgumentError(f"--split takes three numbers, e.g. 949,50,1; got {' '.join(split)}") from None
-    if len(weights) != 3 or min(weights) < 0 or weights[0] <= 0:
-        raise ArgumentError(f"--split needs three non-negative weights with train > 0, got {' '.join(split)}")
+        raise ArgumentError(f"--split takes one to three numbers (train, valid, test), e.g. 949,50,1; got "
+                            f"{' '.join(split)}") from None
+    if not 1 <= len(weights) <= 3:
+        raise ArgumentError(f"--split takes one to three weights (train, valid, test; missing ones are 0), e.g. "
+                            f"949,50,1; got {' '.join(split)}")
+    weights += [0.0] * (3 - len(weights))
+    if min(weights) < 0 or weights[0] <= 0 or not all(math.isfinite(w) for w in weights):
+        raise ArgumentError(f"--split needs non-negative weights with train > 0, got {' '.join(split)}")
     return weights
 
 
