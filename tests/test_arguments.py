@@ -64,14 +64,51 @@ def test_missing_data_path_message():
 
 
 @pytest.mark.timeout(120)  # a subprocess importing Megatron (~5 s; its own limit is 60 s)
-def test_entry_script_one_line_error_without_process_group(tmp_path):
+@pytest.mark.parametrize("flags, line", [
+    (["--num-experts", "6", "--expert-model-parallel-size", "4"], "error: --num-experts 6 must be divisible"),
+    # a Megatron-LM flag moe-ft does not take: argparse printed its usage (116 lines) before "unrecognized"
+    (["--train-samples", "800"], "error: --train-samples (Megatron-LM) is not supported here: pass --train-iters"),
+    (["--no-such-flag"], "error: unrecognized arguments: --no-such-flag (--help lists the flags)"),
+])
+def test_entry_script_one_line_error_without_process_group(tmp_path, flags, line):
     env = dict(os.environ, WORLD_SIZE="4", RANK="0")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt_moe.py"), "--num-experts", "6",
-                           "--expert-model-parallel-size", "4", "--data-path", str(tmp_path / "none")],
-                          capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt_moe.py"), *flags, "--data-path",
+                           str(tmp_path / "none")], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --num-experts 6 must be divisible")
+    assert len(lines) == 1 and lines[0].startswith(line), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--train-samples", "800"], "pass --train-iters"),
+    (["--lr-warmup-samples=80"], "pass --lr-warmup-iters"),
+    (["--lr-decay-samples", "800"], "pass --lr-decay-iters"),
+    (["--lr-warmup-fraction", "0.1"], "pass --lr-warmup-iters"),
+    (["--rampup-batch-size", "2", "2", "100"], "the global batch size is fixed"),
+    (["--exit-interval", "5"], "pass --train-iters N"),
+    (["--exit-duration-in-mins", "60"], "bound the run with --train-iters"),
+    (["--exit-signal-handler"], "keep the progress with --save-interval"),
+    (["--skip-train"], "evaluation runs inside training"),
+    (["--finetune"], "--load CKPT --no-load-optim --no-load-rng loads the model alone"),
+    (["--mock-data"], "tools/preprocess_data.py"),
+])
+def test_megatron_lm_flags_without_support_are_named_with_their_replacement(flags, message, data_prefix):
+    """Each flag stops parsing with one line that names it and what to pass instead."""
+    name = flags[0].partition("=")[0]
+    with pytest.raises(ArgumentError, match=rf"^{name} \(Megatron-LM\) is not supported here: .*{message}"):
+        parse_args([*flags, "--data-path", data_prefix], world_size=1)
+
+
+def test_argparse_errors_are_one_line(data_prefix):
+    """A value argparse refuses (a choice it does not have, a number it cannot read) is one
+    :class:`ArgumentError` line, not argparse's usage and exit; Megatron-LM's WSD schedule says what to use."""
+    with pytest.raises(ArgumentError, match="^--lr-decay-style WSD: there is no WSD schedule here; pass constant, "
+                                            "linear, cosine or inverse-square-root$"):
+        parse_args(["--lr-decay-style", "WSD", "--data-path", data_prefix], world_size=1)
+    with pytest.raises(ArgumentError, match=r"^argument --lr-decay-style: invalid choice: 'step'.*\(--help lists"):
+        parse_args(["--lr-decay-style", "step", "--data-path", data_prefix], world_size=1)
+    with pytest.raises(ArgumentError, match=r"^argument --train-iters: invalid int value: 'ten'"):
+        parse_args(["--train-iters", "ten", "--data-path", data_prefix], world_size=1)
 
 
 def test_fp8_needs_transformer_engine(data_prefix):
@@ -243,14 +280,21 @@ def test_a_replaying_policy_refuses_grouped_mlp_experts(policy, impl, refused):
         config.check_args(args)
 
 
-def test_load_without_a_complete_checkpoint_is_refused_at_parsing(data_prefix, tmp_path):
-    """``--load DIR`` is checked before any process starts: a directory without the tracker file, a tracker
-    that holds no number, or one naming a missing checkpoint each stop with one line (every rank raised a
-    ``CheckpointError`` traceback after building the model)."""
+def test_load_without_a_checkpoint_starts_from_scratch_unless_exit_on_missing_checkpoint(data_prefix, tmp_path):
+    """``--load DIR`` without a checkpoint (no directory, or no tracker file in it: a fresh ``--load D --save D``
+    job) starts from scratch, as Megatron-LM (the run says so in one line: ``test_checkpoint_flags.py``); before,
+    it stopped with exit 2. ``--exit-on-missing-checkpoint`` stops at parsing with one line instead. A tracker
+    file that holds no number, or names a missing checkpoint, stops with one line either way (every rank raised
+    a ``CheckpointError`` traceback after building the model)."""
+    missing = tmp_path / "missing"
+    for root in (missing, tmp_path):
+        flags = ["--data-path", data_prefix, "--load", str(root)]
+        assert parse_args(flags, world_size=1).training.load == str(root)
+        with pytest.raises(ArgumentError, match=r"^--load \S+: (no such directory|no latest_checkpointed_iteration"
+                                                r".txt, so no complete checkpoint .*), and --exit-on-missing-"
+                                                r"checkpoint is given: .*drop the flag to start from scratch$"):
+            parse_args([*flags, "--exit-on-missing-checkpoint"], world_size=1)
     flags = ["--data-path", data_prefix, "--load", str(tmp_path)]
-    with pytest.raises(ArgumentError, match=r"--load \S+: no latest_checkpointed_iteration.txt, so no complete "
-                                            r"checkpoint .*leave --load out to start from scratch"):
-        parse_args(flags, world_size=1)
     tracker = tmp_path / "latest_checkpointed_iteration.txt"
     tracker.write_text("x")
     with pytest.raises(ArgumentError, match="holds 'x', not an iteration number"):

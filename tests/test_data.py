@@ -12,8 +12,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron.training.arguments import ArgumentError  # noqa: E402
+from megatron.training.arguments import ArgumentError, parse_args  # noqa: E402
 from megatron.training.data import DataConfig, ReplayableData, build_datasets, check_token_ids, checked_index  # noqa: E402
+from megatron.training.pretrain import data_config  # noqa: E402
 from megatron.training.tokenizer import ByteLevelTokenizer  # noqa: E402
 from megatron.training.validation import data_blend, split_weights  # noqa: E402
 from tests._ft_helpers import free_port  # noqa: E402
@@ -214,10 +215,15 @@ def test_validation_split_and_errors(prefix):
         no_test.microbatch(0, 0, 0, split_idx=2)
 
 
-def test_flag_forms():
+def test_flag_forms(data_prefix):
     assert split_weights(["949,50,1"]) == split_weights(["949", "50", "1"]) == [949, 50, 1]
-    for bad in (["1,2"], ["a,b,c"], ["0,1,1"]):
-        with pytest.raises(ArgumentError, match="--split"):
+    # fewer weights are padded with 0, as Megatron-Core's split parser does (two were refused)
+    assert split_weights(["99,1"]) == split_weights(["99", "1"]) == [99, 1, 0]
+    assert split_weights(["100"]) == [100, 0, 0]
+    args = parse_args(["--split", "99,1", "--data-path", data_prefix], world_size=1)
+    assert data_config(args).split == "99,1,0"
+    for bad in (["1,2,3,4"], ["a,b,c"], ["0,1,1"], ["1,-1"], ["inf"], [""]):
+        with pytest.raises(ArgumentError, match="^--split"):
             split_weights(bad)
     assert data_blend(["p"]) == (["p"], None)
     assert data_blend(["0.3", "a", "0.7", "b"]) == (["a", "b"], [0.3, 0.7])

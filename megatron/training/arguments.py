@@ -6,12 +6,15 @@ Validation runs before any process-group work and stops with one actionable line
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from megatron.training.argument_utils import add_dataclass_arguments, dataclass_from_args, field_help
 from megatron.training.tokenizer import TOKENIZER_TYPES
+from megatron.training.unsupported_flags import check_unsupported
 from megatron.training.validation import ArgumentError, extensions, validate_args
 
 
@@ -120,7 +123,11 @@ class TrainingArgs:
         "--load the model but not the optimizer state (Adam moments start at zero; the iteration and the LR "
         "schedule still resume): for a checkpoint whose optimizer state does not map onto this run's, e.g. "
         "saved with another expert-parallel size."))
-    no_load_rng: bool = field(default=False, metadata=field_help("--load without the saved RNG states."))
+    no_load_rng: bool = field(default=False, metadata=field_help(
+        "--load without the saved RNG states. Both flags apply to the checkpoint a run starts from: a checkpoint "
+        "the run saved itself (a restart with --load and --save in one directory) loads whole."))
+    exit_on_missing_checkpoint: bool = field(default=False, metadata=field_help(
+        "Stop (exit 2) when --load holds no checkpoint; default: warn and start from scratch, as Megatron-LM."))
     override_opt_param_scheduler: bool = field(default=False, metadata=field_help(
         "--load, and --ft recovery from snapshots: train with the LR/WD schedule of the flags (--lr, --min-lr, "
         "--lr-warmup-iters, --lr-decay-iters, --lr-decay-style, --weight-decay) from the saved position; default: "
@@ -159,7 +166,8 @@ class DataArgs:
     )
     split: list[str] = field(
         default_factory=lambda: ["98,2,0"], metadata=field_help(
-            "Train/valid/test split weights of each dataset's documents: 949,50,1 or 949 50 1.")
+            "Train/valid/test split weights of each dataset's documents: 949,50,1 or 949 50 1; missing "
+            "weights are 0 (99,1 is 99,1,0), as Megatron-Core.")
     )
     data_cache_path: str | None = field(
         default=None, metadata=field_help(
@@ -197,6 +205,11 @@ class Args:
     world_size: int = 1
     extra: dict = field(default_factory=dict)
     """Config dataclasses of other components (e.g. ``FTConfig``), keyed by class name."""
+    run_id: str = ""
+    """This run's identity (:func:`run_identity` of its command line; empty: unknown). Every checkpoint it
+    saves records it, and ``--no-load-optim``/``--no-load-rng`` do not apply to a checkpoint that carries it:
+    a restart of the run (torchrun, ``moe-ft launch``, a resubmitted job with the same flags) loads the
+    optimizer and RNG state it saved itself, the flags apply to the checkpoint the run was started from."""
 
     @property
     def data_parallel_size(self) -> int:
@@ -214,9 +227,17 @@ GROUPS = (("model", ModelArgs, "model"), ("parallel", ParallelArgs, "parallelism
           ("training", TrainingArgs, "training"), ("data", DataArgs, "data"))
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, its errors raised as :class:`ArgumentError` (one line) instead of its usage (over a hundred
+    lines, on every rank) and an exit."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ArgumentError(f"{message} (--help lists the flags)")
+
+
 def build_parser(extra_groups=()) -> argparse.ArgumentParser:
     """``extra_groups``: (title, dataclass) pairs other components add (e.g. the ``--ft-*`` flags)."""
-    parser = argparse.ArgumentParser(description="Pretrain a Mixture-of-Experts GPT with Megatron-Core.")
+    parser = OneLineParser(description="Pretrain a Mixture-of-Experts GPT with Megatron-Core.")
     for _, cls, title in GROUPS:
         add_dataclass_arguments(parser, cls, title)
     for title, cls in extra_groups:
@@ -228,8 +249,19 @@ def parse_args(argv=None, world_size: int | None = None, extra_groups=()) -> Arg
     """Parse Megatron flags plus the flags of ``extra_groups`` ((title, dataclass) pairs); each extra
     dataclass instance lands in ``args.extra[cls.__name__]``. Validation errors raise
     :class:`ArgumentError` (an extra dataclass validates itself in ``__post_init__``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    check_unsupported(argv)  # Megatron-LM flags with a replacement: named with it, before argparse's answer
     namespace = build_parser(extra_groups).parse_args(argv)
-    return args_from_namespace(namespace, world_size, extra_groups)
+    args = args_from_namespace(namespace, world_size, extra_groups)
+    args.run_id = run_identity(argv)
+    return args
+
+
+def run_identity(argv: list[str]) -> str:
+    """The identity of a run with the command line ``argv`` (the flags, in their order): the same in every
+    process of the run and every restart of it, which all take the same flags; another for a run with other
+    flags (a finetune from a pretraining checkpoint differs at least in ``--no-load-optim``)."""
+    return hashlib.sha256("\0".join(argv).encode()).hexdigest()[:16]
 
 
 def args_from_namespace(namespace: argparse.Namespace, world_size: int | None = None,

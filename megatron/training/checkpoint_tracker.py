@@ -31,14 +31,21 @@ def read_latest_iteration(root: str) -> int | None:
         raise CheckpointError(f"{path} holds {text!r}, not an iteration number; fix or delete it") from e
 
 
+def missing_checkpoint(root: str) -> str:
+    """Why ``root`` (``--load``) holds no checkpoint, for the line that says so."""
+    if not os.path.isdir(root):
+        return f"--load {root}: no such directory"
+    return (f"--load {root}: no {TRACKER_FILE}, so no complete checkpoint (nothing was saved there, or the save "
+            "did not finish)")
+
+
 def latest_checkpoint(root: str) -> tuple[int, str]:
     """``(iteration, directory)`` of the newest complete checkpoint under ``root`` (``--load``); raises
     :class:`CheckpointError` with one line when there is none."""
     iteration = read_latest_iteration(root)
     if iteration is None:
-        raise CheckpointError(f"--load {root}: no {TRACKER_FILE}, so no complete checkpoint (nothing was saved "
-                              "there, or the save did not finish); pass the --save directory of a finished run, "
-                              "or leave --load out to start from scratch")
+        raise CheckpointError(f"{missing_checkpoint(root)}; pass the --save directory of a finished run, or leave "
+                              "--load out to start from scratch")
     path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path):
         raise CheckpointError(f"--load {root}: {TRACKER_FILE} names iteration {iteration} but {path} is missing")

@@ -25,6 +25,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.training.checkpoint_tracker import TRACKER_FILE, CheckpointError, checkpoint_dir, latest_checkpoint
+from megatron.training.collectives import all_reduce
 from megatron.training.model import TrainState
 from megatron.training.optimizer_state import ensure_optimizer_state
 from megatron.training.resume_checks import take_flags_schedule
@@ -63,19 +64,22 @@ def _model_keys(state: TrainState) -> list[str]:
     return [f"model{i}" for i in range(len(state.model))]
 
 
-def _sharded_state_dict(state: TrainState, is_loading: bool) -> dict:
+def _sharded_state_dict(state: TrainState, is_loading: bool, optimizer: bool = True) -> dict:
+    """``optimizer=False``: without the optimizer's part, which is then not built either: for loading,
+    Megatron-Core's distributed optimizer builds it by loading its own state back into itself, which leaves
+    every parameter of an inner torch Adam one shared ``step`` tensor (each step then adds the number of
+    parameters to it); :func:`_restore_adam_steps` undoes that only after a load of the optimizer state."""
     model_sd = {key: chunk.module.sharded_state_dict()
                 for key, chunk in zip(_model_keys(state), state.model)}
     rank, world = dist.get_rank(), dist.get_world_size()
-    return {
-        **model_sd,
+    sharded = {**model_sd, "rng_state": ShardedObject("rng_state", rng_state(), (world,), (rank,), replica_id=0)}
+    if optimizer:
         # Megatron-LM's default layout for the distributed optimizer ('fully_sharded_model_space' needs
         # flattened ShardedTensors, which the torch_dist strategy of megatron-core 0.16 rejects).
-        "optimizer": state.optimizer.sharded_state_dict(
+        sharded["optimizer"] = state.optimizer.sharded_state_dict(
             model_sd.get("model", model_sd), is_loading=is_loading,
-            metadata={"distrib_optim_sharding_type": "dp_reshardable"}),
-        "rng_state": ShardedObject("rng_state", rng_state(), (world,), (rank,), replica_id=0),
-    }
+            metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    return sharded
 
 
 OPTIONAL = ".optional."
@@ -134,6 +138,7 @@ def checkpoint_state_dict(state: TrainState, iteration: int) -> dict:
     sharded["world_size"] = dist.get_world_size()  # the RNG state is one shard per rank of this world
     sharded["padded_vocab_size"] = padded_vocab(state)
     sharded["global_batch_size"] = state.global_batch_size  # the data position (checked at parsing on --load)
+    sharded["run_id"] = state.run_id  # which run saved it: --no-load-optim/--no-load-rng skip only others'
     return sharded
 
 
@@ -188,12 +193,21 @@ def padded_vocab(state: TrainState) -> int:
     return int(state.model[0].module.vocab_size)
 
 
+def saved_by_this_run(common: dict, state: TrainState) -> bool:
+    """Whether the checkpoint whose common state is ``common`` was saved by this run (its ``run_id`` is
+    ``state.run_id``: a restart loads its own checkpoint). Collective: one answer on every rank (the flags are
+    the same in every process; were they not, no rank takes a checkpoint for its own)."""
+    own = bool(state.run_id) and common.get("run_id") == state.run_id
+    return bool(all_reduce(torch.tensor([int(own)]), "min").item())
+
+
 def load_checkpoint(root: str, state: TrainState, *, load_optim: bool = True, load_rng: bool = True,
                     override_schedule: bool = False) -> int:
     """Load the newest complete checkpoint under ``root`` into ``state``; returns its iteration.
     Collective. Raises :class:`CheckpointError` naming the problem. ``load_optim=False``
     (``--no-load-optim``): the model, the iteration and the LR schedule, not the optimizer state;
-    ``load_rng=False`` (``--no-load-rng``): not the RNG states; ``override_schedule``
+    ``load_rng=False`` (``--no-load-rng``): not the RNG states; either only for a checkpoint another run saved
+    (:func:`saved_by_this_run`); ``override_schedule``
     (``--override-opt-param-scheduler``): the LR/WD schedule of ``state.scheduler`` (the flags') from the
     checkpoint's position (``resume_checks.take_flags_schedule``), else the checkpoint's (equal to the flags' unless
     ``--use-checkpoint-opt-param-scheduler``: checked at parsing)."""
@@ -203,12 +217,21 @@ def load_checkpoint(root: str, state: TrainState, *, load_optim: bool = True, lo
         log.warning("ignoring %s in %s: newer than %s (iteration %d), the save did not finish",
                     ", ".join(torn), root, TRACKER_FILE, iteration)
     ensure_optimizer_state(state.optimizer)  # a fresh optimizer has no state to load into
-    sharded = _sharded_state_dict(state, is_loading=True)
-    if not load_optim:
-        del sharded["optimizer"]
+    common = dist_checkpointing.load_common_state_dict(path)
+    skipped = [flag for flag, load in (("--no-load-optim", load_optim), ("--no-load-rng", load_rng)) if not load]
+    own = bool(skipped) and saved_by_this_run(common, state)
+    if own:
+        load_optim = load_rng = True
+        if dist.get_rank() == 0:
+            log.warning("%s: not applied to %s, which this run saved (a restart): its optimizer and RNG states "
+                        "are loaded; the flags apply to the checkpoint a run starts from", "/".join(skipped), path)
+    elif skipped and dist.get_rank() == 0:
+        what = {"--no-load-optim": "optimizer state", "--no-load-rng": "RNG states"}
+        log.warning("%s: loading %s without its %s (a checkpoint this run did not save)", "/".join(skipped), path,
+                    " and ".join(what[flag] for flag in skipped))
+    sharded = _sharded_state_dict(state, is_loading=True, optimizer=load_optim)
     if not load_rng:
         del sharded["rng_state"]
-    common = dist_checkpointing.load_common_state_dict(path)
     saved_world = common.get("world_size", dist.get_world_size())
     if saved_world != dist.get_world_size() and "rng_state" in sharded:  # per-rank streams: not across sizes
         del sharded["rng_state"]
@@ -227,7 +250,7 @@ def load_checkpoint(root: str, state: TrainState, *, load_optim: bool = True, lo
         loaded = dist_checkpointing.load(sharded, path)
     except (Exception, CheckpointException) as e:  # many types (torch's CheckpointException is a BaseException)
         hint = ""
-        if load_optim and "optimizer" in str(e):
+        if load_optim and not own and "optimizer" in str(e):
             hint = ("; the optimizer state does not map onto this run's optimizer (e.g. saved with another "
                     "--expert-model-parallel-size): pass --no-load-optim to load the model alone")
         what = str(e) if len(str(e)) <= 600 else f"{str(e)[:600]}... ({len(str(e)) - 600} more characters)"

@@ -152,6 +152,8 @@ class TrainState:
     config: TransformerConfig
     global_batch_size: int
     """Samples per iteration: saved with a checkpoint, whose data position is iteration x this."""
+    run_id: str = ""
+    """The run's identity (``Args.run_id``), saved with every checkpoint of this state."""
 
 
 def build_train_state(args: Args) -> TrainState:
@@ -222,4 +224,4 @@ def _finish_train_state(args: Args, config: TransformerConfig, model: list) -> T
     # equal (checked at parsing for --load, before restoring for recovery: moe_ft/recovery/schedule.py).
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0 if t.lr_warmup_iters else t.lr, **flag_state(t))
     return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, config=config,
-                      global_batch_size=t.global_batch_size)
+                      global_batch_size=t.global_batch_size, run_id=args.run_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megatron.training.arguments import Args
+from megatron.training.checkpoint_tracker import missing_checkpoint, read_latest_iteration
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.training.data import DataConfig, ReplayableData, build_datasets, check_token_ids
 from megatron.training.initialize import initialize_distributed, set_seeds, shutdown
@@ -49,7 +50,11 @@ def pretrain(args: Args, hooks=None, join_timeout_s: float | None = None):
         set_seeds(args.training.seed)
         state = build_train_state(args)
         start = 0
-        if args.training.load:
+        if args.training.load and read_latest_iteration(args.training.load) is None:
+            if dist.get_rank() == 0:  # Megatron-LM's rule (--exit-on-missing-checkpoint stopped at parsing)
+                print(f"warning: {missing_checkpoint(args.training.load)}: starting from scratch "
+                      "(--exit-on-missing-checkpoint stops instead)", flush=True)
+        elif args.training.load:
             start = load_checkpoint(args.training.load, state, load_optim=not args.training.no_load_optim,
                                     load_rng=not args.training.no_load_rng,
                                     override_schedule=args.training.override_opt_param_scheduler)

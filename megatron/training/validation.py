@@ -9,7 +9,12 @@ import math
 import os
 from typing import TYPE_CHECKING
 
-from megatron.training.checkpoint_tracker import CheckpointError, latest_checkpoint
+from megatron.training.checkpoint_tracker import (
+    CheckpointError,
+    latest_checkpoint,
+    missing_checkpoint,
+    read_latest_iteration,
+)
 from megatron.training.extensions import Extension, check_extension
 from megatron.training.tokenizer import SIZED_BY_FLAG, tokenizer_from_args
 
@@ -183,17 +188,23 @@ def validate_args(args: Args) -> None:
         raise ArgumentError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are "
                             "exclusive; pass one of them")
     if t.load:
-        if not os.path.isdir(t.load):
-            raise ArgumentError(f"--load {t.load}: no such directory")
         try:  # here, not on every rank after the model is built
-            latest_checkpoint(t.load)
+            found = read_latest_iteration(t.load) is not None  # a tracker that holds no number raises
+            if found:
+                latest_checkpoint(t.load)  # the iteration it names exists
         except CheckpointError as e:
             raise ArgumentError(str(e)) from e
-        # start-up time: reading the checkpoint imports torch and Megatron-Core's dist_checkpointing
-        from megatron.training.resume_checks import check_resume
+        if not found and t.exit_on_missing_checkpoint:
+            raise ArgumentError(f"{missing_checkpoint(t.load)}, and --exit-on-missing-checkpoint is given: pass the "
+                                "--save directory of a finished run, or drop the flag to start from scratch")
+        # no checkpoint, no --exit-on-missing-checkpoint: the run starts from scratch (Megatron-LM's rule;
+        # pretrain says so in one line)
+        if found:
+            # start-up time: reading the checkpoint imports torch and Megatron-Core's dist_checkpointing
+            from megatron.training.resume_checks import check_resume
 
-        if (problem := check_resume(t)) is not None:
-            raise ArgumentError(problem)
+            if (problem := check_resume(t)) is not None:
+                raise ArgumentError(problem)
 
 
 def _validate_lr_schedule(t: TrainingArgs) -> None:
@@ -285,14 +296,20 @@ def _validate_tensor_parallel(args: Args) -> None:
 
 
 def split_weights(split: list[str]) -> list[float]:
-    """``--split`` as three weights (``949,50,1``, ``949 50 1`` or a mix)."""
+    """``--split`` as three weights (``949,50,1``, ``949 50 1`` or a mix). Fewer than three weights are padded
+    with 0 (``99,1`` is ``99,1,0``), as Megatron-Core's ``parse_and_normalize_split`` does."""
     parts = [p for item in split for p in item.replace(",", " ").split()]
     try:
         weights = [float(p) for p in parts]
     except ValueError:
-        raise ArgumentError(f"--split takes three numbers, e.g. 949,50,1; got {' '.join(split)}") from None
-    if len(weights) != 3 or min(weights) < 0 or weights[0] <= 0:
-        raise ArgumentError(f"--split needs three non-negative weights with train > 0, got {' '.join(split)}")
+        raise ArgumentError(f"--split takes one to three numbers (train, valid, test), e.g. 949,50,1; got "
+                            f"{' '.join(split)}") from None
+    if not 1 <= len(weights) <= 3:
+        raise ArgumentError(f"--split takes one to three weights (train, valid, test; missing ones are 0), e.g. "
+                            f"949,50,1; got {' '.join(split)}")
+    weights += [0.0] * (3 - len(weights))
+    if min(weights) < 0 or weights[0] <= 0 or not all(math.isfinite(w) for w in weights):
+        raise ArgumentError(f"--split needs non-negative weights with train > 0, got {' '.join(split)}")
     return weights
 
 
