@@ -51,6 +51,8 @@ def test_drill_job_flag_errors_before_any_launch(capsys, corpus, tmp_path, monke
     missing = str(tmp_path / "nodata")
     assert f"{missing}.bin not found" in _error(capsys, ["drill", "--data", missing])
     assert "unrecognized arguments: --ft-bogus 3" in _error(capsys, ["drill", "--data", corpus, "--extra", "--ft-bogus", "3"])
+    assert "--train-samples (Megatron-LM) is not supported here: pass --train-iters" in _error(
+        capsys, ["drill", "--data", corpus, "--extra", "--train-samples", "48"])
     assert "--ft-pec-k must be >= 1" in _error(capsys, ["drill", "--data", corpus, "--extra", "--ft-pec-k", "0"])
     assert "--pipeline-model-parallel-size" in _error(
         capsys, ["drill", "--data", corpus, "--extra", "--pipeline-model-parallel-size", "3"])

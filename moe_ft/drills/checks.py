@@ -70,8 +70,10 @@ def check_job_flags(argv: list[str], *, world_size: int, root: str) -> None:
         # start-up time: Megatron (the job's entry script is found on ``root``, put on sys.path above)
         import pretrain_gpt_moe
         from megatron.training.arguments import args_from_namespace, build_parser
+        from megatron.training.unsupported_flags import check_unsupported
 
         groups = pretrain_gpt_moe.extra_argument_groups()
         parser = build_parser(groups)
         parser.error = refuse
+        check_unsupported(argv)  # a Megatron-LM flag with a replacement: named with it (ArgumentError)
         args_from_namespace(parser.parse_args(argv), world_size, groups)  # ArgumentError is a ValueError
