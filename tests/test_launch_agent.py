@@ -404,3 +404,30 @@ def test_a_spare_another_agent_claimed_first_runs_its_rank_and_the_dead_rank_get
     finally:
         a._close_all()
         b._close_all()
+
+
+def test_a_node_that_waits_to_join_as_the_job_ends_does_not_regroup_it(store, tmp_path, capsys):
+    """``--nnodes 1:3``: node 1's workers finished (it waits in the exit barrier) when a third node waits at the
+    rendezvous. Node 0's agent, still training, must not regroup the job for it: the finished ranks cannot form
+    the grown round's process groups, and node 1 would wait in the barrier for a round it is not part of."""
+    a, group_a = sleeping_agent(store, tmp_path / "a", "ending", 1, min_nodes=1, max_nodes=3)
+    b, _ = sleeping_agent(store, tmp_path / "b", "ending", 1, min_nodes=1, max_nodes=3)
+    place([a, b], nodes=2)
+    keys = protocol.Keys("ending")
+    rendezvous = []
+    a._initialize_workers = lambda group: rendezvous.append(group)  # the grown round's rendezvous
+    group_a.state = WorkerState.HEALTHY
+    try:
+        a._workers = {0: a._start_one(group_a, name="rank0", rank=0, local_rank=0)}
+        store.set(keys.finished("r0", 1), "1")  # node 1's workers finished
+        for _ in range(2):  # torch elastic asks again at each pass while the node waits
+            a._restart_workers(group_a)
+        assert rendezvous == [] and not store.check([keys.regroup(a._seen)])
+        assert a._workers[0].context.wait(0) is None  # node 0's worker keeps training
+        assert capsys.readouterr().out.count("finished training: the job ends without it") == 1
+        store.delete_key(keys.finished("r0", 1))  # the control: no node finished, the same pass regroups
+        a._join_refused, a._finished_nodes = False, set()
+        a._restart_workers(group_a)
+        assert rendezvous == [group_a] and store.check([keys.regroup(a._seen)])
+    finally:
+        a._close_all()

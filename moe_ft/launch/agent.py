@@ -95,6 +95,7 @@ class SpareAgent(RecoveryDecisions):
             self._holders = dict(self._home)
             self._lost, self._dead, self._watch, self._seen = set(), {}, None, self._attempt
             self._finished_nodes = set()
+            self._join_refused = False
             self._falling_back = False
             self._awaiting, self._surplus, self._freed = set(), set(), {}
             self._store_client(worker_group).set(self._keys.surplus(self._node), "[]")
@@ -133,6 +134,8 @@ class SpareAgent(RecoveryDecisions):
             finally:
                 self._regrouping = False
             return
+        if healthy and self._may_grow() and self._job_ending(worker_group):
+            return  # the node joins no more: the job ends, and the round with it
         if not (healthy and self._may_grow() and self._layout_intact(worker_group)):
             super()._restart_workers(worker_group)  # e.g. a peer's full restart: its agent waits in the rendezvous
             return
@@ -144,6 +147,20 @@ class SpareAgent(RecoveryDecisions):
             self._initialize_workers(worker_group)  # the rendezvous, then _start_workers keeps the workers
         finally:
             self._regrouping = False
+
+    def _job_ending(self, worker_group: WorkerGroup) -> bool:
+        """Whether a worker of this round finished training (this node's, or a node listed ``finished/<round>/<n>``):
+        a node that waits to join then does not. Its workers could not form their process groups with ranks that
+        have left, and a node already in the exit barrier would wait there for a round it is not part of, until
+        the barrier's timeout. Said once per round."""
+        store = self._store_client(worker_group)
+        done = sorted(({self._node} if self._finished else set())
+                      | {n for n in range(self._nodes) if n not in self._lost and self._has_finished(store, n)})
+        if done and not self._join_refused:
+            self._join_refused = True
+            print(f"moe-ft launch: a node waits to join, but the workers of node(s) {done} finished training: the job "
+                  "ends without it", flush=True)
+        return bool(done)
 
     def _may_grow(self) -> bool:
         """:func:`~moe_ft.launch.policy.may_grow` for this agent's view."""

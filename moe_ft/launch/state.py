@@ -109,6 +109,8 @@ class AgentState(LocalElasticAgent):
         self._finished_nodes: set[int] = set()
         """Nodes of this round whose workers all finished (``finished/<round>/<node>``): never watched, never
         lost, their spares gone."""
+        self._join_refused = False
+        """A node waiting to join was told that the job ends without it (once per round)."""
         self._launch_store: Any = None
         self._keys = protocol.Keys(spec.rdzv_handler.get_run_id())
         self._attempt = 0
