@@ -12,7 +12,8 @@ runs of 6 iterations (the store keeps the metadata of 4 and 5):
   flags gives there; the parameter groups' peak is the flags' ``--lr``);
 * the same with ``--use-checkpoint-opt-param-scheduler``: the snapshot's schedule, continued;
 * the snapshot's schedule in the flags (``--lr-decay-iters 6``): no flag needed, and the run ends bitwise
-  equal to the previous one (same schedule, same batches, same state).
+  equal to the previous one (same schedule, same batches, same state);
+* another ``--seed`` (moe-ft's rule: the seed gives the data order the recovery redoes): refused, one line.
 """
 
 from __future__ import annotations
@@ -112,6 +113,39 @@ def test_a_restart_from_snapshots_follows_the_lr_schedule_rule(saved, corpus, tm
     _resume(saved, tmp_path, "same", corpus, ["--train-iters", "6", "--lr-decay-iters", "6", "--ft-recover", "always"])
     same = json.loads((tmp_path / "same.json").read_text())
     assert same == json.loads((tmp_path / "checkpoint.json").read_text())
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_a_restart_under_another_seed_is_refused_before_anything_is_restored(saved, corpus, tmp_path):
+    """``--seed`` gives the data order of the iterations a recovery redoes: a relaunch under another seed
+    used to recover and train on silently (a dense recovery: the lost iterations re-trained on other samples,
+    the report saying exact; a sparse one: a traceback once the replay's routing diverged). Now one line,
+    exit 2, the store as it was."""
+    assert _meta(saved, 3)["seed"] == 1234  # Megatron's default --seed, which MODEL keeps
+    before = _files(saved / "sched")
+    refused, store = _resume(saved, tmp_path, "seed", corpus, ["--train-iters", "6", "--lr-decay-iters", "6",
+                                                               "--ft-recover", "always", "--seed", "4321"], check=False)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: --seed is 4321 here but 1234 in the snapshot of iteration 3 in {store}/sched/rank0 "
+                      "(a recovery redoes that run's iterations on the data order its seed gives): pass --seed 1234, "
+                      "or change the seed by resuming from a --load checkpoint under a new --ft-job-id"], \
+        refused.stderr[-3000:]
+    assert "exitcode  : 2" in refused.stderr and "iteration " not in refused.stdout
+    after = _files(store / "sched")
+    assert {name: after.get(name) for name in before} == before  # nothing restored, fetched or deleted
+
+
+def test_the_rule_refuses_another_seed_only_where_the_metadata_records_one():
+    from megatron.training.arguments import TrainingArgs
+
+    meta = {"iteration": 3, "consumed_samples": 8, "scheduler": _scheduler(3e-3, 6).state_dict(), "seed": 7}
+    training = TrainingArgs(global_batch_size=2, train_iters=6, lr_decay_iters=6, min_lr=3e-4, seed=7)
+    assert ScheduleRule(training=training).problem(meta, "S") is None
+    training.seed = 8
+    assert ScheduleRule(training=training).problem(meta, "S").startswith("--seed is 8 here but 7 in S (")
+    del meta["seed"]  # metadata of a version that did not record the seed: nothing to compare
+    assert ScheduleRule(training=training).problem(meta, "S") is None
 
 
 def test_the_rule_reads_the_global_batch_size_from_the_snapshot_metadata():

@@ -9,7 +9,14 @@ moves -- and that process may have run with other flags: a relaunch with a longe
 ``--lr``, or on another world whose default global batch size (micro-batch x data-parallel size) differs.
 
 * :meth:`ScheduleRule.problem`: the one line that refuses one saved state's metadata (``moe_ft/snapshot/meta.py``:
-  its ``scheduler`` state, and the global batch size that wrote it, ``consumed_samples / (iteration + 1)``).
+  its ``scheduler`` state, the global batch size that wrote it, ``consumed_samples / (iteration + 1)``, and
+  its ``--seed``). The seed is moe-ft's rule, not ``--load``'s: a recovery replays and re-trains iterations of
+  the saved run (MoEvement §3.3: replay must redo each iteration exactly), and the data order of an iteration
+  comes from the seed (the dataset's shuffle); under another seed a sparse recovery's replay diverges (it used
+  to stop with a traceback only once the replay's routing differed, after the decision ledger had marked the
+  point as failed) and a dense recovery re-trains its lost iterations on other samples. Megatron-LM's
+  ``--load`` restores the RNG states and lets the seed change the data order from the checkpoint on: that
+  remains the way to change the seed of a run.
 * :func:`stop_unless_agreed` (collective): before anything is restored or a store changed, every rank has
   checked what it may restore from; any rank's refusal stops every rank, the line printed once, exit 2 (as a
   refused ``--load``, and before the recovery's decision ledger could record it as a failed decision).
@@ -58,8 +65,14 @@ class ScheduleRule:
     def problem(self, meta: dict[str, Any], where: str) -> str | None:
         """The line that refuses restoring the saved state of metadata ``meta`` (``where`` names it), or
         ``None``."""
-        return saved_state_mismatch(self.training, scheduler=meta.get("scheduler"),
-                                    global_batch_size=saved_global_batch_size(meta), path=where, kind="snapshot")
+        problem = saved_state_mismatch(self.training, scheduler=meta.get("scheduler"),
+                                       global_batch_size=saved_global_batch_size(meta), path=where, kind="snapshot")
+        saved_seed = meta.get("seed")  # None: metadata written before the seed was recorded
+        if problem is None and saved_seed is not None and saved_seed != self.training.seed:
+            problem = (f"--seed is {self.training.seed} here but {saved_seed} in {where} (a recovery redoes that "
+                       f"run's iterations on the data order its seed gives): pass --seed {saved_seed}, or change "
+                       "the seed by resuming from a --load checkpoint under a new --ft-job-id")
+        return problem
 
     def first_problem(self, saved: Iterable[SavedState]) -> str | None:
         """The first refusing line over the states ``saved`` reads, or ``None``. A state that cannot be read

@@ -417,6 +417,7 @@ class FTRuntime(StepHooks):
                                           global_batch_size=t.global_batch_size, clip_grad=t.clip_grad,
                                           policy=session.policy, popularity=self.popularity)
         meta["policy_name"] = session.name
+        meta["seed"] = t.seed  # the data order a recovery's replay must redo (moe_ft/recovery/schedule.py)
         for component in self.components:
             tensors.update(component.snapshot_tensors())
         if self.survivor is not None:  # iteration completed: a stop from now on publishes this state

@@ -8,7 +8,8 @@ JSON part: ``iteration``, ``consumed_samples``, ``grad_norm``, ``clip_factor`` (
 Megatron optimizer, the fp16 dynamic loss scaler's scale / growth tracker / hysteresis tracker, or ``None``:
 ``moe_ft/precision/scaler.py``), ``policy`` (the policy's ``state_dict()``), ``popularity`` (its scalar
 fields), ``rng.python``, ``param_groups`` (every optimizer parameter group's values but its parameters:
-a step counted per group, betas, learning rates; ``moe_ft/state/param_groups.py``).
+a step counted per group, betas, learning rates; ``moe_ft/state/param_groups.py``); the runtime adds
+``policy_name`` and ``seed`` (``--seed``: the data order of the iterations a recovery redoes).
 Tensors: ``rng.torch_cpu``, ``rng.cuda`` (if CUDA), ``rng.tracker.<name>`` (Megatron's model-parallel RNG
 tracker), ``rng.numpy``, ``popularity.<counter>``, ``expert_bias.L<layer>`` (router expert bias),
 ``param_group.<index>.<key>`` (a group's tensor values).
