@@ -105,6 +105,8 @@ def preprocess(input_path: str, output_prefix: str, json_key: str = "text", toke
 
     from megatron.training.tokenizer import build_tokenizer
 
+    if os.path.isdir(input_path):
+        raise ValueError(f"--input {input_path}: is a directory; give the JSONL or text file itself")
     if not os.path.isfile(input_path):
         raise FileNotFoundError(f"--input {input_path}: no such file")
     if workers < 1:
@@ -112,7 +114,12 @@ def preprocess(input_path: str, output_prefix: str, json_key: str = "text", toke
     spec = {"tokenizer_type": tokenizer_type, "vocab_file": vocab_file, "merge_file": merge_file,
             "tokenizer_model": tokenizer_model, "vocab_size": vocab_size}
     tokenizer = build_tokenizer(**spec)
-    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:  # a file where a directory of the prefix belongs, no permission
+        raise ValueError(f"--output-prefix {output_prefix}: cannot create its directory {out_dir} "
+                         f"({exc.strerror}); give a prefix in a directory that can be written") from None
     # written beside the final names (same file system: the renames are atomic), put in place only once
     # both are complete: a run that fails partway leaves an existing pair as it was
     tag = f"{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"

@@ -25,7 +25,7 @@ import importlib
 import json
 import os
 from collections import OrderedDict
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 TOKENIZER_TYPES = ("ByteLevel", "GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
                    "TikTokenizer", "NullTokenizer")
@@ -145,11 +145,15 @@ def _hugging_face(model: str | None) -> FastTokenizer:
         raise ValueError(f"--tokenizer-model {path}: no tokenizer.json (a fast tokenizer's file, or the directory "
                          "holding it)")
     tokenizers = _package("tokenizers", name)
-    tokenizer = tokenizers.Tokenizer.from_file(file)
+    tokenizer = _load_model_file(name, file, lambda: tokenizers.Tokenizer.from_file(file))
     eod, candidates = None, list(EOD_NAMES)
     config = os.path.join(directory, "tokenizer_config.json")
     if os.path.isfile(config):
-        eos = json.load(open(config)).get("eos_token")
+        try:
+            with open(config, encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token")
+        except (ValueError, AttributeError) as exc:  # not JSON, or JSON that is no object
+            raise ValueError(f"{config}: not a tokenizer_config.json ({exc}); fix or remove it") from None
         eos = eos.get("content") if isinstance(eos, dict) else eos
         candidates = [eos] if eos else candidates
     for token in candidates:
@@ -160,6 +164,18 @@ def _hugging_face(model: str | None) -> FastTokenizer:
         raise ValueError(f"--tokenizer-model {path}: no end-of-document token (looked for {candidates}); set "
                          "eos_token in a tokenizer_config.json beside tokenizer.json")
     return FastTokenizer(name, tokenizer, eod, {"tokenizer_model": os.path.abspath(file)})
+
+
+def _load_model_file(tokenizer_type: str, path: str, load: Callable[[], Any]) -> Any:
+    """``load()``, the tokenizer library reading the ``--tokenizer-model`` file; a file it cannot read is a
+    ``ValueError`` naming the flag, not the library's own exception (sentencepiece raises ``RuntimeError``,
+    tiktoken an ``AssertionError``, the tokenizers package its ``Exception``)."""
+    try:
+        return load()
+    except Exception as exc:  # the libraries share no exception type for a file they cannot parse
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise ValueError(f"--tokenizer-model {path}: not a {tokenizer_type} model file ({reason}); pass the "
+                         "tokenizer's own model file") from None
 
 
 def _megatron_core(tokenizer_type: str, model: str | None, vocab_size: int | None) -> LibraryTokenizer:
@@ -175,12 +191,14 @@ def _megatron_core(tokenizer_type: str, model: str | None, vocab_size: int | Non
     path = _existing(model, "--tokenizer-model", tokenizer_type)
     if tokenizer_type == "SentencePieceTokenizer":
         _package("sentencepiece", tokenizer_type)
-        library = importlib.import_module(f"{libraries}.sentencepiece_tokenizer").SentencePieceTokenizer(path)
+        load = importlib.import_module(f"{libraries}.sentencepiece_tokenizer").SentencePieceTokenizer
+        library = _load_model_file(tokenizer_type, path, lambda: load(path))
     else:  # TikTokenizer: Megatron-LM's defaults (1000 special ids first; --vocab-size cuts the vocabulary)
         _package("tiktoken", tokenizer_type)
         module = importlib.import_module(f"{libraries}.tiktoken_tokenizer")
         size = vocab_size or module.DEFAULT_TIKTOKEN_MAX_VOCAB
-        library = module.TikTokenTokenizer(path, num_special_tokens=TIKTOKEN_SPECIAL_IDS, vocab_size=size)
+        library = _load_model_file(tokenizer_type, path, lambda: module.TikTokenTokenizer(
+            path, num_special_tokens=TIKTOKEN_SPECIAL_IDS, vocab_size=size))
     return LibraryTokenizer(tokenizer_type, library, {"tokenizer_model": os.path.abspath(path),
                                                       "vocab_size_flag": vocab_size})
 

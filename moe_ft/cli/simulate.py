@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 
 from moe_ft.cli.errors import reporting, user_input
 
@@ -76,6 +78,17 @@ def _load(args):
     return CostModel(cfg), mtbfs
 
 
+def writable_file(flag: str, path: str) -> None:
+    """``ValueError`` naming ``flag`` unless ``path`` can be written as a file: not a directory, its parent
+    an existing directory (checked before the simulation runs, which may take minutes)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a directory; give a file name, e.g. {os.path.join(path, 'ettr')}"
+                         f"{'.png' if flag == '--plot' else '.csv'}")
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: No such file or directory ({parent} is not a directory); create it first")
+
+
 def run_simulate(args) -> int:
     # start-up time: the simulator imports the policies package (torch); `moe-ft --help` stays free of it
     from moe_ft.sim.analytic import evaluate
@@ -91,8 +104,10 @@ def run_simulate(args) -> int:
             return 0
         cost, mtbfs = loaded
         specs = [parse_policy(p) for item in args.policies for p in item.split(",") if p.strip()]
-        if args.hours <= 0:
-            raise ValueError("--hours must be > 0")
+        if not specs:
+            raise ValueError("--policies names no policy; give at least one, e.g. --policies sparse gemini")
+        if not math.isfinite(args.hours) or args.hours <= 0:
+            raise ValueError(f"--hours must be a finite number of hours > 0, got {args.hours}")
         if args.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {args.seed}")
         if args.spot_prob is not None and not 0 <= args.spot_prob <= 1:
@@ -100,10 +115,13 @@ def run_simulate(args) -> int:
         horizon = args.hours * 3600
         nodes = num_nodes(cost)
         trace = load_trace(args.trace, nodes) if args.trace else None
+        for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
+            if path:  # before the simulation, not after it
+                writable_file(flag, path)
         rows = {}
         for mtbf in mtbfs:
-            if trace is not None:
-                events = trace
+            if trace is not None or args.analytic_only:
+                events = trace or []
             elif args.spot_prob is not None:
                 events = spot_failures(args.spot_prob, horizon, nodes, args.seed)
             else:

@@ -7,6 +7,8 @@ Every check raises ``ValueError`` naming the flag and the fix; ``moe-ft drill`` 
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 import warnings
 
@@ -21,8 +23,12 @@ def check_counts(args, *, world_size: int) -> None:
                              ("--persist-interval", args.persist_interval, -1)):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
-    if args.timeout <= 0:
-        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        raise ValueError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
+    if args.store_dir and os.path.exists(args.store_dir) and (not os.path.isdir(args.store_dir)
+                                                            or os.listdir(args.store_dir)):
+        raise ValueError(f"--store-dir {args.store_dir}: exists and is not an empty directory (the jobs would "
+                         "find old points in it, and the drill deletes it when it ends): give a new or empty directory")
     if world_size % args.nodes:
         raise ValueError(f"--nodes {args.nodes} must divide the job's {world_size} ranks (1, 2 or 4 nodes)")
     if args.replicas and args.nodes < 2:

@@ -45,6 +45,10 @@ def load_digest(path: str) -> dict:
         raise ValueError(f"{path}: not a digest file ({e}); write one with --ft-digest-out") from None
     if not isinstance(data, dict) or not isinstance(data.get("digest"), str):
         raise ValueError(f"{path}: no 'digest' field; write one with --ft-digest-out")
+    per_rank = data.get("per_rank", [])
+    if not isinstance(per_rank, list) or not all(isinstance(d, str) for d in per_rank):
+        raise ValueError(f"{path}: 'per_rank' is not a list of digests (one string per rank); write the file "
+                         "again with --ft-digest-out")
     return data
 
 

@@ -11,10 +11,48 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
+MAX_INT = 2**53
+"""Largest integer field value: the cost model computes in floats, exact up to here (a count beyond it is
+a typo, and overflowed the arithmetic with a traceback)."""
+_KINDS = {"int": "an integer", "float": "a finite number", "str": "a string", "bool": "true or false"}
+
+
+def _fits(kind: str, value: Any) -> bool:
+    if kind == "int":
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(int(value)) <= MAX_INT
+    if kind == "float":
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            return False
+        try:
+            return math.isfinite(float(value))
+        except OverflowError:  # an integer too large for a float
+            return False
+    if kind == "str":
+        return isinstance(value, str)
+    return isinstance(value, bool)
+
+
+def check_field_types(spec: Any, section: str) -> None:
+    """``ValueError`` naming ``section.field`` for a scalar field whose value is not of its declared type:
+    a string or ``null`` where a number belongs, ``1.5`` for a count, NaN or infinity (JSON's ``NaN``,
+    ``Infinity``, ``1e400``), which every range check below would let through (comparisons with NaN are
+    false) and the cost model turned into a traceback or a silent NaN."""
+    for f in dataclasses.fields(spec):
+        kind = str(f.type)
+        value = getattr(spec, f.name)
+        if kind.endswith(" | None"):
+            if value is None:
+                continue
+            kind = kind.removesuffix(" | None")
+        if kind in _KINDS and not _fits(kind, value):
+            bound = " of at most 2**53" if kind == "int" and isinstance(value, numbers.Integral) else ""
+            raise ValueError(f"{section}.{f.name} must be {_KINDS[kind]}{bound}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +77,7 @@ class ModelSpec:
     attention_params_per_layer: int | None = None  # default 4·h² (Q, K, V, O); set for GQA/MLA
 
     def __post_init__(self) -> None:
+        check_field_types(self, "model")
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "moe_ffn_hidden_size", "num_experts",
                      "top_k", "vocab_size", "seq_length", "moe_layer_interval"):
             if getattr(self, name) < 1:
@@ -69,6 +108,7 @@ class ParallelSpec:
     shard_snapshots: bool = True  # MoC §2.3.2 fully sharded checkpointing: replicas split the copy
 
     def __post_init__(self) -> None:
+        check_field_types(self, "parallel")
         for name in ("tp", "pp", "dp", "ep", "micro_batch_size", "global_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
@@ -100,6 +140,7 @@ class PrecisionSpec:
     grad_reduce: str = "fp32"  # dtype of the data-parallel gradient reduction
 
     def __post_init__(self) -> None:
+        check_field_types(self, "precision")
         for dtype in (self.compute, self.master, *self.optimizer, self.grad_reduce):
             if dtype not in DTYPE_BYTES:
                 raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
@@ -139,6 +180,7 @@ class CollectiveCost:
     beta_s_per_byte: float
 
     def __post_init__(self) -> None:
+        check_field_types(self, "hardware.collectives")
         if self.alpha_s < 0 or self.beta_s_per_byte < 0:
             raise ValueError("collective alpha_s and beta_s_per_byte must be >= 0")
 
@@ -174,6 +216,7 @@ class HardwareSpec:
     collectives: Mapping[str, CollectiveCost] = field(default_factory=dict)  # overrides by name
 
     def __post_init__(self) -> None:
+        check_field_types(self, "hardware")
         for name in ("gpus_per_node", "peak_flops_bf16", "d2h_bandwidth", "nvlink_bandwidth",
                      "network_bandwidth", "storage_bandwidth", "hbm_bandwidth"):
             if getattr(self, name) <= 0:
@@ -219,6 +262,7 @@ class RecoverySpec:
     sync_overlap: float = 0.5  # share of the DP gradient sync hidden behind the backward pass
 
     def __post_init__(self) -> None:
+        check_field_types(self, "recovery")
         if min(self.restart_s, self.localized_restart_s, self.inprocess_detect_s, self.inprocess_reform_s) < 0:
             raise ValueError("recovery.restart_s, localized_restart_s, inprocess_detect_s and inprocess_reform_s "
                              "must be >= 0")
@@ -240,6 +284,7 @@ class SimConfig:
     recovery: RecoverySpec = field(default_factory=RecoverySpec)
 
     def __post_init__(self) -> None:
+        check_field_types(self, "config")
         m, p = self.model, self.parallel
         if p.pp > m.num_layers:
             raise ValueError(f"parallel.pp={p.pp} exceeds model.num_layers={m.num_layers}: a stage would be empty")

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+MAX_EVENTS = 1_000_000
+"""The most failures (Poisson) or node-hours (spot) one simulated run draws: beyond it the arrays alone take
+gigabytes, and a job failing that often makes no progress to model."""
+
 
 @dataclass(frozen=True)
 class FailureEvent:
@@ -24,8 +28,11 @@ def poisson_failures(mtbf_s: float, horizon_s: float, num_nodes: int, seed: int)
     """Job-level Poisson failures with rate ``1/MTBF``, each on one uniformly chosen node."""
     if mtbf_s <= 0 or horizon_s <= 0 or num_nodes < 1:
         raise ValueError("mtbf_s and horizon_s must be > 0 and num_nodes >= 1")
-    rng = np.random.default_rng(seed)
     expected = horizon_s / mtbf_s
+    if not math.isfinite(expected) or expected > MAX_EVENTS:
+        raise ValueError(f"{expected:.3g} failures expected in {horizon_s:g} s at an MTBF of {mtbf_s:g} s; at most "
+                         f"{MAX_EVENTS} are simulated: raise the MTBF or shorten the run (--hours)")
+    rng = np.random.default_rng(seed)
     n = int(expected + 10 * math.sqrt(expected) + 10)
     times = np.cumsum(rng.exponential(mtbf_s, size=n))
     while times[-1] < horizon_s:  # extremely unlikely; extend rather than truncate the process
@@ -41,6 +48,9 @@ def spot_failures(preempt_prob_per_hour: float, horizon_s: float, num_nodes: int
     Preemptions of several nodes within one second are merged into one concurrent event."""
     if not 0 <= preempt_prob_per_hour <= 1:
         raise ValueError("preempt_prob_per_hour must be in [0, 1]")
+    if not math.isfinite(horizon_s) or horizon_s / 3600 * num_nodes > MAX_EVENTS:
+        raise ValueError(f"a run of {horizon_s / 3600:g} h on {num_nodes} nodes draws more than {MAX_EVENTS} "
+                         "node-hours of spot preemptions: shorten the run (--hours)")
     rng = np.random.default_rng(seed)
     hours = math.ceil(horizon_s / 3600)
     hit = rng.random((hours, num_nodes)) < preempt_prob_per_hour

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 
 from moe_ft.sim.analytic import PolicyResult
 from moe_ft.sim.simulator import SimResult
@@ -34,8 +35,8 @@ def parse_duration(text: str) -> float:
             value = float(text)
     except ValueError:
         raise ValueError(f"cannot parse duration {text!r}; use e.g. 600, 10m, 1h") from None
-    if value <= 0:
-        raise ValueError(f"duration must be > 0, got {text!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"duration must be a finite number > 0, got {text!r}; use e.g. 600, 10m, 1h")
     return value
 
 

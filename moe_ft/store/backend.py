@@ -79,6 +79,9 @@ def read_format(path: Path) -> dict:
     every reader looks its fields up with ``.get``."""
     try:
         found = json.loads(path.read_text())
+    except NotADirectoryError:  # the store directory named is a file
+        raise StoreError(f"{path.parent} is a file, not a store directory; pass the per-rank directory, e.g. "
+                         "/dev/shm/moe_ft/<job>/rank0") from None
     except ValueError as exc:  # UnicodeDecodeError is one too
         raise StoreError(f"{path} is unreadable ({exc}): not a moe-ft store, or a damaged one") from None
     if not isinstance(found, dict):
