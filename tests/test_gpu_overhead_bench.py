@@ -166,7 +166,7 @@ def test_tiny_interleaved_launches_pause_snapshots_and_profile_submit(tmp_path, 
     breakdown = json.loads((logs / "submit_breakdown_sparse2_0.json").read_text())
     paths = {row["path"]: row for row in breakdown["breakdown_per_iteration"]}
     submit = "on_step_end/_snapshot/submit"
-    assert {submit, f"{submit}/free_slot", f"{submit}/entry", f"{submit}/stage_meta", f"{submit}/worker.submit",
+    assert {submit, f"{submit}/free_slot", f"{submit}/lay_out", f"{submit}/stage_meta", f"{submit}/worker.submit",
             "on_step_end/_snapshot/capture_step_meta", "on_step_end/_snapshot/policy.plan",
             "on_step_end/popularity.end_iteration", "on_step_end/log_line"} <= set(paths), sorted(paths)
     # self times add up to the inclusive time of the whole on_step_end, submit's to submit's

@@ -189,7 +189,7 @@ def test_ep2pp2_both_nodes_lost_falls_back_to_durable(env, reference):
     rp = report["recovery_point"]
     start, end = (4, 7) if rp["end"] == 7 else (0, 3)
     assert rp["source"] == "durable" and (rp["start"], rp["end"], rp["resume"]) == (start, end, end + 1), rp
-    assert f"durable point (iteration {end})" in report["message"]
+    assert f"complete durable point ending at iteration {end} " in report["message"]
     replayed, reexecuted = list(range(start + 1, end + 1)), list(range(end + 1, 9))
     assert report["replayed_iterations"] == replayed
     assert event["last_completed"] == 8

@@ -109,7 +109,7 @@ def _targets(engine) -> list[tuple[object, str, str | Callable[..., str]]]:
     """``(owner, attribute, name)`` of every call timed in the breakdown below ``submit``: the engine's steps,
     the store's and the mapped copier's, and the torch calls that queue work."""
     out: list[tuple[object, str, str | Callable[..., str]]] = [
-        (engine._free, "get", "free_slot"), (engine, "_entry", "entry"),
+        (engine._free, "get", "free_slot"), (engine, "_lay_out", "lay_out"), (engine, "_entry", "entry"),
         (engine, "_stage_meta", "stage_meta"), (engine, "_issue_mapped", "issue_mapped"),
         (engine, "_copy_on_stream", "copy_on_stream"), (engine._worker, "submit", "worker.submit"),
         (engine.store, "begin", "store.begin"), (engine.store.backend, "has_point", "has_point"),
