@@ -744,6 +744,7 @@ def test_a_peers_full_restart_is_not_taken_for_a_joining_node(monkeypatch):
     agent._inprocess, agent._awaiting, agent._dead, agent._lost, agent._node, agent._seen = True, set(), {}, set(), 0, 0
     agent._attempt, agent._falling_back, agent._remaining_restarts = 0, False, 1
     agent._workers = {0: SimpleNamespace(local_rank=0)}
+    agent._finished, agent._finished_nodes, agent._round_tag, agent._join_refused = {}, set(), "r0", False
     agent._home, agent._nodes, agent._min_nodes, agent._max_nodes = {0: 0, 1: 1}, 2, 1, 3
     agent._initialize_workers = lambda group: calls.append("keep")  # type: ignore[method-assign]
     group = SimpleNamespace(state=WorkerState.HEALTHY, spec=SimpleNamespace(local_world_size=1))
